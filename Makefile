@@ -1,0 +1,35 @@
+# Every command a developer or CI needs. `make setup` builds .venv from this repo's files alone.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
+JOBS   ?= 2
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch pinned first: a CPU wheel; an unpinned torch would pull several GB of CUDA packages.
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup
+
+demo: setup
+	$(BIN)/python examples/demo.py demo-out
+
+bench: setup
+	$(BIN)/python benchmarks/run.py
+
+lint: setup
+	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples
+	$(BIN)/mypy ckptconv
+
+clean:
+	rm -rf demo-out bench-out .pytest_cache

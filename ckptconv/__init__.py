@@ -1,0 +1,25 @@
+"""ckptconv: HF Llama (safetensors) <-> NxD tensor x pipeline parallel shards, streaming and verified.
+
+The public API is a handful of verbs; everything the CLI does is one of these calls:
+``to_nxd``, ``to_hf``, ``reshard``, ``inspect`` (imported lazily, so that importing a submodule
+such as ``ckptconv.mapping`` stays cheap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptconv.errors import ConversionError, VerificationError
+
+_API = {"RunOptions": "ckptconv.api", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
+        "reshard": "ckptconv.api", "inspect": "ckptconv.inspect"}
+
+__all__ = ["ConversionError", "VerificationError", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'ckptconv' has no attribute {name!r}")

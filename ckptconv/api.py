@@ -1,0 +1,415 @@
+"""The Python API: ``to_nxd``, ``to_hf``, ``reshard``, ``inspect``. The CLI is a thin layer over it.
+
+Example:
+    >>> import ckptconv
+    >>> ckptconv.to_nxd("llama-hf", "llama-nxd", tp=8, pp=2, attention="qkv_linear",
+    ...                 kv_size_multiplier=1, fuse_qkv=True)        # doctest: +SKIP
+    >>> ckptconv.to_hf("llama-nxd", "llama-hf-again")               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.execute import ExecOptions, FileRecord, cleanup_tmp, run_plan, sha256_file
+from ckptconv.io.hf import CONFIG, HfCheckpoint, copy_side_files, write_config, write_index
+from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
+from ckptconv.io.safetensors_sink import safetensors_sink
+from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout
+from ckptconv.mapping import all_shard_records, check_source_shapes, hf_record_shape, hf_shapes
+from ckptconv.metadata import METADATA_FILE, Metadata, read_metadata, tool_version, write_metadata
+from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import Plan, Source, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
+from ckptconv.progress import byte_progress, note
+
+HF_FILES_DIR = "hf"  # config.json, tokenizer and generation files kept beside the shards
+DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How to run a conversion (not what to convert)."""
+
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """Parallel workers (threads) over independent tensors."""
+    max_memory: int = 2 * 2**30
+    """Working-memory budget in bytes for tensor data in flight."""
+    io: str = "mmap"
+    """How to read inputs: 'mmap' or 'read' (plain reads; for Lustre/NFS where mmap is slow)."""
+    quiet: bool = False
+    """No progress bars or notes on stderr."""
+    overwrite: bool = False
+    """Replace an existing, different conversion in the output directory."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConversionError(f"--workers must be >= 1, got {self.workers}")
+        if self.max_memory < 2**20:
+            raise ConversionError(f"--max-memory must be at least 1 MiB, got {self.max_memory} bytes")
+        if self.io not in ("mmap", "read"):
+            raise ConversionError(f"--io must be 'mmap' or 'read', got {self.io!r}")
+
+
+@dataclass
+class Result:
+    out: Path
+    files: dict[str, FileRecord]
+    bytes_written: int
+    seconds: float
+    notes: list[str]
+    layout: dict[str, Any] | None = None
+    skipped: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out),
+            "files": len(self.files),
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "layout": self.layout,
+            "notes": self.notes,
+            "up_to_date": self.skipped,
+        }
+
+
+def dtype_policy(dtype: str):  # type: ignore[no-untyped-def]
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    target = DTYPES[dtype]
+    return keep_dtype if target is None else cast_floats_to(target)
+
+
+# --------------------------------------------------------------------------------------------
+# HF -> NxD
+
+
+def to_nxd(
+    src: str | Path,
+    out: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    kv_size_multiplier: int = 1,
+    attention: str | Attention = Attention.SEPARATE,
+    fuse_qkv: bool = False,
+    hw_backend: str | Hardware = Hardware.TRN1,
+    trn2_kv_layout: str | Trn2KvLayout = Trn2KvLayout.RUNTIME,
+    flavour: str | Flavour = Flavour.PLAIN,
+    config: str | Path | None = None,
+    dtype: str = "keep",
+    options: RunOptions | None = None,
+) -> Result:
+    """Convert an HF Llama checkpoint (directory or single file) into NxD shards under ``out/model``."""
+    options = options or RunOptions()
+    started = time.monotonic()
+    layout = ParallelLayout(
+        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=Attention(attention), fuse_qkv=fuse_qkv,
+        hw=Hardware(hw_backend), trn2_kv_layout=Trn2KvLayout(trn2_kv_layout),
+    )
+    flavour = Flavour(flavour)
+    notes: list[str] = []
+    out = Path(out)
+    with HfCheckpoint(src, config=config, io=options.io) as hf:
+        layout.check_model(hf.spec)
+        with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(src))
+        if layout.hw is Hardware.TRN2 and layout.kvm > 1 and layout.trn2_kv_layout is Trn2KvLayout.OFFICIAL:
+            message = ("--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs "
+                       "query heads with the wrong K/V head on the NxD trn2 runtime")
+            warnings.warn(message, stacklevel=2)
+            notes.append(message)
+        plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
+        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf_weight_files(hf)))
+        if _up_to_date(out, fingerprint, options):
+            return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
+                          layout.to_json(), skipped=True)
+        _prepare_out(out, fingerprint, options)
+        files = _execute(plan, hf, out, sink_factory(flavour), options, fingerprint, "to-nxd")
+        files |= _keep_hf_files(hf, out / HF_FILES_DIR)
+        meta = Metadata(
+            kind="nxd", hf_config=hf.spec.config, files=_as_json(files), layout=layout.to_json(),
+            flavour=flavour.value, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint,
+        )
+        write_metadata(out, meta)
+        cleanup_tmp(out)
+    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())
+
+
+def hf_weight_files(hf: HfCheckpoint) -> list[Path]:
+    return sorted(set(hf._where.values()))
+
+
+def _keep_hf_files(hf: HfCheckpoint, target: Path) -> dict[str, FileRecord]:
+    """Keep config.json and tokenizer/generation files so to-hf can restore them."""
+    target.mkdir(parents=True, exist_ok=True)
+    copy_side_files([hf.config_path, *hf.side_files()], target)
+    if hf.config_path.name != CONFIG:
+        (target / hf.config_path.name).replace(target / CONFIG)
+    return {
+        p.relative_to(target.parent).as_posix(): FileRecord(p.stat().st_size, sha256_file(p))
+        for p in sorted(target.iterdir())
+        if p.is_file()
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# NxD -> HF
+
+
+def open_nxd(
+    src: str | Path,
+    *,
+    config: str | Path | None = None,
+    hints: dict[str, Any] | None = None,
+    io: str = "mmap",
+) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
+    """Open NxD shards with their model spec and layout, from metadata or inferred (with notes)."""
+    from ckptconv.infer import infer_layout
+
+    ckpt = NxdCheckpoint(src, io=io)
+    notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
+    meta = ckpt.metadata
+    hints = {k: v for k, v in (hints or {}).items() if v is not None}
+    if config is not None:
+        spec = ModelSpec.from_file(config)
+    elif meta is not None and meta.hf_config:
+        spec = ModelSpec.from_config(meta.hf_config, source=str(ckpt.root / METADATA_FILE))
+    elif (ckpt.root / HF_FILES_DIR / CONFIG).is_file():
+        spec = ModelSpec.from_file(ckpt.root / HF_FILES_DIR / CONFIG)
+    else:
+        raise ConversionError(f"{ckpt.root}: no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
+    if meta is not None and meta.layout is not None:
+        layout = ParallelLayout.from_json({**meta.layout, **hints})
+        with_inv_freq = meta.with_inv_freq
+        notes.append(f"layout from {METADATA_FILE}")
+    else:
+        layout, inferred = infer_layout(ckpt, spec, hints)
+        with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
+        notes.extend(f"inferred {n}" for n in inferred)
+    if (layout.tp, layout.pp) != (ckpt.tp, ckpt.pp):
+        raise ConversionError(
+            f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
+        )
+    check_shards(ckpt, spec, layout, with_inv_freq)
+    return ckpt, spec, layout, with_inv_freq, notes
+
+
+def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> None:
+    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint)."""
+    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+        file = f"model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+        present = set(ckpt.keys(file))
+        for record in records:
+            if record.key not in present:
+                raise ConversionError(
+                    f"{ckpt.files[file]}: missing {record.key!r} expected by layout "
+                    f"{_describe(layout)}; shards of another layout must be converted with matching flags or resharded"
+                )
+            expected = hf_record_shape(record, shapes[record.segments[0].hf_key])
+            _, actual, _ = ckpt.info(Source(file, record.key))
+            if tuple(actual) != expected:
+                raise ConversionError(
+                    f"{ckpt.files[file]}: {record.key!r} has shape {list(actual)}, layout {_describe(layout)} "
+                    f"implies {list(expected)}"
+                )
+        extra = present - {r.key for r in records}
+        if extra:
+            raise ConversionError(f"{ckpt.files[file]}: unexpected key {sorted(extra)[0]!r} for layout {_describe(layout)}")
+
+
+def _describe(layout: ParallelLayout) -> str:
+    return (f"tp {layout.tp} pp {layout.pp} vpp {layout.vpp} kvm {layout.kvm} {layout.attention.value}"
+            + (" fused" if layout.fuse_qkv else "") + f" {layout.hw.value}")
+
+
+def to_hf(
+    src: str | Path,
+    out: str | Path,
+    *,
+    config: str | Path | None = None,
+    hints: dict[str, Any] | None = None,
+    max_shard_size: int = 5 * 10**9,
+    dtype: str = "keep",
+    kv_replicas: str = "error",
+    options: RunOptions | None = None,
+) -> Result:
+    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory."""
+    options = options or RunOptions()
+    started = time.monotonic()
+    out = Path(out)
+    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
+    with ckpt:
+        for line in notes:
+            note(line, quiet=options.quiet)
+        plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
+                          max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype))
+        fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, _identity(sorted(ckpt.files.values())))
+        if _up_to_date(out, fingerprint, options):
+            return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
+                          layout.to_json(), skipped=True)
+        _prepare_out(out, fingerprint, options)
+        files = _execute(plan, ckpt, out, safetensors_sink, options, fingerprint, "to-hf", kv_replicas)
+        write_index(out, plan.files)
+        write_config(out, spec.config, plan.files[0].tensors[0].dtype)
+        side = ckpt.root / HF_FILES_DIR
+        if side.is_dir():
+            copy_side_files([p for p in side.iterdir() if p.is_file() and p.name != CONFIG], out)
+        for name in sorted(p.name for p in out.iterdir() if p.is_file() and p.name != METADATA_FILE):
+            if name not in files:
+                files[name] = FileRecord((out / name).stat().st_size, sha256_file(out / name))
+        meta = Metadata(kind="hf", hf_config=spec.config, files=_as_json(files), dtype=_dtype_name(plan),
+                        with_inv_freq=with_inv_freq, fingerprint=fingerprint,
+                        extra={"from_layout": layout.to_json()})
+        write_metadata(out, meta)
+        cleanup_tmp(out)
+    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())
+
+
+# --------------------------------------------------------------------------------------------
+# NxD -> NxD
+
+
+def reshard(
+    src: str | Path,
+    out: str | Path,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int = 1,
+    kv_size_multiplier: int | None = None,
+    attention: str | Attention | None = None,
+    fuse_qkv: bool | None = None,
+    hw_backend: str | Hardware | None = None,
+    trn2_kv_layout: str | Trn2KvLayout = Trn2KvLayout.RUNTIME,
+    flavour: str | Flavour | None = None,
+    config: str | Path | None = None,
+    hints: dict[str, Any] | None = None,
+    dtype: str = "keep",
+    kv_replicas: str = "error",
+    options: RunOptions | None = None,
+) -> Result:
+    """NxD -> NxD for a new layout, streaming, without writing HF to disk.
+
+    Unset layout options keep the source's values; ``kv_size_multiplier`` defaults to what the
+    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path.
+    """
+    options = options or RunOptions()
+    started = time.monotonic()
+    out = Path(out)
+    ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
+    with ckpt:
+        attention_mode = Attention(attention) if attention is not None else old.attention
+        if kv_size_multiplier is None:
+            kv_size_multiplier = tp // spec.kv_heads if attention_mode is Attention.QKV_LINEAR and tp > spec.kv_heads else 1
+        new = ParallelLayout(
+            tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=attention_mode,
+            fuse_qkv=old.fuse_qkv if fuse_qkv is None else fuse_qkv,
+            hw=old.hw if hw_backend is None else Hardware(hw_backend), trn2_kv_layout=Trn2KvLayout(trn2_kv_layout),
+        )
+        new.check_model(spec)
+        target_flavour = ckpt.flavour if flavour is None else Flavour(flavour)
+        plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
+        fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
+                                   _identity(sorted(ckpt.files.values())))
+        if _up_to_date(out, fingerprint, options):
+            return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
+                          new.to_json(), skipped=True)
+        _prepare_out(out, fingerprint, options)
+        files = _execute(plan, ckpt, out, sink_factory(target_flavour), options, fingerprint, "reshard", kv_replicas)
+        side = ckpt.root / HF_FILES_DIR
+        if side.is_dir():
+            (out / HF_FILES_DIR).mkdir(exist_ok=True)
+            copy_side_files([p for p in side.iterdir() if p.is_file()], out / HF_FILES_DIR)
+            for p in sorted((out / HF_FILES_DIR).iterdir()):
+                files[f"{HF_FILES_DIR}/{p.name}"] = FileRecord(p.stat().st_size, sha256_file(p))
+        meta = Metadata(kind="nxd", hf_config=spec.config, files=_as_json(files), layout=new.to_json(),
+                        flavour=target_flavour.value, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
+                        fingerprint=fingerprint)
+        write_metadata(out, meta)
+        cleanup_tmp(out)
+    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, new.to_json())
+
+
+# --------------------------------------------------------------------------------------------
+# Shared steps
+
+
+def _execute(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, fingerprint: str,
+             label: str, kv_replicas: str = "error") -> dict[str, FileRecord]:
+    with byte_progress(f"{label} {out.name}", plan.nbytes, quiet=options.quiet) as advance:
+        exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory,
+                                   replicas=kv_replicas, fingerprint=fingerprint, progress=advance)
+        return run_plan(plan, reader, out, sinks, exec_options)
+
+
+def _identity(files: list[Path]) -> list[tuple[str, int, int]]:
+    """What identifies the inputs cheaply: names, sizes, modification times."""
+    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def _fingerprint(*parts: Any) -> str:
+    payload = json.dumps([tool_version(), *parts], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _up_to_date(out: Path, fingerprint: str, options: RunOptions) -> bool:
+    meta = read_metadata(out) if out.is_dir() else None
+    if meta is None or meta.fingerprint != fingerprint or options.overwrite:
+        return False
+    return all(
+        (out / rel).is_file() and (out / rel).stat().st_size == rec["size"] and sha256_file(out / rel) == rec["sha256"]
+        for rel, rec in meta.files.items()
+    )
+
+
+def _recorded(out: Path) -> dict[str, FileRecord]:
+    meta = read_metadata(out)
+    assert meta is not None
+    return {rel: FileRecord(rec["size"], rec["sha256"]) for rel, rec in meta.files.items()}
+
+
+def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
+    """Refuse to mix a new conversion into a directory holding a different one."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConversionError(f"{out}: exists and is not a directory")
+    meta = read_metadata(out)
+    foreign = [p.name for p in out.iterdir() if p.name not in (".ckptconv-tmp",)]
+    if not foreign:
+        return
+    if meta is not None and meta.fingerprint == fingerprint:
+        return  # same conversion, some files damaged or missing: redo those
+    tmp_state = out / ".ckptconv-tmp" / "state.json"
+    if meta is None and tmp_state.is_file() and json.loads(tmp_state.read_text()).get("fingerprint") == fingerprint:
+        return  # an interrupted run of this same conversion: resume
+    if not options.overwrite:
+        raise ConversionError(
+            f"{out}: not empty and holds a different conversion ({', '.join(sorted(foreign)[:3])}); "
+            "pass --overwrite to replace it or choose another OUT"
+        )
+    for name in foreign:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _as_json(files: dict[str, FileRecord]) -> dict[str, dict[str, Any]]:
+    return {rel: {"size": rec.size, "sha256": rec.sha256} for rel, rec in files.items()}
+
+
+def _dtype_name(plan: Plan) -> str:
+    names = sorted({str(t.dtype).removeprefix("torch.") for f in plan.files for t in f.tensors
+                    if not t.key.endswith("inv_freq")})
+    return names[0] if len(names) == 1 else ",".join(names)

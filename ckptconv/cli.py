@@ -1,0 +1,193 @@
+"""``ckptconv`` command line: parse, make one library call, print. Exit 0 ok, 1 error, 2 usage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ckptconv import api
+from ckptconv.compat import build_parser as build_compat_parser
+from ckptconv.compat import run_compat
+from ckptconv.errors import ConversionError
+from ckptconv.inspect import inspect
+from ckptconv.layout import Attention
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``512MiB``, ``2G`` or plain bytes -> bytes (G = 10^9, GiB = 2^30)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GB, 512MiB or 1000000, got {text!r}")
+    unit = (m.group(2) or "").lower().removesuffix("b")
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"unknown size unit in {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    defaults = api.RunOptions()
+    p.add_argument("--workers", type=int, default=defaults.workers, help="parallel workers (default: cores)")
+    p.add_argument("--max-memory", type=parse_size, default=defaults.max_memory,
+                   help="working-memory budget for tensor data (default 2GiB)")
+    p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,
+                   help="input reads: mmap (default; fast on local disks) or read (plain reads; for Lustre/NFS)")
+    p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
+
+
+def _layout_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """Layout flags; without defaults (to-hf) they only override what metadata/inference found."""
+    p.add_argument("--tp", type=int, default=1 if defaults else None, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1 if defaults else None, help="pipeline-parallel degree")
+    p.add_argument("--vpp", type=int, default=1 if defaults else None, help="virtual pipeline stages per pp rank")
+    p.add_argument("--kv-size-multiplier", "--kv-replicator", dest="kvm", type=int,
+                   default=None, help="K/V head replication (kv_replicator in NxDT YAML)")
+    p.add_argument("--qkv-linear", action=argparse.BooleanOptionalAction, default=None,
+                   help="GQAQKVColumnParallelLinear layout: weight_q/weight_k/weight_v")
+    p.add_argument("--fuse-qkv", action=argparse.BooleanOptionalAction, default=None,
+                   help="one fused weight_qkv per layer (needs --qkv-linear; NxDT's default)")
+    p.add_argument("--coalesce-qkv", action=argparse.BooleanOptionalAction, default=None,
+                   help="coalesced qkv_proj.weight (multi-head attention only)")
+    p.add_argument("--hw-backend", choices=("trn1", "trn2"), default=None, help="head order (default trn1)")
+    p.add_argument("--trn2-kv-layout", choices=("runtime", "official"), default=None,
+                   help="trn2 K/V replica order: runtime (correct, default) or official (the official converter's)")
+
+
+def _attention(args: argparse.Namespace) -> Attention | None:
+    if args.qkv_linear and args.coalesce_qkv:
+        raise ConversionError("--qkv-linear and --coalesce-qkv exclude each other; choose one")
+    if args.qkv_linear:
+        return Attention.QKV_LINEAR
+    if args.coalesce_qkv:
+        return Attention.COALESCED
+    if args.qkv_linear is False or args.coalesce_qkv is False:
+        return Attention.SEPARATE
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("to-nxd", help="HF checkpoint -> NxD tp x pp shards")
+    p.add_argument("src", help="HF model directory, or one state-dict file (.safetensors/.pt/.bin) with --config")
+    p.add_argument("out")
+    _layout_flags(p, defaults=True)
+    p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
+                   help="xser flavour: inline (official --save_xser) or split (NxD training's)")
+    p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
+    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
+    _run_flags(p)
+
+    p = sub.add_parser("to-hf", help="NxD shards -> HF safetensors directory")
+    p.add_argument("src", help="dir holding model/, a model/ dir, a training tag, or a checkpoint root")
+    p.add_argument("out")
+    p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
+    _layout_flags(p, defaults=False)
+    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
+    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
+    p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
+                   help="when copies of a K/V head differ: fail (default) or keep the first copy")
+    _run_flags(p)
+
+    p = sub.add_parser("reshard", help="NxD shards -> NxD shards of another layout")
+    p.add_argument("src")
+    p.add_argument("out")
+    _layout_flags(p, defaults=True)
+    p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split", "plain"), default=None)
+    p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
+    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
+    p.add_argument("--kv-replicas", choices=("error", "first"), default="error")
+    _run_flags(p)
+
+    p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
+    p.add_argument("path")
+    p.add_argument("--config", help="HF config.json (when PATH has none)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("nxd-compat", help="the official checkpoint_converter.py flags (drop-in)")
+    build_compat_parser(p)
+    _run_flags(p)
+    return parser
+
+
+def _options(args: argparse.Namespace) -> api.RunOptions:
+    return api.RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
+                          quiet=args.quiet or args.json, overwrite=args.overwrite)
+
+
+def _flavour(value: str | None) -> str:
+    return {None: "plain", "plain": "plain", "inline": "xser-inline", "split": "xser-split"}[value]
+
+
+def _hints(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
+            "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout}
+
+
+def run(args: argparse.Namespace) -> Any:
+    if args.command == "to-nxd":
+        return api.to_nxd(
+            args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm or 1,
+            attention=_attention(args) or Attention.SEPARATE, fuse_qkv=bool(args.fuse_qkv),
+            hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
+            flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, options=_options(args),
+        )
+    if args.command == "to-hf":
+        return api.to_hf(args.src, args.out, config=args.config, hints=_hints(args), max_shard_size=args.max_shard_size,
+                         dtype=args.dtype, kv_replicas=args.kv_replicas, options=_options(args))
+    if args.command == "reshard":
+        return api.reshard(
+            args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
+            attention=_attention(args), fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
+            trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
+            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=_options(args),
+        )
+    if args.command == "inspect":
+        return inspect(args.path, config=args.config)
+    if args.command == "nxd-compat":
+        return run_compat(args, _options(args))
+    raise AssertionError(args.command)
+
+
+def _print(result: Any, as_json: bool) -> None:
+    data = result if isinstance(result, dict) else result.to_json()
+    if as_json:
+        print(json.dumps(data, indent=1))
+        return
+    from ckptconv.report import render
+
+    render(data)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            if getattr(args, "quiet", False) or getattr(args, "json", False):
+                warnings.simplefilter("ignore")
+            result = run(args)
+    except ConversionError as exc:
+        print(f"ckptconv: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ckptconv: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    _print(result, getattr(args, "json", False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""``ckptconv nxd-compat``: the official ``checkpoint_converter.py`` arguments, for drop-in use.
+
+Differences from the official tool, on purpose: booleans are read as written (``--qkv_linear
+False`` is False, where the official parser's ``bool(str)`` makes it True); fused QKV is split
+by head counts, not in thirds; ``tp < kv heads`` works; trn2 with ``kv_size_multiplier > 1``
+gets the runtime-correct K/V layout unless ``--trn2_kv_layout official``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from ckptconv.api import RunOptions, Result, _execute, open_nxd, to_nxd
+from ckptconv.errors import ConversionError
+from ckptconv.execute import cleanup_tmp
+from ckptconv.io.nxd import Flavour, sink_factory
+from ckptconv.layout import Attention
+from ckptconv.plan import plan_to_full_state
+
+TRUE_WORDS = {"true", "1", "yes", "y", "on"}
+FALSE_WORDS = {"false", "0", "no", "n", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    """``True/False/1/0/yes/no`` as written (the official parser would make ``False`` True)."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected True/False/1/0/yes/no, got {text!r}")
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--convert_from_full_state", action="store_true", help="HF state dict -> NxD shards")
+    mode.add_argument("--convert_to_full_state", action="store_true", help="NxD shards -> one checkpoint.pt")
+    parser.add_argument("--input_dir", required=True, help="a state-dict file (from_full_state) or the model/ dir")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--config", required=True, help="HF config.json")
+    parser.add_argument("--tp_size", type=int, default=1)
+    parser.add_argument("--pp_size", type=int, default=1)
+    parser.add_argument("--virtual_pp_size", type=int, default=1)
+    parser.add_argument("--kv_size_multiplier", type=int, default=1)
+    for flag in ("--qkv_linear", "--fuse_qkv", "--coalesce_qkv", "--save_xser", "--load_xser"):
+        parser.add_argument(flag, type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default="trn1")
+    parser.add_argument("--trn2_kv_layout", choices=("runtime", "official"), default="runtime",
+                        help="ckptconv extension: K/V replica order on trn2 (default: what the runtime expects)")
+    parser.add_argument("--n_layers", type=int, default=None, help="ignored (as in the official tool)")
+    parser.add_argument("--model_style", choices=("hf", "megatron"), default="hf")
+    parser.add_argument("--hf_model_name", default=None, help="not supported: pass --input_dir and --config")
+    return parser
+
+
+def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
+    if args.model_style != "hf":
+        raise ConversionError("--model_style megatron is not supported; only hf Llama checkpoints")
+    if args.hf_model_name:
+        raise ConversionError("--hf_model_name is not supported (no downloads); pass --input_dir FILE and --config")
+    if args.qkv_linear and args.coalesce_qkv:
+        raise ConversionError("--qkv_linear and --coalesce_qkv exclude each other; choose one")
+    attention = Attention.QKV_LINEAR if args.qkv_linear else (Attention.COALESCED if args.coalesce_qkv else Attention.SEPARATE)
+    if args.convert_from_full_state:
+        return to_nxd(
+            args.input_dir, args.output_dir, tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size,
+            kv_size_multiplier=args.kv_size_multiplier, attention=attention, fuse_qkv=args.fuse_qkv,
+            hw_backend=args.hw_backend, trn2_kv_layout=args.trn2_kv_layout,
+            flavour=Flavour.XSER_INLINE if args.save_xser else Flavour.PLAIN, config=args.config, options=options,
+        )
+    hints = dict(tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size, kvm=args.kv_size_multiplier,
+                 attention=attention, fuse_qkv=args.fuse_qkv, hw=args.hw_backend,
+                 trn2_kv_layout=args.trn2_kv_layout)
+    return to_full_state(args.input_dir, args.output_dir, config=args.config, hints=hints, options=options)
+
+
+def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints: dict[str, object],
+                  options: RunOptions) -> Result:
+    """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
+    started = time.monotonic()
+    out = Path(out)
+    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
+    with ckpt:
+        order = {file: ckpt.keys(file) for file in ckpt.files}
+        plan = plan_to_full_state(spec, layout, ckpt.dtypes(), order, with_inv_freq=with_inv_freq)
+        files = _execute(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, "", "to-full-state")
+        cleanup_tmp(out)
+    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())

@@ -1,0 +1,384 @@
+"""Run a :class:`~ckptconv.plan.Plan`: bounded memory, parallel workers, atomic and resumable writes.
+
+Every output tensor is produced in *bands* of rows and written straight to its place in a
+preallocated output file, so memory is bounded by the band size, not by tensor, file or model
+size. Tensors cut by columns from shared sources (``down_proj`` for all tp ranks, say) are
+grouped so that each source band is read once and feeds all of them.
+
+Output files are written under ``<out>/.ckptconv-tmp/`` with their final basenames (torch.save
+output depends on the basename) and renamed into place when complete; a file's size and sha256
+are then recorded in ``.ckptconv-tmp/state.json`` so a rerun after a crash skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ckptconv.errors import ConversionError, VerificationError
+from ckptconv.plan import OutFile, OutTensor, Plan, ReplicaGroup, Source
+
+TMP_DIR = ".ckptconv-tmp"
+STATE_FILE = "state.json"
+HASH_CHUNK = 8 * 2**20
+
+
+class TensorReader(Protocol):
+    """What the executor needs from any source (HF directory, NxD shards)."""
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        """dtype, shape and whether the stored tensor is column-major."""
+        ...
+
+    def read_rows(self, source: Source, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0, as a contiguous tensor."""
+        ...
+
+
+class Sink(Protocol):
+    """One output file being written (or several physical files, for xser split)."""
+
+    def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None: ...
+
+    def finish(self) -> list[Path]:
+        """Complete the file(s) in the temp dir; return their temp paths."""
+        ...
+
+
+SinkFactory = Callable[[OutFile, Path], Sink]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecOptions:
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_memory: int = 2 * 2**30
+    replicas: str = "error"  # "error" | "first": what to do when copies of a K/V head (or norm) differ
+    fingerprint: str = ""    # identifies plan + sources; a rerun resumes only when it matches
+    progress: Callable[[int], None] | None = None  # called with bytes written
+
+
+@dataclass
+class FileRecord:
+    size: int
+    sha256: str
+
+
+class _ByteBudget:
+    """A counting semaphore over bytes, so concurrent bands stay inside ``--max-memory``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.cond = threading.Condition()
+
+    def acquire(self, amount: int) -> int:
+        amount = min(amount, self.capacity)  # an oversized band runs alone rather than never
+        with self.cond:
+            self.cond.wait_for(lambda: self.used + amount <= self.capacity)
+            self.used += amount
+        return amount
+
+    def release(self, amount: int) -> None:
+        with self.cond:
+            self.used -= amount
+            self.cond.notify_all()
+
+
+@dataclass
+class _Unit:
+    """Tensors produced together, band by band, over the same rows."""
+
+    tensors: list[tuple[int, OutTensor]]  # (file index, tensor)
+    rows: int
+    band_rows: int
+    row_bytes: int  # bytes in memory per row of a band (sources + output)
+
+    @property
+    def shared_sources(self) -> bool:
+        return self.tensors[0][1].dim == 1
+
+
+def run_plan(
+    plan: Plan,
+    reader: TensorReader,
+    out_dir: Path,
+    sink_factory: SinkFactory,
+    options: ExecOptions,
+    *,
+    only_files: set[str] | None = None,
+) -> dict[str, FileRecord]:
+    """Write every file of ``plan`` under ``out_dir``; return {relative path: size and sha256}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / TMP_DIR
+    state = _load_state(tmp, options.fingerprint)
+    wanted = [i for i, f in enumerate(plan.files) if only_files is None or f.path in only_files]
+    done = {path: recs for path, recs in state.items() if all(_still_valid(out_dir, p, r) for p, r in recs.items())}
+    todo = [i for i in wanted if plan.files[i].path not in done]
+
+    _check_replicas(plan.replicas, reader, options.replicas)
+    if not todo:
+        return _flatten(done, plan, wanted)
+
+    tmp.mkdir(exist_ok=True)
+    sinks = {i: sink_factory(plan.files[i], tmp) for i in todo}
+    pending = {i: len(plan.files[i].tensors) for i in todo}
+    lock = threading.Lock()
+    budget = _ByteBudget(options.max_memory)
+    band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
+    units = _units(plan, todo, reader, band_bytes)
+    completed: dict[str, dict[str, FileRecord]] = {}
+
+    def finish_tensor(file_index: int) -> None:
+        with lock:
+            pending[file_index] -= 1
+            last = pending[file_index] == 0
+        if last:
+            records = _finalize(sinks[file_index], tmp, out_dir)
+            with lock:
+                completed[plan.files[file_index].path] = records
+                state[plan.files[file_index].path] = records
+                _save_state(tmp, options.fingerprint, state)
+
+    def run_unit(unit: _Unit) -> None:
+        for start in range(0, max(unit.rows, 1), unit.band_rows):
+            stop = min(start + unit.band_rows, unit.rows) if unit.rows else 0
+            held = budget.acquire(unit.row_bytes * max(stop - start, 1))
+            try:
+                _write_band(unit, start, stop, reader, sinks, options.progress)
+            finally:
+                budget.release(held)
+        for file_index, _ in unit.tensors:
+            finish_tensor(file_index)
+
+    with ThreadPoolExecutor(max_workers=max(1, options.workers)) as pool:
+        futures = [pool.submit(run_unit, unit) for unit in units]
+        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in finished:
+            if future.exception() is not None:
+                for other in futures:
+                    other.cancel()
+                raise future.exception()  # type: ignore[misc]
+    return _flatten(done | completed, plan, wanted)
+
+
+def _flatten(per_file: dict[str, dict[str, FileRecord]], plan: Plan, wanted: list[int]) -> dict[str, FileRecord]:
+    out: dict[str, FileRecord] = {}
+    for i in wanted:
+        out.update(per_file[plan.files[i].path])
+    return out
+
+
+def cleanup_tmp(out_dir: Path) -> None:
+    """Remove the temp dir once the caller has written its metadata."""
+    shutil.rmtree(out_dir / TMP_DIR, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Work units and bands
+
+
+def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: int) -> list[_Unit]:
+    row_split: list[_Unit] = []
+    by_source: dict[Source, list[tuple[int, OutTensor]]] = {}
+    for i in todo:
+        for tensor in plan.files[i].tensors:
+            if tensor.dim == 0:
+                row_split.append(_row_unit(i, tensor, reader, band_bytes))
+            else:
+                by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
+    return row_split + _column_units(by_source, reader, band_bytes)
+
+
+def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    numel = 1
+    for size in shape[1:]:
+        numel *= size
+    return numel * itemsize
+
+
+def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_bytes: int) -> _Unit:
+    rows = tensor.shape[0] if tensor.shape else 1
+    src_dtype, _, src_cm = reader.info(tensor.pieces[0].source)
+    per_row = _row_bytes(tensor.shape, tensor.dtype.itemsize) * 2 + _row_bytes(tensor.shape, src_dtype.itemsize)
+    whole = tensor.column_major or src_cm or not tensor.shape
+    band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
+    return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)
+
+
+def _column_units(
+    by_source: dict[Source, list[tuple[int, OutTensor]]], reader: TensorReader, band_bytes: int
+) -> list[_Unit]:
+    """Group column-split tensors that share any source (union-find over sources)."""
+    parent: dict[Source, Source] = {}
+
+    def find(s: Source) -> Source:
+        while parent.setdefault(s, s) != s:
+            s = parent[s]
+        return s
+
+    for items in by_source.values():
+        for _, tensor in items:
+            sources = [p.source for p in tensor.pieces]
+            for s in sources[1:]:
+                parent[find(s)] = find(sources[0])
+    groups: dict[Source, list[tuple[int, OutTensor]]] = {}
+    for first, items in by_source.items():
+        groups.setdefault(find(first), []).extend(items)
+    units = []
+    for items in groups.values():
+        rows = items[0][1].shape[0]
+        if any(t.shape[0] != rows for _, t in items):
+            raise AssertionError(f"column-split tensors {[t.key for _, t in items]} differ in rows")
+        sources = {p.source for _, t in items for p in t.pieces}
+        infos = [reader.info(s) for s in sources]
+        per_row = sum(_row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
+        per_row += sum(_row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
+        whole = any(t.column_major for _, t in items) or any(cm for _, _, cm in infos)
+        band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
+        units.append(_Unit(items, rows, band_rows, per_row))
+    return units
+
+
+def _write_band(
+    unit: _Unit,
+    start: int,
+    stop: int,
+    reader: TensorReader,
+    sinks: dict[int, Sink],
+    progress: Callable[[int], None] | None,
+) -> None:
+    cache: dict[Source, torch.Tensor] = {}
+    for file_index, tensor in unit.tensors:
+        if unit.shared_sources:
+            band = _column_band(tensor, start, stop, reader, cache)
+        else:
+            band = _row_band(tensor, start, stop, reader)
+        band = band.to(tensor.dtype)
+        if tensor.column_major:
+            data, offset = band.t().contiguous(), 0  # storage order of a column-major tensor
+        else:
+            data, offset = band.contiguous(), start * _row_bytes(tensor.shape, tensor.dtype.itemsize)
+        if not tensor.shape:
+            data = data.reshape(())
+        sinks[file_index].write_extent(tensor.key, offset, data)
+        if progress is not None:
+            progress(data.numel() * data.element_size())
+
+
+def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) -> torch.Tensor:
+    if not tensor.shape:  # 0-dim: one piece, the whole thing
+        return reader.read_rows(tensor.pieces[0].source, 0, 1).reshape(())
+    parts = []
+    offset = 0
+    for piece in tensor.pieces:
+        lo, hi = max(start, offset), min(stop, offset + piece.length)
+        if lo < hi:
+            parts.append(reader.read_rows(piece.source, piece.start + lo - offset, piece.start + hi - offset))
+        offset += piece.length
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def _column_band(
+    tensor: OutTensor, start: int, stop: int, reader: TensorReader, cache: dict[Source, torch.Tensor]
+) -> torch.Tensor:
+    parts = []
+    for piece in tensor.pieces:
+        if piece.source not in cache:
+            cache[piece.source] = reader.read_rows(piece.source, start, stop)
+        parts.append(cache[piece.source][:, piece.start:piece.stop])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Replica checks
+
+
+def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: str) -> None:
+    """All copies of a replicated range must be equal before one of them is exported."""
+    if policy not in ("error", "first"):
+        raise ConversionError(f"--kv-replicas must be 'error' or 'first', got {policy!r}")
+    if policy == "first":
+        return
+    for group in groups:
+        first = _read_piece(reader, group.copies[0], group.dim)
+        for copy in group.copies[1:]:
+            other = _read_piece(reader, copy, group.dim)
+            if not torch.equal(first, other):
+                diff = (first.float() - other.float()).abs().max().item()
+                raise VerificationError(
+                    f"replicas of {group.hf_key}[{group.start}:{group.stop}] differ: "
+                    f"{copy.source.file}:{copy.source.key} vs {group.copies[0].source.file}:"
+                    f"{group.copies[0].source.key}, max abs difference {diff:.3g}; "
+                    f"pass --kv-replicas first to keep the first copy"
+                )
+
+
+def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    if dim == 0:
+        return reader.read_rows(piece.source, piece.start, piece.stop)
+    _, shape, _ = reader.info(piece.source)
+    return reader.read_rows(piece.source, 0, shape[0])[:, piece.start:piece.stop]
+
+
+# --------------------------------------------------------------------------------------------
+# Files: finalize, hash, rename, resume state
+
+
+def _finalize(sink: Sink, tmp: Path, out_dir: Path) -> dict[str, FileRecord]:
+    """Complete a sink's files, move them into place, and hash what was moved (dirs recursively)."""
+    records: dict[str, FileRecord] = {}
+    for temp_path in sink.finish():
+        rel = temp_path.relative_to(tmp)
+        final = out_dir / rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.is_dir():
+            shutil.rmtree(final)
+        os.replace(temp_path, final)
+        members = sorted(p for p in final.rglob("*") if p.is_file()) if final.is_dir() else [final]
+        for member in members:
+            records[member.relative_to(out_dir).as_posix()] = FileRecord(member.stat().st_size, sha256_file(member))
+    return records
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_state(tmp: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:
+    try:
+        data = json.loads((tmp / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    if data.get("fingerprint") != fingerprint:
+        return {}
+    return {
+        path: {member: FileRecord(**rec) for member, rec in members.items()}
+        for path, members in data.get("files", {}).items()
+    }
+
+
+def _save_state(tmp: Path, fingerprint: str, state: dict[str, dict[str, FileRecord]]) -> None:
+    files = {path: {m: vars(r) for m, r in members.items()} for path, members in state.items()}
+    payload = {"fingerprint": fingerprint, "files": files}
+    partial = tmp / (STATE_FILE + ".partial")
+    partial.write_text(json.dumps(payload, indent=1))
+    os.replace(partial, tmp / STATE_FILE)
+
+
+def _still_valid(out_dir: Path, path: str, record: FileRecord) -> bool:
+    final = out_dir / path
+    return final.is_file() and final.stat().st_size == record.size and sha256_file(final) == record.sha256

@@ -1,0 +1,114 @@
+"""``ckptconv inspect``: what a directory holds (HF or NxD), its layout, dtypes, sizes, completeness."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.hf import HfCheckpoint
+from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.metadata import METADATA_FILE, read_metadata
+from ckptconv.plan import Source
+
+
+def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, Any]:
+    """Describe an HF or NxD checkpoint without reading tensor data (headers only).
+
+    Example:
+        >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP
+        2
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"{path}: no such file or directory")
+    try:
+        return _inspect_nxd(path, config)
+    except ConversionError as nxd_error:
+        try:
+            return _inspect_hf(path, config)
+        except ConversionError as hf_error:
+            raise ConversionError(f"{path}: neither NxD ({nxd_error}) nor HF ({hf_error})") from None
+
+
+def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
+    with HfCheckpoint(path, config=config) as hf:
+        shapes, dtypes = hf.shapes(), hf.dtypes()
+        params = sum(_numel(s) for s in shapes.values())
+        nbytes = sum(_numel(shapes[k]) * dtypes[k].itemsize for k in shapes)
+        files = sorted({p.name for p in hf._where.values()})
+        spec = hf.spec
+    return {
+        "kind": "hf",
+        "path": str(path),
+        "model": _model_summary(spec),
+        "tensors": len(shapes),
+        "parameters": params,
+        "bytes": nbytes,
+        "dtypes": dict(Counter(str(d).removeprefix("torch.") for d in dtypes.values())),
+        "files": files,
+        "complete": True,
+        "metadata": (path / METADATA_FILE).is_file() if path.is_dir() else False,
+    }
+
+
+def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
+    from ckptconv.api import open_nxd
+
+    ckpt, spec, layout, _, notes = open_nxd(path, config=config)
+    with ckpt:
+        dtypes: Counter[str] = Counter()
+        nbytes = 0
+        for file in ckpt.files:
+            for key in ckpt.keys(file):
+                dtype, shape, _ = ckpt.info(Source(file, key))
+                dtypes[str(dtype).removeprefix("torch.")] += 1
+                nbytes += _numel(shape) * dtype.itemsize
+        meta = read_metadata(ckpt.root)
+        complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
+        return {
+            "kind": "nxd",
+            "path": str(path),
+            "root": str(ckpt.root),
+            "found_as": ckpt.found_as,
+            "model": _model_summary(spec),
+            "layout": layout.to_json(),
+            "flavour": ckpt.flavour.value,
+            "shards": len(ckpt.files),
+            "bytes": nbytes,
+            "dtypes": dict(dtypes),
+            "metadata": meta is not None,
+            "complete": complete,
+            "problems": problems,
+            "notes": notes,
+        }
+
+
+def _completeness(root: Path, meta: Any, found_as: str) -> tuple[bool, list[str]]:
+    """Sizes against ckptconv.json (cheap; ``verify --files`` checks hashes) and the done marker."""
+    problems = []
+    if meta is not None:
+        for rel, rec in meta.files.items():
+            file = root / rel
+            if not file.is_file():
+                problems.append(f"missing {rel}")
+            elif file.stat().st_size != rec["size"]:
+                problems.append(f"{rel}: size {file.stat().st_size}, recorded {rec['size']}")
+    if found_as == "tag" and not (root / DONE_MARKER).is_file():
+        problems.append(f"no '{DONE_MARKER}' marker")
+    return not problems, problems
+
+
+def _model_summary(spec: Any) -> dict[str, Any]:
+    return {
+        "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
+        "head_dim": spec.head_dim, "intermediate": spec.intermediate, "vocab": spec.vocab, "tied": spec.tied,
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,188 @@
+"""Hugging Face checkpoints: a lazy reader over every layout HF uses, and the safetensors sink.
+
+Reads (tensor by tensor, never the whole model):
+  * a directory with ``model.safetensors.index.json`` (sharded) or ``model.safetensors``;
+  * a directory with ``pytorch_model.bin.index.json`` or ``pytorch_model.bin`` (torch zip files);
+  * a single state-dict file (``.safetensors``, ``.pt``, ``.bin``), as the official converter
+    takes it, with ``config`` naming the HF ``config.json``.
+
+Example:
+    >>> ckpt = HfCheckpoint("llama-dir")                       # doctest: +SKIP
+    >>> ckpt.read_rows(Source(None, "model.norm.weight"), 0, 4)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.readers import FileReader, open_tensor_file
+from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import OutFile, Source
+
+CONFIG = "config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+# Small files a model directory carries besides weights; copied through conversions.
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class HfCheckpoint:
+    """An HF Llama checkpoint opened lazily; implements the executor's ``TensorReader``."""
+
+    def __init__(self, path: str | Path, *, config: str | Path | None = None, io: str = "mmap") -> None:
+        self.path = Path(path)
+        self.io = io
+        if not self.path.exists():
+            raise ConversionError(f"{self.path}: no such file or directory")
+        self.directory = self.path if self.path.is_dir() else self.path.parent
+        config_path = Path(config) if config else self.directory / CONFIG
+        if not config_path.is_file():
+            raise ConversionError(
+                f"{config_path}: HF config.json not found; pass --config PATH/config.json"
+            )
+        self.config_path = config_path
+        self.spec = ModelSpec.from_file(config_path)
+        self._readers: dict[Path, FileReader] = {}
+        self._lock = threading.Lock()
+        self._where = self._index()
+
+    # -- discovery ------------------------------------------------------------------------
+
+    def _index(self) -> dict[str, Path]:
+        """Map every tensor key to the file holding it."""
+        if self.path.is_file():
+            return self._keys_of([self.path])
+        for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
+            index_path = self.path / index_name
+            if index_path.is_file():
+                return self._from_index(index_path)
+        for single in (SAFETENSORS_SINGLE, BIN_SINGLE):
+            if (self.path / single).is_file():
+                return self._keys_of([self.path / single])
+        raise ConversionError(
+            f"{self.path}: no weights found; expected {SAFETENSORS_INDEX}, {SAFETENSORS_SINGLE}, "
+            f"{BIN_INDEX} or {BIN_SINGLE}"
+        )
+
+    def _from_index(self, index_path: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConversionError(f"{index_path}: not an HF index (needs a 'weight_map' object)") from None
+        where = {}
+        for key, name in weight_map.items():
+            file = self.path / name
+            if not file.is_file():
+                raise ConversionError(f"{index_path}: {key!r} is in {name!r}, which does not exist")
+            where[key] = file
+        return where
+
+    def _keys_of(self, files: list[Path]) -> dict[str, Path]:
+        where = {}
+        for file in files:
+            for key in self._reader(file).keys():
+                where[key] = file
+        return where
+
+    def _reader(self, file: Path) -> FileReader:
+        with self._lock:
+            reader = self._readers.get(file)
+            if reader is None:
+                reader = self._readers[file] = open_tensor_file(file, io=self.io)
+            return reader
+
+    # -- TensorReader -----------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        return self._reader(self._file(source.key)).info(source.key)
+
+    def read_rows(self, source: Source, start: int, stop: int) -> torch.Tensor:
+        return self._reader(self._file(source.key)).read_rows(source.key, start, stop)
+
+    def _file(self, key: str) -> Path:
+        try:
+            return self._where[key]
+        except KeyError:
+            raise ConversionError(f"{self.path}: missing tensor {key!r}") from None
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {key: self.info(Source(None, key))[0] for key in self._where}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: self.info(Source(None, key))[1] for key in self._where}
+
+    def side_files(self) -> list[Path]:
+        return [self.directory / name for name in SIDE_FILES if (self.directory / name).is_file()]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> HfCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_config(out_dir: Path, config: dict[str, Any], dtype: torch.dtype) -> None:
+    """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5)."""
+    config = dict(config)
+    name = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = name
+    config["dtype"] = name
+    _atomic_write_text(out_dir / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_index(out_dir: Path, files: list[OutFile]) -> None:
+    """``model.safetensors.index.json`` when the weights span more than one file."""
+    if len(files) < 2:
+        return
+    weight_map = {t.key: f.path for f in files for t in f.tensors}
+    index = {
+        "metadata": {"total_size": sum(f.nbytes for f in files)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    _atomic_write_text(out_dir / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(files: list[Path], out_dir: Path) -> list[str]:
+    """Copy tokenizer/generation files (temp name, then rename); return the names copied."""
+    copied = []
+    for file in files:
+        target = out_dir / file.name
+        partial = target.with_name(target.name + ".partial")
+        shutil.copyfile(file, partial)
+        partial.replace(target)
+        copied.append(file.name)
+    return copied
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)

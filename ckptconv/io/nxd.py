@@ -1,0 +1,338 @@
+"""NxD checkpoint directories: finding the shards, reading them lazily, and writing them.
+
+Three serialization flavours (nxd-format.md §2): ``plain`` (torch.save of a dict), ``xser-inline``
+(the same bytes plus an empty ``<file>.tensors/``; what the official ``--save_xser`` writes), and
+``xser-split`` (a dict of ``TensorReference`` + ``<file>.info.pt`` + one file per tensor; what NxD
+training writes). Legacy ``tp_rank_XX_pp_rank_YY/checkpoint.pt`` directories are read too.
+
+Example:
+    >>> ckpt = NxdCheckpoint("/fsx/ckpt")          # a root: its newest completed tag  # doctest: +SKIP
+    >>> sorted(ckpt.files)[:1]                                                        # doctest: +SKIP
+    ['model/dp_rank_00_tp_rank_00_pp_rank_00.pt']
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from enum import Enum
+from pathlib import Path
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.readers import FileReader, TorchFileReader
+from ckptconv.io.safe_load import TensorReference, load_small
+from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip
+from ckptconv.layout import parse_shard_name, shard_name
+from ckptconv.metadata import METADATA_FILE, read_metadata
+from ckptconv.plan import MODEL_DIR, OutFile, Source
+
+DONE_MARKER = "done"
+CHECKPOINT_MARKER = "checkpoint"
+TENSORS_SUFFIX = ".tensors"
+INFO_SUFFIX = ".info.pt"
+
+
+class Flavour(str, Enum):
+    PLAIN = "plain"
+    XSER_INLINE = "xser-inline"
+    XSER_SPLIT = "xser-split"
+
+
+# --------------------------------------------------------------------------------------------
+# Finding a checkpoint
+
+
+def tag_step(name: str) -> int | None:
+    """The step number in a tag name (``step_120``, ``x--step=120-consumed_samples=9.ckpt``)."""
+    m = re.search(r"(?:^step_|--step=)(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def completed_tags(root: Path) -> list[Path]:
+    """Tag directories under ``root`` that have a ``done`` marker, oldest first (step, then mtime)."""
+    tags = [p for p in root.iterdir() if p.is_dir() and (p / DONE_MARKER).is_file()]
+
+    def order(p: Path) -> tuple[int, float]:
+        step = tag_step(p.name)
+        return (step if step is not None else -1, (p / DONE_MARKER).stat().st_mtime)
+
+    return sorted(tags, key=order)
+
+
+def _shard_files(directory: Path) -> dict[tuple[int, int], Path]:
+    found = {}
+    if not directory.is_dir():
+        return found
+    for entry in directory.iterdir():
+        ranks = parse_shard_name(entry.name)
+        if ranks is None:
+            continue
+        if entry.is_dir():  # legacy: tp_rank_XX_pp_rank_YY/checkpoint.pt
+            entry = entry / "checkpoint.pt"
+            if not entry.is_file():
+                continue
+        found[ranks] = entry
+    return found
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
+    """(root holding ``model/``, the shard directory, how it was found) for any accepted PATH.
+
+    Accepted: a directory holding ``model/``; a ``model/`` directory; a training tag; a
+    checkpoint root (its newest completed tag); a legacy ``tp_rank_XX_pp_rank_YY`` directory.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise ConversionError(f"{path}: expected a directory of NxD shards")
+    if _shard_files(path / MODEL_DIR):
+        how = "tag" if (path / DONE_MARKER).exists() or (path / CHECKPOINT_MARKER).exists() else "directory"
+        if how == "tag" and not (path / DONE_MARKER).is_file():
+            raise ConversionError(f"{path}: tag has no '{DONE_MARKER}' marker (an interrupted save); refusing to read it")
+        return path, path / MODEL_DIR, how
+    if _shard_files(path):
+        return (path.parent if path.name == MODEL_DIR else path), path, "model directory"
+    tags = completed_tags(path)
+    if tags:
+        return tags[-1], tags[-1] / MODEL_DIR, f"newest completed tag {tags[-1].name}"
+    raise ConversionError(
+        f"{path}: no NxD shards found (looked for {MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, "
+        f"shards in the directory itself, and tag directories with a '{DONE_MARKER}' marker)"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+class _SplitShard:
+    """An xser-split shard: a dict of TensorReference, each tensor in ``<file>.tensors/tensor_<tid>.pt``."""
+
+    def __init__(self, path: Path, io: str) -> None:
+        self.path = path
+        refs = load_small(path)
+        if not isinstance(refs, dict):
+            raise ConversionError(f"{path}: expected a dict of TensorReference, got {type(refs).__name__}")
+        self._tids: dict[str, int] = {}
+        for key, ref in refs.items():
+            tid = getattr(ref, "tid", None)
+            if not isinstance(tid, int):
+                raise ConversionError(f"{path}: {key!r} is not a TensorReference")
+            self._tids[key] = tid
+        self.io = io
+        self._readers: dict[str, TorchZipReader] = {}
+
+    def _tensor_reader(self, key: str) -> TorchZipReader:
+        if key not in self._readers:
+            file = Path(str(self.path) + TENSORS_SUFFIX) / f"tensor_{self._tids[key]}.pt"
+            if not file.is_file():
+                raise ConversionError(f"{self.path}: {key!r} refers to {file}, which is missing")
+            self._readers[key] = TorchZipReader(file, io=self.io)
+        return self._readers[key]
+
+    def keys(self) -> list[str]:
+        return list(self._tids)
+
+    def _entry(self, key: str) -> StoredTensor:
+        reader = self._tensor_reader(key)
+        entry = reader.entry(reader.keys()[0])
+        assert isinstance(entry, StoredTensor)
+        return entry
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        from ckptconv.io.readers import is_row_major
+
+        e = self._entry(key)
+        return e.dtype, tuple(e.shape), not is_row_major(tuple(e.shape), tuple(e.stride))
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        reader = self._tensor_reader(key)
+        return reader.read_rows(reader.keys()[0], start, stop)
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+
+def detect_flavour(path: Path) -> Flavour:
+    if Path(str(path) + INFO_SUFFIX).is_file():
+        return Flavour.XSER_SPLIT
+    if Path(str(path) + TENSORS_SUFFIX).is_dir():
+        return Flavour.XSER_INLINE
+    return Flavour.PLAIN
+
+
+class NxdCheckpoint:
+    """NxD shards opened lazily; implements the executor's ``TensorReader``.
+
+    ``files`` maps the canonical relative name (``model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt``) to
+    the file on disk, whatever its actual (legacy) name.
+    """
+
+    def __init__(self, path: str | Path, *, io: str = "mmap") -> None:
+        self.root, self.model_dir, self.found_as = resolve_checkpoint(path)
+        self.io = io
+        self.metadata = read_metadata(self.root)
+        shards = _shard_files(self.model_dir)
+        self.ranks = sorted(shards)
+        self.files = {f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}": p for (tp, pp), p in shards.items()}
+        self.tp = 1 + max(tp for tp, _ in shards)
+        self.pp = 1 + max(pp for _, pp in shards)
+        missing = [
+            shard_name(tp_rank=tp, pp_rank=pp)
+            for tp in range(self.tp)
+            for pp in range(self.pp)
+            if (tp, pp) not in shards
+        ]
+        if missing:
+            raise ConversionError(f"{self.model_dir}: incomplete checkpoint, missing {', '.join(missing[:4])}")
+        first = next(iter(self.files.values()))
+        self.flavour = detect_flavour(first)
+        self._readers: dict[str, FileReader | _SplitShard] = {}
+        self._lock = threading.Lock()
+
+    def _reader(self, file: str) -> FileReader | _SplitShard:
+        with self._lock:
+            if file not in self._readers:
+                try:
+                    path = self.files[file]
+                except KeyError:
+                    raise ConversionError(f"{self.model_dir}: no shard {file}") from None
+                if detect_flavour(path) is Flavour.XSER_SPLIT:
+                    self._readers[file] = _SplitShard(path, self.io)
+                else:
+                    self._readers[file] = TorchFileReader(path, self.io)
+            return self._readers[file]
+
+    def keys(self, file: str) -> list[str]:
+        return self._reader(file).keys()
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        assert source.file is not None
+        return self._reader(source.file).info(source.key)
+
+    def read_rows(self, source: Source, start: int, stop: int) -> torch.Tensor:
+        assert source.file is not None
+        return self._reader(source.file).read_rows(source.key, start, stop)
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """dtype of every key (keys repeat across tp ranks; the first shard holding a key speaks)."""
+        out: dict[str, torch.dtype] = {}
+        for file in self.files:
+            for key in self.keys(file):
+                if key not in out:
+                    out[key] = self.info(Source(file, key))[0]
+        return out
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> NxdCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+class TorchZipSink:
+    """One shard as a torch.save zip, filled by extents; optionally with the empty xser dir."""
+
+    def __init__(self, out_file: OutFile, tmp: Path, *, empty_tensors_dir: bool = False) -> None:
+        self.path = tmp / out_file.path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        metas = {t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors}
+        self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
+        self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
+        self._lock = threading.Lock()
+
+    def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
+        with self._lock:
+            self._writer.write_extent(key, offset, data)
+
+    def finish(self) -> list[Path]:
+        self._writer.finish()
+        paths = [self.path]
+        if self._empty_dir is not None:
+            self._empty_dir.mkdir(exist_ok=True)
+            paths.append(self._empty_dir)
+        return paths
+
+
+class XserSplitSink:
+    """NxD training's layout: refs file, ``.info.pt`` and one torch file per tensor."""
+
+    def __init__(self, out_file: OutFile, tmp: Path) -> None:
+        self.path = tmp / out_file.path
+        self.tensor_dir = Path(str(self.path) + TENSORS_SUFFIX)
+        self.tensor_dir.mkdir(parents=True, exist_ok=True)
+        self.tensors = out_file.tensors
+        self._writers: dict[str, TorchZipWriter] = {}
+        for tid, t in enumerate(out_file.tensors):
+            file = self.tensor_dir / f"tensor_{tid}.pt"
+            meta = TensorMeta(t.dtype, t.shape, TensorMeta.contiguous(t.dtype, t.shape).stride)
+            self._writers[t.key] = TorchZipWriter(file, plan_zip(file, meta))
+        self._column_major = {t.key for t in out_file.tensors if t.column_major}
+
+    def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
+        if key in self._column_major:  # per-tensor files are contiguous: store rows, not columns
+            data = data.t().contiguous()
+        self._writers[key].write_extent(_single_key(), offset, data)
+
+    def finish(self) -> list[Path]:
+        for writer in self._writers.values():
+            writer.finish()
+        refs = {t.key: TensorReference(tid) for tid, t in enumerate(self.tensors)}
+        info = {
+            tid: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": False}
+            for tid, t in enumerate(self.tensors)
+        }
+        info_path = Path(str(self.path) + INFO_SUFFIX)
+        torch.save(info, info_path)
+        torch.save(refs, self.path)
+        return [self.tensor_dir, info_path, self.path]
+
+
+def _single_key() -> str:
+    return ""
+
+
+def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
+    """The executor's sink factory for NxD shards of ``flavour``."""
+    flavour = Flavour(flavour)
+
+    def make(out_file: OutFile, tmp: Path):  # type: ignore[no-untyped-def]
+        if flavour is Flavour.XSER_SPLIT:
+            return XserSplitSink(out_file, tmp)
+        return TorchZipSink(out_file, tmp, empty_tensors_dir=flavour is Flavour.XSER_INLINE)
+
+    return make
+
+
+def write_markers(tag_dir: Path) -> None:
+    """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from."""
+    for name in (CHECKPOINT_MARKER, DONE_MARKER):
+        partial = tag_dir / (name + ".partial")
+        partial.write_text("1")
+        os.replace(partial, tag_dir / name)
+
+
+__all__ = [
+    "Flavour",
+    "NxdCheckpoint",
+    "METADATA_FILE",
+    "completed_tags",
+    "resolve_checkpoint",
+    "sink_factory",
+    "tag_step",
+    "write_markers",
+]

@@ -1,0 +1,127 @@
+"""One small interface over the tensor file formats we read: safetensors, torch zip, legacy torch.
+
+Example:
+    >>> reader = open_tensor_file("model.safetensors")   # doctest: +SKIP
+    >>> reader.info("model.norm.weight")                  # doctest: +SKIP
+    (torch.bfloat16, (4096,), False)
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.safe_load import is_torch_zip, load_small
+from ckptconv.io.safetensors_io import SafetensorsReader
+from ckptconv.io.torchzip import StoredTensor, TorchZipReader
+
+
+class FileReader(Protocol):
+    def keys(self) -> list[str]: ...
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        """dtype, shape, and True when the tensor is not stored row-major (rows are not contiguous)."""
+        ...
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+class SafetensorsFileReader:
+    def __init__(self, path: Path, io: str) -> None:
+        self._reader = SafetensorsReader(path, io=io)
+
+    def keys(self) -> list[str]:
+        return self._reader.keys()
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        entry = self._reader.entry(key)
+        return entry.dtype, tuple(entry.shape), False
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self._reader.read_rows(key, start, stop)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class TorchFileReader:
+    """A torch.save zip holding a flat dict of tensors."""
+
+    def __init__(self, path: Path, io: str) -> None:
+        self.path = path
+        self._reader = TorchZipReader(path, io=io)
+
+    def keys(self) -> list[str]:
+        return self._reader.keys()
+
+    def _entry(self, key: str) -> StoredTensor:
+        entry = self._reader.entry(key)
+        if not isinstance(entry, StoredTensor):
+            raise ConversionError(f"{self.path}: {key!r} is a {type(entry).__name__}, expected a tensor")
+        return entry
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        entry = self._entry(key)
+        return entry.dtype, tuple(entry.shape), not is_row_major(tuple(entry.shape), tuple(entry.stride))
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        self._entry(key)
+        return self._reader.read_rows(key, start, stop)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class InMemoryReader:
+    """Legacy (pre-zip) torch files cannot be read lazily; they are loaded whole, with a warning."""
+
+    def __init__(self, path: Path, state: dict[str, torch.Tensor]) -> None:
+        self.path = path
+        self._state = state
+
+    def keys(self) -> list[str]:
+        return list(self._state)
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        t = self._state[key]
+        return t.dtype, tuple(t.shape), not is_row_major(tuple(t.shape), tuple(t.stride()))
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        t = self._state[key]
+        return (t if t.dim() == 0 else t[start:stop]).contiguous().clone()
+
+    def close(self) -> None:
+        self._state = {}
+
+
+def open_tensor_file(path: str | Path, *, io: str = "mmap") -> FileReader:
+    """Open a tensor file by its content: safetensors, torch zip, or legacy torch pickle."""
+    path = Path(path)
+    if io not in ("mmap", "read"):
+        raise ConversionError(f"--io must be 'mmap' or 'read', got {io!r}")
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if path.suffix == ".safetensors" or (len(head) == 8 and head[:2] != b"PK" and head[0] != 0x80):
+        return SafetensorsFileReader(path, io)
+    if is_torch_zip(path):
+        return TorchFileReader(path, io)
+    warnings.warn(f"{path}: legacy (non-zip) torch file; it is loaded whole into memory", stacklevel=2)
+    state = load_small(path)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConversionError(f"{path}: expected a flat dict of tensors (a state dict)")
+    return InMemoryReader(path, state)

@@ -1,0 +1,587 @@
+"""Lazy safetensors reading and streaming safetensors writing.
+
+File format (little-endian): an 8-byte unsigned header length ``N``, ``N`` bytes of
+UTF-8 JSON mapping tensor names to ``{"dtype", "shape", "data_offsets"}`` (offsets are
+relative to the end of the header) plus an optional ``"__metadata__"`` str->str map,
+then the raw tensor bytes. Nothing here ever holds a whole file in memory; reads and
+writes go through ``mmap`` or ``os.pread``/``os.pwrite`` on explicit byte ranges.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import mmap
+import operator
+import os
+import struct
+import sys
+import threading
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+import torch
+
+__all__ = [
+    "DTYPES", "DTYPE_NAMES", "SafetensorsEntry", "SafetensorsFormatError", "SafetensorsWriteError",
+    "SafetensorsLayout", "SafetensorsReader", "SafetensorsExtentWriter", "SafetensorsWriter",
+    "plan_safetensors", "open_for_extents",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+BytesLike = Union[bytes, bytearray, memoryview, torch.Tensor]
+
+# Tensor order used by safetensors' own serializer (descending Rust `Dtype` enum order,
+# found by saving one tensor of every dtype with safetensors 0.8.0). Byte identity with
+# `safetensors.torch.save_file` depends on this order, so it is pinned here.
+_FILE_ORDER: tuple[tuple[str, str], ...] = (
+    ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"),
+    ("F32", "float32"), ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"),
+    ("F16", "float16"), ("U16", "uint16"), ("I16", "int16"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E8M0", "float8_e8m0fnu"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"),
+)
+# Older torch builds lack some dtypes; only those this torch has are supported.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in _FILE_ORDER if hasattr(torch, attr)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
+_RANK: dict[str, int] = {name: i for i, (name, _) in enumerate(_FILE_ORDER)}
+
+_MAX_HEADER = 100_000_000  # same cap as the reference implementation; bounds memory on bad input
+_IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
+_METADATA_KEY = "__metadata__"
+
+
+class SafetensorsFormatError(ValueError):
+    """A safetensors file is malformed; the message names the file (and key, if any)."""
+
+
+class SafetensorsWriteError(ValueError):
+    """A write does not fit the layout (bad range, overlap, missing bytes)."""
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor's place in a file; ``data_offset`` is an absolute file offset."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SafetensorsLayout:
+    """Result of :func:`plan_safetensors`: exact header bytes and where each tensor goes."""
+
+    header: bytes  # 8-byte length prefix + padded JSON; data starts at len(header)
+    entries: dict[str, SafetensorsEntry]  # in file order
+    total_size: int
+    metadata: dict[str, str] | None
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+def _dumps(obj: Any) -> str:
+    # Matches serde_json's compact output: no spaces, non-ASCII kept, same escapes.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _check_little_endian() -> None:
+    # The format is little-endian and we copy raw bytes without swapping.
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors_io supports little-endian hosts only")
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a contiguous CPU tensor (caller keeps ``t`` alive)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def _as_bytes(data: BytesLike) -> memoryview:
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise SafetensorsWriteError("write_extent needs a contiguous CPU tensor")
+        return _tensor_bytes(data)
+    mv = memoryview(data)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def plan_safetensors(
+    entries: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    metadata: Mapping[str, str] | None = None,
+) -> SafetensorsLayout:
+    """Compute header bytes and offsets exactly as ``safetensors.torch.save_file`` would.
+
+    Tensors are ordered by dtype (widest first, safetensors' enum order) then by name;
+    the JSON is compact and space-padded to a multiple of 8 bytes. Metadata keys are
+    written in the given order (safetensors itself uses hash order, so for more than
+    one metadata key its output differs between runs).
+
+    Example:
+        >>> lay = plan_safetensors({"w": (torch.float32, (2, 3)), "b": (torch.int8, (3,))})
+        >>> [(e.key, e.data_offset - lay.data_start) for e in lay.entries.values()]
+        [('w', 0), ('b', 24)]
+    """
+    planned = []
+    for key, (dtype, shape) in entries.items():
+        if not isinstance(key, str) or key == _METADATA_KEY:
+            raise ValueError(f"invalid tensor name {key!r}")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"tensor {key!r}: unsupported dtype {dtype}")
+        dims = tuple(operator.index(d) for d in shape)  # rejects floats
+        if any(d < 0 for d in dims) or any(isinstance(d, bool) for d in shape):
+            raise ValueError(f"tensor {key!r}: invalid shape {tuple(shape)}")
+        planned.append((key, dtype, dims))
+    # Python str order equals UTF-8 byte order, which is what the Rust sort compares.
+    planned.sort(key=lambda p: (_RANK[DTYPE_NAMES[p[1]]], p[0]))
+
+    parts = []
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError("metadata must map str to str")
+        parts.append(f"{_dumps(_METADATA_KEY)}:{_dumps(dict(metadata))}")
+    offset, spans = 0, []
+    for key, dtype, dims in planned:
+        n = _nbytes(dtype, dims)
+        spans.append((offset, n))
+        parts.append(
+            f'{_dumps(key)}:{{"dtype":"{DTYPE_NAMES[dtype]}","shape":[{",".join(map(str, dims))}],'
+            f'"data_offsets":[{offset},{offset + n}]}}'
+        )
+        offset += n
+    body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    body += b" " * (-len(body) % 8)  # the reference pads with spaces to 8-byte alignment
+    header = struct.pack("<Q", len(body)) + body
+    start = len(header)
+    laid = {
+        key: SafetensorsEntry(key, dtype, dims, start + off, n)
+        for (key, dtype, dims), (off, n) in zip(planned, spans)
+    }
+    meta = dict(metadata) if metadata is not None else None
+    return SafetensorsLayout(header, laid, start + offset, meta)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _fail(path: str, msg: str, key: str | None = None) -> SafetensorsFormatError:
+    where = f"{path}: tensor {key!r}: " if key is not None else f"{path}: "
+    return SafetensorsFormatError((where + msg).replace("\n", " "))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true/false are bools
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _parse_entry(path: str, key: str, raw: Any, data_len: int, start: int) -> SafetensorsEntry:
+    """Validate one header entry against the data region ``[0, data_len)``."""
+    if not isinstance(raw, dict):
+        raise _fail(path, f"expected an object, got {type(raw).__name__}", key)
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in raw:
+            raise _fail(path, f"missing field {field!r}", key)
+    name, shape, offs = raw["dtype"], raw["shape"], raw["data_offsets"]
+    if name not in DTYPES:
+        raise _fail(path, f"unknown dtype {name!r}, expected one of {sorted(DTYPES)}", key)
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _fail(path, f"shape must be a list of non-negative ints, got {shape!r}", key)
+    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+        raise _fail(path, f"data_offsets must be [begin, end] ints, got {offs!r}", key)
+    begin, end = offs
+    if not 0 <= begin <= end <= data_len:
+        raise _fail(path, f"data_offsets {offs} outside data region [0, {data_len}]", key)
+    dtype = DTYPES[name]
+    expected = _nbytes(dtype, tuple(shape))
+    if end - begin != expected:
+        raise _fail(path, f"expected {expected} bytes for {name}{shape}, data_offsets {offs} span {end - begin}", key)
+    return SafetensorsEntry(key, dtype, tuple(shape), start + begin, expected)
+
+
+def _check_overlaps(path: str, entries: list[SafetensorsEntry], start: int) -> None:
+    spans = sorted((e.data_offset, e.data_offset + e.nbytes, e.key) for e in entries if e.nbytes)
+    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise _fail(path, f"data [{b1 - start}, {e1 - start}) overlaps {k0!r} at [{b0 - start}, {e0 - start})", k1)
+
+
+class SafetensorsReader:
+    """Lazy, validating reader; only the bytes of requested tensors/rows are touched.
+
+    ``io="mmap"`` maps the file (fast on local disks); ``io="read"`` uses ``os.preadv``
+    into freshly allocated tensors (avoids slow page faults on network file systems).
+
+    Example:
+        >>> with SafetensorsReader("model.safetensors", io="read") as r:  # doctest: +SKIP
+        ...     emb = r.read_rows("embed.weight", 0, 1024)
+    """
+
+    def __init__(self, path: PathLike, io: str = "mmap") -> None:
+        _check_little_endian()
+        if io not in ("mmap", "read"):
+            raise ValueError(f"io must be 'mmap' or 'read', got {io!r}")
+        self.path = os.fspath(path)
+        self.io = io
+        self._mm: mmap.mmap | None = None
+        self._fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._size = os.fstat(self._fd).st_size
+            self.metadata, self._entries = self._parse_header()
+            if io == "mmap" and self._size:
+                self._mm = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse_header(self) -> tuple[dict[str, str] | None, dict[str, SafetensorsEntry]]:
+        path, size = self.path, self._size
+        if size < 8:
+            raise _fail(path, f"file is {size} bytes, expected at least 8 for the header length")
+        (n,) = struct.unpack("<Q", self._pread(0, 8))
+        if n > size - 8 or n > _MAX_HEADER:
+            raise _fail(path, f"header length {n} exceeds {min(size - 8, _MAX_HEADER)} available bytes")
+        try:
+            header = json.loads(self._pread(8, n).decode("utf-8"), object_pairs_hook=_unique_object)
+        except (ValueError, RecursionError) as e:
+            raise _fail(path, f"header is not valid UTF-8 JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise _fail(path, f"header must be a JSON object, got {type(header).__name__}")
+        metadata = header.pop(_METADATA_KEY, None)
+        if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+        ):
+            raise _fail(path, f"__metadata__ must map str to str, got {metadata!r:.80}")
+        start = 8 + n
+        entries = [_parse_entry(path, k, v, size - start, start) for k, v in header.items()]
+        _check_overlaps(path, entries, start)
+        entries.sort(key=lambda e: e.data_offset)  # stable: ties keep header order
+        return metadata, {e.key: e for e in entries}
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        data = os.pread(self._fd, n, offset)
+        if len(data) != n:
+            raise _fail(self.path, f"short read: wanted {n} bytes at {offset}, got {len(data)}")
+        return data
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[str]:
+        """Tensor names in file order (ascending data offset).
+
+        Example:
+            >>> SafetensorsReader("m.safetensors").keys()  # doctest: +SKIP
+            ['embed.weight', 'lm_head.weight']
+        """
+        return list(self._entries)
+
+    def entry(self, key: str) -> SafetensorsEntry:
+        """Dtype, shape and byte location of ``key``.
+
+        Example:
+            >>> SafetensorsReader("m.safetensors").entry("w").shape  # doctest: +SKIP
+            (4096, 4096)
+        """
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor {key!r}") from None
+
+    def read(self, key: str) -> torch.Tensor:
+        """Whole tensor as a new CPU tensor owning its memory.
+
+        Example:
+            >>> SafetensorsReader("m.safetensors").read("w").dtype  # doctest: +SKIP
+            torch.bfloat16
+        """
+        e = self.entry(key)
+        return self._load(e.data_offset, e.nbytes, e.dtype, e.shape)
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of dim 0, reading only those rows' bytes.
+
+        Example:
+            >>> SafetensorsReader("m.safetensors").read_rows("emb", 10, 12).shape  # doctest: +SKIP
+            torch.Size([2, 4096])
+        """
+        e = self.entry(key)
+        if not e.shape:
+            raise ValueError(f"{self.path}: tensor {key!r}: read_rows needs >= 1 dim, shape is ()")
+        if not 0 <= start <= stop <= e.shape[0]:
+            raise ValueError(f"{self.path}: tensor {key!r}: rows [{start}, {stop}) outside [0, {e.shape[0]}]")
+        row = e.nbytes // e.shape[0] if e.shape[0] else 0
+        shape = (stop - start,) + e.shape[1:]
+        return self._load(e.data_offset + start * row, (stop - start) * row, e.dtype, shape)
+
+    def _load(self, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            self._read_into(offset, _tensor_bytes(buf))
+        return buf.view(dtype).reshape(shape)
+
+    def _read_into(self, offset: int, dst: memoryview) -> None:
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: reader is closed")
+        end = offset + len(dst)
+        # A file truncated after open would SIGBUS through mmap; pread would read short.
+        if os.fstat(self._fd).st_size < end:
+            raise _fail(self.path, f"file shrank below {end} bytes while open")
+        if self._mm is not None:
+            with memoryview(self._mm) as src:
+                dst[:] = src[offset:end]
+            # Drop our page mappings so RSS stays bounded; the page cache keeps the data.
+            page = offset - offset % mmap.PAGESIZE
+            self._mm.madvise(mmap.MADV_DONTNEED, page, end - page)
+            return
+        done = 0
+        while done < len(dst):
+            got = os.preadv(self._fd, [dst[done : done + _IO_CHUNK]], offset + done)
+            if got <= 0:
+                raise _fail(self.path, f"unexpected end of file at {offset + done}, wanted up to {end}")
+            done += got
+
+    def close(self) -> None:
+        """Release the mapping and file descriptor (idempotent)."""
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class _Coverage:
+    """Sorted, merged, disjoint ``[start, end)`` intervals of bytes already written."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def overlap(self, start: int, end: int) -> tuple[int, int] | None:
+        i = bisect_right(self.starts, start)
+        if i and self.ends[i - 1] > start:
+            return self.starts[i - 1], self.ends[i - 1]
+        if i < len(self.starts) and self.starts[i] < end:
+            return self.starts[i], self.ends[i]
+        return None
+
+    def add(self, start: int, end: int) -> None:
+        """Insert a non-overlapping interval, merging touching neighbours."""
+        i = bisect_right(self.starts, start)
+        if i < len(self.starts) and self.starts[i] == end:
+            end = self.ends.pop(i)
+            self.starts.pop(i)
+        if i and self.ends[i - 1] == start:
+            self.ends[i - 1] = end
+        else:
+            self.starts.insert(i, start)
+            self.ends.insert(i, end)
+
+    def first_gap(self, total: int) -> tuple[int, int] | None:
+        pos = 0
+        for s, e in zip(self.starts, self.ends):
+            if s > pos:
+                return pos, s
+            pos = e
+        return (pos, total) if pos < total else None
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data[:_IO_CHUNK], offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
+        data, offset = data[n:], offset + n
+
+
+class SafetensorsExtentWriter:
+    """Writes tensor byte ranges into an already laid-out file (no header writes).
+
+    Several processes may each hold one on the same path and write disjoint extents;
+    :meth:`written` reports what this one wrote so a coordinator can verify coverage.
+
+    Example:
+        >>> with open_for_extents("out.safetensors", layout) as w:  # doctest: +SKIP
+        ...     w.write_extent("w", 0, chunk_bytes)
+    """
+
+    def __init__(self, path: PathLike, layout: SafetensorsLayout, fd: int) -> None:
+        _check_little_endian()
+        self.path, self.layout, self._fd = os.fspath(path), layout, fd
+        self._coverage = {key: _Coverage() for key in layout.entries}
+        self._lock = threading.Lock()  # pwrite is thread-safe; the bookkeeping is not
+        self._failed: str | None = None
+
+    def __enter__(self) -> SafetensorsExtentWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _entry(self, key: str) -> SafetensorsEntry:
+        if key not in self.layout.entries:
+            raise SafetensorsWriteError(f"{self.path}: tensor {key!r} is not in the layout")
+        return self.layout.entries[key]
+
+    def _claim(self, key: str, start: int, end: int) -> None:
+        e = self._entry(key)
+        if not 0 <= start <= end <= e.nbytes:
+            raise SafetensorsWriteError(f"{self.path}: tensor {key!r}: extent [{start}, {end}) outside [0, {e.nbytes})")
+        with self._lock:
+            hit = self._coverage[key].overlap(start, end)
+            if hit is not None:
+                raise SafetensorsWriteError(
+                    f"{self.path}: tensor {key!r}: extent [{start}, {end}) overlaps already written [{hit[0]}, {hit[1]})"
+                )
+            self._coverage[key].add(start, end)
+
+    def write_extent(self, key: str, offset_in_tensor: int, data: BytesLike) -> None:
+        """Write raw bytes at ``offset_in_tensor`` within tensor ``key`` (each byte once).
+
+        Example:
+            >>> w.write_extent("w", 4096, row.view(torch.uint8))  # doctest: +SKIP
+        """
+        if self._fd < 0:
+            raise SafetensorsWriteError(f"{self.path}: writer is closed")
+        mv = _as_bytes(data)
+        if not len(mv):
+            return
+        self._claim(key, offset_in_tensor, offset_in_tensor + len(mv))
+        try:
+            _pwrite_all(self._fd, mv, self.layout.entries[key].data_offset + offset_in_tensor)
+        except BaseException as exc:  # bytes are claimed but maybe not on disk: poison
+            self._failed = f"write of {key!r} failed: {exc}"
+            raise
+
+    def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
+        """Write a whole tensor; dtype and shape must match the layout.
+
+        Example:
+            >>> w.write_tensor("w", torch.zeros(2, 3))  # doctest: +SKIP
+        """
+        e = self._entry(key)
+        if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+            raise SafetensorsWriteError(
+                f"{self.path}: tensor {key!r}: expected {e.dtype}{list(e.shape)}, got {tensor.dtype}{list(tensor.shape)}"
+            )
+        self.write_extent(key, 0, tensor.detach().cpu().contiguous())
+
+    def written(self) -> dict[str, list[tuple[int, int]]]:
+        """Merged byte ranges written per tensor (only tensors with any bytes)."""
+        with self._lock:
+            return {k: list(zip(c.starts, c.ends)) for k, c in self._coverage.items() if c.starts}
+
+    def close(self) -> None:
+        """Close the descriptor without any checks (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class SafetensorsWriter(SafetensorsExtentWriter):
+    """Creates ``path`` with the layout's header at its final size, then takes extents.
+
+    Example:
+        >>> lay = plan_safetensors({"w": (torch.float32, (2,))})
+        >>> with SafetensorsWriter("out.safetensors", lay) as w:  # doctest: +SKIP
+        ...     w.write_tensor("w", torch.ones(2))  # finish() runs on a clean exit
+    """
+
+    def __init__(self, path: PathLike, layout: SafetensorsLayout, *, reserve: bool = False) -> None:
+        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        super().__init__(path, layout, fd)
+        try:
+            _pwrite_all(fd, memoryview(layout.header), 0)
+            # ftruncate is instant everywhere (sparse); posix_fallocate reserves real blocks
+            # but glibc emulates it byte-by-block on file systems without fallocate.
+            os.ftruncate(fd, layout.total_size)
+            if reserve and layout.total_size:
+                os.posix_fallocate(fd, 0, layout.total_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None and self._fd >= 0:
+            self.finish()
+        self.close()
+
+    def add_written(self, written: Mapping[str, list[tuple[int, int]]]) -> None:
+        """Record extents written by other processes (from their ``written()``).
+
+        Example:
+            >>> w.add_written(child_result)  # doctest: +SKIP
+        """
+        for key, spans in written.items():
+            for start, end in spans:
+                self._claim(key, start, end)
+
+    def finish(self, fsync: bool = False) -> None:
+        """Verify every tensor byte was written exactly once, optionally fsync, close.
+
+        Example:
+            >>> w.finish(fsync=True)  # doctest: +SKIP
+        """
+        try:
+            if self._failed is not None:
+                raise SafetensorsWriteError(f"{self.path}: {self._failed}")
+            for key, e in self.layout.entries.items():
+                gap = self._coverage[key].first_gap(e.nbytes)
+                if gap is not None:
+                    raise SafetensorsWriteError(
+                        f"{self.path}: tensor {key!r}: bytes [{gap[0]}, {gap[1]}) of {e.nbytes} never written"
+                    )
+            if fsync:
+                os.fsync(self._fd)
+        finally:
+            self.close()
+
+
+def open_for_extents(path: PathLike, layout: SafetensorsLayout) -> SafetensorsExtentWriter:
+    """Open a file already created by :class:`SafetensorsWriter` for extent writes only.
+
+    Example:
+        >>> w = open_for_extents("out.safetensors", plan_safetensors(specs))  # doctest: +SKIP
+        >>> w.write_extent("w", 0, b"..."); w.close()  # doctest: +SKIP
+    """
+    fd = os.open(os.fspath(path), os.O_WRONLY)
+    size = os.fstat(fd).st_size
+    if size != layout.total_size:
+        os.close(fd)
+        raise SafetensorsWriteError(f"{os.fspath(path)}: size {size} != layout size {layout.total_size}")
+    return SafetensorsExtentWriter(path, layout, fd)

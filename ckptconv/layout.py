@@ -1,0 +1,171 @@
+"""The parallel layout of an NxD checkpoint: tp/pp/vpp/kvm, attention mode, hardware head order.
+
+Also the two facts every reader and writer shares: which layers live on which pipeline rank,
+and what a shard file is called.
+
+Example:
+    >>> layout = ParallelLayout(tp=2, pp=2, vpp=2)
+    >>> stage_layer_counts(6, 4)
+    [1, 1, 2, 2]
+    >>> shard_name(tp_rank=1, pp_rank=0)
+    'dp_rank_00_tp_rank_01_pp_rank_00.pt'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from ckptconv.errors import ConversionError
+from ckptconv.model_spec import ModelSpec
+
+
+class Attention(str, Enum):
+    """How q/k/v are stored in a shard (nxd-format.md §3, "Attention modes")."""
+
+    SEPARATE = "separate"      # q_proj / k_proj / v_proj, row chunks
+    COALESCED = "coalesced"    # qkv_proj.weight = cat(q_r, k_r, v_r), MHA only
+    QKV_LINEAR = "qkv_linear"  # GQAQKVColumnParallelLinear: weight_q / weight_k / weight_v (or weight_qkv)
+
+
+class Hardware(str, Enum):
+    TRN1 = "trn1"
+    TRN2 = "trn2"
+
+
+class Trn2KvLayout(str, Enum):
+    RUNTIME = "runtime"    # K/V replicas on adjacent ranks: what the NxD trn2 runtime computes with
+    OFFICIAL = "official"  # tiled replicas, as the official converter writes them (pairs heads wrongly)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Everything about the sharding that is not a property of the model."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    kvm: int = 1
+    attention: Attention = Attention.SEPARATE
+    fuse_qkv: bool = False
+    hw: Hardware = Hardware.TRN1
+    trn2_kv_layout: Trn2KvLayout = Trn2KvLayout.RUNTIME
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", Attention(self.attention))
+        object.__setattr__(self, "hw", Hardware(self.hw))
+        object.__setattr__(self, "trn2_kv_layout", Trn2KvLayout(self.trn2_kv_layout))
+        for name in ("tp", "pp", "vpp", "kvm"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConversionError(f"--{name.replace('kvm', 'kv-size-multiplier')} must be an integer >= 1, got {value!r}")
+        if self.fuse_qkv and self.attention is not Attention.QKV_LINEAR:
+            raise ConversionError("--fuse-qkv needs --qkv-linear (fused weight_qkv exists only on the qkv_linear path)")
+        if self.kvm > 1 and self.attention is not Attention.QKV_LINEAR:
+            raise ConversionError(
+                f"--kv-size-multiplier {self.kvm} needs --qkv-linear (K/V replication exists only on the qkv_linear path)"
+            )
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.vpp
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Reject every combination the shards cannot represent, naming the valid values."""
+        divisible = [
+            ("num_attention_heads", spec.heads),
+            ("intermediate_size", spec.intermediate),
+            ("vocab_size", spec.vocab),
+        ]
+        for name, value in divisible:
+            if value % self.tp:
+                raise ConversionError(f"--tp {self.tp} must divide {name} ({value})")
+        if spec.layers < self.stages:
+            raise ConversionError(
+                f"--pp {self.pp} x --vpp {self.vpp} = {self.stages} stages, but the model has only {spec.layers} layers"
+            )
+        if self.attention is Attention.SEPARATE:
+            if spec.kv_rows % self.tp:
+                raise ConversionError(
+                    f"--tp {self.tp} must divide num_key_value_heads*head_dim ({spec.kv_rows}) for separate q/k/v"
+                )
+        elif self.attention is Attention.COALESCED:
+            if spec.kv_heads != spec.heads:
+                raise ConversionError(
+                    f"--coalesce-qkv needs multi-head attention (num_key_value_heads == num_attention_heads), "
+                    f"got {spec.kv_heads} != {spec.heads}; use --qkv-linear for GQA"
+                )
+        else:
+            self._check_kv_replication(spec)
+
+    def _check_kv_replication(self, spec: ModelSpec) -> None:
+        kv, tp, kvm = spec.kv_heads, self.tp, self.kvm
+        if tp <= kv:
+            if kv % tp:
+                raise ConversionError(f"--tp {tp} must divide num_key_value_heads ({kv})")
+            if kvm != 1:
+                raise ConversionError(
+                    f"--kv-size-multiplier {kvm} is invalid for tp {tp} <= {kv} KV heads; the valid value is 1"
+                )
+            return
+        if tp % kv:
+            raise ConversionError(f"--tp {tp} must be a multiple of num_key_value_heads ({kv}) when tp > kv heads")
+        if kv * kvm != tp:
+            raise ConversionError(
+                f"--kv-size-multiplier {kvm} is invalid for tp {tp} with {kv} KV heads: "
+                f"the valid value is {tp // kv} (tp / kv heads)"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key, value in data.items():
+            if isinstance(value, Enum):
+                data[key] = value.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParallelLayout:
+        return cls(**data)
+
+
+def stage_layer_counts(layers: int, stages: int) -> list[int]:
+    """Layers per pipeline stage: an even split, the remainder one each to the *last* stages."""
+    base, extra = divmod(layers, stages)
+    return [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+
+
+def layer_stages(layers: int, stages: int) -> list[int]:
+    """The pipeline stage of every layer."""
+    out: list[int] = []
+    for stage, count in enumerate(stage_layer_counts(layers, stages)):
+        out.extend([stage] * count)
+    return out
+
+
+def layer_pp_ranks(layers: int, layout: ParallelLayout) -> list[int]:
+    """The pp rank of every layer (stage s lives on pp rank s mod pp)."""
+    return [stage % layout.pp for stage in layer_stages(layers, layout.stages)]
+
+
+def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
+    """File name of one model shard; ``{:02d}`` widens by itself past 99."""
+    return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+
+
+_SHARD_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_LEGACY_RE = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)$")
+
+
+def parse_shard_name(name: str) -> tuple[int, int] | None:
+    """``(tp_rank, pp_rank)`` of a shard file name (current or legacy directory name), else None."""
+    m = _SHARD_RE.match(name)
+    if m:
+        if m.group(2) not in (None, "00", "0") or int(m.group(1)) != 0:
+            return None
+        return int(m.group(3)), int(m.group(4))
+    m = _LEGACY_RE.match(name)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    return None

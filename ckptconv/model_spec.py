@@ -1,0 +1,99 @@
+"""The numbers of a Llama model that decide how it is sharded, read from an HF ``config.json``.
+
+Example:
+    >>> spec = ModelSpec.from_config({"hidden_size": 64, "num_attention_heads": 8,
+    ...     "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 128,
+    ...     "num_hidden_layers": 4})
+    >>> spec.head_dim, spec.group
+    (8, 4)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptconv.errors import ConversionError
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Shapes of a Llama checkpoint; ``config`` keeps the whole HF config for writing it back."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    tied: bool
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConversionError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ConversionError(
+                f"config.json: num_attention_heads ({self.heads}) must be a multiple of "
+                f"num_key_value_heads ({self.kv_heads})"
+            )
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (GQA group size)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_rows(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+        model_type = config.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConversionError(
+                f"{source}: model_type is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size",
+                               "vocab_size", "num_hidden_layers") if k not in config]
+        if missing:
+            raise ConversionError(f"{source}: missing required field(s) {', '.join(missing)}")
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        hidden = config["hidden_size"]
+        head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
+        return cls(
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            layers=config["num_hidden_layers"],
+            tied=bool(config.get("tie_word_embeddings", False)),
+            config=dict(config),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelSpec:
+        path = Path(path)
+        try:
+            config = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConversionError(f"{path}: config file not found") from None
+        except json.JSONDecodeError as exc:
+            raise ConversionError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(config, dict):
+            raise ConversionError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        return cls.from_config(config, source=str(path))

@@ -1,0 +1,382 @@
+"""Conversion plans: for every output file, its tensors in order and where each comes from.
+
+A plan is pure index arithmetic over :mod:`ckptconv.mapping`; it does no I/O, so it can be
+validated completely before a byte is written, and tested on shapes alone. HF->NxD, NxD->HF
+and NxD->NxD are three plans run by the one executor (:mod:`ckptconv.execute`).
+
+Example:
+    >>> from ckptconv.model_spec import ModelSpec
+    >>> from ckptconv.layout import ParallelLayout
+    >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96,
+    ...                  vocab=128, layers=2, tied=False)
+    >>> plan = plan_to_nxd(spec, ParallelLayout(tp=2), {k: torch.float32 for k in hf_shapes(spec, with_inv_freq=False)})
+    >>> [f.path for f in plan.files]
+    ['model/dp_rank_00_tp_rank_00_pp_rank_00.pt', 'model/dp_rank_00_tp_rank_01_pp_rank_00.pt']
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.layout import Attention, ParallelLayout, shard_name
+from ckptconv.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes
+from ckptconv.model_spec import ModelSpec
+
+MODEL_DIR = "model"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A tensor to read: ``file`` is relative to the source root, or None for an HF key lookup."""
+
+    file: str | None
+    key: str
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``source[start:stop]`` along the record's dim."""
+
+    source: Source
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One output tensor: the concatenation of ``pieces`` along ``dim``, cast to ``dtype``."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    dim: int
+    pieces: tuple[Piece, ...]
+    column_major: bool = False
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        if self.column_major:
+            return (1, self.shape[0])
+        stride, acc = [], 1
+        for size in reversed(self.shape):
+            stride.append(acc)
+            acc *= size
+        return tuple(reversed(stride))
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OutFile:
+    path: str                    # relative to the output root
+    format: str                  # "torch" (torch.save zip) or "safetensors"
+    tensors: tuple[OutTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Copies of one HF range held by several shards; they must be equal (K/V heads, norms, tied lm_head)."""
+
+    hf_key: str
+    dim: int
+    start: int
+    stop: int
+    copies: tuple[Piece, ...]    # the first is the one exported
+
+
+@dataclass
+class Plan:
+    files: list[OutFile]
+    replicas: list[ReplicaGroup] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+DtypePolicy = Callable[[str, torch.dtype], torch.dtype]
+
+
+def keep_dtype(key: str, dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
+def cast_floats_to(target: torch.dtype) -> DtypePolicy:
+    """Cast floating weights to ``target``; rotary ``inv_freq`` buffers keep their precision."""
+
+    def policy(key: str, dtype: torch.dtype) -> torch.dtype:
+        if key.endswith("inv_freq") or not dtype.is_floating_point:
+            return dtype
+        return target
+
+    return policy
+
+
+# --------------------------------------------------------------------------------------------
+# HF -> NxD
+
+
+def plan_to_nxd(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    source_dtypes: dict[str, torch.dtype],
+    dtype_policy: DtypePolicy = keep_dtype,
+) -> Plan:
+    """Shards for ``layout`` from an HF state whose keys and dtypes are ``source_dtypes``."""
+    with_inv_freq = any(k.endswith("inv_freq") for k in source_dtypes)
+    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    files = []
+    for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+        tensors = tuple(
+            _out_tensor(record, shapes, source_dtypes, dtype_policy, lambda key: Source(None, key))
+            for record in records
+        )
+        files.append(OutFile(f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}", "torch", tensors))
+    files.sort(key=lambda f: f.path)
+    return Plan(files)
+
+
+def _out_tensor(
+    record: ShardRecord,
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, torch.dtype],
+    dtype_policy: DtypePolicy,
+    source_of: Callable[[str], Source],
+) -> OutTensor:
+    first = record.segments[0].hf_key
+    pieces = tuple(Piece(source_of(s.hf_key), s.start, s.stop) for s in record.segments)
+    return OutTensor(
+        key=record.key,
+        dtype=dtype_policy(record.key, dtypes[first]),
+        shape=hf_record_shape(record, shapes[first]),
+        dim=record.dim,
+        pieces=pieces,
+        column_major=record.column_major,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# NxD -> HF
+
+
+@dataclass(frozen=True)
+class _Placement:
+    hf_key: str
+    dim: int
+    start: int
+    stop: int
+    piece: Piece  # where in the shards this HF range lives
+
+
+def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool) -> dict[str, list[_Placement]]:
+    """Every HF range's locations in the shards, grouped by HF key, in rank order."""
+    out: dict[str, list[_Placement]] = defaultdict(list)
+    for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+        file = f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}"
+        for record in records:
+            offset = 0
+            for seg in record.segments:
+                piece = Piece(Source(file, record.key), offset, offset + seg.length)
+                out[seg.hf_key].append(_Placement(seg.hf_key, record.dim, seg.start, seg.stop, piece))
+                offset += seg.length
+    return out
+
+
+def hf_sources(
+    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False
+) -> tuple[dict[str, tuple[int, tuple[Piece, ...]]], list[ReplicaGroup]]:
+    """For each HF key: (dim, pieces that tile it, first copy of each range); plus all replica groups.
+
+    Raises if the shards do not cover some HF range exactly once (an internal inconsistency).
+    """
+    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    tiles: dict[str, tuple[int, tuple[Piece, ...]]] = {}
+    replicas: list[ReplicaGroup] = []
+    for hf_key, placements in _placements(spec, layout, with_inv_freq=with_inv_freq).items():
+        by_range: dict[tuple[int, int], list[_Placement]] = {}
+        for p in placements:
+            by_range.setdefault((p.start, p.stop), []).append(p)
+        ranges = sorted(by_range)
+        dim = placements[0].dim
+        expected_end = shapes[hf_key][dim]
+        cursor = 0
+        for start, stop in ranges:
+            if start != cursor:
+                raise AssertionError(f"{hf_key}: shard ranges leave a gap or overlap at {cursor}..{start}")
+            cursor = stop
+        if cursor != expected_end:
+            raise AssertionError(f"{hf_key}: shards cover {cursor} of {expected_end} along dim {dim}")
+        tiles[hf_key] = (dim, tuple(by_range[r][0].piece for r in ranges))
+        for (start, stop), copies in by_range.items():
+            if len(copies) > 1:
+                replicas.append(ReplicaGroup(hf_key, dim, start, stop, tuple(c.piece for c in copies)))
+    return tiles, replicas
+
+
+def plan_to_hf(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    shard_dtypes: dict[str, torch.dtype],
+    *,
+    with_inv_freq: bool = False,
+    max_shard_size: int = 5 * 10**9,
+    dtype_policy: DtypePolicy = keep_dtype,
+) -> Plan:
+    """Sharded safetensors files (HF naming and grouping) from NxD shards.
+
+    ``shard_dtypes`` maps NxD keys to their stored dtype.
+    """
+    tensors = _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, dtype_policy, column_major_o=False)
+    groups = _group_by_size(tensors, max_shard_size)
+    files = []
+    if len(groups) == 1:
+        files.append(OutFile("model.safetensors", "safetensors", tuple(groups[0])))
+    else:
+        for i, group in enumerate(groups, start=1):
+            files.append(OutFile(f"model-{i:05d}-of-{len(groups):05d}.safetensors", "safetensors", tuple(group)))
+    _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq)
+    return Plan(files, replicas)
+
+
+def plan_to_full_state(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    shard_dtypes: dict[str, torch.dtype],
+    shard_key_order: dict[str, list[str]],
+    *,
+    with_inv_freq: bool = False,
+    filename: str = "checkpoint.pt",
+) -> Plan:
+    """The official ``--convert_to_full_state`` output: one torch file with HF keys.
+
+    Its key order is the official one: shards read tp rank 0 first, pp ascending, each NxD key
+    expanded in place into its HF keys. ``shard_key_order`` gives each tp-0 shard's keys.
+    """
+    tensors = {t.key: t for t in _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, keep_dtype,
+                                             column_major_o=layout.attention is Attention.QKV_LINEAR)}
+    ordered: list[OutTensor] = []
+    seen: set[str] = set()
+    records = all_shard_records(spec, layout, with_inv_freq=with_inv_freq)
+    for pp in range(layout.pp):
+        by_key = {r.key: r for r in records[(0, pp)]}
+        for nxd_key in shard_key_order[f"{MODEL_DIR}/{shard_name(tp_rank=0, pp_rank=pp)}"]:
+            record = by_key[nxd_key]
+            for hf_key in record.hf_keys:
+                if hf_key not in seen and hf_key in tensors:
+                    seen.add(hf_key)
+                    ordered.append(tensors[hf_key])
+    return Plan([OutFile(filename, "torch", tuple(ordered))])
+
+
+def _hf_tensors(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    shard_dtypes: dict[str, torch.dtype],
+    with_inv_freq: bool,
+    dtype_policy: DtypePolicy,
+    *,
+    column_major_o: bool,
+) -> list[OutTensor]:
+    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    tiles, _ = hf_sources(spec, layout, with_inv_freq=with_inv_freq)
+    out = []
+    for hf_key, shape in shapes.items():
+        dim, pieces = tiles[hf_key]
+        source_dtype = shard_dtypes[pieces[0].source.key]
+        out.append(
+            OutTensor(
+                key=hf_key,
+                dtype=dtype_policy(hf_key, source_dtype),
+                shape=shape,
+                dim=dim,
+                pieces=pieces,
+                column_major=column_major_o and hf_key.endswith("o_proj.weight"),
+            )
+        )
+    return out
+
+
+def _group_by_size(tensors: Iterable[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+    """Fill files in order, starting a new one when the next tensor would pass ``max_bytes``."""
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    return groups
+
+
+# --------------------------------------------------------------------------------------------
+# NxD -> NxD
+
+
+def plan_reshard(
+    spec: ModelSpec,
+    old: ParallelLayout,
+    new: ParallelLayout,
+    shard_dtypes: dict[str, torch.dtype],
+    *,
+    with_inv_freq: bool = False,
+    dtype_policy: DtypePolicy = keep_dtype,
+) -> Plan:
+    """Shards for ``new`` read straight from shards in ``old``: the to-hf plan composed with to-nxd."""
+    tiles, replicas = hf_sources(spec, old, with_inv_freq=with_inv_freq)
+    hf_dtypes = {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
+    target = plan_to_nxd(spec, new, hf_dtypes, dtype_policy)
+    files = [
+        OutFile(f.path, f.format, tuple(_compose(t, tiles) for t in f.tensors))
+        for f in target.files
+    ]
+    return Plan(files, replicas)
+
+
+def _compose(tensor: OutTensor, tiles: dict[str, tuple[int, tuple[Piece, ...]]]) -> OutTensor:
+    pieces: list[Piece] = []
+    for piece in tensor.pieces:
+        dim, old_pieces = tiles[piece.source.key]
+        if dim != tensor.dim:
+            raise AssertionError(f"{tensor.key}: split along dim {tensor.dim} but stored along {dim}")
+        hf_cursor = 0
+        for old in old_pieces:
+            lo, hi = max(piece.start, hf_cursor), min(piece.stop, hf_cursor + old.length)
+            if lo < hi:
+                shift = old.start - hf_cursor
+                pieces.append(Piece(old.source, lo + shift, hi + shift))
+            hf_cursor += old.length
+    return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, _merge(pieces), tensor.column_major)
+
+
+def _merge(pieces: list[Piece]) -> tuple[Piece, ...]:
+    out: list[Piece] = []
+    for p in pieces:
+        if out and out[-1].source == p.source and out[-1].stop == p.start:
+            out[-1] = Piece(p.source, out[-1].start, p.stop)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def plan_sources(plan: Plan) -> set[Source]:
+    """Every source a plan reads (for validation before any write)."""
+    return {p.source for f in plan.files for t in f.tensors for p in t.pieces}

@@ -1,0 +1,49 @@
+"""Progress on stderr (rich): bytes written, rate, ETA. Silent when quiet or not wanted."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+
+@contextmanager
+def byte_progress(description: str, total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """Yield an ``advance(nbytes)`` callback (thread-safe) that drives one progress bar."""
+    if quiet:
+        yield lambda n: None
+        return
+    console = Console(file=sys.stderr)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    lock = threading.Lock()
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(description, total=total)
+
+        def advance(n: int) -> None:
+            with lock:
+                progress.advance(task, n)
+
+        yield advance
+
+
+def note(message: str, *, quiet: bool) -> None:
+    """An informational line on stderr (what was inferred, what was skipped)."""
+    if not quiet:
+        print(f"ckptconv: {message}", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny Llama checkpoints made by transformers at test time, golden cases."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(os.environ.get("CKPTCONV_GOLDEN", REPO.parent / "shared" / "fixtures" / "nxd-official"))
+
+
+def make_tiny_llama(
+    path: Path,
+    *,
+    hidden: int = 64,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int | None = 8,
+    layers: int = 4,
+    vocab: int = 128,
+    intermediate: int = 96,
+    tied: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    """``save_pretrained`` of a random tiny Llama; every weight distinct, norms not all ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        num_hidden_layers=layers, vocab_size=vocab, intermediate_size=intermediate,
+        tie_word_embeddings=tied, max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def hf_state(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors directory, read with the safetensors library."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(path / name))
+    return state
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory):
+    """Factory of cached tiny models: ``tiny_models(name, **kwargs) -> Path``."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    cache: dict[str, Path] = {}
+
+    def get(name: str, **kwargs) -> Path:
+        if name not in cache:
+            cache[name] = make_tiny_llama(root / name, **kwargs)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    if not GOLDEN.is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"golden fixtures not found at {GOLDEN}")
+        pytest.skip(f"golden fixtures not found at {GOLDEN} (set CKPTCONV_GOLDEN)")
+    return GOLDEN
