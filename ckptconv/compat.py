@@ -42,8 +42,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="HF config.json")
     parser.add_argument("--tp_size", type=int, default=1)
     parser.add_argument("--pp_size", type=int, default=1)
-    parser.add_argument("--virtual_pp_size", type=int, default=1)
-    parser.add_argument("--kv_size_multiplier", type=int, default=1)
+    # None: 1 when sharding; read from the shards when merging (the official merge needs neither).
+    parser.add_argument("--virtual_pp_size", type=int, default=None)
+    parser.add_argument("--kv_size_multiplier", type=int, default=None)
     for flag in ("--qkv_linear", "--fuse_qkv", "--coalesce_qkv", "--save_xser", "--load_xser"):
         parser.add_argument(flag, type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL")
     parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default="trn1")
@@ -65,13 +66,15 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
     attention = Attention.QKV_LINEAR if args.qkv_linear else (Attention.COALESCED if args.coalesce_qkv else Attention.SEPARATE)
     if args.convert_from_full_state:
         return to_nxd(
-            args.input_dir, args.output_dir, tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size,
-            kv_size_multiplier=args.kv_size_multiplier, attention=attention, fuse_qkv=args.fuse_qkv,
+            args.input_dir, args.output_dir, tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size or 1,
+            kv_size_multiplier=args.kv_size_multiplier or 1, attention=attention, fuse_qkv=args.fuse_qkv,
             hw_backend=args.hw_backend, trn2_kv_layout=args.trn2_kv_layout,
             flavour=Flavour.XSER_INLINE if args.save_xser else Flavour.PLAIN, config=args.config, options=options,
         )
+    # The official merge reads coalesced and fused keys by their names; so do we (flags only add facts).
+    explicit = args.qkv_linear or args.coalesce_qkv
     hints = dict(tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size, kvm=args.kv_size_multiplier,
-                 attention=attention, fuse_qkv=args.fuse_qkv, hw=args.hw_backend,
+                 attention=attention if explicit else None, fuse_qkv=args.fuse_qkv or None, hw=args.hw_backend,
                  trn2_kv_layout=args.trn2_kv_layout)
     return to_full_state(args.input_dir, args.output_dir, config=args.config, hints=hints, options=options)
 

@@ -39,8 +39,36 @@ class UnsafeCheckpointError(ValueError):
     """A pickle asked for a global outside the allowlist."""
 
 
+class _StandInTensorReference:
+    """Stand-in for ``torch_xla.utils.serialization.TensorReference``.
+
+    xser checkpoints store each tensor in a side file and put one of these (with the side
+    file's number ``tid``) in the pickle. Pickles exactly like torch_xla's plain class.
+
+    >>> TensorReference(3).tid
+    3
+    """
+
+    def __init__(self, tid: int) -> None:
+        self.tid = tid
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.tid == self.tid  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(("TensorReference", self.tid))
+
+    def __repr__(self) -> str:
+        return f"TensorReference(tid={self.tid!r})"
+
+
+# Named (and so pickled / recognised) as torch_xla's class.
+_StandInTensorReference.__module__ = _XLA_MODULE
+_StandInTensorReference.__qualname__ = _StandInTensorReference.__name__ = "TensorReference"
+
+
 def _resolve_tensor_reference() -> tuple[type, bool]:
-    """(class, is_stand_in): the real torch_xla class when installed, else a look-alike."""
+    """(class, is_stand_in): the real torch_xla class when installed, else the stand-in."""
     # find_spec avoids importing anything when torch_xla is absent.
     if importlib.util.find_spec("torch_xla") is not None:
         try:
@@ -49,32 +77,7 @@ def _resolve_tensor_reference() -> tuple[type, bool]:
             return real, False
         except Exception:  # broken install: fall back to the stand-in
             pass
-
-    class TensorReference:
-        """Stand-in for ``torch_xla.utils.serialization.TensorReference``.
-
-        xser checkpoints store each tensor in a side file and put one of these
-        (with the side file's number ``tid``) in the pickle.
-
-        >>> TensorReference(3).tid
-        3
-        """
-
-        def __init__(self, tid: int) -> None:
-            self.tid = tid
-
-        def __eq__(self, other: object) -> bool:
-            return type(other) is type(self) and other.tid == self.tid  # type: ignore[attr-defined]
-
-        def __hash__(self) -> int:
-            return hash(("TensorReference", self.tid))
-
-        def __repr__(self) -> str:
-            return f"TensorReference(tid={self.tid!r})"
-
-    # Pickles (and is recognised) under torch_xla's name.
-    TensorReference.__module__ = _XLA_MODULE
-    return TensorReference, True
+    return _StandInTensorReference, True
 
 
 TensorReference, TENSOR_REFERENCE_IS_STAND_IN = _resolve_tensor_reference()
@@ -174,6 +177,8 @@ def _allowed_global(module: str, name: str) -> object | None:
         if name == "Size":
             return torch.Size
         return _STORAGE_CLASSES.get(name) or _DTYPES.get(name)
+    if module == "torch.storage" and name == "UntypedStorage":  # how v3 tensors name it
+        return _STORAGE_CLASSES[name]
     if module == "collections" and name == "OrderedDict":
         return OrderedDict
     if module == _XLA_MODULE and name == "TensorReference":

@@ -1,10 +1,8 @@
-"""Lazy safetensors reading and streaming safetensors writing.
+"""Lazy safetensors reading and streaming safetensors writing, never holding a whole file.
 
-File format (little-endian): an 8-byte unsigned header length ``N``, ``N`` bytes of
-UTF-8 JSON mapping tensor names to ``{"dtype", "shape", "data_offsets"}`` (offsets are
-relative to the end of the header) plus an optional ``"__metadata__"`` str->str map,
-then the raw tensor bytes. Nothing here ever holds a whole file in memory; reads and
-writes go through ``mmap`` or ``os.pread``/``os.pwrite`` on explicit byte ranges.
+Format (little-endian): u64 header length ``N``; ``N`` bytes of UTF-8 JSON mapping names to
+``{"dtype", "shape", "data_offsets"}`` (relative to the data start) plus optional
+``"__metadata__"`` (str -> str); then raw tensor bytes, accessed here by explicit byte ranges.
 """
 
 from __future__ import annotations
@@ -19,41 +17,39 @@ import struct
 import sys
 import threading
 from bisect import bisect_right
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from itertools import pairwise
+from typing import Any
 
 import torch
 
-__all__ = [
-    "DTYPES", "DTYPE_NAMES", "SafetensorsEntry", "SafetensorsFormatError", "SafetensorsWriteError",
-    "SafetensorsLayout", "SafetensorsReader", "SafetensorsExtentWriter", "SafetensorsWriter",
-    "plan_safetensors", "open_for_extents",
-]
-
-PathLike = Union[str, "os.PathLike[str]"]
-BytesLike = Union[bytes, bytearray, memoryview, torch.Tensor]
+PathLike = str | os.PathLike[str]
+BytesLike = bytes | bytearray | memoryview | torch.Tensor
 
 # Tensor order used by safetensors' own serializer (descending Rust `Dtype` enum order,
 # found by saving one tensor of every dtype with safetensors 0.8.0). Byte identity with
 # `safetensors.torch.save_file` depends on this order, so it is pinned here.
+# fmt: off
 _FILE_ORDER: tuple[tuple[str, str], ...] = (
-    ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"),
-    ("F32", "float32"), ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"),
-    ("F16", "float16"), ("U16", "uint16"), ("I16", "int16"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"), ("F32", "float32"),
+    ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"), ("F16", "float16"), ("U16", "uint16"),
+    ("I16", "int16"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
     ("F8_E8M0", "float8_e8m0fnu"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
     ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"),
 )
+# fmt: on
 # Older torch builds lack some dtypes; only those this torch has are supported.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr) for name, attr in _FILE_ORDER if hasattr(torch, attr)
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, attr in _FILE_ORDER if hasattr(torch, attr)}
 DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 _RANK: dict[str, int] = {name: i for i, (name, _) in enumerate(_FILE_ORDER)}
 
 _MAX_HEADER = 100_000_000  # same cap as the reference implementation; bounds memory on bad input
 _IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
 _METADATA_KEY = "__metadata__"
+if sys.byteorder != "little":  # the format is little-endian and bytes are copied without swapping
+    raise ImportError("ckptconv.io.safetensors_io supports little-endian hosts only")
 
 
 class SafetensorsFormatError(ValueError):
@@ -94,16 +90,6 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def _check_little_endian() -> None:
-    # The format is little-endian and we copy raw bytes without swapping.
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors_io supports little-endian hosts only")
-
-
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (caller keeps ``t`` alive)."""
     n = t.numel() * t.element_size()
@@ -112,16 +98,14 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
-def _as_bytes(data: BytesLike) -> memoryview:
+def _as_bytes(data: BytesLike, where: str) -> memoryview:
     if isinstance(data, torch.Tensor):
-        if data.device.type != "cpu" or not data.is_contiguous():
-            raise SafetensorsWriteError("write_extent needs a contiguous CPU tensor")
+        # conj/neg bits are lazy flags: the raw memory would not hold the values the tensor shows
+        if data.device.type != "cpu" or not data.is_contiguous() or data.is_conj() or data.is_neg():
+            raise SafetensorsWriteError(f"{where}: write_extent needs a contiguous CPU tensor without conj/neg bits")
         return _tensor_bytes(data)
     mv = memoryview(data)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
-
-
-# ----------------------------------------------------------------------------- planning
 
 
 def plan_safetensors(
@@ -152,34 +136,25 @@ def plan_safetensors(
         planned.append((key, dtype, dims))
     # Python str order equals UTF-8 byte order, which is what the Rust sort compares.
     planned.sort(key=lambda p: (_RANK[DTYPE_NAMES[p[1]]], p[0]))
-
-    parts = []
-    if metadata is not None:
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise ValueError("metadata must map str to str")
-        parts.append(f"{_dumps(_METADATA_KEY)}:{_dumps(dict(metadata))}")
-    offset, spans = 0, []
+    meta = None if metadata is None else dict(metadata)
+    if meta is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise ValueError("metadata must map str to str")
+    parts = [] if meta is None else [f"{_dumps(_METADATA_KEY)}:{_dumps(meta)}"]
+    offsets = [0]  # relative to the data region
     for key, dtype, dims in planned:
-        n = _nbytes(dtype, dims)
-        spans.append((offset, n))
+        offsets.append(offsets[-1] + math.prod(dims) * dtype.itemsize)
         parts.append(
             f'{_dumps(key)}:{{"dtype":"{DTYPE_NAMES[dtype]}","shape":[{",".join(map(str, dims))}],'
-            f'"data_offsets":[{offset},{offset + n}]}}'
+            f'"data_offsets":[{offsets[-2]},{offsets[-1]}]}}'
         )
-        offset += n
     body = ("{" + ",".join(parts) + "}").encode("utf-8")
     body += b" " * (-len(body) % 8)  # the reference pads with spaces to 8-byte alignment
     header = struct.pack("<Q", len(body)) + body
-    start = len(header)
     laid = {
-        key: SafetensorsEntry(key, dtype, dims, start + off, n)
-        for (key, dtype, dims), (off, n) in zip(planned, spans)
+        key: SafetensorsEntry(key, dtype, dims, len(header) + begin, end - begin)
+        for (key, dtype, dims), begin, end in zip(planned, offsets, offsets[1:], strict=False)
     }
-    meta = dict(metadata) if metadata is not None else None
-    return SafetensorsLayout(header, laid, start + offset, meta)
-
-
-# ----------------------------------------------------------------------------- reading
+    return SafetensorsLayout(header, laid, len(header) + offsets[-1], meta)
 
 
 def _fail(path: str, msg: str, key: str | None = None) -> SafetensorsFormatError:
@@ -187,38 +162,31 @@ def _fail(path: str, msg: str, key: str | None = None) -> SafetensorsFormatError
     return SafetensorsFormatError((where + msg).replace("\n", " "))
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON true/false are bools
-
-
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
+    out = dict(pairs)  # json would silently keep the last of duplicate keys
+    if len(out) != len(pairs):
+        dup = next(k for k, count in Counter(k for k, _ in pairs).items() if count > 1)
+        raise ValueError(f"duplicate key {dup!r}")
     return out
 
 
 def _parse_entry(path: str, key: str, raw: Any, data_len: int, start: int) -> SafetensorsEntry:
     """Validate one header entry against the data region ``[0, data_len)``."""
-    if not isinstance(raw, dict):
-        raise _fail(path, f"expected an object, got {type(raw).__name__}", key)
-    for field in ("dtype", "shape", "data_offsets"):
-        if field not in raw:
-            raise _fail(path, f"missing field {field!r}", key)
+    if not isinstance(raw, dict) or not {"dtype", "shape", "data_offsets"} <= raw.keys():
+        raise _fail(path, f"expected an object with dtype, shape, data_offsets, got {raw!r:.80}", key)
     name, shape, offs = raw["dtype"], raw["shape"], raw["data_offsets"]
     if name not in DTYPES:
         raise _fail(path, f"unknown dtype {name!r}, expected one of {sorted(DTYPES)}", key)
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    # `type(x) is int` because JSON true/false parse as bools, a subclass of int.
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
         raise _fail(path, f"shape must be a list of non-negative ints, got {shape!r}", key)
-    if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+    if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
         raise _fail(path, f"data_offsets must be [begin, end] ints, got {offs!r}", key)
     begin, end = offs
     if not 0 <= begin <= end <= data_len:
         raise _fail(path, f"data_offsets {offs} outside data region [0, {data_len}]", key)
     dtype = DTYPES[name]
-    expected = _nbytes(dtype, tuple(shape))
+    expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:
         raise _fail(path, f"expected {expected} bytes for {name}{shape}, data_offsets {offs} span {end - begin}", key)
     return SafetensorsEntry(key, dtype, tuple(shape), start + begin, expected)
@@ -226,7 +194,7 @@ def _parse_entry(path: str, key: str, raw: Any, data_len: int, start: int) -> Sa
 
 def _check_overlaps(path: str, entries: list[SafetensorsEntry], start: int) -> None:
     spans = sorted((e.data_offset, e.data_offset + e.nbytes, e.key) for e in entries if e.nbytes)
-    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+    for (b0, e0, k0), (b1, e1, k1) in pairwise(spans):
         if b1 < e0:
             raise _fail(path, f"data [{b1 - start}, {e1 - start}) overlaps {k0!r} at [{b0 - start}, {e0 - start})", k1)
 
@@ -243,7 +211,6 @@ class SafetensorsReader:
     """
 
     def __init__(self, path: PathLike, io: str = "mmap") -> None:
-        _check_little_endian()
         if io not in ("mmap", "read"):
             raise ValueError(f"io must be 'mmap' or 'read', got {io!r}")
         self.path = os.fspath(path)
@@ -273,9 +240,7 @@ class SafetensorsReader:
         if not isinstance(header, dict):
             raise _fail(path, f"header must be a JSON object, got {type(header).__name__}")
         metadata = header.pop(_METADATA_KEY, None)
-        if metadata is not None and not (
-            isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-        ):
+        if not (metadata is None or isinstance(metadata, dict) and all(type(v) is str for v in metadata.values())):
             raise _fail(path, f"__metadata__ must map str to str, got {metadata!r:.80}")
         start = 8 + n
         entries = [_parse_entry(path, k, v, size - start, start) for k, v in header.items()]
@@ -299,42 +264,24 @@ class SafetensorsReader:
         return key in self._entries
 
     def keys(self) -> list[str]:
-        """Tensor names in file order (ascending data offset).
-
-        Example:
-            >>> SafetensorsReader("m.safetensors").keys()  # doctest: +SKIP
-            ['embed.weight', 'lm_head.weight']
-        """
+        """Tensor names in file order (ascending data offset), e.g. ``['embed.weight', 'norm.weight']``."""
         return list(self._entries)
 
     def entry(self, key: str) -> SafetensorsEntry:
-        """Dtype, shape and byte location of ``key``.
-
-        Example:
-            >>> SafetensorsReader("m.safetensors").entry("w").shape  # doctest: +SKIP
-            (4096, 4096)
-        """
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor {key!r}") from None
+        """Dtype, shape and byte location of ``key``, e.g. ``r.entry("w").shape == (4096, 4096)``."""
+        if key not in self._entries:
+            raise KeyError(f"{self.path}: no tensor {key!r}")
+        return self._entries[key]
 
     def read(self, key: str) -> torch.Tensor:
-        """Whole tensor as a new CPU tensor owning its memory.
-
-        Example:
-            >>> SafetensorsReader("m.safetensors").read("w").dtype  # doctest: +SKIP
-            torch.bfloat16
-        """
+        """Whole tensor as a new CPU tensor owning its memory, e.g. ``w = r.read("lm_head.weight")``."""
         e = self.entry(key)
         return self._load(e.data_offset, e.nbytes, e.dtype, e.shape)
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of dim 0, reading only those rows' bytes.
+        """Rows ``[start, stop)`` of dim 0, reading only their bytes.
 
-        Example:
-            >>> SafetensorsReader("m.safetensors").read_rows("emb", 10, 12).shape  # doctest: +SKIP
-            torch.Size([2, 4096])
+        Example: ``r.read_rows("embed.weight", 10, 12).shape == (2, 4096)``.
         """
         e = self.entry(key)
         if not e.shape:
@@ -382,9 +329,6 @@ class SafetensorsReader:
             self._fd = -1
 
 
-# ----------------------------------------------------------------------------- writing
-
-
 class _Coverage:
     """Sorted, merged, disjoint ``[start, end)`` intervals of bytes already written."""
 
@@ -414,7 +358,7 @@ class _Coverage:
 
     def first_gap(self, total: int) -> tuple[int, int] | None:
         pos = 0
-        for s, e in zip(self.starts, self.ends):
+        for s, e in zip(self.starts, self.ends, strict=True):
             if s > pos:
                 return pos, s
             pos = e
@@ -433,15 +377,14 @@ class SafetensorsExtentWriter:
     """Writes tensor byte ranges into an already laid-out file (no header writes).
 
     Several processes may each hold one on the same path and write disjoint extents;
-    :meth:`written` reports what this one wrote so a coordinator can verify coverage.
+    :meth:`written` reports what this one wrote so a coordinator can verify coverage. Close
+    it before the coordinator's ``finish()``: on NFS, close is what flushes the data.
 
-    Example:
-        >>> with open_for_extents("out.safetensors", layout) as w:  # doctest: +SKIP
-        ...     w.write_extent("w", 0, chunk_bytes)
+    Example: ``results = pool.map(worker, parts)`` where each worker does
+    ``with open_for_extents(path, layout) as w: w.write_extent(...); return w.written()``.
     """
 
     def __init__(self, path: PathLike, layout: SafetensorsLayout, fd: int) -> None:
-        _check_little_endian()
         self.path, self.layout, self._fd = os.fspath(path), layout, fd
         self._coverage = {key: _Coverage() for key in layout.entries}
         self._lock = threading.Lock()  # pwrite is thread-safe; the bookkeeping is not
@@ -450,7 +393,7 @@ class SafetensorsExtentWriter:
     def __enter__(self) -> SafetensorsExtentWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close()
 
     def _entry(self, key: str) -> SafetensorsEntry:
@@ -465,20 +408,18 @@ class SafetensorsExtentWriter:
         with self._lock:
             hit = self._coverage[key].overlap(start, end)
             if hit is not None:
-                raise SafetensorsWriteError(
-                    f"{self.path}: tensor {key!r}: extent [{start}, {end}) overlaps already written [{hit[0]}, {hit[1]})"
-                )
+                where = f"{self.path}: tensor {key!r}: extent [{start}, {end})"
+                raise SafetensorsWriteError(f"{where} overlaps already written [{hit[0]}, {hit[1]})")
             self._coverage[key].add(start, end)
 
     def write_extent(self, key: str, offset_in_tensor: int, data: BytesLike) -> None:
-        """Write raw bytes at ``offset_in_tensor`` within tensor ``key`` (each byte once).
+        """Write raw bytes at byte ``offset_in_tensor`` of tensor ``key``; each byte exactly once.
 
-        Example:
-            >>> w.write_extent("w", 4096, row.view(torch.uint8))  # doctest: +SKIP
+        Example: ``w.write_extent("w", 2 * row_nbytes, rows_2_to_5.view(torch.uint8))``.
         """
         if self._fd < 0:
             raise SafetensorsWriteError(f"{self.path}: writer is closed")
-        mv = _as_bytes(data)
+        mv = _as_bytes(data, f"{self.path}: tensor {key!r}")
         if not len(mv):
             return
         self._claim(key, offset_in_tensor, offset_in_tensor + len(mv))
@@ -489,22 +430,17 @@ class SafetensorsExtentWriter:
             raise
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
-        """Write a whole tensor; dtype and shape must match the layout.
-
-        Example:
-            >>> w.write_tensor("w", torch.zeros(2, 3))  # doctest: +SKIP
-        """
+        """Write a whole tensor whose dtype and shape match the layout, e.g. ``w.write_tensor("b", bias)``."""
         e = self._entry(key)
         if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
-            raise SafetensorsWriteError(
-                f"{self.path}: tensor {key!r}: expected {e.dtype}{list(e.shape)}, got {tensor.dtype}{list(tensor.shape)}"
-            )
-        self.write_extent(key, 0, tensor.detach().cpu().contiguous())
+            got = f"{tensor.dtype}{list(tensor.shape)}"
+            raise SafetensorsWriteError(f"{self.path}: tensor {key!r}: expected {e.dtype}{list(e.shape)}, got {got}")
+        self.write_extent(key, 0, tensor.detach().cpu().resolve_conj().resolve_neg().contiguous())
 
     def written(self) -> dict[str, list[tuple[int, int]]]:
         """Merged byte ranges written per tensor (only tensors with any bytes)."""
         with self._lock:
-            return {k: list(zip(c.starts, c.ends)) for k, c in self._coverage.items() if c.starts}
+            return {k: list(zip(c.starts, c.ends, strict=True)) for k, c in self._coverage.items() if c.starts}
 
     def close(self) -> None:
         """Close the descriptor without any checks (idempotent)."""
@@ -542,30 +478,25 @@ class SafetensorsWriter(SafetensorsExtentWriter):
         self.close()
 
     def add_written(self, written: Mapping[str, list[tuple[int, int]]]) -> None:
-        """Record extents written by other processes (from their ``written()``).
-
-        Example:
-            >>> w.add_written(child_result)  # doctest: +SKIP
-        """
+        """Record extents other processes wrote, e.g. ``w.add_written(child_writer.written())``."""
         for key, spans in written.items():
             for start, end in spans:
                 self._claim(key, start, end)
 
     def finish(self, fsync: bool = False) -> None:
-        """Verify every tensor byte was written exactly once, optionally fsync, close.
+        """Check every tensor byte was written exactly once, optionally fsync, then close.
 
-        Example:
-            >>> w.finish(fsync=True)  # doctest: +SKIP
+        Example: ``w.finish(fsync=True)`` raises ``SafetensorsWriteError`` naming the key and gap.
         """
+        if self._fd < 0:
+            raise SafetensorsWriteError(f"{self.path}: writer is already closed")
         try:
             if self._failed is not None:
                 raise SafetensorsWriteError(f"{self.path}: {self._failed}")
             for key, e in self.layout.entries.items():
-                gap = self._coverage[key].first_gap(e.nbytes)
-                if gap is not None:
-                    raise SafetensorsWriteError(
-                        f"{self.path}: tensor {key!r}: bytes [{gap[0]}, {gap[1]}) of {e.nbytes} never written"
-                    )
+                if (gap := self._coverage[key].first_gap(e.nbytes)) is not None:
+                    msg = f"tensor {key!r}: bytes [{gap[0]}, {gap[1]}) of {e.nbytes} never written"
+                    raise SafetensorsWriteError(f"{self.path}: {msg}")
             if fsync:
                 os.fsync(self._fd)
         finally:
@@ -575,9 +506,7 @@ class SafetensorsWriter(SafetensorsExtentWriter):
 def open_for_extents(path: PathLike, layout: SafetensorsLayout) -> SafetensorsExtentWriter:
     """Open a file already created by :class:`SafetensorsWriter` for extent writes only.
 
-    Example:
-        >>> w = open_for_extents("out.safetensors", plan_safetensors(specs))  # doctest: +SKIP
-        >>> w.write_extent("w", 0, b"..."); w.close()  # doctest: +SKIP
+    Example: ``with open_for_extents(path, plan_safetensors(specs)) as w: w.write_extent("w", 0, buf)``.
     """
     fd = os.open(os.fspath(path), os.O_WRONLY)
     size = os.fstat(fd).st_size

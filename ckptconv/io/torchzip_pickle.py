@@ -13,12 +13,10 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import sys
-import types
 from collections import OrderedDict
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -50,7 +48,7 @@ def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
         return True
     expected = 1
     # size-1 dims may carry any stride (torch allows it); the rest must nest exactly.
-    for st, size in sorted((s, sz) for sz, s in zip(shape, stride) if sz != 1):
+    for st, size in sorted((s, sz) for sz, s in zip(shape, stride, strict=True) if sz != 1):
         if st != expected:
             return False
         expected *= size
@@ -140,38 +138,54 @@ def _storage_pid(meta: TensorMeta, key: str) -> tuple[Any, ...]:
 
 
 class _StandInPickler(pickle.Pickler):
+    """The C pickler, as torch.save uses it."""
+
     def persistent_id(self, obj: Any) -> Any:
         return obj.pid if type(obj) is _StorageStandIn else None
 
 
-def _check_plain(value: Any, where: str) -> None:
-    """Reject anything the safe reader could not load back (and any nested tensor)."""
+class _PyStandInPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Pure-Python pickler (same opcodes at protocol 2) that can name the TensorReference
+    stand-in as a global without importing torch_xla, which the C pickler insists on doing."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if type(obj) is _StorageStandIn else None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj is not TensorReference:
+            super().save_global(obj, name)
+            return
+        self.write(pickle.GLOBAL + f"{obj.__module__}\n{obj.__qualname__}\n".encode())
+        self.memoize(obj)
+
+
+def _check_plain(value: Any, where: str) -> bool:
+    """Reject anything the safe reader could not load back (and any nested tensor).
+
+    Returns True if a TensorReference occurs in ``value``."""
     if isinstance(value, (torch.Tensor, TensorMeta)):
         raise ValueError(f"{where}: tensors are only supported as top-level values")
-    if isinstance(value, _PLAIN_SCALARS) or type(value) is TensorReference:
-        return
-    if type(value) is torch.Size:
-        return
+    if type(value) is TensorReference:
+        return True
+    if isinstance(value, _PLAIN_SCALARS) or type(value) is torch.Size:
+        return False
     if type(value) in (list, tuple):
-        for i, v in enumerate(value):
-            _check_plain(v, f"{where}[{i}]")
-        return
+        return any([_check_plain(v, f"{where}[{i}]") for i, v in enumerate(value)])
     if type(value) in (dict, OrderedDict):
-        for k, v in value.items():
-            _check_plain(k, f"{where} key")
-            _check_plain(v, f"{where}[{k!r}]")
-        return
+        return any([_check_plain(k, f"{where} key") | _check_plain(v, f"{where}[{k!r}]") for k, v in value.items()])
     raise ValueError(f"{where}: unsupported value type {type(value).__name__} (expected tensor or plain data)")
 
 
-def _stand_in_container(entries: Mapping[str, Any]) -> tuple[Any, dict[str, str]]:
-    """Copy of ``entries`` with stand-ins for TensorMeta values; also key -> storage key."""
+def _stand_in_container(entries: Mapping[str, Any]) -> tuple[Any, dict[str, str], bool]:
+    """Copy of ``entries`` with stand-ins for TensorMeta values, key -> storage key, and
+    whether a TensorReference occurs."""
     if type(entries) not in (dict, OrderedDict):
         raise ValueError(f"expected a dict or OrderedDict, got {type(entries).__name__}")
     out: Any = type(entries)()
     if type(entries) is OrderedDict:
         out.__dict__.update(vars(entries))  # e.g. state_dict()._metadata is pickled too
     storage_keys: dict[str, str] = {}
+    has_ref = False
     for key, value in entries.items():
         if not isinstance(key, str):
             raise ValueError(f"key {key!r}: keys must be str")
@@ -179,32 +193,11 @@ def _stand_in_container(entries: Mapping[str, Any]) -> tuple[Any, dict[str, str]
             storage_keys[key] = str(len(storage_keys))  # storages are numbered in first-seen order
             out[key] = _TensorStandIn(value, _StorageStandIn(_storage_pid(value, storage_keys[key])))
         else:
-            _check_plain(value, f"key {key!r}")
+            has_ref |= _check_plain(value, f"key {key!r}")
             out[key] = value
     for k, v in getattr(out, "__dict__", {}).items():
-        _check_plain(v, f"attribute {k!r}")
-    return out, storage_keys
-
-
-@contextmanager
-def _tensor_reference_importable() -> Iterator[None]:
-    """Let the C pickler find the TensorReference stand-in under torch_xla's module name.
-
-    The pickler imports a class's module to check it; without torch_xla that fails. We register
-    a tiny module only for the duration of the dump, and only when torch_xla is absent.
-    """
-    name = TensorReference.__module__
-    if not TENSOR_REFERENCE_IS_STAND_IN or name in sys.modules:
-        yield
-        return
-    module = types.ModuleType(name)
-    module.TensorReference = TensorReference  # type: ignore[attr-defined]
-    sys.modules[name] = module
-    try:
-        yield
-    finally:
-        if sys.modules.get(name) is module:
-            del sys.modules[name]
+        has_ref |= _check_plain(v, f"attribute {k!r}")
+    return out, storage_keys, has_ref
 
 
 def pickle_entries(entries: Mapping[str, Any] | TensorMeta) -> tuple[bytes, dict[str, str]]:
@@ -216,12 +209,13 @@ def pickle_entries(entries: Mapping[str, Any] | TensorMeta) -> tuple[bytes, dict
     >>> keys
     {'w': '0'}
     """
+    has_ref = False
     if isinstance(entries, TensorMeta):
         obj: Any = _TensorStandIn(entries, _StorageStandIn(_storage_pid(entries, "0")))
         storage_keys = {"": "0"}
     else:
-        obj, storage_keys = _stand_in_container(entries)
+        obj, storage_keys, has_ref = _stand_in_container(entries)
     buf = io.BytesIO()
-    with _tensor_reference_importable():
-        _StandInPickler(buf, protocol=2).dump(obj)  # torch.save's default protocol is 2
+    pickler = _PyStandInPickler if has_ref and TENSOR_REFERENCE_IS_STAND_IN else _StandInPickler
+    pickler(buf, protocol=2).dump(obj)  # torch.save's default protocol is 2
     return buf.getvalue(), storage_keys

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import random
 import struct
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from ckptconv.io.safetensors_io import (
 
 IO_MODES = ("mmap", "read")
 # Characters that stress JSON escaping and UTF-8 byte ordering of names.
-NAME_CHARS = "abcxyzABC0189._-/ \"\\\n\t\x01\x1f\x7féü中\uffee😀"
+NAME_CHARS = 'abcxyzABC0189._-/ "\\\n\t\x01\x1f\x7féü中\uffee😀'
 # safetensors' own torch loader has no mapping for F8_E8M0, so it cannot read it back.
 REF_LOADABLE = {n for n in DTYPES if n != "F8_E8M0"}
 
@@ -94,7 +95,7 @@ def write_in_pieces(rng: random.Random, path: Path, tensors: dict[str, torch.Ten
     for key, t in tensors.items():
         data = bytes(raw(t).numpy())
         cuts = sorted({0, len(data), *(rng.randint(0, len(data)) for _ in range(rng.randint(0, 4)))})
-        pieces += [(key, a, data[a:b]) for a, b in zip(cuts, cuts[1:])]
+        pieces += [(key, a, data[a:b]) for a, b in pairwise(cuts)]
     rng.shuffle(pieces)
     with SafetensorsWriter(path, layout) as w:
         for i, (key, off, chunk) in enumerate(pieces):
@@ -193,7 +194,9 @@ def test_read_rows_reads_only_those_bytes(tmp_path: Path, monkeypatch: pytest.Mo
     save_file({"big": big}, path)
     calls: list[tuple[int, int]] = []
     real = os.preadv
-    monkeypatch.setattr(stio.os, "preadv", lambda fd, bufs, off: calls.append((off, len(bufs[0]))) or real(fd, bufs, off))
+    monkeypatch.setattr(
+        stio.os, "preadv", lambda fd, bufs, off: calls.append((off, len(bufs[0]))) or real(fd, bufs, off)
+    )
     with SafetensorsReader(path, io="read") as r:
         got = r.read_rows("big", 10, 13)
         assert torch.equal(got, big[10:13])
@@ -255,7 +258,13 @@ def test_malformed_files(tmp_path: Path, case: str, io: str) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"\x05\x00", struct.pack("<Q", 4) + b"{}", struct.pack("<Q", 4) + b"{\"a\"", struct.pack("<Q", 2) + b"\xff\xfe"],
+    [
+        b"",
+        b"\x05\x00",
+        struct.pack("<Q", 4) + b"{}",
+        struct.pack("<Q", 4) + b'{"a"',
+        struct.pack("<Q", 2) + b"\xff\xfe",
+    ],
 )
 def test_malformed_short_or_garbage(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "junk.safetensors"

@@ -1,0 +1,307 @@
+"""Lazy, safe reading of torch zip checkpoints (``torch.save`` files).
+
+Only ``data.pkl`` is parsed up front, through the restricted unpickler in
+:mod:`ckptconv.io.safe_load`; tensor bytes are read on demand with mmap or ``os.pread``.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptconv.io.safe_load import PickledTensor, unpickle_restricted
+
+__all__ = ["StoredTensor", "TorchZipReader"]
+
+_U32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes are inside a torch zip file.
+
+    ``storage_offset`` is in elements; ``data_offset`` is the absolute file offset of the
+    storage record's first byte.
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    data_offset: int
+    storage_nbytes: int
+    storage_key: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _ZipEntry:
+    name: str
+    header_offset: int
+    size: int
+    compressed_size: int
+    method: int
+
+
+def _find_end_record(tail: bytes, path: str) -> int:
+    pos = tail.rfind(b"PK\x05\x06")
+    if pos < 0 or len(tail) - pos < 22:
+        raise ValueError(f"{path}: not a zip file (no end-of-central-directory record)")
+    return pos
+
+
+class _Source:
+    """Positional reads from a file, through mmap or os.pread."""
+
+    def __init__(self, path: str, io: str) -> None:
+        if io not in ("mmap", "read"):
+            raise ValueError(f"{path}: io must be 'mmap' or 'read', got {io!r}")
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.mm: mmap.mmap | None = None
+        self.view: memoryview | None = None
+        if io == "mmap" and self.size:
+            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+            self.view = memoryview(self.mm)
+
+    def read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.fill(memoryview(buf), offset)
+        return bytes(buf)
+
+    def fill(self, dst: memoryview, offset: int) -> None:
+        """Copy ``len(dst)`` file bytes starting at ``offset`` into ``dst``."""
+        n = len(dst)
+        if offset < 0 or offset + n > self.size:
+            raise ValueError(f"{self.path}: read [{offset}, {offset + n}) past end of file ({self.size} bytes)")
+        if self.view is not None:
+            dst[:] = self.view[offset:offset + n]
+            return
+        done = 0
+        while done < n:  # preadv may return short counts
+            got = os.preadv(self.fd, [dst[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"{self.path}: unexpected end of file at {offset + done}")
+            done += got
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _zip64_values(extra: bytes) -> list[int]:
+    """The u64 values of the zip64 extra block (tag 1), in order."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            return list(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+        pos += 4 + size
+    return []
+
+
+def _central_directory(src: _Source) -> dict[str, _ZipEntry]:
+    tail_start = max(0, src.size - 22 - 0xFFFF)
+    tail = src.read(tail_start, src.size - tail_start)
+    eocd = _find_end_record(tail, src.path)
+    n, cd_size, cd_offset = struct.unpack_from("<HII", tail, eocd + 10)
+    if eocd >= 20 and tail[eocd - 20:eocd - 16] == b"PK\x06\x07":  # zip64 locator
+        (z64_offset,) = struct.unpack_from("<Q", tail, eocd - 12)
+        z64 = src.read(z64_offset, 56)
+        if z64[:4] != b"PK\x06\x06":
+            raise ValueError(f"{src.path}: bad zip64 end record at {z64_offset}")
+        n, cd_size, cd_offset = struct.unpack_from("<QQQ", z64, 32)
+    cd = src.read(cd_offset, cd_size)
+    entries: dict[str, _ZipEntry] = {}
+    pos = 0
+    for _ in range(n):
+        if cd[pos:pos + 4] != b"PK\x01\x02":
+            raise ValueError(f"{src.path}: bad central directory entry at {cd_offset + pos}")
+        (method, csize, usize, name_len, extra_len, comment_len) = struct.unpack_from("<HxxxxxxxxIIHHH", cd, pos + 10)
+        (offset,) = struct.unpack_from("<I", cd, pos + 42)
+        name = cd[pos + 46:pos + 46 + name_len].decode("utf-8")
+        wide = _zip64_values(cd[pos + 46 + name_len:pos + 46 + name_len + extra_len])
+        # zip64 values appear only for fields that overflowed, in this order.
+        if usize == _U32:
+            usize = wide.pop(0)
+        if csize == _U32:
+            csize = wide.pop(0)
+        if offset == _U32:
+            offset = wide.pop(0)
+        entries[name] = _ZipEntry(name, offset, usize, csize, method)
+        pos += 46 + name_len + extra_len + comment_len
+    return entries
+
+
+class TorchZipReader:
+    """Lazy reader of a torch zip file; data.pkl is unpickled safely, tensors read on demand.
+
+    ``io="mmap"`` maps the file; ``io="read"`` uses only ``os.pread`` (for network file systems).
+
+    >>> with TorchZipReader("model.pt", io="read") as r:  # doctest: +SKIP
+    ...     w = r.read("w"); top = r.read_rows("w", 0, 2)
+    """
+
+    def __init__(self, path: str | os.PathLike[str], io: str = "mmap") -> None:
+        self.path = os.fspath(path)
+        self._src = _Source(self.path, io)
+        try:
+            self._zip = _central_directory(self._src)
+            first = min(self._zip.values(), key=lambda e: e.header_offset, default=None)
+            if first is None or not (first.name == "data.pkl" or first.name.endswith("/data.pkl")):
+                raise ValueError(f"{self.path}: not a torch zip file (first record is not <archive>/data.pkl)")
+            self._prefix = first.name[: -len("data.pkl")]
+            self.archive = self._prefix.rstrip("/")
+            order = self._zip.get(self._prefix + "byteorder")
+            if order is not None and self._record_bytes(order) != b"little":
+                raise ValueError(f"{self.path}: big-endian torch files are not supported")
+            top = unpickle_restricted(self._record_bytes(first), self.path)
+            self._entries = self._resolve(top)
+        except BaseException:
+            self._src.close()
+            raise
+
+    # -- structure -------------------------------------------------------------------------
+    def _data_offset(self, entry: _ZipEntry) -> int:
+        head = self._src.read(entry.header_offset, 30)
+        if head[:4] != b"PK\x03\x04":
+            raise ValueError(f"{self.path}: bad local header for {entry.name} at {entry.header_offset}")
+        name_len, extra_len = struct.unpack_from("<HH", head, 26)
+        return entry.header_offset + 30 + name_len + extra_len
+
+    def _record_bytes(self, entry: _ZipEntry) -> bytes:
+        if entry.method != 0 or entry.compressed_size != entry.size:
+            raise ValueError(f"{self.path}: record {entry.name} is compressed (method {entry.method}); "
+                             "expected stored records")
+        return self._src.read(self._data_offset(entry), entry.size)
+
+    def _resolve(self, top: Any) -> dict[str, Any]:
+        if isinstance(top, PickledTensor):  # torch.save(tensor): one entry under key ""
+            top = {"": top}
+        if not isinstance(top, dict):
+            raise ValueError(f"{self.path}: expected a dict (or a tensor) at top level, got {type(top).__name__}")
+        # What a faithful re-save needs besides the items: dict vs OrderedDict, and attributes
+        # such as state_dict()'s ``_metadata``.
+        self.container_type: type = type(top)
+        self.attributes: dict[str, Any] = dict(getattr(top, "__dict__", {}))
+        return {k: self._stored(k, v) if isinstance(v, PickledTensor) else v for k, v in top.items()}
+
+    def _stored(self, key: str, pt: PickledTensor) -> StoredTensor:
+        name = f"{self._prefix}data/{pt.storage.key}"
+        entry = self._zip.get(name)
+        if entry is None:
+            raise ValueError(f"{self.path}: tensor {key!r}: storage record {name} is missing")
+        if entry.method != 0 or entry.size != pt.storage.nbytes:
+            raise ValueError(f"{self.path}: tensor {key!r}: record {name} has {entry.size} bytes "
+                             f"(method {entry.method}); expected {pt.storage.nbytes} stored bytes")
+        if math.prod(pt.shape):
+            last = pt.storage_offset + sum((s - 1) * st for s, st in zip(pt.shape, pt.stride, strict=True)) + 1
+            if last * pt.dtype.itemsize > entry.size:
+                raise ValueError(f"{self.path}: tensor {key!r}: shape {pt.shape} stride {pt.stride} offset "
+                                 f"{pt.storage_offset} needs {last * pt.dtype.itemsize} bytes; storage has {entry.size}")
+        return StoredTensor(key, pt.dtype, pt.shape, pt.stride, pt.storage_offset, self._data_offset(entry),
+                            entry.size, pt.storage.key)
+
+    # -- public ----------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Top-level keys in stored order (``[""]`` for a file holding one bare tensor)."""
+        return list(self._entries)
+
+    def entry(self, key: str) -> StoredTensor | Any:
+        """StoredTensor for a tensor, else the plain value."""
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{self.path}: no key {key!r}") from None
+
+    def _tensor(self, key: str) -> StoredTensor:
+        e = self.entry(key)
+        if not isinstance(e, StoredTensor):
+            raise ValueError(f"{self.path}: {key!r} is a {type(e).__name__}, not a tensor")
+        return e
+
+    def _read_elements(self, st: StoredTensor, first: int, count: int) -> torch.Tensor:
+        """Elements [first, first+count) of the storage, as a new 1-D tensor."""
+        out = torch.empty(count, dtype=st.dtype)
+        if count:
+            dst = memoryview(out.view(torch.uint8).numpy())
+            self._src.fill(dst, st.data_offset + first * st.dtype.itemsize)
+        return out
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor as a new tensor owning its memory, with the stored stride.
+
+        >>> r.read("w").stride()  # doctest: +SKIP
+        (1, 4)
+        """
+        st = self._tensor(key)
+        if st.numel == 0:
+            return torch.empty_strided(st.shape, st.stride, dtype=st.dtype)
+        span = sum((s - 1) * t for s, t in zip(st.shape, st.stride, strict=True)) + 1
+        return self._read_elements(st, st.storage_offset, span).as_strided(st.shape, st.stride, 0)
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 as a contiguous tensor (a 0-dim tensor is one row: shape (n,)).
+
+        Row-major tensors read exactly those bytes; column-major ones read one run per column.
+
+        >>> r.read_rows("w", 2, 4).shape  # doctest: +SKIP
+        torch.Size([2, 8])
+        """
+        st = self._tensor(key)
+        shape, stride = (st.shape, st.stride) if st.shape else ((1,), (1,))
+        if not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{self.path}: {key!r}: rows [{start}, {stop}) out of range; expected within [0, {shape[0]}]")
+        n, rest, rest_stride = stop - start, shape[1:], stride[1:]
+        if n == 0 or math.prod(rest) == 0:
+            return torch.empty((n, *rest), dtype=st.dtype)
+        first = st.storage_offset + start * stride[0]
+        span = (n - 1) * stride[0] + sum((s - 1) * t for s, t in zip(rest, rest_stride, strict=True)) + 1
+        if stride[0] == 1 and rest and span > 2 * n * math.prod(rest):
+            return self._gather_runs(st, first, n, rest, rest_stride)
+        block = self._read_elements(st, first, span)
+        return block.as_strided((n, *rest), stride, 0).contiguous()
+
+    def _gather_runs(self, st: StoredTensor, first: int, n: int, rest: tuple[int, ...],
+                     rest_stride: tuple[int, ...]) -> torch.Tensor:
+        """Dim 0 has stride 1 (column-major): read one run of n elements per index of the other dims."""
+        offsets = torch.zeros((), dtype=torch.int64)
+        for size, step in zip(rest, rest_stride, strict=True):
+            offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * step
+        runs = torch.empty((offsets.numel(), n), dtype=st.dtype)
+        raw = memoryview(runs.view(torch.uint8).numpy()).cast("B")
+        run_bytes, itemsize = n * st.dtype.itemsize, st.dtype.itemsize
+        for j, off in enumerate(offsets.reshape(-1).tolist()):
+            self._src.fill(raw[j * run_bytes:(j + 1) * run_bytes], st.data_offset + (first + off) * itemsize)
+        return runs.t().contiguous().reshape(n, *rest)
+
+    def close(self) -> None:
+        self._src.close()
+
+    def __enter__(self) -> TorchZipReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
