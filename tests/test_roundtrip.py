@@ -82,8 +82,13 @@ def test_round_trip_is_bit_exact(models: dict[str, Path], tmp_path: Path, case: 
     src = models[case.model]
     ckptconv.to_nxd(src, tmp_path / "nxd", tp=case.tp, pp=case.pp, vpp=case.vpp, kv_size_multiplier=case.kvm,
                     attention=case.attention, fuse_qkv=case.fuse, hw_backend=case.hw, flavour=case.flavour, options=QUIET)
-    files = sorted(p.name for p in (tmp_path / "nxd" / "model").glob("*.pt"))
-    assert len(files) == case.tp * case.pp
+    shards = sorted((tmp_path / "nxd" / "model").glob("dp_rank_00_tp_rank_*_pp_rank_??.pt"))
+    assert len(shards) == case.tp * case.pp
+    for shard in shards:
+        tensors_dir = Path(f"{shard}.tensors")
+        assert tensors_dir.is_dir() == (case.flavour != "plain")
+        assert Path(f"{shard}.info.pt").is_file() == (case.flavour == "xser-split")
+        assert any(tensors_dir.glob("tensor_*.pt")) == (case.flavour == "xser-split")
     ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=QUIET)
     original = hf_state(src)
     assert_same_state(hf_state(tmp_path / "back"), original)

@@ -24,7 +24,7 @@ import torch
 from ckptconv.errors import ConversionError
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
-from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip
+from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.layout import parse_shard_name, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
 from ckptconv.plan import MODEL_DIR, OutFile, Source
@@ -297,8 +297,8 @@ class XserSplitSink:
             for tid, t in enumerate(self.tensors)
         }
         info_path = Path(str(self.path) + INFO_SUFFIX)
-        torch.save(info, info_path)
-        torch.save(refs, self.path)
+        torch.save(info, info_path)  # plain data
+        save_state_dict(self.path, refs)  # our writer names TensorReference without importing torch_xla
         return [self.tensor_dir, info_path, self.path]
 
 

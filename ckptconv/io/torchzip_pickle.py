@@ -39,7 +39,8 @@ _V3_DTYPES: frozenset[torch.dtype] = frozenset(
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(_V2_STORAGE) | _V3_DTYPES
 
 # Plain (non-tensor) values allowed in a saved dict; the safe reader accepts exactly these.
-_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes, torch.dtype)
+# (no bytes: protocol 2 pickles them through _codecs.encode, which the reader does not allow)
+_PLAIN_SCALARS = (type(None), bool, int, float, str, torch.dtype)
 
 
 def _is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
