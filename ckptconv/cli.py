@@ -39,7 +39,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-memory", type=parse_size, default=defaults.max_memory,
                    help="working-memory budget for tensor data (default 2GiB)")
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,
-                   help="input reads: mmap (default; fast on local disks) or read (plain reads; for Lustre/NFS)")
+                   help="input reads: read (plain reads, default; safe on Lustre/NFS) or mmap")
     p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")

@@ -78,6 +78,7 @@ def test_refuses_to_mix_conversions_without_overwrite(tiny_models, tmp_path: Pat
     src = tiny_models("gqa", heads=8, kv_heads=2, head_dim=8, layers=6)
     out = tmp_path / "out"
     assert main(["to-nxd", str(src), str(out), "--tp", "2", "--quiet"]) == 0
+    capsys.readouterr()
     assert main(["to-nxd", str(src), str(out), "--tp", "2", "--quiet", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
     assert main(["to-nxd", str(src), str(out), "--tp", "4", "--quiet"]) == 1

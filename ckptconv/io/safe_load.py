@@ -223,7 +223,7 @@ def unpickle_restricted(data: bytes, filename: str = "<bytes>") -> Any:
         return _RestrictedUnpickler(data, filename).load()
     except UnsafeCheckpointError:
         raise
-    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, IndexError) as e:
+    except Exception as e:  # corrupt or hostile data: one error type, naming the file
         raise ValueError(f"{filename}: cannot unpickle: {type(e).__name__}: {e}") from e
 
 
@@ -257,6 +257,6 @@ def is_torch_zip(path: str | os.PathLike[str]) -> bool:
                 return False
             name_len = int.from_bytes(head[26:28], "little")
             name = f.read(name_len)
-    except (IsADirectoryError, FileNotFoundError, PermissionError):
+    except OSError:  # missing, a directory, unreadable
         return False
     return name == b"data.pkl" or name.endswith(b"/data.pkl")

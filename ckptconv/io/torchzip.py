@@ -274,7 +274,7 @@ def _byte_view(data: Any) -> memoryview:
                              f"contiguous={data.is_contiguous()}")
         if data.numel() == 0:
             return memoryview(b"")
-        return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
+        return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return memoryview(data).cast("B")
 
 
@@ -349,9 +349,11 @@ class TorchZipWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and not self._finished:
-            self.finish()
-        self.close()
+        try:
+            if exc_type is None and not self._finished:
+                self.finish()
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Release the file without finishing it (finish() closes too)."""
@@ -404,6 +406,8 @@ class TorchZipWriter:
         the central directory, and close the file."""
         if self._finished:
             return
+        if self._fd < 0:
+            raise ValueError(f"{self.path}: writer was closed before finish()")
         lay = self.layout
         crcs = {n: zlib.crc32(d) for n, d in lay.small.items()}
         for key in lay.keys:

@@ -125,7 +125,7 @@ class _TensorStandIn:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
         # Fresh size/stride tuples and OrderedDict, as torch builds them per call.
-        args = (self.storage, 0, tuple(self.meta.shape), tuple(self.meta.stride), False, OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, tuple(self.meta.shape), tuple(self.meta.stride), False, OrderedDict())
         if self.meta.dtype in _V3_DTYPES:
             return torch._utils._rebuild_tensor_v3, args + (self.meta.dtype,)
         return torch._utils._rebuild_tensor_v2, args
@@ -145,7 +145,10 @@ class _StandInPickler(pickle.Pickler):
         return obj.pid if type(obj) is _StorageStandIn else None
 
 
-class _PyStandInPickler(pickle._Pickler):  # type: ignore[name-defined]
+_PurePythonPickler: Any = pickle._Pickler  # type: ignore[attr-defined]
+
+
+class _PyStandInPickler(_PurePythonPickler):
     """Pure-Python pickler (same opcodes at protocol 2) that can name the TensorReference
     stand-in as a global without importing torch_xla, which the C pickler insists on doing."""
 

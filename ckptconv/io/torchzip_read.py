@@ -246,7 +246,7 @@ class TorchZipReader:
         """Elements [first, first+count) of the storage, as a new 1-D tensor."""
         out = torch.empty(count, dtype=st.dtype)
         if count:
-            dst = memoryview(out.view(torch.uint8).numpy())
+            dst = memoryview(out.view(torch.uint8).numpy())  # type: ignore[arg-type]
             self._src.fill(dst, st.data_offset + first * st.dtype.itemsize)
         return out
 
@@ -291,7 +291,7 @@ class TorchZipReader:
         for size, step in zip(rest, rest_stride, strict=True):
             offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * step
         runs = torch.empty((offsets.numel(), n), dtype=st.dtype)
-        raw = memoryview(runs.view(torch.uint8).numpy()).cast("B")
+        raw = memoryview(runs.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         run_bytes, itemsize = n * st.dtype.itemsize, st.dtype.itemsize
         for j, off in enumerate(offsets.reshape(-1).tolist()):
             self._src.fill(raw[j * run_bytes:(j + 1) * run_bytes], st.data_offset + (first + off) * itemsize)

@@ -161,6 +161,13 @@ def test_archive_name_matches_torch(tmp_path: Path, name: str) -> None:
     assert archive_name_for(str(path)) == r.archive
 
 
+def test_non_ascii_file_name(tmp_path: Path) -> None:
+    """torch writes non-ASCII paths through a Python stream, with the generic archive name."""
+    sd = {"w": torch.arange(6.0).reshape(2, 3)}
+    save_state_dict(ours_path(tmp_path, "ünï_模型.pt"), sd)
+    assert ours_path(tmp_path, "ünï_模型.pt").read_bytes() == torch_bytes(tmp_path, "ünï_模型.pt", sd)
+
+
 def test_archive_name_empty_is_refused() -> None:
     with pytest.raises(ValueError, match="empty archive name"):
         archive_name_for("/x/.pt")
@@ -552,6 +559,16 @@ def test_zip64_past_4_gib_matches_torch_save(tmp_path: Path) -> None:
     with TorchZipReader(ref_dir / name, io="read") as r:
         assert r.entry("big2").data_offset == layout.data_offset["big2"]
         assert r.read_rows("big1", 2**32 + 190, 2**32 + 197).tolist() == [0] * 7
+
+
+@pytest.mark.slow
+def test_more_than_65535_records_matches_torch_save(tmp_path: Path) -> None:
+    """The end record caps its entry counts at 0xFFFF; the zip64 end record has the real count."""
+    sd = {f"t{i}": torch.full((i % 3,), i % 251, dtype=torch.uint8) for i in range(65540)}
+    save_state_dict(ours_path(tmp_path, "many.pt"), sd)
+    assert ours_path(tmp_path, "many.pt").read_bytes() == torch_bytes(tmp_path, "many.pt", sd)
+    with TorchZipReader(ours_path(tmp_path, "many.pt"), io="read") as r:
+        assert len(r.keys()) == 65540 and r.read("t65539").tolist() == [65539 % 251] * (65539 % 3)
 
 
 def test_zip64_layout_offsets_without_data() -> None:
