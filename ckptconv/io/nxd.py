@@ -336,3 +336,76 @@ __all__ = [
     "tag_step",
     "write_markers",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# Whole shards in memory (training saves and loads one rank's state at a time)
+
+
+def save_shard(path: Path, state: dict[str, torch.Tensor], flavour: Flavour | str = Flavour.PLAIN) -> list[Path]:
+    """Write one rank's shard from memory, byte-identical to ``torch.save`` for ``plain``.
+
+    Written under a temp directory beside ``path`` with the final basename (torch.save output
+    depends on it) and renamed into place, the main ``.pt`` last. Returns the paths written.
+    """
+    from ckptconv.plan import OutFile, OutTensor, Piece
+
+    path = Path(path)
+    flavour = Flavour(flavour)
+    tensors = {k: _own_storage(v) for k, v in state.items()}
+    out_file = OutFile(
+        path.name, "torch",
+        tuple(
+            OutTensor(k, t.dtype, tuple(t.shape), 0, (Piece(Source(None, k), 0, t.shape[0] if t.dim() else 1),),
+                      column_major=t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride() == (1, t.shape[0]))
+            for k, t in tensors.items()
+        ),
+    )
+    tmp = path.parent / f".{path.name}.partial"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    sink = sink_factory(flavour)(out_file, tmp)
+    for t_out in out_file.tensors:
+        t = tensors[t_out.key]
+        data = t.t().contiguous() if t_out.column_major else t.contiguous()
+        sink.write_extent(t_out.key, 0, data.reshape(()) if t.dim() == 0 else data)
+    written = []
+    for temp_path in sink.finish():
+        final = path.parent / temp_path.relative_to(tmp)
+        if final.is_dir():
+            import shutil
+
+            shutil.rmtree(final)
+        os.replace(temp_path, final)
+        written.append(final)
+    tmp.rmdir()
+    return written
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its storage (a view would serialize its whole parent)."""
+    t = t.detach().cpu()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    if not (t.is_contiguous() or (t.dim() == 2 and t.stride() == (1, t.shape[0]))):
+        t = t.contiguous()
+    return t
+
+
+def load_shard(path: Path, *, io: str = "read") -> dict[str, torch.Tensor]:
+    """Every tensor of one shard (any flavour), in file order, as tensors owning their memory."""
+    path = Path(path)
+    reader: FileReader | _SplitShard = _SplitShard(path, io) if detect_flavour(path) is Flavour.XSER_SPLIT else TorchFileReader(path, io)
+    try:
+        out = {}
+        for key in reader.keys():
+            _, shape, _ = reader.info(key)
+            rows = shape[0] if shape else 1
+            t = reader.read_rows(key, 0, rows)
+            out[key] = t.reshape(shape)
+        return out
+    finally:
+        reader.close()
