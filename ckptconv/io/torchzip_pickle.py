@@ -124,8 +124,11 @@ class _TensorStandIn:
         self.meta, self.storage = meta, storage
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
-        # Fresh size/stride tuples and OrderedDict, as torch builds them per call.
-        args: tuple[Any, ...] = (self.storage, 0, tuple(self.meta.shape), tuple(self.meta.stride), False, OrderedDict())
+        # Fresh size/stride tuples and OrderedDict, as torch builds them per call: the pickler
+        # memoizes by identity, so sharing one TensorMeta between keys must not share tuples.
+        # (tuple(a_tuple) would return the same object; tuple(list(...)) does not.)
+        size, stride = tuple(list(self.meta.shape)), tuple(list(self.meta.stride))
+        args: tuple[Any, ...] = (self.storage, 0, size, stride, False, OrderedDict())
         if self.meta.dtype in _V3_DTYPES:
             return torch._utils._rebuild_tensor_v3, args + (self.meta.dtype,)
         return torch._utils._rebuild_tensor_v2, args

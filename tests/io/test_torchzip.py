@@ -228,6 +228,18 @@ def test_basename_lengths_change_padding(tmp_path: Path) -> None:
         assert ours_path(tmp_path, name).read_bytes() == torch_bytes(tmp_path, name, sd), name
 
 
+def test_one_meta_object_shared_by_many_keys(tmp_path: Path) -> None:
+    """Pickle memoizes by identity: a reused TensorMeta must still give fresh size/stride tuples."""
+    meta, scalar = TensorMeta.contiguous(torch.bfloat16, (4, 3)), TensorMeta(torch.float32, (), ())
+    metas = {"a": meta, "b": meta, "s1": scalar, "s2": scalar, "c": meta}
+    sd = {k: torch.zeros(m.shape, dtype=m.dtype) for k, m in metas.items()}
+    layout = plan_zip("shared.pt", metas)
+    with TorchZipWriter(ours_path(tmp_path, "shared.pt"), layout) as w:
+        for key, t in sd.items():
+            w.write_tensor(key, t)
+    assert ours_path(tmp_path, "shared.pt").read_bytes() == torch_bytes(tmp_path, "shared.pt", sd)
+
+
 def test_ordered_dict_state_dict_with_metadata(tmp_path: Path) -> None:
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     sd = module.state_dict()
