@@ -91,6 +91,11 @@ class _Source:
             raise ValueError(f"{self.path}: read [{offset}, {offset + n}) past end of file ({self.size} bytes)")
         if self.view is not None:
             dst[:] = self.view[offset:offset + n]
+            # Drop our page mappings so RSS stays bounded; the page cache keeps the data.
+            assert self.mm is not None
+            page = offset - offset % mmap.PAGESIZE
+            if n:
+                self.mm.madvise(mmap.MADV_DONTNEED, page, offset + n - page)
             return
         done = 0
         while done < n:  # preadv may return short counts
