@@ -87,9 +87,11 @@ class ParallelLayout:
                 f"--pp {self.pp} x --vpp {self.vpp} = {self.stages} stages, but the model has only {spec.layers} layers"
             )
         if self.attention is Attention.SEPARATE:
-            if spec.kv_rows % self.tp:
+            # Each rank must hold whole K/V heads, or its attention cannot be computed locally.
+            if spec.kv_heads % self.tp:
                 raise ConversionError(
-                    f"--tp {self.tp} must divide num_key_value_heads*head_dim ({spec.kv_rows}) for separate q/k/v"
+                    f"--tp {self.tp} must divide num_key_value_heads ({spec.kv_heads}) for separate q/k/v; "
+                    f"use --qkv-linear --kv-size-multiplier {max(1, self.tp // spec.kv_heads)} for tp > kv heads"
                 )
         elif self.attention is Attention.COALESCED:
             if spec.kv_heads != spec.heads:

@@ -13,7 +13,7 @@ import ckptconv
 from tests.conftest import hf_state
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
-MHA = dict(heads=4, kv_heads=4, head_dim=16, layers=4)
+MHA = dict(heads=8, kv_heads=8, head_dim=8, layers=4)
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,11 @@ def matrix() -> list[Case]:
                 if attention == "separate" and hw == "trn2":
                     continue  # hw changes only the qkv_linear head order
                 pp, vpp = ((1, 1), (2, 1), (3, 1), (2, 2))[i % 4]
-                cases.append(Case(tp, pp, attention, fuse, hw, vpp, flavours[i % 3], models[i % 4]))
+                # separate q/k/v needs whole K/V heads per rank: GQA (2 KV heads) up to tp 2, MHA beyond
+                model = "mha" if attention == "separate" and tp > 2 else models[i % 4]
+                cases.append(Case(tp, pp, attention, fuse, hw, vpp, flavours[i % 3], model))
                 i += 1
-    for tp, pp in ((1, 1), (2, 2), (4, 3)):
+    for tp, pp in ((1, 1), (2, 2), (8, 3)):
         cases.append(Case(tp, pp, "coalesced", model="mha", flavour=flavours[tp % 3]))
     cases.append(Case(4, 1, "qkv_linear", True, "trn1", model="mha"))  # MHA on the qkv_linear path (tp <= kv)
     return cases
