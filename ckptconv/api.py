@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.execute import ExecOptions, FileRecord, cleanup_tmp, run_plan, sha256_file
 from ckptconv.io.hf import CONFIG, HfCheckpoint, copy_side_files, write_config, write_index
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
@@ -110,9 +110,14 @@ def to_nxd(
     flavour: str | Flavour = Flavour.PLAIN,
     config: str | Path | None = None,
     dtype: str = "keep",
+    verify_layers: int = 0,
     options: RunOptions | None = None,
 ) -> Result:
-    """Convert an HF Llama checkpoint (directory or single file) into NxD shards under ``out/model``."""
+    """Convert an HF Llama checkpoint (directory or single file) into NxD shards under ``out/model``.
+
+    With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
+    layers (plus embedding and lm_head) numerically and raises ``VerificationError`` on a mismatch.
+    """
     options = options or RunOptions()
     started = time.monotonic()
     layout = ParallelLayout(
@@ -144,7 +149,19 @@ def to_nxd(
         )
         write_metadata(out, meta)
         cleanup_tmp(out)
+    if verify_layers:
+        _verify_after(src, out, config, verify_layers, notes)
     return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())
+
+
+def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers: int, notes: list[str]) -> None:
+    from ckptconv.verify import verify
+
+    report = verify(src, out, layers=layers, config=config)
+    if not report["ok"]:
+        raise VerificationError(f"{out} was written but does not compute what {src} computes: " + "; ".join(report["problems"][:3]))
+    worst = max(c["rel"] for layer in report["layers"].values() for c in layer.values())
+    notes.append(f"verified {len(report['layers'])} layers, embedding and lm_head: max relative error {worst:.2g}")
 
 
 def hf_weight_files(hf: HfCheckpoint) -> list[Path]:
@@ -255,8 +272,10 @@ def to_hf(
         for line in notes:
             note(line, quiet=options.quiet)
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
-                          max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype))
-        fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, _identity(sorted(ckpt.files.values())))
+                          max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
+                          average_replicas=kv_replicas == "mean")
+        fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
+                                   _identity(sorted(ckpt.files.values())))
         if _up_to_date(out, fingerprint, options):
             return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
                           layout.to_json(), skipped=True)

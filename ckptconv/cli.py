@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
     p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
+    p.add_argument("--verify", nargs="?", const=2, type=int, default=0, metavar="LAYERS",
+                   help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
 
     p = sub.add_parser("to-hf", help="NxD shards -> HF safetensors directory")
@@ -96,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_flags(p, defaults=False)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
     p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
-    p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
-                   help="when copies of a K/V head differ: fail (default) or keep the first copy")
+    p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
+                   help="when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
     _run_flags(p)
 
     p = sub.add_parser("reshard", help="NxD shards -> NxD shards of another layout")
@@ -109,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error")
     _run_flags(p)
+
+    p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
+    p.add_argument("hf_dir")
+    p.add_argument("nxd_dir")
+    p.add_argument("--layers", default="all", help="'all' or a number of layers to sample evenly (default all)")
+    p.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4; looser after a cast)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--files", action="store_true", help="also check every file's size and sha256 against ckptconv.json")
+    p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
+    _layout_flags(p, defaults=False)
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
     p.add_argument("path")
@@ -141,7 +154,8 @@ def run(args: argparse.Namespace) -> Any:
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm or 1,
             attention=_attention(args) or Attention.SEPARATE, fuse_qkv=bool(args.fuse_qkv),
             hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
-            flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, options=_options(args),
+            flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
+            options=_options(args),
         )
     if args.command == "to-hf":
         return api.to_hf(args.src, args.out, config=args.config, hints=_hints(args), max_shard_size=args.max_shard_size,
@@ -153,11 +167,27 @@ def run(args: argparse.Namespace) -> Any:
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=_options(args),
         )
+    if args.command == "verify":
+        from ckptconv.verify import verify
+
+        layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
+        return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
+                      hints=_hints(args), files=args.files)
     if args.command == "inspect":
         return inspect(args.path, config=args.config)
     if args.command == "nxd-compat":
         return run_compat(args, _options(args))
     raise AssertionError(args.command)
+
+
+def _positive_int(flag: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConversionError(f"{flag} must be 'all' or a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ConversionError(f"{flag} must be 'all' or a positive integer, got {text!r}")
+    return value
 
 
 def _print(result: Any, as_json: bool) -> None:
@@ -186,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ckptconv: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     _print(result, getattr(args, "json", False))
+    if isinstance(result, dict) and result.get("ok") is False:
+        for problem in result["problems"]:
+            print(f"ckptconv: verify failed: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -62,7 +62,7 @@ SinkFactory = Callable[[OutFile, Path], Sink]
 class ExecOptions:
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     max_memory: int = 2 * 2**30
-    replicas: str = "error"  # "error" | "first": what to do when copies of a K/V head (or norm) differ
+    replicas: str = "error"  # "error" | "first" | "mean": when copies of a K/V head (or norm) differ
     fingerprint: str = ""    # identifies plan + sources; a rerun resumes only when it matches
     progress: Callable[[int], None] | None = None  # called with bytes written
 
@@ -283,7 +283,12 @@ def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) ->
     for piece in tensor.pieces:
         lo, hi = max(start, offset), min(stop, offset + piece.length)
         if lo < hi:
-            parts.append(reader.read_rows(piece.source, piece.start + lo - offset, piece.start + hi - offset))
+            shift = lo - offset
+            part = reader.read_rows(piece.source, piece.start + shift, piece.start + hi - offset)
+            if piece.alternates:  # --kv-replicas mean: average every copy, in fp32
+                copies = [reader.read_rows(a.source, a.start + shift, a.start + hi - offset).float() for a in piece.alternates]
+                part = torch.stack([part.float(), *copies]).mean(dim=0).to(part.dtype)
+            parts.append(part)
         offset += piece.length
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
@@ -305,10 +310,10 @@ def _column_band(
 
 def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: str) -> None:
     """All copies of a replicated range must be equal before one of them is exported."""
-    if policy not in ("error", "first"):
-        raise ConversionError(f"--kv-replicas must be 'error' or 'first', got {policy!r}")
-    if policy == "first":
-        return
+    if policy not in ("error", "first", "mean"):
+        raise ConversionError(f"--kv-replicas must be 'error', 'first' or 'mean', got {policy!r}")
+    if policy != "error":
+        return  # the plan keeps the first copy, or averages them
     for group in groups:
         first = _read_piece(reader, group.copies[0], group.dim)
         for copy in group.copies[1:]:
@@ -319,7 +324,7 @@ def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: st
                     f"replicas of {group.hf_key}[{group.start}:{group.stop}] differ: "
                     f"{copy.source.file}:{copy.source.key} vs {group.copies[0].source.file}:"
                     f"{group.copies[0].source.key}, max abs difference {diff:.3g}; "
-                    f"pass --kv-replicas first to keep the first copy"
+                    f"pass --kv-replicas first or mean to export the first copy or their mean"
                 )
 
 

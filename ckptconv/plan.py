@@ -40,11 +40,12 @@ class Source:
 
 @dataclass(frozen=True)
 class Piece:
-    """``source[start:stop]`` along the record's dim."""
+    """``source[start:stop]`` along the record's dim; with ``alternates``, the mean of all copies."""
 
     source: Source
     start: int
     stop: int
+    alternates: tuple[Piece, ...] = ()
 
     @property
     def length(self) -> int:
@@ -239,12 +240,17 @@ def plan_to_hf(
     with_inv_freq: bool = False,
     max_shard_size: int = 5 * 10**9,
     dtype_policy: DtypePolicy = keep_dtype,
+    average_replicas: bool = False,
 ) -> Plan:
     """Sharded safetensors files (HF naming and grouping) from NxD shards.
 
-    ``shard_dtypes`` maps NxD keys to their stored dtype.
+    ``shard_dtypes`` maps NxD keys to their stored dtype. With ``average_replicas`` a replicated
+    range (K/V head, norm, tied lm_head) is exported as the mean of its copies.
     """
     tensors = _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, dtype_policy, column_major_o=False)
+    _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq)
+    if average_replicas:
+        tensors = [_with_alternates(t, replicas) for t in tensors]
     groups = _group_by_size(tensors, max_shard_size)
     files = []
     if len(groups) == 1:
@@ -252,8 +258,15 @@ def plan_to_hf(
     else:
         for i, group in enumerate(groups, start=1):
             files.append(OutFile(f"model-{i:05d}-of-{len(groups):05d}.safetensors", "safetensors", tuple(group)))
-    _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq)
     return Plan(files, replicas)
+
+
+def _with_alternates(tensor: OutTensor, replicas: list[ReplicaGroup]) -> OutTensor:
+    copies = {g.copies[0]: g.copies[1:] for g in replicas if g.hf_key == tensor.key}
+    if not copies:
+        return tensor
+    pieces = tuple(Piece(p.source, p.start, p.stop, copies.get(p, ())) for p in tensor.pieces)
+    return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, pieces, tensor.column_major)
 
 
 def plan_to_full_state(

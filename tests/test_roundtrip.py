@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckptconv
+from ckptconv.verify import verify
 from tests.conftest import hf_state
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
@@ -91,6 +92,8 @@ def test_round_trip_is_bit_exact(models: dict[str, Path], tmp_path: Path, case: 
         assert tensors_dir.is_dir() == (case.flavour != "plain")
         assert Path(f"{shard}.info.pt").is_file() == (case.flavour == "xser-split")
         assert any(tensors_dir.glob("tensor_*.pt")) == (case.flavour == "xser-split")
+    report = verify(src, tmp_path / "nxd")
+    assert report["ok"], report["problems"]
     ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=QUIET)
     original = hf_state(src)
     assert_same_state(hf_state(tmp_path / "back"), original)

@@ -153,6 +153,10 @@ class _SplitShard:
         reader = self._tensor_reader(key)
         return reader.read_rows(reader.keys()[0], start, stop)
 
+    def read(self, key: str) -> torch.Tensor:
+        reader = self._tensor_reader(key)
+        return reader.read(reader.keys()[0])
+
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()
@@ -396,16 +400,10 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_shard(path: Path, *, io: str = "read") -> dict[str, torch.Tensor]:
-    """Every tensor of one shard (any flavour), in file order, as tensors owning their memory."""
+    """Every tensor of one shard (any flavour), in file order, owning their memory, with stored strides."""
     path = Path(path)
     reader: FileReader | _SplitShard = _SplitShard(path, io) if detect_flavour(path) is Flavour.XSER_SPLIT else TorchFileReader(path, io)
     try:
-        out = {}
-        for key in reader.keys():
-            _, shape, _ = reader.info(key)
-            rows = shape[0] if shape else 1
-            t = reader.read_rows(key, 0, rows)
-            out[key] = t.reshape(shape)
-        return out
+        return {key: reader.read(key) for key in reader.keys()}
     finally:
         reader.close()

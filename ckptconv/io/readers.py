@@ -29,6 +29,10 @@ class FileReader(Protocol):
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor: ...
 
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor with its stored shape and strides."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -54,6 +58,9 @@ class SafetensorsFileReader:
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         return self._reader.read_rows(key, start, stop)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._reader.read(key)
 
     def close(self) -> None:
         self._reader.close()
@@ -83,6 +90,10 @@ class TorchFileReader:
         self._entry(key)
         return self._reader.read_rows(key, start, stop)
 
+    def read(self, key: str) -> torch.Tensor:
+        self._entry(key)
+        return self._reader.read(key)
+
     def close(self) -> None:
         self._reader.close()
 
@@ -104,6 +115,9 @@ class InMemoryReader:
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         t = self._state[key]
         return (t if t.dim() == 0 else t[start:stop]).contiguous().clone()
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._state[key].clone()
 
     def close(self) -> None:
         self._state = {}

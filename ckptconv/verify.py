@@ -1,0 +1,293 @@
+"""``ckptconv verify``: prove that NxD shards compute what the HF model computes.
+
+For each checked layer the same random hidden states go through (a) the dense layer built from
+the HF weights and (b) the layer as the tp ranks compute it from their shards: each rank's own
+Q/K/V rows, attention over the K/V heads it holds (local grouping, as the runtime does), its
+partial ``o_proj`` and ``down_proj`` products summed (the all-reduce), ``gate_up`` split per
+rank. Then the vocab-parallel embedding lookup and the ``lm_head`` logits. A head paired with
+the wrong K/V head, a fused QKV split at the wrong place, a column block from another rank or a
+norm from another layer all change (b) and are reported with the layer, component and ranks.
+
+Example:
+    >>> report = verify("llama-hf", "llama-nxd", layers=2)   # doctest: +SKIP
+    >>> report["ok"]                                          # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.execute import sha256_file
+from ckptconv.io.hf import HfCheckpoint
+from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_name
+from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, q_heads
+from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import Source
+from ckptconv.reference import attention_heads, dense_layer, mlp, rms_norm, rope_cos_sin, rope_inv_freq
+
+DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32
+# When the shards were cast (e.g. fp32 HF -> bf16 shards) the weights themselves differ by the cast.
+CAST_TOL = {torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@dataclass
+class Check:
+    name: str
+    max_abs: float
+    rel: float
+    ranks: list[int] = field(default_factory=list)  # ranks whose own piece disagrees
+    detail: str = ""
+
+    def ok(self, tol: float) -> bool:
+        return self.rel <= tol and not self.ranks
+
+
+def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> Check:
+    if actual.shape != expected.shape:
+        return Check(name, float("inf"), float("inf"), detail=f"shape {list(actual.shape)} vs {list(expected.shape)}")
+    diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    return Check(name, diff, diff / scale if scale else diff)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
+    check = _compare("", actual, expected)
+    return check.rel <= tol
+
+
+class _Shards:
+    """One layer's weights as each tp rank holds them, split the way the runtime splits them."""
+
+    def __init__(self, ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout) -> None:
+        self.ckpt, self.spec, self.layout = ckpt, spec, layout
+        self.pp_of_layer = layer_pp_ranks(spec.layers, layout)
+
+    def file(self, tp: int, pp: int) -> str:
+        return f"model/{shard_name(tp_rank=tp, pp_rank=pp)}"
+
+    def tensor(self, file: str, key: str) -> torch.Tensor:
+        if key not in self.ckpt.keys(file):
+            raise ConversionError(f"{self.ckpt.files[file]}: missing {key!r}")
+        _, shape, _ = self.ckpt.info(Source(file, key))
+        rows = shape[0] if shape else 1
+        return self.ckpt.read_rows(Source(file, key), 0, rows).reshape(shape).float()
+
+    def layer(self, layer: int, rank: int) -> dict[str, torch.Tensor]:
+        file = self.file(rank, self.pp_of_layer[layer])
+        prefix = f"model.layers.{layer}."
+        t = lambda name: self.tensor(file, prefix + name)  # noqa: E731
+        n_rows = self.spec.heads // self.layout.tp * self.spec.head_dim
+        w: dict[str, torch.Tensor] = {}
+        if self.layout.attention is Attention.QKV_LINEAR and self.layout.fuse_qkv:
+            qkv = t("self_attn.qkv_proj.weight_qkv")
+            kv_rows = (qkv.shape[0] - n_rows) // 2  # the runtime splits by head counts
+            w["q"], w["k"], w["v"] = qkv.split([n_rows, kv_rows, kv_rows])
+        elif self.layout.attention is Attention.QKV_LINEAR:
+            w["q"], w["k"], w["v"] = (t(f"self_attn.qkv_proj.weight_{p}") for p in "qkv")
+        elif self.layout.attention is Attention.COALESCED:
+            w["q"], w["k"], w["v"] = t("self_attn.qkv_proj.weight").chunk(3)
+        else:
+            w["q"], w["k"], w["v"] = (t(f"self_attn.{p}_proj.weight") for p in "qkv")
+        if w["q"].shape[0] != n_rows:
+            raise ConversionError(
+                f"{self.ckpt.files[file]}: layer {layer} holds {w['q'].shape[0]} Q rows on rank {rank}, "
+                f"{self.spec.heads} heads / tp {self.layout.tp} x head_dim {self.spec.head_dim} = {n_rows} expected"
+            )
+        w["o"] = t("self_attn.o_proj.weight")
+        w["gate"], w["up"] = t("mlp.gate_up_proj.weight").chunk(2)
+        w["down"] = t("mlp.down_proj.weight")
+        w["ln1"], w["ln2"] = t("input_layernorm.weight"), t("post_attention_layernorm.weight")
+        return w
+
+
+def _hf_layer(hf: HfCheckpoint, layer: int) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{layer}."
+    out = {}
+    for key in hf.keys():
+        if key.startswith(prefix) and not key.endswith("inv_freq"):
+            _, shape, _ = hf.info(Source(None, key))
+            out[key[len(prefix):]] = hf.read_rows(Source(None, key), 0, shape[0]).reshape(shape).float()
+    return out
+
+
+def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards, layer: int, tol: float) -> list[Check]:
+    spec, layout = shards.spec, shards.layout
+    config, hd = spec.config, spec.head_dim
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    dense = dense_layer(x, hf_w, config, hd)
+    cos, sin = rope_cos_sin(rope_inv_freq(config, hd), x.shape[1])
+    h = rms_norm(x, hf_w["input_layernorm.weight"], eps)
+    dense_heads = attention_heads(h, hf_w["self_attn.q_proj.weight"], hf_w["self_attn.k_proj.weight"],
+                                  hf_w["self_attn.v_proj.weight"], hd, cos, sin).view(*x.shape[:2], spec.heads, hd)
+    x1 = x + dense["attention"]
+    h2 = rms_norm(x1, hf_w["post_attention_layernorm.weight"], eps)
+    attn_sum = torch.zeros_like(x)
+    mlp_sum = torch.zeros_like(x)
+    bad = {"attention": [], "o_proj": [], "mlp": [], "norms": []}
+    chunk = spec.intermediate // layout.tp
+    for rank in range(layout.tp):
+        w = shards.layer(layer, rank)
+        if not (_close(w["ln1"], hf_w["input_layernorm.weight"], tol) and _close(w["ln2"], hf_w["post_attention_layernorm.weight"], tol)):
+            bad["norms"].append(rank)
+        h_r = rms_norm(x, w["ln1"], eps)
+        attn_r = attention_heads(h_r, w["q"], w["k"], w["v"], hd, cos, sin)
+        attn_sum += attn_r @ w["o"].t()
+        # Diagnose against the heads this layout says the rank holds.
+        heads = _claimed_q_heads(spec, layout, rank)
+        expected_attn = dense_heads[:, :, heads].reshape(*x.shape[:2], -1)
+        if not _close(attn_r, expected_attn, tol):
+            bad["attention"].append(rank)
+        cols = torch.cat([torch.arange(q * hd, (q + 1) * hd) for q in heads])
+        if not _close(w["o"], hf_w["self_attn.o_proj.weight"][:, cols], tol):
+            bad["o_proj"].append(rank)
+        h2_r = rms_norm(x1, w["ln2"], eps)
+        m_r = mlp(h2_r, w["gate"], w["up"], w["down"])
+        mlp_sum += m_r
+        rows = slice(rank * chunk, (rank + 1) * chunk)
+        expected_m = mlp(h2, hf_w["mlp.gate_proj.weight"][rows], hf_w["mlp.up_proj.weight"][rows],
+                         hf_w["mlp.down_proj.weight"][:, rows])
+        if not _close(m_r, expected_m, tol):
+            bad["mlp"].append(rank)
+    checks = [
+        _compare("attention", attn_sum, dense["attention"]),
+        _compare("mlp", mlp_sum, dense["mlp"]),
+        _compare("output", x + attn_sum + mlp_sum, dense["output"]),
+    ]
+    checks[0].ranks = sorted(set(bad["attention"]) | set(bad["o_proj"]))
+    checks[0].detail = _blame(bad, ("attention", "Q/K/V heads"), ("o_proj", "o_proj columns"), ("norms", "norm weights"))
+    checks[1].ranks = bad["mlp"]
+    checks[1].detail = _blame(bad, ("mlp", "gate_up/down blocks"))
+    if bad["norms"]:
+        checks.append(Check("norms", 0.0, 0.0, ranks=bad["norms"], detail=_blame(bad, ("norms", "norm weights"))))
+    return checks
+
+
+def _claimed_q_heads(spec: ModelSpec, layout: ParallelLayout, rank: int) -> list[int]:
+    if layout.attention is Attention.QKV_LINEAR:
+        return q_heads(spec, layout, rank)
+    n = spec.heads // layout.tp
+    return list(range(rank * n, (rank + 1) * n))
+
+
+def _blame(bad: dict[str, list[int]], *parts: tuple[str, str]) -> str:
+    return "; ".join(f"{label} differ on rank(s) {', '.join(map(str, bad[k]))}" for k, label in parts if bad[k])
+
+
+def _check_vocab(hf: HfCheckpoint, shards: _Shards, generator: torch.Generator) -> list[Check]:
+    spec, layout = shards.spec, shards.layout
+    eps = float(spec.config.get("rms_norm_eps", 1e-6))
+    full = lambda key: hf.read_rows(Source(None, key), 0, hf.info(Source(None, key))[1][0]).float()  # noqa: E731
+    embed = full(EMBED)
+    ids = torch.randint(0, spec.vocab, (2, 16), generator=generator)
+    per = spec.vocab // layout.tp
+    lookup = torch.zeros(2, 16, spec.hidden)
+    for rank in range(layout.tp):
+        local = shards.tensor(shards.file(rank, 0), EMBED)
+        mask = (ids >= rank * per) & (ids < (rank + 1) * per)
+        lookup += local[(ids - rank * per).clamp(0, per - 1)] * mask.unsqueeze(-1)
+    checks = [_compare("embedding", lookup, embed[ids])]
+    x = torch.randn(2, 16, spec.hidden, generator=generator)
+    head = embed if spec.tied else full(LM_HEAD)
+    expected = rms_norm(x, full(FINAL_NORM), eps) @ head.t()
+    last = layout.pp - 1
+    logits = torch.cat(
+        [rms_norm(x, shards.tensor(shards.file(r, last), FINAL_NORM), eps) @ shards.tensor(shards.file(r, last), LM_HEAD).t()
+         for r in range(layout.tp)], dim=-1)
+    checks.append(_compare("lm_head", logits, expected))
+    return checks
+
+
+def _sample_layers(layers: int, which: int | str) -> list[int]:
+    if which == "all" or (isinstance(which, int) and which >= layers):
+        return list(range(layers))
+    count = int(which)
+    if count < 1:
+        raise ConversionError(f"--layers must be 'all' or a positive count, got {which!r}")
+    if count == 1:
+        return [0]
+    return sorted({round(i * (layers - 1) / (count - 1)) for i in range(count)})
+
+
+def verify(
+    hf_dir: str | Path,
+    nxd_dir: str | Path,
+    *,
+    layers: int | str = "all",
+    tol: float | None = None,
+    seed: int = 0,
+    config: str | Path | None = None,
+    hints: dict[str, Any] | None = None,
+    files: bool = False,
+) -> dict[str, Any]:
+    """Compare the sharded computation with the dense HF one; see the module docstring.
+
+    ``tol`` defaults to 1e-4 relative, looser when the shards hold a lower precision than the HF
+    weights (a cast, e.g. ``--dtype bf16``).
+    """
+    from ckptconv.api import open_nxd
+
+    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints)
+    generator = torch.Generator().manual_seed(seed)
+    results: dict[str, Any] = {"layers": {}, "notes": notes}
+    problems: list[str] = []
+    with ckpt, HfCheckpoint(hf_dir, config=config) as hf:
+        if hf.spec != spec:
+            raise ConversionError(f"{hf_dir} and {nxd_dir} describe different models: {hf.spec} vs {spec}")
+        if tol is None:
+            tol = _default_tol(hf, ckpt)
+        shards = _Shards(ckpt, spec, layout)
+        for layer in _sample_layers(spec.layers, layers):
+            x = torch.randn(2, 16, spec.hidden, generator=generator)
+            checks = _check_layer(x, _hf_layer(hf, layer), shards, layer, tol)
+            results["layers"][layer] = {c.name: _as_json(c) for c in checks}
+            problems += [_problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
+        for check in _check_vocab(hf, shards, generator):
+            results[check.name] = _as_json(check)
+            if not check.ok(tol):
+                problems.append(_problem(check.name, check, tol))
+        if files:
+            problems += _check_files(ckpt)
+    results.update(ok=not problems, problems=problems, tol=tol, layout=layout.to_json())
+    return results
+
+
+def _default_tol(hf: HfCheckpoint, ckpt: NxdCheckpoint) -> float:
+    hf_dtypes = set(hf.dtypes().values())
+    shard_dtypes = set(ckpt.dtypes().values())
+    if shard_dtypes <= hf_dtypes:
+        return DEFAULT_TOL
+    return max([CAST_TOL.get(d, DEFAULT_TOL) for d in shard_dtypes - hf_dtypes] + [DEFAULT_TOL])
+
+
+def _as_json(check: Check) -> dict[str, Any]:
+    return {"max_abs": check.max_abs, "rel": check.rel, "ranks": check.ranks, "detail": check.detail}
+
+
+def _problem(where: str, check: Check, tol: float) -> str:
+    text = f"{where}: max abs error {check.max_abs:.3g} (relative {check.rel:.3g}, tolerance {tol:g})"
+    if check.detail:
+        text += f"; {check.detail}"
+    return text
+
+
+def _check_files(ckpt: NxdCheckpoint) -> list[str]:
+    """Sizes and sha256 of every file against ckptconv.json."""
+    if ckpt.metadata is None:
+        return [f"{ckpt.root}: no ckptconv.json to check file hashes against"]
+    problems = []
+    for rel, rec in ckpt.metadata.files.items():
+        path = ckpt.root / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != rec["size"]:
+            problems.append(f"{rel}: size {path.stat().st_size}, recorded {rec['size']}")
+        elif sha256_file(path) != rec["sha256"]:
+            problems.append(f"{rel}: sha256 differs from ckptconv.json")
+    return problems

@@ -1,0 +1,316 @@
+"""One typed config tree for a training run; YAML (ours or NxDT-shaped) and CLI flags fill it.
+
+Every leaf field is one CLI flag and one flat YAML key of the same name (``seq_len`` is
+``--seq-len`` and ``seq_len:``). A field's ``help`` metadata is its ``--help``. Precedence:
+defaults < YAML < flags.
+
+Example:
+    >>> cfg = TrainConfig.from_flat({"resume": "/fsx/llama-nxd", "tp": 2, "lr": 3e-4})
+    >>> cfg.parallel.tp, cfg.optim.lr, cfg.data.gbs
+    (2, 0.0003, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nxdtrain.errors import TrainError
+
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+PRECISIONS = ("fp32", "bf16")
+PP_SCHEDULES = ("1f1b", "gpipe")
+
+
+def option(default: Any, help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (),
+           choices: tuple[str, ...] | None = None, negative: str | None = None) -> Any:
+    """A config field that is also a CLI flag (``--name-with-dashes`` unless ``flag`` says otherwise).
+
+    ``negative`` makes a boolean flag that stores False (``--no-shuffle``) instead of a value.
+    """
+    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "negative": negative}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise TrainError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tp: int = option(1, "tensor-parallel degree (must equal the shards' tp)")
+    pp: int = option(1, "pipeline-parallel degree (must equal the shards' pp)")
+    kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards'",
+                                       aliases=("--kv-size-multiplier",))
+    qkv_linear: bool | None = option(None, "GQA QKV layer (weight_q/k/v or weight_qkv); default: the shards'")
+    fuse_qkv: bool | None = option(None, "fused weight_qkv (needs qkv_linear); default: the shards'")
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
+    zero1: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
+        _check(_is_int(self.pp) and self.pp >= 1, f"--pp must be an integer >= 1, got {self.pp!r}")
+        _check(self.kv_replicator is None or (_is_int(self.kv_replicator) and self.kv_replicator >= 1),
+               f"--kv-replicator must be an integer >= 1, got {self.kv_replicator!r}")
+        _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
+        _choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    optimizer: str = option("adamw", "optimizer (sgd is plain SGD: no momentum)", choices=OPTIMIZERS)
+    lr: float = option(3e-4, "peak learning rate")
+    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    warmup: int = option(0, "linear warmup steps (from lr/warmup up to lr)")
+    schedule: str = option("cosine", "decay after warmup", choices=SCHEDULES)
+    decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)")
+    weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (never on norm weights)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    eps: float = option(1e-8, "AdamW epsilon")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
+
+    def __post_init__(self) -> None:
+        _choice("--optimizer", self.optimizer, OPTIMIZERS)
+        _choice("--schedule", self.schedule, SCHEDULES)
+        _check(self.lr > 0, f"--lr must be > 0, got {self.lr!r}")
+        _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr {self.lr}], got {self.min_lr!r}")
+        _check(_is_int(self.warmup) and self.warmup >= 0, f"--warmup must be an integer >= 0, got {self.warmup!r}")
+        _check(self.decay_steps is None or (_is_int(self.decay_steps) and self.decay_steps >= 1),
+               f"--decay-steps must be an integer >= 1, got {self.decay_steps!r}")
+        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _check(0 <= value < 1, f"--{name} must be in [0, 1), got {value!r}")
+        _check(self.eps > 0, f"--eps must be > 0, got {self.eps!r}")
+        _check(self.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {self.clip_grad!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.jsonl.gz file (input_ids per row) or 'synthetic'")
+    seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
+    gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
+    mbs: int = option(1, "microbatch size in rows")
+    shuffle: bool = option(True, "visit rows in a seeded random order per epoch", negative="--no-shuffle")
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
+        _check(_is_int(self.gbs) and self.gbs >= 1, f"--gbs must be an integer >= 1, got {self.gbs!r}")
+        _check(_is_int(self.mbs) and self.mbs >= 1, f"--mbs must be an integer >= 1, got {self.mbs!r}")
+        _check(self.gbs % self.mbs == 0, f"--gbs {self.gbs} must be a multiple of --mbs {self.mbs}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    resume: str | None = option(None, "converted NxD dir (weights only), checkpoint root (newest tag) or tag dir")
+    weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer")
+    checkpoint_dir: str | None = option(None, "where step_<N> tags are written")
+    checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir")
+    keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)")
+    xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root or a tag")
+        _check(_is_int(self.checkpoint_freq) and self.checkpoint_freq >= 0,
+               f"--checkpoint-freq must be an integer >= 0, got {self.checkpoint_freq!r}")
+        _check(_is_int(self.keep) and self.keep >= 1, f"--keep must be an integer >= 1, got {self.keep!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A whole training run. ``nxdtrain run`` flags and YAML keys are the leaf field names."""
+
+    steps: int = option(1000, "train until this global step (a resumed run continues from its step)")
+    seed: int = option(1234, "seed of the data order and of torch's RNG")
+    precision: str = option("bf16", "fp32, or bf16 parameters with fp32 master weights and optimizer state",
+                            choices=PRECISIONS)
+    nproc: int | None = option(None, "start this many local processes (without it: join torchrun/srun or run alone)")
+    log_jsonl: str | None = option(None, "append one JSON line per step to this file")
+    export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)")
+    dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails")
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.steps) and self.steps >= 0, f"--steps must be an integer >= 0, got {self.steps!r}")
+        _choice("--precision", self.precision, PRECISIONS)
+        _check(self.nproc is None or (_is_int(self.nproc) and self.nproc >= 1), f"--nproc must be >= 1, got {self.nproc!r}")
+        _check(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout!r}")
+        ckpt = self.checkpoint
+        _check(not (self.export_hf and not ckpt.checkpoint_dir),
+               "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")
+        _check(not (ckpt.checkpoint_freq and not ckpt.checkpoint_dir), "--checkpoint-freq needs --checkpoint-dir")
+
+    @property
+    def decay_steps(self) -> int:
+        return self.optim.decay_steps or self.steps
+
+    # ------------------------------------------------------------------ flat views
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any], source: str = "options") -> TrainConfig:
+        """Build from flat leaf names (``{"tp": 2, "lr": 1e-3}``); unknown names are an error."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        top: dict[str, Any] = {}
+        owners = leaf_owners()
+        for key, value in values.items():
+            if key not in owners:
+                raise TrainError(f"{source}: unknown option {key!r} (valid: {', '.join(sorted(owners))})")
+            owner = owners[key]
+            (sections[owner] if owner else top)[key] = value
+        built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
+        return cls(**top, **built)
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every leaf as a plain value (what ``user_content.pt`` stores)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SECTIONS}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            out.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+        return out
+
+
+SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig,
+                             "checkpoint": CheckpointConfig}
+
+
+def leaf_fields() -> list[tuple[str | None, dataclasses.Field[Any]]]:
+    """(section name or None for top level, field) for every leaf option, in declaration order."""
+    out: list[tuple[str | None, dataclasses.Field[Any]]] = [
+        (None, f) for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS
+    ]
+    for name, section_cls in SECTIONS.items():
+        out.extend((name, f) for f in dataclasses.fields(section_cls))
+    return out
+
+
+def leaf_owners() -> dict[str, str | None]:
+    return {f.name: owner for owner, f in leaf_fields()}
+
+
+def flag_of(f: dataclasses.Field[Any]) -> str:
+    """The CLI flag of a leaf field."""
+    return f.metadata.get("negative") or f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:
+    _check(value in choices, f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# YAML
+
+
+# NxDT's nested keys -> our flat names. Keys of NxDT sections not listed here are reported and ignored.
+NXDT_KEYS: dict[tuple[str, ...], str] = {
+    ("trainer", "max_steps"): "steps",
+    ("trainer", "gradient_clip_val"): "clip_grad",
+    ("distributed_strategy", "tensor_model_parallel_size"): "tp",
+    ("distributed_strategy", "pipeline_model_parallel_size"): "pp",
+    ("distributed_strategy", "kv_replicator"): "kv_replicator",
+    ("distributed_strategy", "zero1"): "zero1",
+    ("data", "micro_batch_size"): "mbs",
+    ("data", "global_batch_size"): "gbs",
+    ("data", "seq_length"): "seq_len",
+    ("data", "train_dir"): "data",
+    ("model", "qkv_linear"): "qkv_linear",
+    ("model", "fuse_qkv"): "fuse_qkv",
+    ("model", "weight_init_only"): "weights_only",
+    ("model", "optim", "name"): "optimizer",
+    ("model", "optim", "lr"): "lr",
+    ("model", "optim", "weight_decay"): "weight_decay",
+    ("model", "optim", "eps"): "eps",
+    ("model", "optim", "betas"): "betas",
+    ("model", "optim", "sched", "name"): "schedule",
+    ("model", "optim", "sched", "warmup_steps"): "warmup",
+    ("model", "optim", "sched", "max_steps"): "decay_steps",
+    ("model", "optim", "sched", "min_lr"): "min_lr",
+    ("exp_manager", "resume_from_checkpoint"): "resume",
+    ("exp_manager", "save_xser"): "xser",
+    ("exp_manager", "checkpoint_callback_params", "every_n_train_steps"): "checkpoint_freq",
+    ("exp_manager", "checkpoint_callback_params", "save_top_k"): "keep",
+    ("precision", "type"): "precision",
+}
+NXDT_SECTIONS = frozenset(path[0] for path in NXDT_KEYS)
+
+
+def _nxdt_value(key: str, value: Any, source: str) -> dict[str, Any]:
+    """Translate one NxDT value into our flat option(s)."""
+    if key == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise TrainError(f"{source}: model.optim.betas must be a list of two numbers, got {value!r}")
+        return {"beta1": float(value[0]), "beta2": float(value[1])}
+    if key == "optimizer":
+        name = str(value).lower()
+        return {"optimizer": "adamw" if name.startswith("adamw") else name}
+    if key == "schedule":
+        name = str(value).lower()
+        found = [s for s in SCHEDULES if s in name]
+        if not found:
+            raise TrainError(f"{source}: model.optim.sched.name {value!r} is none of {', '.join(SCHEDULES)}")
+        return {"schedule": found[0]}
+    if key == "precision":
+        return {"precision": "fp32" if str(value).lower() == "fp32" else "bf16"}
+    return {key: value}
+
+
+def _walk(tree: dict[str, Any], prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    out = []
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        if isinstance(value, dict) and path not in NXDT_KEYS:
+            out.extend(_walk(value, path))
+        else:
+            out.append((path, value))
+    return out
+
+
+def read_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
+    """Flat options from a YAML file, and notes on NxDT keys that were ignored.
+
+    Top-level keys are our option names; a top-level mapping named like an NxDT section
+    (``distributed_strategy``, ``model``, ``data``, ...) is read with :data:`NXDT_KEYS`.
+    """
+    import yaml
+
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TrainError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise TrainError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if tree is None:
+        return {}, []
+    if not isinstance(tree, dict):
+        raise TrainError(f"--config {path}: expected a mapping of options, got {type(tree).__name__}")
+    flat: dict[str, Any] = {}
+    ignored: list[str] = []
+    owners = leaf_owners()
+    for key, value in tree.items():
+        if key in NXDT_SECTIONS and isinstance(value, dict):
+            for sub_path, sub_value in _walk(value, (key,)):
+                if sub_path in NXDT_KEYS:
+                    flat.update(_nxdt_value(NXDT_KEYS[sub_path], sub_value, str(path)))
+                else:
+                    ignored.append(".".join(sub_path))
+        elif key in owners:
+            flat[key] = value
+        else:
+            raise TrainError(f"--config {path}: unknown key {key!r} (valid: our option names, or NxDT sections "
+                             f"{', '.join(sorted(NXDT_SECTIONS))})")
+    notes = [f"{path}: ignored NxDT keys {', '.join(ignored)}"] if ignored else []
+    return flat, notes

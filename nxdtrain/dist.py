@@ -1,0 +1,262 @@
+"""Processes and process groups: who am I, who are my tp/pp/dp peers, and how the world starts.
+
+NxD's rank order: ``rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`` (tp fastest, pp slowest), so
+the tp ranks of one stage are adjacent (one node) and pipeline stages span nodes.
+
+    >>> coords(5, tp=2, dp=2, pp=2)
+    Coords(tp=1, dp=0, pp=1)
+    >>> group_ranks("dp", tp=2, dp=2, pp=2)
+    [[0, 2], [1, 3], [4, 6], [5, 7]]
+    >>> first_slurm_host("gpu-[017-020,031],cpu7")
+    'gpu-017'
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+from nxdtrain.errors import TrainError
+
+DEFAULT_PORT = 29500
+
+
+class Coords(NamedTuple):
+    tp: int
+    dp: int
+    pp: int
+
+
+def rank_of(c: Coords, *, tp: int, dp: int) -> int:
+    """Global rank of coordinates (NxD order)."""
+    return c.pp * dp * tp + c.dp * tp + c.tp
+
+
+def coords(rank: int, *, tp: int, dp: int, pp: int) -> Coords:
+    """(tp, dp, pp) coordinates of a global rank (NxD order)."""
+    assert 0 <= rank < tp * dp * pp, (rank, tp, dp, pp)
+    return Coords(rank % tp, (rank // tp) % dp, rank // (tp * dp))
+
+
+def group_ranks(kind: str, *, tp: int, dp: int, pp: int) -> list[list[int]]:
+    """All groups of one kind as lists of global ranks.
+
+    ``tp``/``dp``/``pp``: ranks that differ only in that coordinate; ``mp`` (model parallel): the
+    tp x pp ranks of one data-parallel replica, over which a gradient norm is summed.
+    """
+    varying = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "mp": ("tp", "pp")}[kind]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(tp * dp * pp):
+        c = coords(rank, tp=tp, dp=dp, pp=pp)
+        fixed = tuple(getattr(c, name) for name in Coords._fields if name not in varying)
+        groups.setdefault(fixed, []).append(rank)
+    return list(groups.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Environment: torchrun, Slurm, or a single process
+
+
+@dataclass(frozen=True)
+class WorldEnv:
+    """Where this process sits in the job and how to reach rank 0."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+_HOSTLIST_RE = re.compile(r"^([^\[,]+)(?:\[([^\]]+)\])?")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list (``node[001-004,9],x`` -> ``node001``)."""
+    m = _HOSTLIST_RE.match(nodelist.strip())
+    if not m:
+        raise TrainError(f"SLURM_JOB_NODELIST {nodelist!r}: cannot read the first host name")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> WorldEnv:
+    """Read the launcher's variables: torchrun's RANK/WORLD_SIZE win over Slurm's SLURM_PROCID/NTASKS."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
+        launcher = "slurm"
+    else:
+        return WorldEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", "0") or 0), "single")
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if launcher == "slurm" and nodelist:
+            addr = first_slurm_host(nodelist)
+        elif world == 1:
+            addr = "127.0.0.1"
+        else:
+            raise TrainError(f"{launcher}: MASTER_ADDR is not set (and no SLURM_JOB_NODELIST to take it from)")
+    port = env.get("MASTER_PORT")
+    if not port and launcher == "slurm" and env.get("SLURM_JOB_ID"):
+        port = str(10000 + int(env["SLURM_JOB_ID"]) % 20000)  # one port per job: two jobs on a node don't collide
+    return WorldEnv(rank, world, local, addr, int(port or DEFAULT_PORT), launcher)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_world(env: WorldEnv, timeout_s: float) -> Any:
+    """Join the process group (nccl with CUDA, gloo otherwise); return this process's device."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    port = env.master_port or (free_port() if env.world_size == 1 else DEFAULT_PORT)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank, world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return device
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups of one run
+
+
+class Mesh:
+    """This rank's coordinates and process groups for a tp x dp x pp world.
+
+    Every rank creates every group in the same order (``new_group`` is collective), and keeps
+    the one it belongs to. A group of one rank is kept as ``None``: collectives over it are no-ops.
+    """
+
+    def __init__(self, *, tp: int, pp: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % (tp * pp):
+            raise TrainError(f"world size {world} is not a multiple of --tp {tp} x --pp {pp}")
+        self.tp, self.pp, self.dp = tp, pp, world // (tp * pp)
+        self.rank, self.world = rank, world
+        self.coords = coords(rank, tp=tp, dp=self.dp, pp=pp)
+        self._timeout = timedelta(seconds=timeout_s)
+        sizes = {"tp": tp, "dp": self.dp, "pp": pp}
+        self.tp_group = self._mine(group_ranks("tp", **sizes))
+        self.dp_group = self._mine(group_ranks("dp", **sizes))
+        self.mp_group = self._mine(group_ranks("mp", **sizes))
+        # The pipeline always gets a real group: torch.distributed.pipelining addresses peers through it.
+        self.pp_group = self._mine(group_ranks("pp", **sizes), keep_single=True)
+
+    def _mine(self, groups: Sequence[Sequence[int]], *, keep_single: bool = False) -> Any:
+        import torch.distributed as dist
+
+        found = None
+        for ranks in groups:
+            if len(ranks) == 1 and not keep_single:
+                continue
+            group = dist.new_group(list(ranks), timeout=self._timeout)
+            if self.rank in ranks:
+                found = group
+        return found
+
+    def tp_subgroups(self, partition: Sequence[Sequence[int]]) -> Any:
+        """Groups of tp ranks (e.g. the replicas of one K/V head) inside every tp group; this rank's one."""
+        sizes = {"tp": self.tp, "dp": self.dp}
+        groups = [
+            [rank_of(Coords(t, dp, pp), **sizes) for t in part]
+            for pp in range(self.pp) for dp in range(self.dp) for part in partition
+        ]
+        return self._mine(groups)
+
+    def first_last_stage_group(self) -> Any:
+        """The first and last pipeline ranks of each (tp, dp): where a tied embedding lives twice."""
+        sizes = {"tp": self.tp, "dp": self.dp}
+        groups = [
+            [rank_of(Coords(t, dp, 0), **sizes), rank_of(Coords(t, dp, self.pp - 1), **sizes)]
+            for dp in range(self.dp) for t in range(self.tp)
+        ]
+        return self._mine(groups) if self.pp > 1 else None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.pp - 1
+
+    def describe(self) -> str:
+        return f"world {self.world} = tp {self.tp} x pp {self.pp} x dp {self.dp}"
+
+
+# --------------------------------------------------------------------------------------------
+# Starting N local processes
+
+
+def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, port: int) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(*args)
+
+
+def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout_s: float | None = None,
+          preload: Sequence[str] = ("torch",)) -> int:
+    """Run ``fn(*args)`` in ``nprocs`` local processes forming one world; return 0 or the first failure's code.
+
+    Processes are forked from a forkserver that imported ``preload`` once, so a world starts in
+    well under a second instead of importing torch in every process. When one process fails the
+    others are terminated; a run past ``timeout_s`` is terminated too (exit code 124).
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(list(preload))
+    port = free_port()
+    context = mp.start_processes(_child, args=(fn, args, nprocs, port), nprocs=nprocs, join=False,
+                                 start_method="forkserver")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=0.2):
+            if deadline is not None and time.monotonic() > deadline:
+                _terminate(context)
+                print(f"nxdtrain: error: {nprocs} processes still running after {timeout_s:.0f}s; terminated",
+                      file=sys.stderr)
+                return 124
+    except mp.ProcessExitedException as exc:
+        return exc.exit_code or 1
+    except mp.ProcessRaisedException as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _terminate(context: Any) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(5)

@@ -1,0 +1,206 @@
+"""verify catches what round trips cannot; to-hf checks replicas; reshard equals a direct conversion."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptconv
+from ckptconv.errors import ConversionError, VerificationError
+from ckptconv.io.nxd import load_shard, save_shard
+from ckptconv.reference import dense_layer
+from ckptconv.verify import verify
+from tests.conftest import hf_state
+from tests.test_golden import CASES, load_case
+
+GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
+QUIET = ckptconv.RunOptions(quiet=True, workers=2)
+SHARD = "dp_rank_00_tp_rank_{:02d}_pp_rank_{:02d}.pt"
+
+
+@pytest.fixture(scope="module")
+def gqa(tiny_models) -> Path:
+    return tiny_models("gqa", **GQA)
+
+
+def convert(src: Path, out: Path, **kwargs) -> Path:
+    ckptconv.to_nxd(src, out, options=QUIET, **kwargs)
+    return out
+
+
+def edit_shard(root: Path, tp: int, pp: int, change) -> None:
+    path = root / "model" / SHARD.format(tp, pp)
+    state = load_shard(path)
+    change(state)
+    save_shard(path, state)
+
+
+def problems(report: dict) -> str:
+    assert report["ok"] is False
+    return "\n".join(report["problems"])
+
+
+def test_dense_reference_matches_transformers_layer(gqa: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gqa).eval()
+    state = hf_state(gqa)
+    config = json.loads((gqa / "config.json").read_text())
+    x = torch.randn(2, 11, 64, generator=torch.Generator().manual_seed(3))
+    position_ids = torch.arange(11).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        embeddings = model.model.rotary_emb(x, position_ids)
+        mask = torch.full((11, 11), float("-inf")).triu(1)[None, None]
+        expected = model.model.layers[2](x, attention_mask=mask, position_embeddings=embeddings, position_ids=position_ids)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+    weights = {k.removeprefix("model.layers.2."): v for k, v in state.items() if k.startswith("model.layers.2.")}
+    ours = dense_layer(x, weights, config, head_dim=8)["output"]
+    assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-5), (ours - expected).abs().max()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_verify_passes_on_every_golden_case(golden_dir: Path, tmp_path: Path, name: str):
+    case_dir = golden_dir / name
+    case = load_case(golden_dir, name)
+    shards = case_dir / "out"
+    if "official_error" in case:  # the official tool wrote nothing: check ours instead
+        flags = dict(zip(case["official_args"][1::2], case["official_args"][2::2]))
+        shards = convert(case_dir / "hf", tmp_path / "ours", tp=int(flags["--tp_size"]), pp=int(flags["--pp_size"]),
+                         vpp=int(flags["--virtual_pp_size"]), attention="qkv_linear")
+    report = verify(case_dir / "hf", shards, config=case_dir / "hf" / "config.json")
+    assert report["ok"], report["problems"]
+    assert len(report["layers"]) == case["hf_config"]["num_hidden_layers"]
+
+
+def test_verify_fails_on_official_trn2_layout(gqa: Path, tmp_path: Path):
+    out = convert(gqa, tmp_path / "nxd", tp=8, attention="qkv_linear", kv_size_multiplier=4, hw_backend="trn2",
+                  trn2_kv_layout="official")
+    text = problems(verify(gqa, out, layers=1))
+    # q 8, kv 2, tp 8: official tiles K (rank r has K_{r mod 2}) but Q head r needs K_{r div 4}
+    assert "layer 0 attention" in text and "Q/K/V heads differ on rank(s) 1, 3, 4, 6" in text
+    with pytest.raises(VerificationError, match="does not compute what"):
+        convert(gqa, tmp_path / "again", tp=8, attention="qkv_linear", kv_size_multiplier=4, hw_backend="trn2",
+                trn2_kv_layout="official", verify_layers=1)
+
+
+def test_verify_fails_on_two_swapped_q_heads(gqa: Path, tmp_path: Path):
+    out = convert(gqa, tmp_path / "nxd", tp=2, attention="qkv_linear")
+
+    def swap(state):
+        w = state["model.layers.1.self_attn.qkv_proj.weight_q"]
+        state["model.layers.1.self_attn.qkv_proj.weight_q"] = torch.cat([w[8:16], w[:8], w[16:]])
+
+    edit_shard(out, 0, 0, swap)
+    text = problems(verify(gqa, out))
+    assert "layer 1 attention" in text and "Q/K/V heads differ on rank(s) 0" in text
+    assert "layer 0" not in text and "layer 2" not in text
+
+
+def test_verify_fails_on_fused_qkv_split_in_thirds(gqa: Path, tmp_path: Path):
+    """The official inverse splits weight_qkv in thirds; shards rebuilt that way are caught."""
+    out = convert(gqa, tmp_path / "nxd", tp=2, attention="qkv_linear", fuse_qkv=True)
+    for tp in range(2):
+        def thirds(state):
+            for key in [k for k in state if k.endswith("weight_qkv")]:
+                q, k, v = state.pop(key).chunk(3)
+                base = key.removesuffix("weight_qkv")
+                state[base + "weight_q"], state[base + "weight_k"], state[base + "weight_v"] = q, k, v
+        edit_shard(out, tp, 0, thirds)
+    with pytest.raises(ConversionError, match=r"weight_q' has shape \[16, 64\], layout .* implies \[32, 64\]"):
+        verify(gqa, out, hints={"fuse_qkv": False})
+
+
+def test_verify_fails_on_o_proj_block_from_another_rank(gqa: Path, tmp_path: Path):
+    out = convert(gqa, tmp_path / "nxd", tp=2, pp=2, attention="qkv_linear")
+    other = load_shard(out / "model" / SHARD.format(1, 1))["model.layers.4.self_attn.o_proj.weight"]
+    edit_shard(out, 0, 1, lambda s: s.__setitem__("model.layers.4.self_attn.o_proj.weight", other.clone()))
+    text = problems(verify(gqa, out))
+    assert "layer 4 attention" in text and "o_proj columns differ on rank(s) 0" in text
+
+
+def test_verify_fails_on_norm_from_another_layer(gqa: Path, tmp_path: Path):
+    out = convert(gqa, tmp_path / "nxd", tp=2, attention="qkv_linear")
+
+    def wrong_norm(state):
+        state["model.layers.1.input_layernorm.weight"] = state["model.layers.2.input_layernorm.weight"].clone()
+
+    edit_shard(out, 1, 0, wrong_norm)
+    text = problems(verify(gqa, out))
+    assert "layer 1 norms" in text and "norm weights differ on rank(s) 1" in text
+
+
+def test_verify_files_checks_hashes(gqa: Path, tmp_path: Path):
+    out = convert(gqa, tmp_path / "nxd", tp=2, attention="qkv_linear")
+    assert verify(gqa, out, layers=1, files=True)["ok"]
+    edit_shard(out, 1, 0, lambda s: None)  # same tensors, same bytes: still fine
+    assert verify(gqa, out, layers=1, files=True)["ok"]
+    path = out / "model" / SHARD.format(1, 0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside tensor data
+    path.write_bytes(bytes(data))
+    assert "model/dp_rank_00_tp_rank_01_pp_rank_00.pt: sha256 differs" in problems(verify(gqa, out, layers=1, files=True))
+
+
+def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Path):
+    out = convert(gqa, tmp_path / "nxd", tp=4, attention="qkv_linear", kv_size_multiplier=2)  # trn1: K0 on ranks 0, 2
+    key = "model.layers.3.self_attn.qkv_proj.weight_k"
+    original = load_shard(out / "model" / SHARD.format(2, 0))[key]
+    edit_shard(out, 2, 0, lambda s: s.__setitem__(key, s[key] + 0.5))
+    with pytest.raises(VerificationError) as err:
+        ckptconv.to_hf(out, tmp_path / "back", options=QUIET)
+    message = str(err.value)
+    assert "model.layers.3.self_attn.k_proj.weight[0:8]" in message
+    assert "tp_rank_02" in message and "tp_rank_00" in message and "max abs difference 0.5" in message
+    ckptconv.to_hf(out, tmp_path / "first", kv_replicas="first", options=QUIET)
+    assert torch.equal(hf_state(tmp_path / "first")["model.layers.3.self_attn.k_proj.weight"][:8], original)
+    ckptconv.to_hf(out, tmp_path / "mean", kv_replicas="mean", options=QUIET)
+    assert torch.allclose(hf_state(tmp_path / "mean")["model.layers.3.self_attn.k_proj.weight"][:8], original + 0.25)
+
+
+@pytest.mark.parametrize("hw", ["trn1", "trn2"])
+def test_to_hf_infers_trn1_or_trn2_from_replicas(gqa: Path, tmp_path: Path, hw: str, capsys: pytest.CaptureFixture[str]):
+    from ckptconv.cli import main
+
+    out = convert(gqa, tmp_path / "nxd", tp=4, pp=2, attention="qkv_linear", kv_size_multiplier=2, fuse_qkv=True,
+                  hw_backend=hw)
+    (out / "ckptconv.json").unlink()
+    shutil.rmtree(out / "hf")
+    assert main(["to-hf", str(out), str(tmp_path / "back"), "--config", str(gqa / "config.json")]) == 0
+    err = capsys.readouterr().err
+    assert f"inferred {hw} from" in err and "kv_size_multiplier 2 from K/V rows" in err
+    back, original = hf_state(tmp_path / "back"), hf_state(gqa)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+
+
+def shard_hashes(root: Path) -> dict[str, str]:
+    files = json.loads((root / "ckptconv.json").read_text())["files"]
+    return {rel: rec["sha256"] for rel, rec in files.items() if rel.startswith("model/")}
+
+
+def test_reshard_chain_is_byte_identical_to_direct_conversion(gqa: Path, tmp_path: Path):
+    layouts = [dict(tp=4, pp=2), dict(tp=2, pp=1), dict(tp=8, pp=3), dict(tp=4, pp=2)]
+    common = dict(attention="qkv_linear", fuse_qkv=True)
+    kvm = lambda tp: max(1, tp // 2)  # noqa: E731
+    current = convert(gqa, tmp_path / "step0", kv_size_multiplier=kvm(4), **layouts[0], **common)
+    for i, layout in enumerate(layouts[1:], start=1):
+        resharded = tmp_path / f"step{i}"
+        ckptconv.reshard(current, resharded, options=QUIET, **layout)
+        direct = convert(gqa, tmp_path / f"direct{i}", kv_size_multiplier=kvm(layout["tp"]), **layout, **common)
+        assert shard_hashes(resharded) == shard_hashes(direct), f"step {i}: {layout}"
+        current = resharded
+    assert shard_hashes(current) == shard_hashes(tmp_path / "step0")
+
+
+def test_reshard_equals_to_hf_then_to_nxd_across_modes(gqa: Path, tmp_path: Path):
+    src = convert(gqa, tmp_path / "src", tp=2, pp=2, vpp=1, attention="qkv_linear", hw_backend="trn1", flavour="xser-split")
+    ckptconv.reshard(src, tmp_path / "resharded", tp=4, pp=3, hw_backend="trn2", fuse_qkv=True, flavour="plain",
+                     options=QUIET)
+    ckptconv.to_hf(src, tmp_path / "hf", options=QUIET)
+    via_hf = convert(tmp_path / "hf", tmp_path / "via-hf", tp=4, pp=3, attention="qkv_linear", kv_size_multiplier=2,
+                     hw_backend="trn2", fuse_qkv=True)
+    assert shard_hashes(tmp_path / "resharded") == shard_hashes(via_hf)
+    assert verify(gqa, tmp_path / "resharded", layers=2)["ok"]
