@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.execute import ExecOptions, FileRecord, cleanup_tmp, run_plan, sha256_file
-from ckptconv.io.hf import CONFIG, HfCheckpoint, copy_side_files, write_config, write_index
+from ckptconv.execute import TMP_DIR, ExecOptions, FileRecord, run_plan, sha256_file
+from ckptconv.finalize import SPEC_FILE, FinalizeSpec, assign_files, detect_part, record_part, state_name, try_finalize, write_spec
+from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.mapping import all_shard_records, check_source_shapes, hf_record_shape, hf_shapes
-from ckptconv.metadata import METADATA_FILE, Metadata, read_metadata, tool_version, write_metadata
+from ckptconv.metadata import METADATA_FILE, read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Plan, Source, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
@@ -52,6 +53,8 @@ class RunOptions:
     """No progress bars or notes on stderr."""
     overwrite: bool = False
     """Replace an existing, different conversion in the output directory."""
+    part: tuple[int, int] | None = None
+    """(K, N): convert the K-th of N disjoint sets of output files; None: from srun/torchrun, else all."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -71,6 +74,7 @@ class Result:
     notes: list[str]
     layout: dict[str, Any] | None = None
     skipped: bool = False
+    finalized: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +85,7 @@ class Result:
             "layout": self.layout,
             "notes": self.notes,
             "up_to_date": self.skipped,
+            "complete": self.finalized,
         }
 
 
@@ -137,21 +142,19 @@ def to_nxd(
             notes.append(message)
         plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
         fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf_weight_files(hf)))
-        if _up_to_date(out, fingerprint, options):
-            return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
-                          layout.to_json(), skipped=True)
-        _prepare_out(out, fingerprint, options)
-        files = _execute(plan, hf, out, sink_factory(flavour), options, fingerprint, "to-nxd")
-        files |= _keep_hf_files(hf, out / HF_FILES_DIR)
-        meta = Metadata(
-            kind="nxd", hf_config=hf.spec.config, files=_as_json(files), layout=layout.to_json(),
-            flavour=flavour.value, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint,
+        spec = FinalizeSpec(
+            fingerprint,
+            metadata=dict(kind="nxd", hf_config=hf.spec.config, layout=layout.to_json(), flavour=flavour.value,
+                          dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
+            copies=_hf_side_copies(hf),
         )
-        write_metadata(out, meta)
-        cleanup_tmp(out)
-    if verify_layers:
-        _verify_after(src, out, config, verify_layers, notes)
-    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())
+        result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd")
+    result.notes[:0] = notes
+    result.layout = layout.to_json()
+    if verify_layers and result.finalized:
+        _verify_after(src, out, config, verify_layers, result.notes)
+    result.seconds = time.monotonic() - started
+    return result
 
 
 def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers: int, notes: list[str]) -> None:
@@ -168,17 +171,10 @@ def hf_weight_files(hf: HfCheckpoint) -> list[Path]:
     return sorted(set(hf._where.values()))
 
 
-def _keep_hf_files(hf: HfCheckpoint, target: Path) -> dict[str, FileRecord]:
-    """Keep config.json and tokenizer/generation files so to-hf can restore them."""
-    target.mkdir(parents=True, exist_ok=True)
-    copy_side_files([hf.config_path, *hf.side_files()], target)
-    if hf.config_path.name != CONFIG:
-        (target / hf.config_path.name).replace(target / CONFIG)
-    return {
-        p.relative_to(target.parent).as_posix(): FileRecord(p.stat().st_size, sha256_file(p))
-        for p in sorted(target.iterdir())
-        if p.is_file()
-    }
+def _hf_side_copies(hf: HfCheckpoint) -> list[tuple[str, str]]:
+    """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
+    copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
+    return copies + [(str(p.resolve()), f"{HF_FILES_DIR}/{p.name}") for p in hf.side_files()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,25 +272,21 @@ def to_hf(
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
                                    _identity(sorted(ckpt.files.values())))
-        if _up_to_date(out, fingerprint, options):
-            return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
-                          layout.to_json(), skipped=True)
-        _prepare_out(out, fingerprint, options)
-        files = _execute(plan, ckpt, out, safetensors_sink, options, fingerprint, "to-hf", kv_replicas)
-        write_index(out, plan.files)
-        write_config(out, spec.config, plan.files[0].tensors[0].dtype)
         side = ckpt.root / HF_FILES_DIR
-        if side.is_dir():
-            copy_side_files([p for p in side.iterdir() if p.is_file() and p.name != CONFIG], out)
-        for name in sorted(p.name for p in out.iterdir() if p.is_file() and p.name != METADATA_FILE):
-            if name not in files:
-                files[name] = FileRecord((out / name).stat().st_size, sha256_file(out / name))
-        meta = Metadata(kind="hf", hf_config=spec.config, files=_as_json(files), dtype=_dtype_name(plan),
-                        with_inv_freq=with_inv_freq, fingerprint=fingerprint,
-                        extra={"from_layout": layout.to_json()})
-        write_metadata(out, meta)
-        cleanup_tmp(out)
-    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())
+        copies = [(str(p.resolve()), p.name) for p in sorted(side.iterdir()) if p.is_file() and p.name != CONFIG] \
+            if side.is_dir() else []
+        spec_ = FinalizeSpec(
+            fingerprint,
+            metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
+                          fingerprint=fingerprint, extra={"from_layout": layout.to_json()}),
+            texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
+            copies=copies,
+        )
+        result = _convert(plan, ckpt, out, safetensors_sink, options, spec_, "to-hf", kv_replicas)
+    result.notes[:0] = notes
+    result.layout = layout.to_json()
+    result.seconds = time.monotonic() - started
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,35 +335,50 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))
-        if _up_to_date(out, fingerprint, options):
-            return Result(out, _recorded(out), 0, time.monotonic() - started, ["output is up to date"],
-                          new.to_json(), skipped=True)
-        _prepare_out(out, fingerprint, options)
-        files = _execute(plan, ckpt, out, sink_factory(target_flavour), options, fingerprint, "reshard", kv_replicas)
         side = ckpt.root / HF_FILES_DIR
-        if side.is_dir():
-            (out / HF_FILES_DIR).mkdir(exist_ok=True)
-            copy_side_files([p for p in side.iterdir() if p.is_file()], out / HF_FILES_DIR)
-            for p in sorted((out / HF_FILES_DIR).iterdir()):
-                files[f"{HF_FILES_DIR}/{p.name}"] = FileRecord(p.stat().st_size, sha256_file(p))
-        meta = Metadata(kind="nxd", hf_config=spec.config, files=_as_json(files), layout=new.to_json(),
-                        flavour=target_flavour.value, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
-                        fingerprint=fingerprint)
-        write_metadata(out, meta)
-        cleanup_tmp(out)
-    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, new.to_json())
+        copies = [(str(p.resolve()), f"{HF_FILES_DIR}/{p.name}") for p in sorted(side.iterdir()) if p.is_file()] \
+            if side.is_dir() else []
+        spec_ = FinalizeSpec(
+            fingerprint,
+            metadata=dict(kind="nxd", hf_config=spec.config, layout=new.to_json(), flavour=target_flavour.value,
+                          dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
+            copies=copies,
+        )
+        result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas)
+    result.notes[:0] = notes
+    result.layout = new.to_json()
+    result.seconds = time.monotonic() - started
+    return result
 
 
 # --------------------------------------------------------------------------------------------
 # Shared steps
 
 
-def _execute(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, fingerprint: str,
-             label: str, kv_replicas: str = "error") -> dict[str, FileRecord]:
-    with byte_progress(f"{label} {out.name}", plan.nbytes, quiet=options.quiet) as advance:
+def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
+             label: str, kv_replicas: str = "error") -> Result:
+    """Write this process's part of ``plan``; finalize when it is the last part to finish."""
+    part = detect_part(options.part)
+    spec.parts = part[1]
+    if _up_to_date(out, spec.fingerprint, options):
+        return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
+    if part[1] > 1 and options.overwrite:
+        raise ConversionError("--overwrite cannot be combined with several parts; clear OUT first")
+    _prepare_out(out, spec.fingerprint, options)
+    (out / TMP_DIR).mkdir(parents=True, exist_ok=True)
+    write_spec(out, spec)
+    mine = assign_files(plan, part)
+    total = sum(f.nbytes for f in plan.files if f.path in mine)
+    with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
         exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory,
-                                   replicas=kv_replicas, fingerprint=fingerprint, progress=advance)
-        return run_plan(plan, reader, out, sinks, exec_options)
+                                   replicas=kv_replicas, fingerprint=spec.fingerprint, progress=advance)
+        files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
+    record_part(out, part, files)
+    finalized = try_finalize(out)
+    notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {len(plan.files)} files"]
+    if finalized is None:
+        notes.append(f"other parts are still running; the last one (or `ckptconv finalize {out}`) finishes OUT")
+    return Result(out, finalized or files, total, 0.0, notes, finalized=finalized is not None)
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:
@@ -407,14 +414,14 @@ def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
     if not out.is_dir():
         raise ConversionError(f"{out}: exists and is not a directory")
     meta = read_metadata(out)
-    foreign = [p.name for p in out.iterdir() if p.name not in (".ckptconv-tmp",)]
+    foreign = [p.name for p in out.iterdir() if p.name != TMP_DIR]
     if not foreign:
         return
     if meta is not None and meta.fingerprint == fingerprint:
         return  # same conversion, some files damaged or missing: redo those
-    tmp_state = out / ".ckptconv-tmp" / "state.json"
-    if meta is None and tmp_state.is_file() and json.loads(tmp_state.read_text()).get("fingerprint") == fingerprint:
-        return  # an interrupted run of this same conversion: resume
+    pending = out / TMP_DIR / SPEC_FILE
+    if meta is None and pending.is_file() and json.loads(pending.read_text()).get("fingerprint") == fingerprint:
+        return  # an interrupted run of this same conversion (or another part of it): resume
     if not options.overwrite:
         raise ConversionError(
             f"{out}: not empty and holds a different conversion ({', '.join(sorted(foreign)[:3])}); "
@@ -423,10 +430,6 @@ def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
     for name in foreign:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def _as_json(files: dict[str, FileRecord]) -> dict[str, dict[str, Any]]:
-    return {rel: {"size": rec.size, "sha256": rec.sha256} for rel, rec in files.items()}
 
 
 def _dtype_name(plan: Plan) -> str:

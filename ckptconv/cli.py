@@ -14,6 +14,7 @@ from ckptconv import api
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
+from ckptconv.finalize import finalize, parse_part
 from ckptconv.inspect import inspect
 from ckptconv.layout import Attention
 
@@ -43,6 +44,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
+    p.add_argument("--part", type=parse_part, default=None, metavar="K/N",
+                   help="convert the K-th of N disjoint sets of files (default: from srun/torchrun, else all)")
 
 
 def _layout_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -128,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when PATH has none)")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("finalize", help="finish a conversion split over several processes (--part)")
+    p.add_argument("out")
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("nxd-compat", help="the official checkpoint_converter.py flags (drop-in)")
     build_compat_parser(p)
     _run_flags(p)
@@ -136,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace) -> api.RunOptions:
     return api.RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
-                          quiet=args.quiet or args.json, overwrite=args.overwrite)
+                          quiet=args.quiet or args.json, overwrite=args.overwrite, part=args.part)
 
 
 def _flavour(value: str | None) -> str:
@@ -175,6 +182,9 @@ def run(args: argparse.Namespace) -> Any:
                       hints=_hints(args), files=args.files)
     if args.command == "inspect":
         return inspect(args.path, config=args.config)
+    if args.command == "finalize":
+        files = finalize(args.out)
+        return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}
     if args.command == "nxd-compat":
         return run_compat(args, _options(args))
     raise AssertionError(args.command)

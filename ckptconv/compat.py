@@ -12,9 +12,9 @@ import argparse
 import time
 from pathlib import Path
 
-from ckptconv.api import RunOptions, Result, _execute, open_nxd, to_nxd
+from ckptconv.api import Result, RunOptions, _convert, _fingerprint, open_nxd, to_nxd
 from ckptconv.errors import ConversionError
-from ckptconv.execute import cleanup_tmp
+from ckptconv.finalize import FinalizeSpec
 from ckptconv.io.nxd import Flavour, sink_factory
 from ckptconv.layout import Attention
 from ckptconv.plan import plan_to_full_state
@@ -88,6 +88,10 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     with ckpt:
         order = {file: ckpt.keys(file) for file in ckpt.files}
         plan = plan_to_full_state(spec, layout, ckpt.dtypes(), order, with_inv_freq=with_inv_freq)
-        files = _execute(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, "", "to-full-state")
-        cleanup_tmp(out)
-    return Result(out, files, plan.nbytes, time.monotonic() - started, notes, layout.to_json())
+        fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))
+        # The official tool writes checkpoint.pt and nothing else; so do we (no ckptconv.json).
+        result = _convert(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, FinalizeSpec(fingerprint), "to-full-state")
+    result.notes[:0] = notes
+    result.layout = layout.to_json()
+    result.seconds = time.monotonic() - started
+    return result

@@ -116,11 +116,15 @@ def run_plan(
     options: ExecOptions,
     *,
     only_files: set[str] | None = None,
+    state_file: str = STATE_FILE,
 ) -> dict[str, FileRecord]:
-    """Write every file of ``plan`` under ``out_dir``; return {relative path: size and sha256}."""
+    """Write the files of ``plan`` (or ``only_files`` of them) under ``out_dir``.
+
+    Returns {relative path: size and sha256} of every file written or found done.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / TMP_DIR
-    state = _load_state(tmp, options.fingerprint)
+    state = _load_state(tmp / state_file, options.fingerprint)
     wanted = [i for i, f in enumerate(plan.files) if only_files is None or f.path in only_files]
     done = {path: recs for path, recs in state.items() if all(_still_valid(out_dir, p, r) for p, r in recs.items())}
     todo = [i for i in wanted if plan.files[i].path not in done]
@@ -147,7 +151,7 @@ def run_plan(
             with lock:
                 completed[plan.files[file_index].path] = records
                 state[plan.files[file_index].path] = records
-                _save_state(tmp, options.fingerprint, state)
+                _save_state(tmp / state_file, options.fingerprint, state)
 
     def run_unit(unit: _Unit) -> None:
         for start in range(0, max(unit.rows, 1), unit.band_rows):
@@ -176,11 +180,6 @@ def _flatten(per_file: dict[str, dict[str, FileRecord]], plan: Plan, wanted: lis
     for i in wanted:
         out.update(per_file[plan.files[i].path])
     return out
-
-
-def cleanup_tmp(out_dir: Path) -> None:
-    """Remove the temp dir once the caller has written its metadata."""
-    shutil.rmtree(out_dir / TMP_DIR, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,9 +362,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _load_state(tmp: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:
+def _load_state(path: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:
     try:
-        data = json.loads((tmp / STATE_FILE).read_text())
+        data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
     if data.get("fingerprint") != fingerprint:
@@ -376,12 +375,12 @@ def _load_state(tmp: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]
     }
 
 
-def _save_state(tmp: Path, fingerprint: str, state: dict[str, dict[str, FileRecord]]) -> None:
-    files = {path: {m: vars(r) for m, r in members.items()} for path, members in state.items()}
+def _save_state(path: Path, fingerprint: str, state: dict[str, dict[str, FileRecord]]) -> None:
+    files = {name: {m: vars(r) for m, r in members.items()} for name, members in state.items()}
     payload = {"fingerprint": fingerprint, "files": files}
-    partial = tmp / (STATE_FILE + ".partial")
+    partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(payload, indent=1))
-    os.replace(partial, tmp / STATE_FILE)
+    os.replace(partial, path)
 
 
 def _still_valid(out_dir: Path, path: str, record: FileRecord) -> bool:

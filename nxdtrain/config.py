@@ -25,16 +25,9 @@ PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 
 
-def option(default: Any, help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (),
-           choices: tuple[str, ...] | None = None, negative: str | None = None) -> Any:
-    """A config field that is also a CLI flag (``--name-with-dashes`` unless ``flag`` says otherwise).
-
-    ``negative`` makes a boolean flag that stores False (``--no-shuffle``) instead of a value.
-    """
-    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "negative": negative}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata=meta)
-    return field(default=default, metadata=meta)
+def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None) -> Any:
+    """A config field that is also a CLI flag ``--name-with-dashes`` (booleans also get ``--no-name``)."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
 
 
 def _check(ok: bool, message: str) -> None:
@@ -98,7 +91,7 @@ class DataConfig:
     seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
     mbs: int = option(1, "microbatch size in rows")
-    shuffle: bool = option(True, "visit rows in a seeded random order per epoch", negative="--no-shuffle")
+    shuffle: bool = option(True, "visit rows in a seeded random order per epoch (--no-shuffle: file order)")
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
@@ -161,12 +154,12 @@ class TrainConfig:
         """Build from flat leaf names (``{"tp": 2, "lr": 1e-3}``); unknown names are an error."""
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         top: dict[str, Any] = {}
-        owners = leaf_owners()
+        fields = {f.name: (owner, f) for owner, f in leaf_fields()}
         for key, value in values.items():
-            if key not in owners:
-                raise TrainError(f"{source}: unknown option {key!r} (valid: {', '.join(sorted(owners))})")
-            owner = owners[key]
-            (sections[owner] if owner else top)[key] = value
+            if key not in fields:
+                raise TrainError(f"{source}: unknown option {key!r} (valid: {', '.join(sorted(fields))})")
+            owner, f = fields[key]
+            (sections[owner] if owner else top)[key] = coerce(f, value, source)
         built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
         return cls(**top, **built)
 
@@ -199,7 +192,24 @@ def leaf_owners() -> dict[str, str | None]:
 
 def flag_of(f: dataclasses.Field[Any]) -> str:
     """The CLI flag of a leaf field."""
-    return f.metadata.get("negative") or f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    return "--" + f.name.replace("_", "-")
+
+
+def coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
+    """A YAML value as the field's type (YAML 1.1 reads ``1e-3`` as a string, for one)."""
+    kind = str(f.type)
+    if value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return value
+    try:
+        if "float" in kind:
+            return float(value)
+        if "int" in kind and isinstance(value, str):
+            return int(value)
+        if "bool" in kind and isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+            return value.lower() in ("true", "yes")
+    except ValueError:
+        raise TrainError(f"{source}: {f.name} must be a {kind.split(' ')[0]}, got {value!r}") from None
+    return value
 
 
 def _is_int(value: Any) -> bool:

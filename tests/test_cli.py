@@ -12,7 +12,7 @@ import pytest
 from ckptconv.cli import build_parser, main, parse_size
 from ckptconv.compat import parse_bool
 
-RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite"}
+RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite", "--part"}
 LAYOUT_FLAGS = {"--tp", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicator", "--qkv-linear", "--no-qkv-linear",
                 "--fuse-qkv", "--no-fuse-qkv", "--coalesce-qkv", "--no-coalesce-qkv", "--hw-backend", "--trn2-kv-layout"}
 
@@ -30,6 +30,7 @@ def test_flag_sets_are_pinned():
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas"}
     assert flags("inspect") == {"--config", "--json"}
+    assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {
         "--convert_from_full_state", "--convert_to_full_state", "--input_dir", "--output_dir", "--config",
         "--tp_size", "--pp_size", "--virtual_pp_size", "--kv_size_multiplier", "--qkv_linear", "--fuse_qkv",

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -149,40 +148,22 @@ class HfCheckpoint:
         self.close()
 
 
-def write_config(out_dir: Path, config: dict[str, Any], dtype: torch.dtype) -> None:
+def config_text(config: dict[str, Any], dtype: torch.dtype) -> str:
     """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5)."""
     config = dict(config)
     name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = name
     config["dtype"] = name
-    _atomic_write_text(out_dir / CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def write_index(out_dir: Path, files: list[OutFile]) -> None:
-    """``model.safetensors.index.json`` when the weights span more than one file."""
+def index_text(files: list[OutFile]) -> dict[str, str]:
+    """``{SAFETENSORS_INDEX: text}`` when the weights span more than one file, else nothing."""
     if len(files) < 2:
-        return
+        return {}
     weight_map = {t.key: f.path for f in files for t in f.tensors}
     index = {
         "metadata": {"total_size": sum(f.nbytes for f in files)},
         "weight_map": dict(sorted(weight_map.items())),
     }
-    _atomic_write_text(out_dir / SAFETENSORS_INDEX, json.dumps(index, indent=2) + "\n")
-
-
-def copy_side_files(files: list[Path], out_dir: Path) -> list[str]:
-    """Copy tokenizer/generation files (temp name, then rename); return the names copied."""
-    copied = []
-    for file in files:
-        target = out_dir / file.name
-        partial = target.with_name(target.name + ".partial")
-        shutil.copyfile(file, partial)
-        partial.replace(target)
-        copied.append(file.name)
-    return copied
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
+    return {SAFETENSORS_INDEX: json.dumps(index, indent=2) + "\n"}

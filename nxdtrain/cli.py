@@ -1,0 +1,96 @@
+"""``nxdtrain`` command line: ``run`` trains, ``export`` writes an HF directory. Exit 0 ok, 1 error, 2 usage.
+
+The ``run`` flags are generated from :mod:`nxdtrain.config` (one flag per leaf option, its help
+from the field), so the flags, the YAML keys and the Python API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ckptconv.errors import ConversionError
+from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
+
+
+def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
+    meta, kind = f.metadata, str(f.type)
+    default = "" if f.default is None else f" (default: {f.default})"
+    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"] + default}
+    if "bool" in kind:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = float if "float" in kind else int if "int" in kind else str
+        kwargs["metavar"] = f.name.upper()
+        if meta["choices"]:
+            kwargs.update(choices=meta["choices"], metavar=None)
+    parser.add_argument(flag_of(f), *meta["aliases"], **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train from --resume PATH (NxD shards), write NxD checkpoints")
+    run.add_argument("--config", dest="config_file", metavar="FILE.yaml",
+                     help="YAML with the same options as the flags (or NxDT-shaped keys); flags override it")
+    for _, f in leaf_fields():
+        _add_option(run, f)
+    export = sub.add_parser("export", help="a checkpoint tag (or a root's newest completed tag) -> HF directory")
+    export.add_argument("src", metavar="TAG_OR_ROOT")
+    export.add_argument("out", metavar="OUT")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the YAML file, then the flags given on the command line."""
+    values: dict[str, Any] = {}
+    source = "flags"
+    if args.config_file:
+        values, notes = read_yaml(args.config_file)
+        source = f"--config {args.config_file}"
+        for line in notes:
+            print(f"nxdtrain: {line}", file=sys.stderr)
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
+    return TrainConfig.from_flat({**values, **flags}, source=source)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nxdtrain.dist import spawn
+    from nxdtrain.train import prepare, run_worker, train
+
+    config = load_config(args)
+    if not config.nproc:
+        train(config)
+        return 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
+    prepare(config, config.nproc)  # fail here, once, before starting anything
+    return spawn(run_worker, (config,), config.nproc, preload=("nxdtrain.train",))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from nxdtrain.train import export
+
+    result = export(args.src, args.out, quiet=False)
+    print(f"exported {args.src} -> {result.out} ({len(result.files)} files)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args) if args.command == "run" else _export(args)
+    except ConversionError as exc:  # TrainError and ckptconv's errors: one line
+        print(f"nxdtrain: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("nxdtrain: interrupted; rerun with --resume CHECKPOINT_DIR to continue from the last tag",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""One pipeline stage of a tensor-parallel Llama whose ``state_dict()`` is exactly one NxD shard.
+
+Which heads, rows and layers a (tp, pp) rank holds is asked from ``ckptconv.mapping`` (the single
+source of truth for the GQA head order); this module only builds layers of those sizes. Each
+rank computes attention with its own Q heads against the K/V heads it holds, so any layout in
+which every local Q head finds its K/V head locally can be trained.
+
+Example (offline, no process group: building, loading and saving need none):
+
+    >>> from ckptconv.model_spec import ModelSpec
+    >>> from ckptconv.layout import ParallelLayout
+    >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96, vocab=128,
+    ...                  layers=4, tied=False, config={"hidden_size": 64, "num_attention_heads": 8})
+    >>> layout = ParallelLayout(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)
+    >>> stage = LlamaStage(spec, layout, tp=TpGroup(2, 1), pp_rank=1)
+    >>> list(stage.shard_state())[-1]
+    'model.layers.3.self_attn.qkv_proj.weight_qkv'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckptconv.layout import Attention as AttentionMode
+from ckptconv.layout import ParallelLayout, layer_pp_ranks
+from ckptconv.mapping import LAYER_PREFIX, ShardRecord, hf_record_shape, hf_shapes, shard_records
+from ckptconv.model_spec import ModelSpec
+from nxdtrain.errors import TrainError
+from nxdtrain.parallel import (
+    ColumnParallelLinear,
+    GQAQKVColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    TpGroup,
+)
+from nxdtrain.rope import apply_rope, cos_sin, inv_freq
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """Global Q and K/V head indices a tp rank holds, in shard order (K/V replicas included)."""
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+
+
+def rank_heads(spec: ModelSpec, layout: ParallelLayout, tp_rank: int) -> RankHeads:
+    """Read the rank's heads off ckptconv's shard records of layer 0 (the same for every layer)."""
+    prefix = LAYER_PREFIX.format(0) + "self_attn."
+    heads: dict[str, list[int]] = {"q_proj": [], "k_proj": []}
+    for record in shard_records(spec, layout, tp_rank=tp_rank, pp_rank=0):
+        for seg in record.segments:
+            proj = seg.hf_key.removeprefix(prefix).removesuffix(".weight")
+            if not seg.hf_key.startswith(prefix) or proj not in heads:
+                continue
+            if seg.start % spec.head_dim or seg.stop % spec.head_dim:
+                raise TrainError(
+                    f"layout {describe(layout)} splits a {proj} head (head_dim {spec.head_dim}) across tp ranks; "
+                    f"train with --qkv-linear and --kv-replicator {max(1, layout.tp // spec.kv_heads)} "
+                    "(reshard the checkpoint with ckptconv reshard)"
+                )
+            heads[proj].extend(range(seg.start // spec.head_dim, seg.stop // spec.head_dim))
+    return RankHeads(tuple(heads["q_proj"]), tuple(dict.fromkeys(heads["k_proj"])))
+
+
+def describe(layout: ParallelLayout) -> str:
+    """``tp 2 pp 2 kvm 1 qkv_linear fused`` (the words a reshard command needs)."""
+    words = f"tp {layout.tp} pp {layout.pp} kvm {layout.kvm} {layout.attention.value}"
+    return words + (" fused" if layout.fuse_qkv else "") + (f" vpp {layout.vpp}" if layout.vpp > 1 else "")
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, operation for operation."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class _InvFreq(nn.Module):
+    """Holds a shard's ``rotary_emb.inv_freq`` so it round-trips; the forward uses the config's values."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", values.clone())
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads,
+                 *, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None) -> None:
+        super().__init__()
+        hd, hidden = spec.head_dim, spec.hidden
+        n, m = len(heads.q), len(heads.kv)
+        self.shape = (n, m, hd)
+        self.scaling = hd ** -0.5
+        self.mode = layout.attention
+        if self.mode is AttentionMode.SEPARATE:
+            self.q_proj = ColumnParallelLinear(hidden, n * hd, tp, dtype=dtype)
+            self.k_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
+            self.v_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
+        elif self.mode is AttentionMode.COALESCED:
+            self.qkv_proj = ColumnParallelLinear(hidden, (n + 2 * m) * hd, tp, dtype=dtype)
+        else:
+            self.qkv_proj = GQAQKVColumnParallelLinear(hidden, n * hd, m * hd, tp, fuse=layout.fuse_qkv, dtype=dtype)
+        self.o_proj = RowParallelLinear(n * hd, hidden, tp, dtype=dtype)
+        if carried_inv_freq is not None:
+            self.rotary_emb = _InvFreq(carried_inv_freq)
+        # The K/V head each local Q head attends with (GQA: global head h uses K/V head h // group).
+        missing = [h for h in heads.q if h // spec.group not in heads.kv]
+        if missing:
+            raise TrainError(
+                f"layout {describe(layout)} ({layout.hw.value}, {layout.trn2_kv_layout.value} K/V order) puts Q head "
+                f"{missing[0]} on tp rank {tp.rank} without its K/V head {missing[0] // spec.group}; reshard with "
+                "ckptconv reshard --trn2-kv-layout runtime"
+            )
+        index = [heads.kv.index(h // spec.group) for h in heads.q]
+        self.register_buffer("kv_index", torch.tensor(index), persistent=False)
+        self.expand_kv = index != list(range(m))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.mode is AttentionMode.SEPARATE:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.mode is AttentionMode.COALESCED:
+            n, m, hd = self.shape
+            q, k, v = self.qkv_proj(x).split((n * hd, m * hd, m * hd), dim=-1)
+            return q, k, v
+        return self.qkv_proj(x)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        n, m, hd = self.shape
+        q, k, v = self._project(x)
+        q = q.view(batch, seq, n, hd).transpose(1, 2)
+        k = k.view(batch, seq, m, hd).transpose(1, 2)
+        v = v.view(batch, seq, m, hd).transpose(1, 2)
+        q, k = apply_rope(q, k, cos, sin)
+        if self.expand_kv:
+            k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, n * hd))
+
+    def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
+        """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
+        n, m, hd = self.shape
+        if self.mode is AttentionMode.SEPARATE:
+            return [(self.k_proj.weight, slice(0, m * hd)), (self.v_proj.weight, slice(0, m * hd))]
+        if self.mode is AttentionMode.COALESCED:
+            return [(self.qkv_proj.weight, slice(n * hd, (n + 2 * m) * hd))]
+        return self.qkv_proj.kv_rows()
+
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP with NxD's fused ``gate_up_proj`` (rows: this rank's gate rows, then its up rows)."""
+
+    def __init__(self, spec: ModelSpec, tp: TpGroup, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        local = spec.intermediate // tp.size
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden, 2 * local, tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(local, spec.hidden, tp, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads, *,
+                 eps: float, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(spec, layout, tp, heads, dtype=dtype, carried_inv_freq=carried_inv_freq)
+        self.mlp = MLP(spec, tp, dtype=dtype)
+        self.input_layernorm = RMSNorm(spec.hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, eps, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """The ``model.`` prefix of the keys: embedding (first stage), layers by global index, norm (last stage)."""
+
+
+def _check_arch(config: dict[str, object]) -> float:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise TrainError(f"config.json: hidden_act {act!r} is not supported (Llama uses 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise TrainError(f"config.json: {flag} is true; biases are not part of the NxD Llama layout")
+    return float(config.get("rms_norm_eps", 1e-6))  # type: ignore[arg-type]
+
+
+class LlamaStage(nn.Module):
+    """The layers of pipeline rank ``pp_rank`` for tensor-parallel rank ``tp.rank``.
+
+    Input: token ids (first stage) or hidden states; output: hidden states, or on the last stage
+    this rank's vocabulary slice of the logits. Layers keep their global numbers.
+    """
+
+    def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
+                 with_inv_freq: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if layout.vpp != 1:
+            raise TrainError(f"layout {describe(layout)}: virtual pipeline stages are not supported by nxdtrain; "
+                             "reshard with ckptconv reshard --vpp 1")
+        assert tp.size == layout.tp, (tp, layout)
+        self.spec, self.layout, self.tp, self.pp_rank = spec, layout, tp, pp_rank
+        self.with_inv_freq = with_inv_freq
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == layout.pp - 1
+        eps = _check_arch(spec.config)
+        self.register_buffer("rope_inv_freq", inv_freq(spec.config), persistent=False)
+        heads = rank_heads(spec, layout, tp.rank)
+        carried = self.rope_inv_freq if with_inv_freq else None
+        self.layer_ids = [i for i, owner in enumerate(layer_pp_ranks(spec.layers, layout)) if owner == pp_rank]
+        self.model = _Body()
+        if self.is_first:
+            self.model.embed_tokens = ParallelEmbedding(spec.vocab // tp.size, spec.hidden, tp, dtype=dtype)
+        self.model.layers = nn.ModuleDict({
+            str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried)
+            for i in self.layer_ids
+        })
+        if self.is_last:
+            self.model.norm = RMSNorm(spec.hidden, eps, dtype)
+            self.lm_head = ColumnParallelLinear(spec.hidden, spec.vocab // tp.size, tp, dtype=dtype)
+        self._check_matches_shard()
+
+    def records(self) -> list[ShardRecord]:
+        return shard_records(self.spec, self.layout, tp_rank=self.tp.rank, pp_rank=self.pp_rank,
+                             with_inv_freq=self.with_inv_freq)
+
+    def _check_matches_shard(self) -> None:
+        shapes = hf_shapes(self.spec, with_inv_freq=self.with_inv_freq)
+        expected = {r.key: hf_record_shape(r, shapes[r.segments[0].hf_key]) for r in self.records()}
+        actual = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        assert actual == expected, f"stage keys/shapes differ from the shard: {set(actual.items()) ^ set(expected.items())}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.is_first else x
+        cos, sin = cos_sin(self.rope_inv_freq, h.shape[1], h.dtype)
+        for layer in self.model.layers.values():
+            h = layer(h, cos, sin)
+        if self.is_last:
+            return self.lm_head(self.model.norm(h))
+        return h
+
+    # ------------------------------------------------------------------ shard I/O
+
+    def shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shard: keys in ckptconv's file order, o_proj column-major where the format stores it so."""
+        state = self.state_dict()
+        out = {}
+        for record in self.records():
+            t = state[record.key].detach()
+            out[record.key] = t.t().contiguous().t() if record.column_major else t
+        return out
+
+    def load_shard_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Copy a shard's tensors in (any dtype; cast to the parameters'); keys and shapes must match exactly."""
+        own = self.state_dict()
+        missing = [k for k in own if k not in state]
+        extra = [k for k in state if k not in own]
+        if missing or extra:
+            what = f"missing {missing[0]!r}" if missing else f"unexpected {extra[0]!r}"
+            raise TrainError(f"{source}: {what} for layout {describe(self.layout)}; reshard the checkpoint")
+        for key, value in state.items():
+            if tuple(value.shape) != tuple(own[key].shape):
+                raise TrainError(f"{source}: {key!r} has shape {list(value.shape)}, layout {describe(self.layout)} "
+                                 f"needs {list(own[key].shape)}")
+        self.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
+
+    # ------------------------------------------------------------------ what the trainer must know
+
+    def attention_layers(self) -> Iterator[SelfAttention]:
+        for layer in self.model.layers.values():
+            yield layer.self_attn
+
+    def tp_replicated(self) -> list[str]:
+        """Parameters every tp rank holds whole (their gradients are equal on all tp ranks)."""
+        return [name for name, _ in self.named_parameters() if name.endswith("norm.weight")]

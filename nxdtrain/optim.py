@@ -1,0 +1,157 @@
+"""Optimizer, learning-rate schedule and fp32 master weights.
+
+The optimizer always steps fp32 tensors: the parameters themselves with ``--precision fp32``,
+fp32 master copies with ``bf16`` (the bf16 parameters' gradients are accumulated into the
+masters' fp32 gradients as each microbatch's backward produces them, and the masters are
+copied back into the parameters after each step). Weight decay applies to matrices only, never
+to norm weights. With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
+torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
+
+    >>> from nxdtrain.config import OptimConfig
+    >>> cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup=2, schedule="linear")
+    >>> [lr_at(s, cfg, decay_steps=6) for s in range(1, 7)]
+    [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nxdtrain.config import OptimConfig
+from nxdtrain.errors import TrainError
+
+STATE_FORMAT = 1
+
+
+def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
+    """Learning rate of the update that produces global step ``step`` (1-based).
+
+    Warmup: ``lr·step/warmup`` for ``step <= warmup``. Then ``constant`` keeps ``lr``; ``linear``
+    and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there.
+    """
+    if cfg.warmup and step <= cfg.warmup:
+        return cfg.lr * step / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup) / max(1, decay_steps - cfg.warmup))
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Decay on matrices, none on vectors (norm weights); the same grouping the HF reference uses."""
+    return [
+        {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_torch_optimizer(groups: list[dict[str, Any]], cfg: OptimConfig, *, lr: float,
+                         zero_group: Any = None) -> torch.optim.Optimizer:
+    """torch's AdamW or plain SGD over ``groups``, wrapped in ZeRO-1 when ``zero_group`` is given."""
+    if cfg.optimizer == "adamw":
+        cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+        kwargs: dict[str, Any] = {"lr": lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    else:
+        cls, kwargs = torch.optim.SGD, {"lr": lr}
+    if zero_group is None:
+        return cls(groups, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=zero_group, **kwargs)
+
+
+class Optimizer:
+    """Steps fp32 (master) weights of one stage; see the module docstring."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig, *, initial: dict[str, torch.Tensor],
+                 zero_group: Any = None) -> None:
+        self.model = model
+        self.names = [name for name, _ in model.named_parameters()]
+        self.params = dict(model.named_parameters())
+        self.mixed = any(p.dtype != torch.float32 for p in self.params.values())
+        if self.mixed:
+            # Masters start from the loaded values at their stored precision, not the bf16 rounding.
+            self.master = {n: nn.Parameter(initial[n].detach().to(p.device, torch.float32, copy=True))
+                           for n, p in self.params.items()}
+            for name, p in self.params.items():
+                p.register_post_accumulate_grad_hook(self._accumulator(self.master[name]))
+        else:
+            self.master = self.params
+        groups = param_groups([(n, self.master[n]) for n in self.names], cfg.weight_decay)
+        self.zero = zero_group is not None
+        self.zero_size = dist.get_world_size(zero_group) if self.zero else 1
+        self.torch_optimizer = make_torch_optimizer(groups, cfg, lr=cfg.lr, zero_group=zero_group)
+
+    @staticmethod
+    def _accumulator(master: nn.Parameter) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            assert p.grad is not None
+            if master.grad is None:
+                master.grad = p.grad.to(torch.float32)
+            else:
+                master.grad.add_(p.grad)
+            p.grad = None
+
+        return hook
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """fp32 gradient of every parameter (zeros where this stage's backward produced none)."""
+        out = {}
+        for name in self.names:
+            m = self.master[name]
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            out[name] = m.grad
+        return out
+
+    def step(self, lr: float) -> None:
+        for group in self.torch_optimizer.param_groups:
+            group["lr"] = lr
+        self.torch_optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for name in self.names:
+                    self.params[name].copy_(self.master[name])
+
+    def zero_grad(self) -> None:
+        for name in self.names:
+            self.master[name].grad = None
+            self.params[name].grad = None
+
+    # ------------------------------------------------------------------ state
+
+    def _local(self) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state (ZeRO's local partition, or the whole one)."""
+        return self.torch_optimizer.optim if self.zero else self.torch_optimizer  # type: ignore[attr-defined]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors and numbers only (loadable with ``torch.load(weights_only=True)``)."""
+        state: dict[str, Any] = {"format": STATE_FORMAT, "names": list(self.names), "zero1": self.zero,
+                                 "zero_size": self.zero_size, "optimizer": self._local().state_dict()}
+        if self.mixed:
+            state["master"] = {n: self.master[n].detach().clone() for n in self.names}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
+        if state.get("format") != STATE_FORMAT or state.get("names") != self.names:
+            raise TrainError(f"{source}: optimizer state is for other parameters than this stage's "
+                             "(different model or layout); resume with --weights-only")
+        if bool(state.get("zero1")) != self.zero or state.get("zero_size", 1) != self.zero_size:
+            saved = f"--zero1 over {state.get('zero_size')} dp ranks" if state.get("zero1") else "without --zero1"
+            mine = f"--zero1 over {self.zero_size} dp ranks" if self.zero else "without --zero1"
+            raise TrainError(f"{source}: optimizer state was saved {saved}, this run is {mine}; "
+                             "resume with the same setting or with --weights-only")
+        self._local().load_state_dict(state["optimizer"])
+        if "master" in state:
+            with torch.no_grad():
+                for name in self.names:
+                    self.master[name].copy_(state["master"][name])
+                    if self.mixed:
+                        self.params[name].copy_(self.master[name])

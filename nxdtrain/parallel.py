@@ -1,0 +1,203 @@
+"""Tensor-parallel layers with NxD's parameter names and local shapes, in plain torch.
+
+The classes mirror ``neuronx_distributed.parallel_layers``: a layer's ``weight`` (or
+``weight_q``/``weight_k``/``weight_v``/``weight_qkv``) has exactly the shape of the tensor a
+shard stores for this tp rank, so shards load with ``strict=True``. The tp collectives are the
+two classic conjugate operators: ``copy_to_tp`` (identity forward, all-reduce backward) in front
+of a column-parallel layer, ``reduce_from_tp`` (all-reduce forward, identity backward) behind a
+row-parallel one. They are no-ops when tp is 1 (``group`` is None).
+
+These layers run on any torch device; the real NxD layers (Trainium, XLA) are never required.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    """This rank's tensor-parallel group: size, rank, and the process group (None when size is 1 or offline)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+
+def _all_reduce(t: torch.Tensor, tp: TpGroup, op: Any = None) -> torch.Tensor:
+    if tp.group is None:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=tp.group)
+    return t
+
+
+class _CopyToTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.tp), None
+
+
+class _ReduceFromTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+        return _all_reduce(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (the input feeds every tp rank's slice)."""
+    return x if tp.group is None else _CopyToTp.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+    """All-reduce forward (sum of partial products); identity backward."""
+    return x if tp.group is None else _ReduceFromTp.apply(x, tp)
+
+
+def _empty(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+    # Zeros, not torch.empty: every parameter is overwritten from a shard, and zeros keep a
+    # forgotten load visible instead of random.
+    return nn.Parameter(torch.zeros(rows, cols, dtype=dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_r = x @ W_r.T`` where ``W_r`` (``weight``, ``out_local x in``) is this rank's rows of W."""
+
+    def __init__(self, in_features: int, out_local: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _empty(out_local, in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r @ W_r.T`` where ``W_r`` (``weight``, ``out x in_local``) is this rank's columns of W."""
+
+    def __init__(self, in_local: int, out_features: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _empty(out_features, in_local, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.tp)
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocab-parallel embedding: ``weight`` holds rows ``[vocab_start, vocab_start + rows)``.
+
+    Ids outside the range look up row 0 and are zeroed; the all-reduce adds the one rank that
+    holds each id.
+    """
+
+    def __init__(self, rows: int, hidden: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_start = tp.rank * rows
+        self.weight = _empty(rows, hidden, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.group is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+
+
+class GQAQKVColumnParallelLinear(nn.Module):
+    """The GQA QKV layer: this rank's Q heads and its (possibly replicated) K/V heads.
+
+    Parameters are ``weight_q``/``weight_k``/``weight_v`` or, with ``fuse``, one ``weight_qkv`` =
+    ``cat(weight_q, weight_k, weight_v)`` (rows ``q_rows``, ``kv_rows``, ``kv_rows``).
+    """
+
+    def __init__(self, hidden: int, q_rows: int, kv_rows: int, tp: TpGroup, *, fuse: bool,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp = tp
+        self.sizes = (q_rows, kv_rows, kv_rows)
+        self.fuse = fuse
+        if fuse:
+            self.weight_qkv = _empty(q_rows + 2 * kv_rows, hidden, dtype)
+        else:
+            self.weight_q = _empty(q_rows, hidden, dtype)
+            self.weight_k = _empty(kv_rows, hidden, dtype)
+            self.weight_v = _empty(kv_rows, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = copy_to_tp(x, self.tp)
+        if self.fuse:
+            q, k, v = F.linear(x, self.weight_qkv).split(self.sizes, dim=-1)
+            return q, k, v
+        return F.linear(x, self.weight_q), F.linear(x, self.weight_k), F.linear(x, self.weight_v)
+
+    def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
+        """(parameter, rows) holding K and V: replicated on other ranks when kv_size_multiplier > 1."""
+        q, kv, _ = self.sizes
+        if self.fuse:
+            return [(self.weight_qkv, slice(q, q + 2 * kv))]
+        return [(self.weight_k, slice(0, kv)), (self.weight_v, slice(0, kv))]
+
+
+# --------------------------------------------------------------------------------------------
+# Loss
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy over logits split by vocabulary across tp ranks (fp32 math)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp: TpGroup, ignore_index: int) -> torch.Tensor:
+        logits_dtype = logits.dtype
+        logits = logits.float()
+        rows = logits.shape[-1]
+        start = tp.rank * rows
+        top = _all_reduce(logits.max(dim=-1).values, tp, dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), tp)
+        local = target - start
+        mine = (local >= 0) & (local < rows) & (target != ignore_index)
+        picked = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce(torch.where(mine, picked, 0.0), tp)
+        ignored = target == ignore_index
+        loss = torch.where(ignored, 0.0, sum_exp.log() - target_logit)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine, ignored)
+        ctx.input_dtype = logits_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        grad_logits, local, mine, ignored = ctx.saved_tensors  # the softmax, turned into its gradient in place
+        rows = torch.arange(local.numel(), device=local.device)
+        flat = grad_logits.view(-1, grad_logits.shape[-1])
+        flat[rows[mine.view(-1)], local.view(-1)[mine.view(-1)]] -= 1.0
+        scale = torch.where(ignored, 0.0, grad).unsqueeze(-1)
+        return (grad_logits * scale).to(ctx.input_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TpGroup,
+                                 *, ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of every token (0 where ``target == ignore_index``), in fp32.
+
+    ``logits`` are this rank's vocabulary slice ``[rank·V/tp, (rank+1)·V/tp)``; the max, the
+    sum of exponentials and the target logit are all-reduced so every rank gets the full loss.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index)

@@ -1,0 +1,61 @@
+"""One optimizer step's forward and backward: microbatches through ``torch.distributed.pipelining``.
+
+Loss definition: the mean token cross-entropy over every predicted token of the *global* batch,
+``sum over all rows r and positions t < seq_len-1 of CE(logits[r, t], ids[r, t+1])`` divided by
+``gbs·(seq_len-1)`` — what ``LlamaForCausalLM(ids, labels=ids).loss`` gives for the whole batch
+at once. Each microbatch contributes its token sum divided by that global count (so the
+schedule must not rescale: ``scale_grads=False``); gradients accumulate over microbatches and are
+summed over data-parallel ranks, and the reported loss is the same sum over microbatches and dp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from nxdtrain.errors import TrainError
+from nxdtrain.model import LlamaStage
+from nxdtrain.parallel import vocab_parallel_cross_entropy
+
+IGNORE = -100
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def shifted_targets(ids: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t+1; the last position predicts nothing (-100), as transformers pads labels."""
+    target = torch.full_like(ids, IGNORE)
+    target[:, :-1] = ids[:, 1:]
+    return target
+
+
+class PipelineStep:
+    """Runs the microbatches of one data-parallel rank's slice of a global batch."""
+
+    def __init__(self, model: LlamaStage, *, pp_group: Any, pp_size: int, microbatches: int, schedule: str,
+                 tokens_per_batch: int, device: torch.device) -> None:
+        if schedule == "1f1b" and microbatches < pp_size:
+            raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp_size} microbatches per data-parallel rank, "
+                             f"got {microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
+        self.model, self.device = model, device
+        self.tokens = tokens_per_batch
+        stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group)
+        self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.model.tp,
+                                                 ignore_index=IGNORE)
+        return per_token.sum() / self.tokens
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of all microbatches; the summed loss on the last stage, 0 elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.model.is_first else ()
+        kwargs: dict[str, Any] = {"return_outputs": False}
+        if self.model.is_last:
+            kwargs.update(target=shifted_targets(ids), losses=losses)
+        self.schedule.step(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()

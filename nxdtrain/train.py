@@ -1,0 +1,262 @@
+"""The training loop: load a stage from NxD shards, step it, checkpoint it, export it.
+
+:func:`train` runs in every process of the world (started by ``nxdtrain run --nproc N``,
+torchrun or srun). :func:`prepare` does every check that needs no process group, so that
+``--nproc`` can fail with one line before starting anything.
+
+Example (one process; ``nxdtrain run`` is the same call):
+
+    >>> from nxdtrain.config import TrainConfig
+    >>> cfg = TrainConfig.from_flat({"resume": "llama-nxd", "steps": 10, "data": "synthetic",
+    ...                              "seq_len": 128, "checkpoint_dir": "ckpt"})   # doctest: +SKIP
+    >>> history = train(cfg)                                                      # doctest: +SKIP
+    >>> history[-1].loss                                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.nxd import Flavour, load_shard
+from ckptconv.layout import ParallelLayout
+from nxdtrain.checkpoint import (
+    ResumeSource,
+    TagWriter,
+    check_layout,
+    load_small,
+    optim_file,
+    read_training_state,
+    resolve_resume,
+    run_layout,
+    set_rng_state,
+)
+from nxdtrain.config import TrainConfig
+from nxdtrain.data import Batches, open_rows
+from nxdtrain.dist import Mesh, detect_env, init_world
+from nxdtrain.errors import TrainError
+from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
+from nxdtrain.metrics import StepLog, StepMetrics, note
+from nxdtrain.model import LlamaStage, rank_heads
+from nxdtrain.optim import Optimizer, lr_at
+from nxdtrain.parallel import TpGroup
+from nxdtrain.pipeline import PipelineStep
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run checked against its checkpoint and world size, before any process group exists."""
+
+    config: TrainConfig
+    source: ResumeSource
+    layout: ParallelLayout
+    world_size: int
+    dp: int
+    microbatches: int
+
+
+def prepare(config: TrainConfig, world_size: int) -> RunPlan:
+    """Resolve ``--resume``, check the layout, the batch arithmetic and the data; raise TrainError."""
+    source = resolve_resume(config.checkpoint.resume or "", weights_only=config.checkpoint.weights_only)
+    layout = run_layout(config.parallel, source.layout)
+    check_layout(source, layout)
+    layout.check_model(source.spec)
+    tp, pp = layout.tp, layout.pp
+    if world_size % (tp * pp):
+        raise TrainError(f"world size {world_size} (--nproc or the launcher's) is not a multiple of "
+                         f"--tp {tp} x --pp {pp}")
+    dp = world_size // (tp * pp)
+    data = config.data
+    if data.gbs % (data.mbs * dp):
+        raise TrainError(f"--gbs {data.gbs} must be a multiple of --mbs {data.mbs} x data-parallel size {dp}")
+    microbatches = data.gbs // (data.mbs * dp)
+    if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
+        raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
+                         f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
+    for rank in range(tp):
+        rank_heads(source.spec, layout, rank)  # a layout that splits heads fails here, with the fix
+    open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    return RunPlan(config, source, layout, world_size, dp, microbatches)
+
+
+def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
+    """Who sums which gradients with whom (see nxdtrain.grads); collective: every rank calls it."""
+    spec, layout, tp_rank = plan.source.spec, plan.layout, mesh.coords.tp
+    out = GradPlan(dp_group=mesh.dp_group, mp_group=mesh.mp_group)
+    names = {id(p): n for n, p in model.named_parameters()}
+    if tp_rank != 0:
+        out.uncounted.update({name: [] for name in model.tp_replicated()})
+    # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).
+    replicas: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(layout.tp):
+        replicas.setdefault(rank_heads(spec, layout, rank).kv, []).append(rank)
+    partition = list(replicas.values())
+    if any(len(part) > 1 for part in partition):
+        out.kv_group = mesh.tp_subgroups(partition)
+        out.kv_rows = [(names[id(p)], rows) for attn in model.attention_layers() for p, rows in attn.kv_rows()]
+        if next(part for part in partition if tp_rank in part)[0] != tp_rank:
+            for name, rows in out.kv_rows:
+                out.uncounted.setdefault(name, []).append(rows)
+    if spec.tied:
+        out.tied_group = mesh.first_last_stage_group()
+        out.tied_names = tuple(n for n in (EMBED, LM_HEAD) if n in names.values())
+        if LM_HEAD in out.tied_names:
+            out.uncounted[LM_HEAD] = []
+    return out
+
+
+class Trainer:
+    """One rank's model stage, optimizer, pipeline and data; :meth:`run` trains to ``--steps``."""
+
+    def __init__(self, plan: RunPlan, device: torch.device) -> None:
+        cfg, source = plan.config, plan.source
+        self.plan, self.cfg, self.device = plan, cfg, device
+        self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, timeout_s=cfg.dist_timeout)
+        self.rank0 = mesh.rank == 0
+        c = mesh.coords
+        torch.manual_seed(cfg.seed)
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.model = LlamaStage(source.spec, plan.layout, tp=TpGroup(mesh.tp, c.tp, mesh.tp_group), pp_rank=c.pp,
+                                with_inv_freq=source.with_inv_freq, dtype=dtype).to(device)
+        shard = source.shard(c.tp, c.pp)
+        state = load_shard(shard)
+        self.model.load_shard_state(state, str(shard))
+        zero_group = mesh.dp_group if cfg.parallel.zero1 else None
+        self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group)
+        self.grads = grad_plan(self.model, mesh, plan)
+        data = cfg.data
+        self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
+                                     microbatches=plan.microbatches, schedule=cfg.parallel.pp_schedule,
+                                     tokens_per_batch=data.gbs * (data.seq_len - 1), device=device)
+        rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=cfg.seed)
+        self.batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=source.spec.vocab)
+        self.step, self.consumed = 0, 0
+        if source.full:
+            self._restore()
+        ckpt = cfg.checkpoint
+        self.writer = None if not ckpt.checkpoint_dir else TagWriter(
+            root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
+            flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
+        )
+        if self.rank0:
+            note(f"resume: {source.case}")
+            note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
+                 f"{data.mbs} per dp rank; starting at step {self.step}")
+
+    def _restore(self) -> None:
+        tag, c = self.plan.source.root, self.mesh.coords
+        state = read_training_state(tag)
+        path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp if self.optimizer.zero else 0)
+        self.optimizer.load_state_dict(load_small(path), str(path))
+        self.step, self.consumed = state.step, state.consumed_samples
+        if len(state.rng) == self.mesh.world:
+            set_rng_state(state.rng[self.mesh.rank])
+
+    def train_step(self, step: int) -> StepMetrics:
+        cfg, mesh = self.cfg, self.mesh
+        started = time.perf_counter()
+        ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
+        loss = self.pipeline.run(ids.to(self.device))
+        grads = self.optimizer.grads()
+        reduce_gradients(grads, self.grads)
+        norm = global_norm(grads, self.grads)
+        clip_gradients(grads, norm, cfg.optim.clip_grad)
+        lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        for group in (mesh.dp_group, mesh.pp_group):  # the loss lives on the last stage of each dp replica
+            if group is not None:
+                dist.all_reduce(loss, group=group)
+        self.step, self.consumed = step, self.consumed + cfg.data.gbs
+        elapsed = time.perf_counter() - started
+        return StepMetrics(step, float(loss), lr, float(norm), cfg.data.gbs * cfg.data.seq_len / elapsed, self.consumed)
+
+    def save(self) -> Path:
+        assert self.writer is not None
+        scheduler = {"schedule": self.cfg.optim.schedule, "lr": self.cfg.optim.lr, "min_lr": self.cfg.optim.min_lr,
+                     "warmup": self.cfg.optim.warmup, "decay_steps": self.cfg.decay_steps,
+                     "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
+        tag = self.writer.save(step=self.step, consumed=self.consumed, model=self.model, optimizer=self.optimizer,
+                               scheduler=scheduler)
+        if self.rank0:
+            note(f"saved {tag}")
+        return tag
+
+    def run(self) -> tuple[list[StepMetrics], Path | None]:
+        """Train to ``--steps``; return the per-step metrics and the last tag written (if any)."""
+        cfg = self.cfg
+        freq = cfg.checkpoint.checkpoint_freq
+        start = self.step
+        log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0)
+        history: list[StepMetrics] = []
+        last_tag = None
+        try:
+            for step in range(start + 1, cfg.steps + 1):
+                history.append(self.train_step(step))
+                log.record(history[-1])
+                if self.writer is not None and freq and step % freq == 0:
+                    last_tag = self.save()
+        finally:
+            log.close()
+        if self.writer is not None and self.step > start and (last_tag is None or not last_tag.name.endswith(f"_{self.step}")):
+            last_tag = self.save()
+        if self.rank0 and self.step == start:
+            note(f"nothing to train: the checkpoint is at step {start}, --steps is {cfg.steps}")
+        return history, last_tag
+
+
+def _threads_per_process() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def train(config: TrainConfig) -> list[StepMetrics]:
+    """Train in this process as one rank of the launcher's world (or alone); export at the end if asked."""
+    env = detect_env()
+    plan = prepare(config, env.world_size)
+    torch.set_num_threads(_threads_per_process())
+    device = init_world(env, config.dist_timeout)
+    try:
+        history, last_tag = Trainer(plan, device).run()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if env.rank == 0 and config.export_hf:
+        target = last_tag or Path(config.checkpoint.checkpoint_dir or "")
+        export(target, config.export_hf)
+        note(f"exported {target} to {config.export_hf}")
+    return history
+
+
+def export(src: str | Path, out: str | Path, *, quiet: bool = True) -> Any:
+    """``nxdtrain export``: a tag (or a checkpoint root's newest completed tag) to an HF directory, via ckptconv.
+
+    An earlier HF export in OUT (a ckptconv.json of kind "hf") is replaced; anything else there is an error.
+    """
+    from ckptconv.api import RunOptions, to_hf
+    from ckptconv.metadata import read_metadata
+
+    out = Path(out)
+    previous = read_metadata(out) if out.is_dir() else None
+    # part=(0, 1): this one process writes the whole export, even inside a torchrun/srun world.
+    options = RunOptions(part=(0, 1), quiet=quiet, overwrite=previous is not None and previous.kind == "hf")
+    return to_hf(src, out, options=options)
+
+
+def run_worker(config: TrainConfig) -> None:
+    """Entry point of a process started by ``--nproc``: one-line errors, non-zero exit on failure."""
+    try:
+        train(config)
+    except ConversionError as exc:  # TrainError, and ckptconv's errors about the checkpoint
+        print(f"nxdtrain: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,41 @@
+"""The reference: transformers' LlamaForCausalLM trained in one process on the same rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nxdtrain.config import TrainConfig
+from nxdtrain.data import Batches, open_rows
+from nxdtrain.optim import lr_at, make_torch_optimizer, param_groups
+
+
+def global_batches(cfg: TrainConfig, vocab: int, *, start: int = 0) -> list[torch.Tensor]:
+    """The rows of global batches ``start+1 .. cfg.steps``, in training order."""
+    data = cfg.data
+    rows = open_rows(data.data, vocab=vocab, seq_len=data.seq_len, seed=cfg.seed)
+    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab)
+    return [batches.batch(consumed=s * data.gbs, count=data.gbs) for s in range(start, cfg.steps)]
+
+
+def train_reference(hf_dir: Path, cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-step losses and final weights of the HF model trained on the whole global batch at once."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.train()
+    named = list(model.named_parameters())
+    optimizer = make_torch_optimizer(param_groups(named, cfg.optim.weight_decay), cfg.optim, lr=cfg.optim.lr)
+    losses = []
+    for step, ids in enumerate(global_batches(cfg, model.config.vocab_size), start=1):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if cfg.optim.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
