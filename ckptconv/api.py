@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.execute import TMP_DIR, ExecOptions, FileRecord, run_plan, sha256_file
+from ckptconv.execute import TMP_DIR, ExecOptions, FileRecord, record_matches, run_plan
 from ckptconv.finalize import SPEC_FILE, FinalizeSpec, assign_files, detect_part, record_part, state_name, try_finalize, write_spec
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
@@ -55,6 +55,9 @@ class RunOptions:
     """Replace an existing, different conversion in the output directory."""
     part: tuple[int, int] | None = None
     """(K, N): convert the K-th of N disjoint sets of output files; None: from srun/torchrun, else all."""
+    hash: str = "sha256"
+    """Per-file digest recorded in ckptconv.json: 'sha256', or 'none' (sizes only; sha256 is the
+    slowest step on CPUs without SHA instructions)."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -63,6 +66,8 @@ class RunOptions:
             raise ConversionError(f"--max-memory must be at least 1 MiB, got {self.max_memory} bytes")
         if self.io not in ("mmap", "read"):
             raise ConversionError(f"--io must be 'mmap' or 'read', got {self.io!r}")
+        if self.hash not in ("sha256", "none"):
+            raise ConversionError(f"--hash must be 'sha256' or 'none', got {self.hash!r}")
 
 
 @dataclass
@@ -360,6 +365,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
     """Write this process's part of ``plan``; finalize when it is the last part to finish."""
     part = detect_part(options.part)
     spec.parts = part[1]
+    spec.hash_files = options.hash == "sha256"
     if _up_to_date(out, spec.fingerprint, options):
         return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
     if part[1] > 1 and options.overwrite:
@@ -370,8 +376,8 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
     mine = assign_files(plan, part)
     total = sum(f.nbytes for f in plan.files if f.path in mine)
     with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
-        exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory,
-                                   replicas=kv_replicas, fingerprint=spec.fingerprint, progress=advance)
+        exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
+                                   fingerprint=spec.fingerprint, hash_files=spec.hash_files, progress=advance)
         files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
     record_part(out, part, files)
     finalized = try_finalize(out)
@@ -395,10 +401,7 @@ def _up_to_date(out: Path, fingerprint: str, options: RunOptions) -> bool:
     meta = read_metadata(out) if out.is_dir() else None
     if meta is None or meta.fingerprint != fingerprint or options.overwrite:
         return False
-    return all(
-        (out / rel).is_file() and (out / rel).stat().st_size == rec["size"] and sha256_file(out / rel) == rec["sha256"]
-        for rel, rec in meta.files.items()
-    )
+    return all(record_matches(out / rel, rec["size"], rec["sha256"]) for rel, rec in meta.files.items())
 
 
 def _recorded(out: Path) -> dict[str, FileRecord]:

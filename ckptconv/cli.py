@@ -44,6 +44,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
+    p.add_argument("--hash", choices=("sha256", "none"), default=defaults.hash,
+                   help="per-file digest in ckptconv.json (default sha256; none: sizes only, faster on CPUs without SHA instructions)")
     p.add_argument("--part", type=parse_part, default=None, metavar="K/N",
                    help="convert the K-th of N disjoint sets of files (default: from srun/torchrun, else all)")
 
@@ -143,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace) -> api.RunOptions:
     return api.RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
-                          quiet=args.quiet or args.json, overwrite=args.overwrite, part=args.part)
+                          quiet=args.quiet or args.json, overwrite=args.overwrite, part=args.part,
+                          hash=args.hash)
 
 
 def _flavour(value: str | None) -> str:

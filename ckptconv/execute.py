@@ -18,7 +18,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -64,13 +64,23 @@ class ExecOptions:
     max_memory: int = 2 * 2**30
     replicas: str = "error"  # "error" | "first" | "mean": when copies of a K/V head (or norm) differ
     fingerprint: str = ""    # identifies plan + sources; a rerun resumes only when it matches
+    hash_files: bool = True  # sha256 of every output file (--hash none: sizes only)
     progress: Callable[[int], None] | None = None  # called with bytes written
 
 
 @dataclass
 class FileRecord:
     size: int
-    sha256: str
+    sha256: str | None  # None when written with --hash none
+
+
+def file_record(path: Path, hash_files: bool = True) -> FileRecord:
+    return FileRecord(path.stat().st_size, sha256_file(path) if hash_files else None)
+
+
+def record_matches(path: Path, size: int, sha256: str | None) -> bool:
+    """A file is as recorded: same size, and same sha256 when one was recorded."""
+    return path.is_file() and path.stat().st_size == size and (sha256 is None or sha256_file(path) == sha256)
 
 
 class _ByteBudget:
@@ -142,16 +152,26 @@ def run_plan(
     units = _units(plan, todo, reader, band_bytes)
     completed: dict[str, dict[str, FileRecord]] = {}
 
+    hashing: list[Future[None]] = []
+
+    def record(file_index: int, paths: list[Path]) -> None:
+        records = {
+            member.relative_to(out_dir).as_posix(): file_record(member, options.hash_files)
+            for member in _members(paths)
+        }
+        with lock:
+            completed[plan.files[file_index].path] = records
+            state[plan.files[file_index].path] = records
+            _save_state(tmp / state_file, options.fingerprint, state)
+
     def finish_tensor(file_index: int) -> None:
         with lock:
             pending[file_index] -= 1
             last = pending[file_index] == 0
         if last:
-            records = _finalize(sinks[file_index], tmp, out_dir)
-            with lock:
-                completed[plan.files[file_index].path] = records
-                state[plan.files[file_index].path] = records
-                _save_state(tmp / state_file, options.fingerprint, state)
+            # Hash in another pool, so converting goes on meanwhile (sha256 is CPU-bound).
+            paths = _move_into_place(sinks[file_index], tmp, out_dir)
+            hashing.append(hash_pool.submit(record, file_index, paths))
 
     def run_unit(unit: _Unit) -> None:
         for start in range(0, max(unit.rows, 1), unit.band_rows):
@@ -164,15 +184,21 @@ def run_plan(
         for file_index, _ in unit.tensors:
             finish_tensor(file_index)
 
-    with ThreadPoolExecutor(max_workers=max(1, options.workers)) as pool:
+    workers = max(1, options.workers)
+    with ThreadPoolExecutor(max_workers=workers) as pool, ThreadPoolExecutor(max_workers=workers) as hash_pool:
         futures = [pool.submit(run_unit, unit) for unit in units]
-        finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in finished:
-            if future.exception() is not None:
-                for other in futures:
-                    other.cancel()
-                raise future.exception()  # type: ignore[misc]
+        _raise_first_error(futures)
+        _raise_first_error(list(hashing))
     return _flatten(done | completed, plan, wanted)
+
+
+def _raise_first_error(futures: list[Future[None]]) -> None:
+    finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    for future in finished:
+        if future.exception() is not None:
+            for other in futures:
+                other.cancel()
+            raise future.exception()  # type: ignore[misc]
 
 
 def _flatten(per_file: dict[str, dict[str, FileRecord]], plan: Plan, wanted: list[int]) -> dict[str, FileRecord]:
@@ -338,20 +364,25 @@ def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type:
 # Files: finalize, hash, rename, resume state
 
 
-def _finalize(sink: Sink, tmp: Path, out_dir: Path) -> dict[str, FileRecord]:
-    """Complete a sink's files, move them into place, and hash what was moved (dirs recursively)."""
-    records: dict[str, FileRecord] = {}
+def _move_into_place(sink: Sink, tmp: Path, out_dir: Path) -> list[Path]:
+    """Complete a sink's files and rename them from the temp dir to their final place."""
+    moved = []
     for temp_path in sink.finish():
-        rel = temp_path.relative_to(tmp)
-        final = out_dir / rel
+        final = out_dir / temp_path.relative_to(tmp)
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.is_dir():
             shutil.rmtree(final)
         os.replace(temp_path, final)
-        members = sorted(p for p in final.rglob("*") if p.is_file()) if final.is_dir() else [final]
-        for member in members:
-            records[member.relative_to(out_dir).as_posix()] = FileRecord(member.stat().st_size, sha256_file(member))
-    return records
+        moved.append(final)
+    return moved
+
+
+def _members(paths: list[Path]) -> list[Path]:
+    """Files among ``paths``, directories expanded (xser ``.tensors/``)."""
+    out: list[Path] = []
+    for path in paths:
+        out.extend(sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    return out
 
 
 def sha256_file(path: Path) -> str:
@@ -384,5 +415,4 @@ def _save_state(path: Path, fingerprint: str, state: dict[str, dict[str, FileRec
 
 
 def _still_valid(out_dir: Path, path: str, record: FileRecord) -> bool:
-    final = out_dir / path
-    return final.is_file() and final.stat().st_size == record.size and sha256_file(final) == record.sha256
+    return record_matches(out_dir / path, record.size, record.sha256)

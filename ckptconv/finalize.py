@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
-from ckptconv.execute import TMP_DIR, FileRecord, sha256_file
+from ckptconv.execute import TMP_DIR, FileRecord, file_record
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.plan import Plan
 
@@ -66,6 +66,7 @@ class FinalizeSpec:
 
     fingerprint: str
     parts: int = 1
+    hash_files: bool = True
     metadata: dict[str, Any] | None = None        # Metadata fields except files; None: no ckptconv.json
     texts: dict[str, str] = field(default_factory=dict)         # relative path -> content
     copies: list[tuple[str, str]] = field(default_factory=list)  # (absolute source, relative target)
@@ -147,7 +148,7 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
         shutil.copyfile(source, partial)
         os.replace(partial, target)
     for rel in [*spec.texts, *(rel for _, rel in spec.copies)]:
-        files[rel] = FileRecord((out / rel).stat().st_size, sha256_file(out / rel))
+        files[rel] = file_record(out / rel, spec.hash_files)
     if spec.metadata is not None:
         meta = Metadata(**spec.metadata, files={rel: vars(rec) for rel, rec in files.items()})
         write_metadata(out, meta)  # last: its presence means the directory is complete

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ckptconv.errors import ConversionError
-from ckptconv.execute import sha256_file
+from ckptconv.execute import record_matches
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_name
@@ -288,6 +288,6 @@ def _check_files(ckpt: NxdCheckpoint) -> list[str]:
             problems.append(f"{rel}: missing")
         elif path.stat().st_size != rec["size"]:
             problems.append(f"{rel}: size {path.stat().st_size}, recorded {rec['size']}")
-        elif sha256_file(path) != rec["sha256"]:
+        elif not record_matches(path, rec["size"], rec["sha256"]):
             problems.append(f"{rel}: sha256 differs from ckptconv.json")
     return problems

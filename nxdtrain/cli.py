@@ -15,6 +15,8 @@ from typing import Any
 from ckptconv.errors import ConversionError
 from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
 
+PRELOAD = ("nxdtrain.train", "nxdtrain.pipeline")  # what the processes of --nproc need, imported once
+
 
 def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
     meta, kind = f.metadata, str(f.type)
@@ -58,17 +60,20 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nxdtrain.dist import spawn
-    from nxdtrain.train import prepare, run_worker, train
+    from nxdtrain.dist import spawn, start_forkserver
 
     config = load_config(args)
+    if config.nproc and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
+    if config.nproc:
+        start_forkserver(PRELOAD)  # imports torch there while this process checks the run
+    from nxdtrain.train import prepare, run_worker, train
+
     if not config.nproc:
         train(config)
         return 0
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
     prepare(config, config.nproc)  # fail here, once, before starting anything
-    return spawn(run_worker, (config,), config.nproc, preload=("nxdtrain.train",))
+    return spawn(run_worker, (config,), config.nproc, preload=PRELOAD)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -222,6 +222,15 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world
     fn(*args)
 
 
+def start_forkserver(preload: Sequence[str]) -> None:
+    """Start the forkserver now (importing ``preload`` there) so it warms up while this process works."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(list(preload))
+    forkserver.ensure_running()
+
+
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout_s: float | None = None,
           preload: Sequence[str] = ("torch",)) -> int:
     """Run ``fn(*args)`` in ``nprocs`` local processes forming one world; return 0 or the first failure's code.
@@ -230,11 +239,9 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     well under a second instead of importing torch in every process. When one process fails the
     others are terminated; a run past ``timeout_s`` is terminated too (exit code 124).
     """
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(list(preload))
+    start_forkserver(preload)
     port = free_port()
     context = mp.start_processes(_child, args=(fn, args, nprocs, port), nprocs=nprocs, join=False,
                                  start_method="forkserver")

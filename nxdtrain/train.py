@@ -48,7 +48,6 @@ from nxdtrain.metrics import StepLog, StepMetrics, note
 from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
-from nxdtrain.pipeline import PipelineStep
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -134,6 +133,8 @@ class Trainer:
         zero_group = mesh.dp_group if cfg.parallel.zero1 else None
         self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group)
         self.grads = grad_plan(self.model, mesh, plan)
+        from nxdtrain.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
+
         data = cfg.data
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
                                      microbatches=plan.microbatches, schedule=cfg.parallel.pp_schedule,

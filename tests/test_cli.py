@@ -12,7 +12,7 @@ import pytest
 from ckptconv.cli import build_parser, main, parse_size
 from ckptconv.compat import parse_bool
 
-RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite", "--part"}
+RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite", "--part", "--hash"}
 LAYOUT_FLAGS = {"--tp", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicator", "--qkv-linear", "--no-qkv-linear",
                 "--fuse-qkv", "--no-fuse-qkv", "--coalesce-qkv", "--no-coalesce-qkv", "--hw-backend", "--trn2-kv-layout"}
 

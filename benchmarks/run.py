@@ -1,0 +1,173 @@
+"""``make bench``: conversion speed against ``cp -r`` of the same input, and peak memory.
+
+Every timed command runs in a fresh process, followed by ``sync`` (so both sides pay for writing
+their bytes to disk), after the page cache was dropped when the kernel allows it (so both read from
+disk). Peak RSS is the child's own ``ru_maxrss`` (``os.wait4``). One table is printed at the end and
+written to ``bench-out/results.md`` and ``.json``.
+
+    python benchmarks/run.py [--quick]    # --quick: small shapes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synth import write_model  # noqa: E402
+
+OUT = Path("bench-out")
+CKPTCONV = [sys.executable, "-m", "ckptconv.cli"]
+
+
+@dataclass
+class Row:
+    case: str
+    seconds: float
+    cp_seconds: float
+    bytes_read: int
+    bytes_written: int
+    peak_rss: int
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.cp_seconds if self.cp_seconds else float("nan")
+
+
+def drop_caches() -> bool:
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed(argv: list[str]) -> tuple[float, int]:
+    """Wall seconds (command + sync) and the child's peak RSS in bytes."""
+    drop_caches()
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv)
+    _, status, usage = os.wait4(proc.pid, 0)
+    subprocess.run(["sync"], check=True)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"benchmark command failed: {' '.join(argv)}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cp_time(src: Path) -> float:
+    target = OUT / "cp-copy"
+    shutil.rmtree(target, ignore_errors=True)
+    seconds, _ = timed(["cp", "-r", str(src), str(target)])
+    shutil.rmtree(target)
+    return seconds
+
+
+def convert(case: str, argv: list[str], src: Path, dst: Path) -> Row:
+    shutil.rmtree(dst, ignore_errors=True)
+    baseline = cp_time(src)
+    seconds, rss = timed([*CKPTCONV, *argv, "--quiet"])
+    return Row(case, seconds, baseline, du(src), du(dst), rss)
+
+
+def model(name: str, shape: str, layers: int) -> Path:
+    path = OUT / name
+    if not (path / "config.json").is_file():
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"generating {name} ({shape}, {layers} layers) ...", flush=True)
+        write_model(path, shape, layers)
+    return path
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def table(rows: list[Row], rss_rows: list[tuple[str, int]]) -> str:
+    lines = [
+        "| case | wall s | cp -r s | ratio to cp | read | written | throughput | peak RSS |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(f"| {r.case} | {r.seconds:.1f} | {r.cp_seconds:.1f} | {r.ratio:.2f}x | {gb(r.bytes_read)} | "
+                     f"{gb(r.bytes_written)} | {r.bytes_written / r.seconds / 1e6:.0f} MB/s | {r.peak_rss / 2**20:.0f} MiB |")
+    if rss_rows:
+        lines += ["", "| peak RSS, to-nxd with default settings | MiB |", "| --- | ---: |"]
+        lines += [f"| {case} | {rss / 2**20:.0f} |" for case, rss in rss_rows]
+        growth = (rss_rows[-1][1] - rss_rows[0][1]) / rss_rows[0][1] * 100
+        lines.append(f"| growth from {rss_rows[0][0]} to {rss_rows[-1][0]} | {growth:+.1f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small models: a smoke run of the harness")
+    args = parser.parse_args()
+    OUT.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    big, small = ("8b", "8b") if args.quick else ("70b", "8b")
+    layers = 2 if args.quick else 4
+    rows: list[Row] = []
+
+    l70 = model(f"hf-{big}-{layers}l", big, layers)
+    tp_big = 8 if args.quick else 32
+    nxd70 = OUT / f"nxd-{big}"
+    rows.append(convert(f"to-nxd {big} x{layers} layers: tp {tp_big} pp 2 kvm {tp_big // 8} qkv fused xser",
+                        ["to-nxd", str(l70), str(nxd70), "--tp", str(tp_big), "--pp", "2", "--qkv-linear", "--fuse-qkv",
+                         "--kv-size-multiplier", str(tp_big // 8), "--xser"], l70, nxd70))
+    back70 = OUT / f"hf-back-{big}"
+    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2", ["to-hf", str(nxd70), str(back70)], nxd70, back70))
+    shutil.rmtree(back70)
+    shutil.rmtree(nxd70)
+
+    l8 = model(f"hf-{small}-8l", small, 2 if args.quick else 8)
+    nxd8 = OUT / f"nxd-{small}"
+    rows.append(convert(f"to-nxd {small}: tp 8 pp 2 qkv", ["to-nxd", str(l8), str(nxd8), "--tp", "8", "--pp", "2",
+                                                           "--qkv-linear"], l8, nxd8))
+    back8 = OUT / f"hf-back-{small}"
+    rows.append(convert(f"to-hf {small} from tp 8 pp 2", ["to-hf", str(nxd8), str(back8)], nxd8, back8))
+    shutil.rmtree(back8)
+    resharded = OUT / f"nxd-{small}-tp4"
+    rows.append(convert(f"reshard {small}: tp 8 pp 2 -> tp 4 pp 1", ["reshard", str(nxd8), str(resharded), "--tp", "4",
+                                                                     "--pp", "1"], nxd8, resharded))
+    shutil.rmtree(resharded)
+    shutil.rmtree(nxd8)
+    shutil.rmtree(l8)
+
+    rss_rows: list[tuple[str, int]] = []
+    for n_layers in ((2, 4) if args.quick else (2, 8)):
+        src = l70 if n_layers == layers else model(f"hf-{big}-{n_layers}l", big, n_layers)
+        dst = OUT / "nxd-rss"
+        shutil.rmtree(dst, ignore_errors=True)
+        _, rss = timed([*CKPTCONV, "to-nxd", str(src), str(dst), "--tp", str(tp_big), "--pp", "2", "--qkv-linear",
+                        "--fuse-qkv", "--kv-size-multiplier", str(tp_big // 8), "--quiet"])
+        rss_rows.append((f"{big} x{n_layers} layers", rss))
+        shutil.rmtree(dst)
+        if src != l70:
+            shutil.rmtree(src)
+    shutil.rmtree(l70)
+
+    text = table(rows, rss_rows)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
+    print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
+          f"total {time.perf_counter() - started:.0f} s")
+    (OUT / "results.md").write_text(text + f"\n\nmachine: {machine}\n")
+    (OUT / "results.json").write_text(json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
+                                                  "rss": rss_rows, "machine": machine}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Options: the pinned flag set, YAML (ours and NxDT-shaped), precedence, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from nxdtrain.cli import build_parser, load_config
+from nxdtrain.config import TrainConfig
+from nxdtrain.errors import TrainError
+
+RUN_FLAGS = {
+    "--config", "--steps", "--seed", "--precision", "--nproc", "--log-jsonl", "--export-hf", "--dist-timeout",
+    "--tp", "--pp", "--kv-replicator", "--kv-size-multiplier", "--qkv-linear", "--no-qkv-linear", "--fuse-qkv",
+    "--no-fuse-qkv", "--pp-schedule", "--zero1", "--no-zero1",
+    "--optimizer", "--lr", "--min-lr", "--warmup", "--schedule", "--decay-steps", "--weight-decay", "--beta1",
+    "--beta2", "--eps", "--clip-grad",
+    "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
+    "--resume", "--weights-only", "--no-weights-only", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
+    "--no-xser",
+}
+
+
+def subparser(command: str):
+    parser = build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices[command]  # type: ignore[attr-defined]
+
+
+def test_flag_set_is_pinned():
+    """Scripts depend on these names: a rename must be deliberate and show up here."""
+    assert {s for a in subparser("run")._actions for s in a.option_strings} - {"-h", "--help"} == RUN_FLAGS
+    assert [a.dest for a in subparser("export")._actions if not a.option_strings] == ["src", "out"]
+
+
+def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(
+        "steps: 50\n"
+        "lr: 1e-3\n"           # YAML 1.1 reads this as a string; the config makes it a float
+        "distributed_strategy: {tensor_model_parallel_size: 2, pipeline_model_parallel_size: 2, kv_replicator: 2,"
+        " zero1: true, sequence_parallel: false}\n"
+        "data: {micro_batch_size: 2, global_batch_size: 16, seq_length: 512, train_dir: /data/train.jsonl}\n"
+        "model:\n  fuse_qkv: true\n  weight_init_only: true\n"
+        "  optim: {name: adamw_fp32OptState, weight_decay: 0.01, betas: [0.9, 0.98],"
+        " sched: {name: LinearAnnealingWithWarmUp, warmup_steps: 10, max_steps: 100}}\n"
+        "exp_manager: {resume_from_checkpoint: /fsx/llama-nxd, checkpoint_callback_params: {every_n_train_steps: 25,"
+        " save_top_k: 3}}\n"
+        "precision: {type: mixed_precision, master_weights: true}\n"
+        "trainer: {max_steps: 40, gradient_clip_val: 0.5}\n"
+    )
+    args = build_parser().parse_args(["run", "--config", str(yaml_file), "--steps", "7", "--checkpoint-dir", "ck"])
+    cfg = load_config(args)
+    assert (cfg.steps, cfg.optim.lr, cfg.optim.clip_grad) == (7, 1e-3, 0.5)  # the flag beats trainer.max_steps
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.kv_replicator, cfg.parallel.zero1) == (2, 2, 2, True)
+    assert (cfg.parallel.fuse_qkv, cfg.checkpoint.weights_only, cfg.checkpoint.resume) == (True, True, "/fsx/llama-nxd")
+    assert (cfg.data.mbs, cfg.data.gbs, cfg.data.seq_len, cfg.data.data) == (2, 16, 512, "/data/train.jsonl")
+    assert (cfg.optim.optimizer, cfg.optim.schedule, cfg.optim.warmup, cfg.optim.decay_steps) == ("adamw", "linear", 10, 100)
+    assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay) == (0.9, 0.98, 0.01)
+    assert (cfg.checkpoint.checkpoint_freq, cfg.checkpoint.keep, cfg.precision) == (25, 3, "bf16")
+    assert capsys.readouterr().err.strip() == (
+        f"nxdtrain: {yaml_file}: ignored NxDT keys distributed_strategy.sequence_parallel, precision.master_weights")
+
+
+@pytest.mark.parametrize("options,message", [
+    ({}, "--resume PATH is required: a converted NxD directory, a checkpoint root or a tag"),
+    ({"gbs": 6, "mbs": 4}, "--gbs 6 must be a multiple of --mbs 4"),
+    ({"fuse_qkv": True, "qkv_linear": False}, "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear"),
+    ({"optimizer": "adam"}, "--optimizer must be one of adamw, sgd, got 'adam'"),
+    ({"min_lr": 1.0}, "--min-lr must be in [0, --lr 0.0003], got 1.0"),
+    ({"export_hf": "out"}, "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)"),
+    ({"lr": "fast"}, "test: lr must be a float, got 'fast'"),
+    ({"learning_rate": 1.0}, "test: unknown option 'learning_rate' (valid: "),
+])
+def test_errors_name_the_flag(options, message):
+    base = {} if not options or "resume" in options else {"resume": "/ckpt"}
+    with pytest.raises(TrainError) as info:
+        TrainConfig.from_flat({**base, **options}, source="test")
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_yaml_key(tmp_path):
+    yaml_file = tmp_path / "bad.yaml"
+    yaml_file.write_text("resume: /x\nlearning_rate: 3\n")
+    with pytest.raises(TrainError, match=r"--config .*bad.yaml: unknown key 'learning_rate' \(valid: our option names"):
+        load_config(build_parser().parse_args(["run", "--config", str(yaml_file)]))
