@@ -23,7 +23,16 @@ import torch
 
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.execute import TMP_DIR, ExecOptions, FileRecord, record_matches, run_plan
-from ckptconv.finalize import SPEC_FILE, FinalizeSpec, assign_files, detect_part, record_part, state_name, try_finalize, write_spec
+from ckptconv.finalize import (
+    SPEC_FILE,
+    FinalizeSpec,
+    assign_files,
+    detect_part,
+    record_part,
+    state_name,
+    try_finalize,
+    write_spec,
+)
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink

@@ -264,8 +264,7 @@ def _column_units(
         rows = items[0][1].shape[0]
         if any(t.shape[0] != rows for _, t in items):
             raise AssertionError(f"column-split tensors {[t.key for _, t in items]} differ in rows")
-        sources = {p.source for _, t in items for p in t.pieces}
-        infos = [reader.info(s) for s in sources]
+        infos = [reader.info(s) for s in {p.source for _, t in items for p in t.pieces}]
         per_row = sum(_row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
         per_row += sum(_row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
         whole = any(t.column_major for _, t in items) or any(cm for _, _, cm in infos)

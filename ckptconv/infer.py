@@ -24,8 +24,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: dict[str, object]) -> tuple[ParallelLayout, list[str]]:
     """The layout of ``ckpt``; ``hints`` (flag values the user gave) win over inference."""
     notes: list[str] = []
-    first = ckpt.files and sorted(ckpt.files)[0]
-    keys = ckpt.keys(first)
+    keys = ckpt.keys(sorted(ckpt.files)[0])
     attention, fused = _attention_mode(keys)
     layout = ParallelLayout(tp=ckpt.tp, pp=ckpt.pp, attention=attention, fuse_qkv=fused)
     notes.append(f"tp {ckpt.tp} and pp {ckpt.pp} from file names; attention {attention.value}"

@@ -187,28 +187,28 @@ def _whole(hf_key: str, length: int) -> ShardRecord:
 
 def hf_shapes(spec: ModelSpec, *, with_inv_freq: bool) -> dict[str, tuple[int, ...]]:
     """Every HF key of the model with its shape, in HF module order."""
-    H, I = spec.hidden, spec.intermediate
+    hidden, inter = spec.hidden, spec.intermediate
     per_layer = {
-        "self_attn.q_proj.weight": (spec.q_rows, H),
-        "self_attn.k_proj.weight": (spec.kv_rows, H),
-        "self_attn.v_proj.weight": (spec.kv_rows, H),
-        "self_attn.o_proj.weight": (H, spec.q_rows),
-        "mlp.gate_proj.weight": (I, H),
-        "mlp.up_proj.weight": (I, H),
-        "mlp.down_proj.weight": (H, I),
-        "input_layernorm.weight": (H,),
-        "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (spec.q_rows, hidden),
+        "self_attn.k_proj.weight": (spec.kv_rows, hidden),
+        "self_attn.v_proj.weight": (spec.kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, spec.q_rows),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
         "self_attn.rotary_emb.inv_freq": (spec.head_dim // 2,),
     }
-    shapes: dict[str, tuple[int, ...]] = {EMBED: (spec.vocab, H)}
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (spec.vocab, hidden)}
     for layer in range(spec.layers):
         for name in LAYER_KEYS:
             if name in OPTIONAL_LAYER_KEYS and not with_inv_freq:
                 continue
             shapes[LAYER_PREFIX.format(layer) + name] = per_layer[name]
-    shapes[FINAL_NORM] = (H,)
+    shapes[FINAL_NORM] = (hidden,)
     if not spec.tied:
-        shapes[LM_HEAD] = (spec.vocab, H)
+        shapes[LM_HEAD] = (spec.vocab, hidden)
     return shapes
 
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptconv.errors import ConversionError
 from ckptconv.layout import Attention, ParallelLayout, shard_name
 from ckptconv.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes
 from ckptconv.model_spec import ModelSpec

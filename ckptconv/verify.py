@@ -130,7 +130,7 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
     h2 = rms_norm(x1, hf_w["post_attention_layernorm.weight"], eps)
     attn_sum = torch.zeros_like(x)
     mlp_sum = torch.zeros_like(x)
-    bad = {"attention": [], "o_proj": [], "mlp": [], "norms": []}
+    bad: dict[str, list[int]] = {"attention": [], "o_proj": [], "mlp": [], "norms": []}
     chunk = spec.intermediate // layout.tp
     for rank in range(layout.tp):
         w = shards.layer(layer, rank)

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptconv.cli import main
 from ckptconv.finalize import assign_files, detect_part
-import torch
-
 from ckptconv.layout import ParallelLayout
 from ckptconv.mapping import hf_shapes
 from ckptconv.model_spec import ModelSpec

@@ -68,7 +68,7 @@ def test_verify_passes_on_every_golden_case(golden_dir: Path, tmp_path: Path, na
     case = load_case(golden_dir, name)
     shards = case_dir / "out"
     if "official_error" in case:  # the official tool wrote nothing: check ours instead
-        flags = dict(zip(case["official_args"][1::2], case["official_args"][2::2]))
+        flags = dict(zip(case["official_args"][1::2], case["official_args"][2::2], strict=True))
         shards = convert(case_dir / "hf", tmp_path / "ours", tp=int(flags["--tp_size"]), pp=int(flags["--pp_size"]),
                          vpp=int(flags["--virtual_pp_size"]), attention="qkv_linear")
     report = verify(case_dir / "hf", shards, config=case_dir / "hf" / "config.json")

@@ -63,7 +63,7 @@ def completed_tags(root: Path) -> list[Path]:
 
 
 def _shard_files(directory: Path) -> dict[tuple[int, int], Path]:
-    found = {}
+    found: dict[tuple[int, int], Path] = {}
     if not directory.is_dir():
         return found
     for entry in directory.iterdir():

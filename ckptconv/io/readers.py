@@ -38,7 +38,7 @@ class FileReader(Protocol):
 
 def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     expected = 1
-    for size, step in zip(reversed(shape), reversed(stride)):
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
         if size != 1 and step != expected:
             return False
         expected *= size
