@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import json
 import math
-import mmap
 import operator
 import os
 import struct
@@ -24,6 +23,8 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+
+from ckptconv.io.positional import PositionalFile, pwrite_all
 
 PathLike = str | os.PathLike[str]
 BytesLike = bytes | bytearray | memoryview | torch.Tensor
@@ -46,7 +47,6 @@ DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 _RANK: dict[str, int] = {name: i for i, (name, _) in enumerate(_FILE_ORDER)}
 
 _MAX_HEADER = 100_000_000  # same cap as the reference implementation; bounds memory on bad input
-_IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
 _METADATA_KEY = "__metadata__"
 if sys.byteorder != "little":  # the format is little-endian and bytes are copied without swapping
     raise ImportError("ckptconv.io.safetensors_io supports little-endian hosts only")
@@ -215,15 +215,12 @@ class SafetensorsReader:
             raise ValueError(f"io must be 'mmap' or 'read', got {io!r}")
         self.path = os.fspath(path)
         self.io = io
-        self._mm: mmap.mmap | None = None
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._file = PositionalFile(self.path, io)
+        self._size = self._file.size
         try:
-            self._size = os.fstat(self._fd).st_size
             self.metadata, self._entries = self._parse_header()
-            if io == "mmap" and self._size:
-                self._mm = mmap.mmap(self._fd, self._size, access=mmap.ACCESS_READ)
         except BaseException:
-            os.close(self._fd)
+            self._file.close()
             raise
 
     def _parse_header(self) -> tuple[dict[str, str] | None, dict[str, SafetensorsEntry]]:
@@ -249,7 +246,7 @@ class SafetensorsReader:
         return metadata, {e.key: e for e in entries}
 
     def _pread(self, offset: int, n: int) -> bytes:
-        data = os.pread(self._fd, n, offset)
+        data = os.pread(self._file.fd, n, offset)
         if len(data) != n:
             raise _fail(self.path, f"short read: wanted {n} bytes at {offset}, got {len(data)}")
         return data
@@ -299,34 +296,14 @@ class SafetensorsReader:
         return buf.view(dtype).reshape(shape)
 
     def _read_into(self, offset: int, dst: memoryview) -> None:
-        if self._fd < 0:
-            raise ValueError(f"{self.path}: reader is closed")
-        end = offset + len(dst)
-        # A file truncated after open would SIGBUS through mmap; pread would read short.
-        if os.fstat(self._fd).st_size < end:
-            raise _fail(self.path, f"file shrank below {end} bytes while open")
-        if self._mm is not None:
-            with memoryview(self._mm) as src:
-                dst[:] = src[offset:end]
-            # Drop our page mappings so RSS stays bounded; the page cache keeps the data.
-            page = offset - offset % mmap.PAGESIZE
-            self._mm.madvise(mmap.MADV_DONTNEED, page, end - page)
-            return
-        done = 0
-        while done < len(dst):
-            got = os.preadv(self._fd, [dst[done : done + _IO_CHUNK]], offset + done)
-            if got <= 0:
-                raise _fail(self.path, f"unexpected end of file at {offset + done}, wanted up to {end}")
-            done += got
+        try:
+            self._file.read_into(offset, dst)
+        except ValueError as exc:
+            raise _fail(self.path, str(exc).removeprefix(f"{self.path}: ")) from None
 
     def close(self) -> None:
         """Release the mapping and file descriptor (idempotent)."""
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._file.close()
 
 
 class _Coverage:
@@ -365,12 +342,7 @@ class _Coverage:
         return (pos, total) if pos < total else None
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data[:_IO_CHUNK], offset)
-        if n <= 0:
-            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
-        data, offset = data[n:], offset + n
+_pwrite_all = pwrite_all
 
 
 class SafetensorsExtentWriter:

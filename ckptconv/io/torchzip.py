@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.io.positional import pwrite_all
 from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorMeta, pickle_entries
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
 
@@ -278,10 +279,7 @@ def _byte_view(data: Any) -> memoryview:
     return memoryview(data).cast("B")
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):  # a single pwrite may be short (Linux caps it at ~2 GiB)
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+_pwrite_all = pwrite_all
 
 
 def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, data: Any) -> int:

@@ -7,7 +7,6 @@ Only ``data.pkl`` is parsed up front, through the restricted unpickler in
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.io.positional import PositionalFile
 from ckptconv.io.safe_load import PickledTensor, unpickle_restricted
 
 __all__ = ["StoredTensor", "TorchZipReader"]
@@ -64,58 +64,6 @@ def _find_end_record(tail: bytes, path: str) -> int:
     return pos
 
 
-class _Source:
-    """Positional reads from a file, through mmap or os.pread."""
-
-    def __init__(self, path: str, io: str) -> None:
-        if io not in ("mmap", "read"):
-            raise ValueError(f"{path}: io must be 'mmap' or 'read', got {io!r}")
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
-        self.mm: mmap.mmap | None = None
-        self.view: memoryview | None = None
-        if io == "mmap" and self.size:
-            self.mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-            self.view = memoryview(self.mm)
-
-    def read(self, offset: int, n: int) -> bytes:
-        buf = bytearray(n)
-        self.fill(memoryview(buf), offset)
-        return bytes(buf)
-
-    def fill(self, dst: memoryview, offset: int) -> None:
-        """Copy ``len(dst)`` file bytes starting at ``offset`` into ``dst``."""
-        n = len(dst)
-        if offset < 0 or offset + n > self.size:
-            raise ValueError(f"{self.path}: read [{offset}, {offset + n}) past end of file ({self.size} bytes)")
-        if self.view is not None:
-            dst[:] = self.view[offset:offset + n]
-            # Drop our page mappings so RSS stays bounded; the page cache keeps the data.
-            assert self.mm is not None
-            page = offset - offset % mmap.PAGESIZE
-            if n:
-                self.mm.madvise(mmap.MADV_DONTNEED, page, offset + n - page)
-            return
-        done = 0
-        while done < n:  # preadv may return short counts
-            got = os.preadv(self.fd, [dst[done:]], offset + done)
-            if got <= 0:
-                raise ValueError(f"{self.path}: unexpected end of file at {offset + done}")
-            done += got
-
-    def close(self) -> None:
-        if self.view is not None:
-            self.view.release()
-            self.view = None
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 def _zip64_values(extra: bytes) -> list[int]:
     """The u64 values of the zip64 extra block (tag 1), in order."""
     pos = 0
@@ -127,7 +75,7 @@ def _zip64_values(extra: bytes) -> list[int]:
     return []
 
 
-def _central_directory(src: _Source) -> dict[str, _ZipEntry]:
+def _central_directory(src: PositionalFile) -> dict[str, _ZipEntry]:
     tail_start = max(0, src.size - 22 - 0xFFFF)
     tail = src.read(tail_start, src.size - tail_start)
     eocd = _find_end_record(tail, src.path)
@@ -171,7 +119,7 @@ class TorchZipReader:
 
     def __init__(self, path: str | os.PathLike[str], io: str = "mmap") -> None:
         self.path = os.fspath(path)
-        self._src = _Source(self.path, io)
+        self._src = PositionalFile(self.path, io)
         try:
             self._zip = _central_directory(self._src)
             first = min(self._zip.values(), key=lambda e: e.header_offset, default=None)
@@ -252,7 +200,7 @@ class TorchZipReader:
         out = torch.empty(count, dtype=st.dtype)
         if count:
             dst = memoryview(out.view(torch.uint8).numpy())  # type: ignore[arg-type]
-            self._src.fill(dst, st.data_offset + first * st.dtype.itemsize)
+            self._src.read_into(st.data_offset + first * st.dtype.itemsize, dst)
         return out
 
     def read(self, key: str) -> torch.Tensor:
@@ -299,7 +247,7 @@ class TorchZipReader:
         raw = memoryview(runs.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         run_bytes, itemsize = n * st.dtype.itemsize, st.dtype.itemsize
         for j, off in enumerate(offsets.reshape(-1).tolist()):
-            self._src.fill(raw[j * run_bytes:(j + 1) * run_bytes], st.data_offset + (first + off) * itemsize)
+            self._src.read_into(st.data_offset + (first + off) * itemsize, raw[j * run_bytes:(j + 1) * run_bytes])
         return runs.t().contiguous().reshape(n, *rest)
 
     def close(self) -> None:

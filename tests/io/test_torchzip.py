@@ -472,8 +472,8 @@ def test_read_rows_reads_only_what_it_needs(tmp_path: Path, io: str, monkeypatch
     torch.save({"r": row_major, "c": col_major, "c3": torch.arange(4 * 5 * 6.0).reshape(6, 5, 4).permute(2, 1, 0)}, path)
     with TorchZipReader(path, io=io) as r:
         seen: list[int] = []
-        fill = r._src.fill
-        monkeypatch.setattr(r._src, "fill", lambda dst, off: (seen.append(len(dst)), fill(dst, off))[1])
+        read_into = r._src.read_into
+        monkeypatch.setattr(r._src, "read_into", lambda off, dst: (seen.append(len(dst)), read_into(off, dst))[1])
         assert torch.equal(r.read_rows("r", 10, 13), row_major[10:13])
         assert seen == [3 * 48 * 4]
         seen.clear()

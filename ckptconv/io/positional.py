@@ -1,0 +1,84 @@
+"""Positional file I/O shared by every format: reads through mmap or ``preadv``, complete pwrites.
+
+Reads copy into a caller's buffer. With mmap the touched pages are released right after the copy
+(``MADV_DONTNEED``) so RSS stays bounded; the page cache keeps the data. With ``io="read"`` no
+mapping exists at all, which is what network file systems (Lustre/FSx, NFS) want.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
+IO_MODES = ("mmap", "read")
+
+
+class PositionalFile:
+    """A file opened read-only for positional reads.
+
+    >>> f = PositionalFile("model.safetensors", io="read")   # doctest: +SKIP
+    >>> header = f.read(0, 8)                                 # doctest: +SKIP
+    """
+
+    def __init__(self, path: str, io: str) -> None:
+        if io not in IO_MODES:
+            raise ValueError(f"{path}: io must be 'mmap' or 'read', got {io!r}")
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.mm: mmap.mmap | None = None
+        if io == "mmap" and self.size:
+            try:
+                self.mm = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            except BaseException:
+                os.close(self.fd)
+                raise
+
+    def read_into(self, offset: int, dst: memoryview) -> None:
+        """Copy ``len(dst)`` bytes starting at ``offset`` into ``dst``."""
+        if self.fd < 0:
+            raise ValueError(f"{self.path}: file is closed")
+        end = offset + len(dst)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"{self.path}: read [{offset}, {end}) past end of file ({self.size} bytes)")
+        if not len(dst):
+            return
+        if self.mm is not None:
+            # A file truncated after open would SIGBUS through the mapping: check first.
+            if os.fstat(self.fd).st_size < end:
+                raise ValueError(f"{self.path}: file shrank below {end} bytes while open")
+            with memoryview(self.mm) as src:
+                dst[:] = src[offset:end]
+            page = offset - offset % mmap.PAGESIZE
+            self.mm.madvise(mmap.MADV_DONTNEED, page, end - page)
+            return
+        done = 0
+        while done < len(dst):  # preadv may return short counts
+            got = os.preadv(self.fd, [dst[done:done + IO_CHUNK]], offset + done)
+            if got <= 0:
+                raise ValueError(f"{self.path}: unexpected end of file at {offset + done}, wanted up to {end}")
+            done += got
+
+    def read(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def close(self) -> None:
+        """Release the mapping and the descriptor (idempotent)."""
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (a single pwrite may be short)."""
+    while len(data):
+        n = os.pwrite(fd, data[:IO_CHUNK], offset)
+        if n <= 0:
+            raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
+        data, offset = data[n:], offset + n
