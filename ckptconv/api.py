@@ -27,7 +27,6 @@ from ckptconv.finalize import (
     SPEC_FILE,
     FinalizeSpec,
     assign_files,
-    detect_part,
     record_part,
     state_name,
     try_finalize,
@@ -62,8 +61,9 @@ class RunOptions:
     """No progress bars or notes on stderr."""
     overwrite: bool = False
     """Replace an existing, different conversion in the output directory."""
-    part: tuple[int, int] | None = None
-    """(K, N): convert the K-th of N disjoint sets of output files; None: from srun/torchrun, else all."""
+    part: tuple[int, int] = (0, 1)
+    """(K, N): convert the K-th of N disjoint sets of output files (the CLI fills it from --part,
+    srun or torchrun; a library call converts everything unless told)."""
     hash: str = "sha256"
     """Per-file digest recorded in ckptconv.json: 'sha256', or 'none' (sizes only; sha256 is the
     slowest step on CPUs without SHA instructions)."""
@@ -372,7 +372,7 @@ def reshard(
 def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
              label: str, kv_replicas: str = "error") -> Result:
     """Write this process's part of ``plan``; finalize when it is the last part to finish."""
-    part = detect_part(options.part)
+    part = options.part
     spec.parts = part[1]
     spec.hash_files = options.hash == "sha256"
     if _up_to_date(out, spec.fingerprint, options):

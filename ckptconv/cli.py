@@ -14,7 +14,7 @@ from ckptconv import api
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
-from ckptconv.finalize import finalize, parse_part
+from ckptconv.finalize import detect_part, finalize, parse_part
 from ckptconv.inspect import inspect
 from ckptconv.layout import Attention
 
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _options(args: argparse.Namespace) -> api.RunOptions:
     return api.RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
-                          quiet=args.quiet or args.json, overwrite=args.overwrite, part=args.part,
+                          quiet=args.quiet or args.json, overwrite=args.overwrite, part=detect_part(args.part),
                           hash=args.hash)
 
 

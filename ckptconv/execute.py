@@ -40,8 +40,8 @@ class TensorReader(Protocol):
         """dtype, shape and whether the stored tensor is column-major."""
         ...
 
-    def read_rows(self, source: Source, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) along dim 0, as a contiguous tensor."""
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) along dim 0, as a contiguous tensor (read into ``out`` when given)."""
         ...
 
 
@@ -273,6 +273,27 @@ def _column_units(
     return units
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers reused from band to band: fresh allocations of hundreds of MB would be
+    page-faulted (zeroed) by the kernel every time, which costs more than the copy itself."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, slot: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        nbytes = numel * dtype.itemsize
+        buf = self.buffers.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes].view(dtype).view(shape)
+
+
+_SCRATCH = _Scratch()
+
+
 def _write_band(
     unit: _Unit,
     start: int,
@@ -287,45 +308,60 @@ def _write_band(
             band = _column_band(tensor, start, stop, reader, cache)
         else:
             band = _row_band(tensor, start, stop, reader)
-        band = band.to(tensor.dtype)
-        if tensor.column_major:
-            data, offset = band.t().contiguous(), 0  # storage order of a column-major tensor
+        if band.dtype != tensor.dtype:
+            band = _SCRATCH.get("cast", tensor.dtype, tuple(band.shape)).copy_(band)
+        if tensor.column_major:  # storage order of a column-major tensor is its transpose
+            data = _SCRATCH.get("transpose", tensor.dtype, (band.shape[1], band.shape[0])).copy_(band.t())
+            offset = 0
         else:
-            data, offset = band.contiguous(), start * _row_bytes(tensor.shape, tensor.dtype.itemsize)
-        if not tensor.shape:
-            data = data.reshape(())
-        sinks[file_index].write_extent(tensor.key, offset, data)
+            data, offset = band, start * _row_bytes(tensor.shape, tensor.dtype.itemsize)
+        sinks[file_index].write_extent(tensor.key, offset, data.reshape(()) if not tensor.shape else data)
         if progress is not None:
             progress(data.numel() * data.element_size())
 
 
 def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) -> torch.Tensor:
+    """Output rows [start, stop), each piece read straight into its place in one buffer."""
     if not tensor.shape:  # 0-dim: one piece, the whole thing
         return reader.read_rows(tensor.pieces[0].source, 0, 1).reshape(())
-    parts = []
+    src_dtype = reader.info(tensor.pieces[0].source)[0]
+    band = _SCRATCH.get("band", src_dtype, (stop - start, *tensor.shape[1:]))
     offset = 0
     for piece in tensor.pieces:
         lo, hi = max(start, offset), min(stop, offset + piece.length)
         if lo < hi:
             shift = lo - offset
-            part = reader.read_rows(piece.source, piece.start + shift, piece.start + hi - offset)
+            target = band[lo - start:hi - start]
+            rows = (piece.start + shift, piece.start + hi - offset)
             if piece.alternates:  # --kv-replicas mean: average every copy, in fp32
-                copies = [reader.read_rows(a.source, a.start + shift, a.start + hi - offset).float() for a in piece.alternates]
-                part = torch.stack([part.float(), *copies]).mean(dim=0).to(part.dtype)
-            parts.append(part)
+                copies = [reader.read_rows(p.source, p.start + shift, p.start + hi - offset).float()
+                          for p in (piece, *piece.alternates)]
+                target.copy_(torch.stack(copies).mean(dim=0))
+            elif reader.info(piece.source)[0] == src_dtype:
+                reader.read_rows(piece.source, *rows, out=target)
+            else:
+                target.copy_(reader.read_rows(piece.source, *rows))
         offset += piece.length
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return band
 
 
 def _column_band(
     tensor: OutTensor, start: int, stop: int, reader: TensorReader, cache: dict[Source, torch.Tensor]
 ) -> torch.Tensor:
-    parts = []
+    """Output rows [start, stop) from column blocks of shared source bands (each read once)."""
     for piece in tensor.pieces:
         if piece.source not in cache:
-            cache[piece.source] = reader.read_rows(piece.source, start, stop)
-        parts.append(cache[piece.source][:, piece.start:piece.stop])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            dtype, shape, _ = reader.info(piece.source)
+            slot = f"source{len(cache)}"
+            cache[piece.source] = reader.read_rows(piece.source, start, stop,
+                                                   out=_SCRATCH.get(slot, dtype, (stop - start, *shape[1:])))
+    first = cache[tensor.pieces[0].source]
+    band = _SCRATCH.get("band", first.dtype, (stop - start, *tensor.shape[1:]))
+    column = 0
+    for piece in tensor.pieces:
+        band[:, column:column + piece.length].copy_(cache[piece.source][:, piece.start:piece.stop])
+        column += piece.length
+    return band
 
 
 # --------------------------------------------------------------------------------------------

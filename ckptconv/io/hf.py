@@ -118,8 +118,8 @@ class HfCheckpoint:
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
         return self._reader(self._file(source.key)).info(source.key)
 
-    def read_rows(self, source: Source, start: int, stop: int) -> torch.Tensor:
-        return self._reader(self._file(source.key)).read_rows(source.key, start, stop)
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._reader(self._file(source.key)).read_rows(source.key, start, stop, out)
 
     def _file(self, key: str) -> Path:
         try:

@@ -25,6 +25,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
+from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import parse_shard_name, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
 from ckptconv.plan import MODEL_DIR, OutFile, Source
@@ -144,14 +145,12 @@ class _SplitShard:
         return entry
 
     def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
-        from ckptconv.io.readers import is_row_major
-
         e = self._entry(key)
         return e.dtype, tuple(e.shape), not is_row_major(tuple(e.shape), tuple(e.stride))
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         reader = self._tensor_reader(key)
-        return reader.read_rows(reader.keys()[0], start, stop)
+        return reader.read_rows(reader.keys()[0], start, stop, out)
 
     def read(self, key: str) -> torch.Tensor:
         reader = self._tensor_reader(key)
@@ -219,9 +218,9 @@ class NxdCheckpoint:
         assert source.file is not None
         return self._reader(source.file).info(source.key)
 
-    def read_rows(self, source: Source, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         assert source.file is not None
-        return self._reader(source.file).read_rows(source.key, start, stop)
+        return self._reader(source.file).read_rows(source.key, start, stop, out)
 
     def dtypes(self) -> dict[str, torch.dtype]:
         """dtype of every key (keys repeat across tp ranks; the first shard holding a key speaks)."""
@@ -257,11 +256,9 @@ class TorchZipSink:
         metas = {t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors}
         self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
         self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
-        self._lock = threading.Lock()
 
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
-        with self._lock:
-            self._writer.write_extent(key, offset, data)
+        self._writer.write_extent(key, offset, data)  # thread-safe: positional writes, locked bookkeeping
 
     def finish(self) -> list[Path]:
         self._writer.finish()

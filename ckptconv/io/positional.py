@@ -53,6 +53,9 @@ class PositionalFile:
             page = offset - offset % mmap.PAGESIZE
             self.mm.madvise(mmap.MADV_DONTNEED, page, end - page)
             return
+        # Ask the kernel to start reading what a sequential reader wants next, so disk reads
+        # overlap with our processing of this band (it is only a hint).
+        os.posix_fadvise(self.fd, end, len(dst), os.POSIX_FADV_WILLNEED)
         done = 0
         while done < len(dst):  # preadv may return short counts
             got = os.preadv(self.fd, [dst[done:done + IO_CHUNK]], offset + done)

@@ -18,6 +18,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.safe_load import is_torch_zip, load_small
 from ckptconv.io.safetensors_io import SafetensorsReader
 from ckptconv.io.torchzip import StoredTensor, TorchZipReader
+from ckptconv.io.torchzip_read import is_row_major
 
 
 class FileReader(Protocol):
@@ -27,22 +28,15 @@ class FileReader(Protocol):
         """dtype, shape, and True when the tensor is not stored row-major (rows are not contiguous)."""
         ...
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor: ...
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of dim 0, contiguous; into ``out`` (right dtype and size) when given."""
+        ...
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor with its stored shape and strides."""
         ...
 
     def close(self) -> None: ...
-
-
-def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for size, step in zip(reversed(shape), reversed(stride), strict=True):
-        if size != 1 and step != expected:
-            return False
-        expected *= size
-    return True
 
 
 class SafetensorsFileReader:
@@ -56,8 +50,8 @@ class SafetensorsFileReader:
         entry = self._reader.entry(key)
         return entry.dtype, tuple(entry.shape), False
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self._reader.read_rows(key, start, stop)
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._reader.read_rows(key, start, stop, out)
 
     def read(self, key: str) -> torch.Tensor:
         return self._reader.read(key)
@@ -86,9 +80,9 @@ class TorchFileReader:
         entry = self._entry(key)
         return entry.dtype, tuple(entry.shape), not is_row_major(tuple(entry.shape), tuple(entry.stride))
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         self._entry(key)
-        return self._reader.read_rows(key, start, stop)
+        return self._reader.read_rows(key, start, stop, out)
 
     def read(self, key: str) -> torch.Tensor:
         self._entry(key)
@@ -112,9 +106,10 @@ class InMemoryReader:
         t = self._state[key]
         return t.dtype, tuple(t.shape), not is_row_major(tuple(t.shape), tuple(t.stride()))
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         t = self._state[key]
-        return (t if t.dim() == 0 else t[start:stop]).contiguous().clone()
+        rows = (t.reshape(1) if t.dim() == 0 else t[start:stop]).contiguous()
+        return rows.clone() if out is None else out.view(rows.shape).copy_(rows)
 
     def read(self, key: str) -> torch.Tensor:
         return self._state[key].clone()

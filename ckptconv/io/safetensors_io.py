@@ -275,8 +275,9 @@ class SafetensorsReader:
         e = self.entry(key)
         return self._load(e.data_offset, e.nbytes, e.dtype, e.shape)
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of dim 0, reading only their bytes.
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of dim 0, reading only their bytes (into ``out`` when given:
+        a contiguous tensor of the right dtype and size, e.g. a reused buffer).
 
         Example: ``r.read_rows("embed.weight", 10, 12).shape == (2, 4096)``.
         """
@@ -287,6 +288,11 @@ class SafetensorsReader:
             raise ValueError(f"{self.path}: tensor {key!r}: rows [{start}, {stop}) outside [0, {e.shape[0]}]")
         row = e.nbytes // e.shape[0] if e.shape[0] else 0
         shape = (stop - start,) + e.shape[1:]
+        if out is not None:
+            _check_out(self.path, key, out, e.dtype, (stop - start) * row)
+            if out.numel():
+                self._read_into(e.data_offset + start * row, _tensor_bytes(out.view(torch.uint8)))
+            return out.view(shape)
         return self._load(e.data_offset + start * row, (stop - start) * row, e.dtype, shape)
 
     def _load(self, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -343,6 +349,12 @@ class _Coverage:
 
 
 _pwrite_all = pwrite_all
+
+
+def _check_out(path: str, key: str, out: torch.Tensor, dtype: torch.dtype, nbytes: int) -> None:
+    if out.dtype != dtype or not out.is_contiguous() or out.numel() * out.element_size() != nbytes:
+        raise ValueError(f"{path}: tensor {key!r}: out must be a contiguous {dtype} of {nbytes} bytes, "
+                         f"got {out.dtype} of {out.numel() * out.element_size()} bytes")
 
 
 class SafetensorsExtentWriter:

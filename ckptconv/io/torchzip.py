@@ -30,7 +30,6 @@ import re
 import struct
 import threading
 import zipfile
-import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.io.crc import crc32
 from ckptconv.io.positional import pwrite_all
 from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorMeta, pickle_entries
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
@@ -292,7 +292,7 @@ def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, d
     view = _byte_view(data)
     _check_extent(layout, "<fd>", key, offset_in_record, len(view))
     _pwrite_all(fd, view, layout.data_offset[key] + offset_in_record)
-    return zlib.crc32(view)
+    return crc32(view)
 
 
 def _check_extent(layout: ZipLayout, path: str, key: str, offset: int, length: int) -> None:
@@ -338,7 +338,7 @@ class TorchZipWriter:
                 _pwrite_all(self._fd, memoryview(rec.header), rec.header_offset)
                 if rec.name in layout.small:
                     data = layout.small[rec.name]
-                    _pwrite_all(self._fd, memoryview(data + _descriptor(rec, zlib.crc32(data))), rec.data_offset)
+                    _pwrite_all(self._fd, memoryview(data + _descriptor(rec, crc32(data))), rec.data_offset)
         except BaseException:
             os.close(self._fd)
             raise
@@ -367,7 +367,7 @@ class TorchZipWriter:
         view = _byte_view(data)
         _check_extent(self.layout, self.path, key, offset_in_record, len(view))
         _pwrite_all(self._fd, view, self.layout.data_offset[key] + offset_in_record)
-        crc = zlib.crc32(view)
+        crc = crc32(view)
         self.add_extent_crc(key, offset_in_record, len(view), crc)
         return crc
 
@@ -407,7 +407,7 @@ class TorchZipWriter:
         if self._fd < 0:
             raise ValueError(f"{self.path}: writer was closed before finish()")
         lay = self.layout
-        crcs = {n: zlib.crc32(d) for n, d in lay.small.items()}
+        crcs = {n: crc32(d) for n, d in lay.small.items()}
         for key in lay.keys:
             crcs[lay.record_for(key).name] = _combined_crc(self.path, key, lay.nbytes[key], self._extents[key])
         combined = 0
@@ -416,7 +416,7 @@ class TorchZipWriter:
                 combined = _hash_combine(combined, crcs[rec.name])
         sid_rec = lay.records[-1]
         sid = f"{lay.name_hash:020d}{combined:020d}".encode()
-        crcs[sid_rec.name] = zlib.crc32(sid)
+        crcs[sid_rec.name] = crc32(sid)
         _pwrite_all(self._fd, memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), sid_rec.data_offset)
         for key in lay.keys:
             rec = lay.record_for(key)

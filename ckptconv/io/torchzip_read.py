@@ -64,6 +64,16 @@ def _find_end_record(tail: bytes, path: str) -> int:
     return pos
 
 
+def is_row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True when the rows of a tensor with this shape and stride are one contiguous run."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _zip64_values(extra: bytes) -> list[int]:
     """The u64 values of the zip64 extra block (tag 1), in order."""
     pos = 0
@@ -195,9 +205,9 @@ class TorchZipReader:
             raise ValueError(f"{self.path}: {key!r} is a {type(e).__name__}, not a tensor")
         return e
 
-    def _read_elements(self, st: StoredTensor, first: int, count: int) -> torch.Tensor:
-        """Elements [first, first+count) of the storage, as a new 1-D tensor."""
-        out = torch.empty(count, dtype=st.dtype)
+    def _read_elements(self, st: StoredTensor, first: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [first, first+count) of the storage, as a new 1-D tensor (or into ``out``)."""
+        out = torch.empty(count, dtype=st.dtype) if out is None else out.view(-1)
         if count:
             dst = memoryview(out.view(torch.uint8).numpy())  # type: ignore[arg-type]
             self._src.read_into(st.data_offset + first * st.dtype.itemsize, dst)
@@ -215,10 +225,11 @@ class TorchZipReader:
         span = sum((s - 1) * t for s, t in zip(st.shape, st.stride, strict=True)) + 1
         return self._read_elements(st, st.storage_offset, span).as_strided(st.shape, st.stride, 0)
 
-    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start, stop) of dim 0 as a contiguous tensor (a 0-dim tensor is one row: shape (n,)).
 
-        Row-major tensors read exactly those bytes; column-major ones read one run per column.
+        Row-major tensors read exactly those bytes (straight into ``out`` when given: a contiguous
+        tensor of the right dtype and size); column-major ones read one run per column.
 
         >>> r.read_rows("w", 2, 4).shape  # doctest: +SKIP
         torch.Size([2, 8])
@@ -232,10 +243,16 @@ class TorchZipReader:
             return torch.empty((n, *rest), dtype=st.dtype)
         first = st.storage_offset + start * stride[0]
         span = (n - 1) * stride[0] + sum((s - 1) * t for s, t in zip(rest, rest_stride, strict=True)) + 1
+        if out is not None and (out.dtype != st.dtype or not out.is_contiguous() or out.numel() != n * math.prod(rest)):
+            raise ValueError(f"{self.path}: {key!r}: out must be a contiguous {st.dtype} of {n * math.prod(rest)} "
+                             f"elements, got {out.dtype} of {out.numel()}")
+        if out is not None and is_row_major(shape, stride):  # the rows are one run of bytes
+            return self._read_elements(st, first, span, out).view(n, *rest)
         if stride[0] == 1 and rest and span > 2 * n * math.prod(rest):
-            return self._gather_runs(st, first, n, rest, rest_stride)
-        block = self._read_elements(st, first, span)
-        return block.as_strided((n, *rest), stride, 0).contiguous()
+            result = self._gather_runs(st, first, n, rest, rest_stride)
+        else:
+            result = self._read_elements(st, first, span).as_strided((n, *rest), stride, 0).contiguous()
+        return result if out is None else out.view(n, *rest).copy_(result)
 
     def _gather_runs(self, st: StoredTensor, first: int, n: int, rest: tuple[int, ...],
                      rest_stride: tuple[int, ...]) -> torch.Tensor:
