@@ -55,15 +55,16 @@ class ResumeSource:
     """What ``--resume PATH`` resolved to."""
 
     given: str
-    root: Path            # the directory holding model/ (a converted dir or a tag)
-    full: bool            # restore optimizer, step and data position too
+    root: Path                 # the directory holding model/ (a converted dir or a tag)
+    files: dict[str, Path]     # canonical shard name (model/dp_rank_00_...) -> the file, whatever its legacy name
+    full: bool                 # restore optimizer, step and data position too
     spec: ModelSpec
     layout: ParallelLayout
     with_inv_freq: bool
-    case: str             # one line for the log
+    case: str                  # one line for the log
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.root / MODEL_DIR / shard_name(tp_rank=tp_rank, pp_rank=pp_rank)
+        return self.files[f"{MODEL_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank)}"]
 
 
 def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
@@ -72,7 +73,7 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
     if not given.exists():
         raise TrainError(f"--resume {path}: no such directory")
     try:
-        root, _, how = resolve_checkpoint(given)
+        root, _, _ = resolve_checkpoint(given)
         ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)
         ckpt.close()
     except ConversionError as exc:
@@ -83,10 +84,10 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
                          "save); resume from the checkpoint root to take the newest completed tag")
     if weights_only or not has_optim:
         why = "--weights-only" if weights_only and has_optim else "no optimizer state (a converted checkpoint)"
-        return ResumeSource(path, root, False, spec, layout, with_inv_freq,
+        return ResumeSource(path, root, ckpt.files, False, spec, layout, with_inv_freq,
                             f"weights only from {root} ({why}): step 0, fresh optimizer")
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
-    return ResumeSource(path, root, True, spec, layout, with_inv_freq, f"full state from {where}")
+    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}")
 
 
 def run_layout(cfg: ParallelConfig, shards: ParallelLayout) -> ParallelLayout:
@@ -119,6 +120,19 @@ def check_layout(source: ResumeSource, run: ParallelLayout) -> None:
     target = f"{source.root}-tp{run.tp}-pp{run.pp}"
     raise TrainError(f"--resume {source.given}: shards are {describe(source.layout)}, this run is {describe(run)}; "
                      f"reshard first: ckptconv reshard {source.root} {target} {flags} (then --resume {target})")
+
+
+def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
+    """Refuse a ``--checkpoint-dir`` that already holds completed tags past this run's first step.
+
+    Resuming that directory later would pick the other run's newer tag and silently drop this one's.
+    """
+    if not directory or not Path(directory).is_dir():
+        return
+    newer = [t.name for t in completed_tags(Path(directory)) if (tag_step(t.name) or 0) > start_step]
+    if newer:
+        raise TrainError(f"--checkpoint-dir {directory}: holds {newer[-1]}, past this run's start (step {start_step}); "
+                         f"use an empty directory, or --resume {directory} to continue that run")
 
 
 # --------------------------------------------------------------------------------------------

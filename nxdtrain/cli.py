@@ -60,18 +60,15 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nxdtrain.dist import spawn, start_forkserver
-
-    config = load_config(args)
-    if config.nproc and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
-    if config.nproc:
-        start_forkserver(PRELOAD)  # imports torch there while this process checks the run
+    from nxdtrain.dist import spawn
     from nxdtrain.train import prepare, run_worker, train
 
+    config = load_config(args)
     if not config.nproc:
         train(config)
         return 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
     prepare(config, config.nproc)  # fail here, once, before starting anything
     return spawn(run_worker, (config,), config.nproc, preload=PRELOAD)
 

@@ -37,6 +37,8 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
+    """How the model is split: tp x pp (must match the shards) and dp = world / (tp·pp)."""
+
     tp: int = option(1, "tensor-parallel degree (must equal the shards' tp)")
     pp: int = option(1, "pipeline-parallel degree (must equal the shards' pp)")
     kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards'",
@@ -57,6 +59,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
+    """Optimizer, learning-rate schedule and clipping."""
+
     optimizer: str = option("adamw", "optimizer (sgd is plain SGD: no momentum)", choices=OPTIMIZERS)
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the end of the decay")
@@ -87,6 +91,8 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
+    """Where rows come from and how they are batched."""
+
     data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.jsonl.gz file (input_ids per row) or 'synthetic'")
     seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
@@ -102,6 +108,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
+    """Where training starts from and where its tags go."""
+
     resume: str | None = option(None, "converted NxD dir (weights only), checkpoint root (newest tag) or tag dir")
     weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer")
     checkpoint_dir: str | None = option(None, "where step_<N> tags are written")

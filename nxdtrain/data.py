@@ -27,8 +27,11 @@ COLUMN = "input_ids"
 class RowSource(Protocol):
     """Rows of token ids; ``size`` is None for an endless source."""
 
-    name: str
-    size: int | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def size(self) -> int | None: ...
 
     def row(self, index: int) -> list[int]: ...
 

@@ -116,6 +116,15 @@ def detect_env(environ: Mapping[str, str] | None = None) -> WorldEnv:
     return WorldEnv(rank, world, local, addr, int(port or DEFAULT_PORT), launcher)
 
 
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """Processes of this job on this node (torchrun's LOCAL_WORLD_SIZE, else Slurm's tasks per node, else 1)."""
+    env = os.environ if environ is None else environ
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 1
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -218,17 +227,8 @@ class Mesh:
 
 def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, port: int) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fn(*args)
-
-
-def start_forkserver(preload: Sequence[str]) -> None:
-    """Start the forkserver now (importing ``preload`` there) so it warms up while this process works."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.set_forkserver_preload(list(preload))
-    forkserver.ensure_running()
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout_s: float | None = None,
@@ -239,9 +239,11 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     well under a second instead of importing torch in every process. When one process fails the
     others are terminated; a run past ``timeout_s`` is terminated too (exit code 124).
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    start_forkserver(preload)
+    multiprocessing.set_forkserver_preload(list(preload))
     port = free_port()
     context = mp.start_processes(_child, args=(fn, args, nprocs, port), nprocs=nprocs, join=False,
                                  start_method="forkserver")

@@ -98,6 +98,14 @@ class _InvFreq(nn.Module):
 
 
 class SelfAttention(nn.Module):
+    """Causal attention of this rank's Q heads over the K/V heads it holds; o_proj sums over tp ranks.
+
+    The projections keep the shard's names: ``q_proj``/``k_proj``/``v_proj`` (separate),
+    ``qkv_proj.weight`` (coalesced) or the GQA QKV layer ``qkv_proj`` (qkv_linear).
+    """
+
+    kv_index: torch.Tensor
+
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads,
                  *, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None) -> None:
         super().__init__()
@@ -105,12 +113,13 @@ class SelfAttention(nn.Module):
         n, m = len(heads.q), len(heads.kv)
         self.shape = (n, m, hd)
         self.scaling = hd ** -0.5
-        self.mode = layout.attention
-        if self.mode is AttentionMode.SEPARATE:
+        self.separate = layout.attention is AttentionMode.SEPARATE
+        self.qkv_proj: ColumnParallelLinear | GQAQKVColumnParallelLinear  # absent with separate q/k/v
+        if self.separate:
             self.q_proj = ColumnParallelLinear(hidden, n * hd, tp, dtype=dtype)
             self.k_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
             self.v_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
-        elif self.mode is AttentionMode.COALESCED:
+        elif layout.attention is AttentionMode.COALESCED:
             self.qkv_proj = ColumnParallelLinear(hidden, (n + 2 * m) * hd, tp, dtype=dtype)
         else:
             self.qkv_proj = GQAQKVColumnParallelLinear(hidden, n * hd, m * hd, tp, fuse=layout.fuse_qkv, dtype=dtype)
@@ -130,13 +139,14 @@ class SelfAttention(nn.Module):
         self.expand_kv = index != list(range(m))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.mode is AttentionMode.SEPARATE:
+        if self.separate:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.mode is AttentionMode.COALESCED:
-            n, m, hd = self.shape
-            q, k, v = self.qkv_proj(x).split((n * hd, m * hd, m * hd), dim=-1)
-            return q, k, v
-        return self.qkv_proj(x)
+        qkv = self.qkv_proj(x)
+        if isinstance(qkv, tuple):  # the GQA QKV layer
+            return qkv
+        n, m, hd = self.shape  # coalesced: one weight, rows q | k | v
+        q, k, v = qkv.split((n * hd, m * hd, m * hd), dim=-1)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -154,12 +164,11 @@ class SelfAttention(nn.Module):
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
         n, m, hd = self.shape
-        if self.mode is AttentionMode.SEPARATE:
+        if self.separate:
             return [(self.k_proj.weight, slice(0, m * hd)), (self.v_proj.weight, slice(0, m * hd))]
-        if self.mode is AttentionMode.COALESCED:
-            return [(self.qkv_proj.weight, slice(n * hd, (n + 2 * m) * hd))]
-        return self.qkv_proj.kv_rows()
-
+        if isinstance(self.qkv_proj, GQAQKVColumnParallelLinear):
+            return self.qkv_proj.kv_rows()
+        return [(self.qkv_proj.weight, slice(n * hd, (n + 2 * m) * hd))]
 
 
 class MLP(nn.Module):
@@ -193,6 +202,10 @@ class DecoderLayer(nn.Module):
 class _Body(nn.Module):
     """The ``model.`` prefix of the keys: embedding (first stage), layers by global index, norm (last stage)."""
 
+    embed_tokens: ParallelEmbedding
+    layers: nn.ModuleDict
+    norm: RMSNorm
+
 
 def _check_arch(config: dict[str, object]) -> float:
     act = config.get("hidden_act", "silu")
@@ -210,6 +223,9 @@ class LlamaStage(nn.Module):
     Input: token ids (first stage) or hidden states; output: hidden states, or on the last stage
     this rank's vocabulary slice of the logits. Layers keep their global numbers.
     """
+
+    rope_inv_freq: torch.Tensor
+    lm_head: ColumnParallelLinear
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
                  with_inv_freq: bool = False, dtype: torch.dtype = torch.float32) -> None:
@@ -286,6 +302,7 @@ class LlamaStage(nn.Module):
 
     def attention_layers(self) -> Iterator[SelfAttention]:
         for layer in self.model.layers.values():
+            assert isinstance(layer, DecoderLayer)
             yield layer.self_attn
 
     def tp_replicated(self) -> list[str]:

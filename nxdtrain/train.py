@@ -31,6 +31,7 @@ from ckptconv.layout import ParallelLayout
 from nxdtrain.checkpoint import (
     ResumeSource,
     TagWriter,
+    check_checkpoint_dir,
     check_layout,
     load_small,
     optim_file,
@@ -41,7 +42,7 @@ from nxdtrain.checkpoint import (
 )
 from nxdtrain.config import TrainConfig
 from nxdtrain.data import Batches, open_rows
-from nxdtrain.dist import Mesh, detect_env, init_world
+from nxdtrain.dist import Mesh, detect_env, init_world, local_world_size
 from nxdtrain.errors import TrainError
 from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
 from nxdtrain.metrics import StepLog, StepMetrics, note
@@ -85,6 +86,8 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     for rank in range(tp):
         rank_heads(source.spec, layout, rank)  # a layout that splits heads fails here, with the fix
     open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    start = read_training_state(source.root).step if source.full else 0
+    check_checkpoint_dir(config.checkpoint.checkpoint_dir, start)
     return RunPlan(config, source, layout, world_size, dp, microbatches)
 
 
@@ -132,7 +135,7 @@ class Trainer:
         self.model.load_shard_state(state, str(shard))
         zero_group = mesh.dp_group if cfg.parallel.zero1 else None
         self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group)
-        self.grads = grad_plan(self.model, mesh, plan)
+        self.grad_plan = grad_plan(self.model, mesh, plan)
         from nxdtrain.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
         data = cfg.data
@@ -142,6 +145,7 @@ class Trainer:
         rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=cfg.seed)
         self.batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=source.spec.vocab)
         self.step, self.consumed = 0, 0
+        self.saved_step: int | None = None
         if source.full:
             self._restore()
         ckpt = cfg.checkpoint
@@ -160,6 +164,7 @@ class Trainer:
         path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp if self.optimizer.zero else 0)
         self.optimizer.load_state_dict(load_small(path), str(path))
         self.step, self.consumed = state.step, state.consumed_samples
+        self.saved_step = state.step
         if len(state.rng) == self.mesh.world:
             set_rng_state(state.rng[self.mesh.rank])
 
@@ -169,8 +174,8 @@ class Trainer:
         ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
         loss = self.pipeline.run(ids.to(self.device))
         grads = self.optimizer.grads()
-        reduce_gradients(grads, self.grads)
-        norm = global_norm(grads, self.grads)
+        reduce_gradients(grads, self.grad_plan)
+        norm = global_norm(grads, self.grad_plan)
         clip_gradients(grads, norm, cfg.optim.clip_grad)
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
         self.optimizer.step(lr)
@@ -189,6 +194,7 @@ class Trainer:
                      "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
         tag = self.writer.save(step=self.step, consumed=self.consumed, model=self.model, optimizer=self.optimizer,
                                scheduler=scheduler)
+        self.saved_step = self.step
         if self.rank0:
             note(f"saved {tag}")
         return tag
@@ -209,23 +215,18 @@ class Trainer:
                     last_tag = self.save()
         finally:
             log.close()
-        if self.writer is not None and self.step > start and (last_tag is None or not last_tag.name.endswith(f"_{self.step}")):
+        if self.writer is not None and self.saved_step != self.step:  # the final state is always saved
             last_tag = self.save()
         if self.rank0 and self.step == start:
             note(f"nothing to train: the checkpoint is at step {start}, --steps is {cfg.steps}")
         return history, last_tag
 
 
-def _threads_per_process() -> int:
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, (os.cpu_count() or 1) // local)
-
-
 def train(config: TrainConfig) -> list[StepMetrics]:
     """Train in this process as one rank of the launcher's world (or alone); export at the end if asked."""
     env = detect_env()
     plan = prepare(config, env.world_size)
-    torch.set_num_threads(_threads_per_process())
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))  # the node's cores, shared
     device = init_world(env, config.dist_timeout)
     try:
         history, last_tag = Trainer(plan, device).run()

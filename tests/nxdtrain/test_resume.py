@@ -71,6 +71,10 @@ def test_retention_and_done_marker(tmp_path, nxd_model, capsys):
     redo = run_world(2, resume=str(root), checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b.jsonl"), **options)
     assert [(r["step"], r["loss"]) for r in redo] == [(4, straight[-1]["loss"])]
     assert (root / "step_4/done").is_file()
+    # A fresh run may not write into this directory: a later --resume of it would skip the fresh run's tags.
+    fresh = TrainConfig.from_flat({**options, "resume": str(src), "checkpoint_dir": str(root)})
+    with pytest.raises(TrainError, match=r"ckpt: holds step_4, past this run's start \(step 0\); use an empty"):
+        prepare(fresh, world_size=2)
 
 
 def test_resume_cases_and_errors(tmp_path, nxd_model):

@@ -1,0 +1,16 @@
+"""The examples in nxdtrain's docstrings run and stay true."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["config", "data", "dist", "model", "optim", "rope"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(f"nxdtrain.{name}"))
+    assert result.attempted > 0 and result.failed == 0
