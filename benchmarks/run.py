@@ -55,7 +55,7 @@ def timed(argv: list[str]) -> tuple[float, int]:
     """Wall seconds (command + sync) and the child's peak RSS in bytes."""
     drop_caches()
     start = time.perf_counter()
-    proc = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     subprocess.run(["sync"], check=True)
     seconds = time.perf_counter() - start
@@ -125,11 +125,15 @@ def main() -> None:
     l70 = model(f"hf-{big}-{layers}l", big, layers)
     tp_big = 8 if args.quick else 32
     nxd70 = OUT / f"nxd-{big}"
-    rows.append(convert(f"to-nxd {big} x{layers} layers: tp {tp_big} pp 2 kvm {tp_big // 8} qkv fused xser",
-                        ["to-nxd", str(l70), str(nxd70), "--tp", str(tp_big), "--pp", "2", "--qkv-linear", "--fuse-qkv",
-                         "--kv-size-multiplier", str(tp_big // 8), "--xser"], l70, nxd70))
+    to_nxd_70 = ["to-nxd", str(l70), str(nxd70), "--tp", str(tp_big), "--pp", "2", "--qkv-linear", "--fuse-qkv",
+                 "--kv-size-multiplier", str(tp_big // 8), "--xser"]
+    label = f"to-nxd {big} x{layers} layers: tp {tp_big} pp 2 kvm {tp_big // 8} qkv fused xser"
+    rows.append(convert(f"{label}, --hash none", [*to_nxd_70, "--hash", "none"], l70, nxd70))
+    rows.append(convert(label, to_nxd_70, l70, nxd70))
     back70 = OUT / f"hf-back-{big}"
-    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2", ["to-hf", str(nxd70), str(back70)], nxd70, back70))
+    to_hf_70 = ["to-hf", str(nxd70), str(back70)]
+    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2, --hash none", [*to_hf_70, "--hash", "none"], nxd70, back70))
+    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2", to_hf_70, nxd70, back70))
     shutil.rmtree(back70)
     shutil.rmtree(nxd70)
 
