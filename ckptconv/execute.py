@@ -221,7 +221,10 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
-    return row_split + _column_units(by_source, reader, band_bytes)
+    # Units of the earliest files first, so files complete (and are hashed, in another pool) while
+    # the rest is still converting, instead of all at the end.
+    units = row_split + _column_units(by_source, reader, band_bytes)
+    return sorted(units, key=lambda unit: max(i for i, _ in unit.tensors))
 
 
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:

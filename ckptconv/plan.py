@@ -150,7 +150,8 @@ def plan_to_nxd(
             for record in records
         )
         files.append(OutFile(f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}", "torch", tensors))
-    files.sort(key=lambda f: f.path)
+    # pp-major, like NxD's rank order: the executor finishes (and hashes) files in this order.
+    files.sort(key=lambda f: (f.path.rsplit("pp_rank_", 1)[1], f.path))
     return Plan(files)
 
 
