@@ -155,7 +155,7 @@ def to_nxd(
             warnings.warn(message, stacklevel=2)
             notes.append(message)
         plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
-        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf_weight_files(hf)))
+        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()))
         spec = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="nxd", hf_config=hf.spec.config, layout=layout.to_json(), flavour=flavour.value,
@@ -179,10 +179,6 @@ def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers:
         raise VerificationError(f"{out} was written but does not compute what {src} computes: " + "; ".join(report["problems"][:3]))
     worst = max(c["rel"] for layer in report["layers"].values() for c in layer.values())
     notes.append(f"verified {len(report['layers'])} layers, embedding and lm_head: max relative error {worst:.2g}")
-
-
-def hf_weight_files(hf: HfCheckpoint) -> list[Path]:
-    return sorted(set(hf._where.values()))
 
 
 def _hf_side_copies(hf: HfCheckpoint) -> list[tuple[str, str]]:

@@ -37,7 +37,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         shapes, dtypes = hf.shapes(), hf.dtypes()
         params = sum(_numel(s) for s in shapes.values())
         nbytes = sum(_numel(shapes[k]) * dtypes[k].itemsize for k in shapes)
-        files = sorted({p.name for p in hf._where.values()})
+        files = [p.name for p in hf.weight_files()]
         spec = hf.spec
     return {
         "kind": "hf",

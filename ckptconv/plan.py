@@ -388,8 +388,3 @@ def _merge(pieces: list[Piece]) -> tuple[Piece, ...]:
         else:
             out.append(p)
     return tuple(out)
-
-
-def plan_sources(plan: Plan) -> set[Source]:
-    """Every source a plan reads (for validation before any write)."""
-    return {p.source for f in plan.files for t in f.tensors for p in t.pieces}

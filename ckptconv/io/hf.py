@@ -127,6 +127,10 @@ class HfCheckpoint:
         except KeyError:
             raise ConversionError(f"{self.path}: missing tensor {key!r}") from None
 
+    def weight_files(self) -> list[Path]:
+        """The files holding the tensors, sorted."""
+        return sorted(set(self._where.values()))
+
     def dtypes(self) -> dict[str, torch.dtype]:
         return {key: self.info(Source(None, key))[0] for key in self._where}
 
