@@ -35,7 +35,7 @@ from ckptconv.finalize import (
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout
+from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, shard_file
 from ckptconv.mapping import all_shard_records, check_source_shapes, hf_record_shape, hf_shapes
 from ckptconv.metadata import METADATA_FILE, read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
@@ -181,6 +181,14 @@ def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers:
     notes.append(f"verified {len(report['layers'])} layers, embedding and lm_head: max relative error {worst:.2g}")
 
 
+def _kept_hf_files(root: Path, *, into: str, skip: str = "") -> list[tuple[str, str]]:
+    """(source, target) for the files ``to-nxd`` kept under ``root/hf/``, targets prefixed by ``into``."""
+    side = root / HF_FILES_DIR
+    if not side.is_dir():
+        return []
+    return [(str(p.resolve()), into + p.name) for p in sorted(side.iterdir()) if p.is_file() and p.name != skip]
+
+
 def _hf_side_copies(hf: HfCheckpoint) -> list[tuple[str, str]]:
     """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
     copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
@@ -233,7 +241,7 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
     """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint)."""
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
     for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
-        file = f"model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+        file = shard_file(tp_rank=tp, pp_rank=pp)
         present = set(ckpt.keys(file))
         for record in records:
             if record.key not in present:
@@ -282,9 +290,8 @@ def to_hf(
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
                                    _identity(sorted(ckpt.files.values())))
-        side = ckpt.root / HF_FILES_DIR
-        copies = [(str(p.resolve()), p.name) for p in sorted(side.iterdir()) if p.is_file() and p.name != CONFIG] \
-            if side.is_dir() else []
+        # config.json is rewritten with the dtype written; the tokenizer files come along as they are
+        copies = _kept_hf_files(ckpt.root, into="", skip=CONFIG)
         spec_ = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
@@ -345,9 +352,7 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))
-        side = ckpt.root / HF_FILES_DIR
-        copies = [(str(p.resolve()), f"{HF_FILES_DIR}/{p.name}") for p in sorted(side.iterdir()) if p.is_file()] \
-            if side.is_dir() else []
+        copies = _kept_hf_files(ckpt.root, into=f"{HF_FILES_DIR}/")
         spec_ = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="nxd", hf_config=spec.config, layout=new.to_json(), flavour=target_flavour.value,

@@ -170,7 +170,7 @@ def run_plan(
             last = pending[file_index] == 0
         if last:
             # Hash in another pool, so converting goes on meanwhile (sha256 is CPU-bound).
-            paths = _move_into_place(sinks[file_index], tmp, out_dir)
+            paths = move_into_place(sinks[file_index], tmp, out_dir)
             hashing.append(hash_pool.submit(record, file_index, paths))
 
     def run_unit(unit: _Unit) -> None:
@@ -402,7 +402,7 @@ def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type:
 # Files: finalize, hash, rename, resume state
 
 
-def _move_into_place(sink: Sink, tmp: Path, out_dir: Path) -> list[Path]:
+def move_into_place(sink: Sink, tmp: Path, out_dir: Path) -> list[Path]:
     """Complete a sink's files and rename them from the temp dir to their final place."""
     moved = []
     for temp_path in sink.finish():

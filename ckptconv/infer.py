@@ -14,7 +14,7 @@ import torch
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks
+from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 
@@ -65,8 +65,8 @@ def _attention_mode(keys: list[str]) -> tuple[Attention, bool]:
 
 def _layers_by_pp(ckpt: NxdCheckpoint) -> list[int]:
     owner: dict[int, int] = {}
-    for file in ckpt.files:
-        pp = int(file.rsplit("pp_rank_", 1)[1].split(".")[0])
+    for (_, pp) in ckpt.ranks:
+        file = shard_file(tp_rank=0, pp_rank=pp)
         for key in ckpt.keys(file):
             m = _LAYER_RE.match(key)
             if m:
@@ -115,7 +115,7 @@ def _infer_kvm(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout) -> 
 
 
 def _k_rows(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, tp_rank: int) -> torch.Tensor:
-    file = f"model/dp_rank_00_tp_rank_{tp_rank:02d}_pp_rank_00.pt"
+    file = shard_file(tp_rank=tp_rank, pp_rank=0)
     prefix = _first_layer_prefix(ckpt, file)
     if layout.fuse_qkv:
         n_rows = spec.heads // layout.tp * spec.head_dim

@@ -151,9 +151,17 @@ def layer_pp_ranks(layers: int, layout: ParallelLayout) -> list[int]:
     return [stage % layout.pp for stage in layer_stages(layers, layout.stages)]
 
 
+MODEL_DIR = "model"  # the shards' directory inside a checkpoint (or training tag)
+
+
 def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
     """File name of one model shard; ``{:02d}`` widens by itself past 99."""
     return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+
+
+def shard_file(*, tp_rank: int, pp_rank: int) -> str:
+    """A model shard's path relative to the checkpoint root: ``model/dp_rank_00_…pt``."""
+    return f"{MODEL_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank)}"
 
 
 _SHARD_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")

@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptconv.layout import Attention, ParallelLayout, shard_name
+from ckptconv.layout import Attention, ParallelLayout, shard_file
 from ckptconv.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes
 from ckptconv.model_spec import ModelSpec
-
-MODEL_DIR = "model"
 
 
 @dataclass(frozen=True)
@@ -144,14 +142,14 @@ def plan_to_nxd(
     with_inv_freq = any(k.endswith("inv_freq") for k in source_dtypes)
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
     files = []
+    # pp-major, like NxD's rank order (all_shard_records' order): the executor finishes, and
+    # hashes, files in this order.
     for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
         tensors = tuple(
             _out_tensor(record, shapes, source_dtypes, dtype_policy, lambda key: Source(None, key))
             for record in records
         )
-        files.append(OutFile(f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}", "torch", tensors))
-    # pp-major, like NxD's rank order: the executor finishes (and hashes) files in this order.
-    files.sort(key=lambda f: (f.path.rsplit("pp_rank_", 1)[1], f.path))
+        files.append(OutFile(shard_file(tp_rank=tp, pp_rank=pp), "torch", tensors))
     return Plan(files)
 
 
@@ -191,7 +189,7 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool)
     """Every HF range's locations in the shards, grouped by HF key, in rank order."""
     out: dict[str, list[_Placement]] = defaultdict(list)
     for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
-        file = f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}"
+        file = shard_file(tp_rank=tp, pp_rank=pp)
         for record in records:
             offset = 0
             for seg in record.segments:
@@ -290,7 +288,7 @@ def plan_to_full_state(
     records = all_shard_records(spec, layout, with_inv_freq=with_inv_freq)
     for pp in range(layout.pp):
         by_key = {r.key: r for r in records[(0, pp)]}
-        for nxd_key in shard_key_order[f"{MODEL_DIR}/{shard_name(tp_rank=0, pp_rank=pp)}"]:
+        for nxd_key in shard_key_order[shard_file(tp_rank=0, pp_rank=pp)]:
             record = by_key[nxd_key]
             for hf_key in record.hf_keys:
                 if hf_key not in seen and hf_key in tensors:

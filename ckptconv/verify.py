@@ -26,7 +26,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.execute import record_matches
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_name
+from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
 from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, q_heads
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
@@ -70,7 +70,7 @@ class _Shards:
         self.pp_of_layer = layer_pp_ranks(spec.layers, layout)
 
     def file(self, tp: int, pp: int) -> str:
-        return f"model/{shard_name(tp_rank=tp, pp_rank=pp)}"
+        return shard_file(tp_rank=tp, pp_rank=pp)
 
     def tensor(self, file: str, key: str) -> torch.Tensor:
         if key not in self.ckpt.keys(file):

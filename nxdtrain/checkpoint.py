@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.api import open_nxd
+from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.errors import ConversionError
 from ckptconv.execute import sha256_file
 from ckptconv.io.nxd import (
@@ -39,14 +39,14 @@ from ckptconv.io.nxd import (
     tag_step,
     write_markers,
 )
-from ckptconv.layout import Attention, ParallelLayout, shard_name
+from ckptconv.layout import MODEL_DIR, Attention, ParallelLayout, shard_file, shard_name
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from nxdtrain.config import ParallelConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
 
-MODEL_DIR, OPTIM_DIR, HF_DIR = "model", "optim", "hf"
+OPTIM_DIR = "optim"
 SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 
 
@@ -64,7 +64,7 @@ class ResumeSource:
     case: str                  # one line for the log
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.files[f"{MODEL_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank)}"]
+        return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
 
 
 def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
@@ -227,7 +227,7 @@ class TagWriter:
         tp, dp, pp = self.coords
         written: list[Path] = []
         if dp == 0:
-            written += save_shard(tag / MODEL_DIR / shard_name(tp_rank=tp, pp_rank=pp), model.shard_state(),
+            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), model.shard_state(),
                                   self.flavour)
         if dp == 0 or self.zero1:
             path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp if self.zero1 else 0)
@@ -251,10 +251,10 @@ class TagWriter:
             _save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
                          "options": self.options, "layout": self.layout.to_json()}, tag / USER_CONTENT_FILE),
         ]
-        hf_src = self.source.root / HF_DIR
+        hf_src = self.source.root / HF_FILES_DIR
         if hf_src.is_dir():
-            shutil.copytree(hf_src, tag / HF_DIR)
-            side.append(tag / HF_DIR)
+            shutil.copytree(hf_src, tag / HF_FILES_DIR)
+            side.append(tag / HF_FILES_DIR)
         files.update(_file_records(side, tag))
         dtype = next(iter(model.state_dict().values())).dtype
         write_metadata(tag, Metadata(

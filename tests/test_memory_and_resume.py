@@ -110,7 +110,7 @@ def test_peak_memory_stays_far_below_model_size(big_model: tuple[Path, int, Path
 def test_crash_leaves_nothing_half_written_and_rerun_resumes(tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     src = tiny_models("gqa", heads=8, kv_heads=2, head_dim=8, layers=6)
     out = tmp_path / "nxd"
-    real_finalize = execute._move_into_place
+    real_finalize = execute.move_into_place
     calls = {"n": 0}
 
     def crash_on_third(*args, **kwargs):
@@ -119,7 +119,7 @@ def test_crash_leaves_nothing_half_written_and_rerun_resumes(tiny_models, tmp_pa
             raise KeyboardInterrupt("simulated crash")
         return real_finalize(*args, **kwargs)
 
-    monkeypatch.setattr(execute, "_move_into_place", crash_on_third)
+    monkeypatch.setattr(execute, "move_into_place", crash_on_third)
     options = ckptconv.RunOptions(quiet=True, workers=1)
     with pytest.raises(KeyboardInterrupt):
         ckptconv.to_nxd(src, out, tp=2, pp=2, attention="qkv_linear", options=options)
@@ -128,7 +128,7 @@ def test_crash_leaves_nothing_half_written_and_rerun_resumes(tiny_models, tmp_pa
     assert not (out / "ckptconv.json").exists(), "no metadata: the directory does not look complete"
     mtimes = {p: p.stat().st_mtime_ns for p in finished}
 
-    monkeypatch.setattr(execute, "_move_into_place", real_finalize)
+    monkeypatch.setattr(execute, "move_into_place", real_finalize)
     ckptconv.to_nxd(src, out, tp=2, pp=2, attention="qkv_linear", options=options)
     assert {p: p.stat().st_mtime_ns for p in finished} == mtimes, "finished files were skipped, not rewritten"
     assert len(list((out / "model").glob("*.pt"))) == 4

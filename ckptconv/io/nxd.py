@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 from enum import Enum
 from pathlib import Path
@@ -22,18 +23,20 @@ from pathlib import Path
 import torch
 
 from ckptconv.errors import ConversionError
+from ckptconv.execute import move_into_place
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.io.torchzip_read import is_row_major
-from ckptconv.layout import parse_shard_name, shard_name
+from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
-from ckptconv.plan import MODEL_DIR, OutFile, Source
+from ckptconv.plan import OutFile, OutTensor, Piece, Source
 
 DONE_MARKER = "done"
 CHECKPOINT_MARKER = "checkpoint"
 TENSORS_SUFFIX = ".tensors"
 INFO_SUFFIX = ".info.pt"
+BARE_TENSOR_KEY = ""  # how the torch zip layer names the one tensor of a torch.save(tensor) file
 
 
 class Flavour(str, Enum):
@@ -182,7 +185,7 @@ class NxdCheckpoint:
         self.metadata = read_metadata(self.root)
         shards = _shard_files(self.model_dir)
         self.ranks = sorted(shards)
-        self.files = {f"{MODEL_DIR}/{shard_name(tp_rank=tp, pp_rank=pp)}": p for (tp, pp), p in shards.items()}
+        self.files = {shard_file(tp_rank=tp, pp_rank=pp): p for (tp, pp), p in shards.items()}
         self.tp = 1 + max(tp for tp, _ in shards)
         self.pp = 1 + max(pp for _, pp in shards)
         missing = [
@@ -287,7 +290,7 @@ class XserSplitSink:
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         if key in self._column_major:  # per-tensor files are contiguous: store rows, not columns
             data = data.t().contiguous()
-        self._writers[key].write_extent(_single_key(), offset, data)
+        self._writers[key].write_extent(BARE_TENSOR_KEY, offset, data)
 
     def finish(self) -> list[Path]:
         for writer in self._writers.values():
@@ -301,10 +304,6 @@ class XserSplitSink:
         torch.save(info, info_path)  # plain data
         save_state_dict(self.path, refs)  # our writer names TensorReference without importing torch_xla
         return [self.tensor_dir, info_path, self.path]
-
-
-def _single_key() -> str:
-    return ""
 
 
 def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
@@ -349,8 +348,6 @@ def save_shard(path: Path, state: dict[str, torch.Tensor], flavour: Flavour | st
     Written under a temp directory beside ``path`` with the final basename (torch.save output
     depends on it) and renamed into place, the main ``.pt`` last. Returns the paths written.
     """
-    from ckptconv.plan import OutFile, OutTensor, Piece
-
     path = Path(path)
     flavour = Flavour(flavour)
     tensors = {k: _own_storage(v) for k, v in state.items()}
@@ -364,8 +361,6 @@ def save_shard(path: Path, state: dict[str, torch.Tensor], flavour: Flavour | st
     )
     tmp = path.parent / f".{path.name}.partial"
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     sink = sink_factory(flavour)(out_file, tmp)
@@ -373,15 +368,7 @@ def save_shard(path: Path, state: dict[str, torch.Tensor], flavour: Flavour | st
         t = tensors[t_out.key]
         data = t.t().contiguous() if t_out.column_major else t.contiguous()
         sink.write_extent(t_out.key, 0, data.reshape(()) if t.dim() == 0 else data)
-    written = []
-    for temp_path in sink.finish():
-        final = path.parent / temp_path.relative_to(tmp)
-        if final.is_dir():
-            import shutil
-
-            shutil.rmtree(final)
-        os.replace(temp_path, final)
-        written.append(final)
+    written = move_into_place(sink, tmp, path.parent)
     tmp.rmdir()
     return written
 
