@@ -2,10 +2,13 @@
 
 Every timed command runs in a fresh process, followed by ``sync`` (so both sides pay for writing
 their bytes to disk), after the page cache was dropped when the kernel allows it (so both read from
-disk). Peak RSS is the child's own ``ru_maxrss`` (``os.wait4``). One table is printed at the end and
-written to ``bench-out/results.md`` and ``.json``.
+disk). Each conversion is paired with its own ``cp -r`` right before it, and the headline cases
+are repeated (``--repeat``, default 3): the disk is shared and a single pair can be off by 2x.
+The table shows medians and the range of the per-pair ratios. Peak RSS is the child's own
+``ru_maxrss`` (``os.wait4``). One table is printed at the end and written to
+``bench-out/results.md`` and ``.json``.
 
-    python benchmarks/run.py [--quick]    # --quick: small shapes, for a smoke run
+    python benchmarks/run.py [--quick] [--repeat N]    # --quick: small shapes, for a smoke run
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -31,15 +35,26 @@ CKPTCONV = [sys.executable, "-m", "ckptconv.cli"]
 @dataclass
 class Row:
     case: str
-    seconds: float
-    cp_seconds: float
+    runs: list[tuple[float, float]]  # (seconds, cp -r seconds of the same input just before)
     bytes_read: int
     bytes_written: int
-    peak_rss: int
+    peak_rss: int  # the largest over the runs
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(s for s, _ in self.runs)
+
+    @property
+    def cp_seconds(self) -> float:
+        return statistics.median(c for _, c in self.runs)
+
+    @property
+    def ratios(self) -> list[float]:
+        return sorted(s / c for s, c in self.runs)
 
     @property
     def ratio(self) -> float:
-        return self.seconds / self.cp_seconds if self.cp_seconds else float("nan")
+        return statistics.median(self.ratios)
 
 
 def drop_caches() -> bool:
@@ -76,11 +91,15 @@ def cp_time(src: Path) -> float:
     return seconds
 
 
-def convert(case: str, argv: list[str], src: Path, dst: Path) -> Row:
-    shutil.rmtree(dst, ignore_errors=True)
-    baseline = cp_time(src)
-    seconds, rss = timed([*CKPTCONV, *argv, "--quiet"])
-    return Row(case, seconds, baseline, du(src), du(dst), rss)
+def convert(case: str, argv: list[str], src: Path, dst: Path, repeat: int = 1) -> Row:
+    runs, peak = [], 0
+    for _ in range(repeat):
+        shutil.rmtree(dst, ignore_errors=True)
+        baseline = cp_time(src)
+        seconds, rss = timed([*CKPTCONV, *argv, "--quiet"])
+        runs.append((seconds, baseline))
+        peak = max(peak, rss)
+    return Row(case, runs, du(src), du(dst), peak)
 
 
 def model(name: str, shape: str, layers: int) -> Path:
@@ -98,12 +117,14 @@ def gb(n: int) -> str:
 
 def table(rows: list[Row], rss_rows: list[tuple[str, int]]) -> str:
     lines = [
-        "| case | wall s | cp -r s | ratio to cp | read | written | throughput | peak RSS |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| case | runs | wall s | cp -r s | ratio to cp | ratio range | read | written | throughput | peak RSS |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        lines.append(f"| {r.case} | {r.seconds:.1f} | {r.cp_seconds:.1f} | {r.ratio:.2f}x | {gb(r.bytes_read)} | "
-                     f"{gb(r.bytes_written)} | {r.bytes_written / r.seconds / 1e6:.0f} MB/s | {r.peak_rss / 2**20:.0f} MiB |")
+        spread = f"{r.ratios[0]:.2f}-{r.ratios[-1]:.2f}x" if len(r.runs) > 1 else ""
+        lines.append(f"| {r.case} | {len(r.runs)} | {r.seconds:.1f} | {r.cp_seconds:.1f} | {r.ratio:.2f}x | {spread} | "
+                     f"{gb(r.bytes_read)} | {gb(r.bytes_written)} | {r.bytes_written / r.seconds / 1e6:.0f} MB/s | "
+                     f"{r.peak_rss / 2**20:.0f} MiB |")
     if rss_rows:
         lines += ["", "| peak RSS, to-nxd with default settings | MiB |", "| --- | ---: |"]
         lines += [f"| {case} | {rss / 2**20:.0f} |" for case, rss in rss_rows]
@@ -115,6 +136,7 @@ def table(rows: list[Row], rss_rows: list[tuple[str, int]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models: a smoke run of the harness")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each 70B case (median reported)")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     started = time.perf_counter()
@@ -128,12 +150,10 @@ def main() -> None:
     to_nxd_70 = ["to-nxd", str(l70), str(nxd70), "--tp", str(tp_big), "--pp", "2", "--qkv-linear", "--fuse-qkv",
                  "--kv-size-multiplier", str(tp_big // 8), "--xser"]
     label = f"to-nxd {big} x{layers} layers: tp {tp_big} pp 2 kvm {tp_big // 8} qkv fused xser"
-    rows.append(convert(f"{label}, --hash none", [*to_nxd_70, "--hash", "none"], l70, nxd70))
-    rows.append(convert(label, to_nxd_70, l70, nxd70))
+    rows.append(convert(label, to_nxd_70, l70, nxd70, args.repeat))
     back70 = OUT / f"hf-back-{big}"
     to_hf_70 = ["to-hf", str(nxd70), str(back70)]
-    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2, --hash none", [*to_hf_70, "--hash", "none"], nxd70, back70))
-    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2", to_hf_70, nxd70, back70))
+    rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2", to_hf_70, nxd70, back70, args.repeat))
     shutil.rmtree(back70)
     shutil.rmtree(nxd70)
 
@@ -168,7 +188,7 @@ def main() -> None:
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
     print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
           f"total {time.perf_counter() - started:.0f} s")
-    (OUT / "results.md").write_text(text + f"\n\nmachine: {machine}\n")
+    (OUT / "results.md").write_text(text + f"\n\nmachine: {machine}; total {time.perf_counter() - started:.0f} s\n")
     (OUT / "results.json").write_text(json.dumps({"rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
                                                   "rss": rss_rows, "machine": machine}, indent=1))
 

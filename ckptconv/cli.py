@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv import api
+from ckptconv import api, digest
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
     defaults = api.RunOptions()
-    p.add_argument("--workers", type=int, default=defaults.workers, help="parallel workers (default: cores)")
+    p.add_argument("--workers", type=int, default=defaults.workers, help="parallel workers (default: cores, at least 8)")
     p.add_argument("--max-memory", type=parse_size, default=defaults.max_memory,
                    help="working-memory budget for tensor data (default 2GiB)")
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,
@@ -44,8 +44,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
-    p.add_argument("--hash", choices=("sha256", "none"), default=defaults.hash,
-                   help="per-file digest in ckptconv.json (default sha256; none: sizes only, faster on CPUs without SHA instructions)")
+    p.add_argument("--hash", choices=(*digest.ALGORITHMS, "none"), default=defaults.hash,
+                   help="per-file digest in ckptconv.json (default blake3; sha256 is ~10x slower without SHA instructions; none: sizes only)")
     p.add_argument("--part", type=parse_part, default=None, metavar="K/N",
                    help="convert the K-th of N disjoint sets of files (default: from srun/torchrun, else all)")
 
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default="all", help="'all' or a number of layers to sample evenly (default all)")
     p.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4; looser after a cast)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--files", action="store_true", help="also check every file's size and sha256 against ckptconv.json")
+    p.add_argument("--files", action="store_true", help="also check every file's size and digest against ckptconv.json")
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--json", action="store_true")

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptconv.digest import DEFAULT, FileRecord
 from ckptconv.errors import ConversionError
-from ckptconv.execute import TMP_DIR, FileRecord, file_record
+from ckptconv.execute import TMP_DIR
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.plan import Plan
 
@@ -66,7 +67,7 @@ class FinalizeSpec:
 
     fingerprint: str
     parts: int = 1
-    hash_files: bool = True
+    hash: str | None = DEFAULT  # digest algorithm; None: sizes only
     metadata: dict[str, Any] | None = None        # Metadata fields except files; None: no ckptconv.json
     texts: dict[str, str] = field(default_factory=dict)         # relative path -> content
     copies: list[tuple[str, str]] = field(default_factory=list)  # (absolute source, relative target)
@@ -92,7 +93,7 @@ def state_name(part: tuple[int, int]) -> str:
 
 
 def record_part(out: Path, part: tuple[int, int], files: dict[str, FileRecord]) -> None:
-    payload = {rel: vars(rec) for rel, rec in files.items()}
+    payload = {rel: rec.to_json() for rel, rec in files.items()}
     _atomic_write(_tmp(out) / f"part-{part[0]}-of-{part[1]}.json", json.dumps(payload, indent=1))
 
 
@@ -138,7 +139,7 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
     files: dict[str, FileRecord] = {}
     for k in range(spec.parts):
         part = json.loads((_tmp(out) / f"part-{k}-of-{spec.parts}.json").read_text())
-        files.update({rel: FileRecord(**rec) for rel, rec in part.items()})
+        files.update({rel: FileRecord.from_json(rec) for rel, rec in part.items()})
     for rel, text in spec.texts.items():
         _atomic_write(out / rel, text)
     for source, rel in spec.copies:
@@ -148,9 +149,9 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
         shutil.copyfile(source, partial)
         os.replace(partial, target)
     for rel in [*spec.texts, *(rel for _, rel in spec.copies)]:
-        files[rel] = file_record(out / rel, spec.hash_files)
+        files[rel] = FileRecord.of(out / rel, spec.hash)
     if spec.metadata is not None:
-        meta = Metadata(**spec.metadata, files={rel: vars(rec) for rel, rec in files.items()})
+        meta = Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})
         write_metadata(out, meta)  # last: its presence means the directory is complete
     shutil.rmtree(_tmp(out), ignore_errors=True)
     return files

@@ -1,7 +1,7 @@
 """``ckptconv.json``: what every directory we write says about itself.
 
 It records the tool version, the HF config, the parallel layout, dtype, serialization flavour,
-whether the embedding was tied, and a size and sha256 per file. Readers use it when present and
+whether the embedding was tied, and a size and digest per file. Readers use it when present and
 infer (saying what they inferred) when it is absent.
 """
 
@@ -31,7 +31,7 @@ def tool_version() -> str:
 class Metadata:
     kind: str                                  # "nxd" or "hf"
     hf_config: dict[str, Any]
-    files: dict[str, dict[str, Any]]           # relative path -> {"size": int, "sha256": str}
+    files: dict[str, dict[str, Any]]           # relative path -> {"size": int, "blake3"/"sha256": hex}
     layout: dict[str, Any] | None = None       # ParallelLayout.to_json(), for kind "nxd"
     flavour: str | None = None
     dtype: str | None = None

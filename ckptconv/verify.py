@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError
-from ckptconv.execute import record_matches
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
@@ -278,7 +278,7 @@ def _problem(where: str, check: Check, tol: float) -> str:
 
 
 def _check_files(ckpt: NxdCheckpoint) -> list[str]:
-    """Sizes and sha256 of every file against ckptconv.json."""
+    """Sizes and digests of every file against ckptconv.json."""
     if ckpt.metadata is None:
         return [f"{ckpt.root}: no ckptconv.json to check file hashes against"]
     problems = []
@@ -288,6 +288,6 @@ def _check_files(ckpt: NxdCheckpoint) -> list[str]:
             problems.append(f"{rel}: missing")
         elif path.stat().st_size != rec["size"]:
             problems.append(f"{rel}: size {path.stat().st_size}, recorded {rec['size']}")
-        elif not record_matches(path, rec["size"], rec["sha256"]):
-            problems.append(f"{rel}: sha256 differs from ckptconv.json")
+        elif not (record := FileRecord.from_json(rec)).matches(path):
+            problems.append(f"{rel}: {record.algorithm} differs from ckptconv.json")
     return problems

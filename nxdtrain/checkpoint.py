@@ -6,7 +6,7 @@ A tag ``<checkpoint_dir>/step_<N>/`` holds::
     optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state (+ fp32 masters with bf16); DD > 0 only with ZeRO-1
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
-    ckptconv.json                               layout, flavour, dtype, size + sha256 of every file
+    ckptconv.json                               layout, flavour, dtype, size + digest of every file
     checkpoint, done                            markers, written last (ckptconv.io.nxd.write_markers)
 
 Resume rules (``--resume PATH``): a directory with ``model/`` but no ``optim/`` (what ``ckptconv
@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.api import HF_FILES_DIR, open_nxd
+from ckptconv.digest import DEFAULT as DEFAULT_HASH
+from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError
-from ckptconv.execute import sha256_file
 from ckptconv.io.nxd import (
     DONE_MARKER,
     Flavour,
@@ -199,7 +200,7 @@ def _file_records(paths: list[Path], tag: Path) -> dict[str, dict[str, Any]]:
     files: list[Path] = []
     for p in paths:
         files.extend(sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p])
-    return {f.relative_to(tag).as_posix(): {"size": f.stat().st_size, "sha256": sha256_file(f)} for f in files}
+    return {f.relative_to(tag).as_posix(): FileRecord.of(f, DEFAULT_HASH).to_json() for f in files}
 
 
 @dataclass

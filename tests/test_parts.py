@@ -26,7 +26,7 @@ def files_of(root: Path) -> dict[str, str]:
     assert not (root / ".ckptconv-tmp").exists()
     on_disk = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != "ckptconv.json")
     assert on_disk == sorted(meta["files"])
-    return {rel: rec["sha256"] for rel, rec in meta["files"].items()}
+    return {rel: rec["blake3"] for rel, rec in meta["files"].items()}
 
 
 def test_parts_are_disjoint_balanced_and_cover_everything():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -133,8 +135,14 @@ def test_verify_fails_on_norm_from_another_layer(gqa: Path, tmp_path: Path):
     assert "layer 1 norms" in text and "norm weights differ on rank(s) 1" in text
 
 
-def test_verify_files_checks_hashes(gqa: Path, tmp_path: Path):
-    out = convert(gqa, tmp_path / "nxd", tp=2, attention="qkv_linear")
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_verify_files_checks_hashes(gqa: Path, tmp_path: Path, algorithm: str):
+    out = tmp_path / "nxd"
+    ckptconv.to_nxd(gqa, out, tp=2, attention="qkv_linear", options=ckptconv.RunOptions(quiet=True, hash=algorithm))
+    recorded = json.loads((out / "ckptconv.json").read_text())["files"]
+    for rel, rec in recorded.items():  # against the reference implementations, not our own reader
+        reference = blake3.blake3 if algorithm == "blake3" else hashlib.sha256
+        assert rec == {"size": (out / rel).stat().st_size, algorithm: reference((out / rel).read_bytes()).hexdigest()}
     assert verify(gqa, out, layers=1, files=True)["ok"]
     edit_shard(out, 1, 0, lambda s: None)  # same tensors, same bytes: still fine
     assert verify(gqa, out, layers=1, files=True)["ok"]
@@ -142,7 +150,7 @@ def test_verify_files_checks_hashes(gqa: Path, tmp_path: Path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte inside tensor data
     path.write_bytes(bytes(data))
-    assert "model/dp_rank_00_tp_rank_01_pp_rank_00.pt: sha256 differs" in problems(verify(gqa, out, layers=1, files=True))
+    assert f"model/dp_rank_00_tp_rank_01_pp_rank_00.pt: {algorithm} differs" in problems(verify(gqa, out, layers=1, files=True))
 
 
 def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Path):
@@ -178,7 +186,7 @@ def test_to_hf_infers_trn1_or_trn2_from_replicas(gqa: Path, tmp_path: Path, hw: 
 
 def shard_hashes(root: Path) -> dict[str, str]:
     files = json.loads((root / "ckptconv.json").read_text())["files"]
-    return {rel: rec["sha256"] for rel, rec in files.items() if rel.startswith("model/")}
+    return {rel: rec["blake3"] for rel, rec in files.items() if rel.startswith("model/")}
 
 
 def test_reshard_chain_is_byte_identical_to_direct_conversion(gqa: Path, tmp_path: Path):
