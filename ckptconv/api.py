@@ -22,7 +22,7 @@ import torch
 
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import FileRecord, check_algorithm
-from ckptconv.errors import ConversionError, VerificationError
+from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.execute import TMP_DIR, ExecOptions, default_workers, run_plan
 from ckptconv.finalize import (
     SPEC_FILE,
@@ -140,10 +140,11 @@ def to_nxd(
     options = options or RunOptions()
     started = time.monotonic()
     layout = ParallelLayout(
-        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=Attention(attention), fuse_qkv=fuse_qkv,
-        hw=Hardware(hw_backend), trn2_kv_layout=Trn2KvLayout(trn2_kv_layout),
+        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
+        fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
+        trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
     )
-    flavour = Flavour(flavour)
+    flavour = choice(Flavour, flavour, "flavour")
     notes: list[str] = []
     out = Path(out)
     with HfCheckpoint(src, config=config, io=options.io) as hf:
@@ -339,16 +340,17 @@ def reshard(
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
     with ckpt:
-        attention_mode = Attention(attention) if attention is not None else old.attention
+        attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
             kv_size_multiplier = tp // spec.kv_heads if attention_mode is Attention.QKV_LINEAR and tp > spec.kv_heads else 1
         new = ParallelLayout(
             tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=attention_mode,
             fuse_qkv=old.fuse_qkv if fuse_qkv is None else fuse_qkv,
-            hw=old.hw if hw_backend is None else Hardware(hw_backend), trn2_kv_layout=Trn2KvLayout(trn2_kv_layout),
+            hw=old.hw if hw_backend is None else choice(Hardware, hw_backend, "--hw-backend"),
+            trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
         )
         new.check_model(spec)
-        target_flavour = ckpt.flavour if flavour is None else Flavour(flavour)
+        target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))

@@ -1,5 +1,10 @@
 """Exceptions that the CLI turns into one-line messages and exit code 1."""
 
+from enum import Enum
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=Enum)
+
 
 class ConversionError(ValueError):
     """Bad input or an impossible request: the message names the file, key or flag and the fix."""
@@ -7,3 +12,12 @@ class ConversionError(ValueError):
 
 class VerificationError(ConversionError):
     """A check on data failed (replicas differ, hashes mismatch, numerics out of tolerance)."""
+
+
+def choice(kind: type[E], value: Any, flag: str) -> E:
+    """``kind(value)``, or an error naming the flag, the allowed values and the given one."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(str(member.value) for member in kind)
+        raise ConversionError(f"{flag} must be one of {allowed}; got {value!r}") from None

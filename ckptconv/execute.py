@@ -166,20 +166,27 @@ def run_plan(
             paths = move_into_place(sinks[file_index], tmp, out_dir)
             hashing.append(hash_pool.submit(record, file_index, paths))
 
-    def run_unit(unit: _Unit) -> None:
-        for start in range(0, max(unit.rows, 1), unit.band_rows):
-            stop = min(start + unit.band_rows, unit.rows) if unit.rows else 0
-            held = budget.acquire(unit.row_bytes * max(stop - start, 1))
-            try:
-                _write_band(unit, start, stop, reader, sinks, options.progress)
-            finally:
-                budget.release(held)
-        for file_index, _ in unit.tensors:
-            finish_tensor(file_index)
+    # Bands are the tasks, not units: the bands of one large tensor (an embedding, say) run on
+    # several workers at once instead of one after another on one.
+    bands_left = [len(_bands(unit)) for unit in units]
+
+    def run_band(index: int, start: int, stop: int) -> None:
+        unit = units[index]
+        held = budget.acquire(unit.row_bytes * max(stop - start, 1))
+        try:
+            _write_band(unit, start, stop, reader, sinks, options.progress)
+        finally:
+            budget.release(held)
+        with lock:
+            bands_left[index] -= 1
+            unit_done = bands_left[index] == 0
+        if unit_done:
+            for file_index, _ in unit.tensors:
+                finish_tensor(file_index)
 
     workers = max(1, options.workers)
     with ThreadPoolExecutor(max_workers=workers) as pool, ThreadPoolExecutor(max_workers=workers) as hash_pool:
-        futures = [pool.submit(run_unit, unit) for unit in units]
+        futures = [pool.submit(run_band, i, start, stop) for i, unit in enumerate(units) for start, stop in _bands(unit)]
         _raise_first_error(futures)
         _raise_first_error(list(hashing))
     return _flatten(done | completed, plan, wanted)
@@ -218,6 +225,13 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
     # the rest is still converting, instead of all at the end.
     units = row_split + _column_units(by_source, reader, band_bytes)
     return sorted(units, key=lambda unit: max(i for i, _ in unit.tensors))
+
+
+def _bands(unit: _Unit) -> list[tuple[int, int]]:
+    """Row ranges [start, stop) of a unit; a 0-dim tensor is one band (0, 0)."""
+    if not unit.rows:
+        return [(0, 0)]
+    return [(start, min(start + unit.band_rows, unit.rows)) for start in range(0, unit.rows, unit.band_rows)]
 
 
 def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, choice
 from ckptconv.model_spec import ModelSpec
 
 
@@ -54,9 +54,9 @@ class ParallelLayout:
     trn2_kv_layout: Trn2KvLayout = Trn2KvLayout.RUNTIME
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "attention", Attention(self.attention))
-        object.__setattr__(self, "hw", Hardware(self.hw))
-        object.__setattr__(self, "trn2_kv_layout", Trn2KvLayout(self.trn2_kv_layout))
+        object.__setattr__(self, "attention", choice(Attention, self.attention, "attention"))
+        object.__setattr__(self, "hw", choice(Hardware, self.hw, "--hw-backend"))
+        object.__setattr__(self, "trn2_kv_layout", choice(Trn2KvLayout, self.trn2_kv_layout, "--trn2-kv-layout"))
         for name in ("tp", "pp", "vpp", "kvm"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

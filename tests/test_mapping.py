@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import ckptconv
 from ckptconv.errors import ConversionError
 from ckptconv.layout import ParallelLayout, layer_pp_ranks, parse_shard_name, shard_name, stage_layer_counts
 from ckptconv.mapping import kv_heads, q_heads, shard_records
@@ -66,6 +67,15 @@ def test_invalid_kvm_names_the_valid_value():
         ParallelLayout(tp=2, attention="coalesced").check_model(spec())
     with pytest.raises(ConversionError, match="--fuse-qkv needs --qkv-linear"):
         ParallelLayout(tp=2, fuse_qkv=True)
+
+
+def test_unknown_choices_name_the_allowed_values():
+    with pytest.raises(ConversionError, match=r"--hw-backend must be one of trn1, trn2; got 'trn3'"):
+        ParallelLayout(tp=2, hw="trn3")
+    with pytest.raises(ConversionError, match=r"attention must be one of separate, coalesced, qkv_linear; got 'fused'"):
+        ParallelLayout(tp=2, attention="fused")
+    with pytest.raises(ConversionError, match=r"flavour must be one of plain, xser-inline, xser-split; got 'xser'"):
+        ckptconv.to_nxd("unused-src", "unused-out", flavour="xser")
 
 
 def test_pipeline_split_gives_remainder_to_last_stages():
