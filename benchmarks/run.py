@@ -99,6 +99,7 @@ def convert(case: str, argv: list[str], src: Path, dst: Path, repeat: int = 1) -
         seconds, rss = timed([*CKPTCONV, *argv, "--quiet"])
         runs.append((seconds, baseline))
         peak = max(peak, rss)
+        print(f"{case}: {seconds:.1f} s, cp -r {baseline:.1f} s ({seconds / baseline:.2f}x)", flush=True)
     return Row(case, runs, du(src), du(dst), peak)
 
 

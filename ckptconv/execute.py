@@ -172,10 +172,13 @@ def run_plan(
 
     def run_band(index: int, start: int, stop: int) -> None:
         unit = units[index]
-        held = budget.acquire(unit.row_bytes * max(stop - start, 1))
+        need = unit.row_bytes * max(stop - start, 1)
+        held = budget.acquire(need)
         try:
+            _SCRATCH.start_band(need)
             _write_band(unit, start, stop, reader, sinks, options.progress)
         finally:
+            _SCRATCH.end_band(keep=band_bytes)
             budget.release(held)
         with lock:
             bands_left[index] -= 1
@@ -284,21 +287,47 @@ def _column_units(
 
 
 class _Scratch(threading.local):
-    """Per-thread buffers reused from band to band: fresh allocations of hundreds of MB would be
-    page-faulted (zeroed) by the kernel every time, which costs more than the copy itself."""
+    """One arena per thread, reused from band to band, that a band's buffers are carved from.
+
+    Fresh allocations of hundreds of MB would be page-faulted (zeroed) by the kernel every band,
+    which costs more than the copy itself. One arena sized to the largest band, rather than a
+    buffer per purpose each at its own largest size, keeps a thread's memory at one band: so
+    peak RSS is about workers x band size whatever the model, not growing as more kinds of
+    band happen to land on each thread."""
+
+    ALIGN = 64
+    SLACK = 64 * ALIGN  # room for aligning the band's buffers
 
     def __init__(self) -> None:
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.used = 0
+        self.overflows = 0  # buffers the band's budget did not cover (tests check it stays 0)
 
-    def get(self, slot: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def start_band(self, nbytes: int) -> None:
+        """Free the previous band's buffers; make room for ``nbytes`` (what the band was budgeted)."""
+        nbytes += self.SLACK
+        if self.arena.numel() < nbytes:
+            self.arena = torch.empty(0, dtype=torch.uint8)  # drop the old arena before the new one
+            self.arena = torch.empty(nbytes, dtype=torch.uint8)
+        self.used = 0
+
+    def end_band(self, keep: int) -> None:
+        """Keep the arena for the next band unless it outgrew ``keep`` (an unsplittable tensor's
+        band): one large band must not raise every later band's footprint."""
+        if self.arena.numel() > keep + self.SLACK:
+            self.arena = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         numel = 1
         for size in shape:
             numel *= size
         nbytes = numel * dtype.itemsize
-        buf = self.buffers.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            buf = self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes].view(dtype).view(shape)
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self.arena.numel():
+            self.overflows += 1
+            return torch.empty(shape, dtype=dtype)  # beyond what the band was budgeted: transient
+        self.used = start + nbytes
+        return self.arena[start:start + nbytes].view(dtype).view(shape)
 
 
 _SCRATCH = _Scratch()
@@ -319,9 +348,9 @@ def _write_band(
         else:
             band = _row_band(tensor, start, stop, reader)
         if band.dtype != tensor.dtype:
-            band = _SCRATCH.get("cast", tensor.dtype, tuple(band.shape)).copy_(band)
+            band = _SCRATCH.get(tensor.dtype, tuple(band.shape)).copy_(band)
         if tensor.column_major:  # storage order of a column-major tensor is its transpose
-            data = _SCRATCH.get("transpose", tensor.dtype, (band.shape[1], band.shape[0])).copy_(band.t())
+            data = _SCRATCH.get(tensor.dtype, (band.shape[1], band.shape[0])).copy_(band.t())
             offset = 0
         else:
             data, offset = band, start * _row_bytes(tensor.shape, tensor.dtype.itemsize)
@@ -335,7 +364,7 @@ def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) ->
     if not tensor.shape:  # 0-dim: one piece, the whole thing
         return reader.read_rows(tensor.pieces[0].source, 0, 1).reshape(())
     src_dtype = reader.info(tensor.pieces[0].source)[0]
-    band = _SCRATCH.get("band", src_dtype, (stop - start, *tensor.shape[1:]))
+    band = _SCRATCH.get(src_dtype, (stop - start, *tensor.shape[1:]))
     offset = 0
     for piece in tensor.pieces:
         lo, hi = max(start, offset), min(stop, offset + piece.length)
@@ -362,11 +391,10 @@ def _column_band(
     for piece in tensor.pieces:
         if piece.source not in cache:
             dtype, shape, _ = reader.info(piece.source)
-            slot = f"source{len(cache)}"
             cache[piece.source] = reader.read_rows(piece.source, start, stop,
-                                                   out=_SCRATCH.get(slot, dtype, (stop - start, *shape[1:])))
+                                                   out=_SCRATCH.get(dtype, (stop - start, *shape[1:])))
     first = cache[tensor.pieces[0].source]
-    band = _SCRATCH.get("band", first.dtype, (stop - start, *tensor.shape[1:]))
+    band = _SCRATCH.get(first.dtype, (stop - start, *tensor.shape[1:]))
     column = 0
     for piece in tensor.pieces:
         band[:, column:column + piece.length].copy_(cache[piece.source][:, piece.start:piece.stop])

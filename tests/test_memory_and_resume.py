@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 import ckptconv
 from ckptconv import execute
+from tests.conftest import hf_state
 
 CONFIG = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1536,
               vocab_size=32000, num_hidden_layers=16, model_type="llama", tie_word_embeddings=False)
@@ -106,6 +107,9 @@ def test_peak_memory_stays_far_below_model_size(big_model: tuple[Path, int, Path
                               f"to-hf {warm} {tmp_path / 'warm-back'} --max-memory {budget} --io {io}")
     print(f"to-hf ({io}): peak RSS grew by {back_growth / 2**20:.1f} MiB")
     assert back_growth < limit, f"to-hf peak RSS grew by {back_growth / 2**20:.0f} MiB"
+    # Many bands per tensor, on two workers at once, in both directions: still bit-exact.
+    back, original = hf_state(tmp_path / "back"), hf_state(src)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
 
 
 def test_crash_leaves_nothing_half_written_and_rerun_resumes(tiny_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -169,3 +173,26 @@ def test_hash_none_records_sizes_and_still_resumes(tiny_models, tmp_path: Path):
                                 options=ckptconv.RunOptions(quiet=True, workers=1))
     hashed = json.loads((tmp_path / "hashed" / "ckptconv.json").read_text())["files"]
     assert all(len(rec["blake3"]) == 64 for rec in hashed.values()) and not with_hash.skipped
+
+
+def test_band_budget_covers_every_scratch_buffer(big_model: tuple[Path, int, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    """Each band's buffers fit in what it was budgeted (else they would be fresh allocations outside
+    --max-memory); arenas larger than a band are not kept."""
+    src = big_model[0]
+    seen: list[tuple[int, int]] = []  # (overflows so far, arena bytes kept) per band, from the worker threads
+    start_band, end_band = execute._Scratch.start_band, execute._Scratch.end_band
+
+    def record_end(self, keep: int) -> None:
+        end_band(self, keep)
+        seen.append((self.overflows, self.arena.numel()))
+
+    monkeypatch.setattr(execute._Scratch, "start_band", start_band)
+    monkeypatch.setattr(execute._Scratch, "end_band", record_end)
+    budget = 16 * 2**20
+    options = ckptconv.RunOptions(quiet=True, workers=2, max_memory=budget)
+    ckptconv.to_nxd(src, tmp_path / "nxd", tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, options=options)
+    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=options)
+    assert len(seen) > 100, "the budget splits tensors into many bands"
+    assert max(overflows for overflows, _ in seen) == 0
+    assert max(kept for _, kept in seen) <= budget // 4 + execute._Scratch.SLACK
