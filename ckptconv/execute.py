@@ -12,6 +12,7 @@ are then recorded in ``.ckptconv-tmp/state.json`` so a rerun after a crash skips
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -170,16 +171,21 @@ def run_plan(
     # several workers at once instead of one after another on one.
     bands_left = [len(_bands(unit)) for unit in units]
 
+    # Bands larger than band_bytes (unsplittable column-major tensors) run one at a time, so peak
+    # memory is about workers x band_bytes plus one of them, however many the model has.
+    oversized = threading.Lock()
+
     def run_band(index: int, start: int, stop: int) -> None:
         unit = units[index]
         need = unit.row_bytes * max(stop - start, 1)
-        held = budget.acquire(need)
-        try:
-            _SCRATCH.start_band(need)
-            _write_band(unit, start, stop, reader, sinks, options.progress)
-        finally:
-            _SCRATCH.end_band(keep=band_bytes)
-            budget.release(held)
+        with oversized if need > band_bytes else contextlib.nullcontext():
+            held = budget.acquire(need)
+            try:
+                _SCRATCH.start_band(need)
+                _write_band(unit, start, stop, reader, sinks, options.progress)
+            finally:
+                _SCRATCH.end_band(keep=band_bytes)
+                budget.release(held)
         with lock:
             bands_left[index] -= 1
             unit_done = bands_left[index] == 0
