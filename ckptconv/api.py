@@ -76,7 +76,12 @@ class RunOptions:
             raise ConversionError(f"--max-memory must be at least 1 MiB, got {self.max_memory} bytes")
         if self.io not in ("mmap", "read"):
             raise ConversionError(f"--io must be 'mmap' or 'read', got {self.io!r}")
-        check_algorithm(None if self.hash == "none" else self.hash)
+        check_algorithm(self.digest)
+
+    @property
+    def digest(self) -> str | None:
+        """The digest algorithm to record, or None for sizes only."""
+        return None if self.hash == "none" else self.hash
 
 
 @dataclass
@@ -377,7 +382,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
     """Write this process's part of ``plan``; finalize when it is the last part to finish."""
     part = options.part
     spec.parts = part[1]
-    spec.hash = None if options.hash == "none" else options.hash
+    spec.hash = options.digest
     if _up_to_date(out, spec.fingerprint, options):
         return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
     if part[1] > 1 and options.overwrite:

@@ -69,3 +69,12 @@ class FileRecord:
             if record.get(algorithm):
                 return cls(int(record["size"]), algorithm, str(record[algorithm]))
         return cls(int(record["size"]))
+
+
+def record_files(paths: list[Path], root: Path, algorithm: str | None) -> dict[str, FileRecord]:
+    """{path relative to ``root``: record} of the files among ``paths``, directories expanded
+    (xser ``.tensors/``)."""
+    files: list[Path] = []
+    for path in paths:
+        files.extend(sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
+    return {f.relative_to(root).as_posix(): FileRecord.of(f, algorithm) for f in files}

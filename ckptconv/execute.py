@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from ckptconv.digest import DEFAULT, FileRecord
+from ckptconv.digest import DEFAULT, FileRecord, record_files
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.plan import OutFile, OutTensor, Plan, ReplicaGroup, Source
 
@@ -139,26 +139,29 @@ def run_plan(
 
     tmp.mkdir(exist_ok=True)
     sinks = {i: sink_factory(plan.files[i], tmp) for i in todo}
-    pending = {i: len(plan.files[i].tensors) for i in todo}
     lock = threading.Lock()
     budget = _ByteBudget(options.max_memory)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
     units = _units(plan, todo, reader, band_bytes)
+    # Bands are the tasks, not units: the bands of one large tensor (an embedding, say) run on
+    # several workers at once instead of one after another on one.
+    tasks = [(unit, start, stop) for unit in units for start, stop in _bands(unit)]
+    pending = dict.fromkeys(todo, 0)  # per file: (tensor, band) pairs still to write
+    for unit, _, _ in tasks:
+        for file_index, _ in unit.tensors:
+            pending[file_index] += 1
     completed: dict[str, dict[str, FileRecord]] = {}
 
     hashing: list[Future[None]] = []
 
     def record(file_index: int, paths: list[Path]) -> None:
-        records = {
-            member.relative_to(out_dir).as_posix(): FileRecord.of(member, options.hash)
-            for member in _members(paths)
-        }
+        records = record_files(paths, out_dir, options.hash)
         with lock:
             completed[plan.files[file_index].path] = records
             state[plan.files[file_index].path] = records
             _save_state(tmp / state_file, options.fingerprint, state)
 
-    def finish_tensor(file_index: int) -> None:
+    def finish_band(file_index: int) -> None:
         with lock:
             pending[file_index] -= 1
             last = pending[file_index] == 0
@@ -167,16 +170,11 @@ def run_plan(
             paths = move_into_place(sinks[file_index], tmp, out_dir)
             hashing.append(hash_pool.submit(record, file_index, paths))
 
-    # Bands are the tasks, not units: the bands of one large tensor (an embedding, say) run on
-    # several workers at once instead of one after another on one.
-    bands_left = [len(_bands(unit)) for unit in units]
-
     # Bands larger than band_bytes (unsplittable column-major tensors) run one at a time, so peak
     # memory is about workers x band_bytes plus one of them, however many the model has.
     oversized = threading.Lock()
 
-    def run_band(index: int, start: int, stop: int) -> None:
-        unit = units[index]
+    def run_band(unit: _Unit, start: int, stop: int) -> None:
         need = unit.row_bytes * max(stop - start, 1)
         with oversized if need > band_bytes else contextlib.nullcontext():
             held = budget.acquire(need)
@@ -186,16 +184,12 @@ def run_plan(
             finally:
                 _SCRATCH.end_band(keep=band_bytes)
                 budget.release(held)
-        with lock:
-            bands_left[index] -= 1
-            unit_done = bands_left[index] == 0
-        if unit_done:
-            for file_index, _ in unit.tensors:
-                finish_tensor(file_index)
+        for file_index, _ in unit.tensors:
+            finish_band(file_index)
 
     workers = max(1, options.workers)
     with ThreadPoolExecutor(max_workers=workers) as pool, ThreadPoolExecutor(max_workers=workers) as hash_pool:
-        futures = [pool.submit(run_band, i, start, stop) for i, unit in enumerate(units) for start, stop in _bands(unit)]
+        futures = [pool.submit(run_band, *task) for task in tasks]
         _raise_first_error(futures)
         _raise_first_error(list(hashing))
     return _flatten(done | completed, plan, wanted)
@@ -454,14 +448,6 @@ def move_into_place(sink: Sink, tmp: Path, out_dir: Path) -> list[Path]:
         os.replace(temp_path, final)
         moved.append(final)
     return moved
-
-
-def _members(paths: list[Path]) -> list[Path]:
-    """Files among ``paths``, directories expanded (xser ``.tensors/``)."""
-    out: list[Path] = []
-    for path in paths:
-        out.extend(sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
-    return out
 
 
 def _load_state(path: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:

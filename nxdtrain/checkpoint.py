@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
-from ckptconv.digest import FileRecord
+from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import (
     DONE_MARKER,
@@ -197,10 +197,7 @@ def _save_torch(obj: Any, path: Path) -> Path:
 
 
 def _file_records(paths: list[Path], tag: Path) -> dict[str, dict[str, Any]]:
-    files: list[Path] = []
-    for p in paths:
-        files.extend(sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p])
-    return {f.relative_to(tag).as_posix(): FileRecord.of(f, DEFAULT_HASH).to_json() for f in files}
+    return {rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT_HASH).items()}
 
 
 @dataclass
