@@ -28,7 +28,7 @@ from torch import nn
 
 from ckptconv.layout import Attention as AttentionMode
 from ckptconv.layout import ParallelLayout, layer_pp_ranks
-from ckptconv.mapping import LAYER_PREFIX, ShardRecord, hf_record_shape, hf_shapes, shard_records
+from ckptconv.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
 from ckptconv.model_spec import ModelSpec
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel import (
@@ -50,22 +50,8 @@ class RankHeads:
 
 
 def rank_heads(spec: ModelSpec, layout: ParallelLayout, tp_rank: int) -> RankHeads:
-    """Read the rank's heads off ckptconv's shard records of layer 0 (the same for every layer)."""
-    prefix = LAYER_PREFIX.format(0) + "self_attn."
-    heads: dict[str, list[int]] = {"q_proj": [], "k_proj": []}
-    for record in shard_records(spec, layout, tp_rank=tp_rank, pp_rank=0):
-        for seg in record.segments:
-            proj = seg.hf_key.removeprefix(prefix).removesuffix(".weight")
-            if not seg.hf_key.startswith(prefix) or proj not in heads:
-                continue
-            if seg.start % spec.head_dim or seg.stop % spec.head_dim:
-                raise TrainError(
-                    f"layout {describe(layout)} splits a {proj} head (head_dim {spec.head_dim}) across tp ranks; "
-                    f"train with --qkv-linear and --kv-replicator {max(1, layout.tp // spec.kv_heads)} "
-                    "(reshard the checkpoint with ckptconv reshard)"
-                )
-            heads[proj].extend(range(seg.start // spec.head_dim, seg.stop // spec.head_dim))
-    return RankHeads(tuple(heads["q_proj"]), tuple(dict.fromkeys(heads["k_proj"])))
+    """The rank's heads, from the functions ckptconv's shard records take them from."""
+    return RankHeads(tuple(q_heads(spec, layout, tp_rank)), tuple(dict.fromkeys(kv_heads(spec, layout, tp_rank))))
 
 
 def describe(layout: ParallelLayout) -> str:

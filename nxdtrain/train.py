@@ -31,6 +31,7 @@ from ckptconv.layout import ParallelLayout
 from nxdtrain.checkpoint import (
     ResumeSource,
     TagWriter,
+    TrainingState,
     check_checkpoint_dir,
     check_layout,
     load_small,
@@ -41,7 +42,7 @@ from nxdtrain.checkpoint import (
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
-from nxdtrain.data import Batches, open_rows
+from nxdtrain.data import Batches, RowSource, open_rows
 from nxdtrain.dist import Mesh, detect_env, init_world, local_world_size
 from nxdtrain.errors import TrainError
 from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
@@ -63,6 +64,8 @@ class RunPlan:
     world_size: int
     dp: int
     microbatches: int
+    rows: RowSource                     # --data, opened (and checked) once
+    resume_state: TrainingState | None  # step, samples and RNG of a full checkpoint; None: start at 0
 
 
 def prepare(config: TrainConfig, world_size: int) -> RunPlan:
@@ -83,12 +86,10 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
-    for rank in range(tp):
-        rank_heads(source.spec, layout, rank)  # a layout that splits heads fails here, with the fix
-    open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
-    start = read_training_state(source.root).step if source.full else 0
-    check_checkpoint_dir(config.checkpoint.checkpoint_dir, start)
-    return RunPlan(config, source, layout, world_size, dp, microbatches)
+    rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    resume_state = read_training_state(source.root) if source.full else None
+    check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
+    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state)
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
@@ -142,8 +143,7 @@ class Trainer:
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
                                      microbatches=plan.microbatches, schedule=cfg.parallel.pp_schedule,
                                      tokens_per_batch=data.gbs * (data.seq_len - 1), device=device)
-        rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=cfg.seed)
-        self.batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=source.spec.vocab)
+        self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=source.spec.vocab)
         self.step, self.consumed = 0, 0
         self.saved_step: int | None = None
         if source.full:
@@ -159,8 +159,8 @@ class Trainer:
                  f"{data.mbs} per dp rank; starting at step {self.step}")
 
     def _restore(self) -> None:
-        tag, c = self.plan.source.root, self.mesh.coords
-        state = read_training_state(tag)
+        tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
+        assert state is not None  # a full checkpoint
         path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp if self.optimizer.zero else 0)
         self.optimizer.load_state_dict(load_small(path), str(path))
         self.step, self.consumed = state.step, state.consumed_samples
