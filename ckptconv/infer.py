@@ -65,7 +65,7 @@ def _attention_mode(keys: list[str]) -> tuple[Attention, bool]:
 
 def _layers_by_pp(ckpt: NxdCheckpoint) -> list[int]:
     owner: dict[int, int] = {}
-    for (_, pp) in ckpt.ranks:
+    for pp in range(ckpt.pp):  # tp rank 0 holds every layer of its stage
         file = shard_file(tp_rank=0, pp_rank=pp)
         for key in ckpt.keys(file):
             m = _LAYER_RE.match(key)

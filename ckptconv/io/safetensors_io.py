@@ -348,7 +348,6 @@ class _Coverage:
         return (pos, total) if pos < total else None
 
 
-_pwrite_all = pwrite_all
 
 
 def _check_out(path: str, key: str, out: torch.Tensor, dtype: torch.dtype, nbytes: int) -> None:
@@ -408,7 +407,7 @@ class SafetensorsExtentWriter:
             return
         self._claim(key, offset_in_tensor, offset_in_tensor + len(mv))
         try:
-            _pwrite_all(self._fd, mv, self.layout.entries[key].data_offset + offset_in_tensor)
+            pwrite_all(self._fd, mv, self.layout.entries[key].data_offset + offset_in_tensor)
         except BaseException as exc:  # bytes are claimed but maybe not on disk: poison
             self._failed = f"write of {key!r} failed: {exc}"
             raise
@@ -446,7 +445,7 @@ class SafetensorsWriter(SafetensorsExtentWriter):
         fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         super().__init__(path, layout, fd)
         try:
-            _pwrite_all(fd, memoryview(layout.header), 0)
+            pwrite_all(fd, memoryview(layout.header), 0)
             # ftruncate is instant everywhere (sparse); posix_fallocate reserves real blocks
             # but glibc emulates it byte-by-block on file systems without fallocate.
             os.ftruncate(fd, layout.total_size)

@@ -279,7 +279,6 @@ def _byte_view(data: Any) -> memoryview:
     return memoryview(data).cast("B")
 
 
-_pwrite_all = pwrite_all
 
 
 def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, data: Any) -> int:
@@ -289,9 +288,12 @@ def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, d
 
     >>> fd = os.open(path, os.O_WRONLY); crc = pwrite_extent(fd, layout, "w", 0, t)  # doctest: +SKIP
     """
-    view = _byte_view(data)
-    _check_extent(layout, "<fd>", key, offset_in_record, len(view))
-    _pwrite_all(fd, view, layout.data_offset[key] + offset_in_record)
+    return _pwrite_view(fd, layout, "<fd>", key, offset_in_record, _byte_view(data))
+
+
+def _pwrite_view(fd: int, layout: ZipLayout, path: str, key: str, offset_in_record: int, view: memoryview) -> int:
+    _check_extent(layout, path, key, offset_in_record, len(view))
+    pwrite_all(fd, view, layout.data_offset[key] + offset_in_record)
     return crc32(view)
 
 
@@ -335,10 +337,10 @@ class TorchZipWriter:
         try:
             os.ftruncate(self._fd, layout.file_size)  # sparse preallocation to the exact size
             for rec in layout.records:
-                _pwrite_all(self._fd, memoryview(rec.header), rec.header_offset)
+                pwrite_all(self._fd, memoryview(rec.header), rec.header_offset)
                 if rec.name in layout.small:
                     data = layout.small[rec.name]
-                    _pwrite_all(self._fd, memoryview(data + _descriptor(rec, crc32(data))), rec.data_offset)
+                    pwrite_all(self._fd, memoryview(data + _descriptor(rec, crc32(data))), rec.data_offset)
         except BaseException:
             os.close(self._fd)
             raise
@@ -365,10 +367,8 @@ class TorchZipWriter:
         >>> w.write_extent("w", 0, t[:2].contiguous())  # doctest: +SKIP
         """
         view = _byte_view(data)
-        _check_extent(self.layout, self.path, key, offset_in_record, len(view))
-        _pwrite_all(self._fd, view, self.layout.data_offset[key] + offset_in_record)
-        crc = crc32(view)
-        self.add_extent_crc(key, offset_in_record, len(view), crc)
+        crc = _pwrite_view(self._fd, self.layout, self.path, key, offset_in_record, view)
+        self._record_extent(key, offset_in_record, len(view), crc)
         return crc
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
@@ -395,6 +395,9 @@ class TorchZipWriter:
     def add_extent_crc(self, key: str, offset_in_record: int, length: int, crc: int) -> None:
         """Record an extent that someone else wrote at ``layout.data_offset[key] + offset_in_record``."""
         _check_extent(self.layout, self.path, key, offset_in_record, length)
+        self._record_extent(key, offset_in_record, length, crc)
+
+    def _record_extent(self, key: str, offset_in_record: int, length: int, crc: int) -> None:
         if length:
             with self._lock:
                 self._extents[key].append((offset_in_record, length, crc & _U32))
@@ -417,13 +420,13 @@ class TorchZipWriter:
         sid_rec = lay.records[-1]
         sid = f"{lay.name_hash:020d}{combined:020d}".encode()
         crcs[sid_rec.name] = crc32(sid)
-        _pwrite_all(self._fd, memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), sid_rec.data_offset)
+        pwrite_all(self._fd, memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), sid_rec.data_offset)
         for key in lay.keys:
             rec = lay.record_for(key)
-            _pwrite_all(self._fd, memoryview(_descriptor(rec, crcs[rec.name])), rec.descriptor_offset)
+            pwrite_all(self._fd, memoryview(_descriptor(rec, crcs[rec.name])), rec.descriptor_offset)
         cd = b"".join(_central_entry(r, crcs[r.name]) for r in lay.records)
         tail = cd + _end_records(len(lay.records), lay.central_dir_offset, len(cd))
-        _pwrite_all(self._fd, memoryview(tail), lay.central_dir_offset)
+        pwrite_all(self._fd, memoryview(tail), lay.central_dir_offset)
         self._finished = True
         self.close()
 

@@ -36,16 +36,10 @@ class StoredTensor:
     stride: tuple[int, ...]
     storage_offset: int
     data_offset: int
-    storage_nbytes: int
-    storage_key: str
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -184,8 +178,7 @@ class TorchZipReader:
             if last * pt.dtype.itemsize > entry.size:
                 raise ValueError(f"{self.path}: tensor {key!r}: shape {pt.shape} stride {pt.stride} offset "
                                  f"{pt.storage_offset} needs {last * pt.dtype.itemsize} bytes; storage has {entry.size}")
-        return StoredTensor(key, pt.dtype, pt.shape, pt.stride, pt.storage_offset, self._data_offset(entry),
-                            entry.size, pt.storage.key)
+        return StoredTensor(key, pt.dtype, pt.shape, pt.stride, pt.storage_offset, self._data_offset(entry))
 
     # -- public ----------------------------------------------------------------------------
     def keys(self) -> list[str]:
