@@ -37,7 +37,7 @@ from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, shard_file
-from ckptconv.mapping import all_shard_records, check_source_shapes, hf_record_shape, hf_shapes
+from ckptconv.mapping import all_shard_records, check_source_shapes, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE, read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Plan, Source, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
@@ -244,9 +244,15 @@ def open_nxd(
 
 
 def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> None:
-    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint)."""
+    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint).
+
+    A tied model's last stage may hold ``lm_head.weight`` (ours) or not (the official converter's);
+    its tp-0 shard decides which, and every other last-stage shard must agree.
+    """
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
-    for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+    lm_head_copy = stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1)))
+    records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    for (tp, pp), records in records_of.items():
         file = shard_file(tp_rank=tp, pp_rank=pp)
         present = set(ckpt.keys(file))
         for record in records:

@@ -86,8 +86,7 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     out = Path(out)
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
     with ckpt:
-        order = {file: ckpt.keys(file) for file in ckpt.files}
-        plan = plan_to_full_state(spec, layout, ckpt.dtypes(), order, with_inv_freq=with_inv_freq)
+        plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
         fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))
         # The official tool writes checkpoint.pt and nothing else; so do we (no ckptconv.json).
         result = _convert(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, FinalizeSpec(fingerprint), "to-full-state")

@@ -9,7 +9,10 @@ from typing import Any
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.layout import shard_file
+from ckptconv.mapping import stores_lm_head
 from ckptconv.metadata import METADATA_FILE, read_metadata
+from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 
 
@@ -74,6 +77,7 @@ def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
             "found_as": ckpt.found_as,
             "model": _model_summary(spec),
             "layout": layout.to_json(),
+            "lm_head": _lm_head_form(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
             "flavour": ckpt.flavour.value,
             "shards": len(ckpt.files),
             "bytes": nbytes,
@@ -98,6 +102,15 @@ def _completeness(root: Path, meta: Any, found_as: str) -> tuple[bool, list[str]
     if found_as == "tag" and not (root / DONE_MARKER).is_file():
         problems.append(f"no '{DONE_MARKER}' marker")
     return not problems, problems
+
+
+def _lm_head_form(spec: ModelSpec, last_stage_keys: list[str]) -> str:
+    """How the output projection is stored: its own weights, or a tied model's two valid forms."""
+    if not spec.tied:
+        return "lm_head.weight"
+    if stores_lm_head(spec, last_stage_keys):
+        return "tied: lm_head.weight is a copy of the embedding"
+    return "tied: no lm_head.weight (the official converter's form); the embedding is the output projection"
 
 
 def _model_summary(spec: Any) -> dict[str, Any]:

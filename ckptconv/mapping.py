@@ -33,18 +33,20 @@ FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 LAYER_PREFIX = "model.layers.{}."
 
-# HF module order inside one decoder layer (nxd-format.md §3).
+# HF module order inside one decoder layer (nxd-format.md §3): the one ordering rule every key
+# order in the project derives from (shards, full state, HF export). Older transformers registered
+# ``rotary_emb`` right after ``o_proj``, so its per-layer ``inv_freq`` buffer sits there.
 LAYER_KEYS = (
     "self_attn.q_proj.weight",
     "self_attn.k_proj.weight",
     "self_attn.v_proj.weight",
     "self_attn.o_proj.weight",
+    "self_attn.rotary_emb.inv_freq",
     "mlp.gate_proj.weight",
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
-    "self_attn.rotary_emb.inv_freq",
 )
 OPTIONAL_LAYER_KEYS = frozenset({"self_attn.rotary_emb.inv_freq"})
 REPLICATED_LAYER_KEYS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.rotary_emb.inv_freq")
@@ -185,66 +187,98 @@ def _whole(hf_key: str, length: int) -> ShardRecord:
 # Whole shards.
 
 
+def hf_key_order(layers: int, *, with_inv_freq: bool) -> list[str]:
+    """Every HF key of a Llama with ``layers`` layers in HF module order (``lm_head`` included).
+
+    The one ordering rule (nxd-format.md §3): shard key order, the full-state order and the HF
+    export's order are all derived from it, never read from a file (safetensors sorts its keys).
+
+        >>> hf_key_order(1, with_inv_freq=True)[4:6]
+        ['model.layers.0.self_attn.o_proj.weight', 'model.layers.0.self_attn.rotary_emb.inv_freq']
+    """
+    names = [n for n in LAYER_KEYS if with_inv_freq or n not in OPTIONAL_LAYER_KEYS]
+    keys = [EMBED]
+    for layer in range(layers):
+        keys += [LAYER_PREFIX.format(layer) + n for n in names]
+    return keys + [FINAL_NORM, LM_HEAD]
+
+
 def hf_shapes(spec: ModelSpec, *, with_inv_freq: bool) -> dict[str, tuple[int, ...]]:
-    """Every HF key of the model with its shape, in HF module order."""
+    """Every HF key of the model with its shape, in HF module order (no ``lm_head`` when tied)."""
     hidden, inter = spec.hidden, spec.intermediate
     per_layer = {
         "self_attn.q_proj.weight": (spec.q_rows, hidden),
         "self_attn.k_proj.weight": (spec.kv_rows, hidden),
         "self_attn.v_proj.weight": (spec.kv_rows, hidden),
         "self_attn.o_proj.weight": (hidden, spec.q_rows),
+        "self_attn.rotary_emb.inv_freq": (spec.head_dim // 2,),
         "mlp.gate_proj.weight": (inter, hidden),
         "mlp.up_proj.weight": (inter, hidden),
         "mlp.down_proj.weight": (hidden, inter),
         "input_layernorm.weight": (hidden,),
         "post_attention_layernorm.weight": (hidden,),
-        "self_attn.rotary_emb.inv_freq": (spec.head_dim // 2,),
     }
-    shapes: dict[str, tuple[int, ...]] = {EMBED: (spec.vocab, hidden)}
-    for layer in range(spec.layers):
-        for name in LAYER_KEYS:
-            if name in OPTIONAL_LAYER_KEYS and not with_inv_freq:
-                continue
-            shapes[LAYER_PREFIX.format(layer) + name] = per_layer[name]
-    shapes[FINAL_NORM] = (hidden,)
-    if not spec.tied:
-        shapes[LM_HEAD] = (spec.vocab, hidden)
+    whole = {EMBED: (spec.vocab, hidden), FINAL_NORM: (hidden,), LM_HEAD: (spec.vocab, hidden)}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key in hf_key_order(spec.layers, with_inv_freq=with_inv_freq):
+        if key == LM_HEAD and spec.tied:
+            continue
+        shapes[key] = whole[key] if key in whole else per_layer[key.split(".", 3)[3]]
     return shapes
 
 
+def stores_lm_head(spec: ModelSpec, nxd_keys: Iterable[str]) -> bool:
+    """Whether shards holding ``nxd_keys`` have ``lm_head.weight`` (always, unless tied).
+
+    A tied model's shards come two ways, both valid input (nxd-format.md §4): ours carry a copy of
+    the embedding as ``lm_head.weight`` on the last stage, the official converter's carry none.
+    """
+    return not spec.tied or LM_HEAD in nxd_keys
+
+
 def shard_records(
-    spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int, with_inv_freq: bool = False
+    spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int, with_inv_freq: bool = False,
+    lm_head_copy: bool = True,
 ) -> list[ShardRecord]:
     """The records of shard (tp_rank, pp_rank) in the official key order.
 
-    Order: HF module order filtered to the shard, a fused/renamed key in the slot of its first
-    source key, ``at_end`` keys (weight_qkv, coalesced qkv_proj) appended in layer order. The
-    rules below are written in that order, so generating them in sequence gives the slot order.
+    Order (nxd-format.md §3): HF module order (:func:`hf_key_order`) filtered to the shard, a
+    fused/renamed key in the slot of its first source key, ``at_end`` keys (weight_qkv,
+    coalesced qkv_proj) appended in layer order. ``lm_head_copy=False`` describes a tied model's
+    shards as the official converter writes them: no ``lm_head.weight`` on the last stage.
     """
     layout.check_model(spec)
     pp_of_layer = layer_pp_ranks(spec.layers, layout)
-    in_slot: list[ShardRecord] = []
-    at_end: list[ShardRecord] = []
+    records: list[ShardRecord] = []
     vocab = _chunk(EMBED, spec.vocab, layout.tp, tp_rank)
     if pp_rank == 0:
-        in_slot.append(ShardRecord(EMBED, 0, (vocab,)))
+        records.append(ShardRecord(EMBED, 0, (vocab,)))
     for layer, owner in enumerate(pp_of_layer):
         if owner != pp_rank:
             continue
         prefix = LAYER_PREFIX.format(layer)
-        for record in (*_attention_records(spec, layout, prefix, tp_rank), *_mlp_records(spec, layout, prefix, tp_rank)):
-            (at_end if record.at_end else in_slot).append(record)
+        records += _attention_records(spec, layout, prefix, tp_rank)
+        records += _mlp_records(spec, layout, prefix, tp_rank)
         for name in REPLICATED_LAYER_KEYS:
             if name in OPTIONAL_LAYER_KEYS and not with_inv_freq:
                 continue
             length = spec.head_dim // 2 if name.endswith("inv_freq") else spec.hidden
-            in_slot.append(_whole(prefix + name, length))
+            records.append(_whole(prefix + name, length))
     if pp_rank == layout.pp - 1:
-        in_slot.append(_whole(FINAL_NORM, spec.hidden))
-        # A tied model has no lm_head in HF; the last stage still needs its own copy of the embedding.
-        lm_rows = Segment(EMBED, vocab.start, vocab.stop) if spec.tied else _chunk(LM_HEAD, spec.vocab, layout.tp, tp_rank)
-        in_slot.append(ShardRecord(LM_HEAD, 0, (lm_rows,)))
-    return in_slot + at_end
+        records.append(_whole(FINAL_NORM, spec.hidden))
+        if not spec.tied:
+            records.append(ShardRecord(LM_HEAD, 0, (_chunk(LM_HEAD, spec.vocab, layout.tp, tp_rank),)))
+        elif lm_head_copy:  # a tied model has no lm_head in HF; our last stage gets its own copy of the embedding
+            records.append(ShardRecord(LM_HEAD, 0, (Segment(EMBED, vocab.start, vocab.stop),)))
+    return _in_file_order(records, hf_key_order(spec.layers, with_inv_freq=with_inv_freq))
+
+
+def _in_file_order(records: list[ShardRecord], module_order: list[str]) -> list[ShardRecord]:
+    """Each record in the slot of its own HF name, else of its first source key; ``at_end`` ones after."""
+    slot = {key: i for i, key in enumerate(module_order)}
+    in_slot = sorted((r for r in records if not r.at_end),
+                     key=lambda r: slot[r.key] if r.key in slot else slot[r.segments[0].hf_key])
+    return in_slot + [r for r in records if r.at_end]
 
 
 def hf_record_shape(record: ShardRecord, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -255,12 +289,13 @@ def hf_record_shape(record: ShardRecord, hf_shape: tuple[int, ...]) -> tuple[int
 
 
 def all_shard_records(
-    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False
+    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
 ) -> dict[tuple[int, int], list[ShardRecord]]:
     """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major)."""
     layout.check_model(spec)
     return {
-        (tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, with_inv_freq=with_inv_freq)
+        (tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, with_inv_freq=with_inv_freq,
+                                lm_head_copy=lm_head_copy)
         for pp in range(layout.pp)
         for tp in range(layout.tp)
     }

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptconv.layout import Attention, ParallelLayout, shard_file
-from ckptconv.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes
+from ckptconv.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 
 
@@ -185,10 +185,12 @@ class _Placement:
     piece: Piece  # where in the shards this HF range lives
 
 
-def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool) -> dict[str, list[_Placement]]:
+def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
+                lm_head_copy: bool) -> dict[str, list[_Placement]]:
     """Every HF range's locations in the shards, grouped by HF key, in rank order."""
     out: dict[str, list[_Placement]] = defaultdict(list)
-    for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+    records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    for (tp, pp), records in records_of.items():
         file = shard_file(tp_rank=tp, pp_rank=pp)
         for record in records:
             offset = 0
@@ -200,16 +202,18 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool)
 
 
 def hf_sources(
-    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False
+    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
 ) -> tuple[dict[str, tuple[int, tuple[Piece, ...]]], list[ReplicaGroup]]:
     """For each HF key: (dim, pieces that tile it, first copy of each range); plus all replica groups.
 
-    Raises if the shards do not cover some HF range exactly once (an internal inconsistency).
+    ``lm_head_copy``: whether a tied model's shards hold ``lm_head.weight`` (see
+    :func:`ckptconv.mapping.stores_lm_head`); ignored when untied. Raises if the shards do not
+    cover some HF range exactly once (an internal inconsistency).
     """
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
     tiles: dict[str, tuple[int, tuple[Piece, ...]]] = {}
     replicas: list[ReplicaGroup] = []
-    for hf_key, placements in _placements(spec, layout, with_inv_freq=with_inv_freq).items():
+    for hf_key, placements in _placements(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy).items():
         by_range: dict[tuple[int, int], list[_Placement]] = {}
         for p in placements:
             by_range.setdefault((p.start, p.stop), []).append(p)
@@ -246,7 +250,7 @@ def plan_to_hf(
     range (K/V head, norm, tied lm_head) is exported as the mean of its copies.
     """
     tensors = _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, dtype_policy, column_major_o=False)
-    _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq)
+    _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     if average_replicas:
         tensors = [_with_alternates(t, replicas) for t in tensors]
     groups = _group_by_size(tensors, max_shard_size)
@@ -271,7 +275,6 @@ def plan_to_full_state(
     spec: ModelSpec,
     layout: ParallelLayout,
     shard_dtypes: dict[str, torch.dtype],
-    shard_key_order: dict[str, list[str]],
     *,
     with_inv_freq: bool = False,
     filename: str = "checkpoint.pt",
@@ -279,17 +282,17 @@ def plan_to_full_state(
     """The official ``--convert_to_full_state`` output: one torch file with HF keys.
 
     Its key order is the official one: shards read tp rank 0 first, pp ascending, each NxD key
-    expanded in place into its HF keys. ``shard_key_order`` gives each tp-0 shard's keys.
+    (in the shard order of :func:`ckptconv.mapping.shard_records`) expanded in place into its HF
+    keys. A tied model gets no ``lm_head.weight``, with or without a copy in the shards.
     """
     tensors = {t.key: t for t in _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, keep_dtype,
                                              column_major_o=layout.attention is Attention.QKV_LINEAR)}
     ordered: list[OutTensor] = []
     seen: set[str] = set()
-    records = all_shard_records(spec, layout, with_inv_freq=with_inv_freq)
+    records = all_shard_records(spec, layout, with_inv_freq=with_inv_freq,
+                                lm_head_copy=stores_lm_head(spec, shard_dtypes))
     for pp in range(layout.pp):
-        by_key = {r.key: r for r in records[(0, pp)]}
-        for nxd_key in shard_key_order[shard_file(tp_rank=0, pp_rank=pp)]:
-            record = by_key[nxd_key]
+        for record in records[(0, pp)]:
             for hf_key in record.hf_keys:
                 if hf_key not in seen and hf_key in tensors:
                     seen.add(hf_key)
@@ -307,7 +310,7 @@ def _hf_tensors(
     column_major_o: bool,
 ) -> list[OutTensor]:
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
-    tiles, _ = hf_sources(spec, layout, with_inv_freq=with_inv_freq)
+    tiles, _ = hf_sources(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     out = []
     for hf_key, shape in shapes.items():
         dim, pieces = tiles[hf_key]
@@ -351,8 +354,11 @@ def plan_reshard(
     with_inv_freq: bool = False,
     dtype_policy: DtypePolicy = keep_dtype,
 ) -> Plan:
-    """Shards for ``new`` read straight from shards in ``old``: the to-hf plan composed with to-nxd."""
-    tiles, replicas = hf_sources(spec, old, with_inv_freq=with_inv_freq)
+    """Shards for ``new`` read straight from shards in ``old``: the to-hf plan composed with to-nxd.
+
+    A tied model's target shards get our ``lm_head.weight`` copy whether the source has one or not.
+    """
+    tiles, replicas = hf_sources(spec, old, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     hf_dtypes = {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
     target = plan_to_nxd(spec, new, hf_dtypes, dtype_policy)
     files = [

@@ -27,7 +27,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
-from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, q_heads
+from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, q_heads, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 from ckptconv.reference import attention_heads, dense_layer, mlp, rms_norm, rope_cos_sin, rope_inv_freq
@@ -197,8 +197,12 @@ def _check_vocab(hf: HfCheckpoint, shards: _Shards, generator: torch.Generator) 
     head = embed if spec.tied else full(LM_HEAD)
     expected = rms_norm(x, full(FINAL_NORM), eps) @ head.t()
     last = layout.pp - 1
+    # A tied model's shards without lm_head.weight (the official converter's) project with the embedding.
+    head_of = {r: (shards.file(r, last), LM_HEAD) for r in range(layout.tp)}
+    if not stores_lm_head(spec, shards.ckpt.keys(shards.file(0, last))):
+        head_of = {r: (shards.file(r, 0), EMBED) for r in range(layout.tp)}
     logits = torch.cat(
-        [rms_norm(x, shards.tensor(shards.file(r, last), FINAL_NORM), eps) @ shards.tensor(shards.file(r, last), LM_HEAD).t()
+        [rms_norm(x, shards.tensor(shards.file(r, last), FINAL_NORM), eps) @ shards.tensor(*head_of[r]).t()
          for r in range(layout.tp)], dim=-1)
     checks.append(_compare("lm_head", logits, expected))
     return checks

@@ -34,15 +34,19 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import (
     DONE_MARKER,
     Flavour,
+    NxdCheckpoint,
     completed_tags,
+    load_shard,
     resolve_checkpoint,
     save_shard,
     tag_step,
     write_markers,
 )
 from ckptconv.layout import MODEL_DIR, Attention, ParallelLayout, shard_file, shard_name
+from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import Source
 from nxdtrain.config import ParallelConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
@@ -66,6 +70,26 @@ class ResumeSource:
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
         return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
+
+    def load_state(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        """The shard of (tp_rank, pp_rank), with ``lm_head.weight`` wherever the stage has an lm_head.
+
+        A tied model's shards written by the official converter hold no ``lm_head.weight``; the
+        output projection is then the embedding: this tp rank's vocabulary rows, read from the pp
+        rank 0 shard of the same tp rank (with pp > 1 the last stage's own file has no copy).
+        Checkpoints of the run then carry our copy (see :func:`ckptconv.mapping.stores_lm_head`).
+        """
+        state = load_shard(self.shard(tp_rank, pp_rank))
+        if pp_rank == self.layout.pp - 1 and not stores_lm_head(self.spec, state):
+            state[LM_HEAD] = state[EMBED] if pp_rank == 0 else self._embedding(tp_rank)
+        return state
+
+    def _embedding(self, tp_rank: int) -> torch.Tensor:
+        """This tp rank's embedding rows from its first-stage shard (that tensor only, not the whole file)."""
+        with NxdCheckpoint(self.root, io="read") as ckpt:
+            source = Source(shard_file(tp_rank=tp_rank, pp_rank=0), EMBED)
+            _, shape, _ = ckpt.info(source)
+            return ckpt.read_rows(source, 0, shape[0])
 
 
 def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:

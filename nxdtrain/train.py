@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import Flavour, load_shard
+from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
 from nxdtrain.checkpoint import (
     ResumeSource,
@@ -132,7 +132,7 @@ class Trainer:
         self.model = LlamaStage(source.spec, plan.layout, tp=TpGroup(mesh.tp, c.tp, mesh.tp_group), pp_rank=c.pp,
                                 with_inv_freq=source.with_inv_freq, dtype=dtype).to(device)
         shard = source.shard(c.tp, c.pp)
-        state = load_shard(shard)
+        state = source.load_state(c.tp, c.pp)
         self.model.load_shard_state(state, str(shard))
         zero_group = mesh.dp_group if cfg.parallel.zero1 else None
         self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group)
