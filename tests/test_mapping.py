@@ -7,7 +7,7 @@ import pytest
 import ckptconv
 from ckptconv.errors import ConversionError
 from ckptconv.layout import ParallelLayout, layer_pp_ranks, parse_shard_name, shard_name, stage_layer_counts
-from ckptconv.mapping import kv_heads, q_heads, shard_records
+from ckptconv.mapping import hf_key_order, hf_shapes, kv_heads, q_heads, shard_records, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 
 
@@ -133,3 +133,52 @@ def test_tied_embedding_gives_last_stage_a_copy():
     last = shard_records(s, ParallelLayout(tp=2, pp=2), tp_rank=1, pp_rank=1)
     lm = next(r for r in last if r.key == "lm_head.weight")
     assert [(seg.hf_key, seg.start, seg.stop) for seg in lm.segments] == [("model.embed_tokens.weight", 64, 128)]
+
+
+def test_module_order_puts_per_layer_inv_freq_right_after_o_proj():
+    assert hf_key_order(1, with_inv_freq=True) == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+    s = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96, vocab=128, layers=1, tied=True)
+    assert list(hf_shapes(s, with_inv_freq=True)) == hf_key_order(1, with_inv_freq=True)[:-1]  # tied: no lm_head
+    assert hf_shapes(s, with_inv_freq=True)["model.layers.0.self_attn.rotary_emb.inv_freq"] == (4,)
+
+
+def test_separate_shard_order_with_inv_freq():
+    records = shard_records(spec(layers=1), ParallelLayout(tp=2), tp_rank=1, pp_rank=0, with_inv_freq=True)
+    assert [r.key for r in records] == [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+        "model.layers.0.mlp.gate_up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ]
+
+
+def test_official_tied_shards_have_no_lm_head():
+    s = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96, vocab=128, layers=2, tied=True)
+    last = shard_records(s, ParallelLayout(tp=2, pp=2), tp_rank=1, pp_rank=1, lm_head_copy=False)
+    assert [r.key for r in last][-3:] == ["model.layers.1.input_layernorm.weight",
+                                          "model.layers.1.post_attention_layernorm.weight", "model.norm.weight"]
+    assert stores_lm_head(s, ["model.norm.weight"]) is False
+    assert stores_lm_head(s, ["model.norm.weight", "lm_head.weight"]) is True
+    assert stores_lm_head(spec(), []) is True  # untied: lm_head is always part of the shards
