@@ -3,7 +3,8 @@
 Differences from the official tool, on purpose: booleans are read as written (``--qkv_linear
 False`` is False, where the official parser's ``bool(str)`` makes it True); fused QKV is split
 by head counts, not in thirds; ``tp < kv heads`` works; trn2 with ``kv_size_multiplier > 1``
-gets the runtime-correct K/V layout unless ``--trn2_kv_layout official``.
+gets the runtime-correct K/V layout unless ``--trn2_kv_layout official``; a tied model's shards
+get a copy of the embedding as ``lm_head.weight`` (the official tool writes none; both are read).
 """
 
 from __future__ import annotations
