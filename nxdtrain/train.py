@@ -50,8 +50,8 @@ from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradien
 from nxdtrain.metrics import StepLog, StepMetrics, note
 from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
-from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
 from nxdtrain.parallel import TpGroup
+from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
