@@ -72,6 +72,15 @@ def assert_same_conversion(a: Path, b: Path) -> None:
     assert meta_a == meta_b
 
 
+def test_docstring_examples():
+    import doctest
+
+    import ckptconv.hub
+
+    result = doctest.testmod(ckptconv.hub)
+    assert result.attempted > 0 and result.failed == 0
+
+
 def test_cache_layout_is_huggingface_hubs(hub_cache):
     cache, _, _ = hub_cache
     info = scan_cache_dir(cache)
