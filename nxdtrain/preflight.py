@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckptconv.api import HF_FILES_DIR
 from ckptconv.errors import ConversionError
+from ckptconv.execute import TMP_DIR
 from ckptconv.io.hf import CONFIG
 from ckptconv.metadata import METADATA_FILE, Metadata, read_metadata
 from nxdtrain.config import TrainConfig
@@ -60,10 +61,12 @@ def check_export_target(out: str | Path, label: str) -> None:
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise TrainError(f"{label} {out}: exists and is not a directory; choose a new directory")
-    if path.is_dir() and any(path.iterdir()):
+    # ckptconv's own temporary directory is an interrupted export, which the export resumes
+    held = sorted(p.name for p in path.iterdir() if p.name != TMP_DIR) if path.is_dir() else []
+    if held:
         meta = _metadata_or_none(path)
         if meta is None or meta.kind != "hf":
-            names = ", ".join(sorted(p.name for p in path.iterdir())[:3])
+            names = ", ".join(held[:3])
             raise TrainError(f"{label} {out}: not empty and not an earlier HF export (holds {names}); "
                              "choose a new directory or empty this one")
     check_writable(path, label)
