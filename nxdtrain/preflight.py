@@ -6,8 +6,8 @@ refuse, directories this user cannot write.
 
     >>> from nxdtrain.config import TrainConfig
     >>> check_saves(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))  # allowed: asked for
-    >>> synthetic_notice(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))[:42]
-    'no --data: training on synthetic rows (ran'
+    >>> synthetic_notice(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))[:29]
+    'training on synthetic data: -'
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def synthetic_notice(config: TrainConfig) -> str | None:
     """What rank 0 says when the rows are random tokens rather than a corpus (None: real data)."""
     if config.data.data != SYNTHETIC:
         return None
-    return ("no --data: training on synthetic rows (random tokens from --seed), not on a corpus; "
-            "pass --data PATH to train on your data")
+    return ("training on synthetic data: --data is 'synthetic' (the default), so the rows are random tokens "
+            "from --seed, not a corpus; pass --data PATH to train on your data")
 
 
 def check_writable(path: str | Path, label: str) -> None:

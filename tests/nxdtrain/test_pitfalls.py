@@ -53,9 +53,10 @@ def test_synthetic_notice_once_and_steps_1_trains_at_nonzero_lr(src, tmp_path):
     run = nxdtrain("run", "--nproc", "2", "--resume", str(src), "--steps", "1", "--seq-len", "16", "--gbs", "2",
                    "--precision", "fp32", "--no-checkpoint", "--log-jsonl", str(log), "--lr", "1e-3")
     assert run.returncode == 0, run.stderr
-    notice = ("nxdtrain: no --data: training on synthetic rows (random tokens from --seed), not on a corpus; "
-              "pass --data PATH to train on your data")
+    notice = ("nxdtrain: training on synthetic data: --data is 'synthetic' (the default), so the rows are random "
+              "tokens from --seed, not a corpus; pass --data PATH to train on your data")
     assert run.stderr.splitlines().count(notice) == 1
+    assert preflight.synthetic_notice(config(resume=str(src), data=str(tmp_path / "rows.jsonl"))) is None
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert record["step"] == 1 and record["lr"] == pytest.approx(1e-4, rel=1e-12)
 
