@@ -15,6 +15,7 @@ import pytest
 from huggingface_hub import constants, scan_cache_dir
 
 from ckptconv.cli import main
+from ckptconv.errors import ConversionError
 from ckptconv.hub import is_hub_id, resolve_hf
 
 REPO_ID = "acme/tiny-llama"
@@ -193,3 +194,32 @@ def test_to_hf_push_to_hub(tmp_path, tiny_models, monkeypatch, capsys):
     assert main(["to-hf", str(tmp_path / "nxd"), str(tmp_path / "hf2"), "--private", "--quiet"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == "ckptconv: error: --private needs --push-to-hub ORG/NAME"
     assert FakeHfApi.calls == []
+
+
+def test_download_only_when_not_cached_and_online(tmp_path, monkeypatch):
+    """Online (HF_HUB_OFFLINE unset) and not cached: one download of the files a conversion reads; its failure is
+    one line. snapshot_download stands in for the network, which is unreachable here."""
+    import huggingface_hub.errors
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        if kwargs.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        if repo_id == "acme/down":
+            raise OSError("Connection refused\nmore detail")
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert resolve_hf("acme/up", revision="v2") == tmp_path / "snapshot"
+    patterns = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt", "chat_template.jinja"]
+    assert calls == [("acme/up", {"revision": "v2", "local_files_only": True, "allow_patterns": patterns}),
+                     ("acme/up", {"revision": "v2", "allow_patterns": patterns})]
+    with pytest.raises(ConversionError) as info:
+        resolve_hf("acme/down")
+    assert str(info.value) == (f"SRC acme/down: no such local path, and hub model 'acme/down' (revision main) is not "
+                               f"in the Hugging Face cache {tmp_path / 'cache'}, and the download failed: "
+                               "Connection refused")
