@@ -33,6 +33,7 @@ from ckptconv.finalize import (
     try_finalize,
     write_spec,
 )
+from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
@@ -135,15 +136,18 @@ def to_nxd(
     config: str | Path | None = None,
     dtype: str = "keep",
     verify_layers: int = 0,
+    revision: str | None = None,
     options: RunOptions | None = None,
 ) -> Result:
-    """Convert an HF Llama checkpoint (directory or single file) into NxD shards under ``out/model``.
+    """Convert an HF Llama checkpoint (directory, single file, or hub id ``org/name``) into NxD shards under ``out/model``.
 
-    With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
+    A hub id is resolved by :func:`ckptconv.hub.resolve_hf` (the local cache first; ``revision``: branch, tag
+    or commit). With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
     layers (plus embedding and lm_head) numerically and raises ``VerificationError`` on a mismatch.
     """
     options = options or RunOptions()
     started = time.monotonic()
+    src = resolve_hf(src, revision=revision, quiet=options.quiet)
     layout = ParallelLayout(
         tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
         fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),

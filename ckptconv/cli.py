@@ -10,13 +10,14 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv import api, digest
+from ckptconv import api, digest, hub
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import detect_part, finalize, parse_part
 from ckptconv.inspect import inspect
 from ckptconv.layout import Attention
+from ckptconv.metadata import tool_version
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -42,12 +43,21 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,
                    help="input reads: read (plain reads, default; safe on Lustre/NFS) or mmap")
     p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
     p.add_argument("--hash", choices=(*digest.ALGORITHMS, "none"), default=defaults.hash,
                    help="per-file digest in ckptconv.json (default blake3; sha256 is ~10x slower without SHA instructions; none: sizes only)")
     p.add_argument("--part", type=parse_part, default=None, metavar="K/N",
                    help="convert the K-th of N disjoint sets of files (default: from srun/torchrun, else all)")
+
+
+DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps its precision)"
+JSON_HELP = "print the result as JSON on stdout"
+
+
+def _revision_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", default=None,
+                   help="for a hub id: branch, tag or commit (default main); looked up in the HF cache first")
 
 
 def _layout_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -82,60 +92,70 @@ def _attention(args: argparse.Namespace) -> Attention | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"ckptconv {tool_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
 
     p = sub.add_parser("to-nxd", help="HF checkpoint -> NxD tp x pp shards")
-    p.add_argument("src", help="HF model directory, or one state-dict file (.safetensors/.pt/.bin) with --config")
-    p.add_argument("out")
+    p.add_argument("src", help="HF model directory, hub id org/name (see --revision), or one state-dict file "
+                               "(.safetensors/.pt/.bin) with --config")
+    p.add_argument("out", help="output directory (the shards go to OUT/model/)")
+    _revision_flag(p)
     _layout_flags(p, defaults=True)
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
+    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--verify", nargs="?", const=2, type=int, default=0, metavar="LAYERS",
                    help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
 
     p = sub.add_parser("to-hf", help="NxD shards -> HF safetensors directory")
     p.add_argument("src", help="dir holding model/, a model/ dir, a training tag, or a checkpoint root")
-    p.add_argument("out")
+    p.add_argument("out", help="output HF directory (safetensors, config.json, tokenizer files)")
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
+    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
                    help="when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
+    p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
+                   help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     _run_flags(p)
 
     p = sub.add_parser("reshard", help="NxD shards -> NxD shards of another layout")
-    p.add_argument("src")
-    p.add_argument("out")
+    p.add_argument("src", help="NxD shards: a dir holding model/, a model/ dir, a training tag, or a checkpoint root")
+    p.add_argument("out", help="output directory (the shards go to OUT/model/)")
     _layout_flags(p, defaults=True)
-    p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split", "plain"), default=None)
+    p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split", "plain"), default=None,
+                   help="output flavour: inline, split (xser) or plain (default: the source's)")
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep")
-    p.add_argument("--kv-replicas", choices=("error", "first"), default="error")
+    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
+                   help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     _run_flags(p)
 
     p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
-    p.add_argument("hf_dir")
-    p.add_argument("nxd_dir")
+    p.add_argument("hf_dir", help="the HF model directory, or hub id org/name (see --revision)")
+    p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root)")
+    _revision_flag(p)
     p.add_argument("--layers", default="all", help="'all' or a number of layers to sample evenly (default all)")
     p.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4; looser after a cast)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random test inputs (default 0)")
     p.add_argument("--files", action="store_true", help="also check every file's size and digest against ckptconv.json")
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     _layout_flags(p, defaults=False)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
-    p.add_argument("path")
+    p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
+    _revision_flag(p)
     p.add_argument("--config", help="HF config.json (when PATH has none)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("finalize", help="finish a conversion split over several processes (--part)")
-    p.add_argument("out")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("out", help="the OUT directory the parts wrote to")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("nxd-compat", help="the official checkpoint_converter.py flags (drop-in)")
     build_compat_parser(p)
@@ -165,11 +185,15 @@ def run(args: argparse.Namespace) -> Any:
             attention=_attention(args) or Attention.SEPARATE, fuse_qkv=bool(args.fuse_qkv),
             hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
             flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
-            options=_options(args),
+            revision=args.revision, options=_options(args),
         )
     if args.command == "to-hf":
-        return api.to_hf(args.src, args.out, config=args.config, hints=_hints(args), max_shard_size=args.max_shard_size,
-                         dtype=args.dtype, kv_replicas=args.kv_replicas, options=_options(args))
+        if args.private and not args.push_to_hub:
+            raise ConversionError("--private needs --push-to-hub ORG/NAME")
+        result = api.to_hf(args.src, args.out, config=args.config, hints=_hints(args),
+                           max_shard_size=args.max_shard_size, dtype=args.dtype, kv_replicas=args.kv_replicas,
+                           options=_options(args))
+        return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         return api.reshard(
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
@@ -182,15 +206,28 @@ def run(args: argparse.Namespace) -> Any:
 
         layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
-                      hints=_hints(args), files=args.files)
+                      hints=_hints(args), files=args.files, revision=args.revision)
     if args.command == "inspect":
-        return inspect(args.path, config=args.config)
+        return inspect(args.path, config=args.config, revision=args.revision)
     if args.command == "finalize":
         files = finalize(args.out)
         return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}
     if args.command == "nxd-compat":
         return run_compat(args, _options(args))
     raise AssertionError(args.command)
+
+
+def _push(result: api.Result, args: argparse.Namespace) -> dict[str, Any]:
+    """Upload a finished export; a part that did not finish OUT pushes nothing (the last part does)."""
+    data = result.to_json()
+    if not result.finalized:
+        data["pushed"] = None
+        data["notes"].append(f"not pushed to {args.push_to_hub}: OUT is not complete yet; the part that finishes it pushes")
+        return data
+    pushed = hub.push(result.out, args.push_to_hub, private=args.private)
+    data["pushed"] = pushed
+    data["notes"].append(f"pushed {len(pushed['files'])} files to {pushed['url']}")
+    return data
 
 
 def _positive_int(flag: str, text: str) -> int:

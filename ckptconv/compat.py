@@ -24,6 +24,15 @@ TRUE_WORDS = {"true", "1", "yes", "y", "on"}
 FALSE_WORDS = {"false", "0", "no", "n", "off"}
 
 
+BOOL_FLAGS = {
+    "--qkv_linear": "GQAQKVColumnParallelLinear layout (weight_q/k/v)",
+    "--fuse_qkv": "one fused weight_qkv per layer (with --qkv_linear)",
+    "--coalesce_qkv": "coalesced qkv_proj.weight (multi-head attention only)",
+    "--save_xser": "write shards in the xser format",
+    "--load_xser": "ignored: xser shards are recognised from their files",
+}
+
+
 def parse_bool(text: str) -> bool:
     """``True/False/1/0/yes/no`` as written (the official parser would make ``False`` True)."""
     word = text.strip().lower()
@@ -39,21 +48,26 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mode.add_argument("--convert_from_full_state", action="store_true", help="HF state dict -> NxD shards")
     mode.add_argument("--convert_to_full_state", action="store_true", help="NxD shards -> one checkpoint.pt")
     parser.add_argument("--input_dir", required=True, help="a state-dict file (from_full_state) or the model/ dir")
-    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--output_dir", required=True, help="output directory (shards under model/, or checkpoint.pt)")
     parser.add_argument("--config", required=True, help="HF config.json")
-    parser.add_argument("--tp_size", type=int, default=1)
-    parser.add_argument("--pp_size", type=int, default=1)
+    parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel degree (default 1)")
     # None: 1 when sharding; read from the shards when merging (the official merge needs neither).
-    parser.add_argument("--virtual_pp_size", type=int, default=None)
-    parser.add_argument("--kv_size_multiplier", type=int, default=None)
-    for flag in ("--qkv_linear", "--fuse_qkv", "--coalesce_qkv", "--save_xser", "--load_xser"):
-        parser.add_argument(flag, type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL")
-    parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default="trn1")
+    parser.add_argument("--virtual_pp_size", type=int, default=None,
+                        help="virtual pipeline stages per pp rank (default 1 when sharding; read from the shards when merging)")
+    parser.add_argument("--kv_size_multiplier", type=int, default=None, help="K/V head replication (default 1)")
+    for flag, what in BOOL_FLAGS.items():
+        parser.add_argument(flag, type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                            help=f"{what} (True/False as written; the flag alone means True)"
+                            if flag != "--load_xser" else what)
+    parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default="trn1", help="head order (default trn1)")
     parser.add_argument("--trn2_kv_layout", choices=("runtime", "official"), default="runtime",
                         help="ckptconv extension: K/V replica order on trn2 (default: what the runtime expects)")
     parser.add_argument("--n_layers", type=int, default=None, help="ignored (as in the official tool)")
-    parser.add_argument("--model_style", choices=("hf", "megatron"), default="hf")
-    parser.add_argument("--hf_model_name", default=None, help="not supported: pass --input_dir and --config")
+    parser.add_argument("--model_style", choices=("hf", "megatron"), default="hf",
+                        help="source key style: hf (megatron is not supported)")
+    parser.add_argument("--hf_model_name", default=None,
+                        help="not supported here: pass --input_dir and --config, or use ckptconv to-nxd ORG/NAME")
     return parser
 
 
@@ -61,7 +75,8 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
     if args.model_style != "hf":
         raise ConversionError("--model_style megatron is not supported; only hf Llama checkpoints")
     if args.hf_model_name:
-        raise ConversionError("--hf_model_name is not supported (no downloads); pass --input_dir FILE and --config")
+        raise ConversionError("--hf_model_name is not supported by nxd-compat; pass --input_dir FILE and --config, "
+                              "or convert a hub model with: ckptconv to-nxd ORG/NAME OUT --revision REV")
     if args.qkv_linear and args.coalesce_qkv:
         raise ConversionError("--qkv_linear and --coalesce_qkv exclude each other; choose one")
     attention = Attention.QKV_LINEAR if args.qkv_linear else (Attention.COALESCED if args.coalesce_qkv else Attention.SEPARATE)

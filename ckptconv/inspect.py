@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
+from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
 from ckptconv.layout import shard_file
@@ -16,14 +17,14 @@ from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 
 
-def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, Any]:
-    """Describe an HF or NxD checkpoint without reading tensor data (headers only).
+def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None) -> dict[str, Any]:
+    """Describe an HF or NxD checkpoint (or hub id ``org/name``) without reading tensor data (headers only).
 
     Example:
         >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP
         2
     """
-    path = Path(path)
+    path = resolve_hf(path, revision=revision, flag="PATH")
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
     try:

@@ -229,14 +229,19 @@ def verify(
     config: str | Path | None = None,
     hints: dict[str, Any] | None = None,
     files: bool = False,
+    revision: str | None = None,
 ) -> dict[str, Any]:
     """Compare the sharded computation with the dense HF one; see the module docstring.
+
+    ``hf_dir`` may be a hub id ``org/name`` (``revision``: branch, tag or commit), see :mod:`ckptconv.hub`.
 
     ``tol`` defaults to 1e-4 relative, looser when the shards hold a lower precision than the HF
     weights (a cast, e.g. ``--dtype bf16``).
     """
     from ckptconv.api import open_nxd
+    from ckptconv.hub import resolve_hf
 
+    hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
     ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints)
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}

@@ -50,6 +50,7 @@ from ckptconv.plan import Source
 from nxdtrain.config import ParallelConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
+from nxdtrain.preflight import check_model_config, check_writable
 
 OPTIM_DIR = "optim"
 SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
@@ -99,6 +100,7 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
         raise TrainError(f"--resume {path}: no such directory")
     try:
         root, _, _ = resolve_checkpoint(given)
+        check_model_config(root)
         ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)
         ckpt.close()
     except ConversionError as exc:
@@ -148,11 +150,14 @@ def check_layout(source: ResumeSource, run: ParallelLayout) -> None:
 
 
 def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
-    """Refuse a ``--checkpoint-dir`` that already holds completed tags past this run's first step.
+    """Refuse a ``--checkpoint-dir`` this user cannot write, or that holds completed tags past this run's first step.
 
     Resuming that directory later would pick the other run's newer tag and silently drop this one's.
     """
-    if not directory or not Path(directory).is_dir():
+    if not directory:
+        return
+    check_writable(directory, "--checkpoint-dir")
+    if not Path(directory).is_dir():
         return
     newer = [t.name for t in completed_tags(Path(directory)) if (tag_step(t.name) or 0) > start_step]
     if newer:
@@ -184,6 +189,7 @@ class TrainingState:
     step: int
     consumed_samples: int
     rng: list[dict[str, torch.Tensor]]
+    options: dict[str, Any]  # the saving run's flat options (TrainConfig.to_flat)
 
 
 def read_training_state(tag: Path) -> TrainingState:
@@ -192,7 +198,30 @@ def read_training_state(tag: Path) -> TrainingState:
     step = int(user["step"])
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")
-    return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])))
+    return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])), dict(user.get("options", {})))
+
+
+def check_optimizer_layout(source: ResumeSource, state: TrainingState, *, zero1: bool, dp: int) -> None:
+    """Refuse, before any process starts, a resume whose ZeRO-1 optimizer partition does not fit this run.
+
+    ZeRO-1 state is one file per data-parallel rank: it can only be loaded with ``--zero1`` over the same
+    number of dp ranks. Without ZeRO-1 the one copy (dp rank 0's) fits any dp.
+    """
+    saved_dp = 0  # ZeRO-1 partitions saved: dp ranks 0, 1, ... of the first stage's first tp rank
+    while optim_file(source.root, tp_rank=0, pp_rank=0, dp_rank=saved_dp).is_file():
+        saved_dp += 1
+    saved_zero1 = bool(state.options.get("zero1", False))
+    saved = (saved_zero1, saved_dp if saved_zero1 else 1)
+    if saved == (zero1, dp if zero1 else 1):
+        return
+
+    def describe_zero1(on: bool, size: int) -> str:
+        return f"with --zero1 over {size} dp rank{'s' if size != 1 else ''}" if on else "without --zero1"
+
+    hint = (f"--zero1 with a data-parallel size of {saved[1]}" if saved_zero1 else "no --zero1")
+    raise TrainError(f"--resume {source.given}: optimizer state in {source.root} was saved {describe_zero1(*saved)}, "
+                     f"this run is {describe_zero1(zero1, dp)}; resume with {hint}, or with --weights-only "
+                     "(weights only, fresh optimizer)")
 
 
 # --------------------------------------------------------------------------------------------

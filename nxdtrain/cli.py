@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptconv.errors import ConversionError
+from ckptconv.metadata import tool_version
 from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
 
 PRELOAD = ("nxdtrain.train", "nxdtrain.pipeline")  # what the processes of --nproc need, imported once
@@ -23,7 +24,8 @@ def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
     default = "" if f.default is None else f" (default: {f.default})"
     kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"] + default}
     if "bool" in kind:
-        kwargs["action"] = argparse.BooleanOptionalAction
+        # A switch named no_<x> is already the negative: --no-checkpoint, not --no-checkpoint/--no-no-checkpoint.
+        kwargs["action"] = "store_true" if f.name.startswith("no_") else argparse.BooleanOptionalAction
     else:
         kwargs["type"] = float if "float" in kind else int if "int" in kind else str
         kwargs["metavar"] = f.name.upper()
@@ -34,15 +36,19 @@ def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"nxdtrain {tool_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do (COMMAND --help for its flags)")
     run = sub.add_parser("run", help="train from --resume PATH (NxD shards), write NxD checkpoints")
     run.add_argument("--config", dest="config_file", metavar="FILE.yaml",
                      help="YAML with the same options as the flags (or NxDT-shaped keys); flags override it")
     for _, f in leaf_fields():
         _add_option(run, f)
     export = sub.add_parser("export", help="a checkpoint tag (or a root's newest completed tag) -> HF directory")
-    export.add_argument("src", metavar="TAG_OR_ROOT")
-    export.add_argument("out", metavar="OUT")
+    export.add_argument("src", metavar="TAG_OR_ROOT",
+                        help="a step_<N> tag, or a checkpoint root (its newest completed tag)")
+    export.add_argument("out", metavar="OUT",
+                        help="new HF directory (empty, or an earlier HF export, which is replaced)")
     return parser
 
 

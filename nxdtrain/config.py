@@ -23,6 +23,7 @@ OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
+MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 
 
 def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None) -> Any:
@@ -63,7 +64,8 @@ class OptimConfig:
 
     optimizer: str = option("adamw", "optimizer (sgd is plain SGD: no momentum)", choices=OPTIMIZERS)
     lr: float = option(3e-4, "peak learning rate")
-    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    min_lr: float | None = option(None, f"learning rate at the end of the decay (default: {MIN_LR_FRACTION} x --lr; "
+                                        "--min-lr 0 ends the decay at 0)")
     warmup: int = option(0, "linear warmup steps (from lr/warmup up to lr)")
     schedule: str = option("cosine", "decay after warmup", choices=SCHEDULES)
     decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)")
@@ -77,6 +79,8 @@ class OptimConfig:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
         _check(self.lr > 0, f"--lr must be > 0, got {self.lr!r}")
+        if self.min_lr is None:  # resolved here, so every reader (schedule, checkpoint, log) sees the number
+            object.__setattr__(self, "min_lr", MIN_LR_FRACTION * self.lr)
         _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr {self.lr}], got {self.min_lr!r}")
         _check(_is_int(self.warmup) and self.warmup >= 0, f"--warmup must be an integer >= 0, got {self.warmup!r}")
         _check(self.decay_steps is None or (_is_int(self.decay_steps) and self.decay_steps >= 1),
@@ -112,16 +116,20 @@ class CheckpointConfig:
 
     resume: str | None = option(None, "converted NxD dir (weights only), checkpoint root (newest tag) or tag dir")
     weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer")
-    checkpoint_dir: str | None = option(None, "where step_<N> tags are written")
+    checkpoint_dir: str | None = option(None, "where step_<N> tags are written (required, unless --no-checkpoint)")
     checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir")
     keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)")
     xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)")
+    no_checkpoint: bool = option(False, "train without --checkpoint-dir on purpose: nothing is saved and the "
+                                        "trained weights are lost when the run ends")
 
     def __post_init__(self) -> None:
         _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root or a tag")
         _check(_is_int(self.checkpoint_freq) and self.checkpoint_freq >= 0,
                f"--checkpoint-freq must be an integer >= 0, got {self.checkpoint_freq!r}")
         _check(_is_int(self.keep) and self.keep >= 1, f"--keep must be an integer >= 1, got {self.keep!r}")
+        _check(not (self.no_checkpoint and self.checkpoint_dir),
+               f"--no-checkpoint and --checkpoint-dir {self.checkpoint_dir} exclude each other; choose one")
 
 
 @dataclass(frozen=True, kw_only=True)

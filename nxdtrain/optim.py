@@ -32,7 +32,8 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     """Learning rate of the update that produces global step ``step`` (1-based).
 
     Warmup: ``lr·step/warmup`` for ``step <= warmup``. Then ``constant`` keeps ``lr``; ``linear``
-    and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there.
+    and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there. ``min_lr``
+    defaults to 0.1·lr (:class:`~nxdtrain.config.OptimConfig`), so the last step runs at lr 0 only when asked.
     """
     if cfg.warmup and step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup

@@ -34,6 +34,7 @@ from nxdtrain.checkpoint import (
     TrainingState,
     check_checkpoint_dir,
     check_layout,
+    check_optimizer_layout,
     load_small,
     optim_file,
     read_training_state,
@@ -50,6 +51,7 @@ from nxdtrain.metrics import StepLog, StepMetrics, note
 from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
+from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -69,7 +71,7 @@ class RunPlan:
 
 
 def prepare(config: TrainConfig, world_size: int) -> RunPlan:
-    """Resolve ``--resume``, check the layout, the batch arithmetic and the data; raise TrainError."""
+    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise TrainError."""
     source = resolve_resume(config.checkpoint.resume or "", weights_only=config.checkpoint.weights_only)
     layout = run_layout(config.parallel, source.layout)
     check_layout(source, layout)
@@ -88,7 +90,13 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
     rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
     resume_state = read_training_state(source.root) if source.full else None
+    if resume_state is not None:
+        check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
+    # The outputs last: what the run writes, checked before its first step (not after the last one).
+    check_saves(config)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
+    if config.export_hf:
+        check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state)
 
 
@@ -154,6 +162,8 @@ class Trainer:
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
         )
         if self.rank0:
+            if (notice := synthetic_notice(cfg)) is not None:
+                note(notice)
             note(f"resume: {source.case}")
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
                  f"{data.mbs} per dp rank; starting at step {self.step}")
@@ -235,19 +245,22 @@ def train(config: TrainConfig) -> list[StepMetrics]:
         dist.destroy_process_group()
     if env.rank == 0 and config.export_hf:
         target = last_tag or Path(config.checkpoint.checkpoint_dir or "")
-        export(target, config.export_hf)
+        export(target, config.export_hf, label="--export-hf")
         note(f"exported {target} to {config.export_hf}")
     return history
 
 
-def export(src: str | Path, out: str | Path, *, quiet: bool = True) -> Any:
+def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str = "OUT") -> Any:
     """``nxdtrain export``: a tag (or a checkpoint root's newest completed tag) to an HF directory, via ckptconv.
 
     An earlier HF export in OUT (a ckptconv.json of kind "hf") is replaced; anything else there is an error.
     """
     from ckptconv.api import RunOptions, to_hf
+    from ckptconv.io.nxd import resolve_checkpoint
     from ckptconv.metadata import read_metadata
 
+    check_export_target(out, label)  # in nxdtrain's words (ckptconv's would suggest its --overwrite)
+    check_model_config(resolve_checkpoint(src)[0])
     out = Path(out)
     previous = read_metadata(out) if out.is_dir() else None
     # part=(0, 1): this one process writes the whole export, even inside a torchrun/srun world.

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Nothing in the suite may reach the Hub: a lookup that is not in a test's own cache fails at once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(os.environ.get("CKPTCONV_GOLDEN", REPO.parent / "shared" / "fixtures" / "nxd-official"))
 

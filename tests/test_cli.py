@@ -25,11 +25,14 @@ def flags(command: str) -> set[str]:
 
 def test_flag_sets_are_pinned():
     """Scripts depend on these names: a rename must be deliberate and show up here."""
-    assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify"}
-    assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json"}
-    assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas"}
+    assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify",
+                                                               "--revision"}
+    assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json",
+                                               "--revision"}
+    assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",
+                                                           "--push-to-hub", "--private"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas"}
-    assert flags("inspect") == {"--config", "--json"}
+    assert flags("inspect") == {"--config", "--json", "--revision"}
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {
         "--convert_from_full_state", "--convert_to_full_state", "--input_dir", "--output_dir", "--config",

@@ -35,7 +35,7 @@ def train_options(**overrides: Any) -> dict[str, Any]:
 
 def run_world(nproc: int, **options: Any) -> list[dict[str, Any]]:
     """Train in ``nproc`` processes; return the jsonl log (``log_jsonl`` must be among the options)."""
-    config = TrainConfig.from_flat(options)
+    config = TrainConfig.from_flat({"no_checkpoint": not options.get("checkpoint_dir"), **options})
     code = spawn(run_worker, (config,), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
     assert code == 0, f"training world of {nproc} exited with {code}"
     return read_log(Path(options["log_jsonl"]))

@@ -16,7 +16,7 @@ RUN_FLAGS = {
     "--beta2", "--eps", "--clip-grad",
     "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
     "--resume", "--weights-only", "--no-weights-only", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
-    "--no-xser",
+    "--no-xser", "--no-checkpoint",
 }
 
 

@@ -41,6 +41,11 @@ def test_resume_continues_bitwise(tmp_path, nxd_model, case):
     resumed = run_world(4, resume=str(tmp_path / "b"), checkpoint_dir=str(tmp_path / "b"),
                         log_jsonl=str(tmp_path / "b2.jsonl"), **options)
     assert [r["step"] for r in first + resumed] == [1, 2, 3, 4]
+    if extra.get("zero1"):  # partitions saved over dp 2 cannot be loaded by dp 1: refused before any process starts
+        with pytest.raises(TrainError, match=r"saved with --zero1 over 2 dp ranks, this run is with --zero1 over 1 dp "
+                                             r"rank; resume with --zero1 with a data-parallel size of 2, or with"):
+            prepare(TrainConfig.from_flat({**options, "resume": str(tmp_path / "b"), "checkpoint_dir": str(tmp_path / "c")}),
+                    world_size=2)
     for key in ("loss", "lr", "grad_norm", "consumed_samples"):
         assert [r[key] for r in first + resumed] == [r[key] for r in straight], key
     for part in ("model", "optim"):

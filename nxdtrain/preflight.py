@@ -1,0 +1,92 @@
+"""Checks a run must pass before its first step, so that it fails in seconds with one line, not after hours.
+
+``prepare`` calls them once before ``--nproc`` starts any process (and again in each rank, where they
+are cheap): a run that would save nothing, an ``--export-hf`` target that the export at the end would
+refuse, directories this user cannot write.
+
+    >>> from nxdtrain.config import TrainConfig
+    >>> check_saves(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))  # allowed: asked for
+    >>> synthetic_notice(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))[:29]
+    'training on synthetic data: -'
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ckptconv.api import HF_FILES_DIR
+from ckptconv.errors import ConversionError
+from ckptconv.execute import TMP_DIR
+from ckptconv.io.hf import CONFIG
+from ckptconv.metadata import METADATA_FILE, Metadata, read_metadata
+from nxdtrain.config import TrainConfig
+from nxdtrain.errors import TrainError
+
+SYNTHETIC = "synthetic"
+
+
+def check_saves(config: TrainConfig) -> None:
+    """Refuse a run without ``--checkpoint-dir`` unless ``--no-checkpoint`` says that is intended."""
+    ckpt = config.checkpoint
+    if not ckpt.checkpoint_dir and not ckpt.no_checkpoint:
+        raise TrainError("no --checkpoint-dir: this run would save nothing and its trained weights would be lost; "
+                         "pass --checkpoint-dir DIR, or --no-checkpoint to train without saving")
+
+
+def synthetic_notice(config: TrainConfig) -> str | None:
+    """What rank 0 says when the rows are random tokens rather than a corpus (None: real data)."""
+    if config.data.data != SYNTHETIC:
+        return None
+    return ("training on synthetic data: --data is 'synthetic' (the default), so the rows are random tokens "
+            "from --seed, not a corpus; pass --data PATH to train on your data")
+
+
+def check_writable(path: str | Path, label: str) -> None:
+    """``path`` can be created or written: its nearest existing ancestor is a directory this user may write."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TrainError(f"{label} {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TrainError(f"{label} {path}: {existing} is not writable by this user")
+
+
+def check_export_target(out: str | Path, label: str) -> None:
+    """An HF export may go to ``out``: absent, empty, or an earlier HF export (which the export replaces).
+
+    Anything else is refused here, before training, instead of by the export after the last step.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise TrainError(f"{label} {out}: exists and is not a directory; choose a new directory")
+    # ckptconv's own temporary directory is an interrupted export, which the export resumes
+    held = sorted(p.name for p in path.iterdir() if p.name != TMP_DIR) if path.is_dir() else []
+    if held:
+        meta = _metadata_or_none(path)
+        if meta is None or meta.kind != "hf":
+            names = ", ".join(held[:3])
+            raise TrainError(f"{label} {out}: not empty and not an earlier HF export (holds {names}); "
+                             "choose a new directory or empty this one")
+    check_writable(path, label)
+
+
+def _metadata_or_none(path: Path) -> Metadata | None:
+    try:
+        return read_metadata(path)
+    except ConversionError:  # an unreadable ckptconv.json is not an export of ours either
+        return None
+
+
+def check_model_config(root: Path) -> None:
+    """The shards under ``root`` come with their model config (ckptconv.json or hf/config.json).
+
+    Said here in nxdtrain's words: ckptconv's own message suggests its --config flag, which nxdtrain
+    does not have (nxdtrain's --config is the run's YAML).
+    """
+    meta = _metadata_or_none(root)
+    if (meta is not None and meta.hf_config) or (root / HF_FILES_DIR / CONFIG).is_file():
+        return
+    raise TrainError(f"{root} has no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}, so the model is "
+                     f"unknown; copy the HF model's config.json to {root / HF_FILES_DIR / CONFIG}")

@@ -1,0 +1,165 @@
+"""examples/slurm/*.sbatch: valid bash, and their DRY_RUN=1 commands for 1 and 4 nodes (Slurm emulated by its variables)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptconv.cli import build_parser as ckptconv_parser
+from ckptconv.cli import main as ckptconv_main
+from nxdtrain.cli import build_parser as nxdtrain_parser
+
+SLURM = Path(__file__).resolve().parents[1] / "examples" / "slurm"
+SCRIPTS = ("convert.sbatch", "train.sbatch", "export.sbatch")
+
+
+def dry_run(script: str, nodes: int | None, *args: str, **env: str) -> list[str]:
+    """The script's printed commands, in an environment with nothing of Slurm but what sbatch would set."""
+    base = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1"}
+    if nodes is not None:
+        base.update(SLURM_JOB_NUM_NODES=str(nodes), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"trn[007-{6 + nodes:03d}]")
+    result = subprocess.run(["bash", str(SLURM / script), *args], env={**base, **env}, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    return result.stdout.splitlines()
+
+
+def tool_args(line: str, marker: str) -> list[str]:
+    """The arguments after the tool in a printed command (``ckptconv`` or ``nxdtrain.cli``)."""
+    words = shlex.split(line)
+    return words[words.index(marker) + 1:]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bash_syntax(script):
+    result = subprocess.run(["bash", "-n", str(SLURM / script)], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == ""
+
+
+def test_convert(tmp_path):
+    assert dry_run("convert.sbatch", 4, SRC="acme/tiny-llama", REVISION="v1", OUT="/fsx/out", TP="32", PP="8",
+                   LAYOUT_FLAGS="--qkv-linear --fuse-qkv --kv-size-multiplier 4") == [
+        "srun --nodes=1 --ntasks=1 ckptconv inspect acme/tiny-llama --revision v1 --json",
+        "srun --nodes=4 --ntasks-per-node=1 --ntasks=4 ckptconv to-nxd acme/tiny-llama /fsx/out --revision v1 "
+        "--tp 32 --pp 8 --qkv-linear --fuse-qkv --kv-size-multiplier 4 --quiet",
+        "srun --nodes=1 --ntasks=1 ckptconv finalize /fsx/out",
+    ]
+    # One node, a local SRC (no fetch step), the python -m form; a completed OUT needs no finalize.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/ckptconv.json").write_text("{}")
+    lines = dry_run("convert.sbatch", 1, SRC=str(tmp_path), OUT=str(tmp_path / "out"), CKPTCONV="python -m ckptconv.cli")
+    assert lines == [f"srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m ckptconv.cli to-nxd {tmp_path} "
+                     f"{tmp_path}/out --tp 8 --pp 1 --qkv-linear --fuse-qkv --kv-size-multiplier 1 --quiet"]
+    args = ckptconv_parser().parse_args(tool_args(lines[0], "ckptconv.cli"))
+    assert (args.command, args.tp, args.pp, args.qkv_linear, args.fuse_qkv, args.kvm) == ("to-nxd", 8, 1, True, True, 1)
+
+
+def test_train_starts_from_init_then_resumes_the_checkpoint_root(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = dict(INIT="/fsx/llama-nxd", CKPT=str(ckpt), TP="8", PP="2", CONFIG="run.yaml")
+    first = dry_run("train.sbatch", 4, "--lr", "3e-5", **env)
+    assert first == [
+        "srun --nodes=4 --ntasks-per-node=1 --ntasks=4 python -m torch.distributed.run --nnodes=4 --nproc-per-node=8 "
+        "--rdzv-backend=c10d --rdzv-endpoint=trn007:14242 --rdzv-id=4242 -m nxdtrain.cli run --resume /fsx/llama-nxd "
+        f"--tp 8 --pp 2 --checkpoint-dir {ckpt} --checkpoint-freq 100 --config run.yaml --lr 3e-5",
+    ]
+    # A tag without 'done' (a save cut short) is no reason to resume; a completed one is.
+    (ckpt / "step_100").mkdir(parents=True)
+    assert tool_args(dry_run("train.sbatch", 4, **env)[0], "nxdtrain.cli")[:3] == ["run", "--resume", "/fsx/llama-nxd"]
+    (ckpt / "step_100/done").write_text("1")
+    requeued = dry_run("train.sbatch", 4, "--lr", "3e-5", **env)
+    assert requeued == [first[0].replace("--resume /fsx/llama-nxd", f"--resume {ckpt}")]
+    args = nxdtrain_parser().parse_args(tool_args(requeued[0], "nxdtrain.cli"))
+    assert (args.resume, args.tp, args.pp, args.checkpoint_dir, args.lr) == (str(ckpt), 8, 2, str(ckpt), 3e-5)
+
+
+def test_train_one_node_and_srun_launcher():
+    env = dict(INIT="/fsx/nxd", CKPT="/fsx/ckpt")
+    assert dry_run("train.sbatch", 1, **env) == [
+        "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=8 "
+        "--rdzv-backend=c10d --rdzv-endpoint=trn007:14242 --rdzv-id=4242 -m nxdtrain.cli run --resume /fsx/nxd "
+        "--tp 8 --pp 1 --checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
+    ]
+    assert dry_run("train.sbatch", 4, LAUNCHER="srun", PROCS_PER_NODE="32", **env) == [
+        "srun --nodes=4 --ntasks-per-node=32 --ntasks=128 python -m nxdtrain.cli run --resume /fsx/nxd --tp 8 --pp 1 "
+        "--checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
+    ]
+    # Outside Slurm (no SLURM_* at all): one node, job 0, the local host.
+    assert dry_run("train.sbatch", None, **env)[0].startswith(
+        "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=8 "
+        "--rdzv-backend=c10d --rdzv-endpoint=localhost:10000 --rdzv-id=0 ")
+
+
+def test_export():
+    assert dry_run("export.sbatch", 4, CKPT="/fsx/ckpt", OUT="/fsx/hf", PUSH_TO_HUB="acme/llama-cpt", PRIVATE="1",
+                   DTYPE="bf16") == [
+        "srun --nodes=4 --ntasks-per-node=1 --ntasks=4 ckptconv to-hf /fsx/ckpt /fsx/hf --dtype bf16 "
+        "--max-shard-size 5GB --push-to-hub acme/llama-cpt --private --quiet",
+    ]
+    (line,) = dry_run("export.sbatch", 1, CKPT="/fsx/ckpt", OUT="/fsx/hf")
+    assert line == "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 ckptconv to-hf /fsx/ckpt /fsx/hf --dtype keep --max-shard-size 5GB --quiet"
+    args = ckptconv_parser().parse_args(tool_args(line, "ckptconv"))
+    assert (args.command, args.src, args.out, args.max_shard_size, args.push_to_hub) == ("to-hf", "/fsx/ckpt", "/fsx/hf",
+                                                                                         5 * 10**9, None)
+
+
+def test_missing_required_variable_fails_with_its_name():
+    result = subprocess.run(["bash", str(SLURM / "train.sbatch")], env={"PATH": os.environ["PATH"], "DRY_RUN": "1"},
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "INIT: set INIT: the converted NxD directory" in result.stderr
+
+
+def run_for_real(script: str, nodes: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The script itself, with tests/fake_slurm/srun standing in for Slurm's (N local tasks with SLURM_* set)."""
+    base = {**os.environ, "PATH": f"{SLURM.parents[1] / 'tests' / 'fake_slurm'}:{os.environ['PATH']}",
+            "PYTHONPATH": str(SLURM.parents[1]), "HF_HUB_OFFLINE": "1", "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost"}
+    return subprocess.run(["bash", str(SLURM / script), *args], env={**base, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow  # three Python processes: ~30 s on a busy 2-core machine
+def test_convert_over_two_tasks_writes_what_one_process_writes(tiny_models, tmp_path):
+    """A hub id from the cache, fetched once, converted by 2 srun tasks: the same bytes as one local to-nxd."""
+    from tests.test_hub import add_snapshot, tree
+
+    model = tiny_models("slurm", heads=8, kv_heads=2, head_dim=8, layers=4)
+    cache = tmp_path / "hub"
+    add_snapshot(cache, "acme/tiny-llama", model, "c" * 40, ("main",))
+    run = run_for_real("convert.sbatch", 2, SRC="acme/tiny-llama", OUT=str(tmp_path / "out"), TP="2", PP="2",
+                       HF_HUB_CACHE=str(cache), CKPTCONV=f"{sys.executable} -m ckptconv.cli")
+    assert run.returncode == 0, run.stderr
+    snapshot = cache / "models--acme--tiny-llama/snapshots" / ("c" * 40)
+    assert ckptconv_main(["to-nxd", str(snapshot), str(tmp_path / "one"), "--tp", "2", "--pp", "2", "--qkv-linear",
+                          "--fuse-qkv", "--kv-size-multiplier", "1", "--quiet"]) == 0
+    assert tree(tmp_path / "out") == tree(tmp_path / "one")
+    assert len(tree(tmp_path / "out")) > 5
+
+
+@pytest.mark.slow  # two 2-process training runs
+def test_train_requeued_resumes_from_the_checkpoint_root(tiny_models, tmp_path):
+    """LAUNCHER=srun, 2 tasks: the first start trains from INIT; the same job started again continues at step 3."""
+    from ckptconv.api import RunOptions, to_nxd
+
+    init = tmp_path / "nxd"
+    to_nxd(tiny_models("slurm", heads=8, kv_heads=2, head_dim=8, layers=4), init, options=RunOptions(quiet=True))
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    env = dict(INIT=str(init), CKPT=str(ckpt), TP="1", PP="1", LAUNCHER="srun", PROCS_PER_NODE="2",
+               PYTHON=sys.executable, CHECKPOINT_FREQ="1", SLURM_JOB_ID=str(20000 + os.getpid() % 10000))
+    flags = ("--seq-len", "16", "--gbs", "4", "--precision", "fp32", "--log-jsonl", str(log))
+    first = run_for_real("train.sbatch", 1, "--steps", "2", *flags, **env)
+    assert first.returncode == 0, first.stderr
+    assert f"nxdtrain: resume: weights only from {init}" in first.stderr
+    requeued = run_for_real("train.sbatch", 1, "--steps", "3", *flags, **env)
+    assert requeued.returncode == 0, requeued.stderr
+    assert f"nxdtrain: resume: full state from newest completed tag step_2 of {ckpt}" in requeued.stderr
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
