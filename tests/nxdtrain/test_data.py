@@ -75,7 +75,8 @@ def test_errors(sources, tmp_path):
     with pytest.raises(TrainError, match="--data /nope.jsonl: no such file or directory"):
         open_rows("/nope.jsonl", vocab=10, seq_len=4, seed=0)
     (tmp_path / "rows.txt").write_text("1 2 3\n")
-    with pytest.raises(TrainError, match="expected a datasets dir, a .jsonl or .jsonl.gz file, or 'synthetic'"):
+    with pytest.raises(TrainError, match=r"rows.txt: expected a datasets save_to_disk dir, a .jsonl/.json\(.gz\) file, "
+                                         "a directory or glob of those, or 'synthetic'"):
         open_rows(str(tmp_path / "rows.txt"), vocab=10, seq_len=4, seed=0)
     (tmp_path / "bad.jsonl").write_text('{"ids": [1, 2]}\n')
     with pytest.raises(TrainError, match="bad.jsonl: row 0 is not a JSON object with 'input_ids'"):
