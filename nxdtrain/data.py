@@ -128,8 +128,8 @@ class JsonRows:
     one ``pread`` and one ``json.loads``.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.name, self.path = str(path), path
+    def __init__(self, path: Path, column: str = COLUMN) -> None:
+        self.name, self.path, self.column = str(path), path, column
         if path.name.endswith(".gz"):
             self._fd, start, end = Spill.append(path)
             self._owned = False
@@ -148,13 +148,13 @@ class JsonRows:
         self._ends = array("q", (b for _, b in extents))
         self.size = len(self._starts)
 
-    def row(self, index: int) -> list[int]:
+    def row(self, index: int) -> Any:
         start = self._starts[index]
         text = os.pread(self._fd, self._ends[index] - start, start)
         try:
-            value = json.loads(text)[COLUMN]
+            value = json.loads(text)[self.column]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise TrainError(f"{self.path}: row {index} is not a JSON object with {COLUMN!r}") from None
+            raise TrainError(f"{self.path}: row {index} is not a JSON object with {self.column!r}") from None
         return value
 
     def __del__(self) -> None:
