@@ -17,8 +17,8 @@ from typing import Any
 
 from nxdtrain.errors import TrainError
 
-# (jsonl field, panel label) in panel order
-PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+# (jsonl field, panel label, y axis starts at 0) in panel order
+PANELS = (("loss", "loss", False), ("lr", "learning rate", True), ("tokens_per_s", "tokens/s", True))
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
@@ -39,7 +39,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             raise TrainError(f"{path}: line {number} is not a step record of nxdtrain's --log-jsonl") from None
     if not by_step:
         raise TrainError(f"{path}: no step records")
-    missing = [f for f, _ in PANELS if f not in next(iter(by_step.values()))]
+    missing = [f for f, _, _ in PANELS if f not in next(iter(by_step.values()))]
     if missing:
         raise TrainError(f"{path}: records lack {', '.join(missing)}")
     return [by_step[s] for s in sorted(by_step)]
@@ -53,18 +53,22 @@ def plot_log(log: str | Path, out: str | Path, *, title: str | None = None) -> A
         raise TrainError("nxdtrain plot needs matplotlib: pip install 'ckptconv[viz]'") from None
     matplotlib.use("Agg")  # files only: never open a window
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     records = read_log(log)
     steps = [r["step"] for r in records]
     figure = Figure(figsize=(8, 7.5), layout="constrained")
     axes = figure.subplots(len(PANELS), 1, sharex=True)
-    for ax, (field, label) in zip(axes, PANELS, strict=True):
+    for ax, (field, label, from_zero) in zip(axes, PANELS, strict=True):
         ax.plot(steps, [r[field] for r in records], marker="o" if len(steps) <= 50 else None, markersize=3,
-                linewidth=1.5, label=field)
+                linewidth=1.5, label=field, clip_on=False)
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
+        if from_zero:  # a rate or a throughput: its scale matters, not only its shape
+            ax.set_ylim(bottom=0, top=max(r[field] for r in records) * 1.08 or 1.0)
     axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     figure.suptitle(title or f"{Path(log).name}: steps {steps[0]}-{steps[-1]}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
