@@ -95,7 +95,8 @@ class OptimConfig:
 class DataConfig:
     """Where rows come from and how they are batched."""
 
-    data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.jsonl.gz file (input_ids per row) or 'synthetic'")
+    data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.json(.gz) file (input_ids per row), a "
+                                    "directory or glob of those (sorted), or 'synthetic'")
     seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
     mbs: int = option(1, "microbatch size in rows")

@@ -220,7 +220,7 @@ def open_rows(spec: str, *, vocab: int, seq_len: int, seed: int) -> RowSource:
         if not path.name.endswith(JSON_SUFFIXES):
             raise TrainError(f"--data {spec}: expected {EXPECTED}")
         source = JsonRows(path)
-    elif path.is_dir() or glob.has_magic(spec):
+    elif path.is_dir() or any(c in spec for c in "*?["):  # a glob
         files = json_files(spec)
         if not files:
             what = "directory holds no" if path.is_dir() else "glob matches no"

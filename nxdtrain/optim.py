@@ -34,6 +34,8 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     Warmup: ``lr·step/warmup`` for ``step <= warmup``. Then ``constant`` keeps ``lr``; ``linear``
     and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there.
     """
+    if 0 < cfg.warmup < 1:
+        raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.epochs.resolve)")
     if cfg.warmup and step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup
     if cfg.schedule == "constant":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -69,6 +70,22 @@ def test_run_length_and_warmup_reading():
     with pytest.raises(TrainError, match="--warmup must be a step count \\(integer >= 0\\) or a fraction in \\(0, 1\\), "
                                          "got 2.5"):
         TrainConfig.from_flat({"resume": "x", "warmup": 2.5})
+
+
+def test_fraction_must_be_resolved_and_missing_extras_say_what_to_install(monkeypatch, tmp_path):
+    from nxdtrain.config import OptimConfig
+    from nxdtrain.metrics import require_tensorboard
+    from nxdtrain.optim import lr_at
+    from nxdtrain.plot import plot_log
+
+    with pytest.raises(TrainError, match="--warmup 0.5 is a fraction of the run: resolve it first"):
+        lr_at(1, OptimConfig(warmup=0.5), decay_steps=10)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(TrainError, match=r"^--tensorboard needs the tensorboard package: pip install 'ckptconv\[viz\]'$"):
+        require_tensorboard()
+    with pytest.raises(TrainError, match=r"^nxdtrain plot needs matplotlib: pip install 'ckptconv\[viz\]'$"):
+        plot_log(tmp_path / "log.jsonl", tmp_path / "c.png")
 
 
 def test_epochs_and_steps_are_exclusive(capsys):
