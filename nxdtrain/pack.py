@@ -104,9 +104,12 @@ def load_tokenizer(spec: str | Path, *, eos_id: int | None = None) -> LoadedToke
 _WORKER_TOKENIZER: Any = None
 
 
-def _init_worker(backend_json: str) -> None:
+def _init_worker(backend_json: str, single_thread: bool = False) -> None:
     global _WORKER_TOKENIZER
     from tokenizers import Tokenizer
+
+    if single_thread:  # N worker processes x 1 thread, not N x (all cores) Rust threads
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
     _WORKER_TOKENIZER = Tokenizer.from_str(backend_json)
 
@@ -261,17 +264,21 @@ class Packer:
 def _ordered_map(pool: Any, chunks: Iterator[list[str]], *, ahead: int) -> Iterator[list[list[int]]]:
     """Results in input order (deterministic rows), with at most ``ahead`` chunks read but not yet packed.
 
-    ``Pool.imap`` would read the whole input ahead of the workers; this keeps memory bounded.
+    ``Executor.map`` would read the whole input ahead of the workers; this keeps memory bounded.
     """
     from collections import deque
+    from concurrent.futures.process import BrokenProcessPool
 
     pending: deque[Any] = deque()
-    for chunk in chunks:
-        pending.append(pool.apply_async(_encode_chunk, (chunk,)))
-        if len(pending) >= ahead:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    try:
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_chunk, chunk))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise TrainError("a tokenizing worker process died (out of memory?); rerun with fewer --workers") from None
 
 
 def pack_rows(inputs: Iterable[str | Path], tokenizer: LoadedTokenizer, *, seq_len: int, pad: bool = False,
@@ -283,9 +290,12 @@ def pack_rows(inputs: Iterable[str | Path], tokenizer: LoadedTokenizer, *, seq_l
     pool = None
     if workers > 1:
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-        # spawn: the workers import only tokenizers (no torch), and no Rust thread pool is forked.
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer.backend_json,))
+        # fork (as datasets.map(num_proc=...) does): no re-import of the caller's __main__; the parent has not
+        # used the tokenizer's thread pool (encode_batch) before forking, so the workers' pools start clean.
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker,
+                                   initargs=(tokenizer.backend_json, True))
         encoded: Iterator[list[list[int]]] = _ordered_map(pool, chunks, ahead=4 * workers)
     else:
         _init_worker(tokenizer.backend_json)
@@ -298,7 +308,7 @@ def pack_rows(inputs: Iterable[str | Path], tokenizer: LoadedTokenizer, *, seq_l
                 on_document(len(chunk))
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(cancel_futures=True)
     rows, dropped, padded = packer.finish(tokenizer.pad_id if pad else None)
     yield from rows
     yield packer.documents, packer.tokens, dropped, padded

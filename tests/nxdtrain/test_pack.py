@@ -141,3 +141,11 @@ def test_train_two_steps_from_the_packed_directory(tmp_path, nxd_model, referenc
     ref_losses, _ = reference("mha", **options)
     assert [(r["step"], r["consumed_samples"]) for r in log] == [(1, 4), (2, 8)]
     assert max(abs(r["loss"] - ref) for r, ref in zip(log, ref_losses, strict=True)) <= 1e-5
+
+
+def test_a_failing_worker_is_an_error_not_a_hang(docs):
+    from nxdtrain.pack import LoadedTokenizer, pack_rows
+
+    broken = LoadedTokenizer(backend_json="not a tokenizer", eos_id=EOS, pad_id=EOS, bos_id=None, name="broken")
+    with pytest.raises(TrainError, match="a tokenizing worker process died"):
+        list(pack_rows([docs], broken, seq_len=4, workers=2))
