@@ -76,7 +76,8 @@ def load_tokenizer(spec: str | Path, *, eos_id: int | None = None) -> LoadedToke
     if not path.exists():
         raise TrainError(f"--tokenizer {spec}: no such file or directory")
     eos = pad = None
-    if path.is_file() and not (path.parent / "tokenizer_config.json").exists():
+    # a bare tokenizer file; a tokenizer.json beside its tokenizer_config.json loads with that config (BOS/EOS names)
+    if path.is_file() and not (path.name == "tokenizer.json" and (path.parent / "tokenizer_config.json").exists()):
         try:
             backend = Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
@@ -85,6 +86,8 @@ def load_tokenizer(spec: str | Path, *, eos_id: int | None = None) -> LoadedToke
         from transformers import AutoTokenizer
 
         directory = path.parent if path.is_file() else tokenizer_dir(path)
+        if not any((directory / f).exists() for f in TOKENIZER_FILES):
+            raise TrainError(f"--tokenizer {spec}: no {' or '.join(TOKENIZER_FILES)} in {directory}")
         try:
             auto = AutoTokenizer.from_pretrained(str(directory))
         except (OSError, ValueError) as exc:
@@ -362,6 +365,9 @@ def pack(inputs: Iterable[str | Path], out: str | Path, *, tokenizer: str | Path
                              txt_docs=txt_docs, on_document=advance)
             count, stats = _write_arrow(rows, tmp / "rows.arrow")
         documents_, tokens, dropped, padded = stats
+        if count == 0:
+            raise TrainError(f"the inputs hold {tokens} tokens, less than one row of --seq-len {seq_len}; "
+                             "pass --pad or a smaller --seq-len")
         quiet = not datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # our own progress and summary say it
         try:

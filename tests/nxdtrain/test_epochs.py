@@ -103,6 +103,7 @@ def test_one_epoch_from_json_gz_parts_with_warmup_tensorboard_and_plot(tmp_path,
     argv = ["run", "--resume", str(nxd_model("mha", tp=1, pp=1)), "--data", str(corpus / "parts"), "--seq-len", "16",
             "--gbs", "4", "--epochs", "1", "--warmup", "0.01", "--lr", "1e-3", "--min-lr", "1e-4", "--precision", "fp32",
             "--no-shuffle", "--seed", "7", "--log-jsonl", str(log), "--tensorboard", str(board),
+            "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--dist-timeout", str(DIST_TIMEOUT)]
     config = load_config(build_parser().parse_args(argv))
     assert spawn(run_worker, (config,), 1, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 0

@@ -118,6 +118,11 @@ def test_txt_documents_and_refusals(tmp_path):
     with pytest.raises(TrainError, match="full: exists and is not empty; pack writes only into a new or empty"):
         pack([tmp_path / "t.txt"], tmp_path / "full", tokenizer=TOKENIZER, seq_len=4, eos_id=EOS)
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    with pytest.raises(TrainError, match="the inputs hold 16 tokens, less than one row of --seq-len 32; pass --pad"):
+        pack([tmp_path / "t.txt"], tmp_path / "short", tokenizer=TOKENIZER, seq_len=32, eos_id=EOS)
+    assert not (tmp_path / "short").exists()
+    with pytest.raises(TrainError, match=f"--tokenizer {tmp_path}: no tokenizer.json or tokenizer_config.json in "):
+        pack([tmp_path / "t.txt"], tmp_path / "x", tokenizer=tmp_path, seq_len=4, eos_id=EOS)
     with pytest.raises(TrainError, match="tokenizer.json: the tokenizer names no EOS token; pass --eos-id N"):
         pack([tmp_path / "t.txt"], tmp_path / "x", tokenizer=TOKENIZER, seq_len=4)
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
@@ -137,7 +142,8 @@ def test_train_two_steps_from_the_packed_directory(tmp_path, nxd_model, referenc
     assert max(text.encode()) < 128  # the tiny models' vocabulary
     assert summary.rows >= 8
     options = train_options(data=str(tmp_path / "packed"), seq_len=16, gbs=4, steps=2, shuffle=False)
-    log = run_world(1, resume=str(nxd_model("mha", tp=1, pp=1)), log_jsonl=str(tmp_path / "log.jsonl"), **options)
+    log = run_world(1, resume=str(nxd_model("mha", tp=1, pp=1)), log_jsonl=str(tmp_path / "log.jsonl"),
+                    checkpoint_dir=str(tmp_path / "ckpt"), **options)
     ref_losses, _ = reference("mha", **options)
     assert [(r["step"], r["consumed_samples"]) for r in log] == [(1, 4), (2, 8)]
     assert max(abs(r["loss"] - ref) for r, ref in zip(log, ref_losses, strict=True)) <= 1e-5
