@@ -5,7 +5,8 @@ Run with ``make demo`` (or ``python examples/demo.py OUT_DIR``). Nothing is down
 is built by transformers from ``fixtures/tiny-llama/config.json`` with a fixed seed, and the
 training rows are ``fixtures/corpus/train.jsonl`` (byte-level tokens of a small bundled text).
 The demo fails (non-zero exit) if the round trip is not bit-exact or the logits differ, or if
-training does not lower the loss on rows it never saw.
+training does not lower the loss on rows it never saw. It draws the run's loss, learning rate and
+throughput into ``OUT_DIR/curves.png`` (``nxdtrain plot``) and prints its path.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def train(out: Path) -> int:
              "--checkpoint-dir", str(out / "train"), "--log-jsonl", str(out / "train-log.jsonl"),
              "--export-hf", str(out / "hf-trained"))
     sh(*CKPTCONV, "inspect", str(out / "train"))
+    nxdtrain("plot", str(out / "train-log.jsonl"), "-o", str(out / "curves.png"),
+             "--title", f"nxdtrain demo: tp 2 x pp 2, {STEPS} steps of {GBS} rows")
+    print(f"loss, learning rate and throughput per step: {out / 'curves.png'}")
     before, after = held_out_loss(out / "hf"), held_out_loss(out / "hf-trained")
     print(f"\nloss on the {len(CORPUS.read_text().splitlines()) - SEEN_ROWS} held-out corpus rows: "
           f"{before:.4f} before training, {after:.4f} after {STEPS} steps")

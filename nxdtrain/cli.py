@@ -1,4 +1,5 @@
-"""``nxdtrain`` command line: ``run`` trains, ``export`` writes an HF directory. Exit 0 ok, 1 error, 2 usage.
+"""``nxdtrain`` command line: ``run`` trains, ``export`` writes an HF directory; ``data pack``, ``steps`` and
+``plot`` are in :mod:`nxdtrain.commands`. Exit 0 ok, 1 error, 2 usage.
 
 The ``run`` flags are generated from :mod:`nxdtrain.config` (one flag per leaf option, its help
 from the field), so the flags, the YAML keys and the Python API cannot drift apart.
@@ -14,6 +15,7 @@ from typing import Any
 
 from ckptconv.errors import ConversionError
 from ckptconv.metadata import tool_version
+from nxdtrain.commands import add_commands
 from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
 
 PRELOAD = ("nxdtrain.train", "nxdtrain.pipeline")  # what the processes of --nproc need, imported once
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a step_<N> tag, or a checkpoint root (its newest completed tag)")
     export.add_argument("out", metavar="OUT",
                         help="new HF directory (empty, or an earlier HF export, which is replaced)")
+    add_commands(sub)  # data pack, steps, plot
     return parser
 
 
@@ -90,6 +93,8 @@ def _export(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "handler"):
+            return int(args.handler(args))
         return _run(args) if args.command == "run" else _export(args)
     except ConversionError as exc:  # TrainError and ckptconv's errors: one line
         print(f"nxdtrain: error: {exc}", file=sys.stderr)

@@ -66,7 +66,8 @@ class OptimConfig:
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float | None = option(None, f"learning rate at the end of the decay (default: {MIN_LR_FRACTION} x --lr; "
                                         "--min-lr 0 ends the decay at 0)")
-    warmup: int = option(0, "linear warmup steps (from lr/warmup up to lr)")
+    warmup: float = option(0, "linear warmup: a step count (an integer >= 1, 1.0 included) or a fraction of the "
+                              "run's steps (0 < x < 1, rounded up)")
     schedule: str = option("cosine", "decay after warmup", choices=SCHEDULES)
     decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)")
     weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (never on norm weights)")
@@ -82,7 +83,8 @@ class OptimConfig:
         if self.min_lr is None:  # resolved here, so every reader (schedule, checkpoint, log) sees the number
             object.__setattr__(self, "min_lr", MIN_LR_FRACTION * self.lr)
         _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr {self.lr}], got {self.min_lr!r}")
-        _check(_is_int(self.warmup) and self.warmup >= 0, f"--warmup must be an integer >= 0, got {self.warmup!r}")
+        _check(_is_warmup(self.warmup), f"--warmup must be a step count (integer >= 0) or a fraction in (0, 1), "
+                                        f"got {self.warmup!r}")
         _check(self.decay_steps is None or (_is_int(self.decay_steps) and self.decay_steps >= 1),
                f"--decay-steps must be an integer >= 1, got {self.decay_steps!r}")
         _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay!r}")
@@ -97,7 +99,8 @@ class OptimConfig:
 class DataConfig:
     """Where rows come from and how they are batched."""
 
-    data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.jsonl.gz file (input_ids per row) or 'synthetic'")
+    data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.json(.gz) file (input_ids per row), a "
+                                    "directory or glob of those (sorted), or 'synthetic'")
     seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
     mbs: int = option(1, "microbatch size in rows")
@@ -137,11 +140,15 @@ class TrainConfig:
     """A whole training run. ``nxdtrain run`` flags and YAML keys are the leaf field names."""
 
     steps: int = option(1000, "train until this global step (a resumed run continues from its step)")
+    epochs: int | None = option(None, "train this many passes over --data instead of --steps (last partial global "
+                                      "batch of each epoch dropped)")
     seed: int = option(1234, "seed of the data order and of torch's RNG")
     precision: str = option("bf16", "fp32, or bf16 parameters with fp32 master weights and optimizer state",
                             choices=PRECISIONS)
     nproc: int | None = option(None, "start this many local processes (without it: join torchrun/srun or run alone)")
     log_jsonl: str | None = option(None, "append one JSON line per step to this file")
+    tensorboard: str | None = option(None, "write loss, lr, grad norm, tokens/s and consumed samples per step to "
+                                           "TensorBoard event files in this directory")
     export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)")
     dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -152,6 +159,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(_is_int(self.steps) and self.steps >= 0, f"--steps must be an integer >= 0, got {self.steps!r}")
         _choice("--precision", self.precision, PRECISIONS)
+        _check(self.epochs is None or (_is_int(self.epochs) and self.epochs >= 1),
+               f"--epochs must be an integer >= 1, got {self.epochs!r}")
         _check(self.nproc is None or (_is_int(self.nproc) and self.nproc >= 1), f"--nproc must be >= 1, got {self.nproc!r}")
         _check(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout!r}")
         ckpt = self.checkpoint
@@ -176,6 +185,8 @@ class TrainConfig:
                 raise TrainError(f"{source}: unknown option {key!r} (valid: {', '.join(sorted(fields))})")
             owner, f = fields[key]
             (sections[owner] if owner else top)[key] = coerce(f, value, source)
+        if top.get("epochs") is not None and "steps" in top:
+            raise TrainError(f"{source}: --epochs and --steps are exclusive (give one: epochs size the run from --data)")
         built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
         return cls(**top, **built)
 
@@ -230,6 +241,13 @@ def coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_warmup(value: Any) -> bool:
+    """A step count (integer-valued, ``1.0`` is one step) or a fraction strictly between 0 and 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        return False
+    return value < 1 or float(value).is_integer()
 
 
 def _choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:

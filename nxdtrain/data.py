@@ -1,7 +1,8 @@
-"""Training rows: token-id rows from a datasets directory, a jsonl(.gz) file, or synthetic.
+"""Training rows: token-id rows from a datasets directory, .jsonl/.json(.gz) files, or synthetic.
 
 Sample ``i`` (counting every row ever consumed, across epochs) is row ``order(i)``: file order
-with ``--no-shuffle``, else a seeded permutation drawn afresh for each epoch. Global batch ``s``
+with ``--no-shuffle``, else a seeded permutation drawn afresh for each epoch. With ``gbs`` given,
+an epoch is ``rows // gbs`` whole global batches (see :mod:`nxdtrain.epochs`). Global batch ``s``
 is samples ``[s·gbs, (s+1)·gbs)``; data-parallel rank ``d`` takes the ``d``-th of ``dp`` equal
 slices of it. A resumed run continues at its ``consumed_samples``.
 
@@ -12,13 +13,23 @@ slices of it. A resumed run continues at its ``consumed_samples``.
 
 from __future__ import annotations
 
+import bisect
+import glob
 import gzip
+import itertools
 import json
+import mmap
+import os
+import re
+import shutil
+import tempfile
+from array import array
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from nxdtrain.epochs import epoch_samples
 from nxdtrain.errors import TrainError
 
 COLUMN = "input_ids"
@@ -48,42 +59,120 @@ class SyntheticRows:
         return torch.randint(0, self.vocab, (self.seq_len,), generator=generator).tolist()
 
 
-class JsonlRows:
-    """One JSON object with ``input_ids`` per line (the SageMaker model-parallel format).
+class Spill:
+    """One anonymous temporary file per process holding decompressed ``.gz`` inputs.
 
-    Plain files are indexed by line offsets and read a line at a time; ``.gz`` files cannot be
-    seeked cheaply, so they are decompressed into memory once.
+    A gzip stream cannot be seeked, so each ``.gz`` file is decompressed once, streaming, into
+    this file; rows are then read at byte offsets like a plain file's. Memory stays flat whatever
+    the corpus size; the file disappears when the process ends.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.name, self.path = str(path), path
-        self._lines: list[bytes] | None = None
-        self._offsets: list[int] = []
+    _file: Any = None
+
+    @classmethod
+    def append(cls, path: Path) -> tuple[int, int, int]:
+        """Decompress ``path`` at the end of the spill; return (fd, start, end) of its bytes there."""
+        if cls._file is None:
+            cls._file = tempfile.TemporaryFile(prefix="nxdtrain-gz-")
+        f = cls._file
+        f.seek(0, os.SEEK_END)
+        start = f.tell()
+        try:
+            with gzip.open(path, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+        except (OSError, EOFError) as exc:
+            raise TrainError(f"{path}: not a readable gzip file ({exc})") from None
+        f.flush()
+        return f.fileno(), start, f.tell()
+
+
+# A JSON string (escapes included) or a bracket: enough to find the elements of a top-level list.
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _list_extents(buffer: Any, start: int, end: int, name: str) -> list[tuple[int, int]]:
+    """(start, end) byte extents of the objects of a top-level JSON list in ``buffer[start:end]``."""
+    extents, depth, first = [], 0, 0
+    for match in _JSON_TOKEN.finditer(buffer, start, end):
+        char = buffer[match.start()]
+        if char in b"[{":
+            if depth == 1:
+                first = match.start()
+            depth += 1
+        elif char in b"]}":
+            depth -= 1
+            if depth == 1:
+                extents.append((first, match.end()))
+            elif depth == 0:
+                return extents
+    raise TrainError(f"{name}: a JSON list that does not end (truncated file?)")
+
+
+def _line_extents(buffer: Any, start: int, end: int) -> list[tuple[int, int]]:
+    """(start, end) byte extents of the non-blank lines of ``buffer[start:end]``."""
+    extents, offset = [], start
+    while offset < end:
+        newline = buffer.find(b"\n", offset, end)
+        stop = end if newline < 0 else newline + 1
+        if buffer[offset:stop].strip():
+            extents.append((offset, stop))
+        offset = stop
+    return extents
+
+
+class JsonRows:
+    """Rows with ``input_ids`` in a ``.jsonl`` / ``.json`` file (JSON lines or one JSON list), gzipped or not.
+
+    This is the SageMaker model-parallel format. Opening indexes the byte extent of every row
+    once (a ``.gz`` file is first decompressed into the process's :class:`Spill`); a row read is
+    one ``pread`` and one ``json.loads``.
+    """
+
+    def __init__(self, path: Path, column: str = COLUMN) -> None:
+        self.name, self.path, self.column = str(path), path, column
         if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                self._lines = [line for line in f if line.strip()]
-            self.size = len(self._lines)
-            return
-        offset = 0
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    self._offsets.append(offset)
-                offset += len(line)
-        self.size = len(self._offsets)
+            self._fd, start, end = Spill.append(path)
+            self._owned = False
+        else:
+            self._fd, start, end = os.open(path, os.O_RDONLY), 0, path.stat().st_size
+            self._owned = True
+        extents: list[tuple[int, int]] = []
+        if end > start:
+            with mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) as buffer:
+                head = buffer[start:min(end, start + 4096)].lstrip()
+                if head.startswith(b"["):
+                    extents = _list_extents(buffer, start, end, self.name)
+                else:
+                    extents = _line_extents(buffer, start, end)
+        self._starts = array("q", (a for a, _ in extents))
+        self._ends = array("q", (b for _, b in extents))
+        self.size = len(self._starts)
+
+    def row(self, index: int) -> Any:
+        start = self._starts[index]
+        text = os.pread(self._fd, self._ends[index] - start, start)
+        try:
+            value = json.loads(text)[self.column]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise TrainError(f"{self.path}: row {index} is not a JSON object with {self.column!r}") from None
+        return value
+
+    def __del__(self) -> None:
+        if getattr(self, "_owned", False):
+            os.close(self._fd)
+
+
+class ConcatRows:
+    """Several row sources read one after another (the files of a directory or glob, in sorted order)."""
+
+    def __init__(self, name: str, parts: list[RowSource]) -> None:
+        self.name, self.parts = name, parts
+        self._ends = list(itertools.accumulate(part.size or 0 for part in parts))
+        self.size = self._ends[-1] if parts else 0
 
     def row(self, index: int) -> list[int]:
-        if self._lines is not None:
-            line = self._lines[index]
-        else:
-            with open(self.path, "rb") as f:
-                f.seek(self._offsets[index])
-                line = f.readline()
-        try:
-            value = json.loads(line)[COLUMN]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise TrainError(f"{self.path}: row {index} is not a JSON object with {COLUMN!r}") from None
-        return value
+        part = bisect.bisect_right(self._ends, index)
+        return self.parts[part].row(index - (self._ends[part - 1] if part else 0))
 
 
 class DatasetRows:
@@ -107,22 +196,39 @@ class DatasetRows:
         return self._data[index][COLUMN]
 
 
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+EXPECTED = "a datasets save_to_disk dir, a .jsonl/.json(.gz) file, a directory or glob of those, or 'synthetic'"
+
+
+def json_files(spec: str) -> list[Path]:
+    """The ``.jsonl``/``.json`` files (gzipped or not) of a directory or glob, in sorted path order."""
+    path = Path(spec)
+    found = path.iterdir() if path.is_dir() else (Path(p) for p in glob.glob(spec, recursive=True))
+    return sorted((p for p in found if p.is_file() and p.name.endswith(JSON_SUFFIXES)), key=str)
+
+
 def open_rows(spec: str, *, vocab: int, seq_len: int, seed: int) -> RowSource:
     """The row source named by ``--data``."""
     if spec == "synthetic":
         return SyntheticRows(vocab=vocab, seq_len=seq_len, seed=seed)
     path = Path(spec)
-    if not path.exists():
-        raise TrainError(f"--data {spec}: no such file or directory (expected a datasets dir, .jsonl, .jsonl.gz "
-                         "or 'synthetic')")
-    if path.is_dir():
-        if not any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
-            raise TrainError(f"--data {spec}: not a datasets save_to_disk directory (no dataset_info.json)")
-        source: RowSource = DatasetRows(path)
-    elif path.name.endswith((".jsonl", ".jsonl.gz")):
-        source = JsonlRows(path)
+    source: RowSource
+    if path.is_dir() and any((path / name).exists() for name in DATASET_MARKERS):
+        source = DatasetRows(path)
+    elif path.is_file():
+        if not path.name.endswith(JSON_SUFFIXES):
+            raise TrainError(f"--data {spec}: expected {EXPECTED}")
+        source = JsonRows(path)
+    elif path.is_dir() or any(c in spec for c in "*?["):  # a glob
+        files = json_files(spec)
+        if not files:
+            what = "directory holds no" if path.is_dir() else "glob matches no"
+            raise TrainError(f"--data {spec}: the {what} .jsonl/.json(.gz) files and is not a datasets "
+                             "save_to_disk directory (no dataset_info.json)")
+        source = ConcatRows(spec, [JsonRows(f) for f in files])
     else:
-        raise TrainError(f"--data {spec}: expected a datasets dir, a .jsonl or .jsonl.gz file, or 'synthetic'")
+        raise TrainError(f"--data {spec}: no such file or directory (expected {EXPECTED})")
     if source.size == 0:
         raise TrainError(f"--data {spec}: holds no rows")
     return source
@@ -131,17 +237,22 @@ def open_rows(spec: str, *, vocab: int, seq_len: int, seed: int) -> RowSource:
 class Batches:
     """Rows in training order, cut to ``seq_len`` and checked against the vocabulary."""
 
-    def __init__(self, source: RowSource, *, seq_len: int, shuffle: bool, seed: int, vocab: int | None = None) -> None:
+    def __init__(self, source: RowSource, *, seq_len: int, shuffle: bool, seed: int, vocab: int | None = None,
+                 gbs: int | None = None) -> None:
         self.source, self.seq_len, self.shuffle, self.seed = source, seq_len, shuffle, seed
         self.vocab = vocab
         self._epoch: tuple[int, torch.Tensor] | None = None
+        size = source.size
+        # An epoch is whole global batches only: the last rows % gbs of each epoch's order are skipped.
+        # Data smaller than one global batch keeps all its rows per epoch (--epochs refuses it).
+        self.epoch_len = size if size is None or not gbs or size < gbs else epoch_samples(size, gbs)
 
     def row_index(self, sample: int) -> int:
         """The source row of global sample ``sample``."""
         size = self.source.size
-        if size is None:
+        if size is None or self.epoch_len is None:
             return sample
-        epoch, position = divmod(sample, size)
+        epoch, position = divmod(sample, self.epoch_len)
         if not self.shuffle:
             return position
         if self._epoch is None or self._epoch[0] != epoch:

@@ -1,5 +1,5 @@
 """What rank 0 shows and records per step: a rich progress line (or plain lines when not a
-terminal), and ``--log-jsonl`` with one JSON object per step."""
+terminal), ``--log-jsonl`` with one JSON object per step, and ``--tensorboard`` event files."""
 
 from __future__ import annotations
 
@@ -21,6 +21,21 @@ class StepMetrics:
     consumed_samples: int
 
 
+# TensorBoard tags of the StepMetrics fields; the x axis is the step.
+TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                    "tokens_per_s": "train/tokens_per_s", "consumed_samples": "train/consumed_samples"}
+
+
+def require_tensorboard() -> None:
+    """Fail with one line, before training, when --tensorboard cannot write (the optional extra is missing)."""
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ImportError:
+        from nxdtrain.errors import TrainError
+
+        raise TrainError("--tensorboard needs the tensorboard package: pip install 'ckptconv[viz]'") from None
+
+
 def note(message: str) -> None:
     """A one-line message on stderr (rank 0 decides whether to call it)."""
     print(f"nxdtrain: {message}", file=sys.stderr, flush=True)
@@ -29,10 +44,12 @@ def note(message: str) -> None:
 class StepLog:
     """Rank 0's view of the run: progress with loss, lr, tokens/s and ETA; the jsonl file."""
 
-    def __init__(self, *, first_step: int, last_step: int, jsonl: str | None, enabled: bool) -> None:
+    def __init__(self, *, first_step: int, last_step: int, jsonl: str | None, enabled: bool,
+                 tensorboard: str | None = None) -> None:
         self.enabled = enabled
         self.first, self.last = first_step, last_step
         self._jsonl: TextIO | None = None
+        self._tensorboard: Any = None
         self._progress: Any = None
         self._started = time.monotonic()
         if not enabled:
@@ -40,6 +57,11 @@ class StepLog:
         if jsonl:
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(jsonl, "a")  # a resumed run appends to the same log
+        if tensorboard:
+            require_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(log_dir=tensorboard)  # a new event file per run; resumes add one
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -58,6 +80,9 @@ class StepLog:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(asdict(m)) + "\n")
             self._jsonl.flush()
+        if self._tensorboard is not None:
+            for field, tag in TENSORBOARD_TAGS.items():
+                self._tensorboard.add_scalar(tag, getattr(m, field), global_step=m.step)
         if self._progress is not None:
             self._progress.update(self._task, completed=m.step, stats=stats)
         else:
@@ -70,3 +95,5 @@ class StepLog:
             self._progress.stop()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

@@ -35,6 +35,8 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there. ``min_lr``
     defaults to 0.1·lr (:class:`~nxdtrain.config.OptimConfig`), so the last step runs at lr 0 only when asked.
     """
+    if 0 < cfg.warmup < 1:
+        raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.epochs.resolve)")
     if cfg.warmup and step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup
     if cfg.schedule == "constant":

@@ -45,9 +45,11 @@ from nxdtrain.checkpoint import (
 from nxdtrain.config import TrainConfig
 from nxdtrain.data import Batches, RowSource, open_rows
 from nxdtrain.dist import Mesh, detect_env, init_world, local_world_size
+from nxdtrain.epochs import data_parallel
+from nxdtrain.epochs import resolve as resolve_length
 from nxdtrain.errors import TrainError
 from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
-from nxdtrain.metrics import StepLog, StepMetrics, note
+from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
@@ -77,18 +79,15 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     check_layout(source, layout)
     layout.check_model(source.spec)
     tp, pp = layout.tp, layout.pp
-    if world_size % (tp * pp):
-        raise TrainError(f"world size {world_size} (--nproc or the launcher's) is not a multiple of "
-                         f"--tp {tp} x --pp {pp}")
-    dp = world_size // (tp * pp)
     data = config.data
-    if data.gbs % (data.mbs * dp):
-        raise TrainError(f"--gbs {data.gbs} must be a multiple of --mbs {data.mbs} x data-parallel size {dp}")
-    microbatches = data.gbs // (data.mbs * dp)
+    dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
     rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
+    if config.tensorboard:
+        require_tensorboard()
     resume_state = read_training_state(source.root) if source.full else None
     if resume_state is not None:
         check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
@@ -151,7 +150,8 @@ class Trainer:
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
                                      microbatches=plan.microbatches, schedule=cfg.parallel.pp_schedule,
                                      tokens_per_batch=data.gbs * (data.seq_len - 1), device=device)
-        self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=source.spec.vocab)
+        self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed,
+                               vocab=source.spec.vocab, gbs=data.gbs)
         self.step, self.consumed = 0, 0
         self.saved_step: int | None = None
         if source.full:
@@ -166,7 +166,8 @@ class Trainer:
                 note(notice)
             note(f"resume: {source.case}")
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
-                 f"{data.mbs} per dp rank; starting at step {self.step}")
+                 f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
+                 f"(warmup {cfg.optim.warmup:g} steps)")
 
     def _restore(self) -> None:
         tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
@@ -214,7 +215,8 @@ class Trainer:
         cfg = self.cfg
         freq = cfg.checkpoint.checkpoint_freq
         start = self.step
-        log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0)
+        log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0,
+                      tensorboard=cfg.tensorboard)
         history: list[StepMetrics] = []
         last_tag = None
         try:

@@ -15,7 +15,7 @@ def global_batches(cfg: TrainConfig, vocab: int, *, start: int = 0) -> list[torc
     """The rows of global batches ``start+1 .. cfg.steps``, in training order."""
     data = cfg.data
     rows = open_rows(data.data, vocab=vocab, seq_len=data.seq_len, seed=cfg.seed)
-    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab)
+    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab, gbs=data.gbs)
     return [batches.batch(consumed=s * data.gbs, count=data.gbs) for s in range(start, cfg.steps)]
 
 

@@ -75,8 +75,68 @@ def test_errors(sources, tmp_path):
     with pytest.raises(TrainError, match="--data /nope.jsonl: no such file or directory"):
         open_rows("/nope.jsonl", vocab=10, seq_len=4, seed=0)
     (tmp_path / "rows.txt").write_text("1 2 3\n")
-    with pytest.raises(TrainError, match="expected a datasets dir, a .jsonl or .jsonl.gz file, or 'synthetic'"):
+    with pytest.raises(TrainError, match=r"rows.txt: expected a datasets save_to_disk dir, a .jsonl/.json\(.gz\) file, "
+                                         "a directory or glob of those, or 'synthetic'"):
         open_rows(str(tmp_path / "rows.txt"), vocab=10, seq_len=4, seed=0)
     (tmp_path / "bad.jsonl").write_text('{"ids": [1, 2]}\n')
     with pytest.raises(TrainError, match="bad.jsonl: row 0 is not a JSON object with 'input_ids'"):
         open_rows(str(tmp_path / "bad.jsonl"), vocab=10, seq_len=2, seed=0).row(0)
+
+
+@pytest.fixture(scope="module")
+def sagemaker(tmp_path_factory):
+    """The rows of ROWS as SageMaker model-parallel files: a JSON list, gzipped lines, a directory of .json.gz."""
+    root = tmp_path_factory.mktemp("sagemaker")
+    objects = [{"input_ids": row, "attention_mask": [1] * len(row), "text": 'a "}{][" b'} for row in ROWS]
+    (root / "list.json").write_text(json.dumps(objects, indent=2))
+    (root / "lines.json.gz").write_bytes(gzip.compress("".join(json.dumps(o) + "\n" for o in objects).encode()))
+    parts = root / "parts"
+    parts.mkdir()
+    # written in another order than their names: reading follows the sorted names
+    for name, chunk in (("part-2.json.gz", objects[7:]), ("part-0.json.gz", objects[:4]),
+                        ("part-1.json", objects[4:7])):
+        text = json.dumps(chunk) if name.endswith(".json") else "".join(json.dumps(o) + "\n" for o in chunk)
+        (parts / name).write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    (parts / "README.md").write_text("not data")
+    return root
+
+
+@pytest.mark.parametrize("name", ["list.json", "lines.json.gz", "parts", "parts/part-*"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_sagemaker_files_read_like_jsonl(sources, sagemaker, name, shuffle):
+    def make(spec):
+        return Batches(open_rows(spec, vocab=100, seq_len=6, seed=4), seq_len=6, shuffle=shuffle, seed=4, gbs=3)
+
+    jsonl = make(sources["rows.jsonl"]).batch(consumed=0, count=27)
+    other = make(str(sagemaker / name))
+    assert other.source.size == 10
+    assert torch.equal(other.batch(consumed=0, count=27), jsonl)
+    assert torch.equal(make(str(sagemaker / name)).batch(consumed=12, count=6), jsonl[12:18])  # resumed at 12
+    if not shuffle:
+        assert other.batch(consumed=0, count=10).tolist()[:9] == ROWS[:9]
+
+
+def test_an_epoch_is_whole_global_batches(sources):
+    """10 rows, gbs 4: an epoch is 8 samples (rows 8 and 9 unused); epoch 2 starts again at row 0."""
+    batches = Batches(open_rows(sources["rows.jsonl"], vocab=100, seq_len=6, seed=0), seq_len=6, shuffle=False,
+                      seed=0, gbs=4)
+    assert batches.batch(consumed=4, count=8).tolist() == ROWS[4:8] + ROWS[0:4]
+    shuffled = Batches(open_rows(sources["rows.jsonl"], vocab=100, seq_len=6, seed=2), seq_len=6, shuffle=True,
+                       seed=2, gbs=4)
+    epochs = [[r[0] // 10 for r in shuffled.batch(consumed=8 * e, count=8).tolist()] for e in range(3)]
+    assert all(len(set(e)) == 8 for e in epochs) and len({tuple(e) for e in epochs}) == 3  # 8 distinct rows each
+
+
+def test_json_errors(tmp_path):
+    (tmp_path / "cut.json").write_text('[{"input_ids": [1, 2]}, {"input_ids": [3')
+    with pytest.raises(TrainError, match="cut.json: a JSON list that does not end"):
+        open_rows(str(tmp_path / "cut.json"), vocab=10, seq_len=2, seed=0)
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(TrainError, match="bad.json.gz: not a readable gzip file"):
+        open_rows(str(tmp_path / "bad.json.gz"), vocab=10, seq_len=2, seed=0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TrainError, match="empty: the directory holds no .jsonl/.json\\(.gz\\) files and is not a "
+                                         "datasets save_to_disk directory"):
+        open_rows(str(tmp_path / "empty"), vocab=10, seq_len=2, seed=0)
+    with pytest.raises(TrainError, match="the glob matches no"):
+        open_rows(str(tmp_path / "*.jsonl"), vocab=10, seq_len=2, seed=0)
