@@ -47,7 +47,7 @@ def _reduce_scatter(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     front = x.transpose(0, 1).contiguous()
     out = front.new_empty((front.shape[0] // tp.size, *front.shape[1:]))
     dist.reduce_scatter_tensor(out, front, group=tp.group)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()  # a slice is what pipeline stages send: p2p needs contiguous
 
 
 class _GatherSeq(torch.autograd.Function):
