@@ -189,16 +189,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = logits.shape[-1]
         start = tp.rank * rows
         top = _all_reduce(logits.max(dim=-1).values, tp, dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), tp)
         local = target - start
         mine = (local >= 0) & (local < rows) & (target != ignore_index)
-        picked = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) - top
+        # One [tokens, vocab] buffer besides the logits: shifted, exponentiated and normalised in place
+        # (a shifted copy and a separate exp would hold two more).
+        probs = torch.sub(logits, top.unsqueeze(-1)).exp_()
+        sum_exp = _all_reduce(probs.sum(dim=-1), tp)
         target_logit = _all_reduce(torch.where(mine, picked, 0.0), tp)
         ignored = target == ignore_index
         loss = torch.where(ignored, 0.0, sum_exp.log() - target_logit)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine, ignored)
+        ctx.save_for_backward(probs.div_(sum_exp.unsqueeze(-1)), local, mine, ignored)
         ctx.input_dtype = logits_dtype
         return loss
 
@@ -209,7 +210,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         flat = grad_logits.view(-1, grad_logits.shape[-1])
         flat[rows[mine.view(-1)], local.view(-1)[mine.view(-1)]] -= 1.0
         scale = torch.where(ignored, 0.0, grad).unsqueeze(-1)
-        return (grad_logits * scale).to(ctx.input_dtype), None, None, None
+        return grad_logits.mul_(scale).to(ctx.input_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TpGroup,
