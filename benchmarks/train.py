@@ -245,7 +245,7 @@ def run_all(args: argparse.Namespace) -> list[Result]:
     from nxdtrain.cli import PRELOAD
     from nxdtrain.dist import spawn
 
-    shape = QUICK if args.quick else Shape(seq=args.seq)
+    shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
     root = Path(args.workdir)
     hf = build_model(root, shape)
     base = dict(precision=args.precision, data="synthetic", seq_len=shape.seq, gbs=args.gbs, mbs=args.mbs,
@@ -282,8 +282,9 @@ def run_all(args: argparse.Namespace) -> list[Result]:
 
 def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
     ref = next((r for r in results if r.row == "transformers" and r.mode == "none"), None)
-    lines = [f"machine: {machine}; {args.warmup} warmup + {args.steps} timed steps, gbs {args.gbs}, mbs {args.mbs}, "
-             f"{args.precision}", "",
+    shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
+    lines = [f"machine: {machine}; model {shape}; {args.warmup} warmup + {args.steps} timed steps, gbs {args.gbs}, "
+             f"mbs {args.mbs}, {args.precision}", "",
              "| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank |"
              + (" MFU |" if args.peak_tflops else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated checkpointing modes")
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per row")

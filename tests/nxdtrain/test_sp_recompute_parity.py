@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nxdtrain.config import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
-from nxdtrain.config import TrainConfig
 from tests.nxdtrain.harness import run_world, train_options
 
 TOL = 1e-6
