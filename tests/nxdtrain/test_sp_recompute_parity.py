@@ -77,3 +77,18 @@ def test_sequence_parallel_needs_seq_len_divisible_by_tp(nxd_model):
     with pytest.raises(TrainError) as err:
         prepare(config, 2)
     assert str(err.value) == "--sequence-parallel needs --seq-len divisible by --tp 2, got 15"
+
+
+@pytest.mark.parametrize("model,layout,topology", [
+    pytest.param("mha", dict(attention="separate"), (2, 1, 1), id="separate-tp2"),
+    pytest.param("mha", dict(attention="coalesced"), (2, 2, 1), id="coalesced-tp2-pp2", marks=pytest.mark.slow),
+    pytest.param("gqa2", dict(attention="qkv_linear"), (2, 1, 2), id="qkv-unfused-tp2-dp2", marks=pytest.mark.slow),
+])
+def test_other_attention_modes(tmp_path, nxd_model, model, layout, topology):
+    """Sequence parallel with selective recompute equals the plain run for the other q/k/v layouts too."""
+    tp, pp, dp = topology
+    src = nxd_model(model, tp=tp, pp=pp, **layout)
+    plain_losses, plain_ckpt = train(tmp_path, "plain", src, tp, pp, dp)
+    losses, ckpt = train(tmp_path, "sp", src, tp, pp, dp, sequence_parallel=True, activation_checkpointing="selective")
+    assert max(abs(a - b) for a, b in zip(losses, plain_losses, strict=True)) <= TOL, (losses, plain_losses)
+    assert max_diff(shard_weights(ckpt / "step_3"), shard_weights(plain_ckpt / "step_3")) <= TOL
