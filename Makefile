@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench bench-train lint clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
+
+# nxdtrain tokens/s and per-process peak memory against a transformers loop (~20-30 min on 2 cores;
+# BENCH_ARGS=--quick for a smoke run).
+bench-train: setup
+	$(BIN)/python benchmarks/train.py $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples

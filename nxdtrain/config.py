@@ -24,6 +24,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
+RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.recompute)
 
 
 def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None) -> Any:
@@ -48,6 +49,11 @@ class ParallelConfig:
     fuse_qkv: bool | None = option(None, "fused weight_qkv (needs qkv_linear); default: the shards'")
     pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
     zero1: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
+    sequence_parallel: bool = option(False, "split activations between tp regions along the sequence over the "
+                                            "tp ranks (needs --seq-len divisible by --tp)")
+    activation_checkpointing: str = option("none", "recompute activations in the backward: the attention core "
+                                                   "(selective) or each decoder layer (full)", choices=RECOMPUTE,
+                                           aliases=("--activations-checkpoint-granularity",))
 
     def __post_init__(self) -> None:
         _check(_is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
@@ -56,6 +62,7 @@ class ParallelConfig:
                f"--kv-replicator must be an integer >= 1, got {self.kv_replicator!r}")
         _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
         _choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("--activation-checkpointing", self.activation_checkpointing, RECOMPUTE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,6 +273,7 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("distributed_strategy", "pipeline_model_parallel_size"): "pp",
     ("distributed_strategy", "kv_replicator"): "kv_replicator",
     ("distributed_strategy", "zero1"): "zero1",
+    ("distributed_strategy", "sequence_parallel"): "sequence_parallel",
     ("data", "micro_batch_size"): "mbs",
     ("data", "global_batch_size"): "gbs",
     ("data", "seq_length"): "seq_len",
@@ -273,6 +281,8 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("model", "qkv_linear"): "qkv_linear",
     ("model", "fuse_qkv"): "fuse_qkv",
     ("model", "weight_init_only"): "weights_only",
+    ("model", "activations_checkpoint_granularity"): "activation_checkpointing",
+    ("model", "activations_checkpoint_recompute"): "activations_checkpoint_recompute",
     ("model", "optim", "name"): "optimizer",
     ("model", "optim", "lr"): "lr",
     ("model", "optim", "weight_decay"): "weight_decay",
@@ -306,6 +316,15 @@ def _nxdt_value(key: str, value: Any, source: str) -> dict[str, Any]:
         if not found:
             raise TrainError(f"{source}: model.optim.sched.name {value!r} is none of {', '.join(SCHEDULES)}")
         return {"schedule": found[0]}
+    if key == "activation_checkpointing":  # NxDT: selective, full, or null for none
+        return {key: "none" if value is None else str(value).lower()}
+    if key == "activations_checkpoint_recompute":
+        # NxDT names the modules `selective` recomputes; ours is always the attention core.
+        names = [value] if isinstance(value, str) else list(value or [])
+        if any(name != "CoreAttention" for name in names):
+            raise TrainError(f"{source}: model.activations_checkpoint_recompute {value!r}: nxdtrain recomputes "
+                             "only CoreAttention (activations_checkpoint_granularity: selective)")
+        return {}
     if key == "precision":
         return {"precision": "fp32" if str(value).lower() == "fp32" else "bf16"}
     return {key: value}

@@ -1,7 +1,8 @@
 """Gradient reductions between ranks, and the global gradient norm.
 
 After the backward of all microbatches each rank holds the gradient of its own loss terms.
-Three sums make them the gradient of the global-batch loss:
+Three sums make them the gradient of the global-batch loss (four with sequence parallelism,
+where step 0 sums the norm weights' gradients over tp: each rank saw only its sequence slice):
 
 1. K/V replicas (kv_size_multiplier > 1): the tp ranks holding the same K/V head each saw only
    their own Q heads; the sum over the replica group is the head's full gradient, and every
@@ -37,6 +38,8 @@ class GradPlan:
     tied_group: Any = None          # first+last stage, when pp > 1
     tied_names: tuple[str, ...] = ()  # ("model.embed_tokens.weight",) on the first stage, lm_head on the last; both if pp == 1
     uncounted: dict[str, list[Rows]] = field(default_factory=dict)  # rows left out of the norm here (empty list: all)
+    seq_group: Any = None           # tp group, with sequence parallelism
+    seq_names: tuple[str, ...] = ()  # norm weights: summed over seq_group
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
@@ -56,7 +59,8 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
 
 
 def reduce_gradients(grads: dict[str, torch.Tensor], plan: GradPlan) -> None:
-    """Steps 1-3 of the module docstring, in place."""
+    """Steps 0-3 of the module docstring, in place."""
+    _all_reduce_flat([grads[name] for name in plan.seq_names], plan.seq_group)
     if plan.kv_group is not None:
         _all_reduce_flat([grads[name][rows] for name, rows in plan.kv_rows], plan.kv_group)
     if len(plan.tied_names) == 2:  # embedding and lm_head on this same rank

@@ -37,7 +37,10 @@ from nxdtrain.parallel import (
     ParallelEmbedding,
     RowParallelLinear,
     TpGroup,
+    enter_tp,
 )
+from nxdtrain.recompute import MODES as RECOMPUTE_MODES
+from nxdtrain.recompute import maybe_checkpoint
 from nxdtrain.rope import apply_rope, cos_sin, inv_freq
 
 
@@ -123,10 +126,12 @@ class SelfAttention(nn.Module):
         index = [heads.kv.index(h // spec.group) for h in heads.q]
         self.register_buffer("kv_index", torch.tensor(index), persistent=False)
         self.expand_kv = index != list(range(m))
+        self.recompute_core = False  # selective activation checkpointing (set by LlamaStage)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.separate:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.separate:  # one tp region for the shared input: one gradient all-reduce, not three
+            x = enter_tp(x, self.q_proj.tp)
+            return self.q_proj.project(x), self.k_proj.project(x), self.v_proj.project(x)
         qkv = self.qkv_proj(x)
         if isinstance(qkv, tuple):  # the GQA QKV layer
             return qkv
@@ -135,17 +140,21 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
         n, m, hd = self.shape
         q, k, v = self._project(x)
+        batch, seq = q.shape[:2]  # the whole sequence, also when x is a sequence-parallel slice
         q = q.view(batch, seq, n, hd).transpose(1, 2)
         k = k.view(batch, seq, m, hd).transpose(1, 2)
         v = v.view(batch, seq, m, hd).transpose(1, 2)
         q, k = apply_rope(q, k, cos, sin)
+        out = maybe_checkpoint(self.recompute_core, self._core, q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, n * hd))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QKᵀ)V: what selective checkpointing recomputes."""
         if self.expand_kv:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, n * hd))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
 
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
@@ -207,15 +216,19 @@ class LlamaStage(nn.Module):
     """The layers of pipeline rank ``pp_rank`` for tensor-parallel rank ``tp.rank``.
 
     Input: token ids (first stage) or hidden states; output: hidden states, or on the last stage
-    this rank's vocabulary slice of the logits. Layers keep their global numbers.
+    this rank's vocabulary slice of the logits. Layers keep their global numbers. With
+    ``tp.sequence_parallel`` the hidden states in and out are this tp rank's sequence slice
+    ``[batch, seq/tp, hidden]``; ``recompute`` is the activation checkpointing mode.
     """
 
     rope_inv_freq: torch.Tensor
     lm_head: ColumnParallelLinear
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
-                 with_inv_freq: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none") -> None:
         super().__init__()
+        assert recompute in RECOMPUTE_MODES, recompute
+        self.recompute = recompute
         if layout.vpp != 1:
             raise TrainError(f"layout {describe(layout)}: virtual pipeline stages are not supported by nxdtrain; "
                              "reshard with ckptconv reshard --vpp 1")
@@ -239,6 +252,8 @@ class LlamaStage(nn.Module):
             self.model.norm = RMSNorm(spec.hidden, eps, dtype)
             self.lm_head = ColumnParallelLinear(spec.hidden, spec.vocab // tp.size, tp, dtype=dtype)
         self._check_matches_shard()
+        for attn in self.attention_layers():
+            attn.recompute_core = recompute == "selective"
 
     def records(self) -> list[ShardRecord]:
         return shard_records(self.spec, self.layout, tp_rank=self.tp.rank, pp_rank=self.pp_rank,
@@ -252,9 +267,10 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.is_first else x
-        cos, sin = cos_sin(self.rope_inv_freq, h.shape[1], h.dtype)
+        seq = h.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)  # h: this rank's slice with SP
+        cos, sin = cos_sin(self.rope_inv_freq, seq, h.dtype)
         for layer in self.model.layers.values():
-            h = layer(h, cos, sin)
+            h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin)
         if self.is_last:
             return self.lm_head(self.model.norm(h))
         return h

@@ -5,7 +5,9 @@ The classes mirror ``neuronx_distributed.parallel_layers``: a layer's ``weight``
 shard stores for this tp rank, so shards load with ``strict=True``. The tp collectives are the
 two classic conjugate operators: ``copy_to_tp`` (identity forward, all-reduce backward) in front
 of a column-parallel layer, ``reduce_from_tp`` (all-reduce forward, identity backward) behind a
-row-parallel one. They are no-ops when tp is 1 (``group`` is None).
+row-parallel one. They are no-ops when tp is 1 (``group`` is None). With sequence parallelism
+(``TpGroup.sequence_parallel``) they become a sequence all-gather and a reduce-scatter
+(:mod:`nxdtrain.sequence_parallel`); :func:`enter_tp` and :func:`leave_tp` pick the pair.
 
 These layers run on any torch device; the real NxD layers (Trainium, XLA) are never required.
 """
@@ -20,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nxdtrain.sequence_parallel import gather_seq, reduce_scatter_seq
+
 
 @dataclass(frozen=True)
 class TpGroup:
@@ -28,6 +32,7 @@ class TpGroup:
     size: int = 1
     rank: int = 0
     group: Any = None
+    sequence_parallel: bool = False  # activations outside tp regions are [batch, seq/tp, hidden] slices
 
 
 def _all_reduce(t: torch.Tensor, tp: TpGroup, op: Any = None) -> torch.Tensor:
@@ -69,6 +74,16 @@ def reduce_from_tp(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     return x if tp.group is None else _ReduceFromTp.apply(x, tp)
 
 
+def enter_tp(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+    """The input of column-parallel layers: one region per input, however many layers read it."""
+    return gather_seq(x, tp) if tp.sequence_parallel else copy_to_tp(x, tp)
+
+
+def leave_tp(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
+    """The partial sums of a row-parallel layer (or the vocab-parallel embedding), summed over tp."""
+    return reduce_scatter_seq(x, tp) if tp.sequence_parallel else reduce_from_tp(x, tp)
+
+
 def _empty(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
     # Zeros, not torch.empty: every parameter is overwritten from a shard, and zeros keep a
     # forgotten load visible instead of random.
@@ -84,7 +99,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _empty(out_local, in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight)
+        return self.project(enter_tp(x, self.tp))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The product alone, for an input that already went through :func:`enter_tp`."""
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -96,14 +115,14 @@ class RowParallelLinear(nn.Module):
         self.weight = _empty(out_features, in_local, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return leave_tp(F.linear(x, self.weight), self.tp)
 
 
 class ParallelEmbedding(nn.Module):
     """Vocab-parallel embedding: ``weight`` holds rows ``[vocab_start, vocab_start + rows)``.
 
-    Ids outside the range look up row 0 and are zeroed; the all-reduce adds the one rank that
-    holds each id.
+    Ids outside the range look up row 0 and are zeroed; the all-reduce (or, with sequence
+    parallelism, the reduce-scatter into sequence slices) adds the one rank that holds each id.
     """
 
     def __init__(self, rows: int, hidden: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32) -> None:
@@ -118,7 +137,7 @@ class ParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+        return leave_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
 
 class GQAQKVColumnParallelLinear(nn.Module):
@@ -142,7 +161,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
             self.weight_v = _empty(kv_rows, hidden, dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = copy_to_tp(x, self.tp)
+        x = enter_tp(x, self.tp)
         if self.fuse:
             q, k, v = F.linear(x, self.weight_qkv).split(self.sizes, dim=-1)
             return q, k, v
@@ -170,16 +189,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = logits.shape[-1]
         start = tp.rank * rows
         top = _all_reduce(logits.max(dim=-1).values, tp, dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), tp)
         local = target - start
         mine = (local >= 0) & (local < rows) & (target != ignore_index)
-        picked = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) - top
+        # One [tokens, vocab] buffer besides the logits: shifted, exponentiated and normalised in place
+        # (a shifted copy and a separate exp would hold two more).
+        probs = torch.sub(logits, top.unsqueeze(-1)).exp_()
+        sum_exp = _all_reduce(probs.sum(dim=-1), tp)
         target_logit = _all_reduce(torch.where(mine, picked, 0.0), tp)
         ignored = target == ignore_index
         loss = torch.where(ignored, 0.0, sum_exp.log() - target_logit)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, mine, ignored)
+        ctx.save_for_backward(probs.div_(sum_exp.unsqueeze(-1)), local, mine, ignored)
         ctx.input_dtype = logits_dtype
         return loss
 
@@ -190,7 +210,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         flat = grad_logits.view(-1, grad_logits.shape[-1])
         flat[rows[mine.view(-1)], local.view(-1)[mine.view(-1)]] -= 1.0
         scale = torch.where(ignored, 0.0, grad).unsqueeze(-1)
-        return (grad_logits * scale).to(ctx.input_dtype), None, None, None
+        return grad_logits.mul_(scale).to(ctx.input_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TpGroup,

@@ -6,6 +6,11 @@ Loss definition: the mean token cross-entropy over every predicted token of the 
 at once. Each microbatch contributes its token sum divided by that global count (so the
 schedule must not rescale: ``scale_grads=False``); gradients accumulate over microbatches and are
 summed over data-parallel ranks, and the reported loss is the same sum over microbatches and dp.
+
+At pp 1 the microbatches run in a plain loop (the same forward, loss and backward calls the
+schedules make, without their machinery); at pp > 1 the stage is given the shapes it sends and
+receives, so the first step runs no extra forward for shape inference. With sequence
+parallelism the hidden states passed between stages are each tp rank's sequence slice.
 """
 
 from __future__ import annotations
@@ -34,14 +39,19 @@ class PipelineStep:
     """Runs the microbatches of one data-parallel rank's slice of a global batch."""
 
     def __init__(self, model: LlamaStage, *, pp_group: Any, pp_size: int, microbatches: int, schedule: str,
-                 tokens_per_batch: int, device: torch.device) -> None:
+                 tokens_per_batch: int, device: torch.device, mbs: int, seq_len: int) -> None:
         if schedule == "1f1b" and microbatches < pp_size:
             raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp_size} microbatches per data-parallel rank, "
                              f"got {microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
         self.model, self.device = model, device
-        self.tokens = tokens_per_batch
-        stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group)
-        self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        self.tokens, self.microbatches = tokens_per_batch, microbatches
+        self.schedule = None
+        if pp_size > 1:
+            inputs, outputs = stage_shapes(model, mbs=mbs, seq_len=seq_len)
+            x, y = _examples(inputs, device), _examples(outputs, device)
+            stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group, input_args=x, output_args=y,
+                                  input_grads=None if model.is_first else x, output_grads=None if model.is_last else y)
+            self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.model.tp,
@@ -50,6 +60,8 @@ class PipelineStep:
 
     def run(self, ids: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all microbatches; the summed loss on the last stage, 0 elsewhere."""
+        if self.schedule is None:
+            return self._run_one_stage(ids)
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.is_first else ()
         kwargs: dict[str, Any] = {"return_outputs": False}
@@ -59,3 +71,31 @@ class PipelineStep:
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    def _run_one_stage(self, ids: torch.Tensor) -> torch.Tensor:
+        losses = []
+        targets = shifted_targets(ids).tensor_split(self.microbatches)
+        for chunk, target in zip(ids.tensor_split(self.microbatches), targets, strict=True):
+            loss = self._loss(self.model(chunk), target)
+            loss.backward()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).sum()
+
+
+Shape = tuple[tuple[int, ...], torch.dtype]
+
+
+def stage_shapes(model: LlamaStage, *, mbs: int, seq_len: int) -> tuple[Shape, Shape]:
+    """(input, output) shape and dtype of one microbatch through this stage (what the stages exchange)."""
+    tp = model.tp
+    dtype = next(model.parameters()).dtype
+    local_seq = seq_len // tp.size if tp.sequence_parallel else seq_len
+    hidden: Shape = ((mbs, local_seq, model.spec.hidden), dtype)
+    inputs: Shape = ((mbs, seq_len), torch.long) if model.is_first else hidden
+    outputs: Shape = ((mbs, seq_len, model.spec.vocab // tp.size), dtype) if model.is_last else hidden
+    return inputs, outputs
+
+
+def _examples(shape: Shape, device: torch.device) -> torch.Tensor:
+    # requires_grad marks the hidden states as differentiable: the stage receives them with it set.
+    return torch.empty(shape[0], dtype=shape[1], device=device, requires_grad=shape[1].is_floating_point)

@@ -15,7 +15,6 @@ Example (one process; ``nxdtrain run`` is the same call):
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.errors import ConversionError
+from ckptconv.execute import usable_cpus
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
 from nxdtrain.checkpoint import (
@@ -54,6 +54,7 @@ from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
 from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
+from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -81,6 +82,8 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     tp, pp = layout.tp, layout.pp
     data = config.data
     dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs)
+    if config.parallel.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
+        raise TrainError(reason)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
@@ -104,6 +107,8 @@ def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
     spec, layout, tp_rank = plan.source.spec, plan.layout, mesh.coords.tp
     out = GradPlan(dp_group=mesh.dp_group, mp_group=mesh.mp_group)
     names = {id(p): n for n, p in model.named_parameters()}
+    if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
+        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
     if tp_rank != 0:
         out.uncounted.update({name: [] for name in model.tp_replicated()})
     # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).
@@ -136,8 +141,10 @@ class Trainer:
         c = mesh.coords
         torch.manual_seed(cfg.seed)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.model = LlamaStage(source.spec, plan.layout, tp=TpGroup(mesh.tp, c.tp, mesh.tp_group), pp_rank=c.pp,
-                                with_inv_freq=source.with_inv_freq, dtype=dtype).to(device)
+        par = cfg.parallel
+        tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
+        self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
+                                dtype=dtype, recompute=par.activation_checkpointing).to(device)
         shard = source.shard(c.tp, c.pp)
         state = source.load_state(c.tp, c.pp)
         self.model.load_shard_state(state, str(shard))
@@ -149,7 +156,8 @@ class Trainer:
         data = cfg.data
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
                                      microbatches=plan.microbatches, schedule=cfg.parallel.pp_schedule,
-                                     tokens_per_batch=data.gbs * (data.seq_len - 1), device=device)
+                                     tokens_per_batch=data.gbs * (data.seq_len - 1), device=device,
+                                     mbs=data.mbs, seq_len=data.seq_len)
         self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed,
                                vocab=source.spec.vocab, gbs=data.gbs)
         self.step, self.consumed = 0, 0
@@ -238,7 +246,7 @@ def train(config: TrainConfig) -> list[StepMetrics]:
     """Train in this process as one rank of the launcher's world (or alone); export at the end if asked."""
     env = detect_env()
     plan = prepare(config, env.world_size)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size()))  # the node's cores, shared
+    torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
     device = init_world(env, config.dist_timeout)
     try:
         history, last_tag = Trainer(plan, device).run()

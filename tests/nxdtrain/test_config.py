@@ -11,7 +11,8 @@ from nxdtrain.errors import TrainError
 RUN_FLAGS = {
     "--config", "--steps", "--epochs", "--tensorboard", "--seed", "--precision", "--nproc", "--log-jsonl", "--export-hf", "--dist-timeout",
     "--tp", "--pp", "--kv-replicator", "--kv-size-multiplier", "--qkv-linear", "--no-qkv-linear", "--fuse-qkv",
-    "--no-fuse-qkv", "--pp-schedule", "--zero1", "--no-zero1",
+    "--no-fuse-qkv", "--pp-schedule", "--zero1", "--no-zero1", "--sequence-parallel", "--no-sequence-parallel",
+    "--activation-checkpointing", "--activations-checkpoint-granularity",
     "--optimizer", "--lr", "--min-lr", "--warmup", "--schedule", "--decay-steps", "--weight-decay", "--beta1",
     "--beta2", "--eps", "--clip-grad",
     "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
@@ -37,9 +38,10 @@ def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
         "steps: 50\n"
         "lr: 1e-3\n"           # YAML 1.1 reads this as a string; the config makes it a float
         "distributed_strategy: {tensor_model_parallel_size: 2, pipeline_model_parallel_size: 2, kv_replicator: 2,"
-        " zero1: true, sequence_parallel: false}\n"
+        " zero1: true, sequence_parallel: true}\n"
         "data: {micro_batch_size: 2, global_batch_size: 16, seq_length: 512, train_dir: /data/train.jsonl}\n"
         "model:\n  fuse_qkv: true\n  weight_init_only: true\n"
+        "  activations_checkpoint_granularity: selective\n  activations_checkpoint_recompute: [CoreAttention]\n"
         "  optim: {name: adamw_fp32OptState, weight_decay: 0.01, betas: [0.9, 0.98],"
         " sched: {name: LinearAnnealingWithWarmUp, warmup_steps: 10, max_steps: 100}}\n"
         "exp_manager: {resume_from_checkpoint: /fsx/llama-nxd, checkpoint_callback_params: {every_n_train_steps: 25,"
@@ -56,8 +58,31 @@ def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
     assert (cfg.optim.optimizer, cfg.optim.schedule, cfg.optim.warmup, cfg.optim.decay_steps) == ("adamw", "linear", 10, 100)
     assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay) == (0.9, 0.98, 0.01)
     assert (cfg.checkpoint.checkpoint_freq, cfg.checkpoint.keep, cfg.precision) == (25, 3, "bf16")
-    assert capsys.readouterr().err.strip() == (
-        f"nxdtrain: {yaml_file}: ignored NxDT keys distributed_strategy.sequence_parallel, precision.master_weights")
+    assert (cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing) == (True, "selective")
+    assert capsys.readouterr().err.strip() == f"nxdtrain: {yaml_file}: ignored NxDT keys precision.master_weights"
+
+
+@pytest.mark.parametrize("granularity,expected", [("full", "full"), ("null", "none"), ("Selective", "selective")])
+def test_yaml_nxdt_checkpoint_granularity(tmp_path, granularity, expected):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"model: {{activations_checkpoint_granularity: {granularity}}}\n")
+    args = build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x"])
+    assert load_config(args).parallel.activation_checkpointing == expected
+
+
+def test_yaml_nxdt_recompute_other_modules_is_an_error(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model: {activations_checkpoint_recompute: [CoreAttention, MLP]}\n")
+    with pytest.raises(TrainError) as err:
+        load_config(build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x"]))
+    assert str(err.value) == (f"{yaml_file}: model.activations_checkpoint_recompute ['CoreAttention', 'MLP']: "
+                              "nxdtrain recomputes only CoreAttention (activations_checkpoint_granularity: selective)")
+
+
+def test_activation_checkpointing_flag_checks_its_value():
+    with pytest.raises(TrainError) as err:
+        TrainConfig.from_flat({"resume": "x", "activation_checkpointing": "layers"})
+    assert str(err.value) == "--activation-checkpointing must be one of none, selective, full, got 'layers'"
 
 
 @pytest.mark.parametrize("options,message", [

@@ -1,0 +1,351 @@
+"""``make bench-train``: nxdtrain's training speed and memory against a plain transformers loop, in one run.
+
+A random Llama of real proportions scaled to a small machine (default: 8 layers, hidden 512, 8 heads,
+2 K/V heads, intermediate 1408, vocab 8192, seq 512, fp32) is saved once and converted to the NxD
+layouts the rows need. Each row trains ``--warmup`` steps and then ``--steps`` timed steps of the
+same global batch in fresh processes (forkserver children, like ``nxdtrain run --nproc``), with
+AdamW; rows:
+
+* ``transformers``: ``LlamaForCausalLM`` with the same rows, microbatches and AdamW (checkpointing
+  none, and full via ``gradient_checkpointing_enable``: it has no selective mode);
+* nxdtrain tp 1, tp 2, tp 2 + sequence parallel, pp 2, dp 2 + ZeRO-1, each with activation
+  checkpointing none / selective / full.
+
+Every process measures itself (``/proc/self/status``): ``peak`` is its VmHWM over the whole run;
+``act`` is the activation peak: VmHWM of the timed steps minus the resident size when they start
+(after the warmup, when weights, gradients and optimizer state exist; VmHWM is reset there through
+``/proc/self/clear_refs``). glibc is told to return large freed blocks to the kernel
+(``MALLOC_MMAP_THRESHOLD_``), for every row alike, so freed activations do not stay resident.
+The table shows tokens/s of the whole world (median step) and the largest per-rank peak, with
+ratios to the ``transformers`` row of the same run. Written to ``bench-out/train.md`` and ``.json``.
+
+    python benchmarks/train.py [--quick] [--mbs 4] [--rows tp1,tp2-sp,...] [--modes none,full]
+
+With a CUDA device the same script runs NCCL and bf16 (``--precision bf16``) and reports MFU against
+``--peak-tflops``; that path has not been run (no GPU was available when it was written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Before torch (and the forkserver) start: large blocks go back to the kernel when freed, so RSS follows use.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+
+OUT = Path("bench-out")
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 8
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 1408
+    vocab: int = 8192
+    seq: int = 512
+
+
+QUICK = Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=352, vocab=1024, seq=128)
+
+# name: (tp, pp, dp, extra nxdtrain options)
+ROWS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
+    "tp1": (1, 1, 1, {}),
+    "tp2": (2, 1, 1, {}),
+    "tp2-sp": (2, 1, 1, {"sequence_parallel": True}),
+    "pp2": (1, 2, 1, {}),
+    "dp2-zero1": (1, 1, 2, {"zero1": True}),
+}
+MODES = ("none", "selective", "full")
+
+
+@dataclass
+class Result:
+    row: str
+    mode: str
+    procs: int
+    tokens_per_s: float
+    step_s: list[float]
+    peak_mib: float      # largest VmHWM over the ranks
+    act_mib: float       # largest activation peak over the ranks (see the module docstring)
+    mfu: float | None = None
+
+
+# ------------------------------------------------------------------ measured inside each process
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+class Probe:
+    """Step times and memory of this process; written to ``out/rank<N>.json`` at the end."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self.hwm_warmup, self.rss_start = warmup, [], 0, 0
+
+    def step(self, index: int, seconds: float) -> None:
+        if index < self.warmup:
+            if index == self.warmup - 1:
+                self.hwm_warmup, self.rss_start = _status_kib("VmHWM"), _status_kib("VmRSS")
+                _reset_peak()
+            return
+        self.times.append(seconds)
+
+    def write(self, out: Path, rank: int) -> None:
+        hwm = _status_kib("VmHWM")
+        data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start}
+        (out / f"rank{rank}.json").write_text(json.dumps(data))
+
+
+def _threads(nproc: int) -> None:
+    import torch
+
+    from ckptconv.execute import usable_cpus
+
+    torch.set_num_threads(max(1, usable_cpus() // nproc))  # what nxdtrain.train does
+
+
+def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> None:
+    """One rank: nxdtrain's Trainer, the way ``nxdtrain.train.train`` drives it, with a probe around each step."""
+    import torch.distributed as dist
+
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.dist import detect_env, init_world, local_world_size
+    from nxdtrain.train import Trainer, prepare
+
+    config = TrainConfig.from_flat(options)
+    env = detect_env()
+    plan = prepare(config, env.world_size)
+    _threads(local_world_size())
+    device = init_world(env, config.dist_timeout)
+    probe = Probe(warmup)
+    try:
+        trainer = Trainer(plan, device)
+        for index in range(warmup + steps):
+            started = time.perf_counter()
+            trainer.train_step(index + 1)
+            _sync(device)
+            probe.step(index, time.perf_counter() - started)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    probe.write(out, env.rank)
+
+
+def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, checkpointing: bool, out: Path) -> None:
+    """The reference: LlamaForCausalLM, the same global batches in the same microbatches, AdamW, clipping."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.optim import make_torch_optimizer, param_groups
+    from tests.nxdtrain.reference import global_batches
+
+    _threads(1)
+    cfg = TrainConfig.from_flat({**options, "resume": hf_dir})
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = make_torch_optimizer(param_groups(list(model.named_parameters()), cfg.optim.weight_decay),
+                                     cfg.optim, lr=cfg.optim.lr)
+    batches = global_batches(cfg, model.config.vocab_size)
+    micro = cfg.data.gbs // cfg.data.mbs
+    probe = Probe(warmup)
+    for index, ids in enumerate(batches[:warmup + steps]):
+        started = time.perf_counter()
+        for chunk in ids.to(device).tensor_split(micro):
+            (model(input_ids=chunk, labels=chunk).loss / micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        _sync(device)
+        probe.step(index, time.perf_counter() - started)
+    probe.write(out, 0)
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def build_model(root: Path, shape: Shape, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = root / "hf"
+    if (hf / "config.json").exists():
+        return hf
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=shape.hidden, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                         num_hidden_layers=shape.layers, vocab_size=shape.vocab, intermediate_size=shape.intermediate,
+                         max_position_embeddings=max(2048, shape.seq), tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(hf)
+    return hf
+
+
+def converted(hf: Path, root: Path, tp: int, pp: int) -> Path:
+    from ckptconv.api import RunOptions, to_nxd
+
+    out = root / f"nxd-tp{tp}-pp{pp}"
+    if not (out / "ckptconv.json").exists():
+        to_nxd(hf, out, options=RunOptions(quiet=True, part=(0, 1)), tp=tp, pp=pp, attention="qkv_linear",
+               fuse_qkv=True)
+    return out
+
+
+def collect(out: Path, nprocs: int, row: str, mode: str, tokens_per_step: int, flops_per_token: float,
+            peak_tflops: float | None) -> Result:
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
+    # A step ends when its slowest rank ends: the world's step time is the max over ranks.
+    steps = [max(times) for times in zip(*(r["times"] for r in ranks), strict=True)]
+    tps = tokens_per_step / statistics.median(steps)
+    mfu = tps * flops_per_token / (peak_tflops * 1e12 * nprocs) if peak_tflops else None
+    return Result(row, mode, nprocs, tps, steps, max(r["peak_kib"] for r in ranks) / 1024,
+                  max(r["act_kib"] for r in ranks) / 1024, mfu)
+
+
+def flops_per_token(shape: Shape) -> float:
+    """6·N (matmul parameters, forward and backward) plus attention scores, causal half: the usual MFU count."""
+    kv = shape.hidden // shape.heads * shape.kv_heads
+    per_layer = shape.hidden * (2 * shape.hidden + 2 * kv) + 3 * shape.hidden * shape.intermediate
+    matmul = shape.layers * per_layer + shape.hidden * shape.vocab
+    return 6 * matmul + 6 * shape.layers * shape.seq * shape.hidden
+
+
+def run_all(args: argparse.Namespace) -> list[Result]:
+    from nxdtrain.cli import PRELOAD
+    from nxdtrain.dist import spawn
+
+    shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
+    root = Path(args.workdir)
+    hf = build_model(root, shape)
+    base = dict(precision=args.precision, data="synthetic", seq_len=shape.seq, gbs=args.gbs, mbs=args.mbs,
+                steps=args.warmup + args.steps, lr=1e-4, warmup=0, schedule="constant", optimizer="adamw",
+                weight_decay=0.1, clip_grad=1.0, seed=1, dist_timeout=600.0)
+    tokens = args.gbs * shape.seq
+    fpt = flops_per_token(shape)
+    results = []
+
+    def launch(fn: Any, fn_args: tuple[Any, ...], nprocs: int, row: str, mode: str, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        code = spawn(fn, (*fn_args, out), nprocs, timeout_s=args.timeout, preload=(*PRELOAD, "transformers"))
+        if code != 0:
+            print(f"{row} {mode}: failed with exit code {code}", file=sys.stderr)
+            return
+        results.append(collect(out, nprocs, row, mode, tokens, fpt, args.peak_tflops))
+        r = results[-1]
+        print(f"{row:<14} {mode:<9} {r.tokens_per_s:9.0f} tok/s  peak {r.peak_mib:7.0f} MiB  act {r.act_mib:7.0f} MiB",
+              flush=True)
+
+    for mode in ("none", "full"):
+        if mode in args.modes:
+            launch(hf_worker, (str(hf), base, args.steps, args.warmup, mode == "full"), 1, "transformers", mode,
+                   root / f"out-hf-{mode}")
+    for row in args.rows:
+        tp, pp, dp = ROWS[row][:3]
+        src = converted(hf, root, tp, pp)
+        for mode in args.modes:
+            options = {**base, **ROWS[row][3], "resume": str(src), "tp": tp, "pp": pp,
+                       "activation_checkpointing": mode}
+            launch(nxd_worker, (options, args.steps, args.warmup), tp * pp * dp, row, mode, root / f"out-{row}-{mode}")
+    return results
+
+
+def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
+    ref = next((r for r in results if r.row == "transformers" and r.mode == "none"), None)
+    shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
+    lines = [f"machine: {machine}; model {shape}; {args.warmup} warmup + {args.steps} timed steps, gbs {args.gbs}, "
+             f"mbs {args.mbs}, {args.precision}", "",
+             "| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank |"
+             + (" MFU |" if args.peak_tflops else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
+    for r in results:
+        speed = f"{r.tokens_per_s / ref.tokens_per_s:.2f}" if ref else "-"
+        memory = f"{r.peak_mib / ref.peak_mib:.2f}" if ref else "-"
+        mfu = f" {r.mfu:.1%} |" if r.mfu is not None else ""
+        lines.append(f"| {r.row} | {r.mode} | {r.procs} | {r.tokens_per_s:.0f} | {speed} | {r.peak_mib:.0f} | "
+                     f"{memory} | {r.act_mib:.0f} |{mfu}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 2-layer 128-wide model, one step: a smoke check")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated checkpointing modes")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--precision", default=None, help="fp32 (default on CPU) or bf16 (default with CUDA)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="per-device peak, for MFU (GPU)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one row may take")
+    parser.add_argument("--workdir", default=None, help="where the model and conversions go (default: a temp dir)")
+    args = parser.parse_args(argv)
+    import torch
+
+    args.rows = [r for r in args.rows.split(",") if r]
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [r for r in args.rows if r not in ROWS] + [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown row or mode {unknown[0]!r}")
+    if args.quick:
+        args.steps, args.warmup = 1, 1
+    args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+    cleanup = None
+    if args.workdir is None:
+        cleanup = tempfile.TemporaryDirectory(prefix="bench-train-")
+        args.workdir = cleanup.name
+    from ckptconv.execute import usable_cpus
+
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    machine = (f"{platform.machine()}, {usable_cpus()} usable cores{gpu}, "
+               f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM, torch {torch.__version__}")
+    try:
+        results = run_all(args)
+    finally:
+        if cleanup is not None:
+            cleanup.cleanup()
+    text = table(results, machine, args)
+    print("\n" + text)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "train.md").write_text(text)
+    (OUT / "train.json").write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()},
+                                                "results": [asdict(r) for r in results]}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: nxdtrain, tests.nxdtrain
+    sys.exit(main())
