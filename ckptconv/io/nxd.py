@@ -24,6 +24,7 @@ import torch
 
 from ckptconv.errors import ConversionError
 from ckptconv.execute import move_into_place
+from ckptconv.outdir import write_text
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
@@ -321,9 +322,7 @@ def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
 def write_markers(tag_dir: Path) -> None:
     """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from."""
     for name in (CHECKPOINT_MARKER, DONE_MARKER):
-        partial = tag_dir / (name + ".partial")
-        partial.write_text("1")
-        os.replace(partial, tag_dir / name)
+        write_text(tag_dir / name, "1")
 
 
 __all__ = [
