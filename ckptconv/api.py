@@ -244,7 +244,7 @@ def open_nxd(
         raise ConversionError(
             f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
         )
-    check_shards(ckpt, spec, layout, with_inv_freq)
+    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None)
     return ckpt, spec, layout, with_inv_freq, notes
 
 
@@ -254,8 +254,11 @@ def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> s
     return str(ckpt.root / (METADATA_FILE if meta is not None and meta.hf_config else f"{HF_FILES_DIR}/{CONFIG}"))
 
 
-def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> None:
-    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint)."""
+def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
+                 recorded_dtype: str | None = None) -> None:
+    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint), in the
+    dtype ckptconv.json records when it records one."""
+    allowed = set(recorded_dtype.split(",")) if recorded_dtype else None
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
     for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
         file = shard_file(tp_rank=tp, pp_rank=pp)
@@ -267,7 +270,11 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
                     f"{_describe(layout)}; shards of another layout must be converted with matching flags or resharded"
                 )
             expected = hf_record_shape(record, shapes[record.segments[0].hf_key])
-            _, actual, _ = ckpt.info(Source(file, record.key))
+            dtype, actual, _ = ckpt.info(Source(file, record.key))
+            name = str(dtype).removeprefix("torch.")
+            if allowed and name not in allowed and not record.key.endswith("inv_freq"):
+                raise ConversionError(f"{ckpt.files[file]}: {record.key!r} is {name}, "
+                                      f"{ckpt.root / METADATA_FILE} records {recorded_dtype}")
             if tuple(actual) != expected:
                 raise ConversionError(
                     f"{ckpt.files[file]}: {record.key!r} has shape {list(actual)}, layout {_describe(layout)} "

@@ -63,10 +63,14 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def report(prog: str, exc: BaseException, *, as_json: bool = False, debug: bool = False) -> int:
+RESUME_HINT = "rerun the same command to resume"
+
+
+def report(prog: str, exc: BaseException, *, as_json: bool = False, debug: bool = False,
+           resume_hint: str = RESUME_HINT) -> int:
     """Print the failure as ``prog: error: ...`` (and JSON if asked); return the exit status."""
     if isinstance(exc, KeyboardInterrupt):
-        message, kind, status = "interrupted; rerun the same command to resume", "interrupted", INTERRUPTED
+        message, kind, status = f"interrupted; {resume_hint}", "interrupted", INTERRUPTED
     else:
         message, kind = describe(exc)
         status = 1
@@ -78,9 +82,10 @@ def report(prog: str, exc: BaseException, *, as_json: bool = False, debug: bool 
     return status
 
 
-def run_guarded(prog: str, call: Callable[[], int], *, as_json: bool = False, debug: bool = False) -> int:
+def run_guarded(prog: str, call: Callable[[], int], *, as_json: bool = False, debug: bool = False,
+                resume_hint: str = RESUME_HINT) -> int:
     """``call()``, with every failure turned into :func:`report`'s one line and exit status."""
     try:
         return call()
     except (Exception, KeyboardInterrupt) as exc:
-        return report(prog, exc, as_json=as_json, debug=debug)
+        return report(prog, exc, as_json=as_json, debug=debug, resume_hint=resume_hint)

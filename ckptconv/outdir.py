@@ -114,9 +114,10 @@ def declare(out: Path, name: str, paths: list[str]) -> None:
     write_text(ensure_dir(out, TMP_DIR) / f"{DECLARED_PREFIX}{name}.json", text)
 
 
-def owned(out: Path) -> set[str]:
-    """Relative paths in OUT that a ckptconv writer provably wrote or declared."""
-    found: set[str] = {METADATA_FILE, TMP_DIR}
+def owned(out: Path, also: tuple[str, ...] = ()) -> set[str]:
+    """Relative paths in OUT that a ckptconv writer provably wrote or declared (plus ``also``:
+    names the caller's own format reserves, such as a tag's markers)."""
+    found: set[str] = {METADATA_FILE, TMP_DIR, *also}
     sources: list[Any] = []
     meta = out / METADATA_FILE
     if meta.is_file() and not meta.is_symlink():
@@ -135,9 +136,9 @@ def owned(out: Path) -> set[str]:
     return found
 
 
-def foreign(out: Path) -> list[str]:
+def foreign(out: Path, also: tuple[str, ...] = ()) -> list[str]:
     """Entries of OUT that are not ours (sorted, top-down; symlinks never followed)."""
-    mine = owned(out)
+    mine = owned(out, also)
     ancestors = {"/".join(rel.split("/")[:i]) for rel in mine for i in range(1, rel.count("/") + 1)}
     strangers: list[str] = []
 
@@ -161,12 +162,13 @@ def present(out: Path) -> list[str]:
     return sorted(rel for rel in owned(out) - {TMP_DIR} if os.path.lexists(out / rel))
 
 
-def remove_owned(out: Path, *, keep: tuple[str, ...] = (LOCK_FILE,)) -> None:
-    """Delete what is ours in OUT: ``ckptconv.json`` first (so nothing looks complete meanwhile),
-    then the listed files and directories, the directories they leave empty, and the temporary
-    directory except ``keep``. Foreign entries are left alone."""
-    mine = owned(out)
-    for rel in [METADATA_FILE, *sorted(mine - {METADATA_FILE, TMP_DIR}, key=lambda r: -r.count("/"))]:
+def remove_owned(out: Path, *, also: tuple[str, ...] = (), keep: tuple[str, ...] = (LOCK_FILE,)) -> None:
+    """Delete what is ours in OUT: ``also`` and ``ckptconv.json`` first (so nothing looks complete
+    meanwhile), then the listed files and directories, the directories they leave empty, and the
+    temporary directory except ``keep``. Foreign entries are left alone."""
+    mine = owned(out, also)
+    first = [*also, METADATA_FILE]
+    for rel in [*first, *sorted(mine - {*first, TMP_DIR}, key=lambda r: -r.count("/"))]:
         _remove(out / rel)
     for rel in sorted({str(Path(r).parent) for r in mine if "/" in r}, key=lambda r: -r.count("/")):
         with contextlib.suppress(OSError):

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ckptconv.cli_errors import run_guarded
 from ckptconv.errors import ConversionError
 from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
 
@@ -83,15 +84,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args) if args.command == "run" else _export(args)
-    except ConversionError as exc:  # TrainError and ckptconv's errors: one line
-        print(f"nxdtrain: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("nxdtrain: interrupted; rerun with --resume CHECKPOINT_DIR to continue from the last tag",
-              file=sys.stderr)
-        return 130
+    # One line per failure (ckptconv's handler); CKPTCONV_DEBUG=1 shows the traceback.
+    return run_guarded("nxdtrain", lambda: _run(args) if args.command == "run" else _export(args),
+                       resume_hint="rerun with --resume CHECKPOINT_DIR to continue from the last tag")
 
 
 if __name__ == "__main__":
