@@ -135,7 +135,10 @@ def run_plan(
     if not todo:
         return _flatten(done, plan, wanted)
 
-    sinks = {i: sink_factory(plan.files[i], tmp) for i in todo}
+    sinks = {}
+    for i in todo:
+        with _naming(plan.files[i], tmp):  # preallocation can find the disk full already
+            sinks[i] = sink_factory(plan.files[i], tmp)
     lock = threading.Lock()
     budget = _ByteBudget(options.max_memory)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)

@@ -38,3 +38,10 @@ def hf_copy(tmp_path: Path, fault_hf: Path) -> Path:
 @pytest.fixture
 def nxd_copy(tmp_path: Path, fault_nxd: Path) -> Path:
     return Path(shutil.copytree(fault_nxd, tmp_path / "src-nxd"))
+
+
+@pytest.fixture(scope="session")
+def medium_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A larger model (about 10 MB) so that a conversion lasts long enough to be killed in the middle."""
+    return make_tiny_llama(tmp_path_factory.mktemp("fault-medium") / "hf", hidden=256, heads=8, kv_heads=2,
+                           head_dim=32, layers=4, vocab=512, intermediate=512, max_shard_size="3MB")
