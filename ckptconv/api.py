@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from ckptconv import outdir
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import FileRecord, check_algorithm
 from ckptconv.errors import ConversionError, VerificationError, choice
-from ckptconv import outdir
 from ckptconv.execute import ExecOptions, default_workers, run_plan
 from ckptconv.finalize import (
     FinalizeSpec,

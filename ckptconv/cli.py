@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptconv import api, digest
+from ckptconv.cli_errors import DEBUG_ENV, run_guarded
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
-from ckptconv.cli_errors import DEBUG_ENV, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import detect_part, finalize, parse_part
 from ckptconv.inspect import inspect

@@ -29,7 +29,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def _inside(child: str, parent: str) -> bool:
     return child != parent and child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def check_separate(sources: list[Path | str], out: Path) -> None:
+def check_separate(sources: Sequence[Path | str], out: Path) -> None:
     """Refuse OUT equal to a source, inside one, or holding one (real paths, symlinks resolved)."""
     o = os.path.realpath(out)
     for source in sources:

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptconv import outdir
 from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError
-from ckptconv import outdir
 from ckptconv.io.nxd import (
     CHECKPOINT_MARKER,
     DONE_MARKER,

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import threading
@@ -24,13 +23,13 @@ import torch
 
 from ckptconv.errors import ConversionError
 from ckptconv.execute import move_into_place
-from ckptconv.outdir import write_text
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
+from ckptconv.outdir import write_text
 from ckptconv.plan import OutFile, OutTensor, Piece, Source
 
 DONE_MARKER = "done"

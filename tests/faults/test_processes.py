@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ckptconv.cli import main
-from tests.faults.helpers import command, consistent, env, file_size_limit, looks_complete, one_line_error, run, tree
+from tests.faults.helpers import command, consistent, env, looks_complete, one_line_error, run, tree
 
 SLOW_FLAGS = ["--workers", "1", "--max-memory", "1MiB", "--hash", "sha256"]  # a longer window to kill in
 KILLS_DEFAULT, KILLS_SLOW = 3, 12
