@@ -409,6 +409,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
     with outdir.acquire(out, fingerprint=spec.fingerprint, parts=part[1]) as lock:
         if not lock.shared:  # the first (or only) process: check OUT and set it up
             if _up_to_date(out, spec.fingerprint, options):
+                outdir.clear_tmp(out)  # what a run killed after writing ckptconv.json left behind
                 return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
             _prepare_out(out, spec.fingerprint, options)
             outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec))
