@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -20,14 +19,15 @@ from typing import Any
 
 import torch
 
+from ckptconv import outdir
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import FileRecord, check_algorithm
 from ckptconv.errors import ConversionError, VerificationError, choice
-from ckptconv.execute import TMP_DIR, ExecOptions, default_workers, run_plan
+from ckptconv.execute import ExecOptions, default_workers, run_plan
 from ckptconv.finalize import (
-    SPEC_FILE,
     FinalizeSpec,
     assign_files,
+    pending_fingerprint,
     record_part,
     state_name,
     try_finalize,
@@ -35,7 +35,7 @@ from ckptconv.finalize import (
 )
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
-from ckptconv.io.nxd import Flavour, NxdCheckpoint, sink_factory
+from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, NxdCheckpoint, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, shard_file
 from ckptconv.mapping import all_shard_records, check_source_shapes, hf_record_shape, hf_shapes, stores_lm_head
@@ -62,7 +62,8 @@ class RunOptions:
     quiet: bool = False
     """No progress bars or notes on stderr."""
     overwrite: bool = False
-    """Replace an existing, different conversion in the output directory."""
+    """Replace an earlier, different ckptconv conversion in the output directory: only the files its
+    ckptconv.json (or its temporary directory) lists are removed; anything else there is refused."""
     part: tuple[int, int] = (0, 1)
     """(K, N): convert the K-th of N disjoint sets of output files (the CLI fills it from --part,
     srun or torchrun; a library call converts everything unless told)."""
@@ -166,13 +167,14 @@ def to_nxd(
             notes.append(message)
         plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
         fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()))
+        copies = _hf_side_copies(hf, notes)
         spec = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="nxd", hf_config=hf.spec.config, layout=layout.to_json(), flavour=flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            copies=_hf_side_copies(hf),
+            copies=copies,
         )
-        result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd")
+        result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd", sources=[Path(src)])
     result.notes[:0] = notes
     result.layout = layout.to_json()
     if verify_layers and result.finalized:
@@ -191,18 +193,20 @@ def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers:
     notes.append(f"verified {len(report['layers'])} layers, embedding and lm_head: max relative error {worst:.2g}")
 
 
-def _kept_hf_files(root: Path, *, into: str, skip: str = "") -> list[tuple[str, str]]:
+def _kept_hf_files(root: Path, notes: list[str], *, into: str, skip: str = "") -> list[tuple[str, str]]:
     """(source, target) for the files ``to-nxd`` kept under ``root/hf/``, targets prefixed by ``into``."""
     side = root / HF_FILES_DIR
-    if not side.is_dir():
+    if not side.is_dir() or side.is_symlink():
         return []
-    return [(str(p.resolve()), into + p.name) for p in sorted(side.iterdir()) if p.is_file() and p.name != skip]
+    names = [p.name for p in sorted(side.iterdir()) if p.name != skip and not p.is_dir()]
+    return [(source, into + name) for name, source in outdir.confined_files(root, HF_FILES_DIR, names, notes)]
 
 
-def _hf_side_copies(hf: HfCheckpoint) -> list[tuple[str, str]]:
+def _hf_side_copies(hf: HfCheckpoint, notes: list[str]) -> list[tuple[str, str]]:
     """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
     copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
-    return copies + [(str(p.resolve()), f"{HF_FILES_DIR}/{p.name}") for p in hf.side_files()]
+    found = outdir.confined_files(hf.directory, "", [p.name for p in hf.side_files()], notes)
+    return copies + [(source, f"{HF_FILES_DIR}/{name}") for name, source in found]
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,6 +235,7 @@ def open_nxd(
         spec = ModelSpec.from_file(ckpt.root / HF_FILES_DIR / CONFIG)
     else:
         raise ConversionError(f"{ckpt.root}: no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
+    spec.check_counts((k for f in sorted(ckpt.files) for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
     if meta is not None and meta.layout is not None:
         layout = ParallelLayout.from_json({**meta.layout, **hints})
         with_inv_freq = meta.with_inv_freq
@@ -243,16 +248,25 @@ def open_nxd(
         raise ConversionError(
             f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
         )
-    check_shards(ckpt, spec, layout, with_inv_freq)
+    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None)
     return ckpt, spec, layout, with_inv_freq, notes
 
 
-def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> None:
-    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint).
+def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> str:
+    if config is not None:
+        return str(config)
+    return str(ckpt.root / (METADATA_FILE if meta is not None and meta.hf_config else f"{HF_FILES_DIR}/{CONFIG}"))
+
+
+def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
+                 recorded_dtype: str | None = None) -> None:
+    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint), in the
+    dtype ckptconv.json records when it records one.
 
     A tied model's last stage may hold ``lm_head.weight`` (ours) or not (the official converter's);
     its tp-0 shard decides which, and every other last-stage shard must agree.
     """
+    allowed = set(recorded_dtype.split(",")) if recorded_dtype else None
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
     lm_head_copy = stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1)))
     records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
@@ -266,7 +280,11 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
                     f"{_describe(layout)}; shards of another layout must be converted with matching flags or resharded"
                 )
             expected = hf_record_shape(record, shapes[record.segments[0].hf_key])
-            _, actual, _ = ckpt.info(Source(file, record.key))
+            dtype, actual, _ = ckpt.info(Source(file, record.key))
+            name = str(dtype).removeprefix("torch.")
+            if allowed and name not in allowed and not record.key.endswith("inv_freq"):
+                raise ConversionError(f"{ckpt.files[file]}: {record.key!r} is {name}, "
+                                      f"{ckpt.root / METADATA_FILE} records {recorded_dtype}")
             if tuple(actual) != expected:
                 raise ConversionError(
                     f"{ckpt.files[file]}: {record.key!r} has shape {list(actual)}, layout {_describe(layout)} "
@@ -307,7 +325,7 @@ def to_hf(
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
                                    _identity(sorted(ckpt.files.values())))
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
-        copies = _kept_hf_files(ckpt.root, into="", skip=CONFIG)
+        copies = _kept_hf_files(ckpt.root, notes, into="", skip=CONFIG)
         spec_ = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
@@ -315,7 +333,8 @@ def to_hf(
             texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
             copies=copies,
         )
-        result = _convert(plan, ckpt, out, safetensors_sink, options, spec_, "to-hf", kv_replicas)
+        result = _convert(plan, ckpt, out, safetensors_sink, options, spec_, "to-hf", kv_replicas,
+                          sources=[Path(src), ckpt.root])
     result.notes[:0] = notes
     result.layout = layout.to_json()
     result.seconds = time.monotonic() - started
@@ -369,14 +388,15 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))
-        copies = _kept_hf_files(ckpt.root, into=f"{HF_FILES_DIR}/")
+        copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
         spec_ = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="nxd", hf_config=spec.config, layout=new.to_json(), flavour=target_flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
             copies=copies,
         )
-        result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas)
+        result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
+                          sources=[Path(src), ckpt.root])
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
@@ -388,30 +408,42 @@ def reshard(
 
 
 def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
-             label: str, kv_replicas: str = "error") -> Result:
-    """Write this process's part of ``plan``; finalize when it is the last part to finish."""
+             label: str, kv_replicas: str = "error", *, sources: list[Path]) -> Result:
+    """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish."""
     part = options.part
     spec.parts = part[1]
     spec.hash = options.digest
-    if _up_to_date(out, spec.fingerprint, options):
-        return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
     if part[1] > 1 and options.overwrite:
-        raise ConversionError("--overwrite cannot be combined with several parts; clear OUT first")
-    _prepare_out(out, spec.fingerprint, options)
-    (out / TMP_DIR).mkdir(parents=True, exist_ok=True)
-    write_spec(out, spec)
-    mine = assign_files(plan, part)
-    total = sum(f.nbytes for f in plan.files if f.path in mine)
-    with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
-        exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
-                                   fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
-        files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
-    record_part(out, part, files)
-    finalized = try_finalize(out)
+        raise ConversionError("--overwrite cannot be combined with several parts; run without --part first")
+    outdir.check_separate(sources, out)
+    with outdir.acquire(out, fingerprint=spec.fingerprint, parts=part[1]) as lock:
+        if not lock.shared:  # the first (or only) process: check OUT and set it up
+            if _up_to_date(out, spec.fingerprint, options):
+                outdir.clear_tmp(out)  # what a run killed after writing ckptconv.json left behind
+                return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
+            _prepare_out(out, spec.fingerprint, options)
+            outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec))
+            write_spec(out, spec)
+            if part[1] > 1:
+                lock.share()
+        mine = assign_files(plan, part)
+        total = sum(f.nbytes for f in plan.files if f.path in mine)
+        with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
+            exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
+                                       fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
+            files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
+        record_part(out, part, files)
+        finalized = try_finalize(out, lock)
     notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {len(plan.files)} files"]
     if finalized is None:
         notes.append(f"other parts are still running; the last one (or `ckptconv finalize {out}`) finishes OUT")
     return Result(out, finalized or files, total, 0.0, notes, finalized=finalized is not None)
+
+
+def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
+    """Every path this conversion may create in OUT (declared before the first byte is written)."""
+    paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
+    return paths + list(spec.texts) + [rel for _, rel in spec.copies]
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:
@@ -438,28 +470,24 @@ def _recorded(out: Path) -> dict[str, FileRecord]:
 
 
 def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
-    """Refuse to mix a new conversion into a directory holding a different one."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ConversionError(f"{out}: exists and is not a directory")
-    meta = read_metadata(out)
-    foreign = [p.name for p in out.iterdir() if p.name != TMP_DIR]
-    if not foreign:
-        return
+    """Under OUT's lock: resume this conversion, or start it in an empty OUT, or (``--overwrite``)
+    replace an earlier ckptconv conversion. Never removes what no ckptconv writer recorded."""
+    meta = read_metadata(out) if out.is_dir() else None
     if meta is not None and meta.fingerprint == fingerprint:
         return  # same conversion, some files damaged or missing: redo those
-    pending = out / TMP_DIR / SPEC_FILE
-    if meta is None and pending.is_file() and json.loads(pending.read_text()).get("fingerprint") == fingerprint:
+    if meta is None and pending_fingerprint(out) == fingerprint:
         return  # an interrupted run of this same conversion (or another part of it): resume
-    if not options.overwrite:
+    strangers, ours = outdir.foreign(out), outdir.present(out)
+    if strangers and options.overwrite:
         raise ConversionError(
-            f"{out}: not empty and holds a different conversion ({', '.join(sorted(foreign)[:3])}); "
-            "pass --overwrite to replace it or choose another OUT"
+            f"{out}: --overwrite only replaces files a ckptconv conversion recorded; {strangers[0]!r} is not one of "
+            "them; choose another OUT (or move that file away yourself)"
         )
-    for name in foreign:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if (strangers or ours) and not options.overwrite:
+        what = (f"another conversion ({meta.kind}, fingerprint {meta.fingerprint[:12]})" if meta is not None
+                else "files of an unfinished conversion" if ours else f"files ckptconv did not write ({strangers[0]!r})")
+        raise ConversionError(f"{out}: not empty; holds {what}; choose another OUT")
+    outdir.remove_owned(out)  # only ours: listed in ckptconv.json or declared in the temporary directory
 
 
 def _dtype_name(plan: Plan) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptconv import api, digest, hub
+from ckptconv.cli_errors import DEBUG_HELP, run_guarded
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
@@ -93,6 +94,7 @@ def _attention(args: argparse.Namespace) -> Attention | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion")
     parser.add_argument("--version", action="version", version=f"ckptconv {tool_version()}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
 
     p = sub.add_parser("to-nxd", help="HF checkpoint -> NxD tp x pp shards")
@@ -160,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nxd-compat", help="the official checkpoint_converter.py flags (drop-in)")
     build_compat_parser(p)
     _run_flags(p)
+    for command in sub.choices.values():  # --debug also after the subcommand
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
@@ -253,18 +257,16 @@ def _print(result: Any, as_json: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("default")
-            if getattr(args, "quiet", False) or getattr(args, "json", False):
-                warnings.simplefilter("ignore")
-            result = run(args)
-    except ConversionError as exc:
-        print(f"ckptconv: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("ckptconv: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    as_json = getattr(args, "json", False)
+    return run_guarded("ckptconv", lambda: _main(args), as_json=as_json, debug=args.debug)
+
+
+def _main(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        if getattr(args, "quiet", False) or getattr(args, "json", False):
+            warnings.simplefilter("ignore")
+        result = run(args)
     _print(result, getattr(args, "json", False))
     if isinstance(result, dict) and result.get("ok") is False:
         for problem in result["problems"]:

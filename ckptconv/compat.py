@@ -105,7 +105,8 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
         plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
         fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))
         # The official tool writes checkpoint.pt and nothing else; so do we (no ckptconv.json).
-        result = _convert(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, FinalizeSpec(fingerprint), "to-full-state")
+        result = _convert(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, FinalizeSpec(fingerprint), "to-full-state",
+                          sources=[Path(src), ckpt.root])
     result.notes[:0] = notes
     result.layout = layout.to_json()
     result.seconds = time.monotonic() - started

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -27,9 +26,9 @@ import torch
 
 from ckptconv.digest import DEFAULT, FileRecord, record_files
 from ckptconv.errors import ConversionError, VerificationError
+from ckptconv.outdir import TMP_DIR, disk_full, ensure_dir, place, write_text
 from ckptconv.plan import OutFile, OutTensor, Plan, ReplicaGroup, Source
 
-TMP_DIR = ".ckptconv-tmp"
 STATE_FILE = "state.json"
 
 
@@ -142,8 +141,7 @@ def run_plan(
 
     Returns {relative path: size and digest} of every file written or found done.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / TMP_DIR
+    tmp = ensure_dir(out_dir, TMP_DIR)
     state = _load_state(tmp / state_file, options.fingerprint)
     wanted = [i for i, f in enumerate(plan.files) if only_files is None or f.path in only_files]
     done = {path: recs for path, recs in state.items() if all(r.matches(out_dir / p) for p, r in recs.items())}
@@ -153,8 +151,10 @@ def run_plan(
     if not todo:
         return _flatten(done, plan, wanted)
 
-    tmp.mkdir(exist_ok=True)
-    sinks = {i: sink_factory(plan.files[i], tmp) for i in todo}
+    sinks = {}
+    for i in todo:
+        with _naming(plan.files[i], tmp):  # preallocation can find the disk full already
+            sinks[i] = sink_factory(plan.files[i], tmp)
     lock = threading.Lock()
     budget = _ByteBudget(options.max_memory)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
@@ -183,7 +183,8 @@ def run_plan(
             last = pending[file_index] == 0
         if last:
             # Hash in another pool, so converting goes on meanwhile (hashing is CPU-bound).
-            paths = move_into_place(sinks[file_index], tmp, out_dir)
+            with _naming(plan.files[file_index], tmp):
+                paths = move_into_place(sinks[file_index], tmp, out_dir)
             hashing.append(hash_pool.submit(record, file_index, paths))
 
     # Bands larger than band_bytes (unsplittable column-major tensors) run one at a time, so peak
@@ -196,7 +197,8 @@ def run_plan(
             held = budget.acquire(need)
             try:
                 _SCRATCH.start_band(need)
-                _write_band(unit, start, stop, reader, sinks, options.progress)
+                with _naming(plan.files[unit.tensors[0][0]], tmp):
+                    _write_band(unit, start, stop, reader, sinks, options.progress)
             finally:
                 _SCRATCH.end_band(keep=band_bytes)
                 budget.release(held)
@@ -453,15 +455,25 @@ def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type:
 # Files: finalize, hash, rename, resume state
 
 
+@contextlib.contextmanager
+def _naming(out_file: OutFile, tmp: Path):  # type: ignore[no-untyped-def]
+    """A full disk while writing ``out_file`` becomes an error naming it and its size."""
+    try:
+        yield
+    except OSError as exc:
+        error = disk_full(exc, tmp / out_file.path, out_file.nbytes)
+        if error is None:
+            raise
+        raise error from exc
+
+
 def move_into_place(sink: Sink, tmp: Path, out_dir: Path) -> list[Path]:
     """Complete a sink's files and rename them from the temp dir to their final place."""
     moved = []
     for temp_path in sink.finish():
-        final = out_dir / temp_path.relative_to(tmp)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if final.is_dir():
-            shutil.rmtree(final)
-        os.replace(temp_path, final)
+        rel = temp_path.relative_to(tmp)
+        final = ensure_dir(out_dir, str(rel.parent)) / rel.name
+        place(temp_path, final)
         moved.append(final)
     return moved
 
@@ -482,7 +494,5 @@ def _load_state(path: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]
 def _save_state(path: Path, fingerprint: str, state: dict[str, dict[str, FileRecord]]) -> None:
     files = {name: {m: r.to_json() for m, r in members.items()} for name, members in state.items()}
     payload = {"fingerprint": fingerprint, "files": files}
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(payload, indent=1))
-    os.replace(partial, path)
+    write_text(path, json.dumps(payload, indent=1))
 

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptconv.digest import DEFAULT, FileRecord
 from ckptconv.errors import ConversionError
-from ckptconv.execute import TMP_DIR
 from ckptconv.metadata import Metadata, write_metadata
+from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_text
 from ckptconv.plan import Plan
 
 SPEC_FILE = "finalize.json"
-LOCK_FILE = "finalize.lock"
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -77,15 +75,8 @@ def _tmp(out: Path) -> Path:
     return out / TMP_DIR
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
 def write_spec(out: Path, spec: FinalizeSpec) -> None:
-    _atomic_write(_tmp(out) / SPEC_FILE, json.dumps(asdict(spec), indent=1, sort_keys=True))
+    write_text(_tmp(out) / SPEC_FILE, json.dumps(asdict(spec), indent=1, sort_keys=True))
 
 
 def state_name(part: tuple[int, int]) -> str:
@@ -94,45 +85,60 @@ def state_name(part: tuple[int, int]) -> str:
 
 def record_part(out: Path, part: tuple[int, int], files: dict[str, FileRecord]) -> None:
     payload = {rel: rec.to_json() for rel, rec in files.items()}
-    _atomic_write(_tmp(out) / f"part-{part[0]}-of-{part[1]}.json", json.dumps(payload, indent=1))
+    write_text(_tmp(out) / f"part-{part[0]}-of-{part[1]}.json", json.dumps(payload, indent=1))
 
 
 def _read_spec(out: Path) -> FinalizeSpec:
     path = _tmp(out) / SPEC_FILE
     if not path.is_file():
         raise ConversionError(f"{out}: nothing to finalize (no {TMP_DIR}/{SPEC_FILE}; finished already, or never started)")
-    data = json.loads(path.read_text())
-    data["copies"] = [tuple(c) for c in data["copies"]]
-    return FinalizeSpec(**data)
+    try:
+        data = json.loads(path.read_text())
+        data["copies"] = [tuple(c) for c in data["copies"]]
+        return FinalizeSpec(**data)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConversionError(f"{path}: not a ckptconv finalize spec ({exc}); rerun the conversion") from None
+
+
+def pending_fingerprint(out: Path) -> str | None:
+    """The fingerprint of an unfinished conversion in OUT's temporary directory, if any."""
+    try:
+        data = json.loads((_tmp(out) / SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("fingerprint") if isinstance(data, dict) else None
 
 
 def missing_parts(out: Path, spec: FinalizeSpec) -> list[int]:
     return [k for k in range(spec.parts) if not (_tmp(out) / f"part-{k}-of-{spec.parts}.json").is_file()]
 
 
-def try_finalize(out: Path) -> dict[str, FileRecord] | None:
-    """Finalize if every part is done and no other process is at it; else None."""
+def try_finalize(out: Path, lock: OutLock) -> dict[str, FileRecord] | None:
+    """Finalize if every part is done and this process is the only one left holding OUT; else None.
+
+    Parts share OUT's lock; the last to finish becomes its only holder, so exactly one finalizes,
+    and a killed finalizer leaves no lock behind (the kernel drops a dead process's flock)."""
+    if lock.shared and not lock.try_exclusive():
+        return None  # siblings still running: the last of them finalizes
     spec = _read_spec(out)
     if missing_parts(out, spec):
         return None
-    try:
-        lock = os.open(_tmp(out) / LOCK_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return None  # another part finished at the same moment and is finalizing
-    os.close(lock)
     return _finalize(out, spec)
 
 
 def finalize(out: str | Path) -> dict[str, FileRecord]:
     """``ckptconv finalize OUT``: finish a conversion whose parts are all done."""
     out = Path(out)
-    spec = _read_spec(out)
-    missing = missing_parts(out, spec)
-    if missing:
-        raise ConversionError(
-            f"{out}: part(s) {', '.join(f'{k}/{spec.parts}' for k in missing)} not done yet; run them first"
-        )
-    return _finalize(out, spec)
+    if not (_tmp(out) / SPEC_FILE).is_file():
+        _read_spec(out)  # the error: nothing to finalize
+    with acquire(out, fingerprint="finalize", parts=1):
+        spec = _read_spec(out)
+        missing = missing_parts(out, spec)
+        if missing:
+            raise ConversionError(
+                f"{out}: part(s) {', '.join(f'{k}/{spec.parts}' for k in missing)} not done yet; run them first"
+            )
+        return _finalize(out, spec)
 
 
 def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
@@ -141,17 +147,13 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
         part = json.loads((_tmp(out) / f"part-{k}-of-{spec.parts}.json").read_text())
         files.update({rel: FileRecord.from_json(rec) for rel, rec in part.items()})
     for rel, text in spec.texts.items():
-        _atomic_write(out / rel, text)
+        write_text(ensure_dir(out, str(Path(rel).parent)) / Path(rel).name, text)
     for source, rel in spec.copies:
-        target = out / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.partial")
-        shutil.copyfile(source, partial)
-        os.replace(partial, target)
+        copy_file(Path(source), ensure_dir(out, str(Path(rel).parent)) / Path(rel).name)
     for rel in [*spec.texts, *(rel for _, rel in spec.copies)]:
         files[rel] = FileRecord.of(out / rel, spec.hash)
     if spec.metadata is not None:
         meta = Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})
         write_metadata(out, meta)  # last: its presence means the directory is complete
-    shutil.rmtree(_tmp(out), ignore_errors=True)
+    clear_tmp(out)  # the lock goes when its holder releases it
     return files

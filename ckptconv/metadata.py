@@ -8,7 +8,6 @@ infer (saying what they inferred) when it is absent.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -60,11 +59,9 @@ class Metadata:
 
 def write_metadata(directory: Path, meta: Metadata) -> Path:
     """Write ``ckptconv.json`` atomically (it is written last: its presence means complete)."""
-    target = directory / METADATA_FILE
-    partial = directory / (METADATA_FILE + ".partial")
-    partial.write_text(json.dumps(meta.to_json(), indent=1) + "\n")
-    os.replace(partial, target)
-    return target
+    from ckptconv.outdir import write_text  # outdir reads METADATA_FILE from here
+
+    return write_text(directory / METADATA_FILE, json.dumps(meta.to_json(), indent=1) + "\n")
 
 
 def read_metadata(directory: Path) -> Metadata | None:
@@ -75,8 +72,9 @@ def read_metadata(directory: Path) -> Metadata | None:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConversionError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if data.get("tool") != "ckptconv" or not isinstance(data.get("files"), dict):
+    if not isinstance(data, dict) or data.get("tool") != "ckptconv" or not isinstance(data.get("files"), dict):
         raise ConversionError(f"{path}: not a ckptconv metadata file (needs tool 'ckptconv' and 'files')")
+    _check_types(path, data)
     if data.get("format_version", 0) > FORMAT_VERSION:
         raise ConversionError(
             f"{path}: format_version {data['format_version']} is newer than this ckptconv understands "
@@ -95,3 +93,22 @@ def read_metadata(directory: Path) -> Metadata | None:
         version=data.get("version", "?"),
         format_version=data.get("format_version", FORMAT_VERSION),
     )
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "kind": (str,), "hf_config": (dict, type(None)), "layout": (dict, type(None)), "flavour": (str, type(None)),
+    "dtype": (str, type(None)), "fingerprint": (str,), "extra": (dict, type(None)), "format_version": (int,),
+}
+
+
+def _check_types(path: Path, data: dict[str, Any]) -> None:
+    """Every field has the JSON type we write (a hand-edited or hostile file fails here, in one line)."""
+    if "kind" not in data:
+        raise ConversionError(f"{path}: missing 'kind'")
+    for key, kinds in _FIELD_TYPES.items():
+        if key in data and not isinstance(data[key], kinds):
+            names = " or ".join("null" if k is type(None) else {"str": "string", "dict": "object", "int": "integer"}[k.__name__] for k in kinds)
+            raise ConversionError(f"{path}: {key!r} must be {names}, got {type(data[key]).__name__}")
+    for rel, record in data["files"].items():
+        if not isinstance(record, dict) or type(record.get("size")) is not int:
+            raise ConversionError(f"{path}: files[{rel!r}] must be an object with an integer 'size', got {record!r}")

@@ -11,6 +11,8 @@ Example:
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from ckptconv.errors import ConversionError
 
 SUPPORTED_MODEL_TYPES = ("llama",)
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # HF and NxD keys alike
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,23 @@ class ModelSpec:
                 f"num_key_value_heads ({self.kv_heads})"
             )
 
+    def check_counts(self, keys: Iterable[str], source: str) -> None:
+        """The layer count agrees with the tensors present, before anything is sized by it
+        (a ``num_hidden_layers: 1000000000`` config must fail here, not after gigabytes of plan).
+
+        >>> spec = ModelSpec.from_config({"hidden_size": 8, "num_attention_heads": 2,
+        ...     "intermediate_size": 8, "vocab_size": 8, "num_hidden_layers": 3})
+        >>> spec.check_counts(["model.layers.0.mlp.w", "model.layers.1.mlp.w"], "config.json")
+        Traceback (most recent call last):
+        ...
+        ckptconv.errors.ConversionError: config.json: num_hidden_layers is 3 but the weights hold 2 layers (0-1)
+        """
+        found = {int(m.group(1)) for key in keys if (m := _LAYER_KEY.search(key))}
+        if len(found) != self.layers or (found and max(found) != self.layers - 1):
+            span = f" ({min(found)}-{max(found)})" if found else ""
+            raise ConversionError(f"{source}: num_hidden_layers is {self.layers} but the weights hold "
+                                  f"{len(found)} layers{span}")
+
     @property
     def group(self) -> int:
         """Query heads per key/value head (GQA group size)."""
@@ -69,6 +89,11 @@ class ModelSpec:
                                "vocab_size", "num_hidden_layers") if k not in config]
         if missing:
             raise ConversionError(f"{source}: missing required field(s) {', '.join(missing)}")
+        for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                    "vocab_size", "num_hidden_layers"):
+            value = config.get(key)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ConversionError(f"{source}: {key} must be a positive integer, got {value!r}")
         heads = config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
         hidden = config["hidden_size"]

@@ -17,9 +17,9 @@ forces the first. A missing PATH, or a tag without ``done``, is an error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptconv import outdir
 from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import (
+    CHECKPOINT_MARKER,
     DONE_MARKER,
     Flavour,
     NxdCheckpoint,
@@ -53,6 +55,7 @@ from nxdtrain.model import describe
 from nxdtrain.preflight import check_model_config, check_writable
 
 OPTIM_DIR = "optim"
+MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
 SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 
 
@@ -243,9 +246,8 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 def _save_torch(obj: Any, path: Path) -> Path:
     """torch.save to a temporary name in the same directory, then rename: never a half-written file."""
-    partial = path.with_name(f".{path.name}.partial")
-    torch.save(obj, partial)
-    os.replace(partial, path)
+    with outdir.atomic_target(path) as partial:
+        torch.save(obj, partial)
     return path
 
 
@@ -269,11 +271,7 @@ class TagWriter:
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any]) -> Path:
         tag = self.root / f"step_{step}"
         rank = dist.get_rank()
-        if rank == 0:
-            if tag.exists():  # an interrupted save of this same step, or a rerun: start it over
-                shutil.rmtree(tag)
-            (tag / MODEL_DIR).mkdir(parents=True)
-            (tag / OPTIM_DIR).mkdir()
+        lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier()
         tp, dp, pp = self.coords
         written: list[Path] = []
@@ -287,9 +285,32 @@ class TagWriter:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if rank == 0:
-            self._finish(tag, step, consumed, model, scheduler, gathered)
+            assert lock is not None
+            with lock:
+                self._finish(tag, step, consumed, model, scheduler, gathered)
         dist.barrier()
         return tag
+
+    def _claim(self, tag: Path, step: int) -> outdir.OutLock:
+        """Rank 0: lock the tag, clear what an earlier save of this step left (only what nxdtrain
+        wrote there), declare what this save writes, before any rank writes a byte."""
+        if tag.exists() and os.path.realpath(tag) == os.path.realpath(self.source.root):
+            raise TrainError(f"{tag}: is the checkpoint this run resumed from; it is not saved over")
+        lock = outdir.acquire(tag, fingerprint=f"nxdtrain-step-{step}")
+        try:
+            strangers = outdir.foreign(tag, MARKERS)
+            if strangers:
+                raise TrainError(f"{tag}: holds {strangers[0]!r}, which nxdtrain did not write; move it away "
+                                 "or use another --checkpoint-dir")
+            outdir.remove_owned(tag, also=MARKERS)  # an interrupted save of this same step, or a rerun: start it over
+            outdir.declare(tag, "tag", [MODEL_DIR, OPTIM_DIR, HF_FILES_DIR, SCHEDULER_FILE, USER_CONTENT_FILE,
+                                        CHECKPOINT_MARKER, DONE_MARKER])
+            outdir.ensure_dir(tag, MODEL_DIR)
+            outdir.ensure_dir(tag, OPTIM_DIR)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     def _finish(self, tag: Path, step: int, consumed: int, model: Any, scheduler: dict[str, Any],
                 gathered: list[Any]) -> None:
@@ -303,9 +324,10 @@ class TagWriter:
                          "options": self.options, "layout": self.layout.to_json()}, tag / USER_CONTENT_FILE),
         ]
         hf_src = self.source.root / HF_FILES_DIR
-        if hf_src.is_dir():
-            shutil.copytree(hf_src, tag / HF_FILES_DIR)
-            side.append(tag / HF_FILES_DIR)
+        if hf_src.is_dir() and not hf_src.is_symlink():
+            names = sorted(p.name for p in hf_src.iterdir() if not p.is_dir())
+            for name, real in outdir.confined_files(self.source.root, HF_FILES_DIR, names, []):
+                side.append(outdir.copy_file(Path(real), outdir.ensure_dir(tag, HF_FILES_DIR) / name))
         files.update(_file_records(side, tag))
         dtype = next(iter(model.state_dict().values())).dtype
         write_metadata(tag, Metadata(
@@ -315,6 +337,7 @@ class TagWriter:
             extra={"nxdtrain": {"step": step, "consumed_samples": consumed}},
         ))
         write_markers(tag)
+        outdir.clear_tmp(tag)  # complete: ckptconv.json lists the files, the markers are known names
         prune(self.root, self.keep)
 
 
@@ -322,10 +345,13 @@ def prune(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` completed ``step_<N>`` tags; return the deleted ones.
 
     ``done`` goes first, so a crash halfway through a deletion leaves a tag that is never resumed.
+    Only what nxdtrain wrote there goes (what its ckptconv.json lists, and the markers); a tag
+    holding anything else keeps that, and its directory.
     """
     ours = [t for t in completed_tags(root) if t.name.startswith("step_") and tag_step(t.name) is not None]
     doomed = ours[:-keep] if len(ours) > keep else []
     for tag in doomed:
-        (tag / DONE_MARKER).unlink()
-        shutil.rmtree(tag)
+        outdir.remove_owned(tag, also=MARKERS, keep=())
+        with contextlib.suppress(OSError):
+            tag.rmdir()  # only when nothing foreign is left in it
     return doomed

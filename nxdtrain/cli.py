@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ckptconv.cli_errors import DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.metadata import tool_version
 from nxdtrain.commands import add_commands
@@ -39,6 +40,7 @@ def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
     parser.add_argument("--version", action="version", version=f"nxdtrain {tool_version()}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do (COMMAND --help for its flags)")
     run = sub.add_parser("run", help="train from --resume PATH (NxD shards), write NxD checkpoints")
@@ -64,7 +66,7 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
         source = f"--config {args.config_file}"
         for line in notes:
             print(f"nxdtrain: {line}", file=sys.stderr)
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file", "debug")}
     return TrainConfig.from_flat({**values, **flags}, source=source)
 
 
@@ -90,19 +92,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dispatch(args: argparse.Namespace) -> int:
+    if hasattr(args, "handler"):  # data pack, steps, plot
+        return int(args.handler(args))
+    return _run(args) if args.command == "run" else _export(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if hasattr(args, "handler"):
-            return int(args.handler(args))
-        return _run(args) if args.command == "run" else _export(args)
-    except ConversionError as exc:  # TrainError and ckptconv's errors: one line
-        print(f"nxdtrain: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("nxdtrain: interrupted; rerun with --resume CHECKPOINT_DIR to continue from the last tag",
-              file=sys.stderr)
-        return 130
+    # One line per failure (ckptconv's handler); --debug or CKPTCONV_DEBUG=1 shows the traceback.
+    return run_guarded("nxdtrain", lambda: _dispatch(args), debug=args.debug,
+                       resume_hint="rerun with --resume CHECKPOINT_DIR to continue from the last tag")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ LAYOUT_FLAGS = {"--tp", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicato
 
 
 def flags(command: str) -> set[str]:
+    """A subcommand's flags besides --help and --debug (which every subcommand has)."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # type: ignore[attr-defined]
-    return {s for a in sub._actions for s in a.option_strings} - {"-h", "--help"}
+    found = {s for a in sub._actions for s in a.option_strings}
+    assert "--debug" in found
+    return found - {"-h", "--help", "--debug"}
 
 
 def test_flag_sets_are_pinned():
@@ -87,7 +90,9 @@ def test_refuses_to_mix_conversions_without_overwrite(tiny_models, tmp_path: Pat
     assert main(["to-nxd", str(src), str(out), "--tp", "2", "--quiet", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
     assert main(["to-nxd", str(src), str(out), "--tp", "1", "--quiet"]) == 1
-    assert "pass --overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"ckptconv: error: {out}: not empty; holds another conversion (nxd, fingerprint ")
+    assert err.endswith("; choose another OUT\n") and "--overwrite" not in err  # never advise a destructive flag
     assert main(["to-nxd", str(src), str(out), "--tp", "1", "--quiet", "--overwrite"]) == 0
     assert len(list((out / "model").glob("*.pt"))) == 1
 

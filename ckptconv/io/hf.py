@@ -63,7 +63,9 @@ class HfCheckpoint:
         self.spec = ModelSpec.from_file(config_path)
         self._readers: dict[Path, FileReader] = {}
         self._lock = threading.Lock()
+        self._index_path: Path | None = None
         self._where = self._index()
+        self.spec.check_counts(self._where, str(config_path))
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -86,14 +88,20 @@ class HfCheckpoint:
     def _from_index(self, index_path: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConversionError(f"{index_path}: not an HF index (needs a 'weight_map' object)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            weight_map = None
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{index_path}: not an HF index (needs a 'weight_map' object)")
         where = {}
         for key, name in weight_map.items():
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise ConversionError(f"{index_path}: weight_map[{key!r}] must be a file name inside "
+                                      f"{self.path} (no directories, no '..'), got {name!r}")
             file = self.path / name
             if not file.is_file():
                 raise ConversionError(f"{index_path}: {key!r} is in {name!r}, which does not exist")
             where[key] = file
+        self._index_path = index_path
         return where
 
     def _keys_of(self, files: list[Path]) -> dict[str, Path]:
@@ -116,10 +124,22 @@ class HfCheckpoint:
         return list(self._where)
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
-        return self._reader(self._file(source.key)).info(source.key)
+        file = self._file(source.key)
+        try:
+            return self._reader(file).info(source.key)
+        except KeyError:
+            raise self._misplaced(source.key, file) from None
 
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self._reader(self._file(source.key)).read_rows(source.key, start, stop, out)
+        file = self._file(source.key)
+        try:
+            return self._reader(file).read_rows(source.key, start, stop, out)
+        except KeyError:
+            raise self._misplaced(source.key, file) from None
+
+    def _misplaced(self, key: str, file: Path) -> ConversionError:
+        where = f"{self._index_path} says {key!r} is in {file.name}" if self._index_path else f"{key!r} should be in {file}"
+        return ConversionError(f"{where}, but that file does not hold it")
 
     def _file(self, key: str) -> Path:
         try:

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import threading
@@ -30,6 +29,7 @@ from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, Torch
 from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
+from ckptconv.outdir import write_text
 from ckptconv.plan import OutFile, OutTensor, Piece, Source
 
 DONE_MARKER = "done"
@@ -321,9 +321,7 @@ def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
 def write_markers(tag_dir: Path) -> None:
     """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from."""
     for name in (CHECKPOINT_MARKER, DONE_MARKER):
-        partial = tag_dir / (name + ".partial")
-        partial.write_text("1")
-        os.replace(partial, tag_dir / name)
+        write_text(tag_dir / name, "1")
 
 
 __all__ = [

@@ -241,7 +241,25 @@ def load_small(path: str | os.PathLike[str]) -> Any:
     if not _safe_globals_added:
         torch.serialization.add_safe_globals([(TensorReference, f"{_XLA_MODULE}.TensorReference")])
         _safe_globals_added = True
-    return torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = _torch_reason(exc)
+        if "GLOBAL" in reason or "global" in reason:
+            raise UnsafeCheckpointError(f"{os.fspath(path)}: refusing to unpickle: {reason}") from None
+        raise ValueError(f"{os.fspath(path)}: not a readable torch file ({reason})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        if isinstance(exc, OSError) and exc.filename is not None:
+            raise
+        raise ValueError(f"{os.fspath(path)}: not a readable torch file ({_torch_reason(exc)})") from None
+
+
+def _torch_reason(exc: BaseException) -> str:
+    """torch.load's own reason, without its advice to rerun with ``weights_only=False`` (which
+    would execute whatever the file says) or its documentation pointers."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    kept = [line for line in lines if "weights_only" not in line and "documentation" not in line]
+    return " ".join(kept) or type(exc).__name__
 
 
 def is_torch_zip(path: str | os.PathLike[str]) -> bool:

@@ -442,7 +442,7 @@ class SafetensorsWriter(SafetensorsExtentWriter):
     """
 
     def __init__(self, path: PathLike, layout: SafetensorsLayout, *, reserve: bool = False) -> None:
-        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         super().__init__(path, layout, fd)
         try:
             pwrite_all(fd, memoryview(layout.header), 0)

@@ -333,7 +333,7 @@ class TorchZipWriter:
         self._extents: dict[str, list[tuple[int, int, int]]] = {k: [] for k in layout.keys}
         self._lock = threading.Lock()
         self._finished = False
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         try:
             os.ftruncate(self._fd, layout.file_size)  # sparse preallocation to the exact size
             for rec in layout.records:

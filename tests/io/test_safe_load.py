@@ -127,8 +127,9 @@ def test_load_small_refuses_malicious(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
     torch_like_zip(path, evil_pickle(marker))
-    with pytest.raises(pickle.UnpicklingError, match="os.system"):
+    with pytest.raises(UnsafeCheckpointError, match=r"evil.pt: refusing to unpickle: .*GLOBAL .*system") as info:
         load_small(path)
+    assert str(info.value).startswith(f"{path}: ") and "weights_only" not in str(info.value)
     assert not marker.exists()
 
 
