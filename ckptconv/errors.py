@@ -21,3 +21,7 @@ def choice(kind: type[E], value: Any, flag: str) -> E:
     except ValueError:
         allowed = ", ".join(str(member.value) for member in kind)
         raise ConversionError(f"{flag} must be one of {allowed}; got {value!r}") from None
+
+
+class IntegrityError(VerificationError):
+    """A file read does not match its record: size or digest in ckptconv.json, or a zip record's CRC-32."""

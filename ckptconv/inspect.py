@@ -6,15 +6,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
 from ckptconv.metadata import METADATA_FILE, read_metadata
 from ckptconv.plan import Source
 
 
-def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, Any]:
-    """Describe an HF or NxD checkpoint without reading tensor data (headers only).
+def inspect(path: str | Path, *, config: str | Path | None = None, check: bool = True) -> dict[str, Any]:
+    """Describe an HF or NxD checkpoint; for NxD, also check that its files are intact.
+
+    With ``check`` (the default) every NxD shard is read once: its size and digest against
+    ``ckptconv.json`` and every torch zip record's CRC-32; a mismatch raises IntegrityError naming
+    the file, so ``complete`` is never reported for damaged shards. ``check=False``
+    (``--no-check``) reads headers only and compares sizes.
 
     Example:
         >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP
@@ -24,7 +29,9 @@ def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, 
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
     try:
-        return _inspect_nxd(path, config)
+        return _inspect_nxd(path, config, check)
+    except IntegrityError:
+        raise  # NxD shards that fail their checks: say so, not "neither NxD nor HF"
     except ConversionError as nxd_error:
         try:
             return _inspect_hf(path, config)
@@ -53,10 +60,10 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
     }
 
 
-def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
+def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str, Any]:
     from ckptconv.api import open_nxd
 
-    ckpt, spec, layout, _, notes = open_nxd(path, config=config)
+    ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check)
     with ckpt:
         dtypes: Counter[str] = Counter()
         nbytes = 0
@@ -65,6 +72,7 @@ def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
                 dtype, shape, _ = ckpt.info(Source(file, key))
                 dtypes[str(dtype).removeprefix("torch.")] += 1
                 nbytes += _numel(shape) * dtype.itemsize
+        checked = ckpt.checks.finish(only_read=False) if check else 0  # every shard opened above: read them whole
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {
@@ -81,6 +89,7 @@ def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
             "metadata": meta is not None,
             "complete": complete,
             "problems": problems,
+            "checked_files": checked,
             "notes": notes,
         }
 

@@ -225,15 +225,17 @@ def verify(
     config: str | Path | None = None,
     hints: dict[str, Any] | None = None,
     files: bool = False,
+    check: bool = True,
 ) -> dict[str, Any]:
     """Compare the sharded computation with the dense HF one; see the module docstring.
 
     ``tol`` defaults to 1e-4 relative, looser when the shards hold a lower precision than the HF
-    weights (a cast, e.g. ``--dtype bf16``).
+    weights (a cast, e.g. ``--dtype bf16``). With ``check`` every shard read from is checked
+    against its record (size, digest, zip CRC-32s; IntegrityError on a mismatch).
     """
     from ckptconv.api import open_nxd
 
-    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints)
+    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check)
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []
@@ -254,6 +256,7 @@ def verify(
                 problems.append(_problem(check.name, check, tol))
         if files:
             problems += _check_files(ckpt)
+        ckpt.finish_checks()
     results.update(ok=not problems, problems=problems, tol=tol, layout=layout.to_json())
     return results
 

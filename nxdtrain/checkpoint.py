@@ -17,6 +17,7 @@ forces the first. A missing PATH, or a tag without ``done``, is an error.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -31,11 +32,13 @@ from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError
+from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.nxd import (
     DONE_MARKER,
     Flavour,
     completed_tags,
     resolve_checkpoint,
+    load_shard,
     save_shard,
     tag_step,
     write_markers,
@@ -63,9 +66,21 @@ class ResumeSource:
     layout: ParallelLayout
     with_inv_freq: bool
     case: str                  # one line for the log
+    records: dict[str, Any] | None = None  # ckptconv.json's size + digest per file; None: no metadata
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
         return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
+
+    def checks(self) -> CheckedFiles:
+        """Checked reads of this checkpoint: recorded sizes and digests, zip CRC-32s."""
+        return CheckedFiles(self.root, self.records)
+
+    def load_shard(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+        """One rank's shard, checked against its record (and zip CRC-32s) as it is read."""
+        try:
+            return load_shard(self.shard(tp_rank, pp_rank), checks=self.checks())
+        except ConversionError as exc:
+            raise TrainError(f"--resume {self.given}: {exc}") from None
 
 
 def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
@@ -75,8 +90,9 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
         raise TrainError(f"--resume {path}: no such directory")
     try:
         root, _, _ = resolve_checkpoint(given)
-        ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)
+        ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)  # checks sizes, headers and rank names
         ckpt.close()
+        records = None if ckpt.metadata is None else ckpt.metadata.files
     except ConversionError as exc:
         raise TrainError(f"--resume {path}: {exc}") from None
     has_optim = (root / OPTIM_DIR).is_dir()
@@ -86,9 +102,10 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
     if weights_only or not has_optim:
         why = "--weights-only" if weights_only and has_optim else "no optimizer state (a converted checkpoint)"
         return ResumeSource(path, root, ckpt.files, False, spec, layout, with_inv_freq,
-                            f"weights only from {root} ({why}): step 0, fresh optimizer")
+                            f"weights only from {root} ({why}): step 0, fresh optimizer", records)
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
-    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}")
+    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}",
+                        records)
 
 
 def run_layout(cfg: ParallelConfig, shards: ParallelLayout) -> ParallelLayout:
@@ -140,12 +157,16 @@ def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
 # Reading a tag's training state
 
 
-def load_small(path: Path) -> Any:
-    """``torch.load(weights_only=True)`` of a tag's side file, with the error a user can act on."""
+def load_small(path: Path, checks: CheckedFiles | None = None) -> Any:
+    """``torch.load(weights_only=True)`` of a tag's side file, with the error a user can act on;
+    with ``checks``, of its bytes checked against the tag's ckptconv.json."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        data = check_whole_file(path, checks.record(path) if checks is not None else None)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise TrainError(f"{path}: missing; resume from another tag or with --weights-only") from None
+    except ConversionError as exc:
+        raise TrainError(f"--resume: {exc}") from None
     except (pickle.UnpicklingError, RuntimeError) as exc:
         raise TrainError(f"{path}: not nxdtrain training state ({str(exc).splitlines()[0]}); "
                          "resume with --weights-only") from None
@@ -162,9 +183,9 @@ class TrainingState:
     rng: list[dict[str, torch.Tensor]]
 
 
-def read_training_state(tag: Path) -> TrainingState:
-    user = load_small(tag / USER_CONTENT_FILE)
-    scheduler = load_small(tag / SCHEDULER_FILE)
+def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> TrainingState:
+    user = load_small(tag / USER_CONTENT_FILE, checks)
+    scheduler = load_small(tag / SCHEDULER_FILE, checks)
     step = int(user["step"])
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import Flavour, load_shard
+from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
 from nxdtrain.checkpoint import (
     ResumeSource,
@@ -87,7 +87,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
     rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
-    resume_state = read_training_state(source.root) if source.full else None
+    resume_state = read_training_state(source.root, source.checks()) if source.full else None
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state)
 
@@ -132,7 +132,7 @@ class Trainer:
         self.model = LlamaStage(source.spec, plan.layout, tp=TpGroup(mesh.tp, c.tp, mesh.tp_group), pp_rank=c.pp,
                                 with_inv_freq=source.with_inv_freq, dtype=dtype).to(device)
         shard = source.shard(c.tp, c.pp)
-        state = load_shard(shard)
+        state = source.load_shard(c.tp, c.pp)
         self.model.load_shard_state(state, str(shard))
         zero_group = mesh.dp_group if cfg.parallel.zero1 else None
         self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group)
@@ -162,7 +162,7 @@ class Trainer:
         tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
         assert state is not None  # a full checkpoint
         path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp if self.optimizer.zero else 0)
-        self.optimizer.load_state_dict(load_small(path), str(path))
+        self.optimizer.load_state_dict(load_small(path, self.plan.source.checks()), str(path))
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:

@@ -26,16 +26,16 @@ def flags(command: str) -> set[str]:
 def test_flag_sets_are_pinned():
     """Scripts depend on these names: a rename must be deliberate and show up here."""
     assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify"}
-    assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json"}
-    assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas"}
-    assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas"}
-    assert flags("inspect") == {"--config", "--json"}
+    assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json", "--no-check"}
+    assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas", "--no-check"}
+    assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check"}
+    assert flags("inspect") == {"--config", "--json", "--no-check"}
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {
         "--convert_from_full_state", "--convert_to_full_state", "--input_dir", "--output_dir", "--config",
         "--tp_size", "--pp_size", "--virtual_pp_size", "--kv_size_multiplier", "--qkv_linear", "--fuse_qkv",
         "--coalesce_qkv", "--hw_backend", "--trn2_kv_layout", "--save_xser", "--load_xser", "--n_layers",
-        "--model_style", "--hf_model_name",
+        "--model_style", "--hf_model_name", "--no-check",
     }
 
 
