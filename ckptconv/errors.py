@@ -24,4 +24,13 @@ def choice(kind: type[E], value: Any, flag: str) -> E:
 
 
 class IntegrityError(VerificationError):
-    """A file read does not match its record: size or digest in ckptconv.json, or a zip record's CRC-32."""
+    """A file read does not match its record: size or digest in ckptconv.json, or a zip record's CRC-32.
+
+    ``problem`` is the message without the hint about ``--no-check`` (for tools that have no such flag).
+    """
+
+    HINT = "pass --no-check to read it anyway"
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem} ({self.HINT})")
+        self.problem = problem

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.nxd import (
     DONE_MARKER,
     Flavour,
     completed_tags,
-    resolve_checkpoint,
     load_shard,
+    resolve_checkpoint,
     save_shard,
     tag_step,
     write_markers,
@@ -80,7 +80,7 @@ class ResumeSource:
         try:
             return load_shard(self.shard(tp_rank, pp_rank), checks=self.checks())
         except ConversionError as exc:
-            raise TrainError(f"--resume {self.given}: {exc}") from None
+            raise TrainError(f"--resume {self.given}: {damaged(exc)}") from None
 
 
 def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
@@ -94,7 +94,7 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
         ckpt.close()
         records = None if ckpt.metadata is None else ckpt.metadata.files
     except ConversionError as exc:
-        raise TrainError(f"--resume {path}: {exc}") from None
+        raise TrainError(f"--resume {path}: {damaged(exc)}") from None
     has_optim = (root / OPTIM_DIR).is_dir()
     if has_optim and not (root / DONE_MARKER).is_file():
         raise TrainError(f"--resume {path}: {root} has {OPTIM_DIR}/ but no '{DONE_MARKER}' marker (an interrupted "
@@ -106,6 +106,13 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
     return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}",
                         records)
+
+
+def damaged(exc: ConversionError) -> str:
+    """The error of a checkpoint file that fails its checks, with what to do here (nxdtrain has no --no-check)."""
+    if isinstance(exc, IntegrityError):
+        return f"{exc.problem}; resume from another tag"
+    return str(exc)
 
 
 def run_layout(cfg: ParallelConfig, shards: ParallelLayout) -> ParallelLayout:
@@ -166,7 +173,7 @@ def load_small(path: Path, checks: CheckedFiles | None = None) -> Any:
     except FileNotFoundError:
         raise TrainError(f"{path}: missing; resume from another tag or with --weights-only") from None
     except ConversionError as exc:
-        raise TrainError(f"--resume: {exc}") from None
+        raise TrainError(f"--resume: {damaged(exc)}") from None
     except (pickle.UnpicklingError, RuntimeError) as exc:
         raise TrainError(f"{path}: not nxdtrain training state ({str(exc).splitlines()[0]}); "
                          "resume with --weights-only") from None

@@ -37,7 +37,6 @@ from ckptconv.metadata import METADATA_FILE
 # How far past the hashed prefix a read may start and still pull the gap in at once. Larger gaps
 # are left for later: the reader would otherwise wait on a long read it did not ask for.
 REORDER_WINDOW = 256 << 20
-NO_CHECK_HINT = "pass --no-check to read it anyway"
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,7 @@ class StreamCheck:
         self.record = record
         self.size = os.stat(self.path).st_size
         if record is not None and record.size != self.size:
-            raise IntegrityError(f"{self.path}: {self.size} bytes, {METADATA_FILE} records {record.size}; "
-                                 f"the file was truncated or replaced ({NO_CHECK_HINT})")
+            raise size_error(self.path, self.size, record.size)
         self._digest = _hasher(record.algorithm) if record is not None and record.algorithm else None
         self._records: list[ZipCrc] = []
         self._next = 0       # index of the first record whose CRC is not yet checked
@@ -107,9 +105,7 @@ class StreamCheck:
             if self._digest is not None and self.record is not None:
                 actual = self._digest.hexdigest()
                 if actual != self.record.digest:
-                    raise IntegrityError(
-                        f"{self.path}: {self.record.algorithm} {actual}, {METADATA_FILE} records {self.record.digest}; "
-                        f"the file changed after it was written, or is another rank's shard ({NO_CHECK_HINT})")
+                    raise digest_error(self.path, self.record, actual)
 
     def _hash_from_file(self, stop: int, fill: Any) -> None:
         buffer = bytearray(CHUNK)
@@ -132,8 +128,7 @@ class StreamCheck:
             if rec.end > end:
                 break
             if self._crc != rec.crc:
-                raise IntegrityError(f"{self.path}: record {rec.name} has CRC-32 {self._crc:08x}, the zip directory "
-                                     f"records {rec.crc:08x}; the file is corrupt ({NO_CHECK_HINT})")
+                raise crc_error(self.path, rec.name, self._crc, rec.crc)
             self._next += 1
             self._crc = 0
         self.pos = end
@@ -162,7 +157,7 @@ class CheckedFiles:
         rel = _relative(path, self.root)
         if rel not in self.records:
             raise IntegrityError(f"{path}: not listed in {self.root / METADATA_FILE}; the directory holds a file "
-                                 f"that its conversion did not write ({NO_CHECK_HINT})")
+                                 "that its conversion did not write")
         return self.records[rel]
 
     def open(self, path: Path, fill: Any) -> StreamCheck | None:
@@ -187,8 +182,7 @@ class CheckedFiles:
                 raise IntegrityError(f"{path}: missing; {self.root / METADATA_FILE} lists it ({rec.size} bytes)")
             size = path.stat().st_size
             if size != rec.size:
-                raise IntegrityError(f"{path}: {size} bytes, {METADATA_FILE} records {rec.size}; the file was "
-                                     f"truncated or replaced ({NO_CHECK_HINT})")
+                raise size_error(path, size, rec.size)
 
     def finish(self, *, workers: int = 8, only_read: bool = True) -> int:
         """Hash what is left of every file that was read from (``only_read``) or opened; return how
@@ -213,15 +207,27 @@ def check_whole_file(path: Path, record: FileRecord | None) -> bytes:
     if record is None:
         return data
     if len(data) != record.size:
-        raise IntegrityError(f"{path}: {len(data)} bytes, {METADATA_FILE} records {record.size}; the file was "
-                             f"truncated or replaced ({NO_CHECK_HINT})")
+        raise size_error(path, len(data), record.size)
     if record.algorithm:
         digest = _hasher(record.algorithm)
         digest.update(data)
         if digest.hexdigest() != record.digest:
-            raise IntegrityError(f"{path}: {record.algorithm} {digest.hexdigest()}, {METADATA_FILE} records "
-                                 f"{record.digest}; the file changed after it was written ({NO_CHECK_HINT})")
+            raise digest_error(path, record, digest.hexdigest())
     return data
+
+
+def size_error(path: str | os.PathLike[str], actual: int, expected: int) -> IntegrityError:
+    return IntegrityError(f"{path}: {actual} bytes, {METADATA_FILE} records {expected}; the file was truncated or replaced")
+
+
+def digest_error(path: str | os.PathLike[str], record: FileRecord, actual: str) -> IntegrityError:
+    return IntegrityError(f"{path}: {record.algorithm} {actual}, {METADATA_FILE} records {record.digest}; the file "
+                          "changed after it was written, or is another rank's shard")
+
+
+def crc_error(path: str | os.PathLike[str], record: str, actual: int, expected: int) -> IntegrityError:
+    return IntegrityError(f"{path}: record {record} has CRC-32 {actual:08x}, the zip directory records "
+                          f"{expected:08x}; the file is corrupt")
 
 
 def _relative(path: Path, root: Path) -> str:

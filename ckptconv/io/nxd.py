@@ -24,7 +24,7 @@ import torch
 
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.execute import move_into_place
-from ckptconv.io.checked import NO_CHECK_HINT, CheckedFiles, check_whole_file
+from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
@@ -417,7 +417,7 @@ def check_rank_identity(path: Path, archive: str) -> None:
     if mine is not None and inside is not None and mine != inside:
         raise IntegrityError(
             f"{path}: holds the shard saved as {archive}.pt (tp rank {inside[0]}, pp rank {inside[1]}), not tp rank "
-            f"{mine[0]} pp rank {mine[1]}; rank files were swapped or renamed ({NO_CHECK_HINT})")
+            f"{mine[0]} pp rank {mine[1]}; rank files were swapped or renamed")
 
 
 def load_shard(path: Path, *, io: str = "read", checks: CheckedFiles | None = None) -> dict[str, torch.Tensor]:

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from ckptconv.errors import IntegrityError
+from ckptconv.io.checked import CheckedFiles, ZipCrc, crc_error
 from ckptconv.io.crc import crc32
-from ckptconv.io.checked import NO_CHECK_HINT, CheckedFiles, ZipCrc
 from ckptconv.io.positional import PositionalFile
 from ckptconv.io.safe_load import PickledTensor, unpickle_restricted
 
@@ -165,8 +164,7 @@ class TorchZipReader:
                              "expected stored records")
         data = self._src.read(self._data_offset(entry), entry.size)
         if self._src.check is not None and crc32(data) != entry.crc:  # data.pkl is parsed now: check it now
-            raise IntegrityError(f"{self.path}: record {entry.name} has CRC-32 {crc32(data):08x}, the zip directory "
-                                 f"records {entry.crc:08x}; the file is corrupt ({NO_CHECK_HINT})")
+            raise crc_error(self.path, entry.name, crc32(data), entry.crc)
         return data
 
     def _resolve(self, top: Any) -> dict[str, Any]:
