@@ -34,6 +34,7 @@ from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.nxd import (
+    CHECKPOINT_MARKER,
     DONE_MARKER,
     Flavour,
     completed_tags,
@@ -249,6 +250,9 @@ class TagWriter:
                 shutil.rmtree(tag)
             (tag / MODEL_DIR).mkdir(parents=True)
             (tag / OPTIM_DIR).mkdir()
+            # The 'checkpoint' marker first: until 'done' follows, every reader sees an interrupted
+            # save (refused), never a directory of shards that looks complete.
+            (tag / CHECKPOINT_MARKER).write_text("1")
         dist.barrier()
         tp, dp, pp = self.coords
         written: list[Path] = []
