@@ -31,6 +31,7 @@ from synth import write_model  # noqa: E402
 
 OUT = Path("bench-out")
 CKPTCONV = [sys.executable, "-m", "ckptconv.cli"]
+CPU_SECONDS: list[float] = []  # user + system CPU of each timed command, in order
 
 
 @dataclass
@@ -68,7 +69,7 @@ def drop_caches() -> bool:
 
 
 def timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds (command + sync) and the child's peak RSS in bytes."""
+    """Wall seconds (command + sync) and the child's peak RSS in bytes (its CPU seconds go to CPU_SECONDS)."""
     drop_caches()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
@@ -77,6 +78,7 @@ def timed(argv: list[str]) -> tuple[float, int]:
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"benchmark command failed: {' '.join(argv)}")
+    CPU_SECONDS.append(usage.ru_utime + usage.ru_stime)
     return seconds, usage.ru_maxrss * 1024
 
 
@@ -150,10 +152,12 @@ def checked_reads(repeat: int, layers: int) -> None:
     label = f"to-hf 70b x{layers} layers from tp 32 pp 2"
     variants = {f"{label}, checked reads": [], f"{label}, --no-check": ["--no-check"]}
     rows = {case: Row(case, [], 0, 0, 0) for case in variants}
+    cpu: dict[str, list[float]] = {case: [] for case in variants}
     for i in range(repeat):
         order = list(variants) if i % 2 == 0 else list(reversed(variants))
         for case in order:
             row = convert(case, ["to-hf", str(nxd), str(back), *variants[case]], nxd, back)
+            cpu[case].append(CPU_SECONDS[-1])
             rows[case].runs += row.runs
             rows[case].bytes_read, rows[case].bytes_written = row.bytes_read, row.bytes_written
             rows[case].peak_rss = max(rows[case].peak_rss, row.peak_rss)
@@ -162,7 +166,9 @@ def checked_reads(repeat: int, layers: int) -> None:
     cost = sorted(c[0] / u[0] for c, u in zip(checked.runs, unchecked.runs, strict=True))
     text = table(list(rows.values()), []) + (
         f"\n\nchecked / --no-check, paired by repetition: median {statistics.median(cost):.3f}x, "
-        f"range {cost[0]:.3f}-{cost[-1]:.3f}x over {len(cost)} pairs")
+        f"range {cost[0]:.3f}-{cost[-1]:.3f}x over {len(cost)} pairs; CPU seconds (user + system) median "
+        + ", ".join(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f}) {case.rsplit(', ', 1)[1]}"
+                    for case, v in cpu.items()))
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
           f"total {time.perf_counter() - started:.0f} s")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import blake3
@@ -18,7 +20,7 @@ from ckptconv.cli import main
 from ckptconv.digest import FileRecord
 from ckptconv.errors import IntegrityError
 from ckptconv.inspect import inspect
-from ckptconv.io.checked import REORDER_WINDOW, StreamCheck, ZipCrc
+from ckptconv.io.checked import SMALL_GAP, StreamCheck, ZipCrc
 from ckptconv.io.crc import crc32
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip_read import TorchZipReader
@@ -190,11 +192,16 @@ def test_flipped_byte_without_metadata_is_a_crc_error(converted, tmp_path, capsy
     assert re.fullmatch(CRC_ERROR.format(path=re.escape(str(path)), record=re.escape(record)), err), err
 
 
+def consume(check: StreamCheck, data: bytes, start: int, stop: int, fill) -> None:
+    check.begin(start, stop - start)
+    check.consumed_bytes(start, memoryview(data[start:stop]), fill)
+
+
 def test_stream_check_hashes_out_of_order_reads_once(tmp_path):
-    """Reads in shuffled order: the digest and record CRCs equal the reference values, every byte is
-    hashed exactly once, and only bytes nobody read (or read too far ahead) are read by the check itself."""
+    """Reads in shuffled order: the digest and record CRCs equal the reference values, and the check
+    reads (from the page cache) each byte at most once, only what it could not hash as it came."""
     rng = random.Random(0)
-    data = bytes(rng.getrandbits(8) for _ in range(3 * 2**20))
+    data = rng.randbytes(3 * 2**20)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     records = [ZipCrc("a", 10, 2**20, crc32(data[10:10 + 2**20])), ZipCrc("empty", 2**20 + 10, 0, 0),
@@ -211,24 +218,44 @@ def test_stream_check_hashes_out_of_order_reads_once(tmp_path):
     bands = [(o, min(o + 65536, 2 * 2**20)) for o in range(0, 2 * 2**20, 65536)]
     rng.shuffle(bands)
     for start, stop in bands:
-        check.consumed_bytes(start, memoryview(data[start:stop]), fill)
+        consume(check, data, start, stop, fill)
     check.finish(fill)  # no error: digest and both CRCs matched
-    # The check itself read only gaps ahead of out-of-order bands and the unread tail, each byte at most once.
     end = 0
     for offset, n in pulled:
         assert offset >= end
         end = offset + n
     assert end == len(data) and check.pos == len(data)
-    assert sum(n for offset, n in pulled if offset >= 2 * 2**20) == 2**20
-    assert sum(n for _, n in pulled) < 3 * 2**20 - 65536  # bands read in order were hashed as they came
+    assert sum(n for offset, n in pulled if offset >= 2 * 2**20) == 2**20  # the unread tail
+    assert sum(n for _, n in pulled) < len(data)  # bands that came in order were hashed as they came
 
     bad = bytearray(data)
     bad[2**20 + 100] ^= 1  # inside record b
     check = StreamCheck(path, record)
     check.set_zip_records(records)
     with pytest.raises(IntegrityError, match=r"record b has CRC-32 [0-9a-f]{8}, the zip directory records"):
-        check.consumed_bytes(0, memoryview(bytes(bad[:2 * 2**20 + 64])), fill)
-    far = StreamCheck(path, None)  # a read far beyond the hashed prefix is left for later, not pulled at once
-    pulled.clear()
-    far.consumed_bytes(REORDER_WINDOW + 1, memoryview(b"x"), fill)
+        consume(check, bytes(bad), 0, 2 * 2**20 + 64, fill)
+
+
+def test_stream_check_waits_for_reads_in_flight_and_skips_far_reads(tmp_path):
+    data = random.Random(1).randbytes(4 * 2**20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    pulled: list[int] = []
+
+    def fill(offset: int, view: memoryview) -> None:
+        pulled.append(len(view))
+        view[:] = data[offset:offset + len(view)]
+
+    check = StreamCheck(path, FileRecord(len(data), "sha256", hashlib.sha256(data).hexdigest()))
+    half = 2 * 2**20
+    check.begin(0, half)  # worker A is copying the first half ...
+    ahead = threading.Thread(target=consume, args=(check, data, half, len(data), fill))
+    ahead.start()  # ... when worker B delivers the second: B waits for A instead of reading A's bytes
+    check.consumed_bytes(0, memoryview(data[:half]), fill)
+    ahead.join(timeout=60)
+    assert not ahead.is_alive() and check.pos == len(data) and pulled == []
+    check.finish(fill)
+
+    far = StreamCheck(path, None)  # a lone read far ahead (a replica check) is left for later, not pulled now
+    consume(far, data, SMALL_GAP + 1, SMALL_GAP + 2, fill)
     assert pulled == [] and far.pos == 0

@@ -29,14 +29,15 @@ from typing import Any
 
 import blake3
 
-from ckptconv.digest import CHUNK, FileRecord
+from ckptconv.digest import FileRecord
 from ckptconv.errors import IntegrityError
 from ckptconv.io.crc import crc32
 from ckptconv.metadata import METADATA_FILE
 
-# How far past the hashed prefix a read may start and still pull the gap in at once. Larger gaps
-# are left for later: the reader would otherwise wait on a long read it did not ask for.
-REORDER_WINDOW = 256 << 20
+# Gaps of unread bytes the check reads itself rather than leave for later: zip headers, pickles,
+# alignment, small tensors nobody asked for. Larger unread gaps wait for the workers or finish().
+SMALL_GAP = 1 << 20
+FILL_CHUNK = 4 << 20  # bytes per read of a gap or of the rest at finish
 
 
 @dataclass(frozen=True)
@@ -73,29 +74,72 @@ class StreamCheck:
         self._crc = 0        # running CRC of that record's bytes hashed so far
         self.pos = 0         # bytes [0, pos) are hashed
         self.consumed = 0    # tensor bytes the reader asked for (0: nothing read, nothing to finish)
+        self.pulled = 0      # bytes the check read itself (gaps ahead of out-of-order reads, the rest at finish)
         self.finished = False
-        self._lock = threading.Lock()
+        self._in_flight: list[tuple[int, int]] = []  # reads copying right now (their bytes come soon)
+        self._seen: list[tuple[int, int]] = []       # ranges read ahead of pos, unhashed (in the page cache)
+        self._cond = threading.Condition()
 
     def set_zip_records(self, records: list[ZipCrc]) -> None:
         """The records whose CRC-32s to check (called once the central directory is parsed)."""
-        with self._lock:
+        with self._cond:
             self._records = sorted(records, key=lambda r: r.start)
 
+    def begin(self, offset: int, length: int) -> None:
+        """A reader starts copying [offset, offset+length): a read just ahead of it waits for those bytes."""
+        with self._cond:
+            self._in_flight.append((offset, offset + length))
+
+    def abandon(self, offset: int, length: int) -> None:
+        """The copy announced by :meth:`begin` failed: nobody will deliver those bytes."""
+        with self._cond:
+            self._in_flight.remove((offset, offset + length))
+            self._cond.notify_all()
+
     def consumed_bytes(self, offset: int, data: memoryview, fill: Any) -> None:
-        """The reader copied file bytes [offset, offset+len(data)) into ``data``; ``fill(offset, view)``
-        reads other bytes of the same file (for gaps)."""
+        """The reader copied file bytes [offset, offset+len(data)) into ``data`` (announced by
+        :meth:`begin`); ``fill(offset, view)`` reads other bytes of the same file.
+
+        Bytes at the hashed prefix are hashed now. Ahead of it, this waits for reads of the gap
+        that are in flight, reads small gaps (zip headers, pickles) and ranges read earlier (from
+        the page cache) itself, and otherwise leaves these bytes for later (a read the plan makes
+        long before the rest, such as a replica check, must not read the file ahead of the workers).
+        """
         end = offset + len(data)
-        with self._lock:
-            self.consumed += len(data)
-            if end <= self.pos or offset > self.pos + REORDER_WINDOW or self.finished:
-                return  # hashed already, or too far ahead: a later read or finish() covers it
-            if offset > self.pos:
-                self._hash_from_file(offset, fill)
-            self._update(data[self.pos - offset:])
+        with self._cond:
+            try:
+                self._consume(offset, end, data, fill)
+            finally:
+                self._cond.notify_all()
+
+    def _consume(self, offset: int, end: int, data: memoryview, fill: Any) -> None:
+        self._in_flight.remove((offset, end))
+        self.consumed += len(data)
+        while not self.finished and end > self.pos:
+            if offset <= self.pos:
+                self._update(data[self.pos - offset:])
+                return
+            if any(s <= self.pos < e for s, e in self._in_flight):
+                self._cond.wait()  # the bytes at pos are being read by another worker
+                continue
+            stop = min([s for s, _ in self._in_flight if self.pos < s < offset] + [offset])
+            if stop - self.pos - self._seen_bytes(self.pos, stop) > SMALL_GAP:
+                self._seen.append((offset, end))
+                return
+            self._hash_from_file(stop, fill)
+
+    def _seen_bytes(self, start: int, stop: int) -> int:
+        self._seen = [(s, e) for s, e in self._seen if e > self.pos]
+        covered, at = 0, start
+        for s, e in sorted(self._seen):
+            lo, hi = max(s, at), min(e, stop)
+            if lo < hi:
+                covered, at = covered + hi - lo, hi
+        return covered
 
     def finish(self, fill: Any) -> None:
         """Hash the rest of the file and compare with the record; raise IntegrityError on a mismatch."""
-        with self._lock:
+        with self._cond:
             if self.finished:
                 return
             self._hash_from_file(self.size, fill)
@@ -108,11 +152,14 @@ class StreamCheck:
                     raise digest_error(self.path, self.record, actual)
 
     def _hash_from_file(self, stop: int, fill: Any) -> None:
-        buffer = bytearray(CHUNK)
+        if self.pos >= stop:
+            return
+        buffer = bytearray(min(FILL_CHUNK, stop - self.pos))
         view = memoryview(buffer)
         while self.pos < stop:
-            n = min(CHUNK, stop - self.pos)
+            n = min(len(buffer), stop - self.pos)
             fill(self.pos, view[:n])
+            self.pulled += n
             self._update(view[:n])
 
     def _update(self, data: memoryview) -> None:

@@ -235,6 +235,12 @@ class NxdCheckpoint:
         assert source.file is not None
         return self._reader(source.file).read_rows(source.key, start, stop, out)
 
+    def position(self, source: Source) -> int:
+        """Where a tensor's bytes start in its file (an execution order that reads files front to back)."""
+        assert source.file is not None
+        reader = self._reader(source.file)
+        return reader.position(source.key) if isinstance(reader, TorchFileReader) else 0
+
     def dtypes(self) -> dict[str, torch.dtype]:
         """dtype of every key (keys repeat across tp ranks; the first shard holding a key speaks)."""
         out: dict[str, torch.dtype] = {}

@@ -40,9 +40,16 @@ class PositionalFile:
 
     def read_into(self, offset: int, dst: memoryview) -> None:
         """Copy ``len(dst)`` bytes starting at ``offset`` into ``dst`` (tensor data: the check sees them)."""
-        self.copy_into(offset, dst)
-        if self.check is not None:
-            self.check.consumed_bytes(offset, dst, self.copy_into)
+        if self.check is None:
+            self.copy_into(offset, dst)
+            return
+        self.check.begin(offset, len(dst))
+        try:
+            self.copy_into(offset, dst)
+        except BaseException:
+            self.check.abandon(offset, len(dst))
+            raise
+        self.check.consumed_bytes(offset, dst, self.copy_into)
 
     def copy_into(self, offset: int, dst: memoryview) -> None:
         """Copy ``len(dst)`` bytes starting at ``offset`` into ``dst``, unseen by the check."""

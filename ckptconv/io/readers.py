@@ -86,6 +86,11 @@ class TorchFileReader:
         self._entry(key)
         return self._reader.read_rows(key, start, stop, out)
 
+    def position(self, key: str) -> int:
+        """File offset of the tensor's first byte."""
+        entry = self._entry(key)
+        return entry.data_offset + entry.storage_offset * entry.dtype.itemsize
+
     def read(self, key: str) -> torch.Tensor:
         self._entry(key)
         return self._reader.read(key)
