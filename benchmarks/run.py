@@ -141,13 +141,13 @@ def checked_reads(repeat: int, layers: int) -> None:
     """The cost of checked reads: to-hf of the 70B-shaped tp 32 pp 2 case with checks (the default) and
     with --no-check, alternating which goes first, each paired with its own cp -r of the input."""
     started = time.perf_counter()
-    hf = model(f"hf-70b-{layers}l", "70b", layers)
-    nxd = OUT / "nxd-70b-checked"
+    nxd = OUT / f"nxd-70b-{layers}l-checked"
     if not (nxd / "ckptconv.json").is_file():
+        hf = model(f"hf-70b-{layers}l", "70b", layers)
         shutil.rmtree(nxd, ignore_errors=True)
         subprocess.run([*CKPTCONV, "to-nxd", str(hf), str(nxd), "--tp", "32", "--pp", "2", "--qkv-linear", "--fuse-qkv",
                         "--kv-size-multiplier", "4", "--xser", "--quiet"], check=True)
-    shutil.rmtree(hf)  # only the shards are needed from here on: less disk in use
+        shutil.rmtree(hf)  # only the shards are needed from here on: less disk in use
     back = OUT / "hf-back-checked"
     label = f"to-hf 70b x{layers} layers from tp 32 pp 2"
     variants = {f"{label}, checked reads": [], f"{label}, --no-check": ["--no-check"]}
