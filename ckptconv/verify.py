@@ -250,10 +250,10 @@ def verify(
             checks = _check_layer(x, _hf_layer(hf, layer), shards, layer, tol)
             results["layers"][layer] = {c.name: _as_json(c) for c in checks}
             problems += [_problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
-        for check in _check_vocab(hf, shards, generator):
-            results[check.name] = _as_json(check)
-            if not check.ok(tol):
-                problems.append(_problem(check.name, check, tol))
+        for vocab_check in _check_vocab(hf, shards, generator):
+            results[vocab_check.name] = _as_json(vocab_check)
+            if not vocab_check.ok(tol):
+                problems.append(_problem(vocab_check.name, vocab_check, tol))
         if files:
             problems += _check_files(ckpt)
         ckpt.finish_checks()
