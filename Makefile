@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test demo bench bench-train lint clean
+.PHONY: setup test demo bench bench-train bench-checked lint clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ bench: setup
 # BENCH_ARGS=--quick for a smoke run).
 bench-train: setup
 	$(BIN)/python benchmarks/train.py $(BENCH_ARGS)
+
+# The cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
+bench-checked: setup
+	$(BIN)/python benchmarks/run.py --checked-reads --repeat 5
 
 lint: setup
 	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples

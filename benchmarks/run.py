@@ -9,6 +9,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
 ``bench-out/results.md`` and ``.json``.
 
     python benchmarks/run.py [--quick] [--repeat N]    # --quick: small shapes, for a smoke run
+    python benchmarks/run.py --checked-reads [--repeat N] [--layers L]   # to-hf with and without --no-check
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from synth import write_model  # noqa: E402
 
 OUT = Path("bench-out")
 CKPTCONV = [sys.executable, "-m", "ckptconv.cli"]
+CPU_SECONDS: list[float] = []  # user + system CPU of each timed command, in order
 
 
 @dataclass
@@ -67,7 +69,7 @@ def drop_caches() -> bool:
 
 
 def timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds (command + sync) and the child's peak RSS in bytes."""
+    """Wall seconds (command + sync) and the child's peak RSS in bytes (its CPU seconds go to CPU_SECONDS)."""
     drop_caches()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
@@ -76,6 +78,7 @@ def timed(argv: list[str]) -> tuple[float, int]:
     seconds = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"benchmark command failed: {' '.join(argv)}")
+    CPU_SECONDS.append(usage.ru_utime + usage.ru_stime)
     return seconds, usage.ru_maxrss * 1024
 
 
@@ -134,12 +137,56 @@ def table(rows: list[Row], rss_rows: list[tuple[str, int]]) -> str:
     return "\n".join(lines)
 
 
+def checked_reads(repeat: int, layers: int) -> None:
+    """The cost of checked reads: to-hf of the 70B-shaped tp 32 pp 2 case with checks (the default) and
+    with --no-check, alternating which goes first, each paired with its own cp -r of the input."""
+    started = time.perf_counter()
+    nxd = OUT / f"nxd-70b-{layers}l-checked"
+    if not (nxd / "ckptconv.json").is_file():
+        hf = model(f"hf-70b-{layers}l", "70b", layers)
+        shutil.rmtree(nxd, ignore_errors=True)
+        subprocess.run([*CKPTCONV, "to-nxd", str(hf), str(nxd), "--tp", "32", "--pp", "2", "--qkv-linear", "--fuse-qkv",
+                        "--kv-size-multiplier", "4", "--xser", "--quiet"], check=True)
+        shutil.rmtree(hf)  # only the shards are needed from here on: less disk in use
+    back = OUT / "hf-back-checked"
+    label = f"to-hf 70b x{layers} layers from tp 32 pp 2"
+    variants = {f"{label}, checked reads": [], f"{label}, --no-check": ["--no-check"]}
+    rows = {case: Row(case, [], 0, 0, 0) for case in variants}
+    cpu: dict[str, list[float]] = {case: [] for case in variants}
+    for i in range(repeat):
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))
+        for case in order:
+            row = convert(case, ["to-hf", str(nxd), str(back), *variants[case]], nxd, back)
+            cpu[case].append(CPU_SECONDS[-1])
+            rows[case].runs += row.runs
+            rows[case].bytes_read, rows[case].bytes_written = row.bytes_read, row.bytes_written
+            rows[case].peak_rss = max(rows[case].peak_rss, row.peak_rss)
+            shutil.rmtree(back)
+    checked, unchecked = rows.values()
+    cost = sorted(c[0] / u[0] for c, u in zip(checked.runs, unchecked.runs, strict=True))
+    text = table(list(rows.values()), []) + (
+        f"\n\nchecked / --no-check, paired by repetition: median {statistics.median(cost):.3f}x, "
+        f"range {cost[0]:.3f}-{cost[-1]:.3f}x over {len(cost)} pairs; CPU seconds (user + system) median "
+        + ", ".join(f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f}) {case.rsplit(', ', 1)[1]}"
+                    for case, v in cpu.items()))
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
+          f"total {time.perf_counter() - started:.0f} s")
+    (OUT / "checked-reads.md").write_text(text + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models: a smoke run of the harness")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each 70B case (median reported)")
+    parser.add_argument("--checked-reads", action="store_true",
+                        help="only the cost of checked reads: to-hf of the 70B case with and without --no-check")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the 70B model for --checked-reads")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
+    if args.checked_reads:
+        checked_reads(args.repeat, args.layers)
+        return
     started = time.perf_counter()
     big, small = ("8b", "8b") if args.quick else ("70b", "8b")
     layers = 2 if args.quick else 4

@@ -70,6 +70,10 @@ class RunOptions:
     hash: str = DEFAULT_HASH
     """Per-file digest recorded in ckptconv.json: 'blake3' (default, ~4.5 GB/s per core), 'sha256'
     (~0.4 GB/s per core without SHA instructions: slower than converting), or 'none' (sizes only)."""
+    check: bool = True
+    """Check every NxD input file read: its size and digest against the source's ckptconv.json and
+    each torch zip record's CRC-32, computed from the bytes as they are read. False (--no-check)
+    reads damaged or mismatched files anyway, for forensics."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -219,11 +223,17 @@ def open_nxd(
     config: str | Path | None = None,
     hints: dict[str, Any] | None = None,
     io: str = "mmap",
+    check: bool = True,
 ) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
-    """Open NxD shards with their model spec and layout, from metadata or inferred (with notes)."""
+    """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
+
+    With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
+    sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
+    trusting what was read.
+    """
     from ckptconv.infer import infer_layout
 
-    ckpt = NxdCheckpoint(src, io=io)
+    ckpt = NxdCheckpoint(src, io=io, check=check)
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
     meta = ckpt.metadata
     hints = {k: v for k, v in (hints or {}).items() if v is not None}
@@ -315,7 +325,8 @@ def to_hf(
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
-    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
+    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
+                                                        check=options.check)
     with ckpt:
         for line in notes:
             note(line, quiet=options.quiet)
@@ -372,7 +383,8 @@ def reshard(
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
-    ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
+    ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
+                                                     check=options.check)
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
@@ -432,6 +444,8 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
             exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
                                        fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
             files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
+        if isinstance(reader, NxdCheckpoint):  # every input file read from matches its record, before OUT is complete
+            reader.finish_checks(workers=options.workers)
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
     notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {len(plan.files)} files"]

@@ -164,13 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat"):  # the commands that read NxD shards
+        sub.choices[name].add_argument(
+            "--no-check", action="store_true",
+            help="do not check input shards against ckptconv.json (size, digest) and their zip CRC-32s (forensics)")
     return parser
 
 
 def _options(args: argparse.Namespace) -> api.RunOptions:
     return api.RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
                           quiet=args.quiet or args.json, overwrite=args.overwrite, part=detect_part(args.part),
-                          hash=args.hash)
+                          hash=args.hash, check=not getattr(args, "no_check", False))
 
 
 def _flavour(value: str | None) -> str:
@@ -210,9 +214,9 @@ def run(args: argparse.Namespace) -> Any:
 
         layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
-                      hints=_hints(args), files=args.files, revision=args.revision)
+                      hints=_hints(args), files=args.files, revision=args.revision, check=not args.no_check)
     if args.command == "inspect":
-        return inspect(args.path, config=args.config, revision=args.revision)
+        return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check)
     if args.command == "finalize":
         files = finalize(args.out)
         return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}

@@ -100,7 +100,8 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
     started = time.monotonic()
     out = Path(out)
-    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io)
+    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
+                                                        check=options.check)
     with ckpt:
         plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
         fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))

@@ -21,3 +21,16 @@ def choice(kind: type[E], value: Any, flag: str) -> E:
     except ValueError:
         allowed = ", ".join(str(member.value) for member in kind)
         raise ConversionError(f"{flag} must be one of {allowed}; got {value!r}") from None
+
+
+class IntegrityError(VerificationError):
+    """A file read does not match its record: size or digest in ckptconv.json, or a zip record's CRC-32.
+
+    ``problem`` is the message without the hint about ``--no-check`` (for tools that have no such flag).
+    """
+
+    HINT = "pass --no-check to read it anyway"
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem} ({self.HINT})")
+        self.problem = problem

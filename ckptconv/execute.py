@@ -243,9 +243,17 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
     # Units of the earliest files first, so files complete (and are hashed, in another pool) while
-    # the rest is still converting, instead of all at the end.
+    # the rest is still converting, instead of all at the end. Within one output file, in the order
+    # their sources lie in their files (when the reader knows it): checked reads then hash what the
+    # workers read as it comes, instead of reading the file again (ckptconv.io.checked).
     units = row_split + _column_units(by_source, reader, band_bytes)
-    return sorted(units, key=lambda unit: max(i for i, _ in unit.tensors))
+    position = getattr(reader, "position", None)
+
+    def order(unit: _Unit) -> tuple[int, int]:
+        first = unit.tensors[0][1].pieces[0].source
+        return max(i for i, _ in unit.tensors), position(first) if position is not None else 0
+
+    return sorted(units, key=order)
 
 
 def _bands(unit: _Unit) -> list[tuple[int, int]]:

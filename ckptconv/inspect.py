@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
@@ -17,8 +17,14 @@ from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 
 
-def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None) -> dict[str, Any]:
-    """Describe an HF or NxD checkpoint (or hub id ``org/name``) without reading tensor data (headers only).
+def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
+            check: bool = True) -> dict[str, Any]:
+    """Describe an HF or NxD checkpoint (or hub id ``org/name``); for NxD, also check that its files are intact.
+
+    With ``check`` (the default) every NxD shard is read once: its size and digest against
+    ``ckptconv.json`` and every torch zip record's CRC-32; a mismatch raises IntegrityError naming
+    the file, so ``complete`` is never reported for damaged shards. ``check=False``
+    (``--no-check``) reads headers only and compares sizes. HF checkpoints: headers only.
 
     Example:
         >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP
@@ -28,7 +34,9 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
     try:
-        return _inspect_nxd(path, config)
+        return _inspect_nxd(path, config, check)
+    except IntegrityError:
+        raise  # NxD shards that fail their checks: say so, not "neither NxD nor HF"
     except ConversionError as nxd_error:
         try:
             return _inspect_hf(path, config)
@@ -57,10 +65,10 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
     }
 
 
-def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
+def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str, Any]:
     from ckptconv.api import open_nxd
 
-    ckpt, spec, layout, _, notes = open_nxd(path, config=config)
+    ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check)
     with ckpt:
         dtypes: Counter[str] = Counter()
         nbytes = 0
@@ -69,6 +77,7 @@ def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
                 dtype, shape, _ = ckpt.info(Source(file, key))
                 dtypes[str(dtype).removeprefix("torch.")] += 1
                 nbytes += _numel(shape) * dtype.itemsize
+        checked = ckpt.checks.finish(only_read=False) if check else 0  # every shard opened above: read them whole
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {
@@ -86,6 +95,7 @@ def _inspect_nxd(path: Path, config: str | Path | None) -> dict[str, Any]:
             "metadata": meta is not None,
             "complete": complete,
             "problems": problems,
+            "checked_files": checked,
             "notes": notes,
         }
 

@@ -230,19 +230,21 @@ def verify(
     hints: dict[str, Any] | None = None,
     files: bool = False,
     revision: str | None = None,
+    check: bool = True,
 ) -> dict[str, Any]:
     """Compare the sharded computation with the dense HF one; see the module docstring.
 
     ``hf_dir`` may be a hub id ``org/name`` (``revision``: branch, tag or commit), see :mod:`ckptconv.hub`.
 
     ``tol`` defaults to 1e-4 relative, looser when the shards hold a lower precision than the HF
-    weights (a cast, e.g. ``--dtype bf16``).
+    weights (a cast, e.g. ``--dtype bf16``). With ``check`` every shard read from is checked
+    against its record (size, digest, zip CRC-32s; IntegrityError on a mismatch).
     """
     from ckptconv.api import open_nxd
     from ckptconv.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
-    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints)
+    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check)
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []
@@ -257,12 +259,13 @@ def verify(
             checks = _check_layer(x, _hf_layer(hf, layer), shards, layer, tol)
             results["layers"][layer] = {c.name: _as_json(c) for c in checks}
             problems += [_problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
-        for check in _check_vocab(hf, shards, generator):
-            results[check.name] = _as_json(check)
-            if not check.ok(tol):
-                problems.append(_problem(check.name, check, tol))
+        for vocab_check in _check_vocab(hf, shards, generator):
+            results[vocab_check.name] = _as_json(vocab_check)
+            if not vocab_check.ok(tol):
+                problems.append(_problem(vocab_check.name, vocab_check, tol))
         if files:
             problems += _check_files(ckpt)
+        ckpt.finish_checks()
     results.update(ok=not problems, problems=problems, tol=tol, layout=layout.to_json())
     return results
 

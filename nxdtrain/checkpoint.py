@@ -18,6 +18,7 @@ forces the first. A missing PATH, or a tag without ``done``, is an error.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ from ckptconv import outdir
 from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, IntegrityError
+from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.nxd import (
     CHECKPOINT_MARKER,
     DONE_MARKER,
@@ -71,19 +73,28 @@ class ResumeSource:
     layout: ParallelLayout
     with_inv_freq: bool
     case: str                  # one line for the log
+    records: dict[str, Any] | None = None  # ckptconv.json's size + digest per file; None: no metadata
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
         return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
 
+    def checks(self) -> CheckedFiles:
+        """Checked reads of this checkpoint: recorded sizes and digests, zip CRC-32s."""
+        return CheckedFiles(self.root, self.records)
+
     def load_state(self, tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
-        """The shard of (tp_rank, pp_rank), with ``lm_head.weight`` wherever the stage has an lm_head.
+        """The shard of (tp_rank, pp_rank), checked as it is read (recorded digest, zip CRC-32s),
+        with ``lm_head.weight`` wherever the stage has an lm_head.
 
         A tied model's shards written by the official converter hold no ``lm_head.weight``; the
         output projection is then the embedding: this tp rank's vocabulary rows, read from the pp
         rank 0 shard of the same tp rank (with pp > 1 the last stage's own file has no copy).
         Checkpoints of the run then carry our copy (see :func:`ckptconv.mapping.stores_lm_head`).
         """
-        state = load_shard(self.shard(tp_rank, pp_rank))
+        try:
+            state = load_shard(self.shard(tp_rank, pp_rank), checks=self.checks())
+        except ConversionError as exc:
+            raise TrainError(f"--resume {self.given}: {damaged(exc)}") from None
         if pp_rank == self.layout.pp - 1 and not stores_lm_head(self.spec, state):
             state[LM_HEAD] = state[EMBED] if pp_rank == 0 else self._embedding(tp_rank)
         return state
@@ -104,10 +115,11 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
     try:
         root, _, _ = resolve_checkpoint(given)
         check_model_config(root)
-        ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)
+        ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)  # checks sizes, headers and rank names
         ckpt.close()
+        records = None if ckpt.metadata is None else ckpt.metadata.files
     except ConversionError as exc:
-        raise TrainError(f"--resume {path}: {exc}") from None
+        raise TrainError(f"--resume {path}: {damaged(exc)}") from None
     has_optim = (root / OPTIM_DIR).is_dir()
     if has_optim and not (root / DONE_MARKER).is_file():
         raise TrainError(f"--resume {path}: {root} has {OPTIM_DIR}/ but no '{DONE_MARKER}' marker (an interrupted "
@@ -115,9 +127,17 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
     if weights_only or not has_optim:
         why = "--weights-only" if weights_only and has_optim else "no optimizer state (a converted checkpoint)"
         return ResumeSource(path, root, ckpt.files, False, spec, layout, with_inv_freq,
-                            f"weights only from {root} ({why}): step 0, fresh optimizer")
+                            f"weights only from {root} ({why}): step 0, fresh optimizer", records)
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
-    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}")
+    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}",
+                        records)
+
+
+def damaged(exc: ConversionError) -> str:
+    """The error of a checkpoint file that fails its checks, with what to do here (nxdtrain has no --no-check)."""
+    if isinstance(exc, IntegrityError):
+        return f"{exc.problem}; resume from another tag"
+    return str(exc)
 
 
 def run_layout(cfg: ParallelConfig, shards: ParallelLayout) -> ParallelLayout:
@@ -172,12 +192,16 @@ def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
 # Reading a tag's training state
 
 
-def load_small(path: Path) -> Any:
-    """``torch.load(weights_only=True)`` of a tag's side file, with the error a user can act on."""
+def load_small(path: Path, checks: CheckedFiles | None = None) -> Any:
+    """``torch.load(weights_only=True)`` of a tag's side file, with the error a user can act on;
+    with ``checks``, of its bytes checked against the tag's ckptconv.json."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        data = check_whole_file(path, checks.record(path) if checks is not None else None)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise TrainError(f"{path}: missing; resume from another tag or with --weights-only") from None
+    except ConversionError as exc:
+        raise TrainError(f"--resume: {damaged(exc)}") from None
     except (pickle.UnpicklingError, RuntimeError) as exc:
         raise TrainError(f"{path}: not nxdtrain training state ({str(exc).splitlines()[0]}); "
                          "resume with --weights-only") from None
@@ -195,9 +219,9 @@ class TrainingState:
     options: dict[str, Any]  # the saving run's flat options (TrainConfig.to_flat)
 
 
-def read_training_state(tag: Path) -> TrainingState:
-    user = load_small(tag / USER_CONTENT_FILE)
-    scheduler = load_small(tag / SCHEDULER_FILE)
+def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> TrainingState:
+    user = load_small(tag / USER_CONTENT_FILE, checks)
+    scheduler = load_small(tag / SCHEDULER_FILE, checks)
     step = int(user["step"])
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")
@@ -307,6 +331,9 @@ class TagWriter:
                                         CHECKPOINT_MARKER, DONE_MARKER])
             outdir.ensure_dir(tag, MODEL_DIR)
             outdir.ensure_dir(tag, OPTIM_DIR)
+            # The 'checkpoint' marker first: until 'done' follows, every reader sees an interrupted
+            # save (refused), never a directory of shards that looks complete.
+            outdir.write_text(tag / CHECKPOINT_MARKER, "1")
         except BaseException:
             lock.release()
             raise

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -237,7 +239,10 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
 
     Processes are forked from a forkserver that imported ``preload`` once, so a world starts in
     well under a second instead of importing torch in every process. When one process fails the
-    others are terminated; a run past ``timeout_s`` is terminated too (exit code 124).
+    others are terminated; a run past ``timeout_s`` is terminated too (exit code 124). SIGTERM or
+    SIGINT to this process is forwarded to every worker, and the launcher waits for them all
+    (killing those still alive after :data:`STOP_GRACE_S`) before it returns 128 + the signal: a
+    supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind.
     """
     import multiprocessing
 
@@ -248,24 +253,74 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     context = mp.start_processes(_child, args=(fn, args, nprocs, port), nprocs=nprocs, join=False,
                                  start_method="forkserver")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=0.2):
-            if deadline is not None and time.monotonic() > deadline:
-                _terminate(context)
-                print(f"nxdtrain: error: {nprocs} processes still running after {timeout_s:.0f}s; terminated",
-                      file=sys.stderr)
-                return 124
-    except mp.ProcessExitedException as exc:
-        return exc.exit_code or 1
-    except mp.ProcessRaisedException as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
+    with _Forwarding(context) as forwarding:
+        try:
+            while not context.join(timeout=0.2):
+                if forwarding.signum is not None:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    _terminate(context)
+                    print(f"nxdtrain: error: {nprocs} processes still running after {timeout_s:.0f}s; terminated",
+                          file=sys.stderr)
+                    return 124
+        except mp.ProcessExitedException as exc:
+            if forwarding.signum is None:
+                return exc.exit_code or 1
+        except mp.ProcessRaisedException as exc:
+            if forwarding.signum is None:
+                print(str(exc), file=sys.stderr)
+                return 1
+        if forwarding.signum is not None:
+            _terminate(context, grace_s=STOP_GRACE_S)
+            name = signal.Signals(forwarding.signum).name
+            print(f"nxdtrain: {name}: stopped all {nprocs} processes; tags without a 'done' marker are never resumed",
+                  file=sys.stderr)
+            return 128 + forwarding.signum
     return 0
 
 
-def _terminate(context: Any) -> None:
+STOP_GRACE_S = 30.0  # how long workers get to exit after a forwarded signal before SIGKILL
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Forwarding:
+    """While active, SIGTERM/SIGINT to this process are sent on to the workers (and remembered)."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        for process in self.context.processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def __enter__(self) -> _Forwarding:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # Python delivers signals to the main thread only; its caller handles them there
+        for signum in FORWARDED:
+            self._previous[signum] = signal.signal(signum, self._forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _terminate(context: Any, grace_s: float = 5.0) -> None:
+    """SIGTERM the workers still alive, wait up to ``grace_s`` for all, then SIGKILL the rest and reap them."""
     for process in context.processes:
         if process.is_alive():
             process.terminate()
+    deadline = time.monotonic() + grace_s
     for process in context.processes:
-        process.join(5)
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+            process.join()

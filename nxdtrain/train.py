@@ -91,7 +91,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
-    resume_state = read_training_state(source.root) if source.full else None
+    resume_state = read_training_state(source.root, source.checks()) if source.full else None
     if resume_state is not None:
         check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -181,7 +181,7 @@ class Trainer:
         tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
         assert state is not None  # a full checkpoint
         path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp if self.optimizer.zero else 0)
-        self.optimizer.load_state_dict(load_small(path), str(path))
+        self.optimizer.load_state_dict(load_small(path, self.plan.source.checks()), str(path))
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:

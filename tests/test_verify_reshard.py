@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.errors import ConversionError, VerificationError
+from ckptconv.digest import FileRecord
+from ckptconv.errors import ConversionError, IntegrityError, VerificationError
 from ckptconv.io.nxd import load_shard, save_shard
 from ckptconv.reference import dense_layer
 from ckptconv.verify import verify
@@ -35,10 +36,17 @@ def convert(src: Path, out: Path, **kwargs) -> Path:
 
 
 def edit_shard(root: Path, tp: int, pp: int, change) -> None:
+    """Rewrite a shard as a buggy converter would have written it: ckptconv.json records the new bytes
+    (so checked reads pass and what is tested is verify's numerics)."""
     path = root / "model" / SHARD.format(tp, pp)
     state = load_shard(path)
     change(state)
     save_shard(path, state)
+    meta = json.loads((root / "ckptconv.json").read_text())
+    rel = f"model/{SHARD.format(tp, pp)}"
+    algorithm = next(a for a in ("blake3", "sha256") if a in meta["files"][rel])
+    meta["files"][rel] = FileRecord.of(path, algorithm).to_json()
+    (root / "ckptconv.json").write_text(json.dumps(meta))
 
 
 def problems(report: dict) -> str:
@@ -150,7 +158,10 @@ def test_verify_files_checks_hashes(gqa: Path, tmp_path: Path, algorithm: str):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte inside tensor data
     path.write_bytes(bytes(data))
-    assert f"model/dp_rank_00_tp_rank_01_pp_rank_00.pt: {algorithm} differs" in problems(verify(gqa, out, layers=1, files=True))
+    report = verify(gqa, out, layers=1, files=True, check=False)  # --no-check: the report lists it
+    assert f"model/dp_rank_00_tp_rank_01_pp_rank_00.pt: {algorithm} differs" in problems(report)
+    with pytest.raises(IntegrityError, match=r"dp_rank_00_tp_rank_01_pp_rank_00.pt: record .* has CRC-32"):
+        verify(gqa, out, layers=1, files=True)  # checked reads stop at the first bad record
 
 
 def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Path):

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.execute import move_into_place
+from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
@@ -116,8 +117,12 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
 class _SplitShard:
     """An xser-split shard: a dict of TensorReference, each tensor in ``<file>.tensors/tensor_<tid>.pt``."""
 
-    def __init__(self, path: Path, io: str) -> None:
+    def __init__(self, path: Path, io: str, checks: CheckedFiles | None = None) -> None:
         self.path = path
+        self.checks = checks
+        if checks is not None:  # small files, loaded whole by torch.load: check them whole first
+            for small in (path, Path(str(path) + INFO_SUFFIX)):
+                check_whole_file(small, checks.record(small))
         refs = load_small(path)
         if not isinstance(refs, dict):
             raise ConversionError(f"{path}: expected a dict of TensorReference, got {type(refs).__name__}")
@@ -135,7 +140,7 @@ class _SplitShard:
             file = Path(str(self.path) + TENSORS_SUFFIX) / f"tensor_{self._tids[key]}.pt"
             if not file.is_file():
                 raise ConversionError(f"{self.path}: {key!r} refers to {file}, which is missing")
-            self._readers[key] = TorchZipReader(file, io=self.io)
+            self._readers[key] = TorchZipReader(file, io=self.io, checks=self.checks)
         return self._readers[key]
 
     def keys(self) -> list[str]:
@@ -179,10 +184,13 @@ class NxdCheckpoint:
     the file on disk, whatever its actual (legacy) name.
     """
 
-    def __init__(self, path: str | Path, *, io: str = "mmap") -> None:
+    def __init__(self, path: str | Path, *, io: str = "mmap", check: bool = True) -> None:
         self.root, self.model_dir, self.found_as = resolve_checkpoint(path)
         self.io = io
         self.metadata = read_metadata(self.root)
+        # Checked reads: sizes now, digests and zip CRC-32s as the bytes are read (finish_checks).
+        self.checks = CheckedFiles(self.root, None if self.metadata is None else self.metadata.files, enabled=check)
+        self.checks.check_sizes(MODEL_DIR)
         shards = _shard_files(self.model_dir)
         self.ranks = sorted(shards)
         self.files = {shard_file(tp_rank=tp, pp_rank=pp): p for (tp, pp), p in shards.items()}
@@ -208,11 +216,13 @@ class NxdCheckpoint:
                     path = self.files[file]
                 except KeyError:
                     raise ConversionError(f"{self.model_dir}: no shard {file}") from None
-                if detect_flavour(path) is Flavour.XSER_SPLIT:
-                    self._readers[file] = _SplitShard(path, self.io)
-                else:
-                    self._readers[file] = TorchFileReader(path, self.io)
+                self._readers[file] = open_shard(path, self.io, self.checks)
             return self._readers[file]
+
+    def finish_checks(self, *, workers: int = 8) -> int:
+        """Complete the checks of every shard read from (hash what was not read); raise
+        IntegrityError naming the first bad file. Returns how many files were checked."""
+        return self.checks.finish(workers=workers)
 
     def keys(self, file: str) -> list[str]:
         return self._reader(file).keys()
@@ -224,6 +234,12 @@ class NxdCheckpoint:
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         assert source.file is not None
         return self._reader(source.file).read_rows(source.key, start, stop, out)
+
+    def position(self, source: Source) -> int:
+        """Where a tensor's bytes start in its file (an execution order that reads files front to back)."""
+        assert source.file is not None
+        reader = self._reader(source.file)
+        return reader.position(source.key) if isinstance(reader, TorchFileReader) else 0
 
     def dtypes(self) -> dict[str, torch.dtype]:
         """dtype of every key (keys repeat across tp ranks; the first shard holding a key speaks)."""
@@ -381,11 +397,44 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def load_shard(path: Path, *, io: str = "read") -> dict[str, torch.Tensor]:
-    """Every tensor of one shard (any flavour), in file order, owning their memory, with stored strides."""
+def open_shard(path: Path, io: str, checks: CheckedFiles | None = None) -> FileReader | _SplitShard:
+    """A lazy reader of one shard of any flavour; with ``checks``, also that it is the rank its name says."""
+    reader: FileReader | _SplitShard
+    if detect_flavour(path) is Flavour.XSER_SPLIT:
+        reader = _SplitShard(path, io, checks)
+    else:
+        reader = TorchFileReader(path, io, checks)
+        if checks is not None and checks.enabled:
+            try:
+                check_rank_identity(path, reader.archive)
+            except BaseException:
+                reader.close()
+                raise
+    return reader
+
+
+def check_rank_identity(path: Path, archive: str) -> None:
+    """torch.save names a file's records after its basename; a shard saved for another rank and
+    then moved under this name (swapped rank files) still carries the other rank's name."""
+    name = path.parent.name if path.name == "checkpoint.pt" else path.name
+    mine, inside = parse_shard_name(name), parse_shard_name(archive + ".pt")
+    if mine is not None and inside is not None and mine != inside:
+        raise IntegrityError(
+            f"{path}: holds the shard saved as {archive}.pt (tp rank {inside[0]}, pp rank {inside[1]}), not tp rank "
+            f"{mine[0]} pp rank {mine[1]}; rank files were swapped or renamed")
+
+
+def load_shard(path: Path, *, io: str = "read", checks: CheckedFiles | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one shard (any flavour), in file order, owning their memory, with stored strides.
+
+    With ``checks`` the shard's record CRC-32s (and recorded size and digest) are checked as it is read.
+    """
     path = Path(path)
-    reader: FileReader | _SplitShard = _SplitShard(path, io) if detect_flavour(path) is Flavour.XSER_SPLIT else TorchFileReader(path, io)
+    reader = open_shard(path, io, checks)
     try:
-        return {key: reader.read(key) for key in reader.keys()}
+        state = {key: reader.read(key) for key in reader.keys()}
+        if checks is not None:
+            checks.finish(workers=1)
+        return state
     finally:
         reader.close()

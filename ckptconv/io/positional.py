@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Any
 
 IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
 IO_MODES = ("mmap", "read")
@@ -21,13 +22,15 @@ class PositionalFile:
     >>> header = f.read(0, 8)                                 # doctest: +SKIP
     """
 
-    def __init__(self, path: str, io: str) -> None:
+    def __init__(self, path: str, io: str, check: Any = None) -> None:
         if io not in IO_MODES:
             raise ValueError(f"{path}: io must be 'mmap' or 'read', got {io!r}")
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
         self.mm: mmap.mmap | None = None
+        # A checked-reads StreamCheck (ckptconv.io.checked) that sees every data read, or None.
+        self.check = check
         if io == "mmap" and self.size:
             try:
                 self.mm = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
@@ -36,7 +39,20 @@ class PositionalFile:
                 raise
 
     def read_into(self, offset: int, dst: memoryview) -> None:
-        """Copy ``len(dst)`` bytes starting at ``offset`` into ``dst``."""
+        """Copy ``len(dst)`` bytes starting at ``offset`` into ``dst`` (tensor data: the check sees them)."""
+        if self.check is None:
+            self.copy_into(offset, dst)
+            return
+        self.check.begin(offset, len(dst))
+        try:
+            self.copy_into(offset, dst)
+        except BaseException:
+            self.check.abandon(offset, len(dst))
+            raise
+        self.check.consumed_bytes(offset, dst, self.copy_into)
+
+    def copy_into(self, offset: int, dst: memoryview) -> None:
+        """Copy ``len(dst)`` bytes starting at ``offset`` into ``dst``, unseen by the check."""
         if self.fd < 0:
             raise ValueError(f"{self.path}: file is closed")
         end = offset + len(dst)
@@ -64,8 +80,9 @@ class PositionalFile:
             done += got
 
     def read(self, offset: int, n: int) -> bytes:
+        """File structure (headers, directories): not tensor data, so unseen by the check."""
         buf = bytearray(n)
-        self.read_into(offset, memoryview(buf))
+        self.copy_into(offset, memoryview(buf))
         return bytes(buf)
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.errors import ConversionError
+from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.safe_load import is_torch_zip, load_small
 from ckptconv.io.safetensors_io import SafetensorsReader
 from ckptconv.io.torchzip import StoredTensor, TorchZipReader
@@ -63,9 +64,10 @@ class SafetensorsFileReader:
 class TorchFileReader:
     """A torch.save zip holding a flat dict of tensors."""
 
-    def __init__(self, path: Path, io: str) -> None:
+    def __init__(self, path: Path, io: str, checks: CheckedFiles | None = None) -> None:
         self.path = path
-        self._reader = TorchZipReader(path, io=io)
+        self._reader = TorchZipReader(path, io=io, checks=checks)
+        self.archive = self._reader.archive
 
     def keys(self) -> list[str]:
         return self._reader.keys()
@@ -83,6 +85,11 @@ class TorchFileReader:
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         self._entry(key)
         return self._reader.read_rows(key, start, stop, out)
+
+    def position(self, key: str) -> int:
+        """File offset of the tensor's first byte."""
+        entry = self._entry(key)
+        return entry.data_offset + entry.storage_offset * entry.dtype.itemsize
 
     def read(self, key: str) -> torch.Tensor:
         self._entry(key)

@@ -10,10 +10,13 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckptconv.io.checked import CheckedFiles, ZipCrc, crc_error
+from ckptconv.io.crc import crc32
 from ckptconv.io.positional import PositionalFile
 from ckptconv.io.safe_load import PickledTensor, unpickle_restricted
 
@@ -49,6 +52,7 @@ class _ZipEntry:
     size: int
     compressed_size: int
     method: int
+    crc: int
 
 
 def _find_end_record(tail: bytes, path: str) -> int:
@@ -96,7 +100,7 @@ def _central_directory(src: PositionalFile) -> dict[str, _ZipEntry]:
     for _ in range(n):
         if cd[pos:pos + 4] != b"PK\x01\x02":
             raise ValueError(f"{src.path}: bad central directory entry at {cd_offset + pos}")
-        (method, csize, usize, name_len, extra_len, comment_len) = struct.unpack_from("<HxxxxxxxxIIHHH", cd, pos + 10)
+        (method, crc, csize, usize, name_len, extra_len, comment_len) = struct.unpack_from("<HxxxxIIIHHH", cd, pos + 10)
         (offset,) = struct.unpack_from("<I", cd, pos + 42)
         name = cd[pos + 46:pos + 46 + name_len].decode("utf-8")
         wide = _zip64_values(cd[pos + 46 + name_len:pos + 46 + name_len + extra_len])
@@ -107,7 +111,7 @@ def _central_directory(src: PositionalFile) -> dict[str, _ZipEntry]:
             csize = wide.pop(0)
         if offset == _U32:
             offset = wide.pop(0)
-        entries[name] = _ZipEntry(name, offset, usize, csize, method)
+        entries[name] = _ZipEntry(name, offset, usize, csize, method, crc)
         pos += 46 + name_len + extra_len + comment_len
     return entries
 
@@ -116,16 +120,22 @@ class TorchZipReader:
     """Lazy reader of a torch zip file; data.pkl is unpickled safely, tensors read on demand.
 
     ``io="mmap"`` maps the file; ``io="read"`` uses only ``os.pread`` (for network file systems).
+    With ``checks`` (:class:`~ckptconv.io.checked.CheckedFiles`) every record's CRC-32, and the
+    file's recorded size and digest, are checked from the bytes read (``checks.finish()`` completes it).
 
     >>> with TorchZipReader("model.pt", io="read") as r:  # doctest: +SKIP
     ...     w = r.read("w"); top = r.read_rows("w", 0, 2)
     """
 
-    def __init__(self, path: str | os.PathLike[str], io: str = "mmap") -> None:
+    def __init__(self, path: str | os.PathLike[str], io: str = "mmap", checks: CheckedFiles | None = None) -> None:
         self.path = os.fspath(path)
         self._src = PositionalFile(self.path, io)
         try:
+            self._src.check = None if checks is None else checks.open(Path(self.path), self._src.copy_into)
             self._zip = _central_directory(self._src)
+            if self._src.check is not None:
+                self._src.check.set_zip_records([ZipCrc(e.name, self._data_offset(e), e.compressed_size, e.crc)
+                                                 for e in self._zip.values() if e.method == 0])
             first = min(self._zip.values(), key=lambda e: e.header_offset, default=None)
             if first is None or not (first.name == "data.pkl" or first.name.endswith("/data.pkl")):
                 raise ValueError(f"{self.path}: not a torch zip file (first record is not <archive>/data.pkl)")
@@ -152,7 +162,10 @@ class TorchZipReader:
         if entry.method != 0 or entry.compressed_size != entry.size:
             raise ValueError(f"{self.path}: record {entry.name} is compressed (method {entry.method}); "
                              "expected stored records")
-        return self._src.read(self._data_offset(entry), entry.size)
+        data = self._src.read(self._data_offset(entry), entry.size)
+        if self._src.check is not None and crc32(data) != entry.crc:  # data.pkl is parsed now: check it now
+            raise crc_error(self.path, entry.name, crc32(data), entry.crc)
+        return data
 
     def _resolve(self, top: Any) -> dict[str, Any]:
         if isinstance(top, PickledTensor):  # torch.save(tensor): one entry under key ""

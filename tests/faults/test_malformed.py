@@ -2,8 +2,8 @@
 exit status 1, no traceback, and nothing in OUT that looks complete.
 
 Runs in-process through ``ckptconv.cli.main`` (the same handler a shell gets; one case also runs as
-a real process). Cases that need reads checked against recorded digests (#10, "checked reads",
-built separately) are marked xfail until that lands.
+a real process). Damaged shards (a flipped byte, swapped rank files) are caught by the checked
+reads (ckptconv.io.checked).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from ckptconv.cli import main
 from tests.faults.helpers import looks_complete, one_line_error, run
 
 INDEX = "model.safetensors.index.json"
-CHECKED_READS = pytest.mark.xfail(reason="#10 checked reads (digests/CRCs verified while reading) lands separately",
-                                  strict=False)
 
 
 def _index(src: Path) -> dict:
@@ -119,14 +117,20 @@ CASES: list[Case] = [
      "dp_rank_00_tp_rank_00_pp_rank_00.pt"),
     ("nxd-shard-pickle-bit-flipped", "nxd", lambda s: _flip(_nxd_shard(s), _zip_record_offset(_nxd_shard(s), "data.pkl") + 2),
      "dp_rank_00_tp_rank_00_pp_rank_00.pt"),
-    ("nxd-shard-missing", "nxd", lambda s: _nxd_shard(s, 1).unlink(), "holds tp 1 x pp 1 shards, but the layout says tp 2"),
-    ("nxd-shard-wrong-dtype", "nxd", lambda s: _to_half(_nxd_shard(s, 1)),
+    # Checked reads see a missing or rewritten shard first (against ckptconv.json); with --no-check
+    # the layout and dtype checks behind them still refuse it.
+    ("nxd-shard-missing", "nxd", lambda s: _nxd_shard(s, 1).unlink(),
+     "dp_rank_00_tp_rank_01_pp_rank_00.pt: missing; "),
+    ("nxd-shard-missing-unchecked", "nxd --no-check", lambda s: _nxd_shard(s, 1).unlink(),
+     "holds tp 1 x pp 1 shards, but the layout says tp 2"),
+    ("nxd-shard-wrong-dtype", "nxd", lambda s: _to_half(_nxd_shard(s, 1)), "bytes, ckptconv.json records "),
+    ("nxd-shard-wrong-dtype-unchecked", "nxd --no-check", lambda s: _to_half(_nxd_shard(s, 1)),
      "dp_rank_00_tp_rank_01_pp_rank_00.pt: 'model.embed_tokens.weight' is float16, "),
     pytest.param("nxd-shard-data-bit-flipped", "nxd",
                  lambda s: _flip(_nxd_shard(s), _zip_record_offset(_nxd_shard(s), "data/0") + 7),
-                 "dp_rank_00_tp_rank_00_pp_rank_00.pt", marks=CHECKED_READS),
+                 "dp_rank_00_tp_rank_00_pp_rank_00.pt"),
     pytest.param("nxd-swapped-ranks", "nxd", lambda s: _swap(_nxd_shard(s, 0), _nxd_shard(s, 1)),
-                 "dp_rank_00_tp_rank_0", marks=CHECKED_READS),
+                 "dp_rank_00_tp_rank_0"),
 ]
 
 
@@ -171,6 +175,7 @@ def test_malformed_input_is_one_line_error(name: str, kind: str, breaks: Callabl
     breaks(src)
     out = tmp_path / "out"
     argv = ["to-nxd", str(src), str(out), "--tp", "2"] if kind == "hf" else ["to-hf", str(src), str(out)]
+    argv += kind.split()[1:]  # "nxd --no-check": the checks behind the checked reads
     assert main([*argv, "--quiet", "--workers", "2"]) == 1
     line = one_line_error(capsys.readouterr().err)
     assert expected in line, line

@@ -61,7 +61,8 @@ def test_save_over_its_own_tag_starts_it_over(tmp_path: Path, state: str):
         (tag / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").write_bytes(b"half")
     lock = _writer(tmp_path)._claim(tag, 2)
     try:
-        assert sorted(p.name for p in tag.iterdir()) == [".ckptconv-tmp", "model", "optim"]
+        # A claimed tag carries its 'checkpoint' marker (no 'done' yet): readers see an interrupted save.
+        assert sorted(p.name for p in tag.iterdir()) == [".ckptconv-tmp", "checkpoint", "model", "optim"]
         assert not any((tag / "model").iterdir()) and not any((tag / "optim").iterdir())
     finally:
         lock.release()

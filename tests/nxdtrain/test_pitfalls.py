@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
+from ckptconv.digest import record_files
 from ckptconv.io.nxd import write_markers
+from ckptconv.metadata import read_metadata, write_metadata
 from nxdtrain import preflight
 from nxdtrain.cli import main
 from nxdtrain.config import TrainConfig
@@ -133,6 +135,11 @@ def fake_zero1_tag(src, tag, *, dp: int):
         (tag / f"optim/dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt").write_bytes(b"")
     torch.save({"step": 2, "consumed_samples": 4, "rng": [], "options": {"zero1": True}}, tag / "user_content.pt")
     torch.save({"step": 2}, tag / "scheduler.pt")
+    # Recorded in ckptconv.json as a real save records them (resume checks what it reads against it).
+    meta = read_metadata(tag)
+    added = record_files([tag / "optim", tag / "user_content.pt", tag / "scheduler.pt"], tag, "blake3")
+    meta.files.update({name: record.to_json() for name, record in added.items()})
+    write_metadata(tag, meta)
     write_markers(tag)
     return tag
 
