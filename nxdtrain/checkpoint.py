@@ -44,6 +44,7 @@ from ckptconv.layout import MODEL_DIR, Attention, ParallelLayout, shard_file, sh
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from nxdtrain.config import ParallelConfig
+from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
 
@@ -212,6 +213,7 @@ class TagWriter:
     flavour: Flavour
     keep: int
     options: dict[str, Any]
+    host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any]) -> Path:
         tag = self.root / f"step_{step}"
@@ -221,21 +223,22 @@ class TagWriter:
                 shutil.rmtree(tag)
             (tag / MODEL_DIR).mkdir(parents=True)
             (tag / OPTIM_DIR).mkdir()
-        dist.barrier()
+        dist.barrier(group=self.host_group)
         tp, dp, pp = self.coords
         written: list[Path] = []
         if dp == 0:
-            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), model.shard_state(),
-                                  self.flavour)
+            tensors, column_major = _shard_to_save(model)
+            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), tensors, self.flavour,
+                                  column_major=column_major)
         if dp == 0 or self.zero1:
             path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp if self.zero1 else 0)
-            written.append(_save_torch(optimizer.state_dict(), path))
+            written.append(_save_torch(to_host(optimizer.state_dict()), path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.host_group)
         if rank == 0:
             self._finish(tag, step, consumed, model, scheduler, gathered)
-        dist.barrier()
+        dist.barrier(group=self.host_group)
         return tag
 
     def _finish(self, tag: Path, step: int, consumed: int, model: Any, scheduler: dict[str, Any],
@@ -263,6 +266,19 @@ class TagWriter:
         ))
         write_markers(tag)
         prune(self.root, self.keep)
+
+
+def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:
+    """The shard's tensors and, for a device tensor (whose strides say nothing), the column-major keys.
+
+    On a device the parameters are handed over as they are: save_shard copies each to the CPU when
+    it writes it, so the host never holds the whole shard and no relayout is traced on the device.
+    """
+    params = model.state_dict()
+    if all(t.device.type == "cpu" for t in params.values()):
+        return model.shard_state(), None
+    records = model.records()
+    return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}
 
 
 def prune(root: Path, keep: int) -> list[Path]:

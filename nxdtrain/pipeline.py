@@ -10,6 +10,7 @@ summed over data-parallel ranks, and the reported loss is the same sum over micr
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -39,9 +40,23 @@ class PipelineStep:
             raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp_size} microbatches per data-parallel rank, "
                              f"got {microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
         self.model, self.device = model, device
-        self.tokens = tokens_per_batch
-        stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group)
-        self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        self.tokens, self.microbatches = tokens_per_batch, microbatches
+        self.schedule: Any = None
+        if not (pp_size == 1 and device.type == "xla"):
+            stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group)
+            self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        self._has_return_outputs = "return_outputs" in inspect.signature(SCHEDULES[schedule].step).parameters
+
+    def _run_single_stage(self, ids: torch.Tensor) -> torch.Tensor:
+        """pp 1 on xla, without the pipelining runtime (its host-side bookkeeping has no use in a traced step):
+        the same microbatches (``tensor_split`` of the rows), in the same order, each forward then backward."""
+        target = shifted_targets(ids)
+        losses = []
+        for mb_ids, mb_target in zip(ids.tensor_split(self.microbatches), target.tensor_split(self.microbatches)):
+            loss = self._loss(self.model(mb_ids), mb_target)
+            loss.backward()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).sum()
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.model.tp,
@@ -50,9 +65,12 @@ class PipelineStep:
 
     def run(self, ids: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all microbatches; the summed loss on the last stage, 0 elsewhere."""
+        if self.schedule is None:
+            return self._run_single_stage(ids)
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.is_first else ()
-        kwargs: dict[str, Any] = {"return_outputs": False}
+        # return_outputs (torch >= 2.10) keeps the last stage's logits out of the result; older torch has no such flag.
+        kwargs: dict[str, Any] = {"return_outputs": False} if self._has_return_outputs else {}
         if self.model.is_last:
             kwargs.update(target=shifted_targets(ids), losses=losses)
         self.schedule.step(*args, **kwargs)
