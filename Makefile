@@ -39,9 +39,10 @@ $(XLA_STAMP): pyproject.toml Makefile
 	$(XLA_BIN)/python -c "import torch, torch_xla; assert torch.__version__.split('+')[0] == '$(XLA_TORCH)', torch.__version__"
 	touch $(XLA_STAMP)
 
-# PJRT_DEVICE=CPU: XLA:CPU, the only XLA device this CI has (tests/xla skip themselves without torch_xla).
+# PJRT_DEVICE=CPU: XLA:CPU, the only XLA device this CI has. The main lane collects test_xla.py and skips it.
+XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py
 test-xla: setup-xla
-	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 tests/xla
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
 
 demo: setup
 	$(BIN)/python examples/demo.py demo-out

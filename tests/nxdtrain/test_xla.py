@@ -146,7 +146,7 @@ def test_tags_move_between_xla_and_cpu(tmp_path, nxd_model, xser):
     """A tag written on xla resumes on cpu and the reverse, with bitwise weights and optimizer state."""
     import torch_xla.utils.serialization as xser_io
 
-    src = nxd_model("gqa2", attention="separate")
+    src = nxd_model("gqa2", attention="qkv_linear", fuse_qkv=True)  # o_proj is stored column-major here
     for saver, loader in (("xla", "cpu"), ("cpu", "xla")):
         run(tmp_path, saver, saver, resume=str(src), steps=2, xser=xser)
         tag = tmp_path / saver / "step_2"
@@ -163,7 +163,7 @@ def test_tags_move_between_xla_and_cpu(tmp_path, nxd_model, xser):
             theirs = xser_io.load(str(tag / shard_file(tp_rank=0, pp_rank=0)))
             assert set(theirs) == set(shard)
             assert all(torch.equal(theirs[k].cpu(), shard[k]) for k in shard)
-    # ckptconv to-hf exports a tag written on xla: HF weights are the shard's (tp 1, separate q/k/v).
+    # ckptconv to-hf exports a tag written on xla: HF weights are the shard's (tp 1: same names but for q/k/v).
     export(tmp_path / "xla" / "step_2", tmp_path / "hf")
     hf = hf_state(tmp_path / "hf")
     shard = load_shard(tmp_path / "xla/step_2" / shard_file(tp_rank=0, pp_rank=0))
