@@ -52,7 +52,7 @@ class PipelineStep:
         the same microbatches (``tensor_split`` of the rows), in the same order, each forward then backward."""
         target = shifted_targets(ids)
         losses = []
-        for mb_ids, mb_target in zip(ids.tensor_split(self.microbatches), target.tensor_split(self.microbatches)):
+        for mb_ids, mb_target in zip(ids.tensor_split(self.microbatches), target.tensor_split(self.microbatches), strict=True):
             loss = self._loss(self.model(mb_ids), mb_target)
             loss.backward()
             losses.append(loss.detach().float())

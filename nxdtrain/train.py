@@ -85,7 +85,7 @@ def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: in
     """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
     values = [(float(p.loss), float(p.grad_norm)) for p in pending]
     rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
-    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples) for p, (loss, norm) in zip(pending, values)]
+    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples) for p, (loss, norm) in zip(pending, values, strict=True)]
 
 
 def prepare(config: TrainConfig, world_size: int) -> RunPlan:

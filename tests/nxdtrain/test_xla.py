@@ -58,9 +58,9 @@ def test_xla_matches_cpu(tmp_path, hf_model, nxd_model, layout, mbs):
     xla = run(tmp_path, "xla", "xla", **options)
     assert [r["step"] for r in xla] == [1, 2, 3, 4, 5]
     assert len(cpu) == 5 and cpu[0]["loss"] > 1.0
-    worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(cpu, xla))
+    worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(cpu, xla, strict=True))
     assert worst <= TOL, ([r["loss"] for r in cpu], [r["loss"] for r in xla])
-    assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(cpu, xla)) <= TOL
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(cpu, xla, strict=True)) <= TOL
     export(tmp_path / "cpu", tmp_path / "cpu-hf")
     export(tmp_path / "xla", tmp_path / "xla-hf")
     got, want = hf_state(tmp_path / "xla-hf"), hf_state(tmp_path / "cpu-hf")
