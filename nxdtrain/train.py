@@ -85,7 +85,8 @@ def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: in
     """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
     values = [(float(p.loss), float(p.grad_norm)) for p in pending]
     rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
-    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples) for p, (loss, norm) in zip(pending, values, strict=True)]
+    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples)
+            for p, (loss, norm) in zip(pending, values, strict=True)]
 
 
 def prepare(config: TrainConfig, world_size: int) -> RunPlan:
@@ -250,9 +251,11 @@ class Trainer:
                     for metrics in read_metrics(pending, started, tokens_per_step):
                         history.append(metrics)
                         log.record(metrics)
-                    pending, started = [], time.perf_counter()
+                    pending = []
                 if saving:
                     last_tag = self.save()
+                if not pending:  # tokens/s counts training only, not logging or saving
+                    started = time.perf_counter()
         finally:
             log.close()
         if self.writer is not None and self.saved_step != self.step:  # the final state is always saved

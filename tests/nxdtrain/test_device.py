@@ -84,3 +84,22 @@ def test_shard_saved_from_row_major_tensors_is_byte_identical(tmp_path, flavour)
     cpu = {p.relative_to(tmp_path / "cpu"): p.read_bytes() for p in (tmp_path / "cpu").rglob("*") if p.is_file()}
     dev = {p.relative_to(tmp_path / "dev"): p.read_bytes() for p in (tmp_path / "dev").rglob("*") if p.is_file()}
     assert cpu == dev and len(cpu) >= 1
+
+
+def test_log_every_reads_every_step_in_batches(tmp_path, nxd_model):
+    """--log-every 3 logs the same per-step values as --log-every 1, read back at steps 3 and 4."""
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.train import train
+    from tests.nxdtrain.harness import read_log, train_options
+
+    src = nxd_model("mha", attention="separate")
+    logs = {}
+    for every in (1, 3):
+        log = tmp_path / f"every{every}.jsonl"
+        history = train(TrainConfig.from_flat({**train_options(optimizer="adamw"), "resume": str(src), "steps": 4,
+                                               "device": "cpu", "log_every": every, "log_jsonl": str(log)}))
+        logs[every] = read_log(log)
+        assert [m.step for m in history] == [1, 2, 3, 4]
+    for key in ("step", "loss", "grad_norm", "lr", "consumed_samples"):
+        assert [r[key] for r in logs[3]] == [r[key] for r in logs[1]], key
+    assert logs[1][0]["loss"] != logs[1][3]["loss"]
