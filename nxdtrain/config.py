@@ -137,8 +137,8 @@ class TrainConfig:
     log_jsonl: str | None = option(None, "append one JSON line per step to this file")
     export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)")
     dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails")
-    device: str = option("auto", "where to train: xla (torch-xla: Trainium, or XLA:CPU) when it imports and PJRT_DEVICE "
-                         "is set, else cuda when available, else cpu", choices=DEVICES)
+    device: str = option("auto", "where to train; auto: xla when torch-xla imports and its PJRT device is an "
+                         "accelerator (Trainium: NEURON), else cuda when available, else cpu", choices=DEVICES)
     log_every: int = option(1, "read loss, grad norm and tokens/s back from the device every N steps (each read "
                             "waits for the device)")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

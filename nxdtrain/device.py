@@ -58,20 +58,34 @@ def torch_xla_api() -> ModuleType | None:
     return torch_xla if all(callable(f) for f in needed) else None
 
 
+def pjrt_accelerator(environ: Mapping[str, str] | None = None) -> str | None:
+    """The PJRT device torch_xla runs on when it is an accelerator (``NEURON``, ``TPU``, ...), else None.
+
+    torch_xla picks its own default when ``PJRT_DEVICE`` is unset (NEURON where Neuron's plugin is
+    installed, else CPU) and writes it into the environment; XLA:CPU is no accelerator: it is used
+    only when asked for with ``--device xla``.
+    """
+    if torch_xla_api() is None:
+        return None
+    env = os.environ if environ is None else environ
+    name = (env.get("PJRT_DEVICE") or os.environ.get("PJRT_DEVICE") or "").split("_")[0].upper()
+    return name if name and name != "CPU" else None
+
+
 def resolve_kind(requested: str, environ: Mapping[str, str] | None = None) -> str:
-    """``auto``: xla when torch_xla works and ``PJRT_DEVICE`` names a device, else cuda when available, else cpu.
+    """``auto``: xla when torch_xla works and its PJRT device is an accelerator, else cuda when available, else cpu.
 
     An explicit ``xla`` or ``cuda`` that this machine cannot give is an error, not a fallback.
     """
     import torch
 
-    env = os.environ if environ is None else environ
-    if requested == "xla" or (requested == "auto" and env.get("PJRT_DEVICE")):
-        if torch_xla_api() is not None:
-            return "xla"
-        if requested == "xla":
+    if requested == "xla":
+        if torch_xla_api() is None:
             raise TrainError("--device xla: torch_xla does not import here (install torch-xla matching this torch, "
                              "or torch-neuronx on Trainium; `make setup-xla` builds such an environment)")
+        return "xla"
+    if requested == "auto" and pjrt_accelerator(environ) is not None:
+        return "xla"
     if requested == "cuda" and not torch.cuda.is_available():
         raise TrainError("--device cuda: torch.cuda.is_available() is false on this machine")
     if requested in ("auto", "cuda") and torch.cuda.is_available():

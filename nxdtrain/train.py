@@ -98,7 +98,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
             why = (f"--nproc {config.nproc} with --device xla: start XLA worlds with torchrun (PJRT ranks come from "
                    "it; see examples/neuron/), or use --device cpu")
         if why is not None:
-            raise TrainError(why if config.device == "xla" else f"--device auto chose xla (PJRT_DEVICE is set): {why}")
+            raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
     source = resolve_resume(config.checkpoint.resume or "", weights_only=config.checkpoint.weights_only)
     layout = run_layout(config.parallel, source.layout)
     check_layout(source, layout)

@@ -15,4 +15,4 @@ procs=${NEURON_PROCS_PER_NODE:-32}
 exec torchrun --nproc_per_node "$procs" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
     --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" \
     -m nxdtrain.cli run --device xla --resume "$resume" --checkpoint-dir "$ckpt" \
-    --tp 8 --precision bf16 --zero1 --seq-len 4096 --mbs 1 --gbs 64 --log-every 10 --xser "$@"
+    --tp 8 --precision bf16 --seq-len 4096 --mbs 1 --gbs 64 --log-every 10 --xser "$@"

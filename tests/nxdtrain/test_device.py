@@ -42,16 +42,20 @@ def test_unsupported_xla_runs_fail_before_starting(tmp_path, monkeypatch, capsys
 
 
 def test_auto_and_explicit_devices(monkeypatch):
-    assert resolve_kind("cpu", {"PJRT_DEVICE": "CPU"}) == "cpu"
+    assert resolve_kind("cpu", {"PJRT_DEVICE": "NEURON"}) == "cpu"
     cuda = torch.cuda.is_available()
     assert resolve_kind("auto", {}) == ("cuda" if cuda else "cpu")
+    assert resolve_kind("auto", {"PJRT_DEVICE": "CPU"}) == ("cuda" if cuda else "cpu")  # XLA:CPU only when asked
+    if torch_xla_api() is not None:  # the XLA lane: an accelerator's PJRT device makes auto choose xla
+        assert resolve_kind("auto", {"PJRT_DEVICE": "NEURON"}) == "xla"
+        assert resolve_kind("xla", {}) == "xla"
     if not cuda:
         with pytest.raises(TrainError, match=r"^--device cuda: torch.cuda.is_available\(\) is false"):
             resolve_kind("cuda", {})
     # A module named torch_xla without its API is not torch-xla: auto falls back, an explicit xla is an error.
     monkeypatch.setitem(sys.modules, "torch_xla", types.ModuleType("torch_xla"))
     assert torch_xla_api() is None
-    assert resolve_kind("auto", {"PJRT_DEVICE": "CPU"}) == ("cuda" if cuda else "cpu")
+    assert resolve_kind("auto", {"PJRT_DEVICE": "NEURON"}) == ("cuda" if cuda else "cpu")
     with pytest.raises(TrainError, match=r"^--device xla: torch_xla does not import here"):
         resolve_kind("xla", {})
 

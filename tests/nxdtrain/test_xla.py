@@ -1,4 +1,5 @@
-"""nxdtrain on torch-xla, one rank on XLA:CPU (the XLA lane: ``make test-xla``; skipped without torch_xla).
+"""nxdtrain on torch-xla, one rank on XLA:CPU (the XLA lane: ``make test-xla``, which sets ``PJRT_DEVICE=CPU``;
+skipped without torch_xla). Runs name ``--device`` explicitly: ``auto`` never picks XLA:CPU.
 
 The cpu path is the reference: same shards, same rows, same options. Every run here is in-process
 (one rank, a world of 1), so the XLA compilation cache and metrics are this test process's.
@@ -6,14 +7,11 @@ The cpu path is the reference: same shards, same rows, same options. Every run h
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from nxdtrain.device import torch_xla_api  # noqa: E402
 
