@@ -10,7 +10,7 @@ bias corrections stay on the device), and nothing is read back to the host insid
 The process-group backend follows the device: gloo on cpu, nccl on cuda, torch-xla's ``xla``
 backend (collectives lowered into the XLA graph) on xla.
 
-    >>> BACKENDS["xla"], xla_limits(pp=2, optimizer="adamw")[:22]
+    >>> BACKENDS["xla"], xla_limits(pp=2, optimizer="adamw")[:24]
     ('xla', '--pp 2 with --device xla')
 """
 

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "data", "dist", "model", "optim", "rope"]
+MODULES = ["config", "data", "device", "dist", "model", "optim", "rope"]
 
 
 @pytest.mark.parametrize("name", MODULES)
