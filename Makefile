@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test demo bench bench-train bench-checked lint clean
+.PHONY: setup test setup-xla test-xla demo bench bench-train bench-checked lint clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,29 @@ $(STAMP): pyproject.toml Makefile
 
 test: setup
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup
+
+# The XLA lane: a second environment with torch-xla (the PyPI wheels need torch 2.9.0 exactly; that torch is a
+# CUDA build, ~7 GB installed). The constraints file keeps `.[dev]` from moving torch off 2.9.0.
+XLA_VENV  := .venv-xla
+XLA_BIN   := $(XLA_VENV)/bin
+XLA_STAMP := $(XLA_VENV)/.installed-stamp
+XLA_TORCH := 2.9.0
+
+setup-xla: $(XLA_STAMP)
+
+$(XLA_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
+	$(XLA_BIN)/python -m pip install --quiet torch==$(XLA_TORCH) torch-xla==$(XLA_TORCH)
+	echo "torch==$(XLA_TORCH)" > $(XLA_VENV)/constraints.txt
+	$(XLA_BIN)/python -m pip install --quiet -c $(XLA_VENV)/constraints.txt -e '.[dev]'
+	$(XLA_BIN)/python -c "import torch, torch_xla; assert torch.__version__.split('+')[0] == '$(XLA_TORCH)', torch.__version__"
+	touch $(XLA_STAMP)
+
+# PJRT_DEVICE=CPU: XLA:CPU, the only XLA device this CI has. The main lane collects test_xla.py and skips it.
+XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py
+test-xla: setup-xla
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
 
 demo: setup
 	$(BIN)/python examples/demo.py demo-out

@@ -52,6 +52,7 @@ from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 from nxdtrain.config import ParallelConfig
+from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
 from nxdtrain.preflight import check_model_config, check_writable
@@ -291,28 +292,30 @@ class TagWriter:
     flavour: Flavour
     keep: int
     options: dict[str, Any]
+    host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any]) -> Path:
         tag = self.root / f"step_{step}"
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
-        dist.barrier()
+        dist.barrier(group=self.host_group)
         tp, dp, pp = self.coords
         written: list[Path] = []
         if dp == 0:
-            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), model.shard_state(),
-                                  self.flavour)
+            tensors, column_major = _shard_to_save(model)
+            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), tensors, self.flavour,
+                                  column_major=column_major)
         if dp == 0 or self.zero1:
             path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp if self.zero1 else 0)
-            written.append(_save_torch(optimizer.state_dict(), path))
+            written.append(_save_torch(to_host(optimizer.state_dict()), path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, mine, group=self.host_group)
         if rank == 0:
             assert lock is not None
             with lock:
                 self._finish(tag, step, consumed, model, scheduler, gathered)
-        dist.barrier()
+        dist.barrier(group=self.host_group)
         return tag
 
     def _claim(self, tag: Path, step: int) -> outdir.OutLock:
@@ -366,6 +369,19 @@ class TagWriter:
         write_markers(tag)
         outdir.clear_tmp(tag)  # complete: ckptconv.json lists the files, the markers are known names
         prune(self.root, self.keep)
+
+
+def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:
+    """The shard's tensors and, for a device tensor (whose strides say nothing), the column-major keys.
+
+    On a device the parameters are handed over as they are: save_shard copies each to the CPU when
+    it writes it, so the host never holds the whole shard and no relayout is traced on the device.
+    """
+    params = model.state_dict()
+    if all(t.device.type == "cpu" for t in params.values()):
+        return model.shard_state(), None
+    records = model.records()
+    return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}
 
 
 def prune(root: Path, keep: int) -> list[Path]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -158,6 +159,10 @@ class TrainConfig:
                                            "TensorBoard event files in this directory")
     export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)")
     dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails")
+    device: str = option("auto", "where to train; auto: xla when torch-xla imports and its PJRT device is an "
+                         "accelerator (Trainium: NEURON), else cuda when available, else cpu", choices=DEVICES)
+    log_every: int = option(1, "read loss, grad norm and tokens/s back from the device every N steps (each read "
+                            "waits for the device)")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -170,6 +175,11 @@ class TrainConfig:
                f"--epochs must be an integer >= 1, got {self.epochs!r}")
         _check(self.nproc is None or (_is_int(self.nproc) and self.nproc >= 1), f"--nproc must be >= 1, got {self.nproc!r}")
         _check(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout!r}")
+        _choice("--device", self.device, DEVICES)
+        _check(_is_int(self.log_every) and self.log_every >= 1, f"--log-every must be an integer >= 1, got {self.log_every!r}")
+        if self.device == "xla":
+            why = xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer)
+            _check(why is None, str(why))
         ckpt = self.checkpoint
         _check(not (self.export_hf and not ckpt.checkpoint_dir),
                "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")

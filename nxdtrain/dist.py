@@ -133,24 +133,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_world(env: WorldEnv, timeout_s: float) -> Any:
-    """Join the process group (nccl with CUDA, gloo otherwise); return this process's device."""
-    import torch
+def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
+    """Join the process group of ``device``'s backend (gloo / nccl / xla); return this process's
+    :class:`nxdtrain.device.Device`."""
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
+    from nxdtrain.device import open_device, resolve_kind
+
+    dev = open_device(resolve_kind(device), env.local_rank)
     port = env.master_port or (free_port() if env.world_size == 1 else DEFAULT_PORT)
+    if dev.is_xla:
+        # torch-xla's rendezvous ("xla://") takes rank and world size from the PJRT runtime and the
+        # address from MASTER_ADDR/MASTER_PORT; both must agree with the launcher's.
+        given = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+        os.environ.update(MASTER_ADDR=given["MASTER_ADDR"] or env.master_addr, MASTER_PORT=given["MASTER_PORT"] or str(port))
+        try:
+            dist.init_process_group("xla", init_method="xla://", timeout=timedelta(seconds=timeout_s))
+        finally:  # a later world in this process (tests) picks its own port again
+            for name, value in given.items():
+                if value is None:
+                    os.environ.pop(name, None)
+        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            found = f"rank {dist.get_rank()} of {dist.get_world_size()}"
+            dist.destroy_process_group()
+            raise TrainError(f"--device xla: the XLA runtime sees this process as {found}, the launcher "
+                             f"({env.launcher}) as rank {env.rank} of {env.world_size}; multi-process XLA needs a "
+                             "PJRT device with distributed support (Neuron, TPU), not XLA:CPU")
+        return dev
     dist.init_process_group(
-        backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank, world_size=env.world_size,
+        dev.backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank, world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return device
+    return dev
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,6 +188,10 @@ class Mesh:
         self.rank, self.world = rank, world
         self.coords = coords(rank, tp=tp, dp=self.dp, pp=pp)
         self._timeout = timedelta(seconds=timeout_s)
+        self.xla = dist.get_backend() == "xla"
+        # Barriers and object gathers (checkpoint bookkeeping) on the host: the xla backend's barrier
+        # returns at once and it gathers no Python objects.
+        self.host_group = dist.new_group(backend="gloo", timeout=self._timeout) if self.xla else None
         sizes = {"tp": tp, "dp": self.dp, "pp": pp}
         self.tp_group = self._mine(group_ranks("tp", **sizes))
         self.dp_group = self._mine(group_ranks("dp", **sizes))
@@ -185,10 +203,12 @@ class Mesh:
         import torch.distributed as dist
 
         found = None
+        # On xla a collective is one XLA op over replica groups: torch-xla takes them all from pg_options.
+        options = {"pg_options": {"xla_pg_options": {"mesh": [list(r) for r in groups]}}} if self.xla else {}
         for ranks in groups:
             if len(ranks) == 1 and not keep_single:
                 continue
-            group = dist.new_group(list(ranks), timeout=self._timeout)
+            group = dist.new_group(list(ranks), timeout=self._timeout, **options)
             if self.rank in ranks:
                 found = group
         return found

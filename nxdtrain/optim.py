@@ -56,11 +56,14 @@ def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> 
 
 
 def make_torch_optimizer(groups: list[dict[str, Any]], cfg: OptimConfig, *, lr: float,
-                         zero_group: Any = None) -> torch.optim.Optimizer:
-    """torch's AdamW or plain SGD over ``groups``, wrapped in ZeRO-1 when ``zero_group`` is given."""
+                         zero_group: Any = None, capturable: bool = False) -> torch.optim.Optimizer:
+    """torch's AdamW or plain SGD over ``groups``, wrapped in ZeRO-1 when ``zero_group`` is given.
+
+    ``capturable`` (AdamW on xla): step count, bias corrections and a tensor lr stay on the device.
+    """
     if cfg.optimizer == "adamw":
         cls: type[torch.optim.Optimizer] = torch.optim.AdamW
-        kwargs: dict[str, Any] = {"lr": lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+        kwargs: dict[str, Any] = {"lr": lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "capturable": capturable}
     else:
         cls, kwargs = torch.optim.SGD, {"lr": lr}
     if zero_group is None:
@@ -74,7 +77,7 @@ class Optimizer:
     """Steps fp32 (master) weights of one stage; see the module docstring."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, *, initial: dict[str, torch.Tensor],
-                 zero_group: Any = None) -> None:
+                 zero_group: Any = None, capturable: bool = False) -> None:
         self.model = model
         self.names = [name for name, _ in model.named_parameters()]
         self.params = dict(model.named_parameters())
@@ -90,7 +93,9 @@ class Optimizer:
         groups = param_groups([(n, self.master[n]) for n in self.names], cfg.weight_decay)
         self.zero = zero_group is not None
         self.zero_size = dist.get_world_size(zero_group) if self.zero else 1
-        self.torch_optimizer = make_torch_optimizer(groups, cfg, lr=cfg.lr, zero_group=zero_group)
+        self.capturable = capturable
+        self.torch_optimizer = make_torch_optimizer(groups, cfg, lr=cfg.lr, zero_group=zero_group,
+                                                    capturable=capturable)
 
     @staticmethod
     def _accumulator(master: nn.Parameter) -> Any:
@@ -114,7 +119,7 @@ class Optimizer:
             out[name] = m.grad
         return out
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float | torch.Tensor) -> None:
         for group in self.torch_optimizer.param_groups:
             group["lr"] = lr
         self.torch_optimizer.step()
@@ -151,6 +156,9 @@ class Optimizer:
             mine = f"--zero1 over {self.zero_size} dp ranks" if self.zero else "without --zero1"
             raise TrainError(f"{source}: optimizer state was saved {saved}, this run is {mine}; "
                              "resume with the same setting or with --weights-only")
+        for group in state["optimizer"].get("param_groups", []):
+            if "capturable" in group:  # this device's setting, not the saver's (a tag moves between cpu and xla)
+                group["capturable"] = self.capturable
         self._local().load_state_dict(state["optimizer"])
         if "master" in state:
             with torch.no_grad():

@@ -206,9 +206,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         grad_logits, local, mine, ignored = ctx.saved_tensors  # the softmax, turned into its gradient in place
-        rows = torch.arange(local.numel(), device=local.device)
-        flat = grad_logits.view(-1, grad_logits.shape[-1])
-        flat[rows[mine.view(-1)], local.view(-1)[mine.view(-1)]] -= 1.0
+        # Minus one at each token's target column on the rank that holds it (-0.0 elsewhere: bitwise a no-op);
+        # a scatter, not a boolean-mask index, so the shapes stay static (XLA) and nothing syncs with the host.
+        index = local.clamp(0, grad_logits.shape[-1] - 1).unsqueeze(-1)
+        grad_logits.scatter_add_(-1, index, -mine.unsqueeze(-1).to(grad_logits.dtype))
         scale = torch.where(ignored, 0.0, grad).unsqueeze(-1)
         return grad_logits.mul_(scale).to(ctx.input_dtype), None, None, None
 

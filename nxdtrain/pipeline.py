@@ -15,6 +15,7 @@ parallelism the hidden states passed between stages are each tp rank's sequence 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -45,13 +46,14 @@ class PipelineStep:
                              f"got {microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
         self.model, self.device = model, device
         self.tokens, self.microbatches = tokens_per_batch, microbatches
-        self.schedule = None
+        self.schedule: Any = None
         if pp_size > 1:
             inputs, outputs = stage_shapes(model, mbs=mbs, seq_len=seq_len)
             x, y = _examples(inputs, device), _examples(outputs, device)
             stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group, input_args=x, output_args=y,
                                   input_grads=None if model.is_first else x, output_grads=None if model.is_last else y)
             self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
+        self._has_return_outputs = "return_outputs" in inspect.signature(SCHEDULES[schedule].step).parameters
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.model.tp,
@@ -64,7 +66,8 @@ class PipelineStep:
             return self._run_one_stage(ids)
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.is_first else ()
-        kwargs: dict[str, Any] = {"return_outputs": False}
+        # return_outputs (torch >= 2.10) keeps the last stage's logits out of the result; older torch has no such flag.
+        kwargs: dict[str, Any] = {"return_outputs": False} if self._has_return_outputs else {}
         if self.model.is_last:
             kwargs.update(target=shifted_targets(ids), losses=losses)
         self.schedule.step(*args, **kwargs)

@@ -44,6 +44,7 @@ from nxdtrain.checkpoint import (
 )
 from nxdtrain.config import TrainConfig
 from nxdtrain.data import Batches, RowSource, open_rows
+from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.dist import Mesh, detect_env, init_world, local_world_size
 from nxdtrain.epochs import data_parallel
 from nxdtrain.epochs import resolve as resolve_length
@@ -71,10 +72,38 @@ class RunPlan:
     microbatches: int
     rows: RowSource                     # --data, opened (and checked) once
     resume_state: TrainingState | None  # step, samples and RNG of a full checkpoint; None: start at 0
+    device: str = "cpu"                 # --device resolved: cpu, cuda or xla
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """One step's results, still on the device until the next log read."""
+
+    step: int
+    loss: torch.Tensor
+    lr: float
+    grad_norm: torch.Tensor
+    consumed_samples: int
+
+
+def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: int) -> list[StepMetrics]:
+    """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
+    values = [(float(p.loss), float(p.grad_norm)) for p in pending]
+    rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
+    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples)
+            for p, (loss, norm) in zip(pending, values, strict=True)]
 
 
 def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise TrainError."""
+    device = resolve_kind(config.device)
+    if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
+        why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer)
+        if why is None and config.nproc and config.nproc > 1:
+            why = (f"--nproc {config.nproc} with --device xla: start XLA worlds with torchrun (PJRT ranks come from "
+                   "it; see examples/neuron/), or use --device cpu")
+        if why is not None:
+            raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
     source = resolve_resume(config.checkpoint.resume or "", weights_only=config.checkpoint.weights_only)
     layout = run_layout(config.parallel, source.layout)
     check_layout(source, layout)
@@ -99,7 +128,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
-    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state)
+    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device)
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
@@ -133,9 +162,9 @@ def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
 class Trainer:
     """One rank's model stage, optimizer, pipeline and data; :meth:`run` trains to ``--steps``."""
 
-    def __init__(self, plan: RunPlan, device: torch.device) -> None:
+    def __init__(self, plan: RunPlan, device: Device) -> None:
         cfg, source = plan.config, plan.source
-        self.plan, self.cfg, self.device = plan, cfg, device
+        self.plan, self.cfg, self.dev, self.device = plan, cfg, device, device.torch_device
         self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, timeout_s=cfg.dist_timeout)
         self.rank0 = mesh.rank == 0
         c = mesh.coords
@@ -144,19 +173,20 @@ class Trainer:
         par = cfg.parallel
         tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
-                                dtype=dtype, recompute=par.activation_checkpointing).to(device)
+                                dtype=dtype, recompute=par.activation_checkpointing).to(self.device)
         shard = source.shard(c.tp, c.pp)
         state = source.load_state(c.tp, c.pp)
         self.model.load_shard_state(state, str(shard))
         zero_group = mesh.dp_group if cfg.parallel.zero1 else None
-        self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group)
+        self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
+                                   capturable=device.is_xla)
         self.grad_plan = grad_plan(self.model, mesh, plan)
         from nxdtrain.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
         data = cfg.data
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
                                      microbatches=plan.microbatches, schedule=cfg.parallel.pp_schedule,
-                                     tokens_per_batch=data.gbs * (data.seq_len - 1), device=device,
+                                     tokens_per_batch=data.gbs * (data.seq_len - 1), device=self.device,
                                      mbs=data.mbs, seq_len=data.seq_len)
         self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed,
                                vocab=source.spec.vocab, gbs=data.gbs)
@@ -168,8 +198,11 @@ class Trainer:
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
+            host_group=mesh.host_group,
         )
+        device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
+            note(device.describe())
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
@@ -187,9 +220,9 @@ class Trainer:
         if len(state.rng) == self.mesh.world:
             set_rng_state(state.rng[self.mesh.rank])
 
-    def train_step(self, step: int) -> StepMetrics:
+    def train_step(self, step: int) -> PendingStep:
+        """One optimizer step; on xla one graph, traced here and run at the sync at its end (no host reads)."""
         cfg, mesh = self.cfg, self.mesh
-        started = time.perf_counter()
         ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
         loss = self.pipeline.run(ids.to(self.device))
         grads = self.optimizer.grads()
@@ -197,14 +230,14 @@ class Trainer:
         norm = global_norm(grads, self.grad_plan)
         clip_gradients(grads, norm, cfg.optim.clip_grad)
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
-        self.optimizer.step(lr)
+        self.optimizer.step(self.dev.lr(lr))
         self.optimizer.zero_grad()
         for group in (mesh.dp_group, mesh.pp_group):  # the loss lives on the last stage of each dp replica
             if group is not None:
                 dist.all_reduce(loss, group=group)
+        self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
-        elapsed = time.perf_counter() - started
-        return StepMetrics(step, float(loss), lr, float(norm), cfg.data.gbs * cfg.data.seq_len / elapsed, self.consumed)
+        return PendingStep(step, loss, lr, norm, self.consumed)
 
     def save(self) -> Path:
         assert self.writer is not None
@@ -226,13 +259,23 @@ class Trainer:
         log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0,
                       tensorboard=cfg.tensorboard)
         history: list[StepMetrics] = []
+        pending: list[PendingStep] = []
         last_tag = None
+        tokens_per_step = cfg.data.gbs * cfg.data.seq_len
         try:
+            started = time.perf_counter()
             for step in range(start + 1, cfg.steps + 1):
-                history.append(self.train_step(step))
-                log.record(history[-1])
-                if self.writer is not None and freq and step % freq == 0:
+                pending.append(self.train_step(step))
+                saving = self.writer is not None and freq and step % freq == 0
+                if saving or step % cfg.log_every == 0 or step == cfg.steps:  # host reads only here
+                    for metrics in read_metrics(pending, started, tokens_per_step):
+                        history.append(metrics)
+                        log.record(metrics)
+                    pending = []
+                if saving:
                     last_tag = self.save()
+                if not pending:  # tokens/s counts training only, not logging or saving
+                    started = time.perf_counter()
         finally:
             log.close()
         if self.writer is not None and self.saved_step != self.step:  # the final state is always saved
@@ -247,10 +290,11 @@ def train(config: TrainConfig) -> list[StepMetrics]:
     env = detect_env()
     plan = prepare(config, env.world_size)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
-    device = init_world(env, config.dist_timeout)
+    device = init_world(env, config.dist_timeout, plan.device)
     try:
-        history, last_tag = Trainer(plan, device).run()
-        dist.barrier()
+        trainer = Trainer(plan, device)
+        history, last_tag = trainer.run()
+        dist.barrier(group=trainer.mesh.host_group)
     finally:
         dist.destroy_process_group()
     if env.rank == 0 and config.export_hf:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import threading
+from collections.abc import Collection, Mapping
 from enum import Enum
 from pathlib import Path
 
@@ -356,21 +357,30 @@ __all__ = [
 # Whole shards in memory (training saves and loads one rank's state at a time)
 
 
-def save_shard(path: Path, state: dict[str, torch.Tensor], flavour: Flavour | str = Flavour.PLAIN) -> list[Path]:
+def save_shard(path: Path, state: Mapping[str, torch.Tensor], flavour: Flavour | str = Flavour.PLAIN, *,
+               column_major: Collection[str] | None = None) -> list[Path]:
     """Write one rank's shard from memory, byte-identical to ``torch.save`` for ``plain``.
 
+    Tensors may live on any device: each is copied to the CPU only when it is written, one at a
+    time. ``column_major``: the keys stored column-major; by default read from each tensor's
+    strides (an XLA tensor reports contiguous strides whatever its layout, so its caller says).
     Written under a temp directory beside ``path`` with the final basename (torch.save output
     depends on it) and renamed into place, the main ``.pt`` last. Returns the paths written.
     """
     path = Path(path)
     flavour = Flavour(flavour)
-    tensors = {k: _own_storage(v) for k, v in state.items()}
+
+    def is_column_major(key: str, t: torch.Tensor) -> bool:
+        if column_major is not None:
+            return key in column_major
+        return t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride() == (1, t.shape[0])
+
     out_file = OutFile(
         path.name, "torch",
         tuple(
             OutTensor(k, t.dtype, tuple(t.shape), 0, (Piece(Source(None, k), 0, t.shape[0] if t.dim() else 1),),
-                      column_major=t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride() == (1, t.shape[0]))
-            for k, t in tensors.items()
+                      column_major=is_column_major(k, t))
+            for k, t in state.items()
         ),
     )
     tmp = path.parent / f".{path.name}.partial"
@@ -379,9 +389,10 @@ def save_shard(path: Path, state: dict[str, torch.Tensor], flavour: Flavour | st
     tmp.mkdir(parents=True)
     sink = sink_factory(flavour)(out_file, tmp)
     for t_out in out_file.tensors:
-        t = tensors[t_out.key]
+        t = _own_storage(state[t_out.key])
         data = t.t().contiguous() if t_out.column_major else t.contiguous()
         sink.write_extent(t_out.key, 0, data.reshape(()) if t.dim() == 0 else data)
+        del t, data
     written = move_into_place(sink, tmp, path.parent)
     tmp.rmdir()
     return written

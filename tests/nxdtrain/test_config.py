@@ -10,6 +10,7 @@ from nxdtrain.errors import TrainError
 
 RUN_FLAGS = {
     "--config", "--steps", "--epochs", "--tensorboard", "--seed", "--precision", "--nproc", "--log-jsonl", "--export-hf", "--dist-timeout",
+    "--device", "--log-every",
     "--tp", "--pp", "--kv-replicator", "--kv-size-multiplier", "--qkv-linear", "--no-qkv-linear", "--fuse-qkv",
     "--no-fuse-qkv", "--pp-schedule", "--zero1", "--no-zero1", "--sequence-parallel", "--no-sequence-parallel",
     "--activation-checkpointing", "--activations-checkpoint-granularity",

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "data", "dist", "epochs", "model", "optim", "preflight", "rope"]
+MODULES = ["config", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope"]
 
 
 @pytest.mark.parametrize("name", MODULES)

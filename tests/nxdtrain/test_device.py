@@ -1,0 +1,110 @@
+"""--device: resolution, the combinations refused before anything starts, and saving tensors whose strides say nothing."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from ckptconv.io.nxd import Flavour, save_shard
+from ckptconv.layout import ParallelLayout
+from ckptconv.model_spec import ModelSpec
+from nxdtrain import cli
+from nxdtrain.device import resolve_kind, to_host, torch_xla_api
+from nxdtrain.errors import TrainError
+from nxdtrain.model import LlamaStage
+from nxdtrain.parallel import TpGroup
+
+PP_REFUSAL = ("nxdtrain: error: --pp 2 with --device xla: torch.distributed.pipelining sends activations with "
+              "point-to-point send/recv, which torch-xla's 'xla' process-group backend runs as one compiled graph "
+              "and host sync per message; nxdtrain does not pipeline on xla. Reshard to --pp 1 (ckptconv reshard "
+              "... --pp 1) and use --tp/data parallelism, or train with --pp on --device cpu/cuda\n")
+
+
+def _no_spawn(*args: object, **kwargs: object) -> int:
+    raise AssertionError("a process was started")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--pp", "2", "--nproc", "2"], PP_REFUSAL),
+    (["--optimizer", "sgd"], "nxdtrain: error: --optimizer sgd with --device xla: torch's SGD reads a tensor "
+                             "learning rate on the host every step (a graph break); use --optimizer adamw\n"),
+])
+def test_unsupported_xla_runs_fail_before_starting(tmp_path, monkeypatch, capsys, argv, expected):
+    """Refused in the config validation: no torch_xla, no checkpoint and no process needed to say no."""
+    monkeypatch.setattr("nxdtrain.dist.spawn", _no_spawn)
+    monkeypatch.setattr("nxdtrain.train.train", _no_spawn)
+    code = cli.main(["run", "--resume", str(tmp_path / "missing"), "--device", "xla", *argv])
+    assert code == 1
+    assert capsys.readouterr().err == expected
+
+
+def test_auto_and_explicit_devices(monkeypatch):
+    assert resolve_kind("cpu", {"PJRT_DEVICE": "NEURON"}) == "cpu"
+    cuda = torch.cuda.is_available()
+    assert resolve_kind("auto", {}) == ("cuda" if cuda else "cpu")
+    assert resolve_kind("auto", {"PJRT_DEVICE": "CPU"}) == ("cuda" if cuda else "cpu")  # XLA:CPU only when asked
+    if torch_xla_api() is not None:  # the XLA lane: an accelerator's PJRT device makes auto choose xla
+        assert resolve_kind("auto", {"PJRT_DEVICE": "NEURON"}) == "xla"
+        assert resolve_kind("xla", {}) == "xla"
+    if not cuda:
+        with pytest.raises(TrainError, match=r"^--device cuda: torch.cuda.is_available\(\) is false"):
+            resolve_kind("cuda", {})
+    # A module named torch_xla without its API is not torch-xla: auto falls back, an explicit xla is an error.
+    monkeypatch.setitem(sys.modules, "torch_xla", types.ModuleType("torch_xla"))
+    assert torch_xla_api() is None
+    assert resolve_kind("auto", {"PJRT_DEVICE": "NEURON"}) == ("cuda" if cuda else "cpu")
+    with pytest.raises(TrainError, match=r"^--device xla: torch_xla does not import here"):
+        resolve_kind("xla", {})
+
+
+def test_to_host_copies_tensors_only():
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0)}}, "param_groups": [{"lr": 0.1}]}
+    assert to_host(state)["state"][0]["exp_avg"] is state["state"][0]["exp_avg"]  # CPU tensors are not copied
+    assert to_host(state)["param_groups"] == [{"lr": 0.1}]
+
+
+@pytest.mark.parametrize("flavour", [Flavour.PLAIN, Flavour.XSER_SPLIT])
+def test_shard_saved_from_row_major_tensors_is_byte_identical(tmp_path, flavour):
+    """The device path (plain row-major tensors + the column-major keys named) writes the bytes of the cpu path."""
+    spec = ModelSpec(hidden=16, heads=4, kv_heads=2, head_dim=4, intermediate=24, vocab=32, layers=2, tied=False,
+                     config={"hidden_size": 16, "num_attention_heads": 4, "rms_norm_eps": 1e-5})
+    stage = LlamaStage(spec, ParallelLayout(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True), tp=TpGroup(), pp_rank=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.copy_(torch.randn_like(p))
+    records = stage.records()
+    column_major = {r.key for r in records if r.column_major}
+    assert column_major  # o_proj: the case this is about
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "dev").mkdir()
+    save_shard(tmp_path / "cpu/m.pt", stage.shard_state(), flavour)
+    params = stage.state_dict()
+    save_shard(tmp_path / "dev/m.pt", {r.key: params[r.key].contiguous() for r in records}, flavour,
+               column_major=column_major)
+    cpu = {p.relative_to(tmp_path / "cpu"): p.read_bytes() for p in (tmp_path / "cpu").rglob("*") if p.is_file()}
+    dev = {p.relative_to(tmp_path / "dev"): p.read_bytes() for p in (tmp_path / "dev").rglob("*") if p.is_file()}
+    assert cpu == dev and len(cpu) >= 1
+
+
+def test_log_every_reads_every_step_in_batches(tmp_path, nxd_model):
+    """--log-every 3 logs the same per-step values as --log-every 1, read back at steps 3 and 4."""
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.train import train
+    from tests.nxdtrain.harness import read_log, train_options
+
+    src = nxd_model("mha", attention="separate")
+    logs = {}
+    for every in (1, 3):
+        log = tmp_path / f"every{every}.jsonl"
+        history = train(TrainConfig.from_flat({**train_options(optimizer="adamw"), "resume": str(src), "steps": 4,
+                                               "device": "cpu", "log_every": every, "log_jsonl": str(log),
+                                               "no_checkpoint": True}))
+        logs[every] = read_log(log)
+        assert [m.step for m in history] == [1, 2, 3, 4]
+    for key in ("step", "loss", "grad_norm", "lr", "consumed_samples"):
+        assert [r[key] for r in logs[3]] == [r[key] for r in logs[1]], key
+    assert logs[1][0]["loss"] != logs[1][3]["loss"]
