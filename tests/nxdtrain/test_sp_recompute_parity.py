@@ -92,3 +92,34 @@ def test_other_attention_modes(tmp_path, nxd_model, model, layout, topology):
     losses, ckpt = train(tmp_path, "sp", src, tp, pp, dp, sequence_parallel=True, activation_checkpointing="selective")
     assert max(abs(a - b) for a, b in zip(losses, plain_losses, strict=True)) <= TOL, (losses, plain_losses)
     assert max_diff(shard_weights(ckpt / "step_3"), shard_weights(plain_ckpt / "step_3")) <= TOL
+
+
+def count_stage_forwards(config: TrainConfig, out: Path) -> None:
+    """A rank that trains and writes how often its stage's forward ran."""
+    import os
+
+    from nxdtrain import model
+    from nxdtrain.train import run_worker
+
+    calls = []
+    original = model.LlamaStage.forward
+
+    def counting(self: model.LlamaStage, x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return original(self, x)
+
+    model.LlamaStage.forward = counting  # type: ignore[method-assign]
+    run_worker(config)
+    (out / f"rank{os.environ['RANK']}").write_text(str(len(calls)))
+
+
+def test_pipeline_stages_get_their_shapes(tmp_path, nxd_model):
+    """pp 2 with SP: 2 steps of 2 microbatches run each stage's forward 4 times (no shape-inference forward)."""
+    from nxdtrain.cli import PRELOAD
+    from nxdtrain.dist import spawn
+    from tests.nxdtrain.harness import WORLD_TIMEOUT
+
+    src = nxd_model("gqa", tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=2)
+    config = TrainConfig.from_flat(train_options(resume=str(src), tp=2, pp=2, steps=2, mbs=2, sequence_parallel=True))
+    assert spawn(count_stage_forwards, (config, tmp_path), 4, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 0
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["4"] * 4
