@@ -6,6 +6,7 @@ run, and at no moment may OUT hold a ckptconv.json that does not match its files
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptconv.cli import main
+from ckptconv.outdir import LOCK_FILE, TMP_DIR
 from tests.faults.helpers import command, consistent, env, looks_complete, one_line_error, run, tree
 
 SLOW_FLAGS = ["--workers", "1", "--max-memory", "1MiB", "--hash", "sha256"]  # a longer window to kill in
@@ -117,7 +119,7 @@ def test_writer_paused_mid_run_keeps_out_to_itself(medium_hf: Path, tmp_path: Pa
     out, ref = tmp_path / "out", tmp_path / "ref"
     a_flags, b_flags = ["--tp", "2"], ["--tp", "1", "--pp", "2"]
     writer = subprocess.Popen(command("ckptconv", "to-nxd", medium_hf, out, *a_flags, *SLOW_FLAGS, "--quiet"), env=env())
-    while not (out / ".ckptconv-tmp").exists() and writer.poll() is None:
+    while not _holds_lock(out, writer.pid) and writer.poll() is None:  # A holds OUT's lock (its record is in)
         time.sleep(0.002)
     writer.send_signal(signal.SIGSTOP)
     try:
@@ -128,6 +130,14 @@ def test_writer_paused_mid_run_keeps_out_to_itself(medium_hf: Path, tmp_path: Pa
     assert writer.wait(timeout=300) == 0
     assert main(["to-nxd", str(medium_hf), str(ref), *a_flags, *SLOW_FLAGS, "--quiet"]) == 0
     assert consistent(out) and tree(out) == tree(ref)
+
+
+def _holds_lock(out: Path, pid: int) -> bool:
+    """The lock file names ``pid``: the holder writes its record only once it has the flock."""
+    try:
+        return json.loads((out / TMP_DIR / LOCK_FILE).read_text() or "{}").get("pid") == pid
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
 
 
 def _race(medium_hf: Path, out: Path) -> list[tuple[int, str]]:

@@ -120,6 +120,7 @@ def test_pipeline_stages_get_their_shapes(tmp_path, nxd_model):
     from tests.nxdtrain.harness import WORLD_TIMEOUT
 
     src = nxd_model("gqa", tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=2)
-    config = TrainConfig.from_flat(train_options(resume=str(src), tp=2, pp=2, steps=2, mbs=2, sequence_parallel=True))
+    config = TrainConfig.from_flat(train_options(resume=str(src), tp=2, pp=2, steps=2, mbs=2, sequence_parallel=True,
+                                                 no_checkpoint=True))
     assert spawn(count_stage_forwards, (config, tmp_path), 4, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 0
     assert [(tmp_path / f"rank{r}").read_text() for r in range(4)] == ["4"] * 4
