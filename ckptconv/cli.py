@@ -16,7 +16,7 @@ from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import detect_part, finalize, parse_part
-from ckptconv.inspect import inspect
+from ckptconv.inspection import inspect
 from ckptconv.layout import Attention
 from ckptconv.metadata import tool_version
 

@@ -19,7 +19,7 @@ import ckptconv
 from ckptconv.cli import main
 from ckptconv.digest import FileRecord
 from ckptconv.errors import IntegrityError
-from ckptconv.inspect import inspect
+from ckptconv.inspection import inspect
 from ckptconv.io.checked import SMALL_GAP, StreamCheck, ZipCrc
 from ckptconv.io.crc import crc32
 from ckptconv.io.nxd import NxdCheckpoint

@@ -107,3 +107,14 @@ def test_console_script_and_json_output(tiny_models, tmp_path: Path):
                           capture_output=True, text=True, check=True)
     described = json.loads(info.stdout)
     assert described["kind"] == "nxd" and described["layout"]["tp"] == 2 and described["complete"] is True
+
+
+def test_package_verbs_stay_callable_after_the_cli_is_imported(tmp_path):
+    """``ckptconv.inspect`` is the function even once the CLI (which imports its module) is loaded:
+    a submodule of the same name would shadow the package's lazy attribute."""
+    import ckptconv
+    import ckptconv.cli  # noqa: F401
+    from ckptconv.inspection import inspect
+
+    assert ckptconv.inspect is inspect and callable(ckptconv.inspect)
+    assert ckptconv.to_nxd is ckptconv.api.to_nxd and ckptconv.to_hf is ckptconv.api.to_hf

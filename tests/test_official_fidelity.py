@@ -20,7 +20,7 @@ import torch
 
 import ckptconv
 from ckptconv.cli import main
-from ckptconv.inspect import inspect
+from ckptconv.inspection import inspect
 from ckptconv.io.nxd import load_shard
 from ckptconv.verify import verify
 from tests.conftest import hf_state, make_tiny_llama
