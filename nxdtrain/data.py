@@ -175,21 +175,26 @@ class ConcatRows:
         return self.parts[part].row(index - (self._ends[part - 1] if part else 0))
 
 
+def load_column(path: Path, column: str) -> Any:
+    """A ``save_to_disk`` directory's rows (a DatasetDict's 'train' split), reduced to ``column``."""
+    import datasets
+
+    data: Any = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise TrainError(f"{path}: a DatasetDict without a 'train' split (has {', '.join(data)})")
+        data = data["train"]
+    if column not in data.column_names:
+        raise TrainError(f"{path}: no {column!r} column (columns: {', '.join(data.column_names)})")
+    return data.select_columns([column])
+
+
 class DatasetRows:
     """A directory written by ``datasets.Dataset.save_to_disk`` (a DatasetDict's ``train`` split)."""
 
     def __init__(self, path: Path) -> None:
-        import datasets
-
         self.name = str(path)
-        data: Any = datasets.load_from_disk(str(path))
-        if isinstance(data, datasets.DatasetDict):
-            if "train" not in data:
-                raise TrainError(f"{path}: a DatasetDict without a 'train' split (has {', '.join(data)})")
-            data = data["train"]
-        if COLUMN not in data.column_names:
-            raise TrainError(f"{path}: no {COLUMN!r} column (columns: {', '.join(data.column_names)})")
-        self._data = data.select_columns([COLUMN])
+        self._data = load_column(path, COLUMN)
         self.size = len(self._data)
 
     def row(self, index: int) -> list[int]:

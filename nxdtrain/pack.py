@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.data import load_column
 from nxdtrain.errors import TrainError
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
@@ -170,16 +171,7 @@ def _parquet_docs(path: Path, field: str) -> Iterator[str]:
 
 
 def _dataset_docs(path: Path, field: str) -> Iterator[str]:
-    import datasets
-
-    data: Any = datasets.load_from_disk(str(path))
-    if isinstance(data, datasets.DatasetDict):
-        if "train" not in data:
-            raise TrainError(f"{path}: a DatasetDict without a 'train' split (has {', '.join(data)})")
-        data = data["train"]
-    if field not in data.column_names:
-        raise TrainError(f"{path}: no column {field!r} (columns: {', '.join(data.column_names)})")
-    for batch in data.select_columns([field]).iter(batch_size=1024):
+    for batch in load_column(path, field).iter(batch_size=1024):
         yield from batch[field]
 
 
