@@ -138,14 +138,14 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
     env = detect_env()
     plan = prepare(config, env.world_size)
     _threads(local_world_size())
-    device = init_world(env, config.dist_timeout)
+    device = init_world(env, config.dist_timeout, plan.device)
     probe = Probe(warmup)
     try:
         trainer = Trainer(plan, device)
         for index in range(warmup + steps):
             started = time.perf_counter()
             trainer.train_step(index + 1)
-            _sync(device)
+            _sync(device.torch_device)
             probe.step(index, time.perf_counter() - started)
         dist.barrier()
     finally:
@@ -241,7 +241,7 @@ def flops_per_token(shape: Shape) -> float:
     return 6 * matmul + 6 * shape.layers * shape.seq * shape.hidden
 
 
-def run_all(args: argparse.Namespace) -> list[Result]:
+def run_all(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     from nxdtrain.cli import PRELOAD
     from nxdtrain.dist import spawn
 
@@ -250,16 +250,18 @@ def run_all(args: argparse.Namespace) -> list[Result]:
     hf = build_model(root, shape)
     base = dict(precision=args.precision, data="synthetic", seq_len=shape.seq, gbs=args.gbs, mbs=args.mbs,
                 steps=args.warmup + args.steps, lr=1e-4, warmup=0, schedule="constant", optimizer="adamw",
-                weight_decay=0.1, clip_grad=1.0, seed=1, dist_timeout=600.0)
+                weight_decay=0.1, clip_grad=1.0, seed=1, dist_timeout=600.0, no_checkpoint=True)
     tokens = args.gbs * shape.seq
     fpt = flops_per_token(shape)
     results = []
+    failed: list[str] = []
 
     def launch(fn: Any, fn_args: tuple[Any, ...], nprocs: int, row: str, mode: str, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         code = spawn(fn, (*fn_args, out), nprocs, timeout_s=args.timeout, preload=(*PRELOAD, "transformers"))
         if code != 0:
             print(f"{row} {mode}: failed with exit code {code}", file=sys.stderr)
+            failed.append(f"{row} {mode}")
             return
         results.append(collect(out, nprocs, row, mode, tokens, fpt, args.peak_tflops))
         r = results[-1]
@@ -277,7 +279,7 @@ def run_all(args: argparse.Namespace) -> list[Result]:
             options = {**base, **ROWS[row][3], "resume": str(src), "tp": tp, "pp": pp,
                        "activation_checkpointing": mode}
             launch(nxd_worker, (options, args.steps, args.warmup), tp * pp * dp, row, mode, root / f"out-{row}-{mode}")
-    return results
+    return results, failed
 
 
 def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = (f"{platform.machine()}, {usable_cpus()} usable cores{gpu}, "
                f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM, torch {torch.__version__}")
     try:
-        results = run_all(args)
+        results, failed = run_all(args)
     finally:
         if cleanup is not None:
             cleanup.cleanup()
@@ -343,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / "train.md").write_text(text)
     (OUT / "train.json").write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()},
                                                 "results": [asdict(r) for r in results]}, indent=1, default=str))
+    if failed:  # a row that did not run is not a measurement: say so in the exit status too
+        print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 
