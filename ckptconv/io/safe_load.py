@@ -255,7 +255,7 @@ def load_small(path: str | os.PathLike[str]) -> Any:
 
 
 def _torch_reason(exc: BaseException) -> str:
-    """torch.load's own reason, without its advice to rerun with ``weights_only=False`` (which
+    """torch.load's own reason, without its advice to rerun with weights_only turned off (which
     would execute whatever the file says) or its documentation pointers."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     kept = [line for line in lines if "weights_only" not in line and "documentation" not in line]
