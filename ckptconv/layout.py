@@ -152,6 +152,7 @@ def layer_pp_ranks(layers: int, layout: ParallelLayout) -> list[int]:
 
 
 MODEL_DIR = "model"  # the shards' directory inside a checkpoint (or training tag)
+HF_FILES_DIR = "hf"  # config.json, tokenizer and generation files kept beside the shards
 
 
 def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
