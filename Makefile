@@ -60,8 +60,9 @@ bench-checked: setup
 	$(BIN)/python benchmarks/run.py --checked-reads --repeat 5
 
 lint: setup
-	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples
-	$(BIN)/mypy ckptconv
+	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples tools
+	$(BIN)/python tools/import_cycles.py
+	$(BIN)/mypy ckptconv nxdtrain
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

@@ -204,7 +204,7 @@ class Mesh:
 
         found = None
         # On xla a collective is one XLA op over replica groups: torch-xla takes them all from pg_options.
-        options = {"pg_options": {"xla_pg_options": {"mesh": [list(r) for r in groups]}}} if self.xla else {}
+        options: dict[str, Any] = {"pg_options": {"xla_pg_options": {"mesh": [list(r) for r in groups]}}} if self.xla else {}
         for ranks in groups:
             if len(ranks) == 1 and not keep_single:
                 continue
