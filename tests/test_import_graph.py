@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import textwrap
@@ -89,3 +90,11 @@ def test_io_builds_only_on_errors_and_description_modules(name):
     assert outside <= IO_MAY_IMPORT, f"{name} imports {sorted(outside - IO_MAY_IMPORT)}"
     if name == "ckptconv.io.atomic":
         assert outside == {"ckptconv.errors"}
+
+
+def test_benchmarks_import_nothing_from_tests():
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m == "tests" or m.startswith("tests.")], path.name
