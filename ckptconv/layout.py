@@ -23,7 +23,7 @@ from ckptconv.model_spec import ModelSpec
 
 
 class Attention(str, Enum):
-    """How q/k/v are stored in a shard (nxd-format.md §3, "Attention modes")."""
+    """How q/k/v are stored in a shard (docs/nxd-format.md §3, "Attention modes")."""
 
     SEPARATE = "separate"      # q_proj / k_proj / v_proj, row chunks
     COALESCED = "coalesced"    # qkv_proj.weight = cat(q_r, k_r, v_r), MHA only

@@ -1,6 +1,6 @@
 """NxD checkpoint directories: finding the shards, reading them lazily, and writing them.
 
-Three serialization flavours (nxd-format.md §2): ``plain`` (torch.save of a dict), ``xser-inline``
+Three serialization flavours (docs/nxd-format.md §2): ``plain`` (torch.save of a dict), ``xser-inline``
 (the same bytes plus an empty ``<file>.tensors/``; what the official ``--save_xser`` writes), and
 ``xser-split`` (a dict of ``TensorReference`` + ``<file>.info.pt`` + one file per tensor; what NxD
 training writes). Legacy ``tp_rank_XX_pp_rank_YY/checkpoint.pt`` directories are read too.
