@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptconv.errors import ConversionError, VerificationError
 
-_API = {"RunOptions": "ckptconv.api", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
+_API = {"RunOptions": "ckptconv.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
         "reshard": "ckptconv.api", "inspect": "ckptconv.inspection"}
 
 __all__ = ["ConversionError", "VerificationError", *_API]

@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.digest import DEFAULT, FileRecord
 from ckptconv.errors import ConversionError
 from ckptconv.launcher import detect_launch
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_text
-from ckptconv.plan import Plan
+
+if TYPE_CHECKING:
+    from ckptconv.plan import Plan
 
 SPEC_FILE = "finalize.json"
 

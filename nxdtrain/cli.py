@@ -3,6 +3,9 @@
 
 The ``run`` flags are generated from :mod:`nxdtrain.config` (one flag per leaf option, its help
 from the field), so the flags, the YAML keys and the Python API cannot drift apart.
+
+Parsing and the config checks import no torch (a test checks ``sys.modules``): ``--version``,
+``--help`` and a bad flag or YAML key are answered at once; training imports it when it starts.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from ckptconv.cli_errors import DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
-from ckptconv.metadata import tool_version
+from ckptconv.metadata import add_version_flag
 from nxdtrain.commands import add_commands
 from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
 
@@ -39,7 +42,7 @@ def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
-    parser.add_argument("--version", action="version", version=f"nxdtrain {tool_version()}")
+    add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do (COMMAND --help for its flags)")
@@ -71,10 +74,10 @@ def load_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    config = load_config(args)  # a bad flag or YAML key fails here, before torch is imported
     from nxdtrain.dist import spawn
     from nxdtrain.train import prepare, run_worker, train
 
-    config = load_config(args)
     if not config.nproc:
         train(config)
         return 0

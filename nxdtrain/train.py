@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.errors import ConversionError
-from ckptconv.execute import usable_cpus
+from ckptconv.options import usable_cpus
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
 from nxdtrain.checkpoint import (

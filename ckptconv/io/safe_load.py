@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ckptconv.errors import UnsafeCheckpointError
+
 __all__ = [
     "PickledTensor",
     "StorageRef",
@@ -33,10 +35,6 @@ __all__ = [
 ]
 
 _XLA_MODULE = "torch_xla.utils.serialization"
-
-
-class UnsafeCheckpointError(ValueError):
-    """A pickle asked for a global outside the allowlist."""
 
 
 class _StandInTensorReference:
