@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli_errors import DEBUG_HELP, run_guarded
+from ckptconv.cli_errors import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.metadata import add_version_flag
 from nxdtrain.commands import add_commands
@@ -84,6 +84,8 @@ def _run(args: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
     prepare(config, config.nproc)  # fail here, once, before starting anything
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the processes print their tracebacks too
     return spawn(run_worker, (config,), config.nproc, preload=PRELOAD)
 
 

@@ -15,7 +15,6 @@ Example (one process; ``nxdtrain run`` is the same call):
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.errors import ConversionError
-from ckptconv.options import usable_cpus
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
+from ckptconv.options import usable_cpus
 from nxdtrain.checkpoint import (
     ResumeSource,
     TagWriter,
@@ -323,9 +321,5 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
 
 
 def run_worker(config: TrainConfig) -> None:
-    """Entry point of a process started by ``--nproc``: one-line errors, non-zero exit on failure."""
-    try:
-        train(config)
-    except ConversionError as exc:  # TrainError, and ckptconv's errors about the checkpoint
-        print(f"nxdtrain: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once)."""
+    train(config)
