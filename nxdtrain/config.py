@@ -22,7 +22,7 @@ from nxdtrain.errors import TrainError
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.recompute)
@@ -152,8 +152,9 @@ class TrainConfig:
     epochs: int | None = option(None, "train this many passes over --data instead of --steps (last partial global "
                                       "batch of each epoch dropped)")
     seed: int = option(1234, "seed of the data order and of torch's RNG")
-    precision: str = option("bf16", "fp32, or bf16 parameters with fp32 master weights and optimizer state",
-                            choices=PRECISIONS)
+    precision: str = option("auto", "fp32, or bf16 parameters with fp32 master weights and optimizer state; auto: "
+                                    "what a resumed checkpoint was trained in, else bf16 on an accelerator (cuda, "
+                                    "Trainium) and fp32 on cpu", choices=PRECISIONS)
     nproc: int | None = option(None, "start this many local processes (without it: join torchrun/srun or run alone)")
     log_jsonl: str | None = option(None, "append one JSON line per step to this file")
     tensorboard: str | None = option(None, "write loss, lr, grad norm, tokens/s and consumed samples per step to "
@@ -185,6 +186,21 @@ class TrainConfig:
         _check(not (self.export_hf and not ckpt.checkpoint_dir),
                "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")
         _check(not (ckpt.checkpoint_freq and not ckpt.checkpoint_dir), "--checkpoint-freq needs --checkpoint-dir")
+
+    def with_precision(self, device: str, recorded: str | None) -> tuple[TrainConfig, str]:
+        """``--precision auto`` resolved for ``device`` (a resumed checkpoint's ``recorded`` precision first),
+        and the line that says which precision the run uses and why."""
+        from nxdtrain.device import default_precision
+
+        if self.precision != "auto":
+            changed = f"; the checkpoint was trained in {recorded}" if recorded and recorded != self.precision else ""
+            return self, f"precision {self.precision} (--precision{changed})"
+        if recorded in ("fp32", "bf16"):
+            return dataclasses.replace(self, precision=recorded), f"precision {recorded} (recorded in the checkpoint)"
+        chosen = default_precision(device)
+        other = "bf16" if chosen == "fp32" else "fp32"
+        return (dataclasses.replace(self, precision=chosen),
+                f"precision {chosen} (the default on {device}; --precision {other} to change it)")
 
     @property
     def decay_steps(self) -> int:

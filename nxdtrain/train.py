@@ -71,6 +71,7 @@ class RunPlan:
     rows: RowSource                     # --data, opened (and checked) once
     resume_state: TrainingState | None  # step, samples and RNG of a full checkpoint; None: start at 0
     device: str = "cpu"                 # --device resolved: cpu, cuda or xla
+    precision_note: str = ""            # which precision the run uses, and why (rank 0 prints it)
 
 
 @dataclass(frozen=True)
@@ -121,12 +122,14 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
     if resume_state is not None:
         check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
+    recorded = resume_state.options.get("precision") if resume_state is not None else None
+    config, precision_note = config.with_precision(device, recorded)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
     check_saves(config)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
-    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device)
+    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note)
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
@@ -201,6 +204,7 @@ class Trainer:
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
             note(device.describe())
+            note(plan.precision_note)
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")

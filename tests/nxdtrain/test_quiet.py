@@ -45,6 +45,7 @@ def test_a_normal_run_with_zero1_and_sequence_parallel_prints_no_warnings(tmp_pa
     assert done.returncode == 0, done.stderr
     assert ours(done.stderr) == []
     assert "nxdtrain: saved" in done.stderr and "step 2/2" in done.stderr
+    assert "nxdtrain: precision fp32 (the default on cpu; --precision bf16 to change it)" in done.stderr.splitlines()
 
 
 def test_sigterm_stop_leaves_no_leaked_semaphore_warning(tmp_path, nxd_model, arrow_rows):
