@@ -444,7 +444,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
             exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
                                        fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
             files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
-        if isinstance(reader, NxdCheckpoint):  # every input file read from matches its record, before OUT is complete
+        if hasattr(reader, "finish_checks"):  # every input file read from matches its record, before OUT is complete
             reader.finish_checks(workers=options.workers)
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
@@ -457,7 +457,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
 def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
     paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
-    return paths + list(spec.texts) + [rel for _, rel in spec.copies]
+    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies]
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:

@@ -1,0 +1,150 @@
+"""Plans into and out of TorchTitan's DCP layout: the rule table of :mod:`ckptconv.titan_names` as plans.
+
+Into DCP, every TorchTitan tensor is a list of HF row ranges (q/k rows permuted head by head); from
+NxD shards the same plan is composed with where those HF ranges lie in the shards. Out of DCP, the
+HF (or NxD) plan reads each HF range from its TorchTitan tensor with the inverse permutation. Nothing
+here assumes a weight: ``key_of`` and ``source_of`` route any per-parameter tensor (an AdamW moment
+keyed ``optimizer.state.<param>.exp_avg``, say) through the same rules.
+
+    >>> plan = plan_to_dcp(spec, hf_dtypes)                       # doctest: +SKIP
+    >>> [t.key for t in plan.files[0].tensors][:2]                # doctest: +SKIP
+    ['tok_embeddings.weight', 'layers.0.attention.qkv_linear.wq.weight']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ckptconv.io.dcp import distcp_name
+from ckptconv.layout import ParallelLayout
+from ckptconv.mapping import EMBED, hf_shapes
+from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import (
+    DtypePolicy,
+    OutFile,
+    OutTensor,
+    Piece,
+    Plan,
+    ReplicaGroup,
+    Source,
+    compose,
+    group_by_size,
+    hf_files,
+    keep_dtype,
+    plan_to_nxd,
+)
+from ckptconv.titan_names import TitanParam, inverse_rows, is_rope_permuted, rope_rows, titan_name, titan_params
+
+DEFAULT_FILE_SIZE = 5 * 10**9
+Tiles = dict[str, tuple[int, tuple[Piece, ...]]]
+
+
+def titan_tensor(param: TitanParam, spec: ModelSpec, dtype: torch.dtype, *, key: str | None = None,
+                 source_of: Callable[[str], Source] = lambda hf_key: Source(None, hf_key)) -> OutTensor:
+    """One TorchTitan tensor (under ``key``, default its parameter name) from HF-keyed sources."""
+    perm = rope_rows(spec.head_dim)
+    pieces = tuple(Piece(source_of(p.hf_key), p.start, p.stop, row_perm=perm if p.rope else ()) for p in param.pieces)
+    return OutTensor(key or param.key, dtype, param.shape, 0, pieces)
+
+
+def plan_to_dcp(
+    spec: ModelSpec,
+    source_dtypes: dict[str, torch.dtype],
+    *,
+    dtype_policy: DtypePolicy = keep_dtype,
+    max_file_size: int = DEFAULT_FILE_SIZE,
+    tiles: Tiles | None = None,
+    replicas: list[ReplicaGroup] | None = None,
+) -> Plan:
+    """TorchTitan's model keys in ``.distcp`` files of at most ``max_file_size`` bytes.
+
+    ``source_dtypes`` is keyed by HF name; with ``tiles`` (:func:`ckptconv.plan.hf_sources` of NxD
+    shards) each HF range is read from the shards holding it, and ``replicas`` are checked.
+    """
+    tensors = []
+    for param in titan_params(spec):
+        dtype = dtype_policy(param.key, source_dtypes[param.pieces[0].hf_key])
+        tensor = titan_tensor(param, spec, dtype)
+        tensors.append(tensor if tiles is None else _from_shards(tensor, tiles))
+    files = [OutFile(distcp_name(i), "dcp", tuple(group)) for i, group in enumerate(group_by_size(tensors, max_file_size))]
+    return Plan(files, list(replicas or []))
+
+
+def _from_shards(tensor: OutTensor, tiles: Tiles) -> OutTensor:
+    """``tensor`` read from NxD shards; a whole tensor the shards split by columns is read by columns."""
+    dims = {tiles[p.source.key][0] for p in tensor.pieces}
+    if dims == {1}:
+        (piece,) = tensor.pieces
+        if piece.row_perm or (piece.start, piece.stop) != (0, tensor.shape[0]):
+            raise AssertionError(f"{tensor.key}: only whole, unpermuted tensors are read by columns")
+        whole = Piece(piece.source, 0, tensor.shape[1])
+        tensor = OutTensor(tensor.key, tensor.dtype, tensor.shape, 1, (whole,), tensor.column_major)
+    return compose(tensor, tiles)
+
+
+def hf_dtypes_of(tiles: Tiles, shard_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """dtype of each HF key as the shards store it."""
+    return {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Out of DCP
+
+
+def dcp_piece(hf_key: str, start: int, stop: int, spec: ModelSpec) -> Piece:
+    """HF rows ``[start, stop)`` of ``hf_key`` as read from its TorchTitan tensor."""
+    perm = inverse_rows(rope_rows(spec.head_dim)) if is_rope_permuted(hf_key) else ()
+    return Piece(Source(None, titan_name(hf_key)), start, stop, row_perm=perm)
+
+
+def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """dtype of each HF key (no ``lm_head`` when tied) as the TorchTitan tensor it comes from stores it."""
+    return {key: dcp_dtypes[titan_name(key)] for key in hf_shapes(spec, with_inv_freq=False)}
+
+
+def tied_copy_check(spec: ModelSpec) -> list[ReplicaGroup]:
+    """A tied model's TorchTitan checkpoint holds the embedding twice: both copies must be equal."""
+    if not spec.tied:
+        return []
+    copies = (Piece(Source(None, "tok_embeddings.weight"), 0, spec.vocab), Piece(Source(None, "lm_head.weight"), 0, spec.vocab))
+    return [ReplicaGroup(EMBED, 0, 0, spec.vocab, copies)]
+
+
+def _remap(plan: Plan, spec: ModelSpec) -> Plan:
+    """A plan over HF-keyed sources, reading each range from its TorchTitan tensor instead."""
+    files = []
+    for f in plan.files:
+        tensors = tuple(
+            OutTensor(t.key, t.dtype, t.shape, t.dim,
+                      tuple(dcp_piece(p.source.key, p.start, p.stop, spec) for p in t.pieces), t.column_major)
+            for t in f.tensors
+        )
+        files.append(OutFile(f.path, f.format, tensors))
+    return Plan(files, plan.replicas)
+
+
+def plan_dcp_to_hf(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype], *, max_shard_size: int = 5 * 10**9,
+                   dtype_policy: DtypePolicy = keep_dtype) -> Plan:
+    """HF safetensors files from TorchTitan's model keys."""
+    dtypes = hf_dtypes_from_dcp(spec, dcp_dtypes)
+    hf_plan = _whole_hf_plan(spec, dtypes, max_shard_size, dtype_policy)
+    plan = _remap(hf_plan, spec)
+    return Plan(plan.files, tied_copy_check(spec))
+
+
+def _whole_hf_plan(spec: ModelSpec, dtypes: dict[str, torch.dtype], max_shard_size: int,
+                   dtype_policy: DtypePolicy) -> Plan:
+    """The HF files, each tensor one whole HF-keyed piece (the rows are then remapped)."""
+    shapes = hf_shapes(spec, with_inv_freq=False)
+    tensors = [OutTensor(key, dtype_policy(key, dtypes[key]), shape, 0, (Piece(Source(None, key), 0, shape[0]),))
+               for key, shape in shapes.items()]
+    return Plan(hf_files(tensors, max_shard_size))
+
+
+def plan_dcp_to_nxd(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[str, torch.dtype], *,
+                    dtype_policy: DtypePolicy = keep_dtype) -> Plan:
+    """NxD shards of ``layout`` from TorchTitan's model keys (the to-nxd plan, read from DCP)."""
+    plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
+    return Plan(_remap(plan, spec).files, tied_copy_check(spec))
