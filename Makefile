@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-train bench-checked lint clean
+.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-train bench-checked bench-dcp lint clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,10 @@ bench-train: setup
 # The cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
 bench-checked: setup
 	$(BIN)/python benchmarks/run.py --checked-reads --repeat 5
+
+# to-dcp (TorchTitan) of the 70B-shaped 4-layer model against cp -r, and from-dcp back (3 runs each; ~5 minutes)
+bench-dcp: setup
+	$(BIN)/python benchmarks/run.py --dcp --repeat 3
 
 lint: setup
 	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples

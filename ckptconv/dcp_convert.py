@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ckptconv.api import (
     HF_FILES_DIR,
     Result,
@@ -33,6 +35,7 @@ from ckptconv.api import (
     open_nxd,
 )
 from ckptconv.errors import ConversionError, choice
+from ckptconv.execute import replica_bands
 from ckptconv.finalize import FinalizeSpec
 from ckptconv.hub import resolve_hf
 from ckptconv.io.dcp import METADATA as DCP_METADATA
@@ -46,7 +49,7 @@ from ckptconv.mapping import check_source_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Plan, hf_sources
-from ckptconv.plan_dcp import DEFAULT_FILE_SIZE, hf_dtypes_of, plan_dcp_to_hf, plan_dcp_to_nxd, plan_to_dcp
+from ckptconv.plan_dcp import DEFAULT_FILE_SIZE, hf_dtypes_of, plan_dcp_to_hf, plan_dcp_to_nxd, plan_to_dcp, tied_copies
 from ckptconv.progress import note
 from ckptconv.titan_names import (
     STATE_FAMILIES,
@@ -197,6 +200,13 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec) -> list[str]:
     if missing:
         raise ConversionError(f"{where}: missing model key {missing[0]!r} ({len(missing)} missing); "
                               "not a TorchTitan llama3 checkpoint of this config")
+    group = tied_copies(spec)
+    for first, other, _ in replica_bands(ckpt, group) if group is not None else ():
+        if not torch.equal(first, other):
+            diff = (first.float() - other.float()).abs().max().item()
+            raise ConversionError(f"{where}: the config ties the embeddings, but 'tok_embeddings.weight' and "
+                                  f"'lm_head.weight' differ (max abs difference {diff:.3g}); pass --config with "
+                                  "the config of the model that was trained (tie_word_embeddings false)")
     return [f"not carried (model weights only): {n} {fam} key(s)" for fam in STATE_FAMILIES if (n := left.get(fam))]
 
 

@@ -468,9 +468,7 @@ def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: st
     if policy != "error":
         return  # the plan keeps the first copy, or averages them
     for group in groups:
-        first = _read_piece(reader, group.copies[0], group.dim)
-        for copy in group.copies[1:]:
-            other = _read_piece(reader, copy, group.dim)
+        for first, other, copy in replica_bands(reader, group):
             if not torch.equal(first, other):
                 diff = (first.float() - other.float()).abs().max().item()
                 raise VerificationError(
@@ -479,6 +477,26 @@ def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: st
                     f"{group.copies[0].source.key}, max abs difference {diff:.3g}; "
                     f"pass --kv-replicas first or mean to export the first copy or their mean"
                 )
+
+
+REPLICA_BAND_BYTES = 64 << 20  # replicas are compared band by band: a tied 128k-row embedding is GBs
+
+
+def replica_bands(reader: TensorReader, group: ReplicaGroup):  # type: ignore[no-untyped-def]
+    """(first copy, other copy, that copy's piece) band by band (whole pieces when split by columns)."""
+    first_piece = group.copies[0]
+    if group.dim != 0:
+        first = _read_piece(reader, first_piece, group.dim)
+        for copy in group.copies[1:]:
+            yield first, _read_piece(reader, copy, group.dim), copy
+        return
+    dtype, shape, _ = reader.info(first_piece.source)
+    rows = max(1, REPLICA_BAND_BYTES // max(1, _row_bytes(shape, dtype.itemsize)))
+    for lo in range(0, first_piece.length, rows):
+        hi = min(lo + rows, first_piece.length)
+        first = reader.read_rows(first_piece.source, first_piece.start + lo, first_piece.start + hi)
+        for copy in group.copies[1:]:
+            yield first, reader.read_rows(copy.source, copy.start + lo, copy.start + hi), copy
 
 
 def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -104,12 +104,12 @@ def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> d
     return {key: dcp_dtypes[titan_name(key)] for key in hf_shapes(spec, with_inv_freq=False)}
 
 
-def tied_copy_check(spec: ModelSpec) -> list[ReplicaGroup]:
-    """A tied model's TorchTitan checkpoint holds the embedding twice: both copies must be equal."""
+def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
+    """A tied model's TorchTitan checkpoint holds the embedding twice (one tensor under two names)."""
     if not spec.tied:
-        return []
+        return None
     copies = (Piece(Source(None, "tok_embeddings.weight"), 0, spec.vocab), Piece(Source(None, "lm_head.weight"), 0, spec.vocab))
-    return [ReplicaGroup(EMBED, 0, 0, spec.vocab, copies)]
+    return ReplicaGroup(EMBED, 0, 0, spec.vocab, copies)
 
 
 def _remap(plan: Plan, spec: ModelSpec) -> Plan:
@@ -130,8 +130,7 @@ def plan_dcp_to_hf(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype], *, max_s
     """HF safetensors files from TorchTitan's model keys."""
     dtypes = hf_dtypes_from_dcp(spec, dcp_dtypes)
     hf_plan = _whole_hf_plan(spec, dtypes, max_shard_size, dtype_policy)
-    plan = _remap(hf_plan, spec)
-    return Plan(plan.files, tied_copy_check(spec))
+    return _remap(hf_plan, spec)
 
 
 def _whole_hf_plan(spec: ModelSpec, dtypes: dict[str, torch.dtype], max_shard_size: int,
@@ -147,4 +146,4 @@ def plan_dcp_to_nxd(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[st
                     dtype_policy: DtypePolicy = keep_dtype) -> Plan:
     """NxD shards of ``layout`` from TorchTitan's model keys (the to-nxd plan, read from DCP)."""
     plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
-    return Plan(_remap(plan, spec).files, tied_copy_check(spec))
+    return _remap(plan, spec)

@@ -280,6 +280,13 @@ def test_shape_missing_key_and_missing_config_are_one_line_errors(models, tmp_pa
         ckptconv.from_dcp(tmp_path / "shape", tmp_path / "o2", config=hf / "config.json", options=QUIET)
     with pytest.raises(ConversionError, match="pass --config"):
         ckptconv.from_dcp(tmp_path / "shape", tmp_path / "o3", options=QUIET)
+    tied = models["gqa-tied"]
+    state, _ = titan_like_state(tied)
+    state["lm_head.weight"] = state["lm_head.weight"].clone()
+    state["lm_head.weight"][100, 3] += 0.5
+    dcp_save(state, tmp_path / "untied")
+    with pytest.raises(ConversionError, match=r"ties the embeddings, but .* differ \(max abs difference 0.5\)"):
+        ckptconv.from_dcp(tmp_path / "untied", tmp_path / "o4", config=tied / "config.json", options=QUIET)
 
 
 def _sharded_save(rank: int, world: int, path: str, port: int) -> None:
@@ -381,3 +388,28 @@ def test_cli_json_quiet_and_layout_flags_need_to_nxd(models, tmp_path, capsys):
     # a rerun finds OUT up to date
     assert main(["to-dcp", str(hf), str(tmp_path / "dcp"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
+
+
+@pytest.mark.parametrize("damage", ["hostile", "truncated", "not-metadata", "path-escape"])
+def test_a_bad_metadata_file_is_one_line_and_runs_nothing(models, tmp_path, capsys, damage):
+    import os
+    import pickle
+
+    hf = models["gqa"]
+    dcp_save(titan_like_state(hf)[0], tmp_path / "dcp")
+    meta = tmp_path / "dcp" / ".metadata"
+    raw = meta.read_bytes()
+    if damage == "hostile":
+        meta.write_bytes(pickle.dumps(os.system))
+    elif damage == "truncated":
+        meta.write_bytes(raw[: len(raw) // 2])
+    elif damage == "not-metadata":
+        meta.write_bytes(pickle.dumps({"a": 1}))
+    else:
+        meta.write_bytes(raw.replace(b"__0_0.distcp", b"../_0.distcp"))  # same length
+    code = main(["from-dcp", str(tmp_path / "dcp"), str(tmp_path / "out"), "--config", str(hf / "config.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and ".metadata" in err[0] and "Traceback" not in err[0], err
+    expected = {"hostile": "refusing to unpickle global posix.system", "truncated": "not a DCP metadata file",
+                "not-metadata": "not a DCP Metadata object", "path-escape": "must be a plain name"}[damage]
+    assert expected in err[0]

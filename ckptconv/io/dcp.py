@@ -242,7 +242,13 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
 
 def parse_metadata(data: bytes, name: str) -> dict[str, Entry]:
     """The entries of a ``.metadata`` pickle (read through the allowlisted unpickler), validated."""
-    meta = load_dcp_metadata(data, name)
+    try:
+        return _entries(load_dcp_metadata(data, name), name)
+    except (AttributeError, TypeError) as exc:  # a field missing or of the wrong kind
+        raise ConversionError(f"{name}: not a DCP metadata file this reader knows ({exc})") from None
+
+
+def _entries(meta: Any, name: str) -> dict[str, Entry]:
     if not isinstance(meta, DcpRecord) or meta.kind != "Metadata":
         raise ConversionError(f"{name}: not a DCP Metadata object")
     keys, storage = getattr(meta, "state_dict_metadata", None), getattr(meta, "storage_data", None)

@@ -254,6 +254,9 @@ class DcpRecord:
             raise ValueError(f"{self.kind}: unexpected pickled state {type(state).__name__}")
         self.__dict__.update(state)
 
+    def __getattr__(self, name: str) -> Any:  # only for names the pickle did not set
+        raise AttributeError(f"{self.kind} has no field {name!r}")
+
     def __repr__(self) -> str:
         return f"{self.kind}({self.__dict__!r})"
 

@@ -83,7 +83,7 @@ def _zip64_values(extra: bytes) -> list[int]:
     return []
 
 
-def _central_directory(src: PositionalFile) -> dict[str, _ZipEntry]:
+def _central_directory(src: PositionalFile | FileWindow) -> dict[str, _ZipEntry]:
     tail_start = max(0, src.size - 22 - 0xFFFF)
     tail = src.read(tail_start, src.size - tail_start)
     eocd = _find_end_record(tail, src.path)
