@@ -153,11 +153,8 @@ def to_nxd(
     options = options or RunOptions()
     started = time.monotonic()
     src = resolve_hf(src, revision=revision, quiet=options.quiet)
-    layout = ParallelLayout(
-        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
-        fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
-        trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
-    )
+    layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
+                           fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
     flavour = choice(Flavour, flavour, "flavour")
     notes: list[str] = []
     out = Path(out)
@@ -185,6 +182,16 @@ def to_nxd(
         _verify_after(src, out, config, verify_layers, result.notes)
     result.seconds = time.monotonic() - started
     return result
+
+
+def target_layout(*, tp: int, pp: int, vpp: int, kv_size_multiplier: int, attention: str | Attention, fuse_qkv: bool,
+                  hw_backend: str | Hardware, trn2_kv_layout: str | Trn2KvLayout) -> ParallelLayout:
+    """The layout an API call names with its keyword arguments (to_nxd's, from_dcp's), values checked."""
+    return ParallelLayout(
+        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
+        fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
+        trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
+    )
 
 
 def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers: int, notes: list[str]) -> None:

@@ -33,6 +33,7 @@ from ckptconv.api import (
     _kept_hf_files,
     dtype_policy,
     open_nxd,
+    target_layout,
 )
 from ckptconv.errors import ConversionError, choice
 from ckptconv.execute import replica_bands
@@ -44,7 +45,7 @@ from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import MODEL_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
+from ckptconv.layout import MODEL_DIR, Attention, Hardware, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
@@ -258,11 +259,8 @@ def from_dcp(
                               sources=[Path(src), ckpt.root])
             layout_json = None
         else:
-            layout = ParallelLayout(
-                tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
-                fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
-                trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
-            )
+            layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
+                                   fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
             layout.check_model(spec)
             target = choice(Flavour, flavour, "flavour")
             plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
