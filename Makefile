@@ -90,8 +90,9 @@ bench-dcp: setup
 	$(BIN)/python benchmarks/run.py --dcp --repeat 3
 
 lint: setup
-	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples
-	$(BIN)/mypy ckptconv
+	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples tools
+	$(BIN)/python tools/import_cycles.py
+	$(BIN)/mypy ckptconv nxdtrain
 
 clean:
 	rm -rf demo-out bench-out .pytest_cache

@@ -159,8 +159,8 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     from transformers import LlamaForCausalLM
 
     from nxdtrain.config import TrainConfig
+    from nxdtrain.data import global_batches
     from nxdtrain.optim import make_torch_optimizer, param_groups
-    from tests.nxdtrain.reference import global_batches
 
     _threads(1)
     cfg = TrainConfig.from_flat({**options, "resume": hf_dir})
@@ -352,5 +352,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: nxdtrain, tests.nxdtrain
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: ckptconv, nxdtrain
     sys.exit(main())

@@ -13,11 +13,12 @@ import argparse
 import time
 from pathlib import Path
 
-from ckptconv.api import Result, RunOptions, _convert, _fingerprint, open_nxd, to_nxd
+from ckptconv.api import Result, RunOptions, _convert, _fingerprint, to_nxd
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import FinalizeSpec
 from ckptconv.io.nxd import Flavour, sink_factory
 from ckptconv.layout import Attention
+from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import plan_to_full_state
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ckptconv.api import (
-    HF_FILES_DIR,
     Result,
     RunOptions,
     _convert,
@@ -32,7 +31,6 @@ from ckptconv.api import (
     _identity,
     _kept_hf_files,
     dtype_policy,
-    open_nxd,
     target_layout,
 )
 from ckptconv.errors import ConversionError, choice
@@ -45,10 +43,11 @@ from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import MODEL_DIR, Attention, Hardware, Trn2KvLayout
+from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Plan, hf_sources
 from ckptconv.plan_dcp import DEFAULT_FILE_SIZE, hf_dtypes_of, plan_dcp_to_hf, plan_dcp_to_nxd, plan_to_dcp, tied_copies
 from ckptconv.progress import note

@@ -26,7 +26,8 @@ import torch
 
 from ckptconv.digest import DEFAULT, FileRecord, record_files
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.outdir import TMP_DIR, disk_full, ensure_dir, place, write_text
+from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
+from ckptconv.outdir import TMP_DIR
 from ckptconv.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 
 STATE_FILE = "state.json"
@@ -520,17 +521,6 @@ def _naming(out_file: OutFile, tmp: Path):  # type: ignore[no-untyped-def]
         if error is None:
             raise
         raise error from exc
-
-
-def move_into_place(sink: Sink, tmp: Path, out_dir: Path) -> list[Path]:
-    """Complete a sink's files and rename them from the temp dir to their final place."""
-    moved = []
-    for temp_path in sink.finish():
-        rel = temp_path.relative_to(tmp)
-        final = ensure_dir(out_dir, str(rel.parent)) / rel.name
-        place(temp_path, final)
-        moved.append(final)
-    return moved
 
 
 def _load_state(path: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:

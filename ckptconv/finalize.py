@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckptconv.digest import DEFAULT, FileRecord
 from ckptconv.errors import ConversionError
+from ckptconv.launcher import detect_launch
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
 from ckptconv.plan import Plan
@@ -37,14 +37,12 @@ def parse_part(text: str) -> tuple[int, int]:
 
 
 def detect_part(explicit: tuple[int, int] | None = None) -> tuple[int, int]:
-    """This process's part: explicit, else from srun or torchrun, else the whole job."""
+    """This process's part: explicit, else from torchrun or srun (torchrun's variables win, see
+    :mod:`ckptconv.launcher`), else the whole job."""
     if explicit is not None:
         return explicit
-    for rank_var, size_var in (("SLURM_PROCID", "SLURM_NTASKS"), ("RANK", "WORLD_SIZE")):
-        size = os.environ.get(size_var)
-        if size and int(size) > 1:
-            return int(os.environ.get(rank_var, "0")), int(size)
-    return 0, 1
+    launch = detect_launch()
+    return launch.rank, launch.world_size
 
 
 def assign_files(plan: Plan, part: tuple[int, int]) -> set[str]:

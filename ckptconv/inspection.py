@@ -66,7 +66,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
 
 
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str, Any]:
-    from ckptconv.api import open_nxd
+    from ckptconv.nxd_source import open_nxd
 
     ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check)
     with ckpt:

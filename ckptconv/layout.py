@@ -23,7 +23,7 @@ from ckptconv.model_spec import ModelSpec
 
 
 class Attention(str, Enum):
-    """How q/k/v are stored in a shard (nxd-format.md §3, "Attention modes")."""
+    """How q/k/v are stored in a shard (docs/nxd-format.md §3, "Attention modes")."""
 
     SEPARATE = "separate"      # q_proj / k_proj / v_proj, row chunks
     COALESCED = "coalesced"    # qkv_proj.weight = cat(q_r, k_r, v_r), MHA only
@@ -152,6 +152,7 @@ def layer_pp_ranks(layers: int, layout: ParallelLayout) -> list[int]:
 
 
 MODEL_DIR = "model"  # the shards' directory inside a checkpoint (or training tag)
+HF_FILES_DIR = "hf"  # config.json, tokenizer and generation files kept beside the shards
 
 
 def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:

@@ -1,4 +1,4 @@
-"""Which slice of which HF tensor sits where in which NxD shard: the tables of nxd-format.md §3.
+"""Which slice of which HF tensor sits where in which NxD shard: the tables of docs/nxd-format.md §3.
 
 This is the one place that knows the GQA head order. Every other module (plans in both
 directions, reshard, verify, the training model) asks :func:`q_heads` / :func:`kv_heads` or
@@ -33,7 +33,7 @@ FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 LAYER_PREFIX = "model.layers.{}."
 
-# HF module order inside one decoder layer (nxd-format.md §3): the one ordering rule every key
+# HF module order inside one decoder layer (docs/nxd-format.md §3, "Key order"): the one ordering rule every key
 # order in the project derives from (shards, full state, HF export). Older transformers registered
 # ``rotary_emb`` right after ``o_proj``, so its per-layer ``inv_freq`` buffer sits there.
 LAYER_KEYS = (
@@ -89,7 +89,8 @@ class ShardRecord:
 
 
 def q_heads(spec: ModelSpec, layout: ParallelLayout, rank: int) -> list[int]:
-    """Global Q head indices held by tp ``rank``, in the order they appear in its shard."""
+    """Global Q head indices held by tp ``rank``, in the order they appear in its shard
+    (docs/nxd-format.md §3, "K/V replication and Q head order")."""
     n = spec.heads // layout.tp
     if _tiled_q(spec, layout):
         i, j = divmod(rank, spec.kv_heads)
@@ -190,7 +191,7 @@ def _whole(hf_key: str, length: int) -> ShardRecord:
 def hf_key_order(layers: int, *, with_inv_freq: bool) -> list[str]:
     """Every HF key of a Llama with ``layers`` layers in HF module order (``lm_head`` included).
 
-    The one ordering rule (nxd-format.md §3): shard key order, the full-state order and the HF
+    The one ordering rule (docs/nxd-format.md §3, "Key order"): shard key order, the full-state order and the HF
     export's order are all derived from it, never read from a file (safetensors sorts its keys).
 
         >>> hf_key_order(1, with_inv_freq=True)[4:6]
@@ -230,7 +231,7 @@ def hf_shapes(spec: ModelSpec, *, with_inv_freq: bool) -> dict[str, tuple[int, .
 def stores_lm_head(spec: ModelSpec, nxd_keys: Iterable[str]) -> bool:
     """Whether shards holding ``nxd_keys`` have ``lm_head.weight`` (always, unless tied).
 
-    A tied model's shards come two ways, both valid input (nxd-format.md §4): ours carry a copy of
+    A tied model's shards come two ways, both valid input (docs/nxd-format.md §4): ours carry a copy of
     the embedding as ``lm_head.weight`` on the last stage, the official converter's carry none.
     """
     return not spec.tied or LM_HEAD in nxd_keys
@@ -242,7 +243,7 @@ def shard_records(
 ) -> list[ShardRecord]:
     """The records of shard (tp_rank, pp_rank) in the official key order.
 
-    Order (nxd-format.md §3): HF module order (:func:`hf_key_order`) filtered to the shard, a
+    Order (docs/nxd-format.md §3, "Key order"): HF module order (:func:`hf_key_order`) filtered to the shard, a
     fused/renamed key in the slot of its first source key, ``at_end`` keys (weight_qkv,
     coalesced qkv_proj) appended in layer order. ``lm_head_copy=False`` describes a tied model's
     shards as the official converter writes them: no ``lm_head.weight`` on the last stage.

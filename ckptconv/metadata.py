@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
+from ckptconv.io.atomic import write_text
 
 METADATA_FILE = "ckptconv.json"
 FORMAT_VERSION = 1
@@ -59,7 +60,6 @@ class Metadata:
 
 def write_metadata(directory: Path, meta: Metadata) -> Path:
     """Write ``ckptconv.json`` atomically (it is written last: its presence means complete)."""
-    from ckptconv.outdir import write_text  # outdir reads METADATA_FILE from here
 
     return write_text(directory / METADATA_FILE, json.dumps(meta.to_json(), indent=1) + "\n")
 

@@ -25,35 +25,33 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
+
+# Temporary names then rename, re-exported here: every writer of OUT reaches them through this module.
+from ckptconv.io.atomic import (  # noqa: F401
+    DiskFullError,
+    atomic_target,
+    copy_file,
+    disk_full,
+    ensure_dir,
+    place,
+    write_bytes,
+    write_text,
+)
+from ckptconv.io.atomic import remove_path as _remove
 from ckptconv.metadata import METADATA_FILE
 
 TMP_DIR = ".ckptconv-tmp"
 LOCK_FILE = "lock"
 DECLARED_PREFIX = "owned-"
 PART_WAIT_SECONDS = 30.0  # how long a --part process waits for a sibling still setting OUT up
-_FULL_DISK = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
-
-
-class DiskFullError(ConversionError):
-    """Writing a file failed for lack of space (or a file-size limit): names the file and the bytes."""
-
-
-def disk_full(exc: OSError, path: Path | str, needed: int | None) -> ConversionError | None:
-    """The one-line error for ``exc`` while writing ``path`` when it means a full disk, else None."""
-    if exc.errno not in _FULL_DISK:
-        return None
-    why = "file size limit reached" if exc.errno == errno.EFBIG else "no space left on device"
-    need = f"; needs {needed} more bytes" if needed else ""
-    return DiskFullError(f"{path}: {why} while writing{need}; free space (or raise the limit) and rerun to resume")
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,25 +73,6 @@ def check_separate(sources: Sequence[Path | str], out: Path) -> None:
             raise ConversionError(f"{out}: lies inside the source {source}; choose an OUT outside it")
         if _inside(s, o):
             raise ConversionError(f"{out}: holds the source {source}; choose an OUT that does not contain it")
-
-
-def ensure_dir(out: Path, rel: str = "") -> Path:
-    """``out/rel`` as a directory, created as needed; no component under ``out`` may be a symlink."""
-    if out.is_symlink() and not out.exists():
-        raise ConversionError(f"{out}: is a dangling symbolic link (to {os.readlink(out)}); "
-                              "remove it or create its target first")
-    if out.exists() and not out.is_dir():
-        raise ConversionError(f"{out}: exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out
-    for part in Path(rel).parts:
-        path = path / part
-        if path.is_symlink():
-            raise ConversionError(f"{path}: is a symbolic link; ckptconv does not write through links inside OUT")
-        if path.exists() and not path.is_dir():
-            raise ConversionError(f"{path}: exists and is not a directory")
-        path.mkdir(exist_ok=True)
-    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,13 +161,6 @@ def clear_tmp(out: Path, *, keep: tuple[str, ...] = (LOCK_FILE,)) -> None:
         for entry in tmp.iterdir():
             if entry.name not in keep:
                 _remove(entry)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,75 +306,6 @@ def _unlink_symlinks(tmp: Path) -> None:
             path = Path(root) / name
             if path.is_symlink():
                 path.unlink()
-
-
-# --------------------------------------------------------------------------------------------
-# Temporary names, then rename
-
-
-def _partial(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
-
-
-@contextlib.contextmanager
-def atomic_target(path: Path, *, needed: int | None = None) -> Iterator[Path]:
-    """Yield a fresh temporary path beside ``path``; rename it to ``path`` when the block succeeds.
-
-    The temporary name (``.NAME.partial``) is cleared first without following a link planted
-    there, so a write can never land outside OUT. A full disk becomes :class:`DiskFullError`
-    naming ``path`` and ``needed`` bytes.
-    """
-    partial = _partial(path)
-    if os.path.lexists(partial):
-        _remove(partial)
-    try:
-        yield partial
-        place(partial, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            _remove(partial)
-        error = disk_full(exc, path, needed)
-        if error is None:
-            raise
-        raise error from exc
-    except BaseException:
-        with contextlib.suppress(OSError):
-            _remove(partial)
-        raise
-
-
-def write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (new file, no links followed)."""
-    return write_bytes(path, text.encode())
-
-
-def write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (new file, no links followed)."""
-    with atomic_target(path, needed=len(data)) as partial:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    return path
-
-
-def copy_file(source: Path, path: Path) -> Path:
-    """Copy a regular file atomically, keeping its permission bits (a 0600 file stays 0600)."""
-    mode = os.stat(source).st_mode & 0o777
-    with atomic_target(path, needed=os.stat(source).st_size) as partial:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-        os.fchmod(fd, mode)  # not widened by the umask either way
-        with os.fdopen(fd, "wb") as f, open(source, "rb") as src:
-            shutil.copyfileobj(src, f)
-    return path
-
-
-def place(temp_path: Path, final: Path) -> None:
-    """Rename a finished temporary file (or directory) to its final name, replacing an older one.
-
-    A symbolic link at ``final`` is replaced, never followed."""
-    if final.is_dir() and not final.is_symlink() and temp_path.is_dir():
-        shutil.rmtree(final)
-    os.replace(temp_path, final)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
 from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, q_heads, stores_lm_head
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
 from ckptconv.reference import attention_heads, dense_layer, mlp, rms_norm, rope_cos_sin, rope_inv_freq
 
@@ -240,7 +241,6 @@ def verify(
     weights (a cast, e.g. ``--dtype bf16``). With ``check`` every shard read from is checked
     against its record (size, digest, zip CRC-32s; IntegrityError on a mismatch).
     """
-    from ckptconv.api import open_nxd
     from ckptconv.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")

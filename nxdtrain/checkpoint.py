@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from ckptconv import outdir
-from ckptconv.api import HF_FILES_DIR, open_nxd
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError, IntegrityError
@@ -46,10 +45,11 @@ from ckptconv.io.nxd import (
     tag_step,
     write_markers,
 )
-from ckptconv.layout import MODEL_DIR, Attention, ParallelLayout, shard_file, shard_name
+from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, shard_file, shard_name
 from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
 from nxdtrain.config import ParallelConfig
 from nxdtrain.device import to_host

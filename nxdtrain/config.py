@@ -88,9 +88,10 @@ class OptimConfig:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
         _check(self.lr > 0, f"--lr must be > 0, got {self.lr!r}")
+        min_lr = MIN_LR_FRACTION * self.lr if self.min_lr is None else self.min_lr
         if self.min_lr is None:  # resolved here, so every reader (schedule, checkpoint, log) sees the number
-            object.__setattr__(self, "min_lr", MIN_LR_FRACTION * self.lr)
-        _check(0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, --lr {self.lr}], got {self.min_lr!r}")
+            object.__setattr__(self, "min_lr", min_lr)
+        _check(0 <= min_lr <= self.lr, f"--min-lr must be in [0, --lr {self.lr}], got {min_lr!r}")
         _check(_is_warmup(self.warmup), f"--warmup must be a step count (integer >= 0) or a fraction in (0, 1), "
                                         f"got {self.warmup!r}")
         _check(self.decay_steps is None or (_is_int(self.decay_steps) and self.decay_steps >= 1),

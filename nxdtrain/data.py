@@ -25,12 +25,15 @@ import shutil
 import tempfile
 from array import array
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from nxdtrain.epochs import epoch_samples
 from nxdtrain.errors import TrainError
+
+if TYPE_CHECKING:
+    from nxdtrain.config import TrainConfig
 
 COLUMN = "input_ids"
 
@@ -285,3 +288,12 @@ class Batches:
         """Data-parallel rank ``dp_rank``'s rows of the global batch starting at sample ``consumed``."""
         per = gbs // dp
         return self.batch(consumed=consumed + dp_rank * per, count=per)
+
+
+def global_batches(cfg: TrainConfig, vocab: int, *, start: int = 0) -> list[torch.Tensor]:
+    """The rows of global batches ``start+1 .. cfg.steps``, in training order (what a run of ``cfg`` trains on,
+    whole; for references and benchmarks that train the same rows another way)."""
+    data = cfg.data
+    rows = open_rows(data.data, vocab=vocab, seq_len=data.seq_len, seed=cfg.seed)
+    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab, gbs=data.gbs)
+    return [batches.batch(consumed=s * data.gbs, count=data.gbs) for s in range(start, cfg.steps)]

@@ -21,10 +21,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 
+from ckptconv.launcher import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
 from nxdtrain.errors import TrainError
 
 DEFAULT_PORT = 29500
@@ -93,15 +94,11 @@ def first_slurm_host(nodelist: str) -> str:
 
 
 def detect_env(environ: Mapping[str, str] | None = None) -> WorldEnv:
-    """Read the launcher's variables: torchrun's RANK/WORLD_SIZE win over Slurm's SLURM_PROCID/NTASKS."""
+    """The launcher's place for this process (:func:`ckptconv.launcher.detect_launch`: torchrun over Slurm) and
+    how to reach rank 0."""
     env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
-        launcher = "torchrun"
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
-        launcher = "slurm"
-    else:
+    rank, world, local, launcher = astuple(detect_launch(env))
+    if launcher == "single":
         return WorldEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", "0") or 0), "single")
     addr = env.get("MASTER_ADDR")
     if not addr:
@@ -116,15 +113,6 @@ def detect_env(environ: Mapping[str, str] | None = None) -> WorldEnv:
     if not port and launcher == "slurm" and env.get("SLURM_JOB_ID"):
         port = str(10000 + int(env["SLURM_JOB_ID"]) % 20000)  # one port per job: two jobs on a node don't collide
     return WorldEnv(rank, world, local, addr, int(port or DEFAULT_PORT), launcher)
-
-
-def local_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """Processes of this job on this node (torchrun's LOCAL_WORLD_SIZE, else Slurm's tasks per node, else 1)."""
-    env = os.environ if environ is None else environ
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if env.get(name, "").isdigit():
-            return int(env[name])
-    return 1
 
 
 def free_port() -> int:
@@ -204,7 +192,7 @@ class Mesh:
 
         found = None
         # On xla a collective is one XLA op over replica groups: torch-xla takes them all from pg_options.
-        options = {"pg_options": {"xla_pg_options": {"mesh": [list(r) for r in groups]}}} if self.xla else {}
+        options: dict[str, Any] = {"pg_options": {"xla_pg_options": {"mesh": [list(r) for r in groups]}}} if self.xla else {}
         for ranks in groups:
             if len(ranks) == 1 and not keep_single:
                 continue

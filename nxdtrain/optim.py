@@ -42,9 +42,11 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     if cfg.schedule == "constant":
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup) / max(1, decay_steps - cfg.warmup))
+    min_lr = cfg.min_lr
+    assert min_lr is not None, "OptimConfig.__post_init__ resolves min_lr"
     if cfg.schedule == "linear":
-        return cfg.lr - (cfg.lr - cfg.min_lr) * progress
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.lr - (cfg.lr - min_lr) * progress
+    return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:

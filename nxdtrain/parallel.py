@@ -14,7 +14,6 @@ These layers run on any torch device; the real NxD layers (Trainium, XLA) are ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,16 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdtrain.sequence_parallel import gather_seq, reduce_scatter_seq
-
-
-@dataclass(frozen=True)
-class TpGroup:
-    """This rank's tensor-parallel group: size, rank, and the process group (None when size is 1 or offline)."""
-
-    size: int = 1
-    rank: int = 0
-    group: Any = None
-    sequence_parallel: bool = False  # activations outside tp regions are [batch, seq/tp, hidden] slices
+from nxdtrain.tp_group import TpGroup  # also reached as nxdtrain.parallel.TpGroup
 
 
 def _all_reduce(t: torch.Tensor, tp: TpGroup, op: Any = None) -> torch.Tensor:

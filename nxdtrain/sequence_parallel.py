@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from nxdtrain.parallel import TpGroup
+    from nxdtrain.tp_group import TpGroup
 
 # torch 2.13 deprecates the name in favour of reduce_scatter_single, which torch-xla does not provide.
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)

@@ -1,4 +1,4 @@
-"""Inputs built the way the official converter's world makes them (nxd-format.md §3 and §4).
+"""Inputs built the way the official converter's world makes them (docs/nxd-format.md §3 and §4).
 
 - :func:`old_transformers_llama`: a checkpoint of an older transformers, whose ``LlamaAttention``
   registered ``rotary_emb`` after ``o_proj`` and so saved a per-layer fp32 ``inv_freq`` there.

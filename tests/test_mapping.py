@@ -1,4 +1,4 @@
-"""Head order, pipeline split and validation: hand-computed tables (nxd-format.md §3, §4)."""
+"""Head order, pipeline split and validation: hand-computed tables (docs/nxd-format.md §3, §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The two rules the golden fixtures do not show (nxd-format.md §3, §4), checked against the spec.
+"""The two rules the golden fixtures do not show (docs/nxd-format.md §3, §4), checked against the spec.
 
 1. Per-layer ``rotary_emb.inv_freq`` (older transformers, fp32) sits right after ``o_proj`` in every
    shard, through ``nxd-compat`` (official argv, merged .pt input) and native ``to-nxd``

@@ -41,16 +41,17 @@ def test_parts_are_disjoint_balanced_and_cover_everything():
     assert max(loads) - min(loads) <= max(sizes.values())
 
 
-def test_part_comes_from_srun_or_torchrun(monkeypatch: pytest.MonkeyPatch):
+def test_part_comes_from_torchrun_or_srun(monkeypatch: pytest.MonkeyPatch):
     for var in ("SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     assert detect_part() == (0, 1)
-    monkeypatch.setenv("RANK", "2")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    assert detect_part() == (2, 4)
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "3")
     assert detect_part() == (1, 3)
+    # torchrun inside an srun task: the worker's own RANK/WORLD_SIZE, not the task's (ckptconv.launcher)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert detect_part() == (2, 4)
     assert detect_part((0, 2)) == (0, 2)
 
 

@@ -1,6 +1,6 @@
 """NxD checkpoint directories: finding the shards, reading them lazily, and writing them.
 
-Three serialization flavours (nxd-format.md §2): ``plain`` (torch.save of a dict), ``xser-inline``
+Three serialization flavours (docs/nxd-format.md §2): ``plain`` (torch.save of a dict), ``xser-inline``
 (the same bytes plus an empty ``<file>.tensors/``; what the official ``--save_xser`` writes), and
 ``xser-split`` (a dict of ``TensorReference`` + ``<file>.info.pt`` + one file per tensor; what NxD
 training writes). Legacy ``tp_rank_XX_pp_rank_YY/checkpoint.pt`` directories are read too.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ckptconv.errors import ConversionError, IntegrityError
-from ckptconv.execute import move_into_place
+from ckptconv.io.atomic import move_into_place, write_text
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
@@ -31,7 +31,6 @@ from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, Torch
 from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
-from ckptconv.outdir import write_text
 from ckptconv.plan import OutFile, OutTensor, Piece, Source
 
 DONE_MARKER = "done"

@@ -7,16 +7,8 @@ from pathlib import Path
 import torch
 
 from nxdtrain.config import TrainConfig
-from nxdtrain.data import Batches, open_rows
+from nxdtrain.data import global_batches
 from nxdtrain.optim import lr_at, make_torch_optimizer, param_groups
-
-
-def global_batches(cfg: TrainConfig, vocab: int, *, start: int = 0) -> list[torch.Tensor]:
-    """The rows of global batches ``start+1 .. cfg.steps``, in training order."""
-    data = cfg.data
-    rows = open_rows(data.data, vocab=vocab, seq_len=data.seq_len, seed=cfg.seed)
-    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab, gbs=data.gbs)
-    return [batches.batch(consumed=s * data.gbs, count=data.gbs) for s in range(start, cfg.steps)]
 
 
 def train_reference(hf_dir: Path, cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope"]
+MODULES = ["config", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope", "tp_group"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,116 @@
+"""Open NxD shards as a conversion source: model spec and layout (recorded or inferred), shards checked.
+
+Every command that reads NxD shards (``to-hf``, ``reshard``, ``verify``, ``inspect``, ``nxd-compat``,
+nxdtrain's resume) opens them through :func:`open_nxd`, so a shard set is understood and refused
+the same way everywhere.
+
+Example:
+    >>> ckpt, spec, layout, with_inv_freq, notes = open_nxd("llama-nxd")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.hf import CONFIG
+from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.layout import HF_FILES_DIR, ParallelLayout, shard_file
+from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.metadata import METADATA_FILE
+from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import Source
+
+
+def open_nxd(
+    src: str | Path,
+    *,
+    config: str | Path | None = None,
+    hints: dict[str, Any] | None = None,
+    io: str = "mmap",
+    check: bool = True,
+) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
+    """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
+
+    With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
+    sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
+    trusting what was read.
+    """
+    from ckptconv.infer import infer_layout
+
+    ckpt = NxdCheckpoint(src, io=io, check=check)
+    notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
+    meta = ckpt.metadata
+    hints = {k: v for k, v in (hints or {}).items() if v is not None}
+    if config is not None:
+        spec = ModelSpec.from_file(config)
+    elif meta is not None and meta.hf_config:
+        spec = ModelSpec.from_config(meta.hf_config, source=str(ckpt.root / METADATA_FILE))
+    elif (ckpt.root / HF_FILES_DIR / CONFIG).is_file():
+        spec = ModelSpec.from_file(ckpt.root / HF_FILES_DIR / CONFIG)
+    else:
+        raise ConversionError(f"{ckpt.root}: no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
+    spec.check_counts((k for f in sorted(ckpt.files) for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
+    if meta is not None and meta.layout is not None:
+        layout = ParallelLayout.from_json({**meta.layout, **hints})
+        with_inv_freq = meta.with_inv_freq
+        notes.append(f"layout from {METADATA_FILE}")
+    else:
+        layout, inferred = infer_layout(ckpt, spec, hints)
+        with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
+        notes.extend(f"inferred {n}" for n in inferred)
+    if (layout.tp, layout.pp) != (ckpt.tp, ckpt.pp):
+        raise ConversionError(
+            f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
+        )
+    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None)
+    return ckpt, spec, layout, with_inv_freq, notes
+
+
+def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> str:
+    if config is not None:
+        return str(config)
+    return str(ckpt.root / (METADATA_FILE if meta is not None and meta.hf_config else f"{HF_FILES_DIR}/{CONFIG}"))
+
+
+def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
+                 recorded_dtype: str | None = None) -> None:
+    """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint), in the
+    dtype ckptconv.json records when it records one.
+
+    A tied model's last stage may hold ``lm_head.weight`` (ours) or not (the official converter's);
+    its tp-0 shard decides which, and every other last-stage shard must agree.
+    """
+    allowed = set(recorded_dtype.split(",")) if recorded_dtype else None
+    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    lm_head_copy = stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1)))
+    records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    for (tp, pp), records in records_of.items():
+        file = shard_file(tp_rank=tp, pp_rank=pp)
+        present = set(ckpt.keys(file))
+        for record in records:
+            if record.key not in present:
+                raise ConversionError(
+                    f"{ckpt.files[file]}: missing {record.key!r} expected by layout "
+                    f"{_describe(layout)}; shards of another layout must be converted with matching flags or resharded"
+                )
+            expected = hf_record_shape(record, shapes[record.segments[0].hf_key])
+            dtype, actual, _ = ckpt.info(Source(file, record.key))
+            name = str(dtype).removeprefix("torch.")
+            if allowed and name not in allowed and not record.key.endswith("inv_freq"):
+                raise ConversionError(f"{ckpt.files[file]}: {record.key!r} is {name}, "
+                                      f"{ckpt.root / METADATA_FILE} records {recorded_dtype}")
+            if tuple(actual) != expected:
+                raise ConversionError(
+                    f"{ckpt.files[file]}: {record.key!r} has shape {list(actual)}, layout {_describe(layout)} "
+                    f"implies {list(expected)}"
+                )
+        extra = present - {r.key for r in records}
+        if extra:
+            raise ConversionError(f"{ckpt.files[file]}: unexpected key {sorted(extra)[0]!r} for layout {_describe(layout)}")
+
+
+def _describe(layout: ParallelLayout) -> str:
+    return (f"tp {layout.tp} pp {layout.pp} vpp {layout.vpp} kvm {layout.kvm} {layout.attention.value}"
+            + (" fused" if layout.fuse_qkv else "") + f" {layout.hw.value}")

@@ -1,0 +1,100 @@
+"""The import graph: no circles in either package (tools/import_cycles.py), and ``io/`` below the executor."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("import_cycles", REPO / "tools" / "import_cycles.py")
+assert _spec is not None and _spec.loader is not None
+import_cycles = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_cycles)
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / "pkg"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(textwrap.dedent(text))
+    return pkg
+
+
+def test_the_tree_has_no_import_circle():
+    assert import_cycles.check([REPO / "ckptconv", REPO / "nxdtrain"]) == []
+
+
+def test_a_planted_module_level_circle_is_named(tmp_path, capsys):
+    pkg = _package(tmp_path, {"a.py": "from pkg import b\n", "b.py": "import pkg.c\n", "c.py": "from pkg.a import x\n",
+                              "d.py": "import pkg.a\n"})
+    assert import_cycles.check([pkg]) == ["pkg.a -> pkg.b -> pkg.c -> pkg.a"]
+    assert import_cycles.main([str(pkg)]) == 1
+    assert capsys.readouterr().err == "import circle: pkg.a -> pkg.b -> pkg.c -> pkg.a\n"
+
+
+def test_an_import_deferred_into_a_function_still_closes_a_circle(tmp_path):
+    pkg = _package(tmp_path, {
+        "api.py": "from .verify import verify\n",
+        "verify.py": """
+            import os
+
+            def verify():
+                try:
+                    from .api import open_nxd
+                except ImportError:
+                    pass
+            """,
+    })
+    assert import_cycles.check([pkg]) == ["pkg.api -> pkg.verify -> pkg.api"]
+
+
+def test_type_checking_imports_do_not_count_but_their_else_branch_does(tmp_path):
+    typed = {"layers.py": "from pkg.sub.seq import gather\n",
+             "sub/__init__.py": "",
+             "sub/seq.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..layers import Group\n"}
+    assert import_cycles.check([_package(tmp_path / "one", typed)]) == []
+    typed["sub/seq.py"] += "else:\n    from .. import layers\n"
+    assert import_cycles.check([_package(tmp_path / "two", typed)]) == ["pkg.layers -> pkg.sub.seq -> pkg.layers"]
+
+
+def test_a_name_reexported_by_a_package_init_is_an_edge_to_the_init(tmp_path):
+    pkg = _package(tmp_path, {"__init__.py": "from pkg.core import run\n", "core.py": "from pkg import VERSION\n"})
+    assert import_cycles.check([pkg]) == ["pkg -> pkg.core -> pkg"]
+    pkg = _package(tmp_path / "fine", {"__init__.py": "from pkg.core import run\n", "core.py": "from pkg import util\n",
+                                       "util.py": ""})
+    assert import_cycles.check([pkg]) == []
+
+
+# What io/ may build on: errors, and the pure description modules (names, plan records, metadata
+# records, model numbers, digests), none of which reads or writes a checkpoint. Never the executor,
+# the owner of OUT, or a verb.
+IO_MAY_IMPORT = {"ckptconv.errors", "ckptconv.layout", "ckptconv.plan", "ckptconv.metadata", "ckptconv.model_spec",
+                 "ckptconv.digest"}
+
+
+@functools.cache
+def _ckptconv_graph() -> dict[str, set[str]]:
+    return import_cycles.import_graph(import_cycles.module_files(REPO / "ckptconv"))
+
+
+@pytest.mark.parametrize("name", sorted(m for m in import_cycles.module_files(REPO / "ckptconv")
+                                        if m.startswith("ckptconv.io.")))
+def test_io_builds_only_on_errors_and_description_modules(name):
+    graph = _ckptconv_graph()
+    outside = {m for m in graph[name] if not m.startswith("ckptconv.io")}
+    assert outside <= IO_MAY_IMPORT, f"{name} imports {sorted(outside - IO_MAY_IMPORT)}"
+    if name == "ckptconv.io.atomic":
+        assert outside == {"ckptconv.errors"}
+
+
+def test_benchmarks_import_nothing_from_tests():
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m == "tests" or m.startswith("tests.")], path.name
