@@ -247,12 +247,14 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.dcp_convert import from_dcp
 
         if args.to == "hf":
-            given = [flag for flag, value in (("--xser", args.xser), ("--kv-size-multiplier", args.kvm),
-                                              ("--qkv-linear", args.qkv_linear), ("--fuse-qkv", args.fuse_qkv))
-                     if value is not None]
-            if given or args.tp != 1 or args.pp != 1 or args.vpp != 1:
-                raise ConversionError(f"{(given or ['--tp/--pp/--vpp'])[0]} is a layout flag; pass --to nxd "
-                                      "to write NxD shards of that layout")
+            given = [flag for flag, value, default in (
+                ("--tp", args.tp, 1), ("--pp", args.pp, 1), ("--vpp", args.vpp, 1), ("--xser", args.xser, None),
+                ("--kv-size-multiplier", args.kvm, None), ("--qkv-linear", args.qkv_linear, None),
+                ("--fuse-qkv", args.fuse_qkv, None), ("--coalesce-qkv", args.coalesce_qkv, None),
+                ("--hw-backend", args.hw_backend, None), ("--trn2-kv-layout", args.trn2_kv_layout, None))
+                if value != default]
+            if given:
+                raise ConversionError(f"{given[0]} is a layout flag; pass --to nxd to write NxD shards of that layout")
         return from_dcp(
             args.src, args.out, to=args.to, config=args.config, tp=args.tp, pp=args.pp, vpp=args.vpp,
             kv_size_multiplier=args.kvm or 1, attention=_attention(args) or Attention.SEPARATE,

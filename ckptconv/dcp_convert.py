@@ -92,6 +92,10 @@ def to_dcp(
     out = Path(out)
     notes: list[str] = []
     if _is_hf_source(src):
+        given = sorted(k for k, v in (hints or {}).items() if v is not None)
+        if given:
+            raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
+                                  "describe NxD sources only")
         hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
         with HfCheckpoint(hf_src, config=config, io=options.io) as hf:
             with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))

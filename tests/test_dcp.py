@@ -385,6 +385,10 @@ def test_cli_json_quiet_and_layout_flags_need_to_nxd(models, tmp_path, capsys):
     assert capsys.readouterr().err == ""
     assert sorted(p.name for p in (tmp_path / "nxd" / "model").iterdir()) == [
         "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_01_pp_rank_00.pt"]
+    assert main(["from-dcp", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--hw-backend", "trn2"]) == 1
+    assert "--hw-backend is a layout flag; pass --to nxd" in capsys.readouterr().err
+    assert main(["to-dcp", str(hf), str(tmp_path / "dcp3"), "--tp", "2"]) == 1
+    assert "layout flags (tp) describe NxD sources only" in capsys.readouterr().err
     # a rerun finds OUT up to date
     assert main(["to-dcp", str(hf), str(tmp_path / "dcp"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["up_to_date"] is True
@@ -413,3 +417,16 @@ def test_a_bad_metadata_file_is_one_line_and_runs_nothing(models, tmp_path, caps
     expected = {"hostile": "refusing to unpickle global posix.system", "truncated": "not a DCP metadata file",
                 "not-metadata": "not a DCP Metadata object", "path-escape": "must be a plain name"}[damage]
     assert expected in err[0]
+
+
+def test_parts_write_what_one_process_writes(models, tmp_path):
+    hf = models["gqa"]
+    ckptconv.to_dcp(hf, tmp_path / "one", max_file_size=60_000, options=QUIET)
+    for k in range(3):
+        ckptconv.to_dcp(hf, tmp_path / "parts", max_file_size=60_000, options=RunOptions(quiet=True, part=(k, 3)))
+    one = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    parts = sorted(p.relative_to(tmp_path / "parts") for p in (tmp_path / "parts").rglob("*") if p.is_file())
+    assert one == parts and len([p for p in one if p.suffix == ".distcp"]) > 3
+    for rel in one:
+        if rel.name != "ckptconv.json":
+            assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "parts" / rel).read_bytes(), rel
