@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -376,25 +376,35 @@ def plan_reshard(
     return Plan(files, replicas)
 
 
-def compose(tensor: OutTensor, tiles: dict[str, tuple[int, tuple[Piece, ...]]]) -> OutTensor:
-    """``tensor`` read from where its HF sources lie in shards (``tiles``: see :func:`hf_sources`).
+def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece, ...]]]) -> OutTensor:
+    """``tensor`` read from where its HF sources lie (``tiles``: see :func:`hf_sources` for shards,
+    :func:`ckptconv.plan_dcp.titan_tiles` for TorchTitan tensors).
 
-    A piece with ``row_perm`` keeps it; its periods never straddle two shard pieces (whole heads).
+    A tile of dim ``None`` is the whole HF tensor under another name: any range of it, along any dim,
+    is the same range there. Rows permuted in periods (``row_perm``, on the piece or on the tile) are
+    kept; a period never straddles two pieces (they are whole heads).
     """
     pieces: list[Piece] = []
     for piece in tensor.pieces:
         dim, old_pieces = tiles[piece.source.key]
+        if dim is None:
+            (whole,) = old_pieces
+            pieces.append(Piece(whole.source, piece.start, piece.stop, row_perm=piece.row_perm))
+            continue
         if dim != tensor.dim:
             raise AssertionError(f"{tensor.key}: split along dim {tensor.dim} but stored along {dim}")
         hf_cursor = 0
         for old in old_pieces:
             lo, hi = max(piece.start, hf_cursor), min(piece.stop, hf_cursor + old.length)
             if lo < hi:
-                period = len(piece.row_perm) or 1
-                if (lo - piece.start) % period or (hi - lo) % period:
+                if piece.row_perm and old.row_perm:
+                    raise AssertionError(f"{tensor.key}: rows of {piece.source.key} permuted twice")
+                perm, origin = (piece.row_perm, piece.start) if piece.row_perm else (old.row_perm, hf_cursor)
+                period = len(perm) or 1
+                if (lo - origin) % period or (hi - lo) % period:
                     raise AssertionError(f"{tensor.key}: rows {lo}..{hi} of {piece.source.key} cut a period of {period}")
                 shift = old.start - hf_cursor
-                pieces.append(Piece(old.source, lo + shift, hi + shift, row_perm=piece.row_perm))
+                pieces.append(Piece(old.source, lo + shift, hi + shift, row_perm=perm))
             hf_cursor += old.length
     return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, _merge(pieces), tensor.column_major)
 

@@ -13,7 +13,7 @@ keyed ``optimizer.state.<param>.exp_avg``, say) through the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -35,10 +35,10 @@ from ckptconv.plan import (
     keep_dtype,
     plan_to_nxd,
 )
-from ckptconv.titan_names import TitanParam, inverse_rows, is_rope_permuted, rope_rows, titan_name, titan_params
+from ckptconv.titan_names import TitanParam, inverse_rows, rope_rows, titan_name, titan_params
 
 DEFAULT_FILE_SIZE = 5 * 10**9
-Tiles = dict[str, tuple[int, tuple[Piece, ...]]]
+Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
 
 def titan_tensor(param: TitanParam, spec: ModelSpec, dtype: torch.dtype, *, key: str | None = None,
@@ -93,10 +93,32 @@ def hf_dtypes_of(tiles: Tiles, shard_dtypes: dict[str, torch.dtype]) -> dict[str
 # Out of DCP
 
 
-def dcp_piece(hf_key: str, start: int, stop: int, spec: ModelSpec) -> Piece:
-    """HF rows ``[start, stop)`` of ``hf_key`` as read from its TorchTitan tensor."""
-    perm = inverse_rows(rope_rows(spec.head_dim)) if is_rope_permuted(hf_key) else ()
-    return Piece(Source(None, titan_name(hf_key)), start, stop, row_perm=perm)
+def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
+                source_of: Callable[[str], Source] = lambda key: Source(None, key)) -> Tiles:
+    """Where each HF row range lies in TorchTitan tensors (the rule table read backwards), in the form
+    :func:`ckptconv.plan.hf_sources` gives for shards, so any HF-keyed plan composes with it.
+
+    ``source_of(titan_key)`` names the tensor to read (a moment's key, say). A whole, unpermuted tensor
+    is a tile of dim ``None`` (any range, along any dim); a range held twice (a tied ``lm_head``) is
+    read from its first holder.
+    """
+    inverse = inverse_rows(rope_rows(spec.head_dim))
+    ranges: dict[str, list[tuple[int, Piece]]] = {}
+    whole: dict[str, Piece] = {}
+    for param in params:
+        offset = 0
+        for p in param.pieces:
+            length = p.stop - p.start
+            if not p.rope and len(param.pieces) == 1 and (p.start, p.stop) == (0, param.shape[0]):
+                whole.setdefault(p.hf_key, Piece(source_of(param.key), 0, length))
+            elif all(start != p.start for start, _ in ranges.get(p.hf_key, [])):
+                piece = Piece(source_of(param.key), offset, offset + length, row_perm=inverse if p.rope else ())
+                ranges.setdefault(p.hf_key, []).append((p.start, piece))
+            offset += length
+    tiles: dict[str, tuple[int | None, tuple[Piece, ...]]] = {key: (None, (p,)) for key, p in whole.items()}
+    for key, found in ranges.items():
+        tiles[key] = (0, tuple(piece for _, piece in sorted(found, key=lambda f: f[0])))
+    return tiles
 
 
 def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
@@ -112,16 +134,10 @@ def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
     return ReplicaGroup(EMBED, 0, 0, spec.vocab, copies)
 
 
-def _remap(plan: Plan, spec: ModelSpec) -> Plan:
+def _read_from_dcp(plan: Plan, spec: ModelSpec) -> Plan:
     """A plan over HF-keyed sources, reading each range from its TorchTitan tensor instead."""
-    files = []
-    for f in plan.files:
-        tensors = tuple(
-            OutTensor(t.key, t.dtype, t.shape, t.dim,
-                      tuple(dcp_piece(p.source.key, p.start, p.stop, spec) for p in t.pieces), t.column_major)
-            for t in f.tensors
-        )
-        files.append(OutFile(f.path, f.format, tensors))
+    tiles = titan_tiles(titan_params(spec), spec)
+    files = [OutFile(f.path, f.format, tuple(compose(t, tiles) for t in f.tensors)) for f in plan.files]
     return Plan(files, plan.replicas)
 
 
@@ -130,7 +146,7 @@ def plan_dcp_to_hf(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype], *, max_s
     """HF safetensors files from TorchTitan's model keys."""
     dtypes = hf_dtypes_from_dcp(spec, dcp_dtypes)
     hf_plan = _whole_hf_plan(spec, dtypes, max_shard_size, dtype_policy)
-    return _remap(hf_plan, spec)
+    return _read_from_dcp(hf_plan, spec)
 
 
 def _whole_hf_plan(spec: ModelSpec, dtypes: dict[str, torch.dtype], max_shard_size: int,
@@ -146,4 +162,4 @@ def plan_dcp_to_nxd(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[st
                     dtype_policy: DtypePolicy = keep_dtype) -> Plan:
     """NxD shards of ``layout`` from TorchTitan's model keys (the to-nxd plan, read from DCP)."""
     plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
-    return _remap(plan, spec)
+    return _read_from_dcp(plan, spec)

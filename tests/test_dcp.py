@@ -430,3 +430,47 @@ def test_parts_write_what_one_process_writes(models, tmp_path):
     for rel in one:
         if rel.name != "ckptconv.json":
             assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "parts" / rel).read_bytes(), rel
+
+
+def test_fused_qkv_rows_go_into_dcp_and_back_through_the_same_tables(models, tmp_path):
+    """What phase 2 does with AdamW moments (keyed by TorchTitan's fused wqkv): any tensor of the fused
+    parameter's rows is written from HF-keyed rows and read back through ``titan_tiles``."""
+    from ckptconv.execute import ExecOptions, run_plan
+    from ckptconv.io.hf import HfCheckpoint
+    from ckptconv.io.safetensors_sink import safetensors_sink
+    from ckptconv.plan import Plan, compose
+    from ckptconv.plan_dcp import titan_tensor, titan_tiles
+
+    hf = models["gqa"]
+    spec = ModelSpec.from_file(hf / "config.json")
+    state = hf_state(hf)
+    fused = [fused_qkv_param(spec, n) for n in range(spec.layers)]
+    key = "optimizer.state.{}.exp_avg"
+    tensors = tuple(titan_tensor(p, spec, torch.float32, key=key.format(p.key)) for p in fused)
+    files = [OutFile(distcp_name(0), "dcp", tensors)]
+    items = layout_items(files)
+    with HfCheckpoint(hf) as reader:
+        run_plan(Plan(files), reader, tmp_path / "dcp", sink_factory(items), ExecOptions(hash=None, max_memory=2**20))
+    (tmp_path / "dcp" / ".metadata").write_bytes(encode_metadata(items, planner_path, "s"))
+    # the fused layout by hand: per KV group, its q heads, k head, v head; q/k rows in RoPE order
+    hd, group = spec.head_dim, spec.group
+    loaded = dcp_load(tmp_path / "dcp", {key.format(p.key): p.shape for p in fused})
+    for n, p in enumerate(fused):
+        q = hf_to_titan_rows(state[f"model.layers.{n}.self_attn.q_proj.weight"], spec.heads)
+        k = hf_to_titan_rows(state[f"model.layers.{n}.self_attn.k_proj.weight"], spec.kv_heads)
+        v = state[f"model.layers.{n}.self_attn.v_proj.weight"]
+        parts = [t for g in range(spec.kv_heads) for t in (q[g * group * hd:(g + 1) * group * hd],
+                                                            k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd])]
+        assert torch.equal(loaded[key.format(p.key)], torch.cat(parts))
+    # and back: HF q/k/v read from the fused tensors through the inverse table
+    tiles = titan_tiles(fused, spec, source_of=lambda titan_key: Source(None, key.format(titan_key)))
+    hf_keys = [f"model.layers.{n}.self_attn.{m}_proj.weight" for n in range(spec.layers) for m in "qkv"]
+    back = [compose(OutTensor(k, torch.float32, tuple(state[k].shape), 0, (Piece(Source(None, k), 0, state[k].shape[0]),)),
+                    tiles) for k in hf_keys]
+    with DcpCheckpoint(tmp_path / "dcp", check=False) as reader:
+        run_plan(Plan([OutFile("model.safetensors", "safetensors", tuple(back))]), reader, tmp_path / "hf",
+                 safetensors_sink, ExecOptions(hash=None, max_memory=2**20))
+    from safetensors.torch import load_file
+
+    out = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(out) == sorted(hf_keys) and all(torch.equal(out[k], state[k]) for k in hf_keys)
