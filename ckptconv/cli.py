@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-file-size", type=parse_size, default=DCP_FILE_SIZE,
                    help="per .distcp data file (default 5GB)")
-    p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
-                   help="NxD source: when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
+    p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
+                   help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     _run_flags(p)
 
     p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors or NxD shards (model weights)")

@@ -91,6 +91,8 @@ def to_dcp(
     started = time.monotonic()
     out = Path(out)
     notes: list[str] = []
+    if kv_replicas not in ("error", "first"):
+        raise ConversionError(f"--kv-replicas must be 'error' or 'first' for to-dcp, got {kv_replicas!r}")
     if _is_hf_source(src):
         given = sorted(k for k, v in (hints or {}).items() if v is not None)
         if given:

@@ -474,3 +474,19 @@ def test_fused_qkv_rows_go_into_dcp_and_back_through_the_same_tables(models, tmp
 
     out = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(out) == sorted(hf_keys) and all(torch.equal(out[k], state[k]) for k in hf_keys)
+
+
+def test_to_dcp_from_nxd_checks_kv_replicas(models, tmp_path):
+    """Copies of a K/V head under kv_size_multiplier must agree, as for to-hf; --kv-replicas first takes rank order."""
+    hf = models["gqa"]
+    ckptconv.to_nxd(hf, tmp_path / "nxd", tp=4, attention="qkv_linear", kv_size_multiplier=2, options=QUIET)
+    shard = tmp_path / "nxd" / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt"
+    state = torch.load(shard, weights_only=True)
+    state["model.layers.0.self_attn.qkv_proj.weight_k"] += 1.0
+    torch.save(state, shard)
+    options = RunOptions(quiet=True, check=False)
+    with pytest.raises(ConversionError, match="replicas of model.layers.0.self_attn.k_proj.weight.*differ"):
+        ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp", options=options)
+    ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp2", kv_replicas="first", options=options)
+    with pytest.raises(ConversionError, match="'error' or 'first'"):
+        ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp3", kv_replicas="mean", options=options)
