@@ -52,7 +52,6 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="convert the K-th of N disjoint sets of files (default: from srun/torchrun, else all)")
 
 
-DCP_FILE_SIZE = 5 * 10**9
 DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps its precision)"
 JSON_HELP = "print the result as JSON on stdout"
 
@@ -146,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (a state-dict file, or NxD shards without ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
-    p.add_argument("--max-file-size", type=parse_size, default=DCP_FILE_SIZE,
-                   help="per .distcp data file (default 5GB)")
+    p.add_argument("--max-file-size", type=parse_size, default=10**9,
+                   help="per .distcp data file (default 1GB: several files are written in parallel)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     _run_flags(p)

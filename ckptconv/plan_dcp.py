@@ -37,7 +37,9 @@ from ckptconv.plan import (
 )
 from ckptconv.titan_names import TitanParam, inverse_rows, rope_rows, titan_name, titan_params
 
-DEFAULT_FILE_SIZE = 5 * 10**9
+# Many files rather than few: writers of one file share its inode lock, and a file is hashed only once
+# complete (70B x4 layers: 700MB files 1.63x cp, 5GB files 2.40x, one pair each on a loaded machine).
+DEFAULT_FILE_SIZE = 10**9
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
 
