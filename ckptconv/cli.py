@@ -19,6 +19,7 @@ from ckptconv.finalize import detect_part, finalize, parse_part
 from ckptconv.inspection import inspect
 from ckptconv.layout import Attention
 from ckptconv.metadata import tool_version
+from ckptconv.plan_dcp import DEFAULT_FILE_SIZE
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (a state-dict file, or NxD shards without ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
-    p.add_argument("--max-file-size", type=parse_size, default=10**9,
+    p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_SIZE,
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
