@@ -45,9 +45,8 @@ from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes, stores_lm_head
-from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
-from ckptconv.nxd_source import open_nxd
+from ckptconv.nxd_source import model_spec_of, open_nxd
 from ckptconv.plan import Plan, hf_sources
 from ckptconv.plan_dcp import DEFAULT_FILE_SIZE, hf_dtypes_of, plan_dcp_to_hf, plan_dcp_to_nxd, plan_to_dcp, tied_copies
 from ckptconv.progress import note
@@ -164,16 +163,8 @@ def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "re
     ckpt = DcpCheckpoint(src, io=io, check=check)
     try:
         notes = [f"reading {ckpt.root} ({ckpt.found_as})"]
-        meta = ckpt.metadata
-        if config is not None:
-            spec = ModelSpec.from_file(config)
-        elif meta is not None and meta.hf_config:
-            spec = ModelSpec.from_config(meta.hf_config, source=str(ckpt.root / METADATA_FILE))
-        elif (ckpt.root / HF_FILES_DIR / CONFIG).is_file():
-            spec = ModelSpec.from_file(ckpt.root / HF_FILES_DIR / CONFIG)
-        else:
-            raise ConversionError(f"{ckpt.root}: a TorchTitan checkpoint records no HF config; "
-                                  "pass --config PATH/config.json (the model's HF config)")
+        spec = model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no HF "
+                             "config; pass --config PATH/config.json (the model's HF config)")
         notes += check_titan_keys(ckpt, spec)
     except BaseException:
         ckpt.close()
