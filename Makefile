@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test setup-xla test-xla demo bench bench-train bench-checked lint clean
+.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-train bench-checked bench-dcp lint clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,32 @@ XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py
 test-xla: setup-xla
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
 
+# The TorchTitan lane: torchtitan from PyPI in its own environment, to check our DCP output against the real
+# thing. torch stays the main lane's CPU 2.13.0 (the constraints file keeps torchtitan's and .[dev]'s
+# requirements from moving it); torchtitan imports triton unconditionally, so it is installed too.
+TITAN_VENV    := .venv-titan
+TITAN_BIN     := $(TITAN_VENV)/bin
+TITAN_STAMP   := $(TITAN_VENV)/.installed-stamp
+TITAN_TORCH   := 2.13.0
+TITAN_VERSION := 0.3.0
+
+setup-titan: $(TITAN_STAMP)
+
+$(TITAN_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_BIN)/python -m pip install --quiet --upgrade pip
+	$(TITAN_BIN)/python -m pip install --quiet torch==$(TITAN_TORCH)
+	echo "torch==$(TITAN_TORCH)" > $(TITAN_VENV)/constraints.txt
+	$(TITAN_BIN)/python -m pip install --quiet -c $(TITAN_VENV)/constraints.txt torchtitan==$(TITAN_VERSION) triton
+	$(TITAN_BIN)/python -m pip install --quiet -c $(TITAN_VENV)/constraints.txt -e '.[dev]'
+	$(TITAN_BIN)/python -c "import torch, torchtitan; assert torch.__version__.split('+')[0] == '$(TITAN_TORCH)', torch.__version__"
+	touch $(TITAN_STAMP)
+
+# The main lane collects test_titan.py and skips it (no torchtitan there).
+TITAN_TESTS := tests/test_titan.py
+test-titan: setup-titan
+	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)
+
 demo: setup
 	$(BIN)/python examples/demo.py demo-out
 
@@ -58,6 +84,10 @@ bench-train: setup
 # The cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
 bench-checked: setup
 	$(BIN)/python benchmarks/run.py --checked-reads --repeat 5
+
+# to-dcp (TorchTitan) of the 70B-shaped 4-layer model against cp -r, and from-dcp back (3 runs each; ~5 minutes)
+bench-dcp: setup
+	$(BIN)/python benchmarks/run.py --dcp --repeat 3
 
 lint: setup
 	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples tools

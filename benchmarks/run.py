@@ -10,6 +10,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
 
     python benchmarks/run.py [--quick] [--repeat N]    # --quick: small shapes, for a smoke run
     python benchmarks/run.py --checked-reads [--repeat N] [--layers L]   # to-hf with and without --no-check
+    python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
 """
 
 from __future__ import annotations
@@ -175,6 +176,26 @@ def checked_reads(repeat: int, layers: int) -> None:
     (OUT / "checked-reads.md").write_text(text + "\n")
 
 
+def dcp_rows(hf: Path, label: str, repeat: int) -> list[Row]:
+    """to-dcp of an HF model (TorchTitan's layout: q/k rows permuted), and from-dcp of that back to HF."""
+    dcp, back = OUT / "dcp", OUT / "hf-back-dcp"
+    rows = [convert(f"to-dcp {label}", ["to-dcp", str(hf), str(dcp)], hf, dcp, repeat)]
+    rows.append(convert(f"from-dcp {label} to hf", ["from-dcp", str(dcp), str(back)], dcp, back, repeat))
+    shutil.rmtree(back)
+    shutil.rmtree(dcp)
+    return rows
+
+
+def dcp_only(repeat: int) -> None:
+    started = time.perf_counter()
+    hf = model("hf-70b-4l", "70b", 4)
+    text = table(dcp_rows(hf, "70b x4 layers", repeat), [])
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
+          f"total {time.perf_counter() - started:.0f} s")
+    (OUT / "dcp.md").write_text(text + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models: a smoke run of the harness")
@@ -182,10 +203,14 @@ def main() -> None:
     parser.add_argument("--checked-reads", action="store_true",
                         help="only the cost of checked reads: to-hf of the 70B case with and without --no-check")
     parser.add_argument("--layers", type=int, default=2, help="layers of the 70B model for --checked-reads")
+    parser.add_argument("--dcp", action="store_true", help="only to-dcp / from-dcp of the 70B shapes (4 layers)")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     if args.checked_reads:
         checked_reads(args.repeat, args.layers)
+        return
+    if args.dcp:
+        dcp_only(args.repeat)
         return
     started = time.perf_counter()
     big, small = ("8b", "8b") if args.quick else ("70b", "8b")
@@ -204,6 +229,7 @@ def main() -> None:
     rows.append(convert(f"to-hf {big} from tp {tp_big} pp 2", to_hf_70, nxd70, back70, args.repeat))
     shutil.rmtree(back70)
     shutil.rmtree(nxd70)
+    rows += dcp_rows(l70, f"{big} x{layers} layers", args.repeat)
 
     l8 = model(f"hf-{small}-8l", small, 2 if args.quick else 8)
     nxd8 = OUT / f"nxd-{small}"

@@ -1,7 +1,7 @@
-"""ckptconv: HF Llama (safetensors) <-> NxD tensor x pipeline parallel shards, streaming and verified.
+"""ckptconv: HF Llama (safetensors) <-> NxD tensor x pipeline parallel shards <-> TorchTitan DCP, streaming and verified.
 
 The public API is a handful of verbs; everything the CLI does is one of these calls:
-``to_nxd``, ``to_hf``, ``reshard``, ``inspect`` (imported lazily, so that importing a submodule
+``to_nxd``, ``to_hf``, ``reshard``, ``inspect``, ``to_dcp``, ``from_dcp`` (imported lazily, so that importing a submodule
 such as ``ckptconv.mapping`` stays cheap).
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 from ckptconv.errors import ConversionError, VerificationError
 
 _API = {"RunOptions": "ckptconv.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
-        "reshard": "ckptconv.api", "inspect": "ckptconv.inspection"}
+        "reshard": "ckptconv.api", "inspect": "ckptconv.inspection",
+        "to_dcp": "ckptconv.dcp_convert", "from_dcp": "ckptconv.dcp_convert"}
 
 __all__ = ["ConversionError", "VerificationError", *_API]
 

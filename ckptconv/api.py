@@ -34,7 +34,7 @@ from ckptconv.finalize import (
 )
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
-from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, NxdCheckpoint, sink_factory
+from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes
@@ -111,11 +111,8 @@ def to_nxd(
     options = options or RunOptions()
     started = time.monotonic()
     src = resolve_hf(src, revision=revision, quiet=options.quiet)
-    layout = ParallelLayout(
-        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
-        fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
-        trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
-    )
+    layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
+                           fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
     flavour = choice(Flavour, flavour, "flavour")
     notes: list[str] = []
     out = Path(out)
@@ -143,6 +140,16 @@ def to_nxd(
         _verify_after(src, out, config, verify_layers, result.notes)
     result.seconds = time.monotonic() - started
     return result
+
+
+def target_layout(*, tp: int, pp: int, vpp: int, kv_size_multiplier: int, attention: str | Attention, fuse_qkv: bool,
+                  hw_backend: str | Hardware, trn2_kv_layout: str | Trn2KvLayout) -> ParallelLayout:
+    """The layout an API call names with its keyword arguments (to_nxd's, from_dcp's), values checked."""
+    return ParallelLayout(
+        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
+        fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
+        trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
+    )
 
 
 def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers: int, notes: list[str]) -> None:
@@ -309,7 +316,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
             exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
                                        fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
             files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
-        if isinstance(reader, NxdCheckpoint):  # every input file read from matches its record, before OUT is complete
+        if hasattr(reader, "finish_checks"):  # every input file read from matches its record, before OUT is complete
             reader.finish_checks(workers=options.workers)
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
@@ -322,7 +329,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
 def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
     paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
-    return paths + list(spec.texts) + [rel for _, rel in spec.copies]
+    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies]
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:

@@ -23,7 +23,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.finalize import detect_part, finalize, parse_part
 from ckptconv.layout import Attention
 from ckptconv.metadata import add_version_flag
-from ckptconv.options import DTYPES, RunOptions
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
 
 if TYPE_CHECKING:
     from ckptconv.api import Result
@@ -100,7 +100,7 @@ def _attention(args: argparse.Namespace) -> Attention | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion")
+    parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion, and TorchTitan DCP")
     add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
@@ -145,6 +145,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     _run_flags(p)
 
+    p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
+    p.add_argument("src", help="HF model directory or hub id org/name, a converted NxD dir, a training tag, "
+                               "or a checkpoint root")
+    p.add_argument("out", help="output DCP directory (load it in TorchTitan with checkpoint.initial_load_path=OUT)")
+    _revision_flag(p)
+    p.add_argument("--config", help="HF config.json (a state-dict file, or NxD shards without ckptconv.json)")
+    _layout_flags(p, defaults=False)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_DCP_FILE_SIZE,
+                   help="per .distcp data file (default 1GB: several files are written in parallel)")
+    p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
+                   help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+    _run_flags(p)
+
+    p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors or NxD shards (model weights)")
+    p.add_argument("src", help="a TorchTitan checkpoint: a step-N directory, or its checkpoint folder (newest step)")
+    p.add_argument("out", help="output directory (HF files, or NxD shards under OUT/model/)")
+    p.add_argument("--to", choices=("hf", "nxd"), default="hf", help="what to write (default hf)")
+    p.add_argument("--config", help="the model's HF config.json (TorchTitan checkpoints record none)")
+    _layout_flags(p, defaults=True)
+    p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
+                   help="--to nxd: xser flavour: inline (official --save_xser) or split (NxD training's)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
+                   help="--to hf: per safetensors file (default 5GB)")
+    _run_flags(p)
+
     p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
     p.add_argument("hf_dir", help="the HF model directory, or hub id org/name (see --revision)")
     p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root)")
@@ -172,10 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat"):  # the commands that read NxD shards
+    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
         sub.choices[name].add_argument(
             "--no-check", action="store_true",
-            help="do not check input shards against ckptconv.json (size, digest) and their zip CRC-32s (forensics)")
+            help="do not check input files against ckptconv.json (size, digest) and their zip CRC-32s (forensics)")
     return parser
 
 
@@ -224,6 +251,33 @@ def run(args: argparse.Namespace) -> Any:
             attention=attention, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
+        )
+    if args.command == "to-dcp":
+        hints, options = _hints(args), _options(args)
+        from ckptconv.dcp_convert import to_dcp
+
+        return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
+                      dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
+                      options=options)
+    if args.command == "from-dcp":
+        if args.to == "hf":
+            given = [flag for flag, value, default in (
+                ("--tp", args.tp, 1), ("--pp", args.pp, 1), ("--vpp", args.vpp, 1), ("--xser", args.xser, None),
+                ("--kv-size-multiplier", args.kvm, None), ("--qkv-linear", args.qkv_linear, None),
+                ("--fuse-qkv", args.fuse_qkv, None), ("--coalesce-qkv", args.coalesce_qkv, None),
+                ("--hw-backend", args.hw_backend, None), ("--trn2-kv-layout", args.trn2_kv_layout, None))
+                if value != default]
+            if given:
+                raise ConversionError(f"{given[0]} is a layout flag; pass --to nxd to write NxD shards of that layout")
+        attention, options = _attention(args) or Attention.SEPARATE, _options(args)
+        from ckptconv.dcp_convert import from_dcp
+
+        return from_dcp(
+            args.src, args.out, to=args.to, config=args.config, tp=args.tp, pp=args.pp, vpp=args.vpp,
+            kv_size_multiplier=args.kvm or 1, attention=attention,
+            fuse_qkv=bool(args.fuse_qkv), hw_backend=args.hw_backend or "trn1",
+            trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=_flavour(args.xser), dtype=args.dtype,
+            max_shard_size=args.max_shard_size, options=options,
         )
     if args.command == "verify":
         layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)

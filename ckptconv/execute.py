@@ -28,7 +28,7 @@ from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.options import default_workers
 from ckptconv.outdir import TMP_DIR
-from ckptconv.plan import OutFile, OutTensor, Plan, ReplicaGroup, Source
+from ckptconv.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 
 STATE_FILE = "state.json"
 
@@ -249,10 +249,24 @@ def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
 def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_bytes: int) -> _Unit:
     rows = tensor.shape[0] if tensor.shape else 1
     src_dtype, _, src_cm = reader.info(tensor.pieces[0].source)
+    period = _period(tensor)
     per_row = _row_bytes(tensor.shape, tensor.dtype.itemsize) * 2 + _row_bytes(tensor.shape, src_dtype.itemsize)
+    if period > 1:  # permuted pieces are read into a buffer of their own first
+        per_row += _row_bytes(tensor.shape, src_dtype.itemsize)
     whole = tensor.column_major or src_cm or not tensor.shape
     band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
+    band_rows = max(period, band_rows - band_rows % period)  # bands never cut a permuted period
     return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)
+
+
+def _period(tensor: OutTensor) -> int:
+    """The row period of the tensor's permuted pieces (1: none); one period per tensor."""
+    periods = {len(p.row_perm) for p in tensor.pieces if p.row_perm}
+    if len(periods) > 1:
+        raise AssertionError(f"{tensor.key}: pieces permute rows in periods {sorted(periods)}")
+    if periods and tensor.dim != 0:
+        raise AssertionError(f"{tensor.key}: rows can be permuted only in a tensor split by rows")
+    return periods.pop() if periods else 1
 
 
 def _column_units(
@@ -373,17 +387,32 @@ def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) ->
         if lo < hi:
             shift = lo - offset
             target = band[lo - start:hi - start]
-            rows = (piece.start + shift, piece.start + hi - offset)
-            if piece.alternates:  # --kv-replicas mean: average every copy, in fp32
-                copies = [reader.read_rows(p.source, p.start + shift, p.start + hi - offset).float()
-                          for p in (piece, *piece.alternates)]
-                target.copy_(torch.stack(copies).mean(dim=0))
-            elif reader.info(piece.source)[0] == src_dtype:
-                reader.read_rows(piece.source, *rows, out=target)
+            if piece.row_perm:  # read in source order, then put each period's rows in place
+                period = len(piece.row_perm)
+                if shift % period or (hi - lo) % period:
+                    raise AssertionError(f"{tensor.key}: band rows {lo}..{hi} cut a period of {period}")
+                source_rows = _SCRATCH.get(src_dtype, tuple(target.shape))
+                _read_piece_rows(reader, piece, shift, hi - lo, source_rows, src_dtype)
+                order = torch.tensor(piece.row_perm, dtype=torch.long)
+                grouped = source_rows.view(-1, period, max(1, source_rows[0].numel()))
+                torch.index_select(grouped, 1, order, out=target.view(grouped.shape))
             else:
-                target.copy_(reader.read_rows(piece.source, *rows))
+                _read_piece_rows(reader, piece, shift, hi - lo, target, src_dtype)
         offset += piece.length
     return band
+
+
+def _read_piece_rows(reader: TensorReader, piece: Piece, shift: int, n: int, target: torch.Tensor,
+                     dtype: torch.dtype) -> None:
+    """``n`` rows of ``piece`` from its row ``shift`` (or the fp32 mean of its copies) into ``target``."""
+    if piece.alternates:  # --kv-replicas mean: average every copy, in fp32
+        copies = [reader.read_rows(p.source, p.start + shift, p.start + shift + n).float()
+                  for p in (piece, *piece.alternates)]
+        target.copy_(torch.stack(copies).mean(dim=0))
+    elif reader.info(piece.source)[0] == dtype:
+        reader.read_rows(piece.source, piece.start + shift, piece.start + shift + n, out=target)
+    else:
+        target.copy_(reader.read_rows(piece.source, piece.start + shift, piece.start + shift + n))
 
 
 def _column_band(
@@ -415,9 +444,7 @@ def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: st
     if policy != "error":
         return  # the plan keeps the first copy, or averages them
     for group in groups:
-        first = _read_piece(reader, group.copies[0], group.dim)
-        for copy in group.copies[1:]:
-            other = _read_piece(reader, copy, group.dim)
+        for first, other, copy in replica_bands(reader, group):
             if not torch.equal(first, other):
                 diff = (first.float() - other.float()).abs().max().item()
                 raise VerificationError(
@@ -426,6 +453,26 @@ def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: st
                     f"{group.copies[0].source.key}, max abs difference {diff:.3g}; "
                     f"pass --kv-replicas first or mean to export the first copy or their mean"
                 )
+
+
+REPLICA_BAND_BYTES = 64 << 20  # replicas are compared band by band: a tied 128k-row embedding is GBs
+
+
+def replica_bands(reader: TensorReader, group: ReplicaGroup):  # type: ignore[no-untyped-def]
+    """(first copy, other copy, that copy's piece) band by band (whole pieces when split by columns)."""
+    first_piece = group.copies[0]
+    if group.dim != 0:
+        first = _read_piece(reader, first_piece, group.dim)
+        for copy in group.copies[1:]:
+            yield first, _read_piece(reader, copy, group.dim), copy
+        return
+    dtype, shape, _ = reader.info(first_piece.source)
+    rows = max(1, REPLICA_BAND_BYTES // max(1, _row_bytes(shape, dtype.itemsize)))
+    for lo in range(0, first_piece.length, rows):
+        hi = min(lo + rows, first_piece.length)
+        first = reader.read_rows(first_piece.source, first_piece.start + lo, first_piece.start + hi)
+        for copy in group.copies[1:]:
+            yield first, reader.read_rows(copy.source, copy.start + lo, copy.start + hi), copy
 
 
 def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

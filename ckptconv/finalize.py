@@ -9,6 +9,7 @@ or ``ckptconv finalize OUT``, does that, so N processes produce exactly the file
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from ckptconv.digest import DEFAULT, FileRecord
 from ckptconv.errors import ConversionError
 from ckptconv.launcher import detect_launch
 from ckptconv.metadata import Metadata, write_metadata
-from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_text
+from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
 
 if TYPE_CHECKING:
     from ckptconv.plan import Plan
@@ -68,6 +69,7 @@ class FinalizeSpec:
     hash: str | None = DEFAULT  # digest algorithm; None: sizes only
     metadata: dict[str, Any] | None = None        # Metadata fields except files; None: no ckptconv.json
     texts: dict[str, str] = field(default_factory=dict)         # relative path -> content
+    blobs: dict[str, str] = field(default_factory=dict)         # relative path -> base64 of binary content
     copies: list[tuple[str, str]] = field(default_factory=list)  # (absolute source, relative target)
 
 
@@ -148,9 +150,11 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
         files.update({rel: FileRecord.from_json(rec) for rel, rec in part.items()})
     for rel, text in spec.texts.items():
         write_text(ensure_dir(out, str(Path(rel).parent)) / Path(rel).name, text)
+    for rel, blob in spec.blobs.items():
+        write_bytes(ensure_dir(out, str(Path(rel).parent)) / Path(rel).name, base64.b64decode(blob))
     for source, rel in spec.copies:
         copy_file(Path(source), ensure_dir(out, str(Path(rel).parent)) / Path(rel).name)
-    for rel in [*spec.texts, *(rel for _, rel in spec.copies)]:
+    for rel in [*spec.texts, *spec.blobs, *(rel for _, rel in spec.copies)]:
         files[rel] = FileRecord.of(out / rel, spec.hash)
     if spec.metadata is not None:
         meta = Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})

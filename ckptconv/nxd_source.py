@@ -23,6 +23,18 @@ from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 
 
+def model_spec_of(root: Path, meta: Any, config: str | Path | None, *, missing: str) -> ModelSpec:
+    """The model of a checkpoint directory we read: ``--config`` if given, else the HF config its
+    ``ckptconv.json`` records, else its ``hf/config.json``; else an error ``ROOT: <missing>``."""
+    if config is not None:
+        return ModelSpec.from_file(config)
+    if meta is not None and meta.hf_config:
+        return ModelSpec.from_config(meta.hf_config, source=str(root / METADATA_FILE))
+    if (root / HF_FILES_DIR / CONFIG).is_file():
+        return ModelSpec.from_file(root / HF_FILES_DIR / CONFIG)
+    raise ConversionError(f"{root}: {missing}")
+
+
 def open_nxd(
     src: str | Path,
     *,
@@ -43,14 +55,8 @@ def open_nxd(
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
     meta = ckpt.metadata
     hints = {k: v for k, v in (hints or {}).items() if v is not None}
-    if config is not None:
-        spec = ModelSpec.from_file(config)
-    elif meta is not None and meta.hf_config:
-        spec = ModelSpec.from_config(meta.hf_config, source=str(ckpt.root / METADATA_FILE))
-    elif (ckpt.root / HF_FILES_DIR / CONFIG).is_file():
-        spec = ModelSpec.from_file(ckpt.root / HF_FILES_DIR / CONFIG)
-    else:
-        raise ConversionError(f"{ckpt.root}: no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
+    spec = model_spec_of(ckpt.root, meta, config,
+                         missing=f"no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
     spec.check_counts((k for f in sorted(ckpt.files) for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
     if meta is not None and meta.layout is not None:
         layout = ParallelLayout.from_json({**meta.layout, **hints})

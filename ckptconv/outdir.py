@@ -42,6 +42,7 @@ from ckptconv.io.atomic import (  # noqa: F401
     disk_full,
     ensure_dir,
     place,
+    write_bytes,
     write_text,
 )
 from ckptconv.io.atomic import remove_path as _remove

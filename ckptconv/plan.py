@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -37,12 +37,17 @@ class Source:
 
 @dataclass(frozen=True)
 class Piece:
-    """``source[start:stop]`` along the record's dim; with ``alternates``, the mean of all copies."""
+    """``source[start:stop]`` along the record's dim; with ``alternates``, the mean of all copies.
+
+    ``row_perm`` (rows only): the rows are taken in periods of ``len(row_perm)``, output row ``i``
+    of each period being source row ``row_perm[i]`` of it (TorchTitan's RoPE order of a head).
+    """
 
     source: Source
     start: int
     stop: int
     alternates: tuple[Piece, ...] = ()
+    row_perm: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:
@@ -253,21 +258,24 @@ def plan_to_hf(
     _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     if average_replicas:
         tensors = [_with_alternates(t, replicas) for t in tensors]
-    groups = _group_by_size(tensors, max_shard_size)
-    files = []
+    return Plan(hf_files(tensors, max_shard_size), replicas)
+
+
+def hf_files(tensors: Iterable[OutTensor], max_shard_size: int) -> list[OutFile]:
+    """HF's safetensors files for ``tensors`` in order: one ``model.safetensors``, or
+    ``model-0000K-of-0000N.safetensors`` files of at most ``max_shard_size`` bytes."""
+    groups = group_by_size(tensors, max_shard_size)
     if len(groups) == 1:
-        files.append(OutFile("model.safetensors", "safetensors", tuple(groups[0])))
-    else:
-        for i, group in enumerate(groups, start=1):
-            files.append(OutFile(f"model-{i:05d}-of-{len(groups):05d}.safetensors", "safetensors", tuple(group)))
-    return Plan(files, replicas)
+        return [OutFile("model.safetensors", "safetensors", tuple(groups[0]))]
+    return [OutFile(f"model-{i:05d}-of-{len(groups):05d}.safetensors", "safetensors", tuple(group))
+            for i, group in enumerate(groups, start=1)]
 
 
 def _with_alternates(tensor: OutTensor, replicas: list[ReplicaGroup]) -> OutTensor:
     copies = {g.copies[0]: g.copies[1:] for g in replicas if g.hf_key == tensor.key}
     if not copies:
         return tensor
-    pieces = tuple(Piece(p.source, p.start, p.stop, copies.get(p, ())) for p in tensor.pieces)
+    pieces = tuple(Piece(p.source, p.start, p.stop, copies.get(p, ()), p.row_perm) for p in tensor.pieces)
     return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, pieces, tensor.column_major)
 
 
@@ -328,7 +336,7 @@ def _hf_tensors(
     return out
 
 
-def _group_by_size(tensors: Iterable[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+def group_by_size(tensors: Iterable[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     """Fill files in order, starting a new one when the next tensor would pass ``max_bytes``."""
     groups: list[list[OutTensor]] = [[]]
     size = 0
@@ -362,24 +370,41 @@ def plan_reshard(
     hf_dtypes = {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
     target = plan_to_nxd(spec, new, hf_dtypes, dtype_policy)
     files = [
-        OutFile(f.path, f.format, tuple(_compose(t, tiles) for t in f.tensors))
+        OutFile(f.path, f.format, tuple(compose(t, tiles) for t in f.tensors))
         for f in target.files
     ]
     return Plan(files, replicas)
 
 
-def _compose(tensor: OutTensor, tiles: dict[str, tuple[int, tuple[Piece, ...]]]) -> OutTensor:
+def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece, ...]]]) -> OutTensor:
+    """``tensor`` read from where its HF sources lie (``tiles``: see :func:`hf_sources` for shards,
+    :func:`ckptconv.plan_dcp.titan_tiles` for TorchTitan tensors).
+
+    A tile of dim ``None`` is the whole HF tensor under another name: any range of it, along any dim,
+    is the same range there. Rows permuted in periods (``row_perm``, on the piece or on the tile) are
+    kept; a period never straddles two pieces (they are whole heads).
+    """
     pieces: list[Piece] = []
     for piece in tensor.pieces:
         dim, old_pieces = tiles[piece.source.key]
+        if dim is None:
+            (whole,) = old_pieces
+            pieces.append(Piece(whole.source, piece.start, piece.stop, row_perm=piece.row_perm))
+            continue
         if dim != tensor.dim:
             raise AssertionError(f"{tensor.key}: split along dim {tensor.dim} but stored along {dim}")
         hf_cursor = 0
         for old in old_pieces:
             lo, hi = max(piece.start, hf_cursor), min(piece.stop, hf_cursor + old.length)
             if lo < hi:
+                if piece.row_perm and old.row_perm:
+                    raise AssertionError(f"{tensor.key}: rows of {piece.source.key} permuted twice")
+                perm, origin = (piece.row_perm, piece.start) if piece.row_perm else (old.row_perm, hf_cursor)
+                period = len(perm) or 1
+                if (lo - origin) % period or (hi - lo) % period:
+                    raise AssertionError(f"{tensor.key}: rows {lo}..{hi} of {piece.source.key} cut a period of {period}")
                 shift = old.start - hf_cursor
-                pieces.append(Piece(old.source, lo + shift, hi + shift))
+                pieces.append(Piece(old.source, lo + shift, hi + shift, row_perm=perm))
             hf_cursor += old.length
     return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, _merge(pieces), tensor.column_major)
 
@@ -387,8 +412,9 @@ def _compose(tensor: OutTensor, tiles: dict[str, tuple[int, tuple[Piece, ...]]])
 def _merge(pieces: list[Piece]) -> tuple[Piece, ...]:
     out: list[Piece] = []
     for p in pieces:
-        if out and out[-1].source == p.source and out[-1].stop == p.start:
-            out[-1] = Piece(p.source, out[-1].start, p.stop)
+        last = out[-1] if out else None
+        if last is not None and last.source == p.source and last.stop == p.start and last.row_perm == p.row_perm:
+            out[-1] = Piece(p.source, last.start, p.stop, row_perm=p.row_perm)
         else:
             out.append(p)
     return tuple(out)

@@ -99,7 +99,11 @@ def atomic_target(path: Path, *, needed: int | None = None) -> Iterator[Path]:
 
 def write_text(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` atomically (new file, no links followed)."""
-    data = text.encode()
+    return write_bytes(path, text.encode())
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (new file, no links followed)."""
     with atomic_target(path, needed=len(data)) as partial:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as f:

@@ -95,6 +95,38 @@ class PositionalFile:
             self.fd = -1
 
 
+class FileWindow:
+    """Bytes ``[offset, offset + size)`` of an open :class:`PositionalFile`, read as a file of their own
+    (one torch.save blob among several in a DCP ``.distcp``). Reads go through the base file, so its
+    check sees them at their real offsets; closing a window leaves the base open.
+    """
+
+    def __init__(self, base: PositionalFile, offset: int, size: int, name: str) -> None:
+        if offset < 0 or size < 0 or offset + size > base.size:
+            raise ValueError(f"{name}: bytes [{offset}, {offset + size}) lie outside {base.path} ({base.size} bytes)")
+        self.base, self.offset, self.size, self.path = base, offset, size, name
+        self.check = None  # the base file's check sees every read
+
+    def _bounds(self, offset: int, n: int) -> None:
+        if offset < 0 or offset + n > self.size:
+            raise ValueError(f"{self.path}: read [{offset}, {offset + n}) past its end ({self.size} bytes)")
+
+    def read_into(self, offset: int, dst: memoryview) -> None:
+        self._bounds(offset, len(dst))
+        self.base.read_into(self.offset + offset, dst)
+
+    def copy_into(self, offset: int, dst: memoryview) -> None:
+        self._bounds(offset, len(dst))
+        self.base.copy_into(self.offset + offset, dst)
+
+    def read(self, offset: int, n: int) -> bytes:
+        self._bounds(offset, n)
+        return self.base.read(self.offset + offset, n)
+
+    def close(self) -> None:
+        pass
+
+
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """Write all of ``data`` at ``offset`` (a single pwrite may be short)."""
     while len(data):

@@ -25,12 +25,15 @@ import torch
 from ckptconv.errors import UnsafeCheckpointError
 
 __all__ = [
+    "DcpRecord",
     "PickledTensor",
     "StorageRef",
     "TensorReference",
     "UnsafeCheckpointError",
     "is_torch_zip",
+    "load_dcp_metadata",
     "load_small",
+    "load_small_bytes",
     "unpickle_restricted",
 ]
 
@@ -223,6 +226,126 @@ def unpickle_restricted(data: bytes, filename: str = "<bytes>") -> Any:
         raise
     except Exception as e:  # corrupt or hostile data: one error type, naming the file
         raise ValueError(f"{filename}: cannot unpickle: {type(e).__name__}: {e}") from e
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint's ``.metadata``: a plain pickle of its dataclasses
+
+
+class DcpRecord:
+    """One object of a DCP ``.metadata`` pickle as plain attributes; ``kind`` is its class's name.
+
+    Stands in for torch's own classes, so that reading a ``.metadata`` runs nothing of theirs.
+    """
+
+    kind = ""
+    _TUPLE_FIELDS: dict[str, tuple[str, ...]] = {
+        # TensorProperties pickles as a tuple (its __getstate__)
+        "TensorProperties": ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
+    }
+
+    def __setstate__(self, state: Any) -> None:
+        names = self._TUPLE_FIELDS.get(self.kind)
+        if isinstance(state, tuple) and names is not None and len(state) == len(names):
+            state = dict(zip(names, state, strict=True))
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise ValueError(f"{self.kind}: unexpected pickled state {type(state).__name__}")
+        self.__dict__.update(state)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the pickle did not set
+        raise AttributeError(f"{self.kind} has no field {name!r}")
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.__dict__!r})"
+
+
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_CLASSES = {
+    (module, name): type(name, (DcpRecord,), {"kind": name})
+    for module, names in (
+        (_DCP_METADATA_MODULE, ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                "TensorProperties", "StorageMeta", "MetadataIndex")),
+        ("torch.distributed.checkpoint.filesystem", ("_StorageInfo",)),
+    )
+    for name in names
+}
+
+
+def _dcp_layout(name: Any) -> str:
+    if name != "torch.strided":
+        raise ValueError(f"tensor layout {name!r} is not supported (only torch.strided)")
+    return "strided"
+
+
+def _dcp_memory_format(code: Any) -> int:
+    if type(code) is not int:
+        raise ValueError(f"memory format code must be an int, got {code!r}")
+    return code
+
+
+def _dcp_path(*parts: Any) -> str:
+    """``pathlib.PosixPath`` of the checkpoint id it was saved to: kept as text, never used."""
+    if not all(isinstance(p, str) for p in parts):
+        raise ValueError(f"path parts must be strings, got {parts!r}")
+    return "/".join(parts)
+
+
+def _dcp_global(module: str, name: str) -> object | None:
+    if (module, name) in _DCP_CLASSES:
+        return _DCP_CLASSES[(module, name)]
+    if module == _DCP_METADATA_MODULE and name == "_MEM_FORMAT_ENCODING":
+        return _dcp_memory_format
+    if module == "torch.serialization" and name == "_get_layout":
+        return _dcp_layout
+    if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "Path"):
+        return _dcp_path
+    if module == "torch" and (name == "Size" or name in _DTYPES):
+        return _allowed_global(module, name)
+    if module == "collections" and name == "OrderedDict":
+        return OrderedDict
+    return None
+
+
+class _DcpUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, filename: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._filename = filename
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = _dcp_global(module, name)
+        if obj is None:
+            raise UnsafeCheckpointError(
+                f"{self._filename}: refusing to unpickle global {module}.{name} (not in the DCP metadata allowlist)"
+            )
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self._filename}: unexpected persistent id {pid!r} in DCP metadata")
+
+
+def load_dcp_metadata(data: bytes, filename: str = "<bytes>") -> Any:
+    """Unpickle a DCP ``.metadata`` file: its objects come back as :class:`DcpRecord`s, dtypes as
+    ``torch.dtype``, sizes as ``torch.Size``; nothing else may be named.
+
+    >>> load_dcp_metadata(open("ckpt/.metadata", "rb").read()).kind   # doctest: +SKIP
+    'Metadata'
+    """
+    try:
+        return _DcpUnpickler(data, filename).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # corrupt or hostile data: one error type, naming the file
+        raise ValueError(f"{filename}: not a DCP metadata file ({type(e).__name__}: {e})") from e
+
+
+def load_small_bytes(data: bytes, filename: str) -> Any:
+    """``torch.load(weights_only=True)`` of an in-memory torch.save blob (a DCP bytes item)."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(f"{filename}: refusing to unpickle: {_torch_reason(exc)}") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise ValueError(f"{filename}: not a readable torch blob ({_torch_reason(exc)})") from None
 
 
 _safe_globals_added = False

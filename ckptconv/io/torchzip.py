@@ -291,9 +291,10 @@ def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, d
     return _pwrite_view(fd, layout, "<fd>", key, offset_in_record, _byte_view(data))
 
 
-def _pwrite_view(fd: int, layout: ZipLayout, path: str, key: str, offset_in_record: int, view: memoryview) -> int:
+def _pwrite_view(fd: int, layout: ZipLayout, path: str, key: str, offset_in_record: int, view: memoryview,
+                 base: int = 0) -> int:
     _check_extent(layout, path, key, offset_in_record, len(view))
-    pwrite_all(fd, view, layout.data_offset[key] + offset_in_record)
+    pwrite_all(fd, view, base + layout.data_offset[key] + offset_in_record)
     return crc32(view)
 
 
@@ -328,21 +329,26 @@ class TorchZipWriter:
     ...     w.write_tensor("w", t)
     """
 
-    def __init__(self, path: str | os.PathLike[str], layout: ZipLayout) -> None:
-        self.path, self.layout = os.fspath(path), layout
+    def __init__(self, path: str | os.PathLike[str], layout: ZipLayout, *, fd: int | None = None,
+                 base: int = 0) -> None:
+        """With ``fd``, write the zip at offset ``base`` of a file someone else opened, sized and
+        closes (several torch.save blobs in one file, as DCP's ``.distcp`` holds them)."""
+        self.path, self.layout, self.base = os.fspath(path), layout, base
         self._extents: dict[str, list[tuple[int, int, int]]] = {k: [] for k in layout.keys}
         self._lock = threading.Lock()
         self._finished = False
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+        self._owns_fd = fd is None
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666) if fd is None else fd
         try:
-            os.ftruncate(self._fd, layout.file_size)  # sparse preallocation to the exact size
+            if self._owns_fd:
+                os.ftruncate(self._fd, layout.file_size)  # sparse preallocation to the exact size
             for rec in layout.records:
-                pwrite_all(self._fd, memoryview(rec.header), rec.header_offset)
+                pwrite_all(self._fd, memoryview(rec.header), base + rec.header_offset)
                 if rec.name in layout.small:
                     data = layout.small[rec.name]
-                    pwrite_all(self._fd, memoryview(data + _descriptor(rec, crc32(data))), rec.data_offset)
+                    pwrite_all(self._fd, memoryview(data + _descriptor(rec, crc32(data))), base + rec.data_offset)
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def __enter__(self) -> TorchZipWriter:
@@ -356,10 +362,10 @@ class TorchZipWriter:
             self.close()
 
     def close(self) -> None:
-        """Release the file without finishing it (finish() closes too)."""
-        if self._fd >= 0:
+        """Release the file without finishing it (finish() closes too); a borrowed fd stays open."""
+        if self._fd >= 0 and self._owns_fd:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
 
     def write_extent(self, key: str, offset_in_record: int, data: Any) -> int:
         """pwrite ``data`` at ``offset_in_record`` of ``key``'s record; returns and records its CRC.
@@ -367,7 +373,7 @@ class TorchZipWriter:
         >>> w.write_extent("w", 0, t[:2].contiguous())  # doctest: +SKIP
         """
         view = _byte_view(data)
-        crc = _pwrite_view(self._fd, self.layout, self.path, key, offset_in_record, view)
+        crc = _pwrite_view(self._fd, self.layout, self.path, key, offset_in_record, view, self.base)
         self._record_extent(key, offset_in_record, len(view), crc)
         return crc
 
@@ -420,13 +426,14 @@ class TorchZipWriter:
         sid_rec = lay.records[-1]
         sid = f"{lay.name_hash:020d}{combined:020d}".encode()
         crcs[sid_rec.name] = crc32(sid)
-        pwrite_all(self._fd, memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), sid_rec.data_offset)
+        base = self.base
+        pwrite_all(self._fd, memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), base + sid_rec.data_offset)
         for key in lay.keys:
             rec = lay.record_for(key)
-            pwrite_all(self._fd, memoryview(_descriptor(rec, crcs[rec.name])), rec.descriptor_offset)
+            pwrite_all(self._fd, memoryview(_descriptor(rec, crcs[rec.name])), base + rec.descriptor_offset)
         cd = b"".join(_central_entry(r, crcs[r.name]) for r in lay.records)
         tail = cd + _end_records(len(lay.records), lay.central_dir_offset, len(cd))
-        pwrite_all(self._fd, memoryview(tail), lay.central_dir_offset)
+        pwrite_all(self._fd, memoryview(tail), base + lay.central_dir_offset)
         self._finished = True
         self.close()
 

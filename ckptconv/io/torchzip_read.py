@@ -17,7 +17,7 @@ import torch
 
 from ckptconv.io.checked import CheckedFiles, ZipCrc, crc_error
 from ckptconv.io.crc import crc32
-from ckptconv.io.positional import PositionalFile
+from ckptconv.io.positional import FileWindow, PositionalFile
 from ckptconv.io.safe_load import PickledTensor, unpickle_restricted
 
 __all__ = ["StoredTensor", "TorchZipReader"]
@@ -83,7 +83,7 @@ def _zip64_values(extra: bytes) -> list[int]:
     return []
 
 
-def _central_directory(src: PositionalFile) -> dict[str, _ZipEntry]:
+def _central_directory(src: PositionalFile | FileWindow) -> dict[str, _ZipEntry]:
     tail_start = max(0, src.size - 22 - 0xFFFF)
     tail = src.read(tail_start, src.size - tail_start)
     eocd = _find_end_record(tail, src.path)
@@ -127,15 +127,19 @@ class TorchZipReader:
     ...     w = r.read("w"); top = r.read_rows("w", 0, 2)
     """
 
-    def __init__(self, path: str | os.PathLike[str], io: str = "mmap", checks: CheckedFiles | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], io: str = "mmap", checks: CheckedFiles | None = None, *,
+                 source: PositionalFile | FileWindow | None = None) -> None:
+        """``source``: read the zip from this (a window of a larger file: one item of a DCP ``.distcp``)
+        instead of opening ``path``; its owner checks the bytes (see :meth:`zip_records`)."""
         self.path = os.fspath(path)
-        self._src = PositionalFile(self.path, io)
+        self._src = PositionalFile(self.path, io) if source is None else source
+        self._crc_now = checks is not None and checks.enabled  # data.pkl is parsed at once: check it at once
         try:
-            self._src.check = None if checks is None else checks.open(Path(self.path), self._src.copy_into)
+            if source is None:
+                self._src.check = None if checks is None else checks.open(Path(self.path), self._src.copy_into)
             self._zip = _central_directory(self._src)
-            if self._src.check is not None:
-                self._src.check.set_zip_records([ZipCrc(e.name, self._data_offset(e), e.compressed_size, e.crc)
-                                                 for e in self._zip.values() if e.method == 0])
+            if self._src.check is not None and source is None:
+                self._src.check.set_zip_records(self.zip_records())
             first = min(self._zip.values(), key=lambda e: e.header_offset, default=None)
             if first is None or not (first.name == "data.pkl" or first.name.endswith("/data.pkl")):
                 raise ValueError(f"{self.path}: not a torch zip file (first record is not <archive>/data.pkl)")
@@ -151,6 +155,11 @@ class TorchZipReader:
             raise
 
     # -- structure -------------------------------------------------------------------------
+    def zip_records(self) -> list[ZipCrc]:
+        """Every stored record's data extent (offsets in the source) and its recorded CRC-32."""
+        return [ZipCrc(e.name, self._data_offset(e), e.compressed_size, e.crc)
+                for e in self._zip.values() if e.method == 0]
+
     def _data_offset(self, entry: _ZipEntry) -> int:
         head = self._src.read(entry.header_offset, 30)
         if head[:4] != b"PK\x03\x04":
@@ -163,7 +172,7 @@ class TorchZipReader:
             raise ValueError(f"{self.path}: record {entry.name} is compressed (method {entry.method}); "
                              "expected stored records")
         data = self._src.read(self._data_offset(entry), entry.size)
-        if self._src.check is not None and crc32(data) != entry.crc:  # data.pkl is parsed now: check it now
+        if self._crc_now and crc32(data) != entry.crc:
             raise crc_error(self.path, entry.name, crc32(data), entry.crc)
         return data
 

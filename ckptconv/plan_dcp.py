@@ -1,0 +1,165 @@
+"""Plans into and out of TorchTitan's DCP layout: the rule table of :mod:`ckptconv.titan_names` as plans.
+
+Into DCP, every TorchTitan tensor is a list of HF row ranges (q/k rows permuted head by head); from
+NxD shards the same plan is composed with where those HF ranges lie in the shards. Out of DCP, the
+HF (or NxD) plan reads each HF range from its TorchTitan tensor with the inverse permutation. Nothing
+here assumes a weight: ``key_of`` and ``source_of`` route any per-parameter tensor (an AdamW moment
+keyed ``optimizer.state.<param>.exp_avg``, say) through the same rules.
+
+    >>> plan = plan_to_dcp(spec, hf_dtypes)                       # doctest: +SKIP
+    >>> [t.key for t in plan.files[0].tensors][:2]                # doctest: +SKIP
+    ['tok_embeddings.weight', 'layers.0.attention.qkv_linear.wq.weight']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from ckptconv.io.dcp import distcp_name
+from ckptconv.layout import ParallelLayout
+from ckptconv.mapping import EMBED, hf_shapes
+from ckptconv.model_spec import ModelSpec
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
+from ckptconv.plan import (
+    DtypePolicy,
+    OutFile,
+    OutTensor,
+    Piece,
+    Plan,
+    ReplicaGroup,
+    Source,
+    compose,
+    group_by_size,
+    hf_files,
+    keep_dtype,
+    plan_to_nxd,
+)
+from ckptconv.titan_names import TitanParam, inverse_rows, rope_rows, titan_name, titan_params
+
+Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
+
+
+def titan_tensor(param: TitanParam, spec: ModelSpec, dtype: torch.dtype, *, key: str | None = None,
+                 source_of: Callable[[str], Source] = lambda hf_key: Source(None, hf_key)) -> OutTensor:
+    """One TorchTitan tensor (under ``key``, default its parameter name) from HF-keyed sources."""
+    perm = rope_rows(spec.head_dim)
+    pieces = tuple(Piece(source_of(p.hf_key), p.start, p.stop, row_perm=perm if p.rope else ()) for p in param.pieces)
+    return OutTensor(key or param.key, dtype, param.shape, 0, pieces)
+
+
+def plan_to_dcp(
+    spec: ModelSpec,
+    source_dtypes: dict[str, torch.dtype],
+    *,
+    dtype_policy: DtypePolicy = keep_dtype,
+    max_file_size: int = DEFAULT_FILE_SIZE,
+    tiles: Tiles | None = None,
+    replicas: list[ReplicaGroup] | None = None,
+) -> Plan:
+    """TorchTitan's model keys in ``.distcp`` files of at most ``max_file_size`` bytes.
+
+    ``source_dtypes`` is keyed by HF name; with ``tiles`` (:func:`ckptconv.plan.hf_sources` of NxD
+    shards) each HF range is read from the shards holding it, and ``replicas`` are checked.
+    """
+    tensors = []
+    for param in titan_params(spec):
+        dtype = dtype_policy(param.key, source_dtypes[param.pieces[0].hf_key])
+        tensor = titan_tensor(param, spec, dtype)
+        tensors.append(tensor if tiles is None else _from_shards(tensor, tiles))
+    files = [OutFile(distcp_name(i), "dcp", tuple(group)) for i, group in enumerate(group_by_size(tensors, max_file_size))]
+    return Plan(files, list(replicas or []))
+
+
+def _from_shards(tensor: OutTensor, tiles: Tiles) -> OutTensor:
+    """``tensor`` read from NxD shards; a whole tensor the shards split by columns is read by columns."""
+    dims = {tiles[p.source.key][0] for p in tensor.pieces}
+    if dims == {1}:
+        (piece,) = tensor.pieces
+        if piece.row_perm or (piece.start, piece.stop) != (0, tensor.shape[0]):
+            raise AssertionError(f"{tensor.key}: only whole, unpermuted tensors are read by columns")
+        whole = Piece(piece.source, 0, tensor.shape[1])
+        tensor = OutTensor(tensor.key, tensor.dtype, tensor.shape, 1, (whole,), tensor.column_major)
+    return compose(tensor, tiles)
+
+
+def hf_dtypes_of(tiles: Tiles, shard_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """dtype of each HF key as the shards store it."""
+    return {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Out of DCP
+
+
+def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
+                source_of: Callable[[str], Source] = lambda key: Source(None, key)) -> Tiles:
+    """Where each HF row range lies in TorchTitan tensors (the rule table read backwards), in the form
+    :func:`ckptconv.plan.hf_sources` gives for shards, so any HF-keyed plan composes with it.
+
+    ``source_of(titan_key)`` names the tensor to read (a moment's key, say). A whole, unpermuted tensor
+    is a tile of dim ``None`` (any range, along any dim); a range held twice (a tied ``lm_head``) is
+    read from its first holder.
+    """
+    inverse = inverse_rows(rope_rows(spec.head_dim))
+    ranges: dict[str, list[tuple[int, Piece]]] = {}
+    whole: dict[str, Piece] = {}
+    for param in params:
+        offset = 0
+        for p in param.pieces:
+            length = p.stop - p.start
+            if not p.rope and len(param.pieces) == 1 and (p.start, p.stop) == (0, param.shape[0]):
+                whole.setdefault(p.hf_key, Piece(source_of(param.key), 0, length))
+            elif all(start != p.start for start, _ in ranges.get(p.hf_key, [])):
+                piece = Piece(source_of(param.key), offset, offset + length, row_perm=inverse if p.rope else ())
+                ranges.setdefault(p.hf_key, []).append((p.start, piece))
+            offset += length
+    tiles: dict[str, tuple[int | None, tuple[Piece, ...]]] = {key: (None, (p,)) for key, p in whole.items()}
+    for key, found in ranges.items():
+        tiles[key] = (0, tuple(piece for _, piece in sorted(found, key=lambda f: f[0])))
+    return tiles
+
+
+def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """dtype of each HF key (no ``lm_head`` when tied) as the TorchTitan tensor it comes from stores it."""
+    return {key: dcp_dtypes[titan_name(key)] for key in hf_shapes(spec, with_inv_freq=False)}
+
+
+def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
+    """A tied model's TorchTitan checkpoint holds the embedding twice (one tensor under two names)."""
+    if not spec.tied:
+        return None
+    copies = (Piece(Source(None, "tok_embeddings.weight"), 0, spec.vocab), Piece(Source(None, "lm_head.weight"), 0, spec.vocab))
+    return ReplicaGroup(EMBED, 0, 0, spec.vocab, copies)
+
+
+def _read_from_dcp(plan: Plan, spec: ModelSpec) -> Plan:
+    """A plan over HF-keyed sources, reading each range from its TorchTitan tensor instead."""
+    tiles = titan_tiles(titan_params(spec), spec)
+    files = [OutFile(f.path, f.format, tuple(compose(t, tiles) for t in f.tensors)) for f in plan.files]
+    return Plan(files, plan.replicas)
+
+
+def plan_dcp_to_hf(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype], *, max_shard_size: int = 5 * 10**9,
+                   dtype_policy: DtypePolicy = keep_dtype) -> Plan:
+    """HF safetensors files from TorchTitan's model keys."""
+    dtypes = hf_dtypes_from_dcp(spec, dcp_dtypes)
+    hf_plan = _whole_hf_plan(spec, dtypes, max_shard_size, dtype_policy)
+    return _read_from_dcp(hf_plan, spec)
+
+
+def _whole_hf_plan(spec: ModelSpec, dtypes: dict[str, torch.dtype], max_shard_size: int,
+                   dtype_policy: DtypePolicy) -> Plan:
+    """The HF files, each tensor one whole HF-keyed piece (the rows are then remapped)."""
+    shapes = hf_shapes(spec, with_inv_freq=False)
+    tensors = [OutTensor(key, dtype_policy(key, dtypes[key]), shape, 0, (Piece(Source(None, key), 0, shape[0]),))
+               for key, shape in shapes.items()]
+    return Plan(hf_files(tensors, max_shard_size))
+
+
+def plan_dcp_to_nxd(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[str, torch.dtype], *,
+                    dtype_policy: DtypePolicy = keep_dtype) -> Plan:
+    """NxD shards of ``layout`` from TorchTitan's model keys (the to-nxd plan, read from DCP)."""
+    plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
+    return _read_from_dcp(plan, spec)

@@ -1,0 +1,227 @@
+"""TorchTitan's llama3 names and row order, as one rule table keyed by the HF names (with its inverse).
+
+TorchTitan (pinned: :data:`TITAN_VERSION`) saves a Llama model under its own parameter names, and
+its complex RoPE rotates interleaved row pairs ``(2i, 2i+1)`` of each q/k head where HF rotates
+``(i, i + head_dim/2)``: so q and k rows are permuted head by head (the inverse of the permutation
+in HF's conversion script). Nothing here is specific to weights: a rule maps *any* per-parameter
+tensor whose rows are the parameter's rows (an AdamW moment, an fp32 master) the same way.
+
+    >>> titan_name("model.layers.3.mlp.down_proj.weight")
+    'layers.3.feed_forward.w2.weight'
+    >>> hf_name("layers.3.attention.qkv_linear.wq.weight")
+    'model.layers.3.self_attn.q_proj.weight'
+    >>> rope_rows(4)   # titan row i of a head is HF row rope_rows(hd)[i] of that head
+    (0, 2, 1, 3)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from functools import cache
+
+from ckptconv.errors import ConversionError
+from ckptconv.mapping import EMBED, LM_HEAD, hf_shapes
+from ckptconv.model_spec import ModelSpec
+
+TITAN_VERSION = "0.3.0"
+TITAN_MODEL = "llama3"
+
+# DCP top-level key families of a TorchTitan checkpoint besides the model's own (flat) keys:
+# ``optimizer.state.<param>.{step,exp_avg,exp_avg_sq}``, ``optimizer.param_groups.<param>.<field>``,
+# ``lr_scheduler.last_epoch``, ``train_state.{step,ntokens_seen}``, ``dataloader`` (CheckpointManager's).
+STATE_FAMILIES = ("optimizer", "lr_scheduler", "train_state", "dataloader")
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """One parameter: its HF and TorchTitan names ("{}" = layer) and whether its rows are RoPE-permuted."""
+
+    hf: str
+    titan: str
+    rope: bool = False
+
+
+# In TorchTitan's state_dict order (model.state_dict() of Llama3Model with its fused-QKV hooks).
+GLOBAL_HEAD = (NameRule(EMBED, "tok_embeddings.weight"),)
+LAYER_RULES = (
+    NameRule("model.layers.{}.self_attn.q_proj.weight", "layers.{}.attention.qkv_linear.wq.weight", rope=True),
+    NameRule("model.layers.{}.self_attn.k_proj.weight", "layers.{}.attention.qkv_linear.wk.weight", rope=True),
+    NameRule("model.layers.{}.self_attn.v_proj.weight", "layers.{}.attention.qkv_linear.wv.weight"),
+    NameRule("model.layers.{}.self_attn.o_proj.weight", "layers.{}.attention.wo.weight"),
+    NameRule("model.layers.{}.mlp.gate_proj.weight", "layers.{}.feed_forward.w1.weight"),
+    NameRule("model.layers.{}.mlp.down_proj.weight", "layers.{}.feed_forward.w2.weight"),
+    NameRule("model.layers.{}.mlp.up_proj.weight", "layers.{}.feed_forward.w3.weight"),
+    NameRule("model.layers.{}.input_layernorm.weight", "layers.{}.attention_norm.weight"),
+    NameRule("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
+)
+GLOBAL_TAIL = (NameRule("model.norm.weight", "norm.weight"), NameRule(LM_HEAD, "lm_head.weight"))
+# HF tensors TorchTitan does not keep (it recomputes its RoPE cache).
+DROPPED_HF = ("model.layers.{}.self_attn.rotary_emb.inv_freq",)
+# The parameter TorchTitan trains (and keys optimizer state by); its saved model state splits it
+# into wq/wk/wv. Rows: for each KV group g, its q heads, then k head g, then v head g.
+FUSED_QKV = "layers.{}.attention.qkv_linear.wqkv.weight"
+
+_LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
+
+
+def _pattern(name: str) -> tuple[str, int | None]:
+    m = _LAYER.search(name)
+    return (name, None) if m is None else (name[:m.start()] + "{}" + name[m.end():], int(m.group(1)))
+
+
+@cache
+def _by_hf() -> dict[str, NameRule]:
+    return {r.hf: r for r in (*GLOBAL_HEAD, *LAYER_RULES, *GLOBAL_TAIL)}
+
+
+@cache
+def _by_titan() -> dict[str, NameRule]:
+    return {r.titan: r for r in (*GLOBAL_HEAD, *LAYER_RULES, *GLOBAL_TAIL)}
+
+
+def titan_name(hf_key: str) -> str:
+    """TorchTitan's name of an HF parameter (KeyError for one TorchTitan does not keep)."""
+    pattern, layer = _pattern(hf_key)
+    rule = _by_hf()[pattern]
+    return rule.titan if layer is None else rule.titan.format(layer)
+
+
+def hf_name(titan_key: str) -> str:
+    """The HF name of a TorchTitan model key (KeyError for an unknown one)."""
+    pattern, layer = _pattern(titan_key)
+    rule = _by_titan()[pattern]
+    return rule.hf if layer is None else rule.hf.format(layer)
+
+
+def is_rope_permuted(hf_key: str) -> bool:
+    """Whether the rows of this HF parameter (and of every per-parameter tensor of it) are permuted."""
+    return _by_hf()[_pattern(hf_key)[0]].rope
+
+
+@cache
+def rope_rows(head_dim: int) -> tuple[int, ...]:
+    """Row order of one q/k head: TorchTitan's row ``i`` is HF's row ``rope_rows(head_dim)[i]``.
+
+    HF keeps a head's rotated pairs as halves (``i`` with ``i + hd/2``); TorchTitan's complex RoPE
+    as neighbours (``2i`` with ``2i+1``).
+    """
+    if head_dim % 2:
+        raise ConversionError(f"config.json: head_dim {head_dim} is odd; RoPE needs an even head_dim")
+    half = head_dim // 2
+    return tuple(half * (i % 2) + i // 2 for i in range(head_dim))
+
+
+def inverse_rows(perm: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``perm`` (HF's row ``i`` of a head is TorchTitan's ``inverse[i]``)."""
+    out = [0] * len(perm)
+    for i, p in enumerate(perm):
+        out[p] = i
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TitanPiece:
+    """Rows ``[start, stop)`` of an HF parameter, head by head in RoPE order when ``rope``."""
+
+    hf_key: str
+    start: int
+    stop: int
+    rope: bool = False
+
+
+@dataclass(frozen=True)
+class TitanParam:
+    """One TorchTitan tensor: its key, shape, and the HF rows it is made of, in order."""
+
+    key: str
+    shape: tuple[int, ...]
+    pieces: tuple[TitanPiece, ...]
+
+
+def titan_params(spec: ModelSpec) -> list[TitanParam]:
+    """The model keys TorchTitan's llama3 saves for ``spec``, in its state_dict order.
+
+    A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
+    names in TorchTitan; two copies in DCP), both from HF's embedding.
+    """
+    shapes = hf_shapes(spec, with_inv_freq=False)
+    rules = [*GLOBAL_HEAD, *(NameRule(r.hf.format(n), r.titan.format(n), r.rope)
+                             for n in range(spec.layers) for r in LAYER_RULES), *GLOBAL_TAIL]
+    out = []
+    for rule in rules:
+        source = EMBED if rule.hf == LM_HEAD and spec.tied else rule.hf
+        shape = shapes[source]
+        out.append(TitanParam(rule.titan, shape, (TitanPiece(source, 0, shape[0], rule.rope),)))
+    return out
+
+
+def fused_qkv_param(spec: ModelSpec, layer: int) -> TitanParam:
+    """The fused ``wqkv`` parameter of ``layer`` (what TorchTitan's optimizer state is keyed by):
+    for each KV group, its q heads, its k head, its v head; q and k rows in RoPE order."""
+    hd, group = spec.head_dim, spec.group
+    prefix = f"model.layers.{layer}.self_attn."
+    pieces = []
+    for g in range(spec.kv_heads):
+        pieces.append(TitanPiece(prefix + "q_proj.weight", g * group * hd, (g + 1) * group * hd, rope=True))
+        pieces.append(TitanPiece(prefix + "k_proj.weight", g * hd, (g + 1) * hd, rope=True))
+        pieces.append(TitanPiece(prefix + "v_proj.weight", g * hd, (g + 1) * hd))
+    return TitanParam(FUSED_QKV.format(layer), (spec.q_rows + 2 * spec.kv_rows, spec.hidden), tuple(pieces))
+
+
+def family(key: str) -> str:
+    """``"model"`` for a model key, else the state family (``"optimizer"``, ...) its first part names."""
+    head = key.split(".", 1)[0]
+    return head if head in STATE_FAMILIES else "model"
+
+
+# What TorchTitan 0.3.0's CheckpointManager writes besides the model (established by letting it save
+# a full checkpoint of AdamW training; all of them are required when it loads a full checkpoint).
+OPTIMIZER_STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq")
+PARAM_GROUP_FIELDS = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+                      "capturable", "differentiable", "fused", "decoupled_weight_decay")
+LR_SCHEDULER_KEYS = ("lr_scheduler.last_epoch",)
+TRAIN_STATE_KEYS = ("train_state.step", "train_state.ntokens_seen")
+
+
+def optimizer_params(spec: ModelSpec) -> list[str]:
+    """The parameter names TorchTitan's optimizer state is keyed by: the trained parameters (fused
+    ``wqkv``, no ``lm_head`` when tied: it is the embedding)."""
+    names = []
+    for param in titan_params(spec):
+        if spec.tied and param.key == "lm_head.weight":
+            continue
+        m = _LAYER.search(param.key)
+        if m is not None and param.key.endswith(("wq.weight", "wk.weight", "wv.weight")):
+            fused = FUSED_QKV.format(m.group(1))
+            if fused not in names:
+                names.append(fused)
+            continue
+        names.append(param.key)
+    return names
+
+
+def is_known_state_key(key: str, trained: Collection[str]) -> bool:
+    """Whether a non-model key is one TorchTitan's CheckpointManager writes for a model whose trained
+    parameters are ``trained`` (:func:`optimizer_params`)."""
+    fam = family(key)
+    if fam == "dataloader":
+        return True  # the data loader's own state, whatever its loader saves
+    if fam in ("lr_scheduler", "train_state"):
+        return key in LR_SCHEDULER_KEYS + TRAIN_STATE_KEYS
+    for kind, fields in (("state", OPTIMIZER_STATE_FIELDS), ("param_groups", PARAM_GROUP_FIELDS)):
+        prefix = f"optimizer.{kind}."
+        if key.startswith(prefix):
+            param, _, name = key[len(prefix):].rpartition(".")
+            return name in fields and param in trained
+    return False
+
+
+def planner_path(key: str) -> tuple[str, ...]:
+    """Where a flat DCP key sits in the nested state dict TorchTitan saves (DCP's ``planner_data``):
+    model keys at top level, a family's keys one level down (``("optimizer", "state.<param>.exp_avg")``)."""
+    fam = family(key)
+    if fam == "model" or "." not in key:
+        return (key,)
+    return (fam, key.split(".", 1)[1])

@@ -1,0 +1,232 @@
+"""The TorchTitan lane: TorchTitan itself loads what to-dcp writes, and from-dcp reads what it saves.
+
+Runs in ``.venv-titan`` (``make setup-titan test-titan``: torchtitan 0.3.0 from PyPI on CPU torch
+2.13); the main lane collects this module and skips it. The model is TorchTitan's own llama3
+(``Llama3Model`` with its fused ``wqkv`` and split-on-save hooks) built from the tiny HF config;
+its inner attention is TorchTitan's ``ScaledDotProductAttention`` module (its default FlexAttention
+compiles for ~40 s per shape on CPU and has no CPU backward; the layer math around it is the same).
+TorchTitan's ``Trainer`` is not used (it needs ``torch.distributed.set_timeout``, absent in torch
+2.13, and a tokenizer and data set): its ``CheckpointManager``, ``OptimizersContainer`` and
+``LRSchedulersContainer`` are, as the trainer wires them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import torchtitan  # noqa: F401
+except ImportError:
+    pytest.skip("torchtitan is not installed here (the TorchTitan lane: make setup-titan test-titan)",
+                allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
+
+import ckptconv  # noqa: E402
+from ckptconv.api import RunOptions  # noqa: E402
+from ckptconv.io.dcp import DcpCheckpoint  # noqa: E402
+from ckptconv.model_spec import ModelSpec  # noqa: E402
+from ckptconv.titan_names import (  # noqa: E402
+    OPTIMIZER_STATE_FIELDS,
+    PARAM_GROUP_FIELDS,
+    TITAN_VERSION,
+    fused_qkv_param,
+    optimizer_params,
+    rope_rows,
+    titan_params,
+)
+from tests.conftest import hf_state  # noqa: E402
+
+QUIET = RunOptions(quiet=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """CheckpointManager and DCP run in a (one-process) gloo group, as under torchrun."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def titan_model(hf: Path, *, fused: bool = True) -> Llama3Model:
+    """TorchTitan's llama3 for the HF config at ``hf`` (the numbers its config registry would take)."""
+    c = json.loads((hf / "config.json").read_text())
+    dim, heads, vocab = c["hidden_size"], c["num_attention_heads"], c["vocab_size"]
+    theta = (c.get("rope_parameters") or {}).get("rope_theta", c.get("rope_theta", 10000.0))
+    norm = {"weight": torch.nn.init.ones_}
+    linear = {"weight": lambda t: torch.nn.init.normal_(t, std=0.02)}
+    config = Llama3Model.Config(
+        dim=dim, vocab_size=vocab, enable_weight_tying=bool(c.get("tie_word_embeddings")),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init={"weight": torch.nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=c["rms_norm_eps"], param_init=norm),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=linear),
+        layers=_build_llama3_layers(
+            n_layers=c["num_hidden_layers"], dim=dim, n_heads=heads, n_kv_heads=c["num_key_value_heads"],
+            hidden_dim=c["intermediate_size"], fuse_qkv=fused, attn_backend="flex",
+            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=64, theta=theta)),
+    )
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.attention_norm = RMSNorm.Config(normalized_shape=dim, eps=c["rms_norm_eps"], param_init=norm)
+        layer.ffn_norm = RMSNorm.Config(normalized_shape=dim, eps=c["rms_norm_eps"], param_init=norm)
+    torch.manual_seed(1)
+    model = config.build()
+    model.init_states()
+    return model
+
+
+def manager(model: Llama3Model, folder: Path, **config) -> tuple[CheckpointManager, object, object]:
+    """TorchTitan's CheckpointManager wired as its Trainer wires it (AdamW, warmup schedule, train state)."""
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+
+    class TrainState:
+        step, ntokens_seen = 0, 0
+
+        def state_dict(self):
+            return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+        def load_state_dict(self, state):
+            self.step, self.ntokens_seen = state["step"], state["ntokens_seen"]
+
+    ck = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder=folder.name, keep_latest_k=0, **config),
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": TrainState()}, sd_adapter=None, base_folder=str(folder.parent),
+    )
+    return ck, optimizers, schedulers
+
+
+def hf_logits(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def titan_logits(model: Llama3Model, tokens: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(tokens)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models) -> dict[str, Path]:
+    return {"gqa": tiny_models("titan-gqa", kv_heads=2, layers=2, seed=3),
+            "tied": tiny_models("titan-tied", kv_heads=2, layers=2, tied=True, seed=4),
+            "mha": tiny_models("titan-mha", kv_heads=8, layers=2, seed=5)}
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied", "mha"])
+def test_titan_loads_to_dcp_output_and_computes_hf_logits(models, tmp_path, name):
+    hf = models[name]
+    ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
+    model = titan_model(hf)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    before = titan_logits(model, tokens)
+    ck, _, _ = manager(model, tmp_path / "ck", initial_load_path=str(tmp_path / "dcp"), initial_load_model_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ck.load() is True
+    ck.close()
+    ours, reference = titan_logits(model, tokens), hf_logits(hf, tokens)
+    assert not torch.allclose(before, reference, atol=1e-3)  # it did load something
+    assert torch.allclose(ours, reference, atol=1e-5, rtol=0), (ours - reference).abs().max()
+    # The fused parameter TorchTitan trains (and keys its optimizer state by) is the table's fused rows.
+    spec, state = ModelSpec.from_file(hf / "config.json"), hf_state(hf)
+    perm = list(rope_rows(spec.head_dim))
+    for layer in range(spec.layers):
+        param = fused_qkv_param(spec, layer)
+        parts = []
+        for piece in param.pieces:
+            rows = state[piece.hf_key][piece.start:piece.stop]
+            parts.append(rows.view(-1, spec.head_dim, spec.hidden)[:, perm].reshape(rows.shape) if piece.rope else rows)
+        assert torch.equal(model.layers[str(layer)].attention.qkv_linear.wqkv.weight.detach(), torch.cat(parts))
+
+
+def train_one_step(model: Llama3Model, optimizers, schedulers) -> None:
+    model.train()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    optimizers.step()
+    schedulers.step()
+    optimizers.zero_grad()
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_from_dcp_of_a_checkpoint_titan_saved_computes_its_logits(models, tmp_path, name):
+    hf = models[name]
+    model = titan_model(hf)
+    ck, optimizers, schedulers = manager(model, tmp_path / "ck", last_save_model_only=True)
+    train_one_step(model, optimizers, schedulers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.save(curr_step=1, last_step=True)  # TorchTitan's final save: model only, fp32
+    ck.close()
+    assert (tmp_path / "ck" / "step-1" / ".metadata").is_file()
+    result = ckptconv.from_dcp(tmp_path / "ck", tmp_path / "hf", config=hf / "config.json", options=QUIET)
+    assert any("step-1" in n for n in result.notes)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    ours, theirs = hf_logits(tmp_path / "hf", tokens), titan_logits(model, tokens)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+    # and on to NxD shards, which come back to the same HF weights
+    ckptconv.from_dcp(tmp_path / "ck", tmp_path / "nxd", to="nxd", tp=2, attention="qkv_linear", fuse_qkv=True,
+                      config=hf / "config.json", options=QUIET)
+    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf2", options=QUIET)
+    a, b = hf_state(tmp_path / "hf"), hf_state(tmp_path / "hf2")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_full_titan_checkpoint_has_exactly_the_state_keys_we_know(models, tmp_path):
+    """TorchTitan's full checkpoint (model, AdamW state, schedule, train state): every key is one our
+    table knows (optimizer state keyed by the fused wqkv, no lm_head when tied), from-dcp takes its
+    model and reports the rest as not carried."""
+    hf = models["tied"]
+    spec = ModelSpec.from_file(hf / "config.json")
+    model = titan_model(hf)
+    ck, optimizers, schedulers = manager(model, tmp_path / "ck", interval=1)
+    train_one_step(model, optimizers, schedulers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.save(curr_step=1)
+    ck.close()
+    with DcpCheckpoint(tmp_path / "ck") as ckpt:
+        keys = set(ckpt.keys())
+        assert ckpt.read_value("lr_scheduler.last_epoch") == 1
+        assert ckpt.read_value("train_state.step") == 0
+    expected = {p.key for p in titan_params(spec)}
+    for param in optimizer_params(spec):
+        expected |= {f"optimizer.state.{param}.{f}" for f in OPTIMIZER_STATE_FIELDS}
+        expected |= {f"optimizer.param_groups.{param}.{f}" for f in PARAM_GROUP_FIELDS}
+    expected |= {"lr_scheduler.last_epoch", "train_state.step", "train_state.ntokens_seen", "dataloader"}
+    assert keys == expected
+    result = ckptconv.from_dcp(tmp_path / "ck", tmp_path / "hf", config=hf / "config.json", options=QUIET)
+    assert any("optimizer key(s)" in n and "not carried" in n for n in result.notes)
+    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(hf_logits(tmp_path / "hf", tokens), titan_logits(model, tokens), atol=1e-5, rtol=0)
+
+
+def test_pinned_version():
+    from importlib.metadata import version
+
+    assert version("torchtitan") == TITAN_VERSION
