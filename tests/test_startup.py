@@ -43,6 +43,8 @@ def probe(module: str, argv: list[str], cwd: Path) -> dict:
     (["to-hf", "src", "out", "--private"], 1),               # --private without --push-to-hub
     (["reshard", "src", "out", "--qkv-linear", "--coalesce-qkv"], 1),
     (["verify", "hf", "nxd", "--layers", "many"], 1),
+    (["to-dcp", "src", "out", "--workers", "0"], 1),
+    (["from-dcp", "src", "out", "--to", "hf", "--tp", "2"], 1),  # a layout flag without --to nxd
 ])
 def test_ckptconv_answers_without_torch(tmp_path, argv, status):
     result = probe("ckptconv.cli", argv, tmp_path)
