@@ -236,7 +236,7 @@ class TrainConfig:
 
         if self.precision != "auto":
             changed = f"; the checkpoint was trained in {recorded}" if recorded and recorded != self.precision else ""
-            return self, f"precision {self.precision} (--precision{changed})"
+            return self, explain(f"precision {self.precision} (--precision{changed})", self.origins)
         if recorded in ("fp32", "bf16"):
             return dataclasses.replace(self, precision=recorded), f"precision {recorded} (recorded in the checkpoint)"
         chosen = default_precision(device)
@@ -268,8 +268,8 @@ class TrainConfig:
             owner, f = fields[key]
             (sections[owner] if owner else top)[key] = coerce(f, value, origins.get(key, source))
         if top.get("epochs") is not None and "steps" in top:
-            raise TrainError(explain("--epochs and --steps are exclusive (give one: epochs size the run from --data)",
-                                     origins))
+            raise TrainError(f"{source}: " + explain("--epochs and --steps are exclusive (give one: epochs size the "
+                                                     "run from --data)", origins))
         try:
             built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
             return cls(**top, **built, origins=origins)

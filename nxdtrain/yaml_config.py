@@ -5,7 +5,8 @@ Top-level keys are our option names (``seq_len: 2048``, the flags' names with ``
 keys (``name``, ``seed``, ``compiler_flags``, ...). The file is read as NxDT reads it:
 
 * ``${a.b.c}`` is the value of another key of the file and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` an
-  environment variable (OmegaConf's interpolations, as in NxDT's ``max_steps: ${trainer.max_steps}``);
+  environment variable (OmegaConf's interpolations, as in NxDT's ``max_steps: ${trainer.max_steps}``); in
+  paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of the file) are expanded as a shell would;
 * NxDT keys that mean something here become options (:data:`NXDT_KEYS`, and ``exp_manager`` below); NxDT keys
   that do not apply (the model's shape comes from the checkpoint's config.json, compiler settings, ...) are
   listed once on stderr; any other key is an error: all of them in one line, each with the nearest known key;
@@ -66,6 +67,7 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("model", "optim", "sched", "max_steps"): "decay_steps",
     ("model", "optim", "sched", "min_lr"): "min_lr",
     ("model", "optim", "sched", "constant_steps"): "constant_steps",
+    ("model", "do_layer_norm_weight_decay"): "do_layer_norm_weight_decay",
     ("exp_manager", "save_xser"): "xser",
     ("exp_manager", "checkpoint_callback_params", "every_n_train_steps"): "checkpoint_freq",
     ("exp_manager", "checkpoint_callback_params", "save_top_k"): "keep",
@@ -96,7 +98,7 @@ NXDT_IGNORED: dict[str, tuple[str, ...]] = {
               "make_vocab_size_divisible_by", "activation", "normalization", "position_embedding_type",
               "rotary_percentage", "share_embeddings_and_output_weights", "has_bias", "hidden_dropout",
               "attention_dropout", "ffn_dropout", "apply_query_key_layer_scaling", "persist_layer_norm",
-              "transformer_block_type", "use_cpu_initialization", "use_scaled_init_method", "do_layer_norm_weight_decay",
+              "transformer_block_type", "use_cpu_initialization", "use_scaled_init_method",
               "pipeline_cuts", "sliding_window_size", "transpose_nki_inputs"),
     "model.optim": ("capturable",),
     "precision": ("master_weights", "fp32_grad_acc", "fp32_grads_cc", "xla_use_bf16", "xla_downcast_bf16",
@@ -175,10 +177,14 @@ def _resolve(value: Any, root: dict[str, Any], path: Path, depth: int = 0) -> An
         return value
     if depth > 20:
         raise TrainError(f"--config {path}: interpolation loop at {value!r}")
+    def value_of(ref: str) -> Any:
+        found = _lookup(ref, root, path, value)
+        return found if found == "${" + ref + "}" else _resolve(found, root, path, depth + 1)  # kept as written
+
     whole = _REF.fullmatch(value.strip())
     if whole is not None:  # the whole value: keep the referenced value's type (a number stays a number)
-        return _resolve(_lookup(whole.group(1), root, path, value), root, path, depth + 1)
-    return _REF.sub(lambda m: str(_resolve(_lookup(m.group(1), root, path, value), root, path, depth + 1)), value)
+        return value_of(whole.group(1))
+    return _REF.sub(lambda m: str(value_of(m.group(1))), value)
 
 
 def _lookup(ref: str, root: dict[str, Any], path: Path, text: str) -> Any:
@@ -189,6 +195,8 @@ def _lookup(ref: str, root: dict[str, Any], path: Path, text: str) -> Any:
             raise TrainError(f"--config {path}: {text!r}: environment variable {name.strip()} is not set")
         return found if found is not None else default.strip().strip("'\"")
     if ":" in ref:  # another resolver (${multiply:...}): left as written, only ignored keys use them
+        return "${" + ref + "}"
+    if "." not in ref and ref.strip() not in root:  # a shell-style ${VAR}: expanded where paths are (config)
         return "${" + ref + "}"
     node: Any = root
     for part in ref.strip().split("."):
@@ -305,6 +313,11 @@ class _Reader:
             if value not in (1, None):
                 raise TrainError(f"{where} {value!r}: nxdtrain trains with one model chunk per pipeline stage; set 1")
             return {}
+        if option == "do_layer_norm_weight_decay":
+            if value:
+                self.out.notes.append(f"{self.path}: {key}: nxdtrain never applies weight decay to norm weights "
+                                      "(NxDT does with this key true): losses differ slightly from NxDT's")
+            return {}
         if option == "epochs":
             return {} if value in (None, -1) else {"epochs": value}  # -1: PyTorch Lightning's "until max_steps"
         if option == "activation_checkpointing":  # NxDT: selective, full, or null for none
@@ -378,8 +391,12 @@ SYNONYMS = {"learning_rate": "lr", "max_steps": "steps", "num_train_epochs": "ep
 
 
 def _nearest(key: str, candidates: list[str]) -> str:
-    leaf = key.rsplit(".", 1)[-1]
-    if "." not in key and SYNONYMS.get(leaf) in candidates:
-        return f"{key} (nearest: {SYNONYMS[leaf]})"
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    return f"{key} (nearest: {close[0]})" if close else f"{key} (no near key)"
+    """``key (nearest: K)``: a synonym of ours, else the candidate most alike (a top-level key is also compared
+    with the last part of NxDT's nested keys: ``global_batch`` is nearest to ``data.global_batch_size``)."""
+    if "." not in key and SYNONYMS.get(key) in candidates:
+        return f"{key} (nearest: {SYNONYMS[key]})"
+    pool = {c: c for c in candidates}
+    if "." not in key:
+        pool.update({".".join(p): p[-1] for p in (*NXDT_KEYS, *EVALUATION)})
+    score, best = max((difflib.SequenceMatcher(None, key, compared).ratio(), name) for name, compared in pool.items())
+    return f"{key} (nearest: {best})" if score >= 0.6 else f"{key} (no near key)"
