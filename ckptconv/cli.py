@@ -20,7 +20,7 @@ from ckptconv.cli_errors import DEBUG_HELP, run_guarded
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
-from ckptconv.finalize import detect_part, finalize, parse_part
+from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
 from ckptconv.metadata import add_version_flag
 from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
@@ -291,6 +291,8 @@ def run(args: argparse.Namespace) -> Any:
 
         return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check)
     if args.command == "finalize":
+        from ckptconv.finalize import finalize
+
         files = finalize(args.out)
         return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}
     if args.command == "nxd-compat":

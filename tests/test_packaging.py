@@ -24,6 +24,9 @@ def test_package_metadata_builds_with_warnings_as_errors(tmp_path):
     metadata = (tmp_path / done.stdout.split()[-1] / "METADATA").read_text()
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert "License-File: LICENSE" in metadata.splitlines()
+    import ckptconv
+
+    assert f"Version: {ckptconv.__version__}" in metadata.splitlines()  # the one version, read from the package
     assert (REPO / "LICENSE").read_text().lstrip().startswith("Apache License")
 
 
