@@ -243,12 +243,12 @@ def run(args: argparse.Namespace) -> Any:
                        dtype=args.dtype, kv_replicas=args.kv_replicas, options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
-        attention, options = _attention(args), _options(args)
+        kept, options = _attention(args), _options(args)  # None: the source's attention mode
         from ckptconv.api import reshard
 
         return reshard(
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
-            attention=attention, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
+            attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
         )
