@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-train bench-checked bench-dcp lint clean
+.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-8b bench-startup bench-train bench-checked bench-dcp lint clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,14 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run.py
+
+# The 8B rows of `make bench` alone, 3 runs each (~5 minutes)
+bench-8b: setup
+	$(BIN)/python benchmarks/run.py --only-8b --repeat 3
+
+# CLI start-up: --version, --help, usage and config errors, median of 5 (BENCH_ARGS=--before DIR compares a tree)
+bench-startup: setup
+	$(BIN)/python benchmarks/startup.py $(BENCH_ARGS)
 
 # nxdtrain tokens/s and per-process peak memory against a transformers loop (~20-30 min on 2 cores;
 # BENCH_ARGS=--quick for a smoke run).

@@ -10,6 +10,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
 
     python benchmarks/run.py [--quick] [--repeat N]    # --quick: small shapes, for a smoke run
     python benchmarks/run.py --checked-reads [--repeat N] [--layers L]   # to-hf with and without --no-check
+    python benchmarks/run.py --only-8b [--repeat N]                      # the 8B rows alone (make bench-8b)
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
 """
 
@@ -196,6 +197,25 @@ def dcp_only(repeat: int) -> None:
     (OUT / "dcp.md").write_text(text + "\n")
 
 
+def small_rows(small: str, layers: int, repeat: int) -> list[Row]:
+    """The 8B rows: to-nxd tp 8 pp 2, to-hf back, reshard to tp 4 pp 1."""
+    rows = []
+    l8 = model(f"hf-{small}-{layers}l", small, layers)
+    nxd8 = OUT / f"nxd-{small}"
+    rows.append(convert(f"to-nxd {small}: tp 8 pp 2 qkv", ["to-nxd", str(l8), str(nxd8), "--tp", "8", "--pp", "2",
+                                                           "--qkv-linear"], l8, nxd8, repeat))
+    back8 = OUT / f"hf-back-{small}"
+    rows.append(convert(f"to-hf {small} from tp 8 pp 2", ["to-hf", str(nxd8), str(back8)], nxd8, back8, repeat))
+    shutil.rmtree(back8)
+    resharded = OUT / f"nxd-{small}-tp4"
+    rows.append(convert(f"reshard {small}: tp 8 pp 2 -> tp 4 pp 1", ["reshard", str(nxd8), str(resharded), "--tp", "4",
+                                                                     "--pp", "1"], nxd8, resharded, repeat))
+    shutil.rmtree(resharded)
+    shutil.rmtree(nxd8)
+    shutil.rmtree(l8)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small models: a smoke run of the harness")
@@ -204,8 +224,16 @@ def main() -> None:
                         help="only the cost of checked reads: to-hf of the 70B case with and without --no-check")
     parser.add_argument("--layers", type=int, default=2, help="layers of the 70B model for --checked-reads")
     parser.add_argument("--dcp", action="store_true", help="only to-dcp / from-dcp of the 70B shapes (4 layers)")
+    parser.add_argument("--only-8b", action="store_true", help="only the 8B rows, each run --repeat times")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
+    if args.only_8b:
+        started = time.perf_counter()
+        text = table(small_rows("8b", 8, args.repeat), [])
+        print(f"\n{text}\n\npage cache dropped before each run: {drop_caches()}; total "
+              f"{time.perf_counter() - started:.0f} s")
+        (OUT / "results-8b.md").write_text(text + "\n")
+        return
     if args.checked_reads:
         checked_reads(args.repeat, args.layers)
         return
@@ -231,19 +259,7 @@ def main() -> None:
     shutil.rmtree(nxd70)
     rows += dcp_rows(l70, f"{big} x{layers} layers", args.repeat)
 
-    l8 = model(f"hf-{small}-8l", small, 2 if args.quick else 8)
-    nxd8 = OUT / f"nxd-{small}"
-    rows.append(convert(f"to-nxd {small}: tp 8 pp 2 qkv", ["to-nxd", str(l8), str(nxd8), "--tp", "8", "--pp", "2",
-                                                           "--qkv-linear"], l8, nxd8))
-    back8 = OUT / f"hf-back-{small}"
-    rows.append(convert(f"to-hf {small} from tp 8 pp 2", ["to-hf", str(nxd8), str(back8)], nxd8, back8))
-    shutil.rmtree(back8)
-    resharded = OUT / f"nxd-{small}-tp4"
-    rows.append(convert(f"reshard {small}: tp 8 pp 2 -> tp 4 pp 1", ["reshard", str(nxd8), str(resharded), "--tp", "4",
-                                                                     "--pp", "1"], nxd8, resharded))
-    shutil.rmtree(resharded)
-    shutil.rmtree(nxd8)
-    shutil.rmtree(l8)
+    rows += small_rows(small, 2 if args.quick else 8, repeat=1)
 
     rss_rows: list[tuple[str, int]] = []
     for n_layers in ((2, 4) if args.quick else (2, 8)):

@@ -11,11 +11,13 @@ from typing import Any
 
 from ckptconv.errors import ConversionError, VerificationError
 
-_API = {"RunOptions": "ckptconv.api", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
+__version__ = "0.1.0"  # the one place: pyproject.toml's version is read from here (tool.setuptools.dynamic)
+
+_API = {"RunOptions": "ckptconv.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
         "reshard": "ckptconv.api", "inspect": "ckptconv.inspection",
         "to_dcp": "ckptconv.dcp_convert", "from_dcp": "ckptconv.dcp_convert"}
 
-__all__ = ["ConversionError", "VerificationError", *_API]
+__all__ = ["ConversionError", "VerificationError", "__version__", *_API]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,17 +13,16 @@ import hashlib
 import json
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckptconv import outdir
-from ckptconv.digest import DEFAULT as DEFAULT_HASH
-from ckptconv.digest import FileRecord, check_algorithm
+from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError, VerificationError, choice
-from ckptconv.execute import ExecOptions, default_workers, run_plan
+from ckptconv.execute import ExecOptions, run_plan
 from ckptconv.finalize import (
     FinalizeSpec,
     assign_files,
@@ -41,52 +40,12 @@ from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, T
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
+from ckptconv.options import DTYPES as DTYPE_NAMES
+from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
 
-DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunOptions:
-    """How to run a conversion (not what to convert)."""
-
-    workers: int = field(default_factory=default_workers)
-    """Parallel workers (threads) over independent tensors."""
-    max_memory: int = 2 * 2**30
-    """Working-memory budget in bytes for tensor data in flight."""
-    io: str = "read"
-    """How to read inputs: 'read' (plain positional reads, the default: one copy, as fast as mmap
-    on local disks, and safe on Lustre/NFS where mmap is slow and can SIGBUS) or 'mmap'."""
-    quiet: bool = False
-    """No progress bars or notes on stderr."""
-    overwrite: bool = False
-    """Replace an earlier, different ckptconv conversion in the output directory: only the files its
-    ckptconv.json (or its temporary directory) lists are removed; anything else there is refused."""
-    part: tuple[int, int] = (0, 1)
-    """(K, N): convert the K-th of N disjoint sets of output files (the CLI fills it from --part,
-    srun or torchrun; a library call converts everything unless told)."""
-    hash: str = DEFAULT_HASH
-    """Per-file digest recorded in ckptconv.json: 'blake3' (default, ~4.5 GB/s per core), 'sha256'
-    (~0.4 GB/s per core without SHA instructions: slower than converting), or 'none' (sizes only)."""
-    check: bool = True
-    """Check every NxD input file read: its size and digest against the source's ckptconv.json and
-    each torch zip record's CRC-32, computed from the bytes as they are read. False (--no-check)
-    reads damaged or mismatched files anyway, for forensics."""
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ConversionError(f"--workers must be >= 1, got {self.workers}")
-        if self.max_memory < 2**20:
-            raise ConversionError(f"--max-memory must be at least 1 MiB, got {self.max_memory} bytes")
-        if self.io not in ("mmap", "read"):
-            raise ConversionError(f"--io must be 'mmap' or 'read', got {self.io!r}")
-        check_algorithm(self.digest)
-
-    @property
-    def digest(self) -> str | None:
-        """The digest algorithm to record, or None for sizes only."""
-        return None if self.hash == "none" else self.hash
+DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""``ckptconv`` command line: parse, make one library call, print. Exit 0 ok, 1 error, 2 usage."""
+"""``ckptconv`` command line: parse, make one library call, print. Exit 0 ok, 1 error, 2 usage.
+
+Only what parsing needs is imported at the top: ``--version``, ``--help`` and bad options are
+answered without importing torch (a test checks ``sys.modules``); a command imports its library
+call when it runs.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +13,20 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptconv import api, digest, hub
+from ckptconv import digest
 from ckptconv.cli_errors import DEBUG_HELP, run_guarded
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
-from ckptconv.finalize import detect_part, finalize, parse_part
-from ckptconv.inspection import inspect
+from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
-from ckptconv.metadata import tool_version
-from ckptconv.plan_dcp import DEFAULT_FILE_SIZE
+from ckptconv.metadata import add_version_flag
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
+
+if TYPE_CHECKING:
+    from ckptconv.api import Result
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -38,7 +45,7 @@ def parse_size(text: str) -> int:
 
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
-    defaults = api.RunOptions()
+    defaults = RunOptions()
     p.add_argument("--workers", type=int, default=defaults.workers, help="parallel workers (default: cores, at least 8)")
     p.add_argument("--max-memory", type=parse_size, default=defaults.max_memory,
                    help="working-memory budget for tensor data (default 2GiB)")
@@ -94,7 +101,7 @@ def _attention(args: argparse.Namespace) -> Attention | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion, and TorchTitan DCP")
-    parser.add_argument("--version", action="version", version=f"ckptconv {tool_version()}")
+    add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
 
@@ -107,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--verify", nargs="?", const=2, type=int, default=0, metavar="LAYERS",
                    help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
@@ -118,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
                    help="when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
@@ -133,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split", "plain"), default=None,
                    help="output flavour: inline, split (xser) or plain (default: the source's)")
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     _run_flags(p)
@@ -145,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (a state-dict file, or NxD shards without ckptconv.json)")
     _layout_flags(p, defaults=False)
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
-    p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_FILE_SIZE,
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_DCP_FILE_SIZE,
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
@@ -160,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_flags(p, defaults=True)
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="--to nxd: xser flavour: inline (official --save_xser) or split (NxD training's)")
-    p.add_argument("--dtype", choices=tuple(api.DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
                    help="--to hf: per safetensors file (default 5GB)")
     _run_flags(p)
@@ -199,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(args: argparse.Namespace) -> api.RunOptions:
-    return api.RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
+def _options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
                           quiet=args.quiet or args.json, overwrite=args.overwrite, part=detect_part(args.part),
                           hash=args.hash, check=not getattr(args, "no_check", False))
 
@@ -216,36 +223,43 @@ def _hints(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> Any:
     if args.command == "to-nxd":
-        return api.to_nxd(
+        attention, options = _attention(args) or Attention.SEPARATE, _options(args)  # bad options fail first
+        from ckptconv.api import to_nxd
+
+        return to_nxd(
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm or 1,
-            attention=_attention(args) or Attention.SEPARATE, fuse_qkv=bool(args.fuse_qkv),
+            attention=attention, fuse_qkv=bool(args.fuse_qkv),
             hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
             flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
-            revision=args.revision, options=_options(args),
+            revision=args.revision, options=options,
         )
     if args.command == "to-hf":
         if args.private and not args.push_to_hub:
             raise ConversionError("--private needs --push-to-hub ORG/NAME")
-        result = api.to_hf(args.src, args.out, config=args.config, hints=_hints(args),
-                           max_shard_size=args.max_shard_size, dtype=args.dtype, kv_replicas=args.kv_replicas,
-                           options=_options(args))
+        hints, options = _hints(args), _options(args)
+        from ckptconv.api import to_hf
+
+        result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
+                       dtype=args.dtype, kv_replicas=args.kv_replicas, options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
-        return api.reshard(
+        kept, options = _attention(args), _options(args)  # None: the source's attention mode
+        from ckptconv.api import reshard
+
+        return reshard(
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
-            attention=_attention(args), fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
+            attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
-            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=_options(args),
+            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
         )
     if args.command == "to-dcp":
+        hints, options = _hints(args), _options(args)
         from ckptconv.dcp_convert import to_dcp
 
-        return to_dcp(args.src, args.out, config=args.config, hints=_hints(args), revision=args.revision,
+        return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
                       dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                      options=_options(args))
+                      options=options)
     if args.command == "from-dcp":
-        from ckptconv.dcp_convert import from_dcp
-
         if args.to == "hf":
             given = [flag for flag, value, default in (
                 ("--tp", args.tp, 1), ("--pp", args.pp, 1), ("--vpp", args.vpp, 1), ("--xser", args.xser, None),
@@ -255,22 +269,30 @@ def run(args: argparse.Namespace) -> Any:
                 if value != default]
             if given:
                 raise ConversionError(f"{given[0]} is a layout flag; pass --to nxd to write NxD shards of that layout")
+        attention, options = _attention(args) or Attention.SEPARATE, _options(args)
+        from ckptconv.dcp_convert import from_dcp
+
         return from_dcp(
             args.src, args.out, to=args.to, config=args.config, tp=args.tp, pp=args.pp, vpp=args.vpp,
-            kv_size_multiplier=args.kvm or 1, attention=_attention(args) or Attention.SEPARATE,
+            kv_size_multiplier=args.kvm or 1, attention=attention,
             fuse_qkv=bool(args.fuse_qkv), hw_backend=args.hw_backend or "trn1",
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=_flavour(args.xser), dtype=args.dtype,
-            max_shard_size=args.max_shard_size, options=_options(args),
+            max_shard_size=args.max_shard_size, options=options,
         )
     if args.command == "verify":
+        layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
+        hints = _hints(args)
         from ckptconv.verify import verify
 
-        layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
-                      hints=_hints(args), files=args.files, revision=args.revision, check=not args.no_check)
+                      hints=hints, files=args.files, revision=args.revision, check=not args.no_check)
     if args.command == "inspect":
+        from ckptconv.inspection import inspect
+
         return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check)
     if args.command == "finalize":
+        from ckptconv.finalize import finalize
+
         files = finalize(args.out)
         return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}
     if args.command == "nxd-compat":
@@ -278,14 +300,16 @@ def run(args: argparse.Namespace) -> Any:
     raise AssertionError(args.command)
 
 
-def _push(result: api.Result, args: argparse.Namespace) -> dict[str, Any]:
+def _push(result: Result, args: argparse.Namespace) -> dict[str, Any]:
     """Upload a finished export; a part that did not finish OUT pushes nothing (the last part does)."""
     data = result.to_json()
     if not result.finalized:
         data["pushed"] = None
         data["notes"].append(f"not pushed to {args.push_to_hub}: OUT is not complete yet; the part that finishes it pushes")
         return data
-    pushed = hub.push(result.out, args.push_to_hub, private=args.private)
+    from ckptconv.hub import push
+
+    pushed = push(result.out, args.push_to_hub, private=args.private)
     data["pushed"] = pushed
     data["notes"].append(f"pushed {len(pushed['files'])} files to {pushed['url']}")
     return data

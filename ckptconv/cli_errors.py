@@ -19,8 +19,8 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from ckptconv.io.safe_load import UnsafeCheckpointError
-from ckptconv.outdir import disk_full
+from ckptconv.errors import UnsafeCheckpointError
+from ckptconv.io.atomic import disk_full
 
 DEBUG_ENV = "CKPTCONV_DEBUG"
 DEBUG_HELP = f"show the traceback of an error (also: {DEBUG_ENV}=1)"

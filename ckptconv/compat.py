@@ -12,14 +12,16 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ckptconv.api import Result, RunOptions, _convert, _fingerprint, to_nxd
 from ckptconv.errors import ConversionError
-from ckptconv.finalize import FinalizeSpec
-from ckptconv.io.nxd import Flavour, sink_factory
 from ckptconv.layout import Attention
-from ckptconv.nxd_source import open_nxd
-from ckptconv.plan import plan_to_full_state
+from ckptconv.options import RunOptions
+
+if TYPE_CHECKING:
+    from ckptconv.api import Result
+
+# The conversions (and torch) are imported when one runs: the parser is built by every `ckptconv` call.
 
 TRUE_WORDS = {"true", "1", "yes", "y", "on"}
 FALSE_WORDS = {"false", "0", "no", "n", "off"}
@@ -82,11 +84,13 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
         raise ConversionError("--qkv_linear and --coalesce_qkv exclude each other; choose one")
     attention = Attention.QKV_LINEAR if args.qkv_linear else (Attention.COALESCED if args.coalesce_qkv else Attention.SEPARATE)
     if args.convert_from_full_state:
+        from ckptconv.api import to_nxd
+
         return to_nxd(
             args.input_dir, args.output_dir, tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size or 1,
             kv_size_multiplier=args.kv_size_multiplier or 1, attention=attention, fuse_qkv=args.fuse_qkv,
             hw_backend=args.hw_backend, trn2_kv_layout=args.trn2_kv_layout,
-            flavour=Flavour.XSER_INLINE if args.save_xser else Flavour.PLAIN, config=args.config, options=options,
+            flavour="xser-inline" if args.save_xser else "plain", config=args.config, options=options,
         )
     # The official merge reads coalesced and fused keys by their names; so do we (flags only add facts).
     explicit = args.qkv_linear or args.coalesce_qkv
@@ -99,6 +103,12 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
 def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints: dict[str, object],
                   options: RunOptions) -> Result:
     """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
+    from ckptconv.api import _convert, _fingerprint
+    from ckptconv.finalize import FinalizeSpec
+    from ckptconv.io.nxd import Flavour, sink_factory
+    from ckptconv.nxd_source import open_nxd
+    from ckptconv.plan import plan_to_full_state
+
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,

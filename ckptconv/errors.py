@@ -23,6 +23,10 @@ def choice(kind: type[E], value: Any, flag: str) -> E:
         raise ConversionError(f"{flag} must be one of {allowed}; got {value!r}") from None
 
 
+class UnsafeCheckpointError(ValueError):
+    """A pickle asked for a global outside the allowlist (raised by :mod:`ckptconv.io.safe_load`)."""
+
+
 class IntegrityError(VerificationError):
     """A file read does not match its record: size or digest in ckptconv.json, or a zip record's CRC-32.
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -27,35 +26,11 @@ import torch
 from ckptconv.digest import DEFAULT, FileRecord, record_files
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
+from ckptconv.options import default_workers
 from ckptconv.outdir import TMP_DIR
 from ckptconv.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 
 STATE_FILE = "state.json"
-
-
-MIN_DEFAULT_WORKERS = 8
-
-
-def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """Cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota.
-
-    ``os.cpu_count()`` counts the machine's cores, ignoring ``taskset``, Slurm's binding and a
-    container's ``--cpus`` limit.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = open(cgroup_cpu_max).read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cpus)
-
-
-def default_workers() -> int:
-    """The usable cores, but at least 8: workers mostly wait on reads and writes, and the disk
-    needs several requests in flight (on the 2-core CI machine 8 workers convert ~10% faster than 2)."""
-    return max(usable_cpus(), MIN_DEFAULT_WORKERS)
 
 
 class TensorReader(Protocol):

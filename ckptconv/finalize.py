@@ -13,36 +13,18 @@ import base64
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.digest import DEFAULT, FileRecord
 from ckptconv.errors import ConversionError
-from ckptconv.launcher import detect_launch
+from ckptconv.launcher import detect_part, parse_part  # noqa: F401  (re-exported: where --part lived)
 from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
-from ckptconv.plan import Plan
+
+if TYPE_CHECKING:
+    from ckptconv.plan import Plan
 
 SPEC_FILE = "finalize.json"
-
-
-def parse_part(text: str) -> tuple[int, int]:
-    """``"K/N"`` -> (K, N) with 0 <= K < N."""
-    try:
-        k, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ConversionError(f"--part must look like K/N (e.g. 0/4), got {text!r}") from None
-    if not 0 <= k < n:
-        raise ConversionError(f"--part {text}: need 0 <= K < N")
-    return k, n
-
-
-def detect_part(explicit: tuple[int, int] | None = None) -> tuple[int, int]:
-    """This process's part: explicit, else from torchrun or srun (torchrun's variables win, see
-    :mod:`ckptconv.launcher`), else the whole job."""
-    if explicit is not None:
-        return explicit
-    launch = detect_launch()
-    return launch.rank, launch.world_size
 
 
 def assign_files(plan: Plan, part: tuple[int, int]) -> set[str]:

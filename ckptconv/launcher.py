@@ -22,6 +22,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ckptconv.errors import ConversionError
+
 # (launcher, rank, world size, local rank), most specific first.
 _LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
               ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
@@ -53,3 +55,23 @@ def local_world_size(environ: Mapping[str, str] | None = None) -> int:
         if env.get(name, "").isdigit():
             return int(env[name])
     return 1
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N) with 0 <= K < N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ConversionError(f"--part must look like K/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= k < n:
+        raise ConversionError(f"--part {text}: need 0 <= K < N")
+    return k, n
+
+
+def detect_part(explicit: tuple[int, int] | None = None) -> tuple[int, int]:
+    """This process's part: explicit, else from torchrun or srun (torchrun's variables win, see
+    :mod:`ckptconv.launcher`), else the whole job."""
+    if explicit is not None:
+        return explicit
+    launch = detect_launch()
+    return launch.rank, launch.world_size

@@ -21,6 +21,7 @@ from ckptconv.io.dcp import distcp_name
 from ckptconv.layout import ParallelLayout
 from ckptconv.mapping import EMBED, hf_shapes
 from ckptconv.model_spec import ModelSpec
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
 from ckptconv.plan import (
     DtypePolicy,
     OutFile,
@@ -37,9 +38,6 @@ from ckptconv.plan import (
 )
 from ckptconv.titan_names import TitanParam, inverse_rows, rope_rows, titan_name, titan_params
 
-# Many files rather than few: writers of one file share its inode lock, and a file is hashed only once
-# complete (70B x4 layers: 700MB files 1.63x cp, 5GB files 2.40x, one pair each on a loaded machine).
-DEFAULT_FILE_SIZE = 10**9
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
 

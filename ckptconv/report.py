@@ -1,11 +1,14 @@
-"""Human-readable output of CLI results (rich tables on stdout)."""
+"""Human-readable output of CLI results on stdout: rich tables on a terminal, plain lines elsewhere.
+
+Not a terminal (a Slurm log, a pipe, a file) means no width to fit: every value is printed whole,
+as ``key: value`` lines, never cut or padded to 80 columns. On a terminal long values wrap (long
+words fold) inside the table; nothing is replaced by an ellipsis. ``--json`` does not come here.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+import sys
+from typing import Any, TextIO
 
 
 def _size(n: int) -> str:
@@ -17,35 +20,81 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def render(data: dict[str, Any]) -> None:
-    console = Console()
+def _text(key: str, value: Any) -> str:
+    if key in ("bytes", "bytes_written") and isinstance(value, int):
+        return f"{_size(value)} ({value:,} bytes)"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list):
+        return "\n".join(str(v) for v in value) if value else "-"
+    return str(value)
+
+
+def render(data: dict[str, Any], file: TextIO | None = None) -> None:
+    """A result dict (what ``--json`` prints) for people."""
+    out = file or sys.stdout
     if "layers" in data and "problems" in data:
-        _render_verify(console, data)
+        _render_verify(data, out)
         return
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in data.items():
-        if key in ("bytes", "bytes_written") and isinstance(value, int):
-            value = f"{_size(value)} ({value:,} bytes)"
-        elif isinstance(value, dict):
-            value = ", ".join(f"{k}={v}" for k, v in value.items())
-        elif isinstance(value, list):
-            value = "\n".join(str(v) for v in value) if value else "-"
-        table.add_row(key, str(value))
+    key_values([(key, _text(key, value)) for key, value in data.items()], file=out)
+
+
+def key_values(rows: list[tuple[str, str]], *, title: str | None = None, right: bool = False,
+               file: TextIO | None = None) -> None:
+    """Label/value rows: a rich table on a terminal, ``label: value`` lines otherwise (multi-line
+    values continue indented). ``right`` aligns the values right in the table (numbers)."""
+    out = file or sys.stdout
+    if not out.isatty():
+        if title:
+            print(title, file=out)
+        for label, value in rows:
+            first, *more = value.split("\n")
+            print(f"{label}: {first}", file=out)
+            for line in more:
+                print(f"  {line}", file=out)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=out)
+    if title:
+        console.print(title, highlight=False, soft_wrap=True)
+    table = Table(show_header=False, box=None, pad_edge=False) if not right else Table(show_header=False)
+    table.add_column(style="bold", overflow="fold")
+    table.add_column(justify="right" if right else "left", overflow="fold")
+    for label, value in rows:
+        table.add_row(label, value)
     console.print(table)
 
 
-def _render_verify(console: Console, data: dict[str, Any]) -> None:
-    table = Table(title=f"verify (tolerance {data['tol']:g}, relative to the largest reference value)")
-    for column in ("layer", "component", "max abs error", "relative", "ranks"):
-        table.add_column(column)
+def _verify_rows(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     rows = [(str(layer), name, c) for layer, checks in data["layers"].items() for name, c in checks.items()]
-    rows += [("-", name, data[name]) for name in ("embedding", "lm_head")]
-    for layer, name, c in rows:
+    return rows + [("-", name, data[name]) for name in ("embedding", "lm_head")]
+
+
+def _render_verify(data: dict[str, Any], out: TextIO) -> None:
+    title = f"verify (tolerance {data['tol']:g}, relative to the largest reference value)"
+    verdict = ("OK: the shards compute what the HF model computes" if data["ok"]
+               else f"FAILED: {len(data['problems'])} problem(s)")
+    if not out.isatty():
+        print(title, file=out)
+        for layer, name, c in _verify_rows(data):
+            where = f"layer {layer} {name}" if layer != "-" else name
+            ranks = ", ".join(map(str, c["ranks"])) or "-"
+            print(f"{where}: max abs error {c['max_abs']:.3g}, relative {c['rel']:.3g}, ranks {ranks}", file=out)
+        print(verdict, file=out)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=out)
+    table = Table(title=title)
+    for column in ("layer", "component", "max abs error", "relative", "ranks"):
+        table.add_column(column, overflow="fold")
+    for layer, name, c in _verify_rows(data):
         bad = c["rel"] > data["tol"] or c["ranks"]
-        style = "red" if bad else None
-        table.add_row(layer, name, f"{c['max_abs']:.3g}", f"{c['rel']:.3g}", ", ".join(map(str, c["ranks"])) or "-", style=style)
+        table.add_row(layer, name, f"{c['max_abs']:.3g}", f"{c['rel']:.3g}", ", ".join(map(str, c["ranks"])) or "-",
+                      style="red" if bad else None)
     console.print(table)
     console.print("[green]OK[/green]: the shards compute what the HF model computes" if data["ok"]
                   else f"[red]FAILED[/red]: {len(data['problems'])} problem(s)")

@@ -12,12 +12,15 @@ A tag ``<checkpoint_dir>/step_<N>/`` holds::
 Resume rules (``--resume PATH``): a directory with ``model/`` but no ``optim/`` (what ``ckptconv
 to-nxd`` writes) gives weights only, step 0 and a fresh optimizer; a checkpoint root gives its
 newest completed tag, full state; a tag directory gives that tag, full state; ``--weights-only``
-forces the first. A missing PATH, or a tag without ``done``, is an error.
+forces the first. A missing PATH, or a tag without ``done``, is an error. ``--resume auto`` (what a
+requeued job passes every time) takes the newest completed tag in ``--checkpoint-dir`` when there is one,
+else ``--init PATH`` by the same rules (:func:`resolve_start`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import pickle
@@ -51,7 +54,7 @@ from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
-from nxdtrain.config import ParallelConfig
+from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
@@ -75,6 +78,7 @@ class ResumeSource:
     with_inv_freq: bool
     case: str                  # one line for the log
     records: dict[str, Any] | None = None  # ckptconv.json's size + digest per file; None: no metadata
+    flag: str = "--resume"     # the option that named it (--init: where --resume auto starts)
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
         return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
@@ -95,7 +99,7 @@ class ResumeSource:
         try:
             state = load_shard(self.shard(tp_rank, pp_rank), checks=self.checks())
         except ConversionError as exc:
-            raise TrainError(f"--resume {self.given}: {damaged(exc)}") from None
+            raise TrainError(f"{self.flag} {self.given}: {damaged(exc)}") from None
         if pp_rank == self.layout.pp - 1 and not stores_lm_head(self.spec, state):
             state[LM_HEAD] = state[EMBED] if pp_rank == 0 else self._embedding(tp_rank)
         return state
@@ -108,11 +112,11 @@ class ResumeSource:
             return ckpt.read_rows(source, 0, shape[0])
 
 
-def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
-    """Apply the resume rules of the module docstring to ``path``."""
+def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> ResumeSource:
+    """Apply the resume rules of the module docstring to ``path`` (given as ``flag``)."""
     given = Path(path)
     if not given.exists():
-        raise TrainError(f"--resume {path}: no such directory")
+        raise TrainError(f"{flag} {path}: no such directory")
     try:
         root, _, _ = resolve_checkpoint(given)
         check_model_config(root)
@@ -120,18 +124,34 @@ def resolve_resume(path: str, *, weights_only: bool) -> ResumeSource:
         ckpt.close()
         records = None if ckpt.metadata is None else ckpt.metadata.files
     except ConversionError as exc:
-        raise TrainError(f"--resume {path}: {damaged(exc)}") from None
+        raise TrainError(f"{flag} {path}: {damaged(exc)}") from None
     has_optim = (root / OPTIM_DIR).is_dir()
     if has_optim and not (root / DONE_MARKER).is_file():
-        raise TrainError(f"--resume {path}: {root} has {OPTIM_DIR}/ but no '{DONE_MARKER}' marker (an interrupted "
+        raise TrainError(f"{flag} {path}: {root} has {OPTIM_DIR}/ but no '{DONE_MARKER}' marker (an interrupted "
                          "save); resume from the checkpoint root to take the newest completed tag")
     if weights_only or not has_optim:
         why = "--weights-only" if weights_only and has_optim else "no optimizer state (a converted checkpoint)"
         return ResumeSource(path, root, ckpt.files, False, spec, layout, with_inv_freq,
-                            f"weights only from {root} ({why}): step 0, fresh optimizer", records)
+                            f"weights only from {root} ({why}): step 0, fresh optimizer", records, flag)
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
     return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}",
-                        records)
+                        records, flag)
+
+
+def resolve_start(ckpt: CheckpointConfig) -> ResumeSource:
+    """Where the run starts: ``--resume PATH``, or ``--resume auto``: the newest completed tag in
+    ``--checkpoint-dir`` when it holds one (the tag choice of :func:`resolve_resume`), else ``--init``."""
+    if ckpt.resume != AUTO:
+        return resolve_resume(ckpt.resume or "", weights_only=ckpt.weights_only)
+    root = Path(ckpt.checkpoint_dir or "")
+    if root.is_dir() and completed_tags(root):
+        source = resolve_resume(str(root), weights_only=ckpt.weights_only)
+        return dataclasses.replace(source, case=f"auto: {source.case}")
+    if not ckpt.init:
+        raise TrainError(f"--resume auto: {root} holds no completed tag yet, and no --init PATH says where to "
+                         "start (a converted NxD directory)")
+    source = resolve_resume(ckpt.init, weights_only=ckpt.weights_only, flag="--init")
+    return dataclasses.replace(source, case=f"auto: no completed tag in {root} yet; {source.case}")
 
 
 def damaged(exc: ConversionError) -> str:
@@ -169,8 +189,9 @@ def check_layout(source: ResumeSource, run: ParallelLayout) -> None:
     else:
         flags += " --coalesce-qkv" if run.attention is Attention.COALESCED else " --no-qkv-linear"
     target = f"{source.root}-tp{run.tp}-pp{run.pp}"
-    raise TrainError(f"--resume {source.given}: shards are {describe(source.layout)}, this run is {describe(run)}; "
-                     f"reshard first: ckptconv reshard {source.root} {target} {flags} (then --resume {target})")
+    raise TrainError(f"{source.flag} {source.given}: shards are {describe(source.layout)}, this run is "
+                     f"{describe(run)}; reshard first: ckptconv reshard {source.root} {target} {flags} (then "
+                     f"{source.flag} {target})")
 
 
 def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
@@ -247,7 +268,7 @@ def check_optimizer_layout(source: ResumeSource, state: TrainingState, *, zero1:
         return f"with --zero1 over {size} dp rank{'s' if size != 1 else ''}" if on else "without --zero1"
 
     hint = (f"--zero1 with a data-parallel size of {saved[1]}" if saved_zero1 else "no --zero1")
-    raise TrainError(f"--resume {source.given}: optimizer state in {source.root} was saved {describe_zero1(*saved)}, "
+    raise TrainError(f"{source.flag} {source.given}: optimizer state in {source.root} was saved {describe_zero1(*saved)}, "
                      f"this run is {describe_zero1(zero1, dp)}; resume with {hint}, or with --weights-only "
                      "(weights only, fresh optimizer)")
 

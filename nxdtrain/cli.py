@@ -3,6 +3,9 @@
 
 The ``run`` flags are generated from :mod:`nxdtrain.config` (one flag per leaf option, its help
 from the field), so the flags, the YAML keys and the Python API cannot drift apart.
+
+Parsing and the config checks import no torch (a test checks ``sys.modules``): ``--version``,
+``--help`` and a bad flag or YAML key are answered at once; training imports it when it starts.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli_errors import DEBUG_HELP, run_guarded
+from ckptconv.cli_errors import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
-from ckptconv.metadata import tool_version
+from ckptconv.metadata import add_version_flag
 from nxdtrain.commands import add_commands
-from nxdtrain.config import TrainConfig, flag_of, leaf_fields, read_yaml
+from nxdtrain.config import TrainConfig, explain, flag_of, leaf_fields
+from nxdtrain.errors import TrainError
+from nxdtrain.yaml_config import read_yaml
 
 PRELOAD = ("nxdtrain.train", "nxdtrain.pipeline")  # what the processes of --nproc need, imported once
 
@@ -39,7 +44,7 @@ def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
-    parser.add_argument("--version", action="version", version=f"nxdtrain {tool_version()}")
+    add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do (COMMAND --help for its flags)")
@@ -59,28 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the YAML file, then the flags given on the command line."""
-    values: dict[str, Any] = {}
-    source = "flags"
-    if args.config_file:
-        values, notes = read_yaml(args.config_file)
-        source = f"--config {args.config_file}"
-        for line in notes:
-            print(f"nxdtrain: {line}", file=sys.stderr)
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config_file", "debug")}
-    return TrainConfig.from_flat({**values, **flags}, source=source)
+    if not args.config_file:
+        return TrainConfig.from_flat(flags, source="flags")
+    options = read_yaml(args.config_file)
+    values, origins = options.under(flags)
+    for line in options.notes:
+        print(f"nxdtrain: {line}", file=sys.stderr)
+    return TrainConfig.from_flat(values, source=f"--config {args.config_file}", origins=origins)
 
 
 def _run(args: argparse.Namespace) -> int:
+    config = load_config(args)  # a bad flag or YAML key fails here, before torch is imported
+    try:
+        return _train(config, debug=args.debug)
+    except TrainError as exc:  # name the YAML key where a value came from the file
+        raise TrainError(explain(str(exc), config.origins)) from None
+
+
+def _train(config: TrainConfig, *, debug: bool) -> int:
     from nxdtrain.dist import spawn
     from nxdtrain.train import prepare, run_worker, train
 
-    config = load_config(args)
     if not config.nproc:
         train(config)
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
     prepare(config, config.nproc)  # fail here, once, before starting anything
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # the processes print their tracebacks too
     return spawn(run_worker, (config,), config.nproc, preload=PRELOAD)
 
 

@@ -111,18 +111,10 @@ def _steps(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from ckptconv.report import key_values
 
-    console = Console(width=100)
-    console.print(f"{report['data']}: gbs {report['gbs']}, mbs {report['mbs']}, tp {report['tp']} x pp {report['pp']}",
-                  highlight=False, soft_wrap=True)
-    table = Table(show_header=False)
-    table.add_column("", style="bold")
-    table.add_column("", justify="right")
-    for key, label in STEPS_LABELS.items():
-        table.add_row(label, f"{report[key]:,}")
-    console.print(table)
+    key_values([(label, f"{report[key]:,}") for key, label in STEPS_LABELS.items()], right=True,
+               title=f"{report['data']}: gbs {report['gbs']}, mbs {report['mbs']}, tp {report['tp']} x pp {report['pp']}")
     return 0
 
 

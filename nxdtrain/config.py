@@ -13,24 +13,32 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 
 OPTIMIZERS = ("adamw", "sgd")
-SCHEDULES = ("cosine", "linear", "constant")
-PRECISIONS = ("fp32", "bf16")
+# Ours, then NxDT's by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp; nxdtrain.schedules)
+SCHEDULES = ("cosine", "linear", "constant", "CosineAnnealing", "LinearAnnealingWithWarmUp")
+NXDT_SCHEDULES = SCHEDULES[3:]
+PRECISIONS = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.recompute)
+AUTO = "auto"  # --resume auto
 
 
-def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None) -> Any:
-    """A config field that is also a CLI flag ``--name-with-dashes`` (booleans also get ``--no-name``)."""
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
+def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
+           path: bool = False) -> Any:
+    """A config field that is also a CLI flag ``--name-with-dashes`` (booleans also get ``--no-name``).
+
+    ``path``: a file or directory; ``~`` and ``$VARS`` in its value are expanded (YAML and flags alike).
+    """
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "path": path})
 
 
 def _check(ok: bool, message: str) -> None:
@@ -73,10 +81,13 @@ class OptimConfig:
     optimizer: str = option("adamw", "optimizer (sgd is plain SGD: no momentum)", choices=OPTIMIZERS)
     lr: float = option(3e-4, "peak learning rate")
     min_lr: float | None = option(None, f"learning rate at the end of the decay (default: {MIN_LR_FRACTION} x --lr; "
-                                        "--min-lr 0 ends the decay at 0)")
+                                        "0 for NxDT's schedules; --min-lr 0 ends the decay at 0)")
     warmup: float = option(0, "linear warmup: a step count (an integer >= 1, 1.0 included) or a fraction of the "
                               "run's steps (0 < x < 1, rounded up)")
-    schedule: str = option("cosine", "decay after warmup", choices=SCHEDULES)
+    schedule: str = option("cosine", "decay after warmup: ours (warmup lr x step/warmup, then to --min-lr at "
+                                     "--decay-steps), or NxDT's CosineAnnealing / LinearAnnealingWithWarmUp with "
+                                     "their own step counting (what an NxDT YAML's model.optim.sched.name selects)",
+                           choices=SCHEDULES)
     decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)")
     weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (never on norm weights)")
     beta1: float = option(0.9, "AdamW beta1")
@@ -88,10 +99,14 @@ class OptimConfig:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
         _choice("--schedule", self.schedule, SCHEDULES)
         _check(self.lr > 0, f"--lr must be > 0, got {self.lr!r}")
-        min_lr = MIN_LR_FRACTION * self.lr if self.min_lr is None else self.min_lr
+        default_min = 0.0 if self.schedule in NXDT_SCHEDULES else MIN_LR_FRACTION * self.lr
+        min_lr = default_min if self.min_lr is None else self.min_lr
         if self.min_lr is None:  # resolved here, so every reader (schedule, checkpoint, log) sees the number
             object.__setattr__(self, "min_lr", min_lr)
         _check(0 <= min_lr <= self.lr, f"--min-lr must be in [0, --lr {self.lr}], got {min_lr!r}")
+        _check(self.schedule != "LinearAnnealingWithWarmUp" or min_lr == 0,
+               f"--schedule LinearAnnealingWithWarmUp decays to 0 (NxDT's schedule takes no minimum), got --min-lr "
+               f"{min_lr!r}; drop --min-lr, or use --schedule linear")
         _check(_is_warmup(self.warmup), f"--warmup must be a step count (integer >= 0) or a fraction in (0, 1), "
                                         f"got {self.warmup!r}")
         _check(self.decay_steps is None or (_is_int(self.decay_steps) and self.decay_steps >= 1),
@@ -109,26 +124,41 @@ class DataConfig:
     """Where rows come from and how they are batched."""
 
     data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.json(.gz) file (input_ids per row), a "
-                                    "directory or glob of those (sorted), or 'synthetic'")
+                                    "directory or glob of those (sorted), or 'synthetic'", path=True)
     seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
     mbs: int = option(1, "microbatch size in rows")
     shuffle: bool = option(True, "visit rows in a seeded random order per epoch (--no-shuffle: file order)")
+    eval_data: str | None = option(None, "held-out rows (what --data takes) for the evaluation loss", path=True)
+    eval_every: int = option(0, "compute the loss on --eval-data every N steps (0: never); every rank takes part")
+    eval_batches: int | None = option(None, "global batches of --gbs rows per evaluation, from the start of "
+                                            "--eval-data in file order (default: all its full batches)")
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
         _check(_is_int(self.gbs) and self.gbs >= 1, f"--gbs must be an integer >= 1, got {self.gbs!r}")
         _check(_is_int(self.mbs) and self.mbs >= 1, f"--mbs must be an integer >= 1, got {self.mbs!r}")
         _check(self.gbs % self.mbs == 0, f"--gbs {self.gbs} must be a multiple of --mbs {self.mbs}")
+        _check(_is_int(self.eval_every) and self.eval_every >= 0,
+               f"--eval-every must be an integer >= 0, got {self.eval_every!r}")
+        _check(self.eval_batches is None or (_is_int(self.eval_batches) and self.eval_batches >= 1),
+               f"--eval-batches must be an integer >= 1, got {self.eval_batches!r}")
+        _check(not (self.eval_every and not self.eval_data), f"--eval-every {self.eval_every} needs --eval-data PATH")
+        _check(not (self.eval_data and not self.eval_every), "--eval-data needs --eval-every N (steps between "
+                                                             "evaluations)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """Where training starts from and where its tags go."""
 
-    resume: str | None = option(None, "converted NxD dir (weights only), checkpoint root (newest tag) or tag dir")
+    resume: str | None = option(None, "converted NxD dir (weights only), checkpoint root (newest tag), tag dir, or "
+                                      "'auto': the newest completed tag in --checkpoint-dir, else --init", path=True)
+    init: str | None = option(None, "with --resume auto: where to start while --checkpoint-dir holds no completed "
+                                    "tag (read as --resume reads a path)", path=True)
     weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer")
-    checkpoint_dir: str | None = option(None, "where step_<N> tags are written (required, unless --no-checkpoint)")
+    checkpoint_dir: str | None = option(None, "where step_<N> tags are written (required, unless --no-checkpoint)",
+                                        path=True)
     checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir")
     keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)")
     xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)")
@@ -136,7 +166,14 @@ class CheckpointConfig:
                                         "trained weights are lost when the run ends")
 
     def __post_init__(self) -> None:
-        _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root or a tag")
+        _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, "
+                                  "or auto (with --checkpoint-dir and --init)")
+        if self.resume == AUTO:
+            _check(bool(self.checkpoint_dir), "--resume auto needs --checkpoint-dir (where it looks for the newest "
+                                              "completed tag)")
+        else:
+            _check(self.init is None, f"--init {self.init} is where --resume auto starts; with --resume {self.resume} "
+                                      "it would be ignored: drop it, or pass --resume auto")
         _check(_is_int(self.checkpoint_freq) and self.checkpoint_freq >= 0,
                f"--checkpoint-freq must be an integer >= 0, got {self.checkpoint_freq!r}")
         _check(_is_int(self.keep) and self.keep >= 1, f"--keep must be an integer >= 1, got {self.keep!r}")
@@ -152,13 +189,16 @@ class TrainConfig:
     epochs: int | None = option(None, "train this many passes over --data instead of --steps (last partial global "
                                       "batch of each epoch dropped)")
     seed: int = option(1234, "seed of the data order and of torch's RNG")
-    precision: str = option("bf16", "fp32, or bf16 parameters with fp32 master weights and optimizer state",
-                            choices=PRECISIONS)
+    precision: str = option("auto", "fp32, or bf16 parameters with fp32 master weights and optimizer state; auto: "
+                                    "what a resumed checkpoint was trained in, else bf16 on an accelerator (cuda, "
+                                    "Trainium) and fp32 on cpu", choices=PRECISIONS)
     nproc: int | None = option(None, "start this many local processes (without it: join torchrun/srun or run alone)")
-    log_jsonl: str | None = option(None, "append one JSON line per step to this file")
-    tensorboard: str | None = option(None, "write loss, lr, grad norm, tokens/s and consumed samples per step to "
-                                           "TensorBoard event files in this directory")
-    export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)")
+    log_jsonl: str | None = option(None, "append one JSON line per step to this file", path=True)
+    tensorboard: str | None = option(None, "write loss, lr, grad and parameter norms, tokens/s, consumed samples and "
+                                           "the evaluation loss to TensorBoard event files in this directory (our "
+                                           "tags and NxDT's)", path=True)
+    export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)",
+                                   path=True)
     dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails")
     device: str = option("auto", "where to train; auto: xla when torch-xla imports and its PJRT device is an "
                          "accelerator (Trainium: NEURON), else cuda when available, else cpu", choices=DEVICES)
@@ -168,6 +208,9 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Not an option: where values came from when not from a flag (name -> "KEY (FILE)"), so that later
+    # messages name the YAML key the user wrote (:func:`explain`).
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         _check(_is_int(self.steps) and self.steps >= 0, f"--steps must be an integer >= 0, got {self.steps!r}")
@@ -186,6 +229,21 @@ class TrainConfig:
                "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")
         _check(not (ckpt.checkpoint_freq and not ckpt.checkpoint_dir), "--checkpoint-freq needs --checkpoint-dir")
 
+    def with_precision(self, device: str, recorded: str | None) -> tuple[TrainConfig, str]:
+        """``--precision auto`` resolved for ``device`` (a resumed checkpoint's ``recorded`` precision first),
+        and the line that says which precision the run uses and why."""
+        from nxdtrain.device import default_precision
+
+        if self.precision != "auto":
+            changed = f"; the checkpoint was trained in {recorded}" if recorded and recorded != self.precision else ""
+            return self, explain(f"precision {self.precision} (--precision{changed})", self.origins)
+        if recorded in ("fp32", "bf16"):
+            return dataclasses.replace(self, precision=recorded), f"precision {recorded} (recorded in the checkpoint)"
+        chosen = default_precision(device)
+        other = "bf16" if chosen == "fp32" else "fp32"
+        return (dataclasses.replace(self, precision=chosen),
+                f"precision {chosen} (the default on {device}; --precision {other} to change it)")
+
     @property
     def decay_steps(self) -> int:
         return self.optim.decay_steps or self.steps
@@ -193,8 +251,14 @@ class TrainConfig:
     # ------------------------------------------------------------------ flat views
 
     @classmethod
-    def from_flat(cls, values: dict[str, Any], source: str = "options") -> TrainConfig:
-        """Build from flat leaf names (``{"tp": 2, "lr": 1e-3}``); unknown names are an error."""
+    def from_flat(cls, values: dict[str, Any], source: str = "options",
+                  origins: dict[str, str] | None = None) -> TrainConfig:
+        """Build from flat leaf names (``{"tp": 2, "lr": 1e-3}``); unknown names are an error.
+
+        ``origins`` says where values that did not come from a flag came from (``{"lr": "model.optim.lr
+        (run.yaml)"}``): an error about such a value names that key instead of the flag.
+        """
+        origins = dict(origins or {})
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         top: dict[str, Any] = {}
         fields = {f.name: (owner, f) for owner, f in leaf_fields()}
@@ -202,15 +266,20 @@ class TrainConfig:
             if key not in fields:
                 raise TrainError(f"{source}: unknown option {key!r} (valid: {', '.join(sorted(fields))})")
             owner, f = fields[key]
-            (sections[owner] if owner else top)[key] = coerce(f, value, source)
+            (sections[owner] if owner else top)[key] = coerce(f, value, origins.get(key, source))
         if top.get("epochs") is not None and "steps" in top:
-            raise TrainError(f"{source}: --epochs and --steps are exclusive (give one: epochs size the run from --data)")
-        built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
-        return cls(**top, **built)
+            raise TrainError(f"{source}: " + explain("--epochs and --steps are exclusive (give one: epochs size the "
+                                                     "run from --data)", origins))
+        try:
+            built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
+            return cls(**top, **built, origins=origins)
+        except TrainError as exc:
+            raise TrainError(explain(str(exc), origins)) from None
 
     def to_flat(self) -> dict[str, Any]:
         """Every leaf as a plain value (what ``user_content.pt`` stores)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SECTIONS}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in SECTIONS and not f.metadata.get("internal")}
         for name in SECTIONS:
             section = getattr(self, name)
             out.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
@@ -224,7 +293,7 @@ SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "optim": OptimConfig, "
 def leaf_fields() -> list[tuple[str | None, dataclasses.Field[Any]]]:
     """(section name or None for top level, field) for every leaf option, in declaration order."""
     out: list[tuple[str | None, dataclasses.Field[Any]]] = [
-        (None, f) for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS
+        (None, f) for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS and not f.metadata.get("internal")
     ]
     for name, section_cls in SECTIONS.items():
         out.extend((name, f) for f in dataclasses.fields(section_cls))
@@ -241,8 +310,10 @@ def flag_of(f: dataclasses.Field[Any]) -> str:
 
 
 def coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
-    """A YAML value as the field's type (YAML 1.1 reads ``1e-3`` as a string, for one)."""
+    """A YAML value as the field's type (YAML 1.1 reads ``1e-3`` as a string, for one); paths expanded."""
     kind = str(f.type)
+    if f.metadata.get("path") and isinstance(value, str):
+        return expand_path(value, source)
     if value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return value
     try:
@@ -255,6 +326,39 @@ def coerce(f: dataclasses.Field[Any], value: Any, source: str) -> Any:
     except ValueError:
         raise TrainError(f"{source}: {f.name} must be a {kind.split(' ')[0]}, got {value!r}") from None
     return value
+
+
+_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def expand_path(value: str, source: str) -> str:
+    """``~`` and ``$VAR``/``${VAR}`` expanded; a variable that is not set is an error naming it."""
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    unset = _VAR.search(expanded)
+    if unset is not None:
+        raise TrainError(f"{source} {value!r}: environment variable {unset.group(1).strip('{}')} is not set")
+    return expanded
+
+
+def explain(message: str, origins: dict[str, str]) -> str:
+    """``message`` with the first mention of each flag whose value came from a file replaced by where it came
+    from (``--checkpoint-freq needs ...`` -> ``exp_manager.checkpoint_callback_params.every_n_train_steps
+    (run.yaml) needs ...``); later mentions stay flags (what the user may type to override it)."""
+    if not origins:
+        return message
+    names = {flag: f.name for _, f in leaf_fields() for flag in (flag_of(f), *f.metadata["aliases"])}
+    seen: set[str] = set()
+
+    def name(match: re.Match[str]) -> str:
+        flag = match.group(0)
+        field_name = names.get(flag)
+        if field_name not in origins or flag in seen:
+            return flag
+        seen.add(flag)
+        return origins[field_name]
+
+    return _FLAG.sub(name, message)
 
 
 def _is_int(value: Any) -> bool:
@@ -270,121 +374,3 @@ def _is_warmup(value: Any) -> bool:
 
 def _choice(flag: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, f"{flag} must be one of {', '.join(choices)}, got {value!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# YAML
-
-
-# NxDT's nested keys -> our flat names. Keys of NxDT sections not listed here are reported and ignored.
-NXDT_KEYS: dict[tuple[str, ...], str] = {
-    ("trainer", "max_steps"): "steps",
-    ("trainer", "gradient_clip_val"): "clip_grad",
-    ("distributed_strategy", "tensor_model_parallel_size"): "tp",
-    ("distributed_strategy", "pipeline_model_parallel_size"): "pp",
-    ("distributed_strategy", "kv_replicator"): "kv_replicator",
-    ("distributed_strategy", "zero1"): "zero1",
-    ("distributed_strategy", "sequence_parallel"): "sequence_parallel",
-    ("data", "micro_batch_size"): "mbs",
-    ("data", "global_batch_size"): "gbs",
-    ("data", "seq_length"): "seq_len",
-    ("data", "train_dir"): "data",
-    ("model", "qkv_linear"): "qkv_linear",
-    ("model", "fuse_qkv"): "fuse_qkv",
-    ("model", "weight_init_only"): "weights_only",
-    ("model", "activations_checkpoint_granularity"): "activation_checkpointing",
-    ("model", "activations_checkpoint_recompute"): "activations_checkpoint_recompute",
-    ("model", "optim", "name"): "optimizer",
-    ("model", "optim", "lr"): "lr",
-    ("model", "optim", "weight_decay"): "weight_decay",
-    ("model", "optim", "eps"): "eps",
-    ("model", "optim", "betas"): "betas",
-    ("model", "optim", "sched", "name"): "schedule",
-    ("model", "optim", "sched", "warmup_steps"): "warmup",
-    ("model", "optim", "sched", "max_steps"): "decay_steps",
-    ("model", "optim", "sched", "min_lr"): "min_lr",
-    ("exp_manager", "resume_from_checkpoint"): "resume",
-    ("exp_manager", "save_xser"): "xser",
-    ("exp_manager", "checkpoint_callback_params", "every_n_train_steps"): "checkpoint_freq",
-    ("exp_manager", "checkpoint_callback_params", "save_top_k"): "keep",
-    ("precision", "type"): "precision",
-}
-NXDT_SECTIONS = frozenset(path[0] for path in NXDT_KEYS)
-
-
-def _nxdt_value(key: str, value: Any, source: str) -> dict[str, Any]:
-    """Translate one NxDT value into our flat option(s)."""
-    if key == "betas":
-        if not (isinstance(value, (list, tuple)) and len(value) == 2):
-            raise TrainError(f"{source}: model.optim.betas must be a list of two numbers, got {value!r}")
-        return {"beta1": float(value[0]), "beta2": float(value[1])}
-    if key == "optimizer":
-        name = str(value).lower()
-        return {"optimizer": "adamw" if name.startswith("adamw") else name}
-    if key == "schedule":
-        name = str(value).lower()
-        found = [s for s in SCHEDULES if s in name]
-        if not found:
-            raise TrainError(f"{source}: model.optim.sched.name {value!r} is none of {', '.join(SCHEDULES)}")
-        return {"schedule": found[0]}
-    if key == "activation_checkpointing":  # NxDT: selective, full, or null for none
-        return {key: "none" if value is None else str(value).lower()}
-    if key == "activations_checkpoint_recompute":
-        # NxDT names the modules `selective` recomputes; ours is always the attention core.
-        names = [value] if isinstance(value, str) else list(value or [])
-        if any(name != "CoreAttention" for name in names):
-            raise TrainError(f"{source}: model.activations_checkpoint_recompute {value!r}: nxdtrain recomputes "
-                             "only CoreAttention (activations_checkpoint_granularity: selective)")
-        return {}
-    if key == "precision":
-        return {"precision": "fp32" if str(value).lower() == "fp32" else "bf16"}
-    return {key: value}
-
-
-def _walk(tree: dict[str, Any], prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
-    out = []
-    for key, value in tree.items():
-        path = (*prefix, str(key))
-        if isinstance(value, dict) and path not in NXDT_KEYS:
-            out.extend(_walk(value, path))
-        else:
-            out.append((path, value))
-    return out
-
-
-def read_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
-    """Flat options from a YAML file, and notes on NxDT keys that were ignored.
-
-    Top-level keys are our option names; a top-level mapping named like an NxDT section
-    (``distributed_strategy``, ``model``, ``data``, ...) is read with :data:`NXDT_KEYS`.
-    """
-    import yaml
-
-    path = Path(path)
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise TrainError(f"--config {path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise TrainError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    if tree is None:
-        return {}, []
-    if not isinstance(tree, dict):
-        raise TrainError(f"--config {path}: expected a mapping of options, got {type(tree).__name__}")
-    flat: dict[str, Any] = {}
-    ignored: list[str] = []
-    owners = leaf_owners()
-    for key, value in tree.items():
-        if key in NXDT_SECTIONS and isinstance(value, dict):
-            for sub_path, sub_value in _walk(value, (key,)):
-                if sub_path in NXDT_KEYS:
-                    flat.update(_nxdt_value(NXDT_KEYS[sub_path], sub_value, str(path)))
-                else:
-                    ignored.append(".".join(sub_path))
-        elif key in owners:
-            flat[key] = value
-        else:
-            raise TrainError(f"--config {path}: unknown key {key!r} (valid: our option names, or NxDT sections "
-                             f"{', '.join(sorted(NXDT_SECTIONS))})")
-    notes = [f"{path}: ignored NxDT keys {', '.join(ignored)}"] if ignored else []
-    return flat, notes

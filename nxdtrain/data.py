@@ -182,6 +182,7 @@ def load_column(path: Path, column: str) -> Any:
     """A ``save_to_disk`` directory's rows (a DatasetDict's 'train' split), reduced to ``column``."""
     import datasets
 
+    _thread_lock_for_tqdm()
     data: Any = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
@@ -190,6 +191,22 @@ def load_column(path: Path, column: str) -> Any:
     if column not in data.column_names:
         raise TrainError(f"{path}: no {column!r} column (columns: {', '.join(data.column_names)})")
     return data.select_columns([column])
+
+
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm a thread lock before ``datasets`` draws its first bar.
+
+    ``load_from_disk`` runs its file loads through tqdm, whose default lock holds a multiprocessing
+    semaphore registered with Python's resource tracker. A training process stopped by SIGTERM exits
+    without releasing it, and the tracker then warns once per process about "leaked semaphore objects".
+    Our processes never share a bar, so a thread lock is all tqdm needs; an explicit lock is kept.
+    """
+    import threading
+
+    from tqdm import tqdm
+
+    if getattr(tqdm, "_lock", None) is None:
+        tqdm.set_lock(threading.RLock())
 
 
 class DatasetRows:

@@ -44,6 +44,13 @@ def xla_limits(*, pp: int, optimizer: str) -> str | None:
     return None
 
 
+def default_precision(kind: str) -> str:
+    """``--precision auto``: bf16 (fp32 masters) on an accelerator, fp32 on a CPU, XLA:CPU included, where
+    bf16 has no fast kernels (it trained 4-8x slower than fp32 on this project's CPU machine)."""
+    accelerator = kind == "cuda" or (kind == "xla" and pjrt_accelerator() is not None)
+    return "bf16" if accelerator else "fp32"
+
+
 def torch_xla_api() -> ModuleType | None:
     """torch_xla when it imports and has the API this trainer calls (``device``, ``sync``, ``xla_model``,
     the ``xla`` process-group backend); None otherwise. A module of that name alone is not enough."""

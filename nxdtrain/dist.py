@@ -235,10 +235,27 @@ class Mesh:
 # Starting N local processes
 
 
-def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, port: int) -> None:
+ERROR_FILE = "rank-{}.txt"  # in the launcher's error directory: a failed process's one-line message
+
+
+def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, port: int,
+           errors: str) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    fn(*args)
+    try:
+        fn(*args)
+    except Exception as exc:
+        # Not printed here: every rank often fails alike (a bad row, a missing file), or because a peer
+        # failed (a lost connection); the launcher prints the first message written, once.
+        from ckptconv.cli_errors import debug_requested, describe
+
+        if debug_requested():
+            import traceback
+
+            traceback.print_exc()
+        with open(os.path.join(errors, ERROR_FILE.format(local_rank)), "w") as fh:
+            fh.write(" ".join(describe(exc)[0].split()))
+        sys.exit(1)
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout_s: float | None = None,
@@ -247,44 +264,75 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
 
     Processes are forked from a forkserver that imported ``preload`` once, so a world starts in
     well under a second instead of importing torch in every process. When one process fails the
-    others are terminated; a run past ``timeout_s`` is terminated too (exit code 124). SIGTERM or
+    others are terminated and the first error written is printed once (``nxdtrain: error: ...``;
+    with ``--debug`` every process prints its traceback); a run past ``timeout_s`` is terminated too (exit code 124). SIGTERM or
     SIGINT to this process is forwarded to every worker, and the launcher waits for them all
     (killing those still alive after :data:`STOP_GRACE_S`) before it returns 128 + the signal: a
     supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind.
     """
     import multiprocessing
+    import tempfile
 
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(list(preload))
     port = free_port()
-    context = mp.start_processes(_child, args=(fn, args, nprocs, port), nprocs=nprocs, join=False,
-                                 start_method="forkserver")
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with _Forwarding(context) as forwarding:
-        try:
-            while not context.join(timeout=0.2):
-                if forwarding.signum is not None:
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    _terminate(context)
-                    print(f"nxdtrain: error: {nprocs} processes still running after {timeout_s:.0f}s; terminated",
-                          file=sys.stderr)
-                    return 124
-        except mp.ProcessExitedException as exc:
-            if forwarding.signum is None:
-                return exc.exit_code or 1
-        except mp.ProcessRaisedException as exc:
-            if forwarding.signum is None:
-                print(str(exc), file=sys.stderr)
-                return 1
-        if forwarding.signum is not None:
-            _terminate(context, grace_s=STOP_GRACE_S)
-            name = signal.Signals(forwarding.signum).name
-            print(f"nxdtrain: {name}: stopped all {nprocs} processes; tags without a 'done' marker are never resumed",
+    with tempfile.TemporaryDirectory(prefix="nxdtrain-errors-") as errors:
+        context = mp.start_processes(_child, args=(fn, args, nprocs, port, errors), nprocs=nprocs, join=False,
+                                     start_method="forkserver")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with _Forwarding(context) as forwarding:
+            failed = _wait(context, forwarding, deadline)
+            if forwarding.signum is not None:
+                _terminate(context, grace_s=STOP_GRACE_S)
+                name = signal.Signals(forwarding.signum).name
+                print(f"nxdtrain: {name}: stopped all {nprocs} processes; tags without a 'done' marker are never "
+                      "resumed", file=sys.stderr)
+                return 128 + forwarding.signum
+        if failed is None:
+            _terminate(context)
+            print(f"nxdtrain: error: {nprocs} processes still running after {timeout_s:.0f}s; terminated",
                   file=sys.stderr)
-            return 128 + forwarding.signum
-    return 0
+            return 124
+        if not failed:
+            return 0
+        _terminate(context)  # the others, quietly: their errors are the first one's consequences or copies of it
+        print(f"nxdtrain: error: {_first_error(context, failed, errors)}", file=sys.stderr)
+        code = context.processes[failed[0]].exitcode
+        return code if code and code > 0 else 1
+
+
+def _wait(context: Any, forwarding: _Forwarding, deadline: float | None) -> list[int] | None:
+    """Until all processes exit 0 (``[]``), one fails (the failed indexes in the order seen), a signal
+    arrives (``[]``; the caller looks at ``forwarding``) or the deadline passes (None)."""
+    from multiprocessing.connection import wait
+
+    running = {p.sentinel: i for i, p in enumerate(context.processes)}
+    failed: list[int] = []
+    while running:
+        for sentinel in wait(list(running), timeout=0.2):
+            index = running.pop(sentinel)
+            context.processes[index].join()
+            if context.processes[index].exitcode != 0:
+                failed.append(index)
+        if failed or forwarding.signum is not None:
+            return failed
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+    return failed
+
+
+def _first_error(context: Any, failed: list[int], errors: str) -> str:
+    """The message written first (the others are usually copies of it, or peers' lost connections);
+    a process that died without one is described by its exit status."""
+    written = [os.path.join(errors, name) for name in os.listdir(errors)]
+    if written:
+        first = min(written, key=lambda path: (os.stat(path).st_mtime_ns, path))
+        with open(first) as fh:
+            return fh.read().strip()
+    code = context.processes[failed[0]].exitcode
+    return (f"process {failed[0]} was killed by {signal.Signals(-code).name}" if code < 0
+            else f"process {failed[0]} exited with status {code}")
 
 
 STOP_GRACE_S = 30.0  # how long workers get to exit after a forwarded signal before SIGKILL

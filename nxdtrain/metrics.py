@@ -16,14 +16,22 @@ class StepMetrics:
     step: int
     loss: float
     lr: float
-    grad_norm: float
+    grad_norm: float         # before clipping
     tokens_per_s: float
     consumed_samples: int
+    param_norm: float = 0.0  # after the update; each distinct element once, as grad_norm
+    eval_loss: float | None = None  # on the steps that evaluated --eval-data
 
 
-# TensorBoard tags of the StepMetrics fields; the x axis is the step.
-TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                    "tokens_per_s": "train/tokens_per_s", "consumed_samples": "train/consumed_samples"}
+# TensorBoard tags of the StepMetrics fields, ours and NxDT's (what its PyTorch Lightning module logs, so the
+# dashboards of either read the run); the x axis is the step. NxDT's "throughput" is sequences/s.
+TENSORBOARD_TAGS = {"loss": ("train/loss", "reduced_train_loss"), "lr": ("train/lr", "lr"),
+                    "grad_norm": ("train/grad_norm", "gradient_norm"),
+                    "param_norm": ("train/param_norm", "parameter_norm"),
+                    "tokens_per_s": ("train/tokens_per_s",),
+                    "consumed_samples": ("train/consumed_samples", "consumed_samples"),
+                    "eval_loss": ("eval/loss", "val_loss")}
+NXDT_STEP_TAGS = ("global_step", "throughput")  # the step itself, and tokens/s over --seq-len
 
 
 def require_tensorboard() -> None:
@@ -45,8 +53,8 @@ class StepLog:
     """Rank 0's view of the run: progress with loss, lr, tokens/s and ETA; the jsonl file."""
 
     def __init__(self, *, first_step: int, last_step: int, jsonl: str | None, enabled: bool,
-                 tensorboard: str | None = None) -> None:
-        self.enabled = enabled
+                 tensorboard: str | None = None, seq_len: int = 1) -> None:
+        self.enabled, self.seq_len = enabled, seq_len
         self.first, self.last = first_step, last_step
         self._jsonl: TextIO | None = None
         self._tensorboard: Any = None
@@ -77,12 +85,19 @@ class StepLog:
         if not self.enabled:
             return
         stats = f"loss {m.loss:.4f}  lr {m.lr:.3g}  |g| {m.grad_norm:.3g}  {m.tokens_per_s:,.0f} tok/s"
+        if m.eval_loss is not None:
+            stats += f"  eval loss {m.eval_loss:.4f}"
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(asdict(m)) + "\n")
             self._jsonl.flush()
         if self._tensorboard is not None:
-            for field, tag in TENSORBOARD_TAGS.items():
-                self._tensorboard.add_scalar(tag, getattr(m, field), global_step=m.step)
+            for field, tags in TENSORBOARD_TAGS.items():
+                value = getattr(m, field)
+                for tag in tags if value is not None else ():
+                    self._tensorboard.add_scalar(tag, value, global_step=m.step)
+            global_step, throughput = NXDT_STEP_TAGS
+            self._tensorboard.add_scalar(global_step, m.step, global_step=m.step)
+            self._tensorboard.add_scalar(throughput, m.tokens_per_s / self.seq_len, global_step=m.step)
         if self._progress is not None:
             self._progress.update(self._task, completed=m.step, stats=stats)
         else:

@@ -7,7 +7,7 @@ copied back into the parameters after each step). Weight decay applies to matric
 to norm weights. With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
 torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 
-    >>> from nxdtrain.config import OptimConfig
+    >>> from nxdtrain.config import NXDT_SCHEDULES, OptimConfig
     >>> cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup=2, schedule="linear")
     >>> [lr_at(s, cfg, decay_steps=6) for s in range(1, 7)]
     [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nxdtrain.config import OptimConfig
+from nxdtrain.config import NXDT_SCHEDULES, OptimConfig
 from nxdtrain.errors import TrainError
+from nxdtrain.schedules import nxdt_lr
 
 STATE_FORMAT = 1
 
@@ -37,6 +38,8 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     """
     if 0 < cfg.warmup < 1:
         raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.epochs.resolve)")
+    if cfg.schedule in NXDT_SCHEDULES:  # NxDT's own step counting (nxdtrain.schedules)
+        return nxdt_lr(step, cfg, decay_steps=decay_steps)
     if cfg.warmup and step <= cfg.warmup:
         return cfg.lr * step / cfg.warmup
     if cfg.schedule == "constant":

@@ -75,6 +75,21 @@ class PipelineStep:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
+    def evaluate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forward only (call under ``torch.no_grad``): the summed loss of all microbatches on the last stage,
+        0 elsewhere; the same loss definition as :meth:`run`."""
+        if self.schedule is None:
+            targets = shifted_targets(ids).tensor_split(self.microbatches)
+            chunks = ids.tensor_split(self.microbatches)
+            return torch.stack([self._loss(self.model(c), t).float() for c, t in zip(chunks, targets, strict=True)]).sum()
+        losses: list[torch.Tensor] = []
+        args = (ids,) if self.model.is_first else ()
+        kwargs: dict[str, Any] = {"target": shifted_targets(ids), "losses": losses} if self.model.is_last else {}
+        self.schedule.eval(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
     def _run_one_stage(self, ids: torch.Tensor) -> torch.Tensor:
         losses = []
         targets = shifted_targets(ids).tensor_split(self.microbatches)

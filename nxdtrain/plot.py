@@ -1,8 +1,9 @@
-"""``nxdtrain plot LOG.jsonl -o curves.png``: loss, learning rate and throughput against the step.
+"""``nxdtrain plot LOG.jsonl -o curves.png``: loss (and evaluation loss), learning rate and throughput against the step.
 
 Reads the ``--log-jsonl`` file of a run (a resumed run appends to it; a step logged twice keeps its
 last line, as the resumed run's value is the one the checkpoint continues from) and draws three
-panels with matplotlib's Agg backend, so no display is needed.
+panels with matplotlib's Agg backend, so no display is needed. Steps that evaluated ``--eval-data``
+carry ``eval_loss``: drawn in the loss panel as a second line.
 
     >>> figure = plot_log("train-log.jsonl", "curves.png")        # doctest: +SKIP
     >>> [ax.get_ylabel() for ax in figure.axes]                     # doctest: +SKIP
@@ -62,6 +63,11 @@ def plot_log(log: str | Path, out: str | Path, *, title: str | None = None) -> A
     for ax, (field, label, from_zero) in zip(axes, PANELS, strict=True):
         ax.plot(steps, [r[field] for r in records], marker="o" if len(steps) <= 50 else None, markersize=3,
                 linewidth=1.5, label=field, clip_on=False)
+        evaluated = [r for r in records if r.get("eval_loss") is not None]
+        if field == "loss" and evaluated:
+            ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], marker="s", markersize=4,
+                    linewidth=1.5, label="eval_loss", clip_on=False)
+            ax.legend(loc="upper right")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
         if from_zero:  # a rate or a throughput: its scale matters, not only its shape

@@ -7,14 +7,13 @@ gradient); leaving a row-parallel layer (or the vocab-parallel embedding) reduce
 partial sums over the sequence instead of all-reducing them (backward: all-gather). Norm weights
 then see only their slice: their gradients are summed over tp (nxdtrain.grads).
 
-Only ``all_gather_into_tensor``, ``reduce_scatter_tensor`` and ``all_reduce`` are used: the
+Only an all-gather and a reduce-scatter into one tensor and ``all_reduce`` are used: the
 collectives gloo, NCCL and torch-xla all provide. They work on dimension 0, so the sequence
 (dimension 1) is moved to the front around each call.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,8 +22,10 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from nxdtrain.tp_group import TpGroup
 
-# torch 2.13 deprecates the name in favour of reduce_scatter_single, which torch-xla does not provide.
-warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn, once per
+# rank); the torch that torch-xla 2.9 needs has only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def check_seq_len(seq_len: int, tp: int) -> str | None:
@@ -38,7 +39,7 @@ def _gather(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     """``[b, s/tp, h]`` slices of all tp ranks -> ``[b, s, h]`` (rank order along the sequence)."""
     front = x.transpose(0, 1).contiguous()
     out = front.new_empty((front.shape[0] * tp.size, *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=tp.group)
+    _ALL_GATHER(out, front, group=tp.group)
     return out.transpose(0, 1)
 
 
@@ -46,7 +47,7 @@ def _reduce_scatter(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     """``[b, s, h]`` partial sums -> this rank's ``[b, s/tp, h]`` slice of their sum over tp."""
     front = x.transpose(0, 1).contiguous()
     out = front.new_empty((front.shape[0] // tp.size, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=tp.group)
+    _REDUCE_SCATTER(out, front, group=tp.group)
     return out.transpose(0, 1).contiguous()  # a slice is what pipeline stages send: p2p needs contiguous
 
 

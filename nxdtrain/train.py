@@ -15,7 +15,7 @@ Example (one process; ``nxdtrain run`` is the same call):
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.errors import ConversionError
-from ckptconv.execute import usable_cpus
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
+from ckptconv.options import usable_cpus
 from nxdtrain.checkpoint import (
     ResumeSource,
     TagWriter,
@@ -38,7 +37,7 @@ from nxdtrain.checkpoint import (
     load_small,
     optim_file,
     read_training_state,
-    resolve_resume,
+    resolve_start,
     run_layout,
     set_rng_state,
 )
@@ -73,6 +72,9 @@ class RunPlan:
     rows: RowSource                     # --data, opened (and checked) once
     resume_state: TrainingState | None  # step, samples and RNG of a full checkpoint; None: start at 0
     device: str = "cpu"                 # --device resolved: cpu, cuda or xla
+    precision_note: str = ""            # which precision the run uses, and why (rank 0 prints it)
+    eval_rows: RowSource | None = None  # --eval-data, opened (and checked) once
+    eval_count: int = 0                 # global batches per evaluation
 
 
 @dataclass(frozen=True)
@@ -84,14 +86,17 @@ class PendingStep:
     lr: float
     grad_norm: torch.Tensor
     consumed_samples: int
+    param_norm: torch.Tensor
+    eval_loss: torch.Tensor | None = None
 
 
 def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: int) -> list[StepMetrics]:
     """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
-    values = [(float(p.loss), float(p.grad_norm)) for p in pending]
+    values = [(float(p.loss), float(p.grad_norm), float(p.param_norm),
+               None if p.eval_loss is None else float(p.eval_loss)) for p in pending]
     rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
-    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples)
-            for p, (loss, norm) in zip(pending, values, strict=True)]
+    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples, param_norm, eval_loss)
+            for p, (loss, norm, param_norm, eval_loss) in zip(pending, values, strict=True)]
 
 
 def prepare(config: TrainConfig, world_size: int) -> RunPlan:
@@ -104,7 +109,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
                    "it; see examples/neuron/), or use --device cpu")
         if why is not None:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
-    source = resolve_resume(config.checkpoint.resume or "", weights_only=config.checkpoint.weights_only)
+    source = resolve_start(config.checkpoint)
     layout = run_layout(config.parallel, source.layout)
     check_layout(source, layout)
     layout.check_model(source.spec)
@@ -117,18 +122,40 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
     rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    eval_rows, eval_count = open_eval(config, source.spec.vocab)
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
     if resume_state is not None:
         check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
+    recorded = resume_state.options.get("precision") if resume_state is not None else None
+    config, precision_note = config.with_precision(device, recorded)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
     check_saves(config)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
-    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device)
+    return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
+                   eval_rows, eval_count)
+
+
+def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
+    """``--eval-data`` and how many global batches each evaluation takes (all full ones, or --eval-batches)."""
+    data = config.data
+    if not data.eval_every or not data.eval_data:
+        return None, 0
+    # A different seed: synthetic held-out rows must not be the training rows.
+    rows = open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1)
+    whole = None if rows.size is None else rows.size // data.gbs
+    if whole is None and data.eval_batches is None:
+        raise TrainError("--eval-data synthetic has no end: give --eval-batches N")
+    if whole == 0:
+        raise TrainError(f"--eval-data {data.eval_data}: {rows.size} rows, fewer than one global batch of --gbs "
+                         f"{data.gbs}")
+    count = data.eval_batches if whole is None else min(whole, data.eval_batches or whole)
+    assert count is not None
+    return rows, count
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
@@ -190,6 +217,8 @@ class Trainer:
                                      mbs=data.mbs, seq_len=data.seq_len)
         self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed,
                                vocab=source.spec.vocab, gbs=data.gbs)
+        self.eval_batches = None if plan.eval_rows is None else Batches(
+            plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab)
         self.step, self.consumed = 0, 0
         self.saved_step: int | None = None
         if source.full:
@@ -203,6 +232,7 @@ class Trainer:
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
             note(device.describe())
+            note(plan.precision_note)
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
@@ -235,9 +265,27 @@ class Trainer:
         for group in (mesh.dp_group, mesh.pp_group):  # the loss lives on the last stage of each dp replica
             if group is not None:
                 dist.all_reduce(loss, group=group)
+        masters = self.optimizer.master
+        param_norm = global_norm({name: masters[name].detach() for name in self.optimizer.names}, self.grad_plan)
         self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
-        return PendingStep(step, loss, lr, norm, self.consumed)
+        return PendingStep(step, loss, lr, norm, self.consumed, param_norm)
+
+    def evaluate(self) -> torch.Tensor:
+        """Mean token loss over the evaluation batches (every rank takes part: tp, pp and dp, as in training)."""
+        cfg, mesh, plan = self.cfg, self.mesh, self.plan
+        assert self.eval_batches is not None
+        gbs = cfg.data.gbs
+        total = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for k in range(plan.eval_count):
+                ids = self.eval_batches.dp_slice(consumed=k * gbs, gbs=gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
+                total = total + self.pipeline.evaluate(ids.to(self.device))
+        for group in (mesh.dp_group, mesh.pp_group):  # as the training loss: summed over dp, from the last stage
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        self.dev.sync()
+        return total / plan.eval_count
 
     def save(self) -> Path:
         assert self.writer is not None
@@ -257,15 +305,20 @@ class Trainer:
         freq = cfg.checkpoint.checkpoint_freq
         start = self.step
         log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0,
-                      tensorboard=cfg.tensorboard)
+                      tensorboard=cfg.tensorboard, seq_len=cfg.data.seq_len)
         history: list[StepMetrics] = []
         pending: list[PendingStep] = []
         last_tag = None
         tokens_per_step = cfg.data.gbs * cfg.data.seq_len
         try:
             started = time.perf_counter()
+            every = cfg.data.eval_every
             for step in range(start + 1, cfg.steps + 1):
                 pending.append(self.train_step(step))
+                if every and step % every == 0:
+                    evaluating = time.perf_counter()
+                    pending[-1] = dataclasses.replace(pending[-1], eval_loss=self.evaluate())
+                    started += time.perf_counter() - evaluating  # tokens/s counts training only
                 saving = self.writer is not None and freq and step % freq == 0
                 if saving or step % cfg.log_every == 0 or step == cfg.steps:  # host reads only here
                     for metrics in read_metrics(pending, started, tokens_per_step):
@@ -323,9 +376,5 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
 
 
 def run_worker(config: TrainConfig) -> None:
-    """Entry point of a process started by ``--nproc``: one-line errors, non-zero exit on failure."""
-    try:
-        train(config)
-    except ConversionError as exc:  # TrainError, and ckptconv's errors about the checkpoint
-        print(f"nxdtrain: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once)."""
+    train(config)

@@ -61,39 +61,66 @@ def test_convert(tmp_path):
     assert (args.command, args.tp, args.pp, args.qkv_linear, args.fuse_qkv, args.kvm) == ("to-nxd", 8, 1, True, True, 1)
 
 
-def test_train_starts_from_init_then_resumes_the_checkpoint_root(tmp_path):
+def test_train_runs_the_same_command_at_every_start_and_nxdtrain_chooses(tmp_path):
+    """--resume auto --init INIT: a requeue resumes the newest completed tag of CKPT (nxdtrain's rule, which skips
+    a tag whose save was cut short), the first start loads INIT; the script decides nothing from the files."""
     ckpt = tmp_path / "ckpt"
     env = dict(INIT="/fsx/llama-nxd", CKPT=str(ckpt), TP="8", PP="2", CONFIG="run.yaml")
     first = dry_run("train.sbatch", 4, "--lr", "3e-5", **env)
     assert first == [
-        "srun --nodes=4 --ntasks-per-node=1 --ntasks=4 python -m torch.distributed.run --nnodes=4 --nproc-per-node=8 "
-        "--rdzv-backend=c10d --rdzv-endpoint=trn007:14242 --rdzv-id=4242 -m nxdtrain.cli run --resume /fsx/llama-nxd "
-        f"--tp 8 --pp 2 --checkpoint-dir {ckpt} --checkpoint-freq 100 --config run.yaml --lr 3e-5",
+        "srun --nodes=4 --ntasks-per-node=1 --ntasks=4 python -m torch.distributed.run --nnodes=4 --nproc-per-node=32 "
+        "--rdzv-backend=c10d --rdzv-endpoint=trn007:14242 --rdzv-id=4242 -m nxdtrain.cli run --resume auto --init "
+        f"/fsx/llama-nxd --tp 8 --pp 2 --checkpoint-dir {ckpt} --checkpoint-freq 100 --config run.yaml --lr 3e-5",
     ]
-    # A tag without 'done' (a save cut short) is no reason to resume; a completed one is.
-    (ckpt / "step_100").mkdir(parents=True)
-    assert tool_args(dry_run("train.sbatch", 4, **env)[0], "nxdtrain.cli")[:3] == ["run", "--resume", "/fsx/llama-nxd"]
+    (ckpt / "step_100").mkdir(parents=True)  # an interrupted first save
+    assert dry_run("train.sbatch", 4, "--lr", "3e-5", **env) == first
     (ckpt / "step_100/done").write_text("1")
-    requeued = dry_run("train.sbatch", 4, "--lr", "3e-5", **env)
-    assert requeued == [first[0].replace("--resume /fsx/llama-nxd", f"--resume {ckpt}")]
-    args = nxdtrain_parser().parse_args(tool_args(requeued[0], "nxdtrain.cli"))
-    assert (args.resume, args.tp, args.pp, args.checkpoint_dir, args.lr) == (str(ckpt), 8, 2, str(ckpt), 3e-5)
+    assert dry_run("train.sbatch", 4, "--lr", "3e-5", **env) == first
+    args = nxdtrain_parser().parse_args(tool_args(first[0], "nxdtrain.cli"))
+    assert (args.resume, args.init, args.tp, args.pp, args.checkpoint_dir, args.lr) == (
+        "auto", "/fsx/llama-nxd", 8, 2, str(ckpt), 3e-5)
+
+
+@pytest.mark.parametrize("instance,lnc,procs", [("trn1", None, 32), ("trn2", None, 64), ("trn2", "1", 128),
+                                                ("gpu", None, 8)])
+def test_train_processes_per_node_follow_the_instance(instance, lnc, procs):
+    env = dict(INIT="/fsx/nxd", CKPT="/fsx/ckpt", TP="8", INSTANCE=instance)
+    if lnc:
+        env["NEURON_LOGICAL_NC_CONFIG"] = lnc
+    (line,) = dry_run("train.sbatch", 2, **env)
+    assert f" --nnodes=2 --nproc-per-node={procs} " in line
+    (line,) = dry_run("train.sbatch", 2, LAUNCHER="srun", **env)
+    assert line.startswith(f"srun --nodes=2 --ntasks-per-node={procs} --ntasks={2 * procs} ")
+
+
+@pytest.mark.parametrize("nodes,extra,needs", [
+    (4, dict(TP="32", PP="8"), "a multiple of TP 32 x PP 8 = 256"),           # 128 processes, tp x pp 256
+    (4, dict(TP="32", PP="4", DP="2"), "exactly TP 32 x PP 4 x DP 2 = 256"),
+    (3, dict(TP="64", PP="1", INSTANCE="trn2", PROCS_PER_NODE="40"), "a multiple of TP 64 x PP 1 = 64"),
+])
+def test_train_refuses_a_world_that_is_not_the_layout(nodes, extra, needs):
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_ID": "1",
+           "INIT": "/fsx/nxd", "CKPT": "/fsx/ckpt", **extra}
+    result = subprocess.run(["bash", str(SLURM / "train.sbatch")], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and result.stdout == ""  # nothing printed, nothing started
+    assert result.stderr.startswith(f"train.sbatch: {nodes} nodes x PROCS_PER_NODE ")
+    assert f"the layout needs {needs}; change the nodes, PROCS_PER_NODE or the layout" in result.stderr
 
 
 def test_train_one_node_and_srun_launcher():
     env = dict(INIT="/fsx/nxd", CKPT="/fsx/ckpt")
     assert dry_run("train.sbatch", 1, **env) == [
-        "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=8 "
-        "--rdzv-backend=c10d --rdzv-endpoint=trn007:14242 --rdzv-id=4242 -m nxdtrain.cli run --resume /fsx/nxd "
-        "--tp 8 --pp 1 --checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
+        "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=32 "
+        "--rdzv-backend=c10d --rdzv-endpoint=trn007:14242 --rdzv-id=4242 -m nxdtrain.cli run --resume auto --init "
+        "/fsx/nxd --tp 8 --pp 1 --checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
     ]
     assert dry_run("train.sbatch", 4, LAUNCHER="srun", PROCS_PER_NODE="32", **env) == [
-        "srun --nodes=4 --ntasks-per-node=32 --ntasks=128 python -m nxdtrain.cli run --resume /fsx/nxd --tp 8 --pp 1 "
-        "--checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
+        "srun --nodes=4 --ntasks-per-node=32 --ntasks=128 python -m nxdtrain.cli run --resume auto --init /fsx/nxd "
+        "--tp 8 --pp 1 --checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
     ]
     # Outside Slurm (no SLURM_* at all): one node, job 0, the local host.
     assert dry_run("train.sbatch", None, **env)[0].startswith(
-        "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=8 "
+        "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=32 "
         "--rdzv-backend=c10d --rdzv-endpoint=localhost:10000 --rdzv-id=0 ")
 
 
@@ -157,9 +184,9 @@ def test_train_requeued_resumes_from_the_checkpoint_root(tiny_models, tmp_path):
     flags = ("--seq-len", "16", "--gbs", "4", "--precision", "fp32", "--log-jsonl", str(log))
     first = run_for_real("train.sbatch", 1, "--steps", "2", *flags, **env)
     assert first.returncode == 0, first.stderr
-    assert f"nxdtrain: resume: weights only from {init}" in first.stderr
+    assert f"nxdtrain: resume: auto: no completed tag in {ckpt} yet; weights only from {init}" in first.stderr
     requeued = run_for_real("train.sbatch", 1, "--steps", "3", *flags, **env)
     assert requeued.returncode == 0, requeued.stderr
-    assert f"nxdtrain: resume: full state from newest completed tag step_2 of {ckpt}" in requeued.stderr
+    assert f"nxdtrain: resume: auto: full state from newest completed tag step_2 of {ckpt}" in requeued.stderr
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]

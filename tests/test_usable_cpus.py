@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ckptconv import execute
+from ckptconv import options
 
 
 @pytest.mark.parametrize("cpu_max,expected", [
@@ -22,11 +22,11 @@ def test_usable_cpus_is_the_affinity_mask_capped_by_the_cgroup_quota(tmp_path, m
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
         path.write_text(cpu_max)
-    assert execute.usable_cpus(str(path)) == expected
+    assert options.usable_cpus(str(path)) == expected
 
 
 def test_default_workers_use_the_mask(monkeypatch):
-    monkeypatch.setattr(execute, "usable_cpus", lambda: 12)
-    assert execute.default_workers() == 12
-    monkeypatch.setattr(execute, "usable_cpus", lambda: 2)
-    assert execute.default_workers() == execute.MIN_DEFAULT_WORKERS
+    monkeypatch.setattr(options, "usable_cpus", lambda: 12)
+    assert options.default_workers() == 12
+    monkeypatch.setattr(options, "usable_cpus", lambda: 2)
+    assert options.default_workers() == options.MIN_DEFAULT_WORKERS

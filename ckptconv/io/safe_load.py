@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ckptconv.errors import UnsafeCheckpointError
+
 __all__ = [
     "DcpRecord",
     "PickledTensor",
@@ -36,10 +38,6 @@ __all__ = [
 ]
 
 _XLA_MODULE = "torch_xla.utils.serialization"
-
-
-class UnsafeCheckpointError(ValueError):
-    """A pickle asked for a global outside the allowlist."""
 
 
 class _StandInTensorReference:

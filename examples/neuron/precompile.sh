@@ -6,8 +6,8 @@
 #   examples/neuron/precompile.sh /fsx/llama-nxd-tp8 [the same nxdtrain run flags as train.sh]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-resume=${1:?usage: precompile.sh RESUME [nxdtrain run flags]}
+init=${1:?usage: precompile.sh INIT [nxdtrain run flags]}
 shift
 scratch=$(mktemp -d)  # the trial's checkpoints hold zeros: never write them where a real run resumes from
 trap 'rm -rf "$scratch"' EXIT
-neuron_parallel_compile "$here/train.sh" "$resume" "$scratch/ckpt" --steps 5 "$@"
+neuron_parallel_compile "$here/train.sh" "$init" "$scratch/ckpt" --steps 5 "$@"

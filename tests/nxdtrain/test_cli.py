@@ -55,7 +55,8 @@ def test_run_then_export_gives_the_trained_logits(tmp_path, nxd_model, hf_model)
     assert f"nxdtrain: resume: weights only from {src} (no optimizer state (a converted checkpoint))" in run.stderr
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["step"], r["consumed_samples"]) for r in lines] == [(1, 4), (2, 8), (3, 12)]
-    assert set(lines[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples"}
+    assert set(lines[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "consumed_samples", "param_norm",
+                             "eval_loss"}
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
 
     out = tmp_path / "hf"

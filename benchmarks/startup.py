@@ -1,0 +1,105 @@
+"""``make bench-startup``: how long the CLIs take to answer what needs no computation.
+
+Each command runs in a fresh process ``--repeat`` times (default 5) and the median wall time is
+reported, with the floor (``python -c pass``) and the cost of ``import torch`` for comparison. With
+``--before DIR`` (a source tree of an earlier commit, e.g. ``git archive <rev> | tar -x -C DIR``)
+the same commands also run from that tree (``PYTHONPATH=DIR``, same interpreter and packages),
+alternating with this checkout's in every repetition, so both see the same machine load.
+
+    python benchmarks/startup.py [--repeat N] [--before DIR]
+
+The table goes to stdout and ``bench-out/startup.md``. Every command's exit status is checked
+(0 for answers, 2 for usage errors, 1 for config errors): a command that fails differently is
+a broken benchmark, not a fast one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OUT = Path("bench-out")
+CKPTCONV = "import sys; from ckptconv.cli import main; sys.exit(main())"  # what the console script runs
+NXDTRAIN = "import sys; from nxdtrain.cli import main; sys.exit(main())"
+
+
+def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
+    """(label, argv after the interpreter, expected exit status)."""
+    bad_yaml = tmp / "bad.yaml"
+    bad_yaml.write_text("resume: /fsx/llama-nxd\nsteps: 10\nlearning_rate: 3.0e-4\nglobal_batch: 8\n")
+    ck, nt = ["-c", CKPTCONV], ["-c", NXDTRAIN]
+    return [
+        ("python -c pass (floor)", ["-c", "pass"], 0),
+        ("python -c 'import torch'", ["-c", "import torch"], 0),
+        ("ckptconv --version", [*ck, "--version"], 0),
+        ("ckptconv --help", [*ck, "--help"], 0),
+        ("ckptconv to-nxd --help", [*ck, "to-nxd", "--help"], 0),
+        ("ckptconv to-nxd (missing SRC OUT: usage error)", [*ck, "to-nxd"], 2),
+        ("ckptconv to-nxd SRC OUT --workers 0 (config error)", [*ck, "to-nxd", str(tmp / "src"), str(tmp / "out"),
+                                                                 "--workers", "0"], 1),
+        ("nxdtrain --version", [*nt, "--version"], 0),
+        ("nxdtrain --help", [*nt, "--help"], 0),
+        ("nxdtrain run --help", [*nt, "run", "--help"], 0),
+        ("nxdtrain run --tp (usage error)", [*nt, "run", "--tp"], 2),
+        ("nxdtrain run --resume X --lr -1 (config error)", [*nt, "run", "--resume", str(tmp / "x"), "--lr", "-1"], 1),
+        ("nxdtrain run --config bad.yaml (unknown keys)", [*nt, "run", "--config", str(bad_yaml)], 1),
+    ]
+
+
+def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> float:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, cwd=cwd)  # not this checkout: `-c` puts the cwd first on sys.path
+    seconds = time.perf_counter() - start
+    if proc.returncode != expected:
+        raise SystemExit(f"{argv}: exit {proc.returncode}, expected {expected}\n{proc.stderr[-2000:]}")
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each command (median reported; default 5)")
+    parser.add_argument("--before", metavar="DIR", help="source tree of an earlier commit to compare against")
+    args = parser.parse_args()
+    OUT.mkdir(exist_ok=True)
+    variants: dict[str, str | None] = {"now": None}
+    if args.before:
+        variants = {"before": str(Path(args.before).resolve()), **variants}
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = commands(Path(tmp))
+        times: dict[tuple[str, str], list[float]] = {(label, v): [] for label, _, _ in cases for v in variants}
+        for i in range(args.repeat):
+            for label, argv, expected in cases:
+                order = list(variants) if i % 2 == 0 else list(reversed(variants))
+                for v in order:
+                    times[label, v].append(run_once(argv, expected, variants[v], Path(tmp)))
+    header = "| command | " + " | ".join(f"{v} median s (range)" for v in variants)
+    header += " | before / now |" if args.before else " |"
+    lines = [header, "|" + " --- |" * (len(variants) + 1 + bool(args.before))]
+    for label, _, _ in cases:
+        cells = []
+        for v in variants:
+            t = times[label, v]
+            cells.append(f"{statistics.median(t):.3f} ({min(t):.3f}-{max(t):.3f})")
+        if args.before:
+            ratio = statistics.median(times[label, "before"]) / statistics.median(times[label, "now"])
+            cells.append(f"{ratio:.1f}x")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + (f"\n\n{args.repeat} runs each; load average {load_start:.1f} at start, "
+                               f"{os.getloadavg()[0]:.1f} at end; {os.cpu_count()} cores\n")
+    print(text)
+    (OUT / "startup.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

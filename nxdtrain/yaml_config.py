@@ -1,0 +1,402 @@
+"""``--config FILE.yaml``: our option names, or an NxDT (neuronx-distributed-training) YAML as users have it.
+
+Top-level keys are our option names (``seq_len: 2048``, the flags' names with ``_``) or NxDT's: its sections
+(``trainer``, ``exp_manager``, ``distributed_strategy``, ``data``, ``model``, ``precision``, ...) and top-level
+keys (``name``, ``seed``, ``compiler_flags``, ...). The file is read as NxDT reads it:
+
+* ``${a.b.c}`` is the value of another key of the file and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` an
+  environment variable (OmegaConf's interpolations, as in NxDT's ``max_steps: ${trainer.max_steps}``); in
+  paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of the file) are expanded as a shell would;
+* NxDT keys that mean something here become options (:data:`NXDT_KEYS`, and ``exp_manager`` below); NxDT keys
+  that do not apply (the model's shape comes from the checkpoint's config.json, compiler settings, ...) are
+  listed once on stderr; any other key is an error: all of them in one line, each with the nearest known key;
+* ``exp_manager``: ``log_dir`` is ``explicit_log_dir``, else ``exp_dir/name`` (``exp_dir`` null:
+  ``./nemo_experiments``; ``name`` null: ``default``): NeMo's layout, without the per-run version folder NeMo
+  adds when ``resume_if_exists`` is off. Checkpoints go to ``log_dir/checkpoints`` (unless
+  ``create_checkpoint_callback: false``), TensorBoard to ``log_dir`` with ``create_tensorboard_logger: true``;
+  ``resume_if_exists: true`` is ``--resume auto`` with ``resume_from_checkpoint`` as ``--init``, otherwise
+  ``resume_from_checkpoint`` is ``--resume``. Unlike NeMo, a completed tag in the checkpoint directory wins
+  over ``resume_from_checkpoint``: a requeued job continues instead of starting over.
+
+Flags beat the file; a flag also replaces what the file derived for the same purpose (``--resume`` drops the
+file's ``--init``, see :data:`REPLACES`). Values are checked by :class:`~nxdtrain.config.TrainConfig`; an error
+about a value from the file names its key (``origins``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nxdtrain.config import AUTO, NXDT_SCHEDULES, leaf_owners
+from nxdtrain.errors import TrainError
+
+# NxDT's nested keys -> our flat names (translated by _nxdt_value where the value differs).
+NXDT_KEYS: dict[tuple[str, ...], str] = {
+    ("trainer", "max_steps"): "steps",
+    ("trainer", "max_epochs"): "epochs",
+    ("trainer", "gradient_clip_val"): "clip_grad",
+    ("trainer", "log_every_n_steps"): "log_every",
+    ("distributed_strategy", "tensor_model_parallel_size"): "tp",
+    ("distributed_strategy", "pipeline_model_parallel_size"): "pp",
+    ("distributed_strategy", "kv_replicator"): "kv_replicator",
+    ("distributed_strategy", "zero1"): "zero1",
+    ("distributed_strategy", "sequence_parallel"): "sequence_parallel",
+    ("distributed_strategy", "virtual_pipeline_model_parallel_size"): "vpp",
+    ("data", "micro_batch_size"): "mbs",
+    ("data", "global_batch_size"): "gbs",
+    ("data", "seq_length"): "seq_len",
+    ("model", "encoder_seq_length"): "seq_len",  # where NxDT's HF Llama configs give the sequence length
+    ("data", "train_dir"): "data",
+    ("model", "qkv_linear"): "qkv_linear",
+    ("model", "fuse_qkv"): "fuse_qkv",
+    ("model", "weight_init_only"): "weights_only",
+    ("model", "activations_checkpoint_granularity"): "activation_checkpointing",
+    ("model", "activations_checkpoint_recompute"): "activations_checkpoint_recompute",
+    ("model", "optim", "name"): "optimizer",
+    ("model", "optim", "lr"): "lr",
+    ("model", "optim", "weight_decay"): "weight_decay",
+    ("model", "optim", "eps"): "eps",
+    ("model", "optim", "betas"): "betas",
+    ("model", "optim", "sched", "name"): "schedule",
+    ("model", "optim", "sched", "warmup_steps"): "warmup",
+    ("model", "optim", "sched", "max_steps"): "decay_steps",
+    ("model", "optim", "sched", "min_lr"): "min_lr",
+    ("model", "optim", "sched", "constant_steps"): "constant_steps",
+    ("model", "do_layer_norm_weight_decay"): "do_layer_norm_weight_decay",
+    ("exp_manager", "save_xser"): "xser",
+    ("exp_manager", "checkpoint_callback_params", "every_n_train_steps"): "checkpoint_freq",
+    ("exp_manager", "checkpoint_callback_params", "save_top_k"): "keep",
+    ("precision", "type"): "precision",
+}
+# exp_manager keys read together (_exp_manager); evaluation keys likewise (_evaluation).
+EXP_MANAGER = ("exp_dir", "explicit_log_dir", "name", "create_tensorboard_logger", "create_checkpoint_callback",
+               "resume_if_exists", "resume_ignore_no_checkpoint", "resume_from_checkpoint")
+EVALUATION = {("data", "val_dir"), ("trainer", "val_check_interval"), ("trainer", "limit_val_batches")}
+
+# NxDT keys that do not apply to nxdtrain (noted, not errors). The model's shape is the checkpoint's.
+NXDT_IGNORED: dict[str, tuple[str, ...]] = {
+    "": ("name", "model_source", "compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests",
+         "bucket_size_collectives", "neuron_rt_exec_timeout", "neuron_experimental_compress_rg"),
+    "trainer": ("devices", "num_nodes", "check_val_every_n_epoch", "num_sanity_val_steps", "limit_test_batches",
+                "lnc", "sequential_move_factor"),
+    "exp_manager": ("log_local_rank_0_only", "log_parameter_norm", "log_gradient_norm", "load_xser", "save_bf16",
+                    "async_checkpointing", "enable_recovery_time_instrumentation", "ckpt_ptl_version"),
+    "exp_manager.checkpoint_callback_params": ("monitor", "mode", "save_last", "filename", "model_parallel_size",
+                                               "use_master_weights_in_ckpt"),
+    "distributed_strategy": ("context_parallel_size", "expert_model_parallel_size", "token_shuffle_group_size"),
+    "data": ("data_impl", "data_prefix", "dataloader_type", "dev_choose_samples", "eod_mask_loss",
+             "index_mapping_dir", "no_seqlen_plus_one_input_tokens", "num_workers", "packing",
+             "pad_samples_to_global_batch_size", "reset_attention_mask", "reset_position_ids", "skip_warmup",
+             "splits_string", "use_sft_style_data_module", "validation_drop_last"),
+    "model": ("model_config", "max_position_embeddings", "num_layers", "hidden_size", "num_attention_heads",
+              "num_kv_heads", "ffn_hidden_size", "kv_channels", "rope_theta", "init_method_std", "layernorm_epsilon",
+              "make_vocab_size_divisible_by", "activation", "normalization", "position_embedding_type",
+              "rotary_percentage", "share_embeddings_and_output_weights", "has_bias", "hidden_dropout",
+              "attention_dropout", "ffn_dropout", "apply_query_key_layer_scaling", "persist_layer_norm",
+              "transformer_block_type", "use_cpu_initialization", "use_scaled_init_method",
+              "pipeline_cuts", "sliding_window_size", "transpose_nki_inputs"),
+    "model.optim": ("capturable",),
+    "precision": ("master_weights", "fp32_grad_acc", "fp32_grads_cc", "xla_use_bf16", "xla_downcast_bf16",
+                  "neuron_rt_stochastic_rounding_en", "parallel_layers_reduce_dtype"),
+}
+# Subtrees of NxDT features nxdtrain does not have: every key under them is noted, none is an error.
+NXDT_IGNORED_TREES = {("model", "fusions"), ("model", "moe"), ("data", "tokenizer"), ("model_alignment_strategy",)}
+NXDT_SECTIONS = frozenset(path[0] for path in NXDT_KEYS) | {"model_alignment_strategy"}
+RECOMPUTE_MODULES = ("CoreAttention", "LlamaMLP")  # NxDT's names for what selective checkpointing recomputes
+
+# A flag replaces what the file derived for the same purpose: (flag's option, file's options it drops).
+REPLACES: dict[str, tuple[str, ...]] = {"resume": ("init",), "checkpoint_dir": ("no_checkpoint",),
+                                        "no_checkpoint": ("checkpoint_dir",), "steps": ("epochs",),
+                                        "epochs": ("steps",)}
+
+
+@dataclass
+class YamlOptions:
+    """What a ``--config`` file says: flat option values, where each came from, and notes for stderr."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)  # option -> "KEY (FILE)"
+    notes: list[str] = field(default_factory=list)
+
+    def under(self, flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """These values with ``flags`` on top (:data:`REPLACES` applied), and the origins still true; notes
+        where the directories exp_manager implies are used."""
+        values = dict(self.values)
+        for name in flags:
+            for dropped in REPLACES.get(name, ()):
+                if name == "resume" and flags[name] == AUTO:
+                    continue  # --resume auto keeps the file's --init
+                values.pop(dropped, None)
+        origins = {k: v for k, v in self.origins.items() if k in values and k not in flags}
+        made = [f"{what} in {values[name]}" for name, what in (("checkpoint_dir", "checkpoints"),
+                                                                ("tensorboard", "TensorBoard"))
+                if origins.get(name, "").startswith("exp_manager.")]
+        if made:
+            self.notes.append(f"{', '.join(made)} (NxDT's exp_manager layout: exp_dir/name/checkpoints)")
+        return {**values, **flags}, origins
+
+
+def read_yaml(path: str | Path) -> YamlOptions:
+    """Read ``path`` (see the module docstring); raise TrainError naming the file and key."""
+    import yaml
+
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TrainError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise TrainError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if tree is None:
+        return YamlOptions()
+    if not isinstance(tree, dict):
+        raise TrainError(f"--config {path}: expected a mapping of options, got {type(tree).__name__}")
+    tree = _resolve(tree, tree, path)
+    return _Reader(path, tree).read()
+
+
+# --------------------------------------------------------------------------------------------
+# Interpolation
+
+
+_REF = re.compile(r"\$\{([^${}]+)\}")
+
+
+def _resolve(value: Any, root: dict[str, Any], path: Path, depth: int = 0) -> Any:
+    """OmegaConf's ``${a.b}`` and ``${oc.env:VAR[,default]}`` in every string of ``value``."""
+    if isinstance(value, dict):
+        return {k: _resolve(v, root, path, depth) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, root, path, depth) for v in value]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+    if depth > 20:
+        raise TrainError(f"--config {path}: interpolation loop at {value!r}")
+    def value_of(ref: str) -> Any:
+        found = _lookup(ref, root, path, value)
+        return found if found == "${" + ref + "}" else _resolve(found, root, path, depth + 1)  # kept as written
+
+    whole = _REF.fullmatch(value.strip())
+    if whole is not None:  # the whole value: keep the referenced value's type (a number stays a number)
+        return value_of(whole.group(1))
+    return _REF.sub(lambda m: str(value_of(m.group(1))), value)
+
+
+def _lookup(ref: str, root: dict[str, Any], path: Path, text: str) -> Any:
+    if ref.startswith("oc.env:"):
+        name, _, default = ref.removeprefix("oc.env:").partition(",")
+        found = os.environ.get(name.strip())
+        if found is None and not default:
+            raise TrainError(f"--config {path}: {text!r}: environment variable {name.strip()} is not set")
+        return found if found is not None else default.strip().strip("'\"")
+    if ":" in ref:  # another resolver (${multiply:...}): left as written, only ignored keys use them
+        return "${" + ref + "}"
+    if "." not in ref and ref.strip() not in root:  # a shell-style ${VAR}: expanded where paths are (config)
+        return "${" + ref + "}"
+    node: Any = root
+    for part in ref.strip().split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise TrainError(f"--config {path}: {text!r} refers to {ref.strip()}, which the file does not have")
+        node = node[part]
+    return node
+
+
+# --------------------------------------------------------------------------------------------
+# Keys
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    out = []
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        if isinstance(value, dict) and path not in NXDT_KEYS:
+            out.extend(_leaves(value, path))
+        else:
+            out.append((path, value))
+    return out
+
+
+def _known(section: str) -> list[str]:
+    """Every key NxDT has directly under ``section`` ('' for the top level), for the nearest-key hint."""
+    depth = 0 if not section else section.count(".") + 1
+    prefix = tuple(section.split(".")) if section else ()
+    keys = {p[depth] for p in (*NXDT_KEYS, *EVALUATION, *NXDT_IGNORED_TREES) if p[:depth] == prefix and len(p) > depth}
+    keys.update(NXDT_IGNORED.get(section, ()))
+    if section == "exp_manager":
+        keys.update(EXP_MANAGER)
+    if not section:
+        keys.update(NXDT_SECTIONS)
+    return sorted(keys)
+
+
+class _Reader:
+    def __init__(self, path: Path, tree: dict[str, Any]) -> None:
+        self.path, self.tree = path, tree
+        self.out = YamlOptions()
+        self.ignored: list[str] = []
+        self.unknown: list[str] = []
+        self.found_evaluation: dict[tuple[str, ...], Any] = {}
+
+    def read(self) -> YamlOptions:
+        owners = leaf_owners()
+        for key, value in self.tree.items():
+            if key in NXDT_SECTIONS and isinstance(value, dict):  # `data:`/`precision:` are options of ours too
+                self.section(key, value)
+            elif key in owners:
+                self.set(key, value, str(key))
+            elif key in NXDT_IGNORED[""]:
+                self.ignored.append(str(key))
+            else:
+                self.unknown.append(_nearest(str(key), [*owners, *_known("")]))
+        self.evaluation(self.found_evaluation)
+        if self.unknown:
+            raise TrainError(f"--config {self.path}: unknown keys {'; '.join(self.unknown)} (top-level keys are "
+                             f"nxdtrain run's option names, or NxDT's: {', '.join(_known(''))})")
+        if self.ignored:
+            self.out.notes.insert(0, f"{self.path}: NxDT keys that do not apply to nxdtrain, ignored: "
+                                     f"{', '.join(self.ignored)}")
+        return self.out
+
+    def set(self, name: str, value: Any, key: str) -> None:
+        origin = f"{key} ({self.path.name})"
+        if name in self.out.values and self.out.values[name] != value:
+            raise TrainError(f"--config {self.path}: {key} {value!r} and {self.out.origins[name]} "
+                             f"{self.out.values[name]!r} set the same option differently; keep one")
+        self.out.values[name] = value
+        self.out.origins.setdefault(name, origin)
+
+    def section(self, name: str, tree: dict[str, Any]) -> None:
+        exp: dict[str, Any] = {}
+        for path, value in _leaves(tree, (name,)):
+            dotted = ".".join(path)
+            if path in NXDT_KEYS:
+                for option, translated in self.translate(NXDT_KEYS[path], value, dotted).items():
+                    self.set(option, translated, dotted)
+            elif path[0] == "exp_manager" and len(path) == 2 and path[1] in EXP_MANAGER:
+                exp[path[1]] = value
+            elif path in EVALUATION:
+                self.found_evaluation[path] = value
+            elif any(path[:len(t)] == t for t in NXDT_IGNORED_TREES) or path[-1] in NXDT_IGNORED.get(
+                    ".".join(path[:-1]), ()):
+                self.ignored.append(dotted)
+            else:
+                section = ".".join(path[:-1])
+                self.unknown.append(_nearest(dotted, [f"{section}.{k}" for k in _known(section)]))
+        if name == "exp_manager":
+            self.exp_manager(exp)
+
+    def translate(self, option: str, value: Any, key: str) -> dict[str, Any]:
+        """One NxDT value as our option(s); {} when it only needs checking or a note."""
+        where = f"--config {self.path}: {key}"
+        if option == "betas":
+            if not (isinstance(value, (list, tuple)) and len(value) == 2):
+                raise TrainError(f"{where} must be a list of two numbers, got {value!r}")
+            return {"beta1": float(value[0]), "beta2": float(value[1])}
+        if option == "optimizer":
+            name = str(value).lower()
+            return {"optimizer": "adamw" if name.startswith("adamw") else name}
+        if option == "schedule":
+            if value not in NXDT_SCHEDULES:
+                raise TrainError(f"{where} {value!r}: nxdtrain has NxDT's {' and '.join(NXDT_SCHEDULES)} (or its own "
+                                 "cosine, linear, constant: --schedule)")
+            return {"schedule": value}
+        if option == "constant_steps":
+            if value not in (0, None):
+                raise TrainError(f"{where} {value!r}: nxdtrain's CosineAnnealing has no constant phase; set it to 0")
+            return {}
+        if option == "vpp":
+            if value not in (1, None):
+                raise TrainError(f"{where} {value!r}: nxdtrain trains with one model chunk per pipeline stage; set 1")
+            return {}
+        if option == "do_layer_norm_weight_decay":
+            if value:
+                self.out.notes.append(f"{self.path}: {key}: nxdtrain never applies weight decay to norm weights "
+                                      "(NxDT does with this key true): losses differ slightly from NxDT's")
+            return {}
+        if option == "epochs":
+            return {} if value in (None, -1) else {"epochs": value}  # -1: PyTorch Lightning's "until max_steps"
+        if option == "activation_checkpointing":  # NxDT: selective, full, or null for none
+            return {option: "none" if value is None else str(value).lower()}
+        if option == "activations_checkpoint_recompute":
+            names = [value] if isinstance(value, str) else list(value or [])
+            unknown = [n for n in names if n not in RECOMPUTE_MODULES]
+            if unknown:
+                raise TrainError(f"{where} {value!r}: {', '.join(map(str, unknown))} is none of NxDT's "
+                                 f"{', '.join(RECOMPUTE_MODULES)}")
+            if "LlamaMLP" in names:
+                self.out.notes.append(f"{self.path}: {key}: nxdtrain's selective checkpointing recomputes "
+                                      "CoreAttention only; the MLP's activations are kept (more memory, same results)")
+            return {}
+        if option == "precision":
+            return {"precision": "fp32" if str(value).lower() == "fp32" else "bf16"}
+        return {option: value}
+
+    def exp_manager(self, exp: dict[str, Any]) -> None:
+        """NeMo's exp_manager directories and resume rule as options (module docstring)."""
+        if exp.get("explicit_log_dir"):
+            log_dir, key = str(exp["explicit_log_dir"]), "exp_manager.explicit_log_dir"
+        else:
+            log_dir = os.path.join(str(exp.get("exp_dir") or "nemo_experiments"), str(exp.get("name") or "default"))
+            key = "exp_manager.exp_dir" if exp.get("exp_dir") else "exp_manager.name"
+        if exp.get("create_checkpoint_callback", True):
+            self.set("checkpoint_dir", os.path.join(log_dir, "checkpoints"), key)
+        else:
+            self.set("no_checkpoint", True, "exp_manager.create_checkpoint_callback")
+        if exp.get("create_tensorboard_logger"):
+            self.set("tensorboard", log_dir, "exp_manager.create_tensorboard_logger")
+        start = exp.get("resume_from_checkpoint")
+        if exp.get("resume_if_exists"):
+            self.set("resume", AUTO, "exp_manager.resume_if_exists")
+            if start:
+                self.set("init", start, "exp_manager.resume_from_checkpoint")
+        elif start:
+            self.set("resume", start, "exp_manager.resume_from_checkpoint")
+
+    def evaluation(self, found: dict[tuple[str, ...], Any]) -> None:
+        """data.val_dir every trainer.val_check_interval steps, on trainer.limit_val_batches batches."""
+        if not found:
+            return
+        val_dir = found.get(("data", "val_dir"))
+        every, limit = found.get(("trainer", "val_check_interval")), found.get(("trainer", "limit_val_batches"))
+        if not val_dir or limit in (0, 0.0):  # NxDT's recipes turn validation off this way
+            self.ignored.extend(".".join(p) for p in found)
+            return
+        self.set("eval_data", val_dir, "data.val_dir")
+        if isinstance(every, float) and not every.is_integer():
+            raise TrainError(f"--config {self.path}: trainer.val_check_interval {every!r}: nxdtrain evaluates every N "
+                             "steps (a whole number)")
+        if every is not None:
+            self.set("eval_every", int(every), "trainer.val_check_interval")
+        if limit is not None and limit != 1.0:
+            if isinstance(limit, float) and not limit.is_integer():
+                raise TrainError(f"--config {self.path}: trainer.limit_val_batches {limit!r}: give a number of "
+                                 "batches (a fraction of the validation set is not supported)")
+            self.set("eval_batches", int(limit), "trainer.limit_val_batches")
+
+
+# Other trainers' names for our options (Hugging Face TrainingArguments, torchtitan, NeMo): the nearest key of a
+# name that looks nothing like ours.
+SYNONYMS = {"learning_rate": "lr", "max_steps": "steps", "num_train_epochs": "epochs", "warmup_steps": "warmup",
+            "micro_batch_size": "mbs", "per_device_train_batch_size": "mbs", "global_batch_size": "gbs",
+            "batch_size": "gbs", "seq_length": "seq_len", "max_seq_length": "seq_len", "max_grad_norm": "clip_grad",
+            "gradient_clip_val": "clip_grad", "lr_scheduler_type": "schedule", "output_dir": "checkpoint_dir",
+            "save_steps": "checkpoint_freq", "save_total_limit": "keep", "logging_steps": "log_every",
+            "eval_steps": "eval_every", "resume_from_checkpoint": "resume", "train_dir": "data", "dataset": "data",
+            "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp", "bf16": "precision"}
+
+
+def _nearest(key: str, candidates: list[str]) -> str:
+    """``key (nearest: K)``: a synonym of ours, else the candidate most alike (a top-level key is also compared
+    with the last part of NxDT's nested keys: ``global_batch`` is nearest to ``data.global_batch_size``)."""
+    if "." not in key and SYNONYMS.get(key) in candidates:
+        return f"{key} (nearest: {SYNONYMS[key]})"
+    pool = {c: c for c in candidates}
+    if "." not in key:
+        pool.update({".".join(p): p[-1] for p in (*NXDT_KEYS, *EVALUATION)})
+    score, best = max((difflib.SequenceMatcher(None, key, compared).ratio(), name) for name, compared in pool.items())
+    return f"{key} (nearest: {best})" if score >= 0.6 else f"{key} (no near key)"
