@@ -19,6 +19,7 @@ import threading
 from collections.abc import Collection, Mapping
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -272,7 +273,8 @@ class TorchZipSink:
     def __init__(self, out_file: OutFile, tmp: Path, *, empty_tensors_dir: bool = False) -> None:
         self.path = tmp / out_file.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        metas = {t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors}
+        metas: dict[str, Any] = dict(out_file.plain)
+        metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
         self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
         self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
 

@@ -1,0 +1,76 @@
+"""One rank's weights and optimizer state from a tag of any layout, read through ckptconv's reshard plan.
+
+A resume at another tp/pp/vpp/kvm/dp/ZeRO-1 needs no offline step: each rank plans the reshard of the
+tag to the run's layout (index arithmetic only), keeps the plan of its own shard, and reads just those
+slices of the tag's shards and optimizer files (:class:`ckptconv.training_state.TagOptimizer`: the
+moments and fp32 masters of a parameter move exactly like its rows). The optimizer files may be of
+any dp size, with ZeRO-1 or without: state is looked up by parameter, wherever it was saved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv import training_state
+from ckptconv.errors import ConversionError
+from ckptconv.execute import read_tensor
+from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
+from ckptconv.mapping import stores_lm_head
+from ckptconv.plan import OutTensor, plan_reshard
+from nxdtrain.errors import TrainError
+
+
+class StageReader:
+    """The tensors of shard (tp_rank, pp_rank) of ``run``, from the tag ``source`` (a ResumeSource)."""
+
+    def __init__(self, source: Any, run: ParallelLayout, *, tp_rank: int, pp_rank: int, optimizer: bool) -> None:
+        self.source = source
+        try:
+            self.shards = NxdCheckpoint(source.root, io="read")
+            dtypes = self.shards.dtypes()
+            plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
+            wanted = shard_file(tp_rank=tp_rank, pp_rank=pp_rank)
+            self.tensors: dict[str, OutTensor] = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
+            read_from = {parse_shard_name(Path(str(p.source.file)).name) for t in self.tensors.values()
+                         for p in t.pieces}
+            self.optim = None if not optimizer else training_state.TagOptimizer(
+                source.root, source.spec, source.layout, with_inv_freq=source.with_inv_freq,
+                lm_head_copy=stores_lm_head(source.spec, dtypes), checks=self.shards.checks, io="read",
+                only={r for r in read_from if r is not None})
+        except ConversionError as exc:
+            self.close()
+            raise TrainError(f"{source.flag} {source.given}: {exc}") from None
+        self.reader = training_state.TagReader(self.shards, self.optim) if self.optim is not None else self.shards
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The shard's tensors (weights and buffers), as the run's model names them."""
+        return {key: read_tensor(t, self.reader) for key, t in self.tensors.items()}
+
+    def optimizer_state(self, name: str, only: str | None = None) -> dict[str, torch.Tensor]:
+        """Parameter ``name``'s optimizer tensors by component, in this rank's layout."""
+        assert self.optim is not None
+        planned = training_state.state_tensors(self.tensors[name], self.optim)
+        return {c: read_tensor(t, self.reader) for c, t in planned.items() if only is None or c == only}
+
+    @property
+    def hyper(self) -> training_state.Hyper:
+        assert self.optim is not None
+        return self.optim.hyper
+
+    def finish(self) -> None:
+        """Every byte read matched the tag's recorded digests (else an error naming the file)."""
+        try:
+            self.shards.finish_checks(workers=1)
+        except ConversionError as exc:
+            raise TrainError(f"{self.source.flag} {self.source.given}: {exc}; resume from another tag") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for part in (getattr(self, "optim", None), getattr(self, "shards", None)):
+            if part is not None:
+                part.close()
