@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+    p.add_argument("--dp", type=int, default=None,
+                   help="training tag: data-parallel ranks the ZeRO-1 optimizer state is partitioned over "
+                        "(default: the tag's)")
+    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None,
+                   help="training tag: optimizer state partitioned over --dp ranks (ZeRO-1) or one file per shard "
+                        "(default: the tag's)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -250,7 +258,8 @@ def run(args: argparse.Namespace) -> Any:
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
-            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
+            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, dp=args.dp, zero1=args.zero1,
+            weights_only=args.weights_only, options=options,
         )
     if args.command == "to-dcp":
         hints, options = _hints(args), _options(args)

@@ -385,3 +385,23 @@ def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: 
             tensors = tuple(t for n in owned for t in state_tensors(by_name[n], optim).values())
             out.append(OutFile(optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), "torch", tensors, plain))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# A training tag's side files (nxdtrain writes them; ckptconv reshard carries them)
+
+SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
+
+
+def is_training_tag(root: Path) -> bool:
+    """A directory holding optimizer state beside its shards (what nxdtrain saves), not a converted one."""
+    return (root / OPTIM_DIR).is_dir() and (root / USER_CONTENT_FILE).is_file()
+
+
+def resharded_user_content(content: Mapping[str, Any], new: ParallelLayout, *, zero1: bool) -> dict[str, Any]:
+    """``user_content.pt`` of a tag moved to layout ``new``: step, consumed samples and the run's options
+    carried; the layout and the layout options say the new one; the per-rank RNG states are dropped (they
+    belong to the old world's ranks; nxdtrain's training draws no random numbers and says so on resume)."""
+    options = dict(content.get("options", {}))
+    options.update({k: v for k, v in (("tp", new.tp), ("pp", new.pp), ("zero1", zero1)) if k in options})
+    return {**content, "rng": [], "options": options, "layout": new.to_json()}

@@ -54,15 +54,14 @@ from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
+from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
 from nxdtrain.preflight import check_model_config, check_writable
 
-OPTIM_DIR = "optim"
 MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
-SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 
 
 @dataclass(frozen=True)
@@ -205,8 +204,9 @@ def resume_notes(source: ResumeSource, run: ParallelLayout, state: TrainingState
                                          f", {describe_zero1(bool(state.options.get('zero1')), saved_dp(source))}")
         new = describe(run) + ("" if state is None else f", {describe_zero1(zero1, dp)}")
         notes.append(f"resharding on load ({what}, each rank reads its slices of the tag): {old} -> {new}")
-    if state is not None and state.rng and len(state.rng) != world:
-        notes.append(f"not carried exactly: RNG states (saved by a world of {len(state.rng)}, this run has {world}; "
+    if state is not None and len(state.rng) != world:
+        saved_by = f"saved by a world of {len(state.rng)}" if state.rng else "not in the tag"
+        notes.append(f"not carried exactly: RNG states ({saved_by}, this run has {world} ranks; "
                      "training draws no random numbers, so the steps are unchanged); the data continues at sample "
                      f"{state.consumed_samples}: a global batch is the same rows whatever dp is, each dp rank takes "
                      "its share")

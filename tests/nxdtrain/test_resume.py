@@ -47,7 +47,7 @@ def test_resume_continues_bitwise(tmp_path, nxd_model, case):
         assert plan.resume_notes[0] == ("resharding on load (weights and optimizer state, each rank reads its slices "
                                         "of the tag): tp 2 pp 1 kvm 2 qkv_linear fused, ZeRO-1 over 2 dp ranks -> "
                                         "tp 2 pp 1 kvm 2 qkv_linear fused, ZeRO-1 over 1 dp rank")
-        assert plan.resume_notes[1].startswith("not carried exactly: RNG states (saved by a world of 4, this run has 2")
+        assert plan.resume_notes[1].startswith("not carried exactly: RNG states (saved by a world of 4, this run has 2 ranks")
     for key in ("loss", "lr", "grad_norm", "consumed_samples"):
         assert [r[key] for r in first + resumed] == [r[key] for r in straight], key
     for part in ("model", "optim"):

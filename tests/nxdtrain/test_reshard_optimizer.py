@@ -1,0 +1,96 @@
+"""A run moves with its optimizer state: 4 AdamW steps == 2 steps at tp 2 x pp 2 + 2 steps at another layout.
+
+The step-2 tag of an uninterrupted tp 2 x pp 2 run is continued (a) after ``ckptconv reshard`` to tp 1 x dp 2
+with ZeRO-1, (b) directly at tp 4 with kv_size_multiplier 2, (c) after ``ckptconv reshard`` to pp 2 x vpp 2
+(4 layers: interleaved stages), resumed directly at pp 1, (d) in bf16 with fp32 masters, resumed directly at pp 1: the losses of steps 3-4 and
+the exported HF weights equal the uninterrupted run's within 1e-5. A fresh optimizer at step 3 would not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptconv.api import RunOptions, reshard
+from nxdtrain.train import export
+from tests.nxdtrain.harness import run_world, train_options
+
+TOL = 1e-5
+SOURCE = dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=1)
+
+
+def _options(precision: str) -> dict[str, Any]:
+    return train_options(optimizer="adamw", steps=4, decay_steps=4, warmup=2, gbs=4, mbs=1, precision=precision,
+                         checkpoint_freq=2, keep=2)
+
+
+def _hf(tag: Path, out: Path) -> dict[str, torch.Tensor]:
+    export(tag, out)
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+             nxd_model: Any) -> dict[str, Any]:
+    """The uninterrupted run at tp 2 x pp 2: its log, its step-2 tag and its exported step-4 weights."""
+    root = tmp_path_factory.mktemp(f"straight-{request.param}")
+    src = nxd_model("gqa2-4", **SOURCE)
+    options = _options(request.param)
+    log = run_world(4, resume=str(src), checkpoint_dir=str(root / "ckpt"), log_jsonl=str(root / "log.jsonl"),
+                    tp=2, pp=2, **options)
+    return {"precision": request.param, "log": log, "tag": root / "ckpt/step_2", "options": options,
+            "weights": _hf(root / "ckpt/step_4", root / "hf")}
+
+
+def _continue(straight: dict[str, Any], tmp: Path, resume: Path, nproc: int, **layout: Any) -> None:
+    log = run_world(nproc, resume=str(resume), checkpoint_dir=str(tmp / "ckpt"), log_jsonl=str(tmp / "log.jsonl"),
+                    **{**straight["options"], **layout})
+    assert [r["step"] for r in log] == [3, 4]
+    want = straight["log"][2:]
+    for mine, theirs in zip(log, want, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=TOL), (mine, theirs)
+        assert mine["lr"] == theirs["lr"]
+    weights = _hf(tmp / "ckpt/step_4", tmp / "hf")
+    assert weights.keys() == straight["weights"].keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value.float(), straight["weights"][key].float(), atol=TOL, rtol=0, msg=key)
+
+
+def _reshard(tag: Path, out: Path, **kwargs: Any) -> Path:
+    reshard(tag, out, options=RunOptions(quiet=True, part=(0, 1)), **kwargs)
+    return out
+
+
+def test_a_reshard_to_tp1_dp2_zero1(straight, tmp_path):
+    if straight["precision"] != "fp32":
+        pytest.skip("(a) is the fp32 case")
+    out = _reshard(straight["tag"], tmp_path / "tag", tp=1, pp=1, dp=2, zero1=True)
+    assert sorted(p.name for p in (out / "optim").iterdir()) == [
+        "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
+    assert (out / "done").is_file()
+    _continue(straight, tmp_path, out, 2, tp=1, pp=1, zero1=True)
+
+
+def test_b_direct_resume_at_tp4_kvm2(straight, tmp_path):
+    if straight["precision"] != "fp32":
+        pytest.skip("(b) is the fp32 case")
+    _continue(straight, tmp_path, straight["tag"], 4, tp=4, pp=1, kv_replicator=2)
+
+
+def test_c_pp2_vpp2_then_pp1(straight, tmp_path):
+    if straight["precision"] != "fp32":
+        pytest.skip("(c) is the fp32 case")
+    out = _reshard(straight["tag"], tmp_path / "tag", tp=2, pp=2, vpp=2)  # layers 0, 2 on pp rank 0; 1, 3 on 1
+    assert {k.split(".")[2] for k in torch.load(out / "model/dp_rank_00_tp_rank_00_pp_rank_01.pt", weights_only=True)
+            if k.startswith("model.layers.")} == {"1", "3"}
+    _continue(straight, tmp_path, out, 2, tp=2, pp=1)
+
+
+def test_d_bf16_masters_direct_at_pp1(straight, tmp_path):
+    if straight["precision"] != "bf16":
+        pytest.skip("(d) is the bf16 case")
+    _continue(straight, tmp_path, straight["tag"], 2, tp=2, pp=1)
