@@ -14,7 +14,7 @@ in bands like a shard)::
     "state.<name>.<component>": tensor, ...
 
 Format 1 files (nxdtrain before this format: a torch optimizer ``state_dict`` indexed by position) are read
-by mapping positions back to names (:func:`neutral_from_format1`); what cannot be mapped is refused.
+as lazily, by mapping positions back to names (:func:`neutral_from_format1`); what cannot be mapped is refused.
 TorchTitan's export builds on the same per-name view (:class:`TagOptimizer`).
 
     >>> state_key("model.norm.weight", "exp_avg")
@@ -35,10 +35,9 @@ from typing import Any
 import torch
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.checked import CheckedFiles, check_whole_file
-from ckptconv.io.readers import InMemoryReader
-from ckptconv.io.safe_load import load_small_bytes
-from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
+from ckptconv.io.checked import CheckedFiles
+from ckptconv.io.safe_load import PickledTensor
+from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes
 from ckptconv.model_spec import ModelSpec
@@ -109,9 +108,14 @@ def plain_group(group: Mapping[str, Any]) -> dict[str, Any]:
 # Reading: format 1 mapped to names
 
 
+def _tensor_like(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, PickledTensor))
+
+
 def neutral_from_format1(state: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], *, dp_rank: int,
                          where: str) -> dict[str, Any]:
     """A format-1 file's content as format 2 (same keys as :func:`FORMAT` files), positions mapped to names.
+    Its tensors may be tensors or, read lazily, :class:`~ckptconv.io.safe_load.PickledTensor` stand-ins.
 
     Format 1 indexes a torch optimizer's state by position: group 0's parameters, then group 1's, each
     in the stage's parameter order (or, with ZeRO-1, in the order ZeroRedundancyOptimizer gave this dp
@@ -138,9 +142,9 @@ def neutral_from_format1(state: Mapping[str, Any], shapes: Mapping[str, Sequence
                                   f"implies {len(group_names)}; not nxdtrain state of this layout")
         for index, name in zip(group["params"], group_names, strict=True):
             for component, value in optimizer.get("state", {}).get(index, {}).items():
-                if not isinstance(value, torch.Tensor):
+                if not _tensor_like(value):
                     continue
-                if value.dim() and tuple(value.shape) != tuple(shapes[name]):
+                if len(value.shape) and tuple(value.shape) != tuple(shapes[name]):
                     raise ConversionError(f"{where}: state {index} ({component}) has shape {list(value.shape)}, "
                                           f"parameter {name!r} has {list(shapes[name])}")
                 out[state_key(name, component)] = value
@@ -154,51 +158,46 @@ def neutral_from_format1(state: Mapping[str, Any], shapes: Mapping[str, Sequence
 
 
 class _OptimFile:
-    """One optimizer file, format 2 read lazily, format 1 loaded whole and mapped to names."""
+    """One optimizer file, read lazily: format 2 as it is, format 1 with its positions mapped to names."""
 
     def __init__(self, path: Path, dp_rank: int, shapes: Mapping[str, Sequence[int]], checks: CheckedFiles | None,
                  io: str) -> None:
         self.path = path
-        zip_reader = TorchZipReader(path, io=io, checks=checks)
-        version = zip_reader.entry("format") if "format" in zip_reader.keys() else None
-        if version == FORMAT:
-            self._zip: TorchZipReader | None = zip_reader
-            self.plain: dict[str, Any] = {k: zip_reader.entry(k) for k in zip_reader.keys()
-                          if not isinstance(zip_reader.entry(k), StoredTensor)}
-            self._memory: InMemoryReader | None = None
-            return
-        zip_reader.close()
-        if version != 1:
-            raise ConversionError(f"{path}: optimizer state format {version!r}; this ckptconv reads formats 1 and "
-                                  f"{FORMAT} (nxdtrain's)")
-        state = load_small_bytes(check_whole_file(path, checks.record(path) if checks is not None else None), str(path))
-        neutral = neutral_from_format1(state, shapes, dp_rank=dp_rank, where=str(path))
-        self._zip = None
-        self.plain = {k: v for k, v in neutral.items() if not isinstance(v, torch.Tensor)}
-        self._memory = InMemoryReader(path, {k: v for k, v in neutral.items() if isinstance(v, torch.Tensor)})
+        self._zip = TorchZipReader(path, io=io, checks=checks)
+        try:
+            entries = {k: self._zip.entry(k) for k in self._zip.keys()}
+            version = entries.get("format")
+            if version == 1:
+                entries = neutral_from_format1(entries, shapes, dp_rank=dp_rank, where=str(path))
+                for key, value in entries.items():
+                    if isinstance(value, PickledTensor):
+                        self._zip.adopt(key, value)
+            elif version != FORMAT:
+                raise ConversionError(f"{path}: optimizer state format {version!r}; this ckptconv reads formats 1 "
+                                      f"and {FORMAT} (nxdtrain's)")
+        except BaseException:
+            self._zip.close()
+            raise
+        self.format = FORMAT if version == FORMAT else 1
+        self.plain: dict[str, Any] = {k: v for k, v in entries.items() if not _stored_or_pickled(v)}
+        self.tensors = [k for k, v in entries.items() if _stored_or_pickled(v)]
 
     def tensor_keys(self) -> list[str]:
-        if self._memory is not None:
-            return self._memory.keys()
-        assert self._zip is not None
-        return [k for k in self._zip.keys() if isinstance(self._zip.entry(k), StoredTensor)]
+        return self.tensors
 
     def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
-        if self._memory is not None:
-            return self._memory.info(key)
-        assert self._zip is not None
         entry = self._zip.entry(key)
-        return entry.dtype, tuple(entry.shape), False
+        return entry.dtype, tuple(entry.shape), not is_row_major(tuple(entry.shape), tuple(entry.stride))
 
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self._memory is not None:
-            return self._memory.read_rows(key, start, stop, out)
-        assert self._zip is not None
         return self._zip.read_rows(key, start, stop, out)
 
     def close(self) -> None:
-        if self._zip is not None:
-            self._zip.close()
+        self._zip.close()
+
+
+def _stored_or_pickled(value: Any) -> bool:
+    return isinstance(value, (StoredTensor, PickledTensor))
 
 
 def stage_shapes(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
@@ -261,7 +260,7 @@ class TagOptimizer:
                     continue
                 optim = _OptimFile(path, dp, shapes[(tp, pp)], checks, io)
                 self._files.append(optim)
-                formats.add(1 if optim._memory is not None else FORMAT)
+                formats.add(optim.format)
                 first = first or optim
                 shard = shard_file(tp_rank=tp, pp_rank=pp)
                 for key in optim.tensor_keys():
@@ -273,7 +272,8 @@ class TagOptimizer:
             raise
         assert first is not None
         self.hyper = Hyper(list(first.plain.get("param_groups", [])), bool(first.plain.get("zero1")),
-                           int(first.plain.get("zero_size", 1)), tuple(components), tuple(sorted(formats)))
+                           int(first.plain.get("zero_size", 1)), tuple(sorted(components, key=_component_order)),
+                           tuple(sorted(formats)))
 
     def components_of(self, source: Source) -> list[str]:
         """The optimizer tensors the parameter stored at ``source`` has (none: plain SGD)."""
@@ -297,6 +297,15 @@ class TagOptimizer:
     def close(self) -> None:
         for optim in self._files:
             optim.close()
+
+
+# torch's AdamW creates its state in this order (and nxdtrain saves it so); masters come last
+_COMPONENTS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", MASTER)
+
+
+def _component_order(component: str) -> tuple[int, str]:
+    """Components in one order whatever file order the source had (equal inputs give equal bytes)."""
+    return (_COMPONENTS.index(component) if component in _COMPONENTS else len(_COMPONENTS), component)
 
 
 def _parse_state_key(key: str, shapes: Mapping[str, Any], where: str) -> tuple[str, str]:

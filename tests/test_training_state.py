@@ -168,3 +168,30 @@ def test_optimizer_file_of_unknown_format_is_refused(source, tmp_path):
     with pytest.raises(ConversionError, match=r"dp_rank_00_tp_rank_00_pp_rank_00.pt: optimizer state format 7; this "
                                               r"ckptconv reads formats 1 and 2"):
         TagOptimizer(copy, spec, layout, with_inv_freq=False)
+
+
+def _as_format1(root: Path) -> None:
+    """Rewrite the fake tag's files as nxdtrain wrote them before format 2: a torch state_dict by position."""
+    _, spec, layout, with_inv_freq, _ = open_nxd(root)
+    for path in sorted((root / "optim").iterdir()):
+        flat = torch.load(path, weights_only=True)
+        names = flat["names"]
+        shapes = {n: tuple(flat[state_key(n, "exp_avg")].shape) for n in names}
+        order = [n for group in stage_groups(names, shapes) for n, _ in group]
+        state = {i: {c: flat[state_key(n, c)] for c in ("step", "exp_avg", "exp_avg_sq")} for i, n in enumerate(order)}
+        sizes = [len(g) for g in stage_groups(names, shapes)]
+        groups = [{**flat["param_groups"][0], "params": list(range(sizes[0]))},
+                  {**flat["param_groups"][1], "params": list(range(sizes[0], sizes[0] + sizes[1]))}]
+        torch.save({"format": 1, "names": names, "zero1": False, "zero_size": 1,
+                    "optimizer": {"state": state, "param_groups": groups}}, path)
+
+
+def test_format1_tag_reshards_like_format2(source, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(source, old)
+    _as_format1(old)
+    new = ParallelLayout(tp=1, pp=1, attention=Attention.QKV_LINEAR)
+    _run(source, tmp_path / "from2", new, dp=2, zero1=True)
+    _run(old, tmp_path / "from1", new, dp=2, zero1=True)
+    for name in ("dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"):
+        assert (tmp_path / "from1/optim" / name).read_bytes() == (tmp_path / "from2/optim" / name).read_bytes()
