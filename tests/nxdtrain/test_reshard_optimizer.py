@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.api import RunOptions, reshard
+from ckptconv.cli import main as ckptconv_main
 from nxdtrain.train import export
 from tests.nxdtrain.harness import run_world, train_options
 
@@ -68,11 +69,27 @@ def _reshard(tag: Path, out: Path, **kwargs: Any) -> Path:
 def test_a_reshard_to_tp1_dp2_zero1(straight, tmp_path):
     if straight["precision"] != "fp32":
         pytest.skip("(a) is the fp32 case")
-    out = _reshard(straight["tag"], tmp_path / "tag", tp=1, pp=1, dp=2, zero1=True)
+    out = tmp_path / "tag"
+    assert ckptconv_main(["reshard", str(straight["tag"]), str(out), "--tp", "1", "--pp", "1", "--dp", "2", "--zero1",
+                          "--quiet"]) == 0
     assert sorted(p.name for p in (out / "optim").iterdir()) == [
         "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
     assert (out / "done").is_file()
     _continue(straight, tmp_path, out, 2, tp=1, pp=1, zero1=True)
+
+
+def test_reshard_flags_of_a_training_tag(straight, tmp_path, nxd_model, capsys):
+    """--weights-only writes the shards alone, as before; --dp needs optimizer state to place."""
+    if straight["precision"] != "fp32":
+        pytest.skip("one precision is enough")
+    out = tmp_path / "weights"
+    assert ckptconv_main(["reshard", str(straight["tag"]), str(out), "--tp", "1", "--pp", "1", "--weights-only",
+                          "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["ckptconv.json", "hf", "model"]
+    converted = nxd_model("gqa2-4", **SOURCE)
+    assert ckptconv_main(["reshard", str(converted), str(tmp_path / "x"), "--tp", "1", "--dp", "2"]) == 1
+    assert capsys.readouterr().err.strip().endswith(f"{converted}: --dp and --zero1 place optimizer state; this is "
+                                                    "not a training tag (no optim/ and user_content.pt)")
 
 
 def test_b_direct_resume_at_tp4_kvm2(straight, tmp_path):
