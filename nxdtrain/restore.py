@@ -21,6 +21,7 @@ from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
 from ckptconv.mapping import stores_lm_head
 from ckptconv.plan import OutTensor, plan_reshard
+from nxdtrain.checkpoint import damaged
 from nxdtrain.errors import TrainError
 
 
@@ -43,18 +44,28 @@ class StageReader:
                 only={r for r in read_from if r is not None})
         except ConversionError as exc:
             self.close()
-            raise TrainError(f"{source.flag} {source.given}: {exc}") from None
+            raise self.error(exc) from None
         self.reader = training_state.TagReader(self.shards, self.optim) if self.optim is not None else self.shards
+
+    def error(self, exc: ConversionError) -> TrainError:
+        """A damaged or unreadable tag, in nxdtrain's words (it has no --no-check)."""
+        return TrainError(f"{self.source.flag} {self.source.given}: {damaged(exc)}")
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The shard's tensors (weights and buffers), as the run's model names them."""
-        return {key: read_tensor(t, self.reader) for key, t in self.tensors.items()}
+        try:
+            return {key: read_tensor(t, self.reader) for key, t in self.tensors.items()}
+        except ConversionError as exc:
+            raise self.error(exc) from None
 
     def optimizer_state(self, name: str, only: str | None = None) -> dict[str, torch.Tensor]:
         """Parameter ``name``'s optimizer tensors by component, in this rank's layout."""
         assert self.optim is not None
-        planned = training_state.state_tensors(self.tensors[name], self.optim)
-        return {c: read_tensor(t, self.reader) for c, t in planned.items() if only is None or c == only}
+        try:
+            planned = training_state.state_tensors(self.tensors[name], self.optim)
+            return {c: read_tensor(t, self.reader) for c, t in planned.items() if only is None or c == only}
+        except ConversionError as exc:
+            raise self.error(exc) from None
 
     @property
     def hyper(self) -> training_state.Hyper:
@@ -66,7 +77,7 @@ class StageReader:
         try:
             self.shards.finish_checks(workers=1)
         except ConversionError as exc:
-            raise TrainError(f"{self.source.flag} {self.source.given}: {exc}; resume from another tag") from None
+            raise self.error(exc) from None
         finally:
             self.close()
 

@@ -261,10 +261,7 @@ class Trainer:
         """Optimizer state, fp32 masters, step, data position and RNG of a full checkpoint."""
         state = self.plan.resume_state
         assert state is not None  # a full checkpoint
-        try:
-            self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups)
-        except ConversionError as exc:
-            raise TrainError(f"{self.plan.source.flag} {self.plan.source.given}: {exc}") from None
+        self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups)
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:
