@@ -163,7 +163,12 @@ class _OptimFile:
     def __init__(self, path: Path, dp_rank: int, shapes: Mapping[str, Sequence[int]], checks: CheckedFiles | None,
                  io: str) -> None:
         self.path = path
-        self._zip = TorchZipReader(path, io=io, checks=checks)
+        try:
+            self._zip = TorchZipReader(path, io=io, checks=checks)
+        except ValueError as exc:
+            reason = "empty file" if path.stat().st_size == 0 else str(exc).removeprefix(f"{path}: ")
+            raise ConversionError(f"{path}: not an optimizer file ({reason}); use another tag, or "
+                                  "--weights-only for the weights alone") from None
         try:
             entries = {k: self._zip.entry(k) for k in self._zip.keys()}
             version = entries.get("format")

@@ -3,7 +3,8 @@
 A tag ``<checkpoint_dir>/step_<N>/`` holds::
 
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   one shard per (tp, pp), written by ckptconv.io.nxd.save_shard
-    optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state (+ fp32 masters with bf16); DD > 0 only with ZeRO-1
+    optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state by parameter name (+ fp32 masters with bf16; the
+                                                format of ckptconv.training_state); DD > 0 only with ZeRO-1
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
     ckptconv.json                               layout, flavour, dtype, size + digest of every file
@@ -12,7 +13,8 @@ A tag ``<checkpoint_dir>/step_<N>/`` holds::
 Resume rules (``--resume PATH``): a directory with ``model/`` but no ``optim/`` (what ``ckptconv
 to-nxd`` writes) gives weights only, step 0 and a fresh optimizer; a checkpoint root gives its
 newest completed tag, full state; a tag directory gives that tag, full state; ``--weights-only``
-forces the first. A missing PATH, or a tag without ``done``, is an error. ``--resume auto`` (what a
+forces the first. A missing PATH, or a tag without ``done``, is an error. Shards (and optimizer state) of
+another layout, dp size or ZeRO-1 setting are resharded on load (:mod:`nxdtrain.restore`). ``--resume auto`` (what a
 requeued job passes every time) takes the newest completed tag in ``--checkpoint-dir`` when there is one,
 else ``--init PATH`` by the same rules (:func:`resolve_start`).
 """

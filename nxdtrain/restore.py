@@ -19,7 +19,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.execute import read_tensor
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
-from ckptconv.mapping import stores_lm_head
+from ckptconv.mapping import all_shard_records, stores_lm_head
 from ckptconv.plan import OutTensor, plan_reshard
 from nxdtrain.checkpoint import damaged
 from nxdtrain.errors import TrainError
@@ -32,7 +32,7 @@ class StageReader:
         self.source = source
         try:
             self.shards = NxdCheckpoint(source.root, io="read")
-            dtypes = self.shards.dtypes()
+            dtypes = self._planning_dtypes()
             plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
             wanted = shard_file(tp_rank=tp_rank, pp_rank=pp_rank)
             self.tensors: dict[str, OutTensor] = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
@@ -46,6 +46,16 @@ class StageReader:
             self.close()
             raise self.error(exc) from None
         self.reader = training_state.TagReader(self.shards, self.optim) if self.optim is not None else self.shards
+
+    def _planning_dtypes(self) -> dict[str, torch.dtype]:
+        """Every source key, for the plan's arithmetic: the pieces depend on keys, not dtypes (the model casts what
+        is read to its own). Only a tied model's last-stage header is read (whether its shards hold lm_head), so a
+        rank opens, and checks, just the files it reads from, not every shard of the tag."""
+        spec, layout = self.source.spec, self.source.layout
+        last = shard_file(tp_rank=0, pp_rank=layout.pp - 1)
+        copy = not spec.tied or stores_lm_head(spec, self.shards.keys(last))
+        records = all_shard_records(spec, layout, with_inv_freq=self.source.with_inv_freq, lm_head_copy=copy)
+        return {r.key: torch.float32 for shard in records.values() for r in shard}
 
     def error(self, exc: ConversionError) -> TrainError:
         """A damaged or unreadable tag, in nxdtrain's words (it has no --no-check)."""
