@@ -85,8 +85,9 @@ def _torch_sink(out_file, tmp):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("new,dp,zero1", [
     (ParallelLayout(tp=1, pp=1, attention=Attention.QKV_LINEAR), 2, True),
     (ParallelLayout(tp=4, pp=1, kvm=4, attention=Attention.QKV_LINEAR, fuse_qkv=True), 1, False),
+    (ParallelLayout(tp=4, pp=1, kvm=4, attention=Attention.QKV_LINEAR, hw="trn2"), 2, True),
     (ParallelLayout(tp=1, pp=3, attention=Attention.SEPARATE), 3, True),
-], ids=["tp1-dp2-zero1", "tp4-kvm4", "separate-pp3-dp3-zero1"])
+], ids=["tp1-dp2-zero1", "tp4-kvm4", "trn2-tp4-kvm4-dp2-zero1", "separate-pp3-dp3-zero1"])
 def test_moments_map_exactly_like_their_weights(source, tmp_path, new, dp, zero1):
     _run(source, tmp_path, new, dp=dp, zero1=zero1)
     shards = sorted((tmp_path / "model").iterdir())

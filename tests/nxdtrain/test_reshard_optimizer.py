@@ -19,6 +19,7 @@ from ckptconv.api import RunOptions, reshard
 from ckptconv.cli import main as ckptconv_main
 from nxdtrain.train import export
 from tests.nxdtrain.harness import run_world, train_options
+from tests.nxdtrain.test_resume import tree_bytes
 
 TOL = 1e-5
 SOURCE = dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=1)
@@ -90,6 +91,18 @@ def test_reshard_flags_of_a_training_tag(straight, tmp_path, nxd_model, capsys):
     assert ckptconv_main(["reshard", str(converted), str(tmp_path / "x"), "--tp", "1", "--dp", "2"]) == 1
     assert capsys.readouterr().err.strip().endswith(f"{converted}: --dp and --zero1 place optimizer state; this is "
                                                     "not a training tag (no optim/ and user_content.pt)")
+
+
+def test_reshard_of_a_training_tag_in_parts(straight, tmp_path):
+    """--part K/N splits the optimizer files over processes as it does the shards: the same tag as one process."""
+    if straight["precision"] != "bf16":
+        pytest.skip("one precision is enough")
+    whole = _reshard(straight["tag"], tmp_path / "whole", tp=1, pp=2, dp=2, zero1=True)
+    for k in range(2):
+        reshard(straight["tag"], tmp_path / "parts", tp=1, pp=2, dp=2, zero1=True,
+                options=RunOptions(quiet=True, part=(k, 2)))
+    assert tree_bytes(tmp_path / "parts") == tree_bytes(whole)
+    assert len(list((whole / "optim").iterdir())) == 4 and (whole / "done").is_file()
 
 
 def test_b_direct_resume_at_tp4_kvm2(straight, tmp_path):
