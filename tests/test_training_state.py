@@ -13,11 +13,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ckptconv.api import RunOptions, to_nxd
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.execute import ExecOptions, run_plan
+from ckptconv.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.io.nxd import TorchZipSink, load_shard
 from ckptconv.layout import Attention, ParallelLayout, parse_shard_name
 from ckptconv.nxd_source import open_nxd
-from ckptconv.plan import Plan, plan_reshard
+from ckptconv.plan import Plan, plan_reshard, plan_to_hf
 from ckptconv.tag_reshard import TrainingTag
 from ckptconv.training_state import (
     FORMAT,
@@ -28,9 +28,10 @@ from ckptconv.training_state import (
     stage_groups,
     state_key,
     state_replicas,
+    state_tensors,
     zero1_partition,
 )
-from tests.conftest import make_tiny_llama
+from tests.conftest import hf_state, make_tiny_llama
 
 
 def _moments(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -196,3 +197,21 @@ def test_format1_tag_reshards_like_format2(source, tmp_path):
     _run(old, tmp_path / "from1", new, dp=2, zero1=True)
     for name in ("dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"):
         assert (tmp_path / "from1/optim" / name).read_bytes() == (tmp_path / "from2/optim" / name).read_bytes()
+
+
+def test_moments_by_hf_name(source):
+    """The same records give every HF tensor's moments whole (what a TorchTitan export with optimizer state reads)."""
+    ckpt, spec, layout, with_inv_freq, _ = open_nxd(source)
+    with ckpt:
+        optim = TagOptimizer(source, spec, layout, with_inv_freq=with_inv_freq)
+        reader = TagReader(ckpt, optim)
+        plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
+        tensors = [t for f in plan.files for t in f.tensors]
+        assert {t.key for t in tensors} == set(hf_state(source.parent / "hf"))
+        for tensor in tensors:
+            weight = read_tensor(tensor, reader)
+            moments = {c: read_tensor(t, reader) for c, t in state_tensors(tensor, optim).items()}
+            assert moments.keys() == {"step", "exp_avg", "exp_avg_sq"}
+            for component, want in _moments(weight).items():
+                assert torch.equal(moments[component], want), (tensor.key, component)
+        optim.close()
