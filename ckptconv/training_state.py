@@ -20,7 +20,7 @@ TorchTitan's export builds on the same per-name view (:class:`TagOptimizer`).
     >>> state_key("model.norm.weight", "exp_avg")
     'state.model.norm.weight.exp_avg'
     >>> zero1_partition([[("a", 6), ("b", 4), ("c", 4)], [("n", 1)]], 2)
-    [[['a'], []], [['b', 'c'], ['n']]]
+    [[['a'], ['n']], [['b', 'c'], []]]
 """
 
 from __future__ import annotations
