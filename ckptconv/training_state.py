@@ -165,6 +165,8 @@ class _OptimFile:
         self.path = path
         try:
             self._zip = TorchZipReader(path, io=io, checks=checks)
+        except ConversionError:  # a damaged file (its checks): said as for shards
+            raise
         except ValueError as exc:
             reason = "empty file" if path.stat().st_size == 0 else str(exc).removeprefix(f"{path}: ")
             raise ConversionError(f"{path}: not an optimizer file ({reason}); use another tag, or "
