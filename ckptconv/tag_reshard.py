@@ -55,9 +55,15 @@ class TrainingTag:
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, plan: Plan, *,
              dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
+        def checked(path: Path) -> bytes:  # side files are carried only as recorded (--no-check: as they are)
+            if not path.is_file():
+                raise ConversionError(f"{path}: missing from the training tag; pass --weights-only for the shards alone")
+            return check_whole_file(path, ckpt.checks.record(path) if ckpt.checks.enabled else None)
+
         path = ckpt.root / USER_CONTENT_FILE
+        checked(ckpt.root / SCHEDULER_FILE)
         try:
-            content = load_small_bytes(check_whole_file(path, ckpt.checks.record(path)), str(path))
+            content = load_small_bytes(checked(path), str(path))
         except ValueError as exc:
             raise ConversionError(str(exc)) from None
         if not isinstance(content, dict) or "step" not in content:
