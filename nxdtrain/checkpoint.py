@@ -195,7 +195,7 @@ def describe_zero1(on: bool, size: int) -> str:
 
 
 def resume_notes(source: ResumeSource, run: ParallelLayout, state: TrainingState | None, *, zero1: bool, dp: int,
-                 world: int) -> list[str]:
+                 world: int, optimizer: str) -> list[str]:
     """What a resume reshards on load, and what it cannot carry exactly: one line each, printed before any step."""
     notes = []
     weights = not same_layout(source.layout, run)
@@ -206,6 +206,10 @@ def resume_notes(source: ResumeSource, run: ParallelLayout, state: TrainingState
                                          f", {describe_zero1(bool(state.options.get('zero1')), saved_dp(source))}")
         new = describe(run) + ("" if state is None else f", {describe_zero1(zero1, dp)}")
         notes.append(f"resharding on load ({what}, each rank reads its slices of the tag): {old} -> {new}")
+    saved_optimizer = state.options.get("optimizer") if state is not None else None
+    if saved_optimizer is not None and saved_optimizer != optimizer:
+        notes.append(f"not carried: the tag's {saved_optimizer} state (this run is --optimizer {optimizer}; it starts "
+                     "its own state at the tag's weights and step)")
     if state is not None and len(state.rng) != world:
         saved_by = f"saved by a world of {len(state.rng)}" if state.rng else "not in the tag"
         notes.append(f"not carried exactly: RNG states ({saved_by}, this run has {world} ranks; "

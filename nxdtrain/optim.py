@@ -171,22 +171,23 @@ class Optimizer:
         return state
 
     def load_state(self, read: Callable[[str, str | None], dict[str, torch.Tensor]],
-                   param_groups: list[dict[str, Any]]) -> None:
+                   param_groups: list[dict[str, Any]], *, same_optimizer: bool = True) -> None:
         """Restore from the neutral form: ``read(name, only)`` gives a parameter's optimizer tensors by
         component (``master`` among them when the tag has fp32 masters; just that one with ``only``),
-        already in this rank's layout."""
+        already in this rank's layout. ``same_optimizer`` False (the tag was trained with another one): only the
+        masters are taken, the optimizer starts its own state (the resume says so)."""
         local = self._local()
         groups: list[dict[str, Any]] = []
         state: dict[int, dict[str, torch.Tensor]] = {}
         index = 0
         masters: dict[str, torch.Tensor] = {}
         for g, names in enumerate(self._owned()):
-            hyper = dict(param_groups[g]) if g < len(param_groups) else {}
+            hyper = dict(param_groups[g]) if g < len(param_groups) and same_optimizer else {}
             if "capturable" in hyper:  # this device's setting, not the saver's (a tag moves between cpu and xla)
                 hyper["capturable"] = self.capturable
             ids = []
             for name in names:
-                found = read(name, None)
+                found = read(name, None) if same_optimizer else read(name, training_state.MASTER)
                 if training_state.MASTER in found:
                     masters[name] = found.pop(training_state.MASTER)
                 if found:  # in the parameter's memory layout, as torch's own zeros_like state would be
@@ -195,7 +196,8 @@ class Optimizer:
                 ids.append(index)
                 index += 1
             groups.append({**hyper, "params": ids})
-        local.load_state_dict({"state": state, "param_groups": groups})
+        if same_optimizer:
+            local.load_state_dict({"state": state, "param_groups": groups})
         with torch.no_grad():
             for name in self.names:
                 master = masters.pop(name) if name in masters else read(name, training_state.MASTER).get(

@@ -130,7 +130,8 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.tensorboard:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
-    notes = resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp, world=world_size)
+    notes = resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp, world=world_size,
+                         optimizer=config.optim.optimizer)
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -261,7 +262,8 @@ class Trainer:
         """Optimizer state, fp32 masters, step, data position and RNG of a full checkpoint."""
         state = self.plan.resume_state
         assert state is not None  # a full checkpoint
-        self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups)
+        same = state.options.get("optimizer", self.cfg.optim.optimizer) == self.cfg.optim.optimizer
+        self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups, same_optimizer=same)
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:

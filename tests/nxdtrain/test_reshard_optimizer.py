@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from ckptconv.api import RunOptions, reshard
 from ckptconv.cli import main as ckptconv_main
-from nxdtrain.train import export
+from nxdtrain.config import TrainConfig
+from nxdtrain.train import export, prepare
 from tests.nxdtrain.harness import run_world, train_options
 from tests.nxdtrain.test_resume import tree_bytes
 
@@ -103,6 +104,20 @@ def test_reshard_of_a_training_tag_in_parts(straight, tmp_path):
                 options=RunOptions(quiet=True, part=(k, 2)))
     assert tree_bytes(tmp_path / "parts") == tree_bytes(whole)
     assert len(list((whole / "optim").iterdir())) == 4 and (whole / "done").is_file()
+
+
+def test_another_optimizer_is_said(straight, tmp_path):
+    """The tag's AdamW state is not fed to another optimizer silently: said before any step, masters still taken."""
+    if straight["precision"] != "bf16":
+        pytest.skip("the bf16 tag has masters to take")
+    options = {**straight["options"], "optimizer": "sgd", "resume": str(straight["tag"]),
+               "checkpoint_dir": str(tmp_path / "ckpt"), "log_jsonl": str(tmp_path / "log.jsonl"), "tp": 2, "pp": 2}
+    plan = prepare(TrainConfig.from_flat(options), world_size=4)
+    assert plan.resume_notes == ("not carried: the tag's adamw state (this run is --optimizer sgd; it starts its own "
+                                 "state at the tag's weights and step)",)
+    log = run_world(4, **options)
+    assert [r["step"] for r in log] == [3, 4]
+    assert log[0]["loss"] == pytest.approx(straight["log"][2]["loss"], abs=TOL)  # step 3 sees the step-2 weights
 
 
 def test_b_direct_resume_at_tp4_kvm2(straight, tmp_path):
