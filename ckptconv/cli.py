@@ -22,6 +22,7 @@ from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
 from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
+from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.metadata import add_version_flag
 from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
 
@@ -62,6 +63,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 
 DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps its precision)"
 JSON_HELP = "print the result as JSON on stdout"
+OVERRIDE_HELP = ("read the shards with the layout flags given even where they contradict the layout SRC's ckptconv.json "
+                 "records (refused without it); the notes say what was overridden")
 
 
 def _revision_flag(p: argparse.ArgumentParser) -> None:
@@ -199,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in ("to-hf", "verify", "nxd-compat", "to-dcp"):  # layout flags that describe an NxD source
+        sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
     for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
         sub.choices[name].add_argument(
             "--no-check", action="store_true",
@@ -216,9 +221,10 @@ def _flavour(value: str | None) -> str:
     return {None: "plain", "plain": "plain", "inline": "xser-inline", "split": "xser-split"}[value]
 
 
-def _hints(args: argparse.Namespace) -> dict[str, Any]:
-    return {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
-            "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout}
+def _hints(args: argparse.Namespace) -> LayoutHints:
+    return LayoutHints({"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
+                        "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout},
+                       override=args.override_recorded_layout)
 
 
 def run(args: argparse.Namespace) -> Any:
