@@ -8,7 +8,9 @@ guessed; no message recommends ``--kv-replicas`` where the layout flags are what
 
 from __future__ import annotations
 
+import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,23 @@ def test_trn2_runtime_shards_are_still_inferred(gqa: Path, tmp_path: Path, capsy
     assert cli("to-hf", shards, tmp_path / "back", "--config", gqa / "config.json") == 0
     assert "inferred trn2 from K/V replicas on adjacent ranks" in capsys.readouterr().err
     assert_same_as(hf_state(tmp_path / "back"), gqa)
+
+
+def test_newest_tag_is_the_highest_step_and_a_different_nxd_choice_is_warned(gqa: Path, tmp_path: Path):
+    """NxD resumes the tag whose done marker was modified last; we take the highest step, and say
+    so when the two differ (a copy that lost the timestamps)."""
+    from ckptconv.io.nxd import resolve_checkpoint
+
+    root = tmp_path / "ckpt"
+    for step in (4, 8):
+        ckptconv.to_nxd(gqa, root / f"step_{step}", tp=2, options=QUIET)
+        (root / f"step_{step}" / "done").write_text("1")
+    os.utime(root / "step_4" / "done", (1_000_000, 1_000_000))
+    os.utime(root / "step_8" / "done", (1_000_000, 1_000_000))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # equal timestamps: both rules agree, nothing to warn about
+        assert resolve_checkpoint(root)[0] == root / "step_8"
+    os.utime(root / "step_4" / "done", (2_000_000, 2_000_000))  # step_4's marker now looks newer
+    with pytest.warns(UserWarning, match=r"took step_8, the highest step; NxD's load_checkpoint would take step_4"):
+        tag, _, how = resolve_checkpoint(root)
+    assert tag == root / "step_8" and "highest step" in how

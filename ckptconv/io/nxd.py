@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import threading
+import warnings
 from collections.abc import Collection, Mapping
 from enum import Enum
 from pathlib import Path
@@ -67,6 +68,22 @@ def completed_tags(root: Path) -> list[Path]:
     return sorted(tags, key=order)
 
 
+def newest_tag(root: Path) -> tuple[Path | None, str | None]:
+    """The tag a checkpoint root resumes or exports from: the completed tag with the highest step
+    (the ``done`` marker's mtime only breaks ties), and a warning when NxD's own rule, the tag whose
+    ``done`` was modified last, would take another one (after a copy that lost the timestamps)."""
+    tags = completed_tags(root)
+    if not tags:
+        return None, None
+    ours = tags[-1]
+    by_mtime = max(tags, key=lambda p: (p / DONE_MARKER).stat().st_mtime)
+    if by_mtime == ours or (by_mtime / DONE_MARKER).stat().st_mtime == (ours / DONE_MARKER).stat().st_mtime:
+        return ours, None
+    return ours, (f"{root}: took {ours.name}, the highest step; NxD's load_checkpoint would take {by_mtime.name}, "
+                  f"whose '{DONE_MARKER}' marker was modified last (timestamps changed by a copy?); pass a tag "
+                  "directory to choose")
+
+
 def _shard_files(directory: Path) -> dict[tuple[int, int], Path]:
     found: dict[tuple[int, int], Path] = {}
     if not directory.is_dir():
@@ -101,9 +118,13 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
         return path, path / MODEL_DIR, how
     if _shard_files(path):
         return (path.parent if path.name == MODEL_DIR else path), path, "model directory"
-    tags = completed_tags(path)
-    if tags:
-        return tags[-1], tags[-1] / MODEL_DIR, f"newest completed tag {tags[-1].name}"
+    tag, differs = newest_tag(path)
+    if tag is not None:
+        how = f"newest completed tag {tag.name} (highest step)"
+        if differs:
+            warnings.warn(differs, stacklevel=2)
+            how += f"; {differs}"
+        return tag, tag / MODEL_DIR, how
     raise ConversionError(
         f"{path}: no NxD shards found (looked for {MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, "
         f"shards in the directory itself, and tag directories with a '{DONE_MARKER}' marker)"
