@@ -33,7 +33,7 @@ from ckptconv.finalize import (
     write_spec,
 )
 from ckptconv.hub import resolve_hf
-from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
+from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
@@ -100,9 +100,13 @@ def to_nxd(
     dtype: str = "keep",
     verify_layers: int = 0,
     revision: str | None = None,
+    tokenizer: str | Path | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Convert an HF Llama checkpoint (directory, single file, or hub id ``org/name``) into NxD shards under ``out/model``.
+
+    ``tokenizer``: a directory whose tokenizer (and generation) files are kept in ``out/hf/`` instead of
+    those beside ``src`` (a single ``.pt``/``.bin`` file usually has none), so that exports carry them.
 
     A hub id is resolved by :func:`ckptconv.hub.resolve_hf` (the local cache first; ``revision``: branch, tag
     or commit). With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
@@ -125,8 +129,12 @@ def to_nxd(
             warnings.warn(message, stacklevel=2)
             notes.append(message)
         plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
-        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()))
-        copies = _hf_side_copies(hf, notes)
+        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()),
+                                   _tokenizer_identity(tokenizer))
+        copies = _with_tokenizer(_hf_side_copies(hf, notes), tokenizer, f"{HF_FILES_DIR}/", notes)
+        if not has_tokenizer([Path(target).name for _, target in copies]):
+            notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
+                         "pass --tokenizer DIR")
         spec = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="nxd", hf_config=hf.spec.config, layout=layout.to_json(), flavour=flavour.value,
@@ -171,6 +179,24 @@ def _kept_hf_files(root: Path, notes: list[str], *, into: str, skip: str = "") -
     return [(source, into + name) for name, source in outdir.confined_files(root, HF_FILES_DIR, names, notes)]
 
 
+def _with_tokenizer(copies: list[tuple[str, str]], tokenizer: str | Path | None, into: str,
+                    notes: list[str]) -> list[tuple[str, str]]:
+    """``copies`` with the side files of the ``--tokenizer`` directory instead of same-named ones."""
+    if tokenizer is None:
+        return copies
+    directory = Path(tokenizer)
+    found = outdir.confined_files(directory, "", tokenizer_side_files(directory), notes)
+    targets = {into + name for name, _ in found}
+    notes.append(f"tokenizer from {directory}: {', '.join(name for name, _ in found)}")
+    return [c for c in copies if c[1] not in targets] + [(source, into + name) for name, source in found]
+
+
+def _tokenizer_identity(tokenizer: str | Path | None) -> list[tuple[str, int, int]] | None:
+    if tokenizer is None:
+        return None
+    return _identity(sorted(p for p in Path(tokenizer).iterdir() if p.is_file()))
+
+
 def _hf_side_copies(hf: HfCheckpoint, notes: list[str]) -> list[tuple[str, str]]:
     """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
     copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
@@ -191,9 +217,14 @@ def to_hf(
     max_shard_size: int = 5 * 10**9,
     dtype: str = "keep",
     kv_replicas: str = "error",
+    tokenizer: str | Path | None = None,
     options: RunOptions | None = None,
 ) -> Result:
-    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory."""
+    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
+
+    The tokenizer and generation files kept in the source's ``hf/`` come along; ``tokenizer`` (a
+    directory) replaces them. An export that would have no tokenizer warns.
+    """
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
@@ -206,9 +237,14 @@ def to_hf(
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(sorted(ckpt.files.values())))
+                                   _identity(sorted(ckpt.files.values())), _tokenizer_identity(tokenizer))
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
-        copies = _kept_hf_files(ckpt.root, notes, into="", skip=CONFIG)
+        copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
+        if not has_tokenizer([target for _, target in copies]):
+            message = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
+                       "cannot load it; pass --tokenizer DIR")
+            warnings.warn(message, stacklevel=2)
+            notes.append(message)
         spec_ = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,

@@ -63,6 +63,8 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 
 DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps its precision)"
 JSON_HELP = "print the result as JSON on stdout"
+TOKENIZER_HELP = ("directory whose tokenizer files (tokenizer.json, tokenizer_config.json, ...) go with the "
+                  "output, replacing the source's (a single .pt/.bin source has none)")
 OVERRIDE_HELP = ("read the shards with the layout flags given even where they contradict the layout SRC's ckptconv.json "
                  "records (refused without it); the notes say what was overridden")
 
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     p.add_argument("--verify", nargs="?", const=2, type=int, default=0, metavar="LAYERS",
                    help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
@@ -130,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
-                   help="when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
+                   help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
+                        "fail (default), keep the first, or average")
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -237,7 +242,7 @@ def run(args: argparse.Namespace) -> Any:
             attention=attention, fuse_qkv=bool(args.fuse_qkv),
             hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
             flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
-            revision=args.revision, options=options,
+            revision=args.revision, tokenizer=args.tokenizer, options=options,
         )
     if args.command == "to-hf":
         if args.private and not args.push_to_hub:
@@ -246,7 +251,7 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.api import to_hf
 
         result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
-                       dtype=args.dtype, kv_replicas=args.kv_replicas, options=options)
+                       dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer, options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         kept, options = _attention(args), _options(args)  # None: the source's attention mode

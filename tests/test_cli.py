@@ -29,12 +29,12 @@ def flags(command: str) -> set[str]:
 def test_flag_sets_are_pinned():
     """Scripts depend on these names: a rename must be deliberate and show up here."""
     assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify",
-                                                               "--revision"}
+                                                               "--revision", "--tokenizer"}
     assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json",
                                                "--revision", "--no-check", "--override-recorded-layout"}
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",
                                                            "--push-to-hub", "--private", "--no-check",
-                                                           "--override-recorded-layout"}
+                                                           "--override-recorded-layout", "--tokenizer"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout"}

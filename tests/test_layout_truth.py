@@ -175,3 +175,37 @@ def test_newest_tag_is_the_highest_step_and_a_different_nxd_choice_is_warned(gqa
     with pytest.warns(UserWarning, match=r"took step_8, the highest step; NxD's load_checkpoint would take step_4"):
         tag, _, how = resolve_checkpoint(root)
     assert tag == root / "step_8" and "highest step" in how
+
+
+# --------------------------------------------------------------------------------------------
+# Item 5: exports keep what the source had
+
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "corpus" / "tokenizer.json"
+
+
+def test_pt_source_with_tokenizer_exports_a_loadable_tokenizer(gqa: Path, merged: Path, tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    shutil.copy(TOKENIZER, tokenizer_dir / "tokenizer.json")
+    expected = AutoTokenizer.from_pretrained(TOKENIZER.parent, tokenizer_file=str(TOKENIZER))("a tiny test")
+    assert cli("to-nxd", merged, tmp_path / "nxd", "--config", gqa / "config.json", "--tp", 2,
+               "--tokenizer", tokenizer_dir, "--quiet") == 0
+    assert (tmp_path / "nxd" / "hf" / "tokenizer.json").read_bytes() == TOKENIZER.read_bytes()
+    assert cli("to-hf", tmp_path / "nxd", tmp_path / "hf", "--quiet") == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("a tiny test")["input_ids"] == expected["input_ids"]
+    # to-hf --tokenizer adds one to an export whose source kept none
+    assert cli("to-nxd", merged, tmp_path / "bare", "--config", gqa / "config.json", "--quiet") == 0
+    assert cli("to-hf", tmp_path / "bare", tmp_path / "hf2", "--tokenizer", tokenizer_dir, "--quiet") == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf2")("a tiny test")["input_ids"] == expected["input_ids"]
+
+
+def test_export_without_tokenizer_warns(gqa: Path, merged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert cli("to-nxd", merged, tmp_path / "nxd", "--config", gqa / "config.json") == 0
+    assert "no tokenizer beside" in capsys.readouterr().out  # a note in the result
+    with pytest.warns(UserWarning, match=r"will have no tokenizer .* pass --tokenizer DIR"):
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)
+    assert cli("to-hf", tmp_path / "nxd", tmp_path / "x", "--tokenizer", gqa, "--quiet") == 1
+    assert "--tokenizer" in capsys.readouterr().err  # a directory without any tokenizer file is refused
