@@ -79,6 +79,33 @@ def dtype_policy(dtype: str):  # type: ignore[no-untyped-def]
     return keep_dtype if target is None else cast_floats_to(target)
 
 
+SOURCE_DTYPE = "source"  # to-hf's default --dtype: what the source model had
+_CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def export_dtype(dtype: str, config: dict[str, Any], shard_dtypes: dict[str, torch.dtype],
+                 notes: list[str], *, optimizer_state: bool = False) -> str:
+    """The ``--dtype`` an export writes: ``source`` becomes the dtype the model's HF config declares
+    (``dtype``, or transformers 4's ``torch_dtype``: what the source weights were) where the shards
+    hold another (a run trained in bf16 from fp32 weights, a ``to-nxd --dtype bf16``), else ``keep``."""
+    if dtype != SOURCE_DTYPE:
+        return dtype
+    declared = _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+    held = {d for k, d in shard_dtypes.items() if d.is_floating_point and not k.endswith("inv_freq")}
+    if declared is None or held == {DTYPES[declared]}:
+        return "keep"
+    target = DTYPES[declared]
+    assert target is not None
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
+    widened = all(d.itemsize < target.itemsize for d in held)
+    lost = "what the cast to the shards' dtype rounded away stays lost" + (
+        "; the fp32 master weights in optim/ are not read (not supported yet)" if optimizer_state else "")
+    notes.append(f"writing {str(target).removeprefix('torch.')}, the dtype of the source model (its config.json), "
+                 f"from {names} shards" + (f" (widened: {lost})" if widened else "")
+                 + "; --dtype keep writes the shards' dtype")
+    return declared
+
+
 # --------------------------------------------------------------------------------------------
 # HF -> NxD
 
@@ -215,13 +242,15 @@ def to_hf(
     config: str | Path | None = None,
     hints: dict[str, Any] | None = None,
     max_shard_size: int = 5 * 10**9,
-    dtype: str = "keep",
+    dtype: str = SOURCE_DTYPE,
     kv_replicas: str = "error",
     tokenizer: str | Path | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
 
+    ``dtype``: ``source`` (the default) writes the dtype the model's HF config declares (see
+    :func:`export_dtype`), ``keep`` the shards' dtype, or a cast (``bf16``, ``fp16``, ``fp32``).
     The tokenizer and generation files kept in the source's ``hf/`` come along; ``tokenizer`` (a
     directory) replaces them. An export that would have no tokenizer warns.
     """
@@ -231,6 +260,7 @@ def to_hf(
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
                                                         check=options.check)
     with ckpt:
+        dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes, optimizer_state=(ckpt.root / "optim").is_dir())
         for line in notes:
             note(line, quiet=options.quiet)
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
@@ -242,7 +272,8 @@ def to_hf(
         copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
         if not has_tokenizer([target for _, target in copies]):
             message = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
-                       "cannot load it; pass --tokenizer DIR")
+                       "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
+                       "adds one")
             warnings.warn(message, stacklevel=2)
             notes.append(message)
         spec_ = FinalizeSpec(

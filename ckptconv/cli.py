@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=("source", *DTYPES), default="source",
+                   help="source (default): the dtype the source model had (its config.json), else the shards'; "
+                        "keep: the shards' dtype; or cast floating weights to bf16/fp16/fp32")
     p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
                    help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
                         "fail (default), keep the first, or average")

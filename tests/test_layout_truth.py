@@ -205,7 +205,36 @@ def test_pt_source_with_tokenizer_exports_a_loadable_tokenizer(gqa: Path, merged
 def test_export_without_tokenizer_warns(gqa: Path, merged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert cli("to-nxd", merged, tmp_path / "nxd", "--config", gqa / "config.json") == 0
     assert "no tokenizer beside" in capsys.readouterr().out  # a note in the result
-    with pytest.warns(UserWarning, match=r"will have no tokenizer .* pass --tokenizer DIR"):
+    with pytest.warns(UserWarning, match=r"will have no tokenizer .* to-hf --tokenizer DIR"):
         ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)
     assert cli("to-hf", tmp_path / "nxd", tmp_path / "x", "--tokenizer", gqa, "--quiet") == 1
     assert "--tokenizer" in capsys.readouterr().err  # a directory without any tokenizer file is refused
+
+
+def test_fp32_source_trained_in_bf16_exports_fp32(gqa: Path, tmp_path: Path):
+    """An fp32 model trained with bf16 weights (fp32 masters): the export writes fp32, the source's
+    dtype, as config.json says; --dtype keep still writes the shards' bf16."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    ckptconv.to_nxd(gqa, tmp_path / "nxd", tp=2, options=QUIET)
+    run = subprocess.run([sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tmp_path / "nxd"), "--tp", "2",
+                          "--nproc", "2", "--steps", "1", "--precision", "bf16", "--data", "synthetic", "--seq-len", "16",
+                          "--gbs", "2", "--mbs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                          "--export-hf", str(tmp_path / "hf")], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    tag = tmp_path / "ckpt" / "step_1"
+    assert {t.dtype for t in torch.load(tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt",
+                                        weights_only=True).values()} == {torch.bfloat16}
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    result = ckptconv.to_hf(tag, tmp_path / "kept", dtype="keep", options=QUIET)
+    assert {t.dtype for t in load_file(tmp_path / "kept" / "model.safetensors").values()} == {torch.bfloat16}
+    for key, tensor in load_file(tmp_path / "kept" / "model.safetensors").items():  # widened, value for value
+        assert torch.equal(exported[key], tensor.float()), key
+    assert not any("writing float32" in n for n in result.notes)
