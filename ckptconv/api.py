@@ -162,11 +162,15 @@ def to_nxd(
         if not has_tokenizer([Path(target).name for _, target in copies]):
             notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
                          "pass --tokenizer DIR")
+        config, texts = _config_as_written(hf.spec.config, dtype, plan), {}
+        if config is not hf.spec.config:  # a deliberate cast: the kept config.json says what was written
+            copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
+            texts = {f"{HF_FILES_DIR}/{CONFIG}": config_text(config, plan.files[0].tensors[0].dtype)}
         spec = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=hf.spec.config, layout=layout.to_json(), flavour=flavour.value,
+            metadata=dict(kind="nxd", hf_config=config, layout=layout.to_json(), flavour=flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            copies=copies,
+            texts=texts, copies=copies,
         )
         result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd", sources=[Path(src)])
     result.notes[:0] = notes
@@ -339,12 +343,16 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))
-        copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
+        copies, texts = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"), {}
+        config = _config_as_written(spec.config, dtype, plan)
+        if config is not spec.config:  # a deliberate cast: the kept config.json says what was written
+            copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
+            texts = {f"{HF_FILES_DIR}/{CONFIG}": config_text(config, plan.files[0].tensors[0].dtype)}
         spec_ = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=spec.config, layout=new.to_json(), flavour=target_flavour.value,
+            metadata=dict(kind="nxd", hf_config=config, layout=new.to_json(), flavour=target_flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            copies=copies,
+            texts=texts, copies=copies,
         )
         result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
                           sources=[Path(src), ckpt.root])
@@ -441,6 +449,15 @@ def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
                 else "files of an unfinished conversion" if ours else f"files ckptconv did not write ({strangers[0]!r})")
         raise ConversionError(f"{out}: not empty; holds {what}; choose another OUT")
     outdir.remove_owned(out)  # only ours: listed in ckptconv.json or declared in the temporary directory
+
+
+def _config_as_written(config: dict[str, Any], dtype: str, plan: Plan) -> dict[str, Any]:
+    """The HF config a converted checkpoint records: after a deliberate ``--dtype`` cast, the written
+    dtype becomes the model's (so ``to-hf --dtype source`` keeps it); otherwise ``config`` itself."""
+    name = _dtype_name(plan)
+    if dtype == "keep" or "," in name:
+        return config
+    return {**config, "torch_dtype": name, "dtype": name}
 
 
 def _dtype_name(plan: Plan) -> str:
