@@ -162,13 +162,10 @@ def to_nxd(
         if not has_tokenizer([Path(target).name for _, target in copies]):
             notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
                          "pass --tokenizer DIR")
-        config, texts = _config_as_written(hf.spec.config, dtype, plan), {}
-        if config is not hf.spec.config:  # a deliberate cast: the kept config.json says what was written
-            copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
-            texts = {f"{HF_FILES_DIR}/{CONFIG}": config_text(config, plan.files[0].tensors[0].dtype)}
+        hf_config, copies, texts = _config_as_written(hf.spec.config, dtype, plan, copies)
         spec = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=config, layout=layout.to_json(), flavour=flavour.value,
+            metadata=dict(kind="nxd", hf_config=hf_config, layout=layout.to_json(), flavour=flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
             texts=texts, copies=copies,
         )
@@ -343,14 +340,11 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))
-        copies, texts = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"), {}
-        config = _config_as_written(spec.config, dtype, plan)
-        if config is not spec.config:  # a deliberate cast: the kept config.json says what was written
-            copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
-            texts = {f"{HF_FILES_DIR}/{CONFIG}": config_text(config, plan.files[0].tensors[0].dtype)}
+        hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
+                                                      _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
         spec_ = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=config, layout=new.to_json(), flavour=target_flavour.value,
+            metadata=dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
             texts=texts, copies=copies,
         )
@@ -451,13 +445,17 @@ def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
     outdir.remove_owned(out)  # only ours: listed in ckptconv.json or declared in the temporary directory
 
 
-def _config_as_written(config: dict[str, Any], dtype: str, plan: Plan) -> dict[str, Any]:
-    """The HF config a converted checkpoint records: after a deliberate ``--dtype`` cast, the written
-    dtype becomes the model's (so ``to-hf --dtype source`` keeps it); otherwise ``config`` itself."""
+def _config_as_written(config: dict[str, Any], dtype: str, plan: Plan, copies: list[tuple[str, str]]
+                       ) -> tuple[dict[str, Any], list[tuple[str, str]], dict[str, str]]:
+    """(HF config to record, side-file copies, texts) of a converted checkpoint: after a deliberate
+    ``--dtype`` cast the written dtype becomes the model's, in ckptconv.json and in the kept
+    ``hf/config.json`` (so ``to-hf --dtype source`` keeps it); otherwise all as they were."""
     name = _dtype_name(plan)
     if dtype == "keep" or "," in name:
-        return config
-    return {**config, "torch_dtype": name, "dtype": name}
+        return config, copies, {}
+    config = {**config, "torch_dtype": name, "dtype": name}
+    kept = f"{HF_FILES_DIR}/{CONFIG}"
+    return config, [c for c in copies if c[1] != kept], {kept: config_text(config, plan.files[0].tensors[0].dtype)}
 
 
 def _dtype_name(plan: Plan) -> str:
