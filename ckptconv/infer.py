@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import AmbiguousLayout, ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
 from ckptconv.layout_flags import LayoutHints
@@ -201,14 +201,14 @@ def _infer_hw(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout,
         return replace(layout, hw=Hardware.TRN2, trn2_kv_layout=Trn2KvLayout.RUNTIME), \
             "trn2 from K/V replicas on adjacent ranks"
     if orders == {TILED}:
-        raise ConversionError(
+        raise AmbiguousLayout(
             f"{ckpt.model_dir}: no {METADATA_FILE}, and the K/V replicas are tiled across ranks: written for trn1, "
             f"or for trn2 by the official converter, which differ only in query-head order (no weight shows it); "
             f"pass {hw} trn1, or {hw} trn2 {kv_layout} official"
         )
     what = "all K/V heads are equal, so their order tells nothing" if orders else \
         f"the K/V replicas on the {layout.tp} tp ranks fit neither the tiled nor the adjacent order"
-    raise ConversionError(
+    raise (AmbiguousLayout if orders else ConversionError)(
         f"{ckpt.model_dir}: cannot infer trn1/trn2: {what}; pass {hw} trn1, {hw} trn2, "
         f"or {hw} trn2 {kv_layout} official"
     )

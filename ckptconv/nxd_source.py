@@ -17,7 +17,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import HF_FILES_DIR, ParallelLayout, shard_file
-from ckptconv.layout_flags import OVERRIDE_FLAG, apply_to_record, as_hints
+from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
@@ -54,12 +54,21 @@ def open_nxd(
     sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
     trusting what was read.
     """
+    ckpt = NxdCheckpoint(src, io=io, check=check)
+    try:
+        spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints))
+    except BaseException:
+        ckpt.close()  # refused: no file stays open
+        raise
+    return ckpt, spec, layout, with_inv_freq, notes
+
+
+def _understand(ckpt: NxdCheckpoint, config: str | Path | None,
+                hints: LayoutHints) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
     from ckptconv.infer import check_replica_order, infer_layout
 
-    ckpt = NxdCheckpoint(src, io=io, check=check)
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
     meta = ckpt.metadata
-    hints = as_hints(hints)
     spec = model_spec_of(ckpt.root, meta, config,
                          missing=f"no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
     spec.check_counts((k for f in sorted(ckpt.files) for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
@@ -80,7 +89,7 @@ def open_nxd(
             f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
         )
     check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None)
-    return ckpt, spec, layout, with_inv_freq, notes
+    return spec, layout, with_inv_freq, notes
 
 
 def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> str:

@@ -238,3 +238,12 @@ def test_fp32_source_trained_in_bf16_exports_fp32(gqa: Path, tmp_path: Path):
     for key, tensor in load_file(tmp_path / "kept" / "model.safetensors").items():  # widened, value for value
         assert torch.equal(exported[key], tensor.float()), key
     assert not any("writing float32" in n for n in result.notes)
+
+
+def test_inspect_describes_undecided_shards_without_guessing(golden_dir: Path):
+    """inspect still describes tiled unrecorded shards, with the hardware left open and why."""
+    case = golden_dir / OFFICIAL_TRN1_KVM2.name
+    report = ckptconv.inspect(case / "out", config=case / "hf" / "config.json")
+    assert report["layout"]["hw"] == "trn1|trn2-official" and report["layout"]["kvm"] == 2
+    assert any(n.startswith("hw undecided:") and "--trn2-kv-layout official" in n for n in report["notes"])
+    assert not any("hw=trn1" in n for n in report["notes"])
