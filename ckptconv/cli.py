@@ -152,7 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
-                   help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+                   help="when copies of a K/V head (or norm) drifted apart: fail (default) or keep the first")
+    p.add_argument("--source-hw-backend", choices=("trn1", "trn2"), default=None,
+                   help="the hardware SRC was written for, where it has no ckptconv.json and its K/V replicas "
+                        "cannot tell (tiled: trn1, or trn2 by the official converter)")
+    p.add_argument("--source-trn2-kv-layout", choices=("runtime", "official"), default=None,
+                   help="with --source-hw-backend trn2: SRC's K/V replica order")
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -209,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    for name in ("to-hf", "verify", "nxd-compat", "to-dcp"):  # layout flags that describe an NxD source
+    for name in ("to-hf", "verify", "nxd-compat", "to-dcp", "reshard"):  # flags that describe an NxD source
         sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
     for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
         sub.choices[name].add_argument(
@@ -264,6 +269,8 @@ def run(args: argparse.Namespace) -> Any:
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
+            hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
+                              override=args.override_recorded_layout, style="reshard"),
         )
     if args.command == "to-dcp":
         hints, options = _hints(args), _options(args)

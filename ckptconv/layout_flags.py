@@ -29,6 +29,8 @@ _FLAGS = {
     "compat": {"tp": "--tp_size", "pp": "--pp_size", "vpp": "--virtual_pp_size", "kvm": "--kv_size_multiplier",
                "attention": "--qkv_linear/--coalesce_qkv", "fuse_qkv": "--fuse_qkv", "hw": "--hw_backend",
                "trn2_kv_layout": "--trn2_kv_layout"},
+    # reshard: its layout flags describe the output; these describe an unrecorded source
+    "reshard": {"hw": "--source-hw-backend", "trn2_kv_layout": "--source-trn2-kv-layout"},
 }
 
 

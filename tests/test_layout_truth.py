@@ -247,3 +247,16 @@ def test_inspect_describes_undecided_shards_without_guessing(golden_dir: Path):
     assert report["layout"]["hw"] == "trn1|trn2-official" and report["layout"]["kvm"] == 2
     assert any(n.startswith("hw undecided:") and "--trn2-kv-layout official" in n for n in report["notes"])
     assert not any("hw=trn1" in n for n in report["notes"])
+
+
+def test_reshard_of_undecided_shards_takes_the_source_hardware(golden_dir: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]):
+    """reshard's --hw-backend names the output's; an unrecorded tiled source needs --source-hw-backend."""
+    case = golden_dir / OFFICIAL_TRN1_KVM2.name
+    config = case / "hf" / "config.json"
+    assert cli("reshard", case / "out", tmp_path / "a", "--tp", 2, "--config", config, "--quiet") == 1
+    assert "--source-hw-backend trn2 --source-trn2-kv-layout official" in error_line(capsys)
+    assert cli("reshard", case / "out", tmp_path / "b", "--tp", 2, "--config", config,
+               "--source-hw-backend", "trn1", "--quiet") == 0
+    assert cli("to-hf", tmp_path / "b", tmp_path / "hf", "--quiet") == 0
+    assert_same_as(hf_state(tmp_path / "hf"), case / "hf")
