@@ -83,8 +83,7 @@ SOURCE_DTYPE = "source"  # to-hf's default --dtype: what the source model had
 _CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def export_dtype(dtype: str, config: dict[str, Any], shard_dtypes: dict[str, torch.dtype],
-                 notes: list[str], *, optimizer_state: bool = False) -> str:
+def export_dtype(dtype: str, config: dict[str, Any], shard_dtypes: dict[str, torch.dtype], notes: list[str]) -> str:
     """The ``--dtype`` an export writes: ``source`` becomes the dtype the model's HF config declares
     (``dtype``, or transformers 4's ``torch_dtype``: what the source weights were) where the shards
     hold another (a run trained in bf16 from fp32 weights, a ``to-nxd --dtype bf16``), else ``keep``."""
@@ -98,8 +97,7 @@ def export_dtype(dtype: str, config: dict[str, Any], shard_dtypes: dict[str, tor
     assert target is not None
     names = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
     widened = all(d.itemsize < target.itemsize for d in held)
-    lost = "what the cast to the shards' dtype rounded away stays lost" + (
-        "; the fp32 master weights in optim/ are not read (not supported yet)" if optimizer_state else "")
+    lost = "what the cast to the shards' dtype rounded away stays lost"
     notes.append(f"writing {str(target).removeprefix('torch.')}, the dtype of the source model (its config.json), "
                  f"from {names} shards" + (f" (widened: {lost})" if widened else "")
                  + "; --dtype keep writes the shards' dtype")
@@ -246,9 +244,13 @@ def to_hf(
     dtype: str = SOURCE_DTYPE,
     kv_replicas: str = "error",
     tokenizer: str | Path | None = None,
+    masters: bool | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
+
+    ``masters``: read the weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's
+    ``optim/`` (None, the default: when present; True: required; False: the shards).
 
     ``dtype``: ``source`` (the default) writes the dtype the model's HF config declares (see
     :func:`export_dtype`), ``keep`` the shards' dtype, or a cast (``bf16``, ``fp16``, ``fp32``).
@@ -261,14 +263,18 @@ def to_hf(
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
                                                         check=options.check)
     with ckpt:
-        dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes, optimizer_state=(ckpt.root / "optim").is_dir())
+        if masters is not False and ckpt.use_masters(required=bool(masters)):
+            notes.append(f"weights from the fp32 master weights in {ckpt.root}/optim/ (nxdtrain, a bf16 run), "
+                         "not the shards' bf16 copy; --no-masters exports the shards")
+        dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
             note(line, quiet=options.quiet)
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(sorted(ckpt.files.values())), _tokenizer_identity(tokenizer))
+                                   _identity(sorted(ckpt.files.values())), _tokenizer_identity(tokenizer),
+                                   ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
         copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
         if not has_tokenizer([target for _, target in copies]):

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
                         "fail (default), keep the first, or average")
     p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
+    p.add_argument("--masters", action=argparse.BooleanOptionalAction, default=None,
+                   help="weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's optim/ "
+                        "(default: when present; --no-masters: the shards' bf16 copy)")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -258,7 +261,8 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.api import to_hf
 
         result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
-                       dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer, options=options)
+                       dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
+                       masters=args.masters, options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         kept, options = _attention(args), _options(args)  # None: the source's attention mode

@@ -34,7 +34,8 @@ def test_flag_sets_are_pinned():
                                                "--revision", "--no-check", "--override-recorded-layout"}
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",
                                                            "--push-to-hub", "--private", "--no-check",
-                                                           "--override-recorded-layout", "--tokenizer"}
+                                                           "--override-recorded-layout", "--tokenizer",
+                                                           "--masters", "--no-masters"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check",
                                                              "--source-hw-backend", "--source-trn2-kv-layout",
                                                              "--override-recorded-layout"}

@@ -212,8 +212,9 @@ def test_export_without_tokenizer_warns(gqa: Path, merged: Path, tmp_path: Path,
 
 
 def test_fp32_source_trained_in_bf16_exports_fp32(gqa: Path, tmp_path: Path):
-    """An fp32 model trained with bf16 weights (fp32 masters): the export writes fp32, the source's
-    dtype, as config.json says; --dtype keep still writes the shards' bf16."""
+    """An fp32 model trained with bf16 weights: the export writes fp32, the source's dtype, from the fp32
+    master weights in optim/ (the bf16 shards are their rounding); --no-masters widens the bf16 shards;
+    --dtype keep --no-masters writes the shards' bf16."""
     import json
     import subprocess
     import sys
@@ -222,22 +223,28 @@ def test_fp32_source_trained_in_bf16_exports_fp32(gqa: Path, tmp_path: Path):
 
     ckptconv.to_nxd(gqa, tmp_path / "nxd", tp=2, options=QUIET)
     run = subprocess.run([sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tmp_path / "nxd"), "--tp", "2",
-                          "--nproc", "2", "--steps", "1", "--precision", "bf16", "--data", "synthetic", "--seq-len", "16",
-                          "--gbs", "2", "--mbs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                          "--nproc", "2", "--steps", "2", "--precision", "bf16", "--data", "synthetic", "--seq-len", "16",
+                          "--gbs", "2", "--mbs", "1", "--lr", "1e-3", "--checkpoint-dir", str(tmp_path / "ckpt"),
                           "--export-hf", str(tmp_path / "hf")], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr
-    tag = tmp_path / "ckpt" / "step_1"
+    tag = tmp_path / "ckpt" / "step_2"
     assert {t.dtype for t in torch.load(tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt",
                                         weights_only=True).values()} == {torch.bfloat16}
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == "float32"
-    exported = load_file(tmp_path / "hf" / "model.safetensors")
-    assert {t.dtype for t in exported.values()} == {torch.float32}
-    result = ckptconv.to_hf(tag, tmp_path / "kept", dtype="keep", options=QUIET)
-    assert {t.dtype for t in load_file(tmp_path / "kept" / "model.safetensors").values()} == {torch.bfloat16}
-    for key, tensor in load_file(tmp_path / "kept" / "model.safetensors").items():  # widened, value for value
-        assert torch.equal(exported[key], tensor.float()), key
-    assert not any("writing float32" in n for n in result.notes)
+    masters = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {t.dtype for t in masters.values()} == {torch.float32}
+    ckptconv.to_hf(tag, tmp_path / "kept", dtype="keep", masters=False, options=QUIET)
+    kept = load_file(tmp_path / "kept" / "model.safetensors")
+    assert {t.dtype for t in kept.values()} == {torch.bfloat16}
+    widened = ckptconv.to_hf(tag, tmp_path / "widened", masters=False, options=QUIET)
+    assert any("writing float32" in n and "widened" in n for n in widened.notes)
+    for key, tensor in load_file(tmp_path / "widened" / "model.safetensors").items():
+        assert torch.equal(tensor, kept[key].float()), key
+        assert torch.equal(masters[key].to(torch.bfloat16), kept[key]), key  # the shards are the masters rounded
+    assert any(not torch.equal(masters[k], kept[k].float()) for k in kept)  # and the masters say more
+    with pytest.raises(ckptconv.ConversionError, match="no nxdtrain master weights"):
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "none", masters=True, options=QUIET)
 
 
 def test_inspect_describes_undecided_shards_without_guessing(golden_dir: Path):
