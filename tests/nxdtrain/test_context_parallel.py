@@ -70,7 +70,8 @@ def test_cp_equals_cp1_adamw(tmp_path, hf_model, nxd_model, name):
     assert _max_diff(base, hf_state(hf_model("gqa")))[1] > 100 * TOL
 
 
-SGD_CASES = {"tp2-cp2-sp": (2, 1, 1, 2, dict(sequence_parallel=True)), "pp2-cp2": (1, 2, 1, 2, {}),
+SGD_CASES = {"cp2": (1, 1, 1, 2, {}), "tp2-cp2-sp": (2, 1, 1, 2, dict(sequence_parallel=True)),
+             "pp2-cp2": (1, 2, 1, 2, {}), "dp2-cp2": (1, 1, 2, 2, {}),
              "cp4-full": (1, 1, 1, 4, dict(activation_checkpointing="full"))}
 
 
