@@ -314,27 +314,26 @@ def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
     main_rows = results[:results.index(LONG_MARK)] if LONG_MARK in results else results
     long_rows = results[results.index(LONG_MARK) + 1:] if LONG_MARK in results else []
     shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
-    lines = [f"machine: {machine}; model {shape}; {args.warmup} warmup + {args.steps} timed steps, gbs {args.gbs}, "
-             f"mbs {args.mbs}, {args.precision}", ""]
+    lines = [f"machine: {machine}; {args.warmup} warmup + {args.steps} timed steps, {args.precision}", ""]
     if main_rows:
-        lines += _rows(main_rows, "transformers", args)
+        lines += [f"model {shape}; gbs {args.gbs}, mbs {args.mbs}", ""] + _rows(main_rows, "transformers", args)
     if long_rows:
         long_shape = dataclasses.replace(LONG, seq=args.long_seq)
         lines += ["", f"long context: model {long_shape}; one row of {long_shape.seq} tokens per step, checkpointing "
-                      "none; x ref: against tp1", ""]
+                      "none; ref: the tp1 row", ""]
         lines += _rows(long_rows, "tp1", args)
     return "\n".join(lines) + "\n"
 
 
 def _rows(results: list[Result], ref_row: str, args: argparse.Namespace) -> list[str]:
     ref = next((r for r in results if r.row == ref_row and r.mode == "none"), None)
-    lines = ["| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank | x ref |"
+    lines = ["| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank | ref / act |"
              + (" MFU |" if args.peak_tflops else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
     for r in results:
         speed = f"{r.tokens_per_s / ref.tokens_per_s:.2f}" if ref else "-"
         memory = f"{r.peak_mib / ref.peak_mib:.2f}" if ref else "-"
-        act = f"{ref.act_mib / r.act_mib:.2f}x less" if ref and r.act_mib > 0 else "-"
+        act = f"{ref.act_mib / r.act_mib:.2f}" if ref and r.act_mib > 0 else "-"  # how many times less
         mfu = f" {r.mfu:.1%} |" if r.mfu is not None else ""
         lines.append(f"| {r.row} | {r.mode} | {r.procs} | {r.tokens_per_s:.0f} | {speed} | {r.peak_mib:.0f} | "
                      f"{memory} | {r.act_mib:.0f} | {act} |{mfu}")
