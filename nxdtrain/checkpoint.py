@@ -254,7 +254,9 @@ def check_optimizer_layout(source: ResumeSource, state: TrainingState, *, zero1:
     """Refuse, before any process starts, a resume whose ZeRO-1 optimizer partition does not fit this run.
 
     ZeRO-1 state is one file per data-parallel rank: it can only be loaded with ``--zero1`` over the same
-    number of dp ranks. Without ZeRO-1 the one copy (dp rank 0's) fits any dp.
+    number of dp ranks. Without ZeRO-1 the one copy (dp rank 0's) fits any dp. With context parallelism ZeRO-1
+    shards over dp x cp and ``dp`` is that product (the files' dp index is the dp x cp one): a dp 1 x cp 2 state
+    loads at dp 2 x cp 1 and back.
     """
     saved_dp = 0  # ZeRO-1 partitions saved: dp ranks 0, 1, ... of the first stage's first tp rank
     while optim_file(source.root, tp_rank=0, pp_rank=0, dp_rank=saved_dp).is_file():

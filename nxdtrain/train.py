@@ -7,8 +7,6 @@ torchrun or srun). :func:`prepare` does every check that needs no process group,
 Example (one process; ``nxdtrain run`` is the same call):
 
     >>> from nxdtrain.config import TrainConfig
-from nxdtrain.context_parallel import CpGroup
-from nxdtrain.context_parallel import check_seq_len as check_cp_seq_len
     >>> cfg = TrainConfig.from_flat({"resume": "llama-nxd", "steps": 10, "data": "synthetic",
     ...                              "seq_len": 128, "checkpoint_dir": "ckpt"})   # doctest: +SKIP
     >>> history = train(cfg)                                                      # doctest: +SKIP
