@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
-from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes
+from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 
@@ -282,6 +282,15 @@ class TagOptimizer:
                            int(first.plain.get("zero_size", 1)), tuple(sorted(components, key=_component_order)),
                            tuple(sorted(formats)))
 
+    @property
+    def files(self) -> list[_OptimFile]:
+        return list(self._files)
+
+    def names_with(self, shard: str, component: str) -> list[str]:
+        """The parameters of ``shard`` that have ``component`` (e.g. fp32 masters)."""
+        prefix = f"{component}{_SEP}"
+        return [key[len(prefix):] for file, key in self._where if file == shard and key.startswith(prefix)]
+
     def components_of(self, source: Source) -> list[str]:
         """The optimizer tensors the parameter stored at ``source`` has (none: plain SGD)."""
         return [c for c in self.hyper.components if (source.file, f"{c}{_SEP}{source.key}") in self._where]
@@ -421,3 +430,56 @@ def resharded_user_content(content: Mapping[str, Any], new: ParallelLayout, *, z
     options = dict(content.get("options", {}))
     options.update({k: v for k, v in (("tp", new.tp), ("pp", new.pp), ("zero1", zero1)) if k in options})
     return {**content, "rng": [], "options": options, "layout": new.to_json()}
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 master weights as the weights (to-hf of a bf16 run's tag)
+
+
+class _ShardMasters:
+    """One shard's fp32 masters, by the shard's parameter names (a file reader for NxdCheckpoint)."""
+
+    def __init__(self, optim: TagOptimizer, shard: str) -> None:
+        self.optim, self.shard = optim, shard
+
+    def keys(self) -> list[str]:
+        return self.optim.names_with(self.shard, MASTER)
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        return self.optim.info(Source(self.shard, f"{MASTER}{_SEP}{key}"))
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.optim.read_rows(Source(self.shard, f"{MASTER}{_SEP}{key}"), start, stop, out)
+
+    def close(self) -> None:  # the TagOptimizer's owner closes it
+        pass
+
+
+def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
+                required: bool) -> TagOptimizer | None:
+    """Make ``ckpt`` (an NxdCheckpoint) read its weights from the fp32 masters a bf16 nxdtrain run keeps with its
+    optimizer state (format 2 or 1, any dp or ZeRO-1); return the TagOptimizer to close after the conversion, or
+    None (an error when ``required``) where the tag has no masters: no ``optim/``, an fp32 run, other files."""
+    directory = ckpt.root / OPTIM_DIR
+
+    def none(why: str) -> TagOptimizer | None:
+        if required:
+            raise ConversionError(f"{why}, so no nxdtrain master weights to export (--masters)")
+        return None
+
+    if not directory.is_dir():
+        return none(f"{directory}: missing")
+    try:
+        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
+                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                             checks=ckpt.checks, io=ckpt.io)
+    except IntegrityError:
+        raise
+    except ConversionError as exc:  # not nxdtrain's optimizer files (NxD's format, say)
+        return none(str(exc))
+    if MASTER not in optim.hyper.components:
+        optim.close()
+        return none(f"{directory}: optimizer state without fp32 masters (an fp32 run: its weights are the masters)")
+    identity = [(str(f.path), f.path.stat().st_size, f.path.stat().st_mtime_ns) for f in optim.files]
+    ckpt.use_masters(lambda shard: _ShardMasters(optim, shard), identity)
+    return optim

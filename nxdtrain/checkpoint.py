@@ -319,25 +319,28 @@ class TagWriter:
     source: ResumeSource
     layout: ParallelLayout
     coords: Any                  # dist.Coords of this rank
-    zero1: bool
+    zero1: bool                  # with zero_rank: this rank's ZeRO-1 shard (its index in the dp x cp group)
     flavour: Flavour
     keep: int
     options: dict[str, Any]
     host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
+    zero_rank: int = 0
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any]) -> Path:
         tag = self.root / f"step_{step}"
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier(group=self.host_group)
-        tp, dp, pp = self.coords
+        tp, pp = self.coords.tp, self.coords.pp
+        # The ranks of one (tp, pp) hold the same shard: the first of its dp x cp replicas writes it, as at cp 1.
+        first = self.coords.dp == 0 and self.coords.cp == 0
         written: list[Path] = []
-        if dp == 0:
+        if first:
             tensors, column_major = _shard_to_save(model)
             written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), tensors, self.flavour,
                                   column_major=column_major)
-        if dp == 0 or self.zero1:
-            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp if self.zero1 else 0)
+        if first or self.zero1:
+            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else 0)
             written.append(_save_torch(to_host(optimizer.state_dict()), path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 import shutil
 import threading
-from collections.abc import Collection, Mapping
+import warnings
+from collections.abc import Callable, Collection, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,22 @@ def completed_tags(root: Path) -> list[Path]:
     return sorted(tags, key=order)
 
 
+def newest_tag(root: Path) -> tuple[Path | None, str | None]:
+    """The tag a checkpoint root resumes or exports from: the completed tag with the highest step
+    (the ``done`` marker's mtime only breaks ties), and a warning when NxD's own rule, the tag whose
+    ``done`` was modified last, would take another one (after a copy that lost the timestamps)."""
+    tags = completed_tags(root)
+    if not tags:
+        return None, None
+    ours = tags[-1]
+    by_mtime = max(tags, key=lambda p: (p / DONE_MARKER).stat().st_mtime)
+    if by_mtime == ours or (by_mtime / DONE_MARKER).stat().st_mtime == (ours / DONE_MARKER).stat().st_mtime:
+        return ours, None
+    return ours, (f"{root}: took {ours.name}, the highest step; NxD's load_checkpoint would take {by_mtime.name}, "
+                  f"whose '{DONE_MARKER}' marker was modified last (timestamps changed by a copy?); pass a tag "
+                  "directory to choose")
+
+
 def _shard_files(directory: Path) -> dict[tuple[int, int], Path]:
     found: dict[tuple[int, int], Path] = {}
     if not directory.is_dir():
@@ -102,9 +119,13 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
         return path, path / MODEL_DIR, how
     if _shard_files(path):
         return (path.parent if path.name == MODEL_DIR else path), path, "model directory"
-    tags = completed_tags(path)
-    if tags:
-        return tags[-1], tags[-1] / MODEL_DIR, f"newest completed tag {tags[-1].name}"
+    tag, differs = newest_tag(path)
+    if tag is not None:
+        how = f"newest completed tag {tag.name} (highest step)"
+        if differs:
+            warnings.warn(differs, stacklevel=2)
+            how += f"; {differs}"
+        return tag, tag / MODEL_DIR, how
     raise ConversionError(
         f"{path}: no NxD shards found (looked for {MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, "
         f"shards in the directory itself, and tag directories with a '{DONE_MARKER}' marker)"
@@ -178,6 +199,30 @@ def detect_flavour(path: Path) -> Flavour:
     return Flavour.PLAIN
 
 
+class _WithMasters:
+    """One shard whose tensors come from nxdtrain's fp32 masters where they have them."""
+
+    def __init__(self, shard: FileReader | _SplitShard, masters: Any) -> None:
+        self.shard, self.masters = shard, masters
+        self._names = set(masters.keys())
+
+    def _of(self, key: str) -> FileReader | _SplitShard:
+        return self.masters if key in self._names else self.shard
+
+    def keys(self) -> list[str]:
+        return self.shard.keys()
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        return self._of(key).info(key)
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._of(key).read_rows(key, start, stop, out)
+
+    def close(self) -> None:
+        self.shard.close()
+        self.masters.close()
+
+
 class NxdCheckpoint:
     """NxD shards opened lazily; implements the executor's ``TensorReader``.
 
@@ -207,18 +252,35 @@ class NxdCheckpoint:
             raise ConversionError(f"{self.model_dir}: incomplete checkpoint, missing {', '.join(missing[:4])}")
         first = next(iter(self.files.values()))
         self.flavour = detect_flavour(first)
-        self._readers: dict[str, FileReader | _SplitShard] = {}
+        self._readers: dict[str, FileReader | _SplitShard | _WithMasters] = {}
         self._lock = threading.Lock()
+        self._masters_for: Callable[[str], Any] | None = None  # once use_masters(): shard -> its masters' reader
+        self._masters_identity: list[tuple[str, int, int]] = []
 
-    def _reader(self, file: str) -> FileReader | _SplitShard:
+    def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
         with self._lock:
             if file not in self._readers:
                 try:
                     path = self.files[file]
                 except KeyError:
                     raise ConversionError(f"{self.model_dir}: no shard {file}") from None
-                self._readers[file] = open_shard(path, self.io, self.checks)
+                shard = open_shard(path, self.io, self.checks)
+                self._readers[file] = shard if self._masters_for is None else _WithMasters(
+                    shard, self._masters_for(file))
             return self._readers[file]
+
+    def use_masters(self, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]]) -> None:
+        """Read the weights from fp32 master weights (nxdtrain's bf16 runs keep them with the optimizer state)
+        instead of the shards' rounded copy: ``masters_for(shard file)`` reads that shard's masters
+        (:func:`ckptconv.training_state.use_masters`); keys they lack (``inv_freq``) still come from the shards.
+        ``identity``: the files they come from (names, sizes, mtimes), for a conversion's fingerprint."""
+        self.close()  # readers opened so far read the shards alone
+        self._masters_for = masters_for
+        self._masters_identity = identity
+
+    def masters_identity(self) -> list[tuple[str, int, int]] | None:
+        """The optimizer files read for master weights (names, sizes, mtimes), or None."""
+        return self._masters_identity if self._masters_for is not None else None
 
     def finish_checks(self, *, workers: int = 8) -> int:
         """Complete the checks of every shard read from (hash what was not read); raise
