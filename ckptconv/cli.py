@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
 
-    p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
+    p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model; a training tag's AdamW state too)")
     p.add_argument("src", help="HF model directory or hub id org/name, a converted NxD dir, a training tag, "
                                "or a checkpoint root")
     p.add_argument("out", help="output DCP directory (load it in TorchTitan with checkpoint.initial_load_path=OUT)")
@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+    p.add_argument("--weights-only", action="store_true",
+                   help="training tag: write the model only (no AdamW state, lr schedule or step)")
     _run_flags(p)
 
     p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors or NxD shards (model weights)")
@@ -291,7 +293,7 @@ def run(args: argparse.Namespace) -> Any:
 
         return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
                       dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                      options=options)
+                      weights_only=args.weights_only, options=options)
     if args.command == "from-dcp":
         if args.to == "hf":
             given = [flag for flag, value, default in (

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import base64
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,18 @@ from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2Kv
 from ckptconv.mapping import check_source_shapes, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import model_spec_of, open_nxd
-from ckptconv.plan import Plan, hf_sources
-from ckptconv.plan_dcp import DEFAULT_FILE_SIZE, hf_dtypes_of, plan_dcp_to_hf, plan_dcp_to_nxd, plan_to_dcp, tied_copies
+from ckptconv.plan import OutTensor, Plan, hf_sources
+from ckptconv.plan_dcp import (
+    DEFAULT_FILE_SIZE,
+    hf_dtypes_of,
+    plan_dcp_to_hf,
+    plan_dcp_to_nxd,
+    plan_titan_optimizer,
+    plan_to_dcp,
+    tied_copies,
+)
 from ckptconv.progress import note
+from ckptconv.tag_reshard import TrainingTag
 from ckptconv.titan_names import (
     STATE_FAMILIES,
     TITAN_MODEL,
@@ -60,6 +70,8 @@ from ckptconv.titan_names import (
     planner_path,
     titan_params,
 )
+from ckptconv.titan_state import titan_values
+from ckptconv.training_state import MASTER, TagReader, is_training_tag, state_replicas, use_masters
 
 TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
 
@@ -82,10 +94,12 @@ def to_dcp(
     dtype: str = "keep",
     max_file_size: int = DEFAULT_FILE_SIZE,
     kv_replicas: str = "error",
+    weights_only: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """Write the model of ``src`` (an HF dir/file or hub id, a converted NxD dir, a training tag or a
-    checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``."""
+    checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``; of a training tag (unless
+    ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's own keys."""
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
@@ -113,21 +127,42 @@ def to_dcp(
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
         ckpt, spec, layout, with_inv_freq, read_notes = open_nxd(src, config=config, hints=hints, io=options.io,
                                                                   check=options.check)
-        notes += read_notes
-        with ckpt:
-            for line in read_notes:
-                note(line, quiet=options.quiet)
+        with ckpt, contextlib.ExitStack() as stack:
+            training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
+                TrainingTag.open(ckpt, spec, layout, with_inv_freq, Plan([]), dp=None, zero1=None, io=options.io))
+            if training is not None and MASTER in training.optim.hyper.components:
+                fp32 = use_masters(ckpt, spec, layout, with_inv_freq, required=True)
+                assert fp32 is not None
+                stack.callback(fp32.close)
+                read_notes.append(f"weights from the fp32 master weights in {ckpt.root}/optim/ (nxdtrain, a bf16 "
+                                  "run), not the shards' bf16 copy")
             shard_dtypes = ckpt.dtypes()
             tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
                                          lm_head_copy=stores_lm_head(spec, shard_dtypes))
+            state: list[OutTensor] = []
+            values: dict[str, Any] = {}
+            if training is not None:
+                state = plan_titan_optimizer(spec, tiles, training.optim)
+                replicas = replicas + state_replicas(replicas, training.optim)
+                values, state_notes = titan_values(spec, training.optim.hyper.param_groups, training.scheduler(),
+                                                   training.user_content, str(ckpt.root))
+                read_notes += [f"training tag at step {training.user_content['step']}: AdamW state, lr schedule "
+                               "and step carried (TorchTitan loads it with initial_load_model_only=false)",
+                               *state_notes]
+            notes += read_notes
+            for line in read_notes:
+                note(line, quiet=options.quiet)
             plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
-                               max_file_size=max_file_size, tiles=tiles, replicas=replicas)
+                               max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
+            placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
             fingerprint = _fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
-                                       _identity(sorted(ckpt.files.values())))
+                                       _identity(sorted(ckpt.files.values())), ckpt.masters_identity(),
+                                       None if training is None else training.identity())
             copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
-            spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json())
-            result = _convert(plan, ckpt, out, sink_factory(layout_items(plan.files)), options, spec_, "to-dcp",
-                              kv_replicas, sources=[Path(src), ckpt.root])
+            spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json(), placed)
+            reader = ckpt if training is None else TagReader(ckpt, training.optim)
+            result = _convert(plan, reader, out, sink_factory(layout_items(plan.files, placed)), options, spec_,
+                              "to-dcp", kv_replicas, sources=[Path(src), ckpt.root])
         layout_json = layout.to_json()
     result.notes[:0] = notes
     result.layout = layout_json
@@ -136,10 +171,11 @@ def to_dcp(
 
 
 def _dcp_finalize(plan: Plan, spec: ModelSpec, fingerprint: str, copies: list[tuple[str, str]],
-                  source_layout: dict[str, Any] | None) -> FinalizeSpec:
+                  source_layout: dict[str, Any] | None,
+                  values: dict[str, dict[str, Any]] | None = None) -> FinalizeSpec:
     """What completes a DCP output once its data files exist: ``.metadata`` (what makes it loadable),
     the HF files kept under ``hf/``, then ``ckptconv.json``."""
-    metadata = encode_metadata(layout_items(plan.files), planner_path, save_id_of(fingerprint))
+    metadata = encode_metadata(layout_items(plan.files, values), planner_path, save_id_of(fingerprint))
     extra: dict[str, Any] = dict(TITAN)
     if source_layout is not None:
         extra["from_layout"] = source_layout

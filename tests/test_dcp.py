@@ -490,3 +490,110 @@ def test_to_dcp_from_nxd_checks_kv_replicas(models, tmp_path):
     ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp2", kv_replicas="first", options=options)
     with pytest.raises(ConversionError, match="'error' or 'first'"):
         ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp3", kv_replicas="mean", options=options)
+
+
+# --------------------------------------------------------------------------------------------
+# A training tag's AdamW state, schedule and step into TorchTitan's keys
+
+
+ADAMW_GROUP = {"lr": 7e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+               "decoupled_weight_decay": True}
+
+
+def fake_training_tag(hf: Path, out: Path, *, weight_decay_norms: float = 0.1, **layout) -> Path:
+    """Shards of ``layout`` with format-2 AdamW files whose moments are functions of the weights
+    (tests.test_training_state), torch AdamW's param groups, and nxdtrain's side files at step 5."""
+    from tests.test_training_state import _fake_tag
+
+    ckptconv.to_nxd(hf, out, options=QUIET, **layout)
+    _fake_tag(out)
+    for path in (out / "optim").iterdir():
+        flat = torch.load(path, weights_only=True)
+        flat["param_groups"] = [dict(ADAMW_GROUP), {**ADAMW_GROUP, "weight_decay": weight_decay_norms}]
+        torch.save(flat, path)
+    torch.save({"schedule": "cosine", "lr": 1e-3, "min_lr": 1e-4, "warmup": 2, "decay_steps": 10, "step": 5,
+                "last_lr": 7e-4}, out / "scheduler.pt")
+    torch.save({"step": 5, "consumed_samples": 20, "rng": [], "options": {"seq_len": 16, "optimizer": "adamw"}},
+               out / "user_content.pt")
+    return out
+
+
+def expected_trained(titan: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """TorchTitan's trained parameters from its model keys, by hand: q/k/v fused per KV group (its q heads,
+    its k head, its v head), no lm_head when tied."""
+    hd, group = spec.head_dim, spec.group
+    out = {}
+    for key, value in titan.items():
+        if key.endswith(("wk.weight", "wv.weight")) or (spec.tied and key == "lm_head.weight"):
+            continue
+        if key.endswith("wq.weight"):
+            q, k, v = (titan[key.replace("wq.", f"w{m}.")] for m in "qkv")
+            parts = [t for g in range(spec.kv_heads) for t in (q[g * group * hd:(g + 1) * group * hd],
+                                                                k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd])]
+            out[key.replace("wq.weight", "wqkv.weight")] = torch.cat(parts)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("gqa", dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)),
+    ("gqa-tied", dict(tp=2, pp=2, attention="qkv_linear", kv_size_multiplier=1)),
+    ("mha", dict(tp=1, pp=1)),
+])
+def test_to_dcp_of_a_training_tag_writes_titans_adamw_state(models, tmp_path, name, layout):
+    hf = models[name]
+    spec = ModelSpec.from_file(hf / "config.json")
+    tag = fake_training_tag(hf, tmp_path / "tag", **layout)
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=RunOptions(quiet=True, check=False))
+    weights = expected_titan_state(hf_state(hf), spec)
+    trained = expected_trained(weights, spec)
+    fields = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+              "differentiable", "fused", "decoupled_weight_decay")
+    with DcpCheckpoint(tmp_path / "dcp") as ckpt:
+        keys = set(ckpt.keys())
+        values = {k: ckpt.read_value(k) for k in keys if not ckpt.entry(k).is_tensor}
+    assert keys == (set(weights) | {f"optimizer.state.{p}.{c}" for p in trained for c in ("step", "exp_avg", "exp_avg_sq")}
+                    | {f"optimizer.param_groups.{p}.{f}" for p in trained for f in fields}
+                    | {"lr_scheduler.last_epoch", "train_state.step", "train_state.ntokens_seen"})
+    # torch's own DCP reader: the model as before, every moment the same function of its (fused, permuted) weight
+    loaded = dcp_load(tmp_path / "dcp", {**{k: v.shape for k, v in weights.items()},
+                                         **{f"optimizer.state.{p}.{c}": w.shape for p, w in trained.items()
+                                            for c in ("exp_avg", "exp_avg_sq")},
+                                         **{f"optimizer.state.{p}.step": () for p in trained}})
+    for key, w in weights.items():
+        assert torch.equal(loaded[key], w), key
+    for p, w in trained.items():
+        assert torch.equal(loaded[f"optimizer.state.{p}.exp_avg"], 2 * w + 1), p
+        assert torch.equal(loaded[f"optimizer.state.{p}.exp_avg_sq"], w * w + 3), p
+        assert loaded[f"optimizer.state.{p}.step"].item() == 5.0
+    # step 6's lr by hand: cosine from 1e-3 to 1e-4 between steps 2 and 10, half way
+    group = {f: values[f"optimizer.param_groups.tok_embeddings.weight.{f}"] for f in fields}
+    assert group == {**ADAMW_GROUP, "lr": pytest.approx(1e-4 + 9e-4 * 0.5, rel=1e-12), "initial_lr": 1e-3}
+    assert all(values[f"optimizer.param_groups.{p}.{f}"] == group[f] for p in trained for f in fields)
+    # past warmup: one more than the step (TorchTitan's schedule runs its decay one step later; see titan_state)
+    assert (values["lr_scheduler.last_epoch"], values["train_state.step"], values["train_state.ntokens_seen"]) == (6, 5, 320)
+    assert any("lr_scheduler.warmup_steps=2" in n and "decay_type=cosine" in n and "min_lr_factor=0.1" in n
+               and "total_steps=10" in n for n in result.notes)
+    assert any("data loader position" in n for n in result.notes)
+    assert not any("norm weights" in n for n in result.notes)
+
+
+def test_to_dcp_of_a_training_tag_says_what_titan_changes_and_weights_only(models, tmp_path):
+    hf = models["gqa"]
+    tag = fake_training_tag(hf, tmp_path / "tag", weight_decay_norms=0.0)
+    for path in (tag / "optim").iterdir():  # nxdtrain decays matrices only: TorchTitan's one group cannot
+        flat = torch.load(path, weights_only=True)
+        assert flat["param_groups"][1]["weight_decay"] == 0.0
+    options = RunOptions(quiet=True, check=False)
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=options)
+    assert any("weight_decay 0.1" in n and "norm weights too" in n for n in result.notes)
+    ckptconv.to_dcp(tag, tmp_path / "model", weights_only=True, options=options)
+    with DcpCheckpoint(tmp_path / "model") as ckpt:
+        assert all(not k.startswith(("optimizer", "lr_scheduler", "train_state")) for k in ckpt.keys())
+    for path in (tag / "optim").iterdir():  # SGD: no moments to give TorchTitan's AdamW
+        flat = torch.load(path, weights_only=True)
+        torch.save({k: v for k, v in flat.items() if not k.endswith(("exp_avg", "exp_avg_sq"))}, path)
+    with pytest.raises(ConversionError, match="no AdamW exp_avg for tok_embeddings.weight.*--weights-only"):
+        ckptconv.to_dcp(tag, tmp_path / "sgd", options=options)

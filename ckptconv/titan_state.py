@@ -1,0 +1,118 @@
+"""A training tag's optimizer hyper-parameters, schedule position and step as TorchTitan's DCP values, and back.
+
+TorchTitan (pinned: :data:`~ckptconv.titan_names.TITAN_VERSION`) saves beside its model and AdamW tensors:
+
+* ``optimizer.param_groups.<param>.<field>`` for every trained parameter: its one AdamW param group, so the
+  values must be the same for all parameters (torch's loader refuses a group whose parameters disagree);
+* ``lr_scheduler.last_epoch``: how often its ``LambdaLR`` stepped; on load the lambda is recomputed from it, but
+  the optimizer's ``lr`` stays the loaded value: that is the lr of the next step;
+* ``train_state.step`` and ``train_state.ntokens_seen``.
+
+TorchTitan's schedule (``linear_warmup_stable_decay``) with ``W`` warmup steps, decay over the rest and no
+``decay_ratio`` runs its decay one step later than nxdtrain's (it keeps one "virtual" stable step at the peak).
+``last_epoch = step + 1`` once warmup is over cancels that shift exactly: from then on the lr TorchTitan computes
+is nxdtrain's at every step (see :func:`titan_last_epoch`). A tag still in warmup keeps ``last_epoch = step``:
+exact through warmup, the decay one step late.
+
+    >>> titan_last_epoch(step=5, warmup=2)
+    6
+    >>> titan_last_epoch(step=1, warmup=2)
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptconv.errors import ConversionError
+from ckptconv.lr_schedule import Recorded, lr_at
+from ckptconv.model_spec import ModelSpec
+from ckptconv.titan_names import PARAM_GROUP_FIELDS, optimizer_params, param_group_key
+
+# The fields that choose torch's implementation, not the math: TorchTitan picks its own on its device.
+IMPLEMENTATION = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
+# The fields whose values are the run's AdamW (carried as the tag recorded them).
+MATH_FIELDS = ("betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+OUR_SCHEDULES = {"linear": "linear", "cosine": "cosine", "constant": "linear"}  # nxdtrain's -> TorchTitan decay_type
+
+
+def titan_last_epoch(*, step: int, warmup: int) -> int:
+    """``lr_scheduler.last_epoch`` for a tag at ``step`` (see the module docstring: past warmup, one more)."""
+    return step + 1 if step >= warmup else step
+
+
+@dataclass(frozen=True)
+class TitanSchedule:
+    """TorchTitan's configuration that continues an nxdtrain schedule (its config field names)."""
+
+    lr: float
+    warmup_steps: int
+    decay_type: str
+    min_lr_factor: float
+    total_steps: int
+
+    def describe(self) -> str:
+        return (f"optimizer.lr={self.lr:g}, lr_scheduler.warmup_steps={self.warmup_steps}, "
+                f"lr_scheduler.decay_type={self.decay_type}, lr_scheduler.min_lr_factor={self.min_lr_factor:g}, "
+                f"lr_scheduler.total_steps={self.total_steps} (or training.steps), lr_scheduler.decay_ratio unset")
+
+
+def titan_schedule(record: Mapping[str, Any], where: str) -> tuple[Recorded, int, TitanSchedule | None]:
+    """The tag's schedule, its decay steps, and TorchTitan's equivalent (None: TorchTitan has none)."""
+    try:
+        schedule = Recorded(str(record["schedule"]), float(record["lr"]), record.get("min_lr"),
+                            float(record.get("warmup") or 0))
+        decay_steps = int(record["decay_steps"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConversionError(f"{where}: no nxdtrain schedule record ({exc}); expected schedule, lr, min_lr, warmup, "
+                              "decay_steps") from None
+    if schedule.warmup != int(schedule.warmup):
+        raise ConversionError(f"{where}: warmup {schedule.warmup} is not a step count")
+    if schedule.schedule not in OUR_SCHEDULES:
+        return schedule, decay_steps, None
+    floor = 1.0 if schedule.schedule == "constant" else float(schedule.min_lr or 0.0) / schedule.lr
+    return schedule, decay_steps, TitanSchedule(schedule.lr, int(schedule.warmup), OUR_SCHEDULES[schedule.schedule],
+                                                floor, decay_steps)
+
+
+def titan_values(spec: ModelSpec, param_groups: list[dict[str, Any]], scheduler: Mapping[str, Any],
+                 content: Mapping[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """TorchTitan's param-group, lr-scheduler and train-state values for a tag at ``content["step"]``, and what
+    to tell the user (how to configure TorchTitan; what could not be carried exactly)."""
+    step = int(content["step"])
+    schedule, decay_steps, titan = titan_schedule(scheduler, where)
+    if not param_groups:
+        raise ConversionError(f"{where}: the tag's optimizer files record no param groups")
+    matrices = param_groups[0]
+    missing = [f for f in MATH_FIELDS if f not in matrices]
+    if missing:
+        raise ConversionError(f"{where}: the tag's param group has no {missing[0]!r}; not torch AdamW state "
+                              "(TorchTitan's checkpoint needs AdamW): pass --weights-only for the model alone")
+    group = {"lr": lr_at(step + 1, schedule, decay_steps=decay_steps), "initial_lr": schedule.lr,
+             **{f: matrices[f] for f in MATH_FIELDS}, **IMPLEMENTATION}
+    assert set(group) == set(PARAM_GROUP_FIELDS), sorted(set(group) ^ set(PARAM_GROUP_FIELDS))
+    values: dict[str, Any] = {param_group_key(p, f): group[f] for p in optimizer_params(spec) for f in PARAM_GROUP_FIELDS}
+    notes = []
+    for other in param_groups[1:]:
+        differ = [f for f in MATH_FIELDS if other.get(f) != matrices[f]]
+        if differ:
+            notes.append(f"TorchTitan's AdamW has one param group: {differ[0]} {matrices[differ[0]]!r} (nxdtrain's, "
+                         f"for matrices) now applies to the norm weights too (nxdtrain used {other.get(differ[0])!r})")
+    if titan is None:
+        last_epoch = step
+        notes.append(f"TorchTitan has no schedule equal to NxDT's {schedule.schedule}: the next step runs at "
+                     "nxdtrain's lr, the steps after at TorchTitan's own schedule")
+    else:
+        last_epoch = titan_last_epoch(step=step, warmup=titan.warmup_steps)
+        notes.append(f"continue in TorchTitan with {titan.describe()}: from step {step + 1} on its lr is nxdtrain's"
+                     + ("" if last_epoch > step else " through warmup, its decay then one step later (the tag is "
+                        "still in warmup)"))
+    seq_len = content.get("options", {}).get("seq_len")
+    consumed = int(content.get("consumed_samples", 0))
+    values.update({"lr_scheduler.last_epoch": last_epoch, "train_state.step": step,
+                   "train_state.ntokens_seen": consumed * int(seq_len) if seq_len else 0})
+    notes.append(f"not carried: the data loader position (nxdtrain consumed {consumed} samples; TorchTitan's "
+                 "loader starts its data from the beginning: skip those rows, or continue on other data)")
+    return values, notes
