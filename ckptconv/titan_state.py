@@ -2,8 +2,9 @@
 
 TorchTitan (pinned: :data:`~ckptconv.titan_names.TITAN_VERSION`) saves beside its model and AdamW tensors:
 
-* ``optimizer.param_groups.<param>.<field>`` for every trained parameter: its one AdamW param group, so the
-  values must be the same for all parameters (torch's loader refuses a group whose parameters disagree);
+* ``optimizer.param_groups.<param>.<field>`` for every trained parameter: the values of its param group (torch's
+  loader refuses a group whose parameters disagree, so nxdtrain's two groups, matrices and norm weights, need two
+  groups in TorchTitan's optimizer config, by FQN pattern, when their values differ);
 * ``lr_scheduler.last_epoch``: how often its ``LambdaLR`` stepped; on load the lambda is recomputed from it, but
   the optimizer's ``lr`` stays the loaded value: that is the lr of the next step;
 * ``train_state.step`` and ``train_state.ntokens_seen``.
@@ -29,7 +30,8 @@ from typing import Any
 from ckptconv.errors import ConversionError
 from ckptconv.lr_schedule import Recorded, lr_at
 from ckptconv.model_spec import ModelSpec
-from ckptconv.titan_names import PARAM_GROUP_FIELDS, optimizer_params, param_group_key
+from ckptconv.titan_names import PARAM_GROUP_FIELDS, param_group_key, trained_params
+from ckptconv.training_state import is_matrix
 
 # The fields that choose torch's implementation, not the math: TorchTitan picks its own on its device.
 IMPLEMENTATION = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
@@ -85,21 +87,24 @@ def titan_values(spec: ModelSpec, param_groups: list[dict[str, Any]], scheduler:
     schedule, decay_steps, titan = titan_schedule(scheduler, where)
     if not param_groups:
         raise ConversionError(f"{where}: the tag's optimizer files record no param groups")
-    matrices = param_groups[0]
-    missing = [f for f in MATH_FIELDS if f not in matrices]
+    missing = [f for g in param_groups for f in MATH_FIELDS if f not in g]
     if missing:
         raise ConversionError(f"{where}: the tag's param group has no {missing[0]!r}; not torch AdamW state "
                               "(TorchTitan's checkpoint needs AdamW): pass --weights-only for the model alone")
-    group = {"lr": lr_at(step + 1, schedule, decay_steps=decay_steps), "initial_lr": schedule.lr,
-             **{f: matrices[f] for f in MATH_FIELDS}, **IMPLEMENTATION}
-    assert set(group) == set(PARAM_GROUP_FIELDS), sorted(set(group) ^ set(PARAM_GROUP_FIELDS))
-    values: dict[str, Any] = {param_group_key(p, f): group[f] for p in optimizer_params(spec) for f in PARAM_GROUP_FIELDS}
+    groups = [{"lr": lr_at(step + 1, schedule, decay_steps=decay_steps), "initial_lr": schedule.lr,
+               **{f: g[f] for f in MATH_FIELDS}, **IMPLEMENTATION} for g in param_groups]
+    assert set(groups[0]) == set(PARAM_GROUP_FIELDS), sorted(set(groups[0]) ^ set(PARAM_GROUP_FIELDS))
+    values: dict[str, Any] = {}
+    for param in trained_params(spec):  # nxdtrain's groups: matrices, then vectors (the norm weights)
+        group = groups[0 if is_matrix(param.shape) or len(groups) == 1 else 1]
+        values.update({param_group_key(param.key, f): group[f] for f in PARAM_GROUP_FIELDS})
     notes = []
-    for other in param_groups[1:]:
-        differ = [f for f in MATH_FIELDS if other.get(f) != matrices[f]]
-        if differ:
-            notes.append(f"TorchTitan's AdamW has one param group: {differ[0]} {matrices[differ[0]]!r} (nxdtrain's, "
-                         f"for matrices) now applies to the norm weights too (nxdtrain used {other.get(differ[0])!r})")
+    differ = [f for f in MATH_FIELDS if len(groups) > 1 and groups[1][f] != groups[0][f]]
+    if differ:
+        notes.append(f"the norm weights have their own AdamW group ({', '.join(f'{f} {groups[1][f]!r}' for f in differ)}"
+                     f"; matrices {', '.join(f'{f} {groups[0][f]!r}' for f in differ)}): give TorchTitan's optimizer "
+                     "a param group for them, pattern 'norm\\.weight$', before its catch-all '.*' (with one group "
+                     "torch refuses to load differing values)")
     if titan is None:
         last_epoch = step
         notes.append(f"TorchTitan has no schedule equal to NxDT's {schedule.schedule}: the next step runs at "
