@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training tag: write the model only (no AdamW state, lr schedule or step)")
     _run_flags(p)
 
-    p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors or NxD shards (model weights)")
+    p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors, NxD shards, or an nxdtrain tag")
     p.add_argument("src", help="a TorchTitan checkpoint: a step-N directory, or its checkpoint folder (newest step)")
     p.add_argument("out", help="output directory (HF files, or NxD shards under OUT/model/)")
     p.add_argument("--to", choices=("hf", "nxd"), default="hf", help="what to write (default hf)")
@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
                    help="--to hf: per safetensors file (default 5GB)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="--to nxd of a full checkpoint: the shards only, not an nxdtrain training tag")
+    p.add_argument("--consumed-samples", type=int, default=None, metavar="N",
+                   help="--to nxd of a full checkpoint: the tag's data position (nxdtrain continues at row N; "
+                        "default 0: TorchTitan's data loader position is not carried)")
     _run_flags(p)
 
     p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
@@ -312,7 +317,8 @@ def run(args: argparse.Namespace) -> Any:
             kv_size_multiplier=args.kvm or 1, attention=attention,
             fuse_qkv=bool(args.fuse_qkv), hw_backend=args.hw_backend or "trn1",
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=_flavour(args.xser), dtype=args.dtype,
-            max_shard_size=args.max_shard_size, options=options,
+            max_shard_size=args.max_shard_size, weights_only=args.weights_only,
+            consumed_samples=args.consumed_samples, options=options,
         )
     if args.command == "verify":
         layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from ckptconv.hub import resolve_hf
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
-from ckptconv.io.nxd import Flavour
+from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
@@ -54,6 +55,7 @@ from ckptconv.plan_dcp import (
     hf_dtypes_of,
     plan_dcp_to_hf,
     plan_dcp_to_nxd,
+    plan_dcp_to_tag,
     plan_titan_optimizer,
     plan_to_dcp,
     tied_copies,
@@ -70,8 +72,16 @@ from ckptconv.titan_names import (
     planner_path,
     titan_params,
 )
-from ckptconv.titan_state import titan_values
-from ckptconv.training_state import MASTER, TagReader, is_training_tag, state_replicas, use_masters
+from ckptconv.titan_state import tag_state, titan_values
+from ckptconv.training_state import (
+    MASTER,
+    SCHEDULER_FILE,
+    USER_CONTENT_FILE,
+    TagReader,
+    is_training_tag,
+    state_replicas,
+    use_masters,
+)
 
 TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
 
@@ -192,8 +202,8 @@ def _dcp_finalize(plan: Plan, spec: ModelSpec, fingerprint: str, copies: list[tu
 # Out of DCP
 
 
-def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "read",
-             check: bool = True) -> tuple[DcpCheckpoint, ModelSpec, list[str]]:
+def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "read", check: bool = True,
+             carried: tuple[str, ...] = ()) -> tuple[DcpCheckpoint, ModelSpec, list[str]]:
     """Open a TorchTitan DCP checkpoint with its model spec; its keys must be TorchTitan's llama3
     keys for that spec (else an error naming the first unknown key). Returns notes to show."""
     ckpt = DcpCheckpoint(src, io=io, check=check)
@@ -201,16 +211,17 @@ def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "re
         notes = [f"reading {ckpt.root} ({ckpt.found_as})"]
         spec = model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no HF "
                              "config; pass --config PATH/config.json (the model's HF config)")
-        notes += check_titan_keys(ckpt, spec)
+        notes += check_titan_keys(ckpt, spec, carried)
     except BaseException:
         ckpt.close()
         raise
     return ckpt, spec, notes
 
 
-def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec) -> list[str]:
+def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, ...] = ()) -> list[str]:
     """Every key is a TorchTitan llama3 model key of this config (shape included) or one of the
-    state TorchTitan saves beside it; the model keys are all there. Returns what is left behind."""
+    state TorchTitan saves beside it; the model keys are all there. Returns what is left behind
+    (the state families not in ``carried``)."""
     expected = {p.key: p.shape for p in titan_params(spec)}
     trained = set(optimizer_params(spec))
     left: dict[str, int] = {}
@@ -240,7 +251,9 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec) -> list[str]:
             raise ConversionError(f"{where}: the config ties the embeddings, but 'tok_embeddings.weight' and "
                                   f"'lm_head.weight' differ (max abs difference {diff:.3g}); pass --config with "
                                   "the config of the model that was trained (tie_word_embeddings false)")
-    return [f"not carried (model weights only): {n} {fam} key(s)" for fam in STATE_FAMILIES if (n := left.get(fam))]
+    what = "model weights only" if not carried else "not read into an nxdtrain tag"
+    return [f"not carried ({what}): {n} {fam} key(s)" for fam in STATE_FAMILIES
+            if (n := left.get(fam)) and fam not in carried]
 
 
 def from_dcp(
@@ -260,16 +273,25 @@ def from_dcp(
     flavour: str | Flavour = Flavour.PLAIN,
     dtype: str = "keep",
     max_shard_size: int = 5 * 10**9,
+    weights_only: bool = False,
+    consumed_samples: int | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """A TorchTitan DCP checkpoint's model (``src``: a step directory, or a checkpoint folder: its
-    newest ``step-N``) as HF safetensors (``to="hf"``) or NxD shards of the given layout (``to="nxd"``)."""
+    newest ``step-N``) as HF safetensors (``to="hf"``) or NxD shards of the given layout (``to="nxd"``).
+
+    To NxD, a full checkpoint (with TorchTitan's AdamW state) becomes an nxdtrain training tag (unless
+    ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position."""
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     if to not in ("hf", "nxd"):
         raise ConversionError(f"--to must be hf or nxd, got {to!r}")
-    ckpt, spec, notes = open_dcp(src, config=config, io=options.io, check=options.check)
+    if consumed_samples is not None and (to != "nxd" or weights_only or consumed_samples < 0):
+        raise ConversionError(f"--consumed-samples {consumed_samples}: the data position of an nxdtrain tag "
+                              "(from-dcp --to nxd of a full checkpoint), an integer >= 0")
+    carried = ("optimizer", "lr_scheduler", "train_state") if to == "nxd" and not weights_only else ()
+    ckpt, spec, notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     with ckpt:
         for line in notes:
             note(line, quiet=options.quiet)
@@ -295,21 +317,48 @@ def from_dcp(
                                    fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
             layout.check_model(spec)
             target = choice(Flavour, flavour, "flavour")
-            plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
-            fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity)
+            full = bool(carried) and any(family(k) == "optimizer" for k in ckpt.keys())
+            state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
+                                                    consumed_samples=consumed_samples, where=str(ckpt.root))
+            if state is None:
+                if consumed_samples is not None:
+                    raise ConversionError(f"{ckpt.root}: holds no optimizer state (a model-only checkpoint), so no "
+                                          "training tag is written; drop --consumed-samples")
+                plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
+            else:
+                plan = plan_dcp_to_tag(spec, layout, ckpt.dtypes(), state.param_groups, dtype_policy=policy)
+                notes += state.notes
+                for line in state.notes:
+                    note(line, quiet=options.quiet)
+            fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity,
+                                       None if state is None else consumed_samples)
             if config is not None and not any(rel == f"{HF_FILES_DIR}/{CONFIG}" for _, rel in kept):
                 kept.append((str(Path(config).resolve()), f"{HF_FILES_DIR}/{CONFIG}"))
+            extra: dict[str, Any] = {"from": TITAN}
+            if state is not None:
+                extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
             spec_ = FinalizeSpec(
                 fingerprint,
                 metadata=dict(kind="nxd", hf_config=spec.config, layout=layout.to_json(), flavour=target.value,
-                              dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint,
-                              extra={"from": TITAN}),
+                              dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint, extra=extra),
                 copies=kept,
             )
-            result = _convert(plan, ckpt, out, nxd_sink_factory(target), options, spec_, "from-dcp",
-                              sources=[Path(src), ckpt.root])
+            sinks = nxd_sink_factory(target)
+            if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
+                spec_.blobs[USER_CONTENT_FILE] = _torch_blob({**state.user_content, "layout": layout.to_json()})
+                spec_.blobs[SCHEDULER_FILE] = _torch_blob(state.scheduler)
+                spec_.markers = [CHECKPOINT_MARKER, DONE_MARKER]
+                sinks = TrainingTag.sinks(sinks)
+            result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=[Path(src), ckpt.root])
             layout_json = layout.to_json()
     result.notes[:0] = notes
     result.layout = layout_json
     result.seconds = time.monotonic() - started
     return result
+
+
+def _torch_blob(value: Any) -> str:
+    """A small side file's content (``torch.save``), as FinalizeSpec's blobs hold it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ from ckptconv.titan_names import (
     titan_params,
     trained_params,
 )
-from ckptconv.training_state import TagOptimizer, state_tensors
+from ckptconv.training_state import TagOptimizer, optimizer_files, state_key, state_tensors
 
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
@@ -195,3 +196,33 @@ def plan_dcp_to_nxd(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[st
     """NxD shards of ``layout`` from TorchTitan's model keys (the to-nxd plan, read from DCP)."""
     plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
     return _read_from_dcp(plan, spec)
+
+
+def plan_dcp_to_tag(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[str, torch.dtype],
+                    param_groups: list[dict[str, Any]], *, dp: int = 1, zero1: bool = False,
+                    dtype_policy: DtypePolicy = keep_dtype) -> Plan:
+    """An nxdtrain training tag's shards and format-2 optimizer files from a full TorchTitan checkpoint.
+
+    Each shard tensor's AdamW moments are its HF rows read from TorchTitan's optimizer tensors through
+    the same table backwards (the fused ``wqkv`` split, RoPE rows restored); ``step`` is its trained
+    parameter's. The moments keep their stored dtype.
+    """
+    hf_plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
+    weights = titan_tiles(titan_params(spec), spec)
+    shards = [OutFile(f.path, f.format, tuple(compose(t, weights) for t in f.tensors)) for f in hf_plan.files]
+    def reader(component: str) -> Callable[[str], Source]:
+        return lambda key: Source(None, optimizer_key(key, component))
+
+    moments = {c: titan_tiles(trained_params(spec), spec, source_of=reader(c)) for c in OPTIMIZER_STATE_FIELDS if c != "step"}
+    hf_tensor = {(f.path, t.key): t for f in hf_plan.files for t in f.tensors}
+
+    def state_of(path: str, weight: OutTensor) -> dict[str, OutTensor]:
+        read = {c: compose(hf_tensor[(path, weight.key)], tiles) for c, tiles in moments.items()}
+        first = read["exp_avg"].pieces[0].source.key
+        step = first[:-len("exp_avg")] + "step"  # the trained parameter's step (one per parameter)
+        out = {"step": OutTensor(state_key(weight.key, "step"), dcp_dtypes[step], (), 0, (Piece(Source(None, step), 0, 1),))}
+        for c, t in read.items():
+            out[c] = dataclasses.replace(t, key=state_key(weight.key, c), dtype=dcp_dtypes[t.pieces[0].source.key])
+        return out
+
+    return Plan(shards + optimizer_files(shards, state_of, param_groups, dp=dp, zero1=zero1), hf_plan.replicas)

@@ -121,3 +121,58 @@ def titan_values(spec: ModelSpec, param_groups: list[dict[str, Any]], scheduler:
     notes.append(f"not carried: the data loader position (nxdtrain consumed {consumed} samples; TorchTitan's "
                  "loader starts its data from the beginning: skip those rows, or continue on other data)")
     return values, notes
+
+
+# --------------------------------------------------------------------------------------------
+# Back: a full TorchTitan checkpoint's state as an nxdtrain training tag's
+
+
+@dataclass(frozen=True)
+class TagState:
+    """What an nxdtrain tag records beside its shards, from a TorchTitan checkpoint."""
+
+    param_groups: list[dict[str, Any]]  # nxdtrain's two AdamW groups: matrices, then vectors (the norm weights)
+    user_content: dict[str, Any]
+    scheduler: dict[str, Any]
+    notes: list[str]
+
+
+def tag_state(read_value: Any, spec: ModelSpec, *, zero1: bool, consumed_samples: int | None,
+              where: str) -> TagState:
+    """nxdtrain's param groups, ``user_content.pt`` and ``scheduler.pt`` from TorchTitan's values (``read_value(key)``).
+
+    nxdtrain has one AdamW group for matrices and one for vectors; a TorchTitan run whose groups split its
+    parameters otherwise is refused, naming the first parameter whose values differ from its kind's."""
+    groups: list[dict[str, Any]] = []
+    first: list[str] = []
+    for param in trained_params(spec):
+        kind = 0 if is_matrix(param.shape) else 1
+        values = {f: read_value(param_group_key(param.key, f)) for f in ("lr", "initial_lr", *MATH_FIELDS)}
+        if kind == len(groups):
+            groups.append(values)
+            first.append(param.key)
+        elif kind > len(groups):
+            raise AssertionError("trained_params lists matrices first")
+        elif values != groups[kind]:
+            differ = next(f for f in values if values[f] != groups[kind][f])
+            raise ConversionError(f"{where}: {param.key} has {differ} {values[differ]!r}, {first[kind]} "
+                                  f"{groups[kind][differ]!r}: nxdtrain keeps one AdamW group for matrices and one for "
+                                  "norm weights; this TorchTitan run groups its parameters otherwise")
+    step = int(read_value("train_state.step"))
+    last_epoch = int(read_value("lr_scheduler.last_epoch"))
+    tokens = int(read_value("train_state.ntokens_seen"))
+    notes = [f"TorchTitan checkpoint at step {step}: AdamW state and step carried (nxdtrain --resume OUT continues "
+             "with them); nxdtrain computes each step's lr from its own flags: give it TorchTitan's schedule "
+             f"(--lr {groups[0]['initial_lr']:g}; lr_scheduler.last_epoch {last_epoch}: "
+             + ("--warmup and --decay-steps as TorchTitan's warmup_steps and total_steps, a run that came from "
+                "nxdtrain" if last_epoch == step + 1 else "--warmup W+1 and --decay-steps T+1 for TorchTitan's "
+                "warmup_steps W and total_steps T, exact past warmup") + ")"]
+    if consumed_samples is None:
+        notes.append(f"not carried: the data position (TorchTitan had seen {tokens} tokens); nxdtrain starts its "
+                     "data at sample 0: pass --consumed-samples N to continue at row N")
+    nxd_groups = [{f: g[f] for f in ("lr", *MATH_FIELDS)} | IMPLEMENTATION for g in groups]
+    content = {"step": step, "consumed_samples": consumed_samples or 0, "rng": [],
+               "options": {"optimizer": "adamw", "zero1": zero1}}
+    scheduler = {"step": step, "lr": groups[0]["initial_lr"], "next_lr": groups[0]["lr"], "from": "torchtitan",
+                 "last_epoch": last_epoch}
+    return TagState(nxd_groups, content, scheduler, notes)

@@ -597,3 +597,46 @@ def test_to_dcp_of_a_training_tag_weights_only_and_refusals(models, tmp_path):
         torch.save({k: v for k, v in flat.items() if not k.endswith(("exp_avg", "exp_avg_sq"))}, path)
     with pytest.raises(ConversionError, match="no AdamW exp_avg for tok_embeddings.weight.*--weights-only"):
         ckptconv.to_dcp(tag, tmp_path / "sgd", options=options)
+
+
+@pytest.mark.parametrize("name,there,back", [
+    ("gqa", dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True), dict(tp=1, pp=2, attention="qkv_linear")),
+    ("gqa-tied", dict(tp=1, pp=1), dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)),
+])
+def test_from_dcp_of_a_full_checkpoint_writes_an_nxdtrain_tag(models, tmp_path, name, there, back):
+    """Into TorchTitan's keys and back at another layout: every moment is still the same function of its
+    weight, the step and hyper-parameters come along, and the tag is complete (side files, markers)."""
+    from ckptconv.io.nxd import load_shard
+
+    hf = models[name]
+    tag = fake_training_tag(hf, tmp_path / "tag", **there)
+    ckptconv.to_dcp(tag, tmp_path / "dcp", options=RunOptions(quiet=True, check=False))
+    result = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", to="nxd", config=hf / "config.json",
+                               consumed_samples=20, options=QUIET, **back)
+    assert any("AdamW state and step carried" in n for n in result.notes)
+    assert not any("not carried" in n and "optimizer" in n for n in result.notes)
+    out = tmp_path / "back"
+    assert (out / "done").is_file() and (out / "checkpoint").is_file()
+    content = torch.load(out / "user_content.pt", weights_only=True)
+    assert (content["step"], content["consumed_samples"], content["options"]["optimizer"]) == (5, 20, "adamw")
+    assert torch.load(out / "scheduler.pt", weights_only=True)["step"] == 5
+    shards = sorted((out / "model").iterdir())
+    assert len(list((out / "optim").iterdir())) == len(shards) == back["tp"] * back["pp"]
+    for shard in shards:
+        weights = {k: v for k, v in load_shard(shard).items() if not k.endswith("inv_freq")}
+        flat = torch.load(out / "optim" / shard.name, weights_only=True)
+        assert flat["format"] == 2 and flat["names"] == list(weights) and sorted(flat["owned"]) == sorted(weights)
+        assert [g["weight_decay"] for g in flat["param_groups"]] == [0.1, 0.0]
+        assert flat["param_groups"][0]["betas"] == (0.9, 0.95)
+        for key, w in weights.items():
+            assert torch.equal(flat[f"state.{key}.exp_avg"], 2 * w + 1), key
+            assert torch.equal(flat[f"state.{key}.exp_avg_sq"], w * w + 3), key
+            assert flat[f"state.{key}.step"].item() == 5.0
+    # weights only: plain shards, as before
+    weights_only = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "plain", to="nxd", config=hf / "config.json",
+                                     weights_only=True, options=QUIET, **back)
+    assert not (tmp_path / "plain" / "optim").exists()
+    assert any("not carried" in n and "optimizer key(s)" in n for n in weights_only.notes)
+    with pytest.raises(ConversionError, match="--consumed-samples"):
+        ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "hf", config=hf / "config.json", consumed_samples=3,
+                          options=QUIET)
