@@ -311,7 +311,8 @@ def dcp_model(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 def test_titan_continues_an_nxdtrain_run(models, nxd_run, tmp_path):
     """to-dcp of nxdtrain's step-2 tag; TorchTitan's CheckpointManager loads model, optimizer, lr_scheduler and
-    train_state; two more TorchTitan steps on the same rows give nxdtrain's steps 3-4 (losses, lr, weights)."""
+    train_state; two more TorchTitan steps on the same rows give nxdtrain's steps 3-4 (losses, lr, weights); its
+    saved step 4, through from-dcp, resumes nxdtrain as nxdtrain's own step-4 tag does."""
     hf, log = models["gqa"], nxd_run["log"]
     tag2, tag4 = nxd_run["root"] / "ckpt" / "step_2", nxd_run["root"] / "ckpt" / "step_4"
     result = ckptconv.to_dcp(tag2, tmp_path / "dcp", options=QUIET)
@@ -325,11 +326,10 @@ def test_titan_continues_an_nxdtrain_run(models, nxd_run, tmp_path):
     ck, optimizers, schedulers = manager(model, tmp_path / "ck", optimizer=titan_adamw(RUN["lr"], RUN["weight_decay"]),
                                          schedule=titan_schedule_config(schedule), training_steps=RUN["steps"],
                                          initial_load_path=str(tmp_path / "dcp"), initial_load_model_only=False,
-                                         exclude_from_loading=["dataloader"])
+                                         exclude_from_loading=["dataloader"], interval=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert ck.load() is True
-    ck.close()
     assert ck.states["train_state"].step == 2
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
     with warnings.catch_warnings():
@@ -348,6 +348,40 @@ def test_titan_continues_an_nxdtrain_run(models, nxd_run, tmp_path):
     for key, value in want.items():
         assert torch.allclose(theirs[key], value, atol=1e-4, rtol=0), (key, (theirs[key] - value).abs().max())
     assert any(not torch.allclose(theirs[k], dcp_model(tmp_path / "dcp", theirs)[k], atol=1e-4) for k in theirs)
+    # TorchTitan saves its step 4 (full state); from-dcp makes it an nxdtrain tag; nxdtrain's steps 5-6 from it
+    # equal nxdtrain's own from its step-4 tag
+    state = ck.states["train_state"]
+    state.step, state.ntokens_seen = 4, 4 * 4 * 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.save(curr_step=4)
+    ck.close()
+    result = ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, attention="qkv_linear",
+                               fuse_qkv=True, config=hf / "config.json", consumed_samples=16, options=QUIET)
+    assert any("a run that came from nxdtrain" in n for n in result.notes)  # last_epoch 5 = step 4 + 1
+    for path in sorted((tag4 / "optim").iterdir()):  # TorchTitan's AdamW state after its steps 3-4 is nxdtrain's
+        mine, want_state = torch.load(tmp_path / "tag" / "optim" / path.name, weights_only=True), torch.load(path, weights_only=True)
+        tensors = sorted(k for k, v in want_state.items() if isinstance(v, torch.Tensor))
+        assert tensors == sorted(k for k, v in mine.items() if isinstance(v, torch.Tensor)) and tensors
+        for key in tensors:
+            scale = want_state[key].abs().max()  # summation order differs (tp 2 vs one process): relative to the scale
+            assert torch.allclose(mine[key], want_state[key], rtol=0, atol=1e-5 * scale), key
+    from tests.nxdtrain.harness import run_world
+
+    more = {**nxd_run["options"], "steps": 6}
+    ours = run_world(2, resume=str(tmp_path / "tag"), checkpoint_dir=str(tmp_path / "a"),
+                     log_jsonl=str(tmp_path / "a.jsonl"), **more)
+    native = run_world(2, resume=str(tag4), checkpoint_dir=str(tmp_path / "b"), log_jsonl=str(tmp_path / "b.jsonl"),
+                       **more)
+    assert [r["step"] for r in ours] == [r["step"] for r in native] == [5, 6]
+    for a, b in zip(ours, native, strict=True):
+        assert a["lr"] == b["lr"] and a["consumed_samples"] == b["consumed_samples"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    ckptconv.to_dcp(tmp_path / "a" / "step_6", tmp_path / "a6", weights_only=True, options=QUIET)
+    ckptconv.to_dcp(tmp_path / "b" / "step_6", tmp_path / "b6", weights_only=True, options=QUIET)
+    a6, b6 = dcp_model(tmp_path / "a6", theirs), dcp_model(tmp_path / "b6", theirs)
+    for key in theirs:
+        assert torch.allclose(a6[key], b6[key], atol=1e-6, rtol=0), (key, (a6[key] - b6[key]).abs().max())
 
 
 @pytest.mark.parametrize("name,warmup,step", [("cosine", 3, 5), ("linear", 2, 2), ("constant", 2, 4), ("cosine", 0, 3),
