@@ -1,9 +1,10 @@
 """``to_dcp`` and ``from_dcp``: TorchTitan's DCP checkpoints from and to HF or NxD, through the one executor.
 
 ``to_dcp`` writes the model in TorchTitan's llama3 layout (pinned: ``titan_names.TITAN_VERSION``),
-loadable with ``checkpoint.initial_load_path=OUT``; ``from_dcp`` reads a TorchTitan checkpoint's
-model back to HF safetensors or to NxD shards at any layout. Optimizer, scheduler and train state
-are not carried yet (their keys are recognised, reported and left).
+loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its AdamW state, schedule
+position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
+checkpoint's model back to HF safetensors or to NxD shards at any layout, and a full checkpoint's
+state into an nxdtrain training tag (``plan_dcp.plan_dcp_to_tag``).
 
 Example:
     >>> import ckptconv

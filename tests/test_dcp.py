@@ -640,3 +640,23 @@ def test_from_dcp_of_a_full_checkpoint_writes_an_nxdtrain_tag(models, tmp_path, 
     with pytest.raises(ConversionError, match="--consumed-samples"):
         ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "hf", config=hf / "config.json", consumed_samples=3,
                           options=QUIET)
+
+
+def test_to_dcp_of_a_bf16_tag_writes_its_fp32_masters(models, tmp_path):
+    """A bf16 nxdtrain run keeps fp32 masters with its optimizer state: TorchTitan gets those, not the bf16 copy."""
+    from ckptconv.io.nxd import load_shard
+
+    hf = models["gqa"]
+    spec = ModelSpec.from_file(hf / "config.json")
+    tag = fake_training_tag(hf, tmp_path / "tag", tp=2, attention="qkv_linear", fuse_qkv=True)
+    for path in (tag / "optim").iterdir():
+        flat = torch.load(path, weights_only=True)
+        for key, w in load_shard(tag / "model" / path.name).items():
+            if not key.endswith("inv_freq"):
+                flat[f"state.{key}.master"] = 3 * w.float()
+        torch.save(flat, path)
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=RunOptions(quiet=True, check=False))
+    assert any("fp32 master weights" in n for n in result.notes)
+    want = expected_titan_state({k: 3 * v for k, v in hf_state(hf).items()}, spec)
+    loaded = dcp_load(tmp_path / "dcp", {k: v.shape for k, v in want.items()})
+    assert all(torch.equal(loaded[k], want[k]) for k in want)
