@@ -546,7 +546,10 @@ def test_to_dcp_of_a_training_tag_writes_titans_adamw_state(models, tmp_path, na
     hf = models[name]
     spec = ModelSpec.from_file(hf / "config.json")
     tag = fake_training_tag(hf, tmp_path / "tag", **layout)
-    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=RunOptions(quiet=True, check=False))
+    # bands far smaller than a tensor, several files: the state streams like the weights
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", max_file_size=40_000,
+                             options=RunOptions(quiet=True, check=False, max_memory=2**20, workers=2))
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) > 3
     weights = expected_titan_state(hf_state(hf), spec)
     trained = expected_trained(weights, spec)
     fields = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
@@ -589,7 +592,7 @@ def test_to_dcp_of_a_training_tag_weights_only_and_refusals(models, tmp_path):
     options = RunOptions(quiet=True, check=False)
     result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=options)
     assert not any("own AdamW group" in n for n in result.notes)  # one group's values: TorchTitan's default fits
-    ckptconv.to_dcp(tag, tmp_path / "model", weights_only=True, options=options)
+    assert main(["to-dcp", str(tag), str(tmp_path / "model"), "--weights-only", "--no-check", "--quiet"]) == 0
     with DcpCheckpoint(tmp_path / "model") as ckpt:
         assert all(not k.startswith(("optimizer", "lr_scheduler", "train_state")) for k in ckpt.keys())
     for path in (tag / "optim").iterdir():  # SGD: no moments to give TorchTitan's AdamW
@@ -632,6 +635,13 @@ def test_from_dcp_of_a_full_checkpoint_writes_an_nxdtrain_tag(models, tmp_path, 
             assert torch.equal(flat[f"state.{key}.exp_avg"], 2 * w + 1), key
             assert torch.equal(flat[f"state.{key}.exp_avg_sq"], w * w + 3), key
             assert flat[f"state.{key}.step"].item() == 5.0
+    # the CLI's flags are the API's
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in back.items()]
+    flags = [f.replace("--attention=qkv_linear", "--qkv-linear") for f in flags]
+    assert main(["from-dcp", str(tmp_path / "dcp"), str(tmp_path / "cli"), "--to", "nxd", "--config",
+                 str(hf / "config.json"), "--consumed-samples", "20", "--quiet", *flags]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli" / "optim").iterdir()) == sorted(p.name for p in (out / "optim").iterdir())
+    assert all((tmp_path / "cli" / "optim" / p.name).read_bytes() == p.read_bytes() for p in (out / "optim").iterdir())
     # weights only: plain shards, as before
     weights_only = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "plain", to="nxd", config=hf / "config.json",
                                      weights_only=True, options=QUIET, **back)
