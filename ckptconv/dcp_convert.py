@@ -64,14 +64,21 @@ from ckptconv.plan_dcp import (
 from ckptconv.progress import note
 from ckptconv.tag_reshard import TrainingTag
 from ckptconv.titan_names import (
+    LR_SCHEDULER_KEYS,
+    OPTIMIZER_STATE_FIELDS,
+    PARAM_GROUP_FIELDS,
     STATE_FAMILIES,
     TITAN_MODEL,
     TITAN_VERSION,
+    TRAIN_STATE_KEYS,
     family,
     is_known_state_key,
+    optimizer_key,
     optimizer_params,
+    param_group_key,
     planner_path,
     titan_params,
+    trained_params,
 )
 from ckptconv.titan_state import tag_state, titan_values
 from ckptconv.training_state import (
@@ -257,6 +264,24 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, .
             if (n := left.get(fam)) and fam not in carried]
 
 
+def check_titan_state(ckpt: DcpCheckpoint, spec: ModelSpec) -> None:
+    """A full checkpoint holds every trained parameter's AdamW tensors (moments of its shape, a 0-dim step),
+    its param-group values, the schedule and train state: else an error naming the first missing or wrong key."""
+    where = f"{ckpt.root / DCP_METADATA}"
+    for param in trained_params(spec):
+        for field in OPTIMIZER_STATE_FIELDS:
+            key, shape = optimizer_key(param.key, field), () if field == "step" else param.shape
+            entry = ckpt.entries.get(key)
+            if entry is None or entry.dtype is None or tuple(entry.size) != tuple(shape):
+                found = "missing" if entry is None else "a value" if entry.dtype is None else f"shape {list(entry.size)}"
+                raise ConversionError(f"{where}: {key!r} is {found}, expected a tensor of shape {list(shape)} (AdamW "
+                                      "state of a TorchTitan llama3 run); --weights-only takes the model alone")
+        for key in [param_group_key(param.key, f) for f in PARAM_GROUP_FIELDS] + [*LR_SCHEDULER_KEYS, *TRAIN_STATE_KEYS]:
+            if key not in ckpt.entries:
+                raise ConversionError(f"{where}: missing {key!r}; a full TorchTitan checkpoint has it (--weights-only "
+                                      "takes the model alone)")
+
+
 def from_dcp(
     src: str | Path,
     out: str | Path,
@@ -319,6 +344,8 @@ def from_dcp(
             layout.check_model(spec)
             target = choice(Flavour, flavour, "flavour")
             full = bool(carried) and any(family(k) == "optimizer" for k in ckpt.keys())
+            if full:
+                check_titan_state(ckpt, spec)
             state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
                                                     consumed_samples=consumed_samples, where=str(ckpt.root))
             if state is None:

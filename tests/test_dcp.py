@@ -249,6 +249,11 @@ def test_reads_a_checkpoint_torch_wrote_with_state_families(models, tmp_path):
     with DcpCheckpoint(tmp_path / "ckpt") as ckpt:
         assert ckpt.read_value("train_state.ntokens_seen") == 64
         assert ckpt.read_value(f"optimizer.param_groups.{param}.lr") == 0.1
+    # into an nxdtrain tag, the state must be whole: the first missing key named, --weights-only takes the model
+    with pytest.raises(ConversionError, match=r"'optimizer.state.tok_embeddings.weight.step' is missing.*--weights-only"):
+        ckptconv.from_dcp(tmp_path / "ckpt", tmp_path / "nxd", to="nxd", config=hf / "config.json", options=QUIET)
+    ckptconv.from_dcp(tmp_path / "ckpt", tmp_path / "nxd", to="nxd", config=hf / "config.json", weights_only=True,
+                      options=QUIET)
 
 
 @pytest.mark.parametrize("key", ["layers.0.attention.wq.weight", "optimizer.state.lm_head.weight.exp_avg",
