@@ -263,17 +263,18 @@ def titan_adamw(lr: float, weight_decay: float) -> OptimizersContainer.Config:
     ])
 
 
-@pytest.fixture(scope="module")
-def nxd_run(models, tmp_path_factory) -> dict:
-    """nxdtrain: 4 AdamW steps (cosine schedule, weight decay, clipping) of the GQA model at tp 2; tags at 2 and 4."""
+@pytest.fixture(scope="module", params=["gqa", "tied"])
+def nxd_run(request, models, tmp_path_factory) -> dict:
+    """nxdtrain: 4 AdamW steps (cosine schedule, weight decay, clipping) of a tiny model at tp 2; tags at 2 and 4."""
     from tests.nxdtrain.harness import convert, run_world, train_options
 
-    root = tmp_path_factory.mktemp("nxd-run")
-    src = convert(models["gqa"], root / "nxd", tp=2, attention="qkv_linear", fuse_qkv=True)
+    name = request.param
+    root = tmp_path_factory.mktemp(f"nxd-run-{name}")
+    src = convert(models[name], root / "nxd", tp=2, attention="qkv_linear", fuse_qkv=True)
     options = train_options(**RUN)
     log = run_world(2, resume=str(src), checkpoint_dir=str(root / "ckpt"), log_jsonl=str(root / "log.jsonl"), **options)
     assert [r["step"] for r in log] == [1, 2, 3, 4]
-    return {"root": root, "log": log, "options": options, "src": src}
+    return {"root": root, "log": log, "options": options, "src": src, "hf": models[name]}
 
 
 def batches(options: dict, hf: Path) -> list[torch.Tensor]:
@@ -309,11 +310,11 @@ def dcp_model(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return state
 
 
-def test_titan_continues_an_nxdtrain_run(models, nxd_run, tmp_path):
+def test_titan_continues_an_nxdtrain_run(nxd_run, tmp_path):
     """to-dcp of nxdtrain's step-2 tag; TorchTitan's CheckpointManager loads model, optimizer, lr_scheduler and
     train_state; two more TorchTitan steps on the same rows give nxdtrain's steps 3-4 (losses, lr, weights); its
     saved step 4, through from-dcp, resumes nxdtrain as nxdtrain's own step-4 tag does."""
-    hf, log = models["gqa"], nxd_run["log"]
+    hf, log = nxd_run["hf"], nxd_run["log"]
     tag2, tag4 = nxd_run["root"] / "ckpt" / "step_2", nxd_run["root"] / "ckpt" / "step_4"
     result = ckptconv.to_dcp(tag2, tmp_path / "dcp", options=QUIET)
     (schedule_note,) = [n for n in result.notes if n.startswith("continue in TorchTitan with")]
