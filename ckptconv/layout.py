@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.errors import ConversionError, choice
-from ckptconv.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ckptconv.model_spec import ModelSpec
 
 
 class Attention(str, Enum):

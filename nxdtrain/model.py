@@ -30,6 +30,7 @@ from ckptconv.layout import Attention as AttentionMode
 from ckptconv.layout import ParallelLayout, layer_pp_ranks
 from ckptconv.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
 from ckptconv.model_spec import ModelSpec
+from ckptconv.reference import causal_attention, rms_norm
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel import (
     ColumnParallelLinear,
@@ -72,10 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _InvFreq(nn.Module):
@@ -102,6 +100,7 @@ class SelfAttention(nn.Module):
         n, m = len(heads.q), len(heads.kv)
         self.shape = (n, m, hd)
         self.scaling = hd ** -0.5
+        self.window = spec.window  # family: sliding attention window (None: full causal)
         self.separate = layout.attention is AttentionMode.SEPARATE
         self.qkv_proj: ColumnParallelLinear | GQAQKVColumnParallelLinear  # absent with separate q/k/v
         if self.separate:
@@ -154,7 +153,7 @@ class SelfAttention(nn.Module):
         """softmax(QKᵀ)V: what selective checkpointing recomputes."""
         if self.expand_kv:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        return causal_attention(q, k, v, scale=self.scaling, window=self.window)
 
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
@@ -237,7 +236,7 @@ class LlamaStage(nn.Module):
         self.with_inv_freq = with_inv_freq
         self.is_first, self.is_last = pp_rank == 0, pp_rank == layout.pp - 1
         eps = _check_arch(spec.config)
-        self.register_buffer("rope_inv_freq", inv_freq(spec.config), persistent=False)
+        self.register_buffer("rope_inv_freq", inv_freq(spec.config, spec.head_dim), persistent=False)
         heads = rank_heads(spec, layout, tp.rank)
         carried = self.rope_inv_freq if with_inv_freq else None
         self.layer_ids = [i for i, owner in enumerate(layer_pp_ranks(spec.layers, layout)) if owner == pp_rank]
