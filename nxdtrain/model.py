@@ -1,4 +1,4 @@
-"""One pipeline stage of a tensor-parallel Llama whose ``state_dict()`` is exactly one NxD shard.
+"""One pipeline stage of a tensor-parallel decoder (any family of ``ckptconv.families``) whose ``state_dict()`` is exactly one NxD shard.
 
 Which heads, rows and layers a (tp, pp) rank holds is asked from ``ckptconv.mapping`` (the single
 source of truth for the GQA head order); this module only builds layers of those sizes. Each
@@ -102,16 +102,22 @@ class SelfAttention(nn.Module):
         self.scaling = hd ** -0.5
         self.window = spec.window  # family: sliding attention window (None: full causal)
         self.separate = layout.attention is AttentionMode.SEPARATE
+        bias = spec.family.qkv_bias  # family: q/k/v biases (Qwen2), split like their weight rows
         self.qkv_proj: ColumnParallelLinear | GQAQKVColumnParallelLinear  # absent with separate q/k/v
         if self.separate:
-            self.q_proj = ColumnParallelLinear(hidden, n * hd, tp, dtype=dtype)
-            self.k_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
-            self.v_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(hidden, n * hd, tp, dtype=dtype, bias=bias)
+            self.k_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype, bias=bias)
+            self.v_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype, bias=bias)
         elif layout.attention is AttentionMode.COALESCED:
-            self.qkv_proj = ColumnParallelLinear(hidden, (n + 2 * m) * hd, tp, dtype=dtype)
+            self.qkv_proj = ColumnParallelLinear(hidden, (n + 2 * m) * hd, tp, dtype=dtype, bias=bias)
         else:
-            self.qkv_proj = GQAQKVColumnParallelLinear(hidden, n * hd, m * hd, tp, fuse=layout.fuse_qkv, dtype=dtype)
+            self.qkv_proj = GQAQKVColumnParallelLinear(hidden, n * hd, m * hd, tp, fuse=layout.fuse_qkv, dtype=dtype,
+                                                       bias=bias)
         self.o_proj = RowParallelLinear(n * hd, hidden, tp, dtype=dtype)
+        self.qk_norm = spec.family.qk_norm  # family: per-head q/k RMSNorm before RoPE (Qwen3), replicated
+        if self.qk_norm:
+            eps = float(spec.config.get("rms_norm_eps", 1e-6))
+            self.q_norm, self.k_norm = RMSNorm(hd, eps, dtype), RMSNorm(hd, eps, dtype)
         if carried_inv_freq is not None:
             self.rotary_emb = _InvFreq(carried_inv_freq)
         # The K/V head each local Q head attends with (GQA: global head h uses K/V head h // group).
@@ -145,6 +151,8 @@ class SelfAttention(nn.Module):
         q = q.view(batch, seq, n, hd).transpose(1, 2)
         k = k.view(batch, seq, m, hd).transpose(1, 2)
         v = v.view(batch, seq, m, hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
         out = maybe_checkpoint(self.recompute_core, self._core, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, n * hd))
@@ -159,10 +167,12 @@ class SelfAttention(nn.Module):
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
         n, m, hd = self.shape
         if self.separate:
-            return [(self.k_proj.weight, slice(0, m * hd)), (self.v_proj.weight, slice(0, m * hd))]
-        if isinstance(self.qkv_proj, GQAQKVColumnParallelLinear):
+            layers, rows = [self.k_proj, self.v_proj], slice(0, m * hd)
+        elif isinstance(self.qkv_proj, GQAQKVColumnParallelLinear):
             return self.qkv_proj.kv_rows()
-        return [(self.qkv_proj.weight, slice(n * hd, (n + 2 * m) * hd))]
+        else:
+            layers, rows = [self.qkv_proj], slice(n * hd, (n + 2 * m) * hd)
+        return [(p, rows) for layer in layers for p in (layer.weight, layer.bias) if p is not None]
 
 
 class MLP(nn.Module):
@@ -307,5 +317,10 @@ class LlamaStage(nn.Module):
             yield layer.self_attn
 
     def tp_replicated(self) -> list[str]:
-        """Parameters every tp rank holds whole (their gradients are equal on all tp ranks)."""
+        """Parameters every tp rank holds whole (norm weights, per-head q/k norms included)."""
         return [name for name, _ in self.named_parameters() if name.endswith("norm.weight")]
+
+    def tp_partial(self) -> list[str]:
+        """Replicated parameters whose gradient each tp rank holds only its heads' part of (per-head q/k norms:
+        summed over tp)."""
+        return [name for name, _ in self.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight"))]

@@ -165,6 +165,8 @@ def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
     names = {id(p): n for n, p in model.named_parameters()}
     if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
         out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
+    elif model.tp_partial() and mesh.tp_group is not None:  # per-head q/k norms saw only this rank's heads
+        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_partial())
     if tp_rank != 0:
         out.uncounted.update({name: [] for name in model.tp_replicated()})
     # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).
