@@ -33,11 +33,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Segment:
-    """``hf_key[start:stop]`` along the record's dim."""
+    """``hf_key[start:stop]`` along the record's dim; with ``pad``, that many zero rows instead (vocabulary padding:
+    rows ``start..stop`` past the end of ``hf_key``)."""
 
     hf_key: str
     start: int
     stop: int
+    pad: bool = False
 
     @property
     def length(self) -> int:
@@ -108,11 +110,27 @@ def chunk(hf_key: str, total: int, parts: int, index: int) -> Segment:
     return Segment(hf_key, index * size, (index + 1) * size)
 
 
+def vocab_segments(hf_key: str, vocab: int, rows: int, parts: int, index: int) -> tuple[Segment, ...]:
+    """Rank ``index``'s block of a vocabulary padded from ``vocab`` to ``rows``: its real rows, then zero rows.
+
+        >>> vocab_segments("e", 1003, 1004, 4, 3)
+        (Segment(hf_key='e', start=753, stop=1003, pad=False), Segment(hf_key='e', start=1003, stop=1004, pad=True))
+    """
+    block = chunk(hf_key, rows, parts, index)
+    real = min(block.stop, vocab)
+    out = []
+    if block.start < real:
+        out.append(Segment(hf_key, block.start, real))
+    if real < block.stop:
+        out.append(Segment(hf_key, max(block.start, real), block.stop, pad=True))
+    return tuple(out)
+
+
 def merge_segments(segments: Iterable[Segment]) -> tuple[Segment, ...]:
     """Join neighbours that are contiguous in the same HF tensor (fewer, larger reads)."""
     out: list[Segment] = []
     for seg in segments:
-        if out and out[-1].hf_key == seg.hf_key and out[-1].stop == seg.start:
+        if out and out[-1].hf_key == seg.hf_key and out[-1].stop == seg.start and not (out[-1].pad or seg.pad):
             out[-1] = Segment(seg.hf_key, out[-1].start, seg.stop)
         else:
             out.append(seg)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ckptconv.errors import ConversionError
 from ckptconv.families import LLAMA, Family
-from ckptconv.heads import Segment, ShardRecord, chunk, kv_heads, merge_segments, q_heads
+from ckptconv.heads import Segment, ShardRecord, kv_heads, merge_segments, q_heads, vocab_segments
 from ckptconv.layout import ParallelLayout, layer_pp_ranks
 
 if TYPE_CHECKING:
@@ -93,9 +93,10 @@ def shard_records(
     layout.check_model(spec)
     pp_of_layer = layer_pp_ranks(spec.layers, layout)
     records: list[ShardRecord] = []
-    vocab = chunk(EMBED, spec.vocab, layout.tp, tp_rank)
+    rows = layout.vocab_rows(spec)
+    vocab = vocab_segments(EMBED, spec.vocab, rows, layout.tp, tp_rank)
     if pp_rank == 0:
-        records.append(ShardRecord(EMBED, 0, (vocab,)))
+        records.append(ShardRecord(EMBED, 0, vocab))
     for layer, owner in enumerate(pp_of_layer):
         if owner != pp_rank:
             continue
@@ -106,9 +107,9 @@ def shard_records(
     if pp_rank == layout.pp - 1:
         records.append(_whole(FINAL_NORM, spec.hidden))
         if not spec.tied:
-            records.append(ShardRecord(LM_HEAD, 0, (chunk(LM_HEAD, spec.vocab, layout.tp, tp_rank),)))
+            records.append(ShardRecord(LM_HEAD, 0, vocab_segments(LM_HEAD, spec.vocab, rows, layout.tp, tp_rank)))
         elif lm_head_copy:  # a tied model has no lm_head in HF; our last stage gets its own copy of the embedding
-            records.append(ShardRecord(LM_HEAD, 0, (Segment(EMBED, vocab.start, vocab.stop),)))
+            records.append(ShardRecord(LM_HEAD, 0, vocab))
     return _in_file_order(records, hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family))
 
 

@@ -232,6 +232,7 @@ class LlamaStage(nn.Module):
 
     rope_inv_freq: torch.Tensor
     lm_head: ColumnParallelLinear
+    vocab_padding: torch.Tensor | None
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
                  with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none") -> None:
@@ -251,15 +252,18 @@ class LlamaStage(nn.Module):
         carried = self.rope_inv_freq if with_inv_freq else None
         self.layer_ids = [i for i, owner in enumerate(layer_pp_ranks(spec.layers, layout)) if owner == pp_rank]
         self.model = _Body()
+        vocab_local = layout.vocab_rows(spec) // tp.size  # padded to a multiple of tp: zero rows, masked logits
         if self.is_first:
-            self.model.embed_tokens = ParallelEmbedding(spec.vocab // tp.size, spec.hidden, tp, dtype=dtype)
+            self.model.embed_tokens = ParallelEmbedding(vocab_local, spec.hidden, tp, dtype=dtype)
         self.model.layers = nn.ModuleDict({
             str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried)
             for i in self.layer_ids
         })
         if self.is_last:
             self.model.norm = RMSNorm(spec.hidden, eps, dtype)
-            self.lm_head = ColumnParallelLinear(spec.hidden, spec.vocab // tp.size, tp, dtype=dtype)
+            self.lm_head = ColumnParallelLinear(spec.hidden, vocab_local, tp, dtype=dtype)
+            padding = torch.arange(tp.rank * vocab_local, (tp.rank + 1) * vocab_local) >= spec.vocab
+            self.register_buffer("vocab_padding", padding if bool(padding.any()) else None, persistent=False)
         self._check_matches_shard()
         for attn in self.attention_layers():
             attn.recompute_core = recompute == "selective"
@@ -281,7 +285,10 @@ class LlamaStage(nn.Module):
         for layer in self.model.layers.values():
             h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin)
         if self.is_last:
-            return self.lm_head(self.model.norm(h))
+            logits = self.lm_head(self.model.norm(h))
+            if self.vocab_padding is not None:  # padding rows never win the softmax (and get no gradient)
+                logits = logits.masked_fill(self.vocab_padding, torch.finfo(logits.dtype).min)
+            return logits
         return h
 
     # ------------------------------------------------------------------ shard I/O

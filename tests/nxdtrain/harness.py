@@ -26,6 +26,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "mistral": dict(model_type="mistral", heads=8, kv_heads=2, layers=3, head_dim=16, sliding_window=16),
     "qwen2": dict(model_type="qwen2", heads=8, kv_heads=2, layers=3),
     "qwen3": dict(model_type="qwen3", heads=8, kv_heads=2, layers=3, head_dim=16, tied=True),
+    # A vocabulary no tp > 1 divides: the shards pad it (ckptconv.layout.ParallelLayout.padded_vocab).
+    "vocab1003": dict(heads=8, kv_heads=2, layers=3, vocab=1003, tied=True),
 }
 
 

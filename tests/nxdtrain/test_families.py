@@ -2,7 +2,8 @@
 
 Mistral: head_dim 16 != 64 / 8 and rows of 32 tokens over a window of 16 (MistralForCausalLM masks the rest);
 Qwen2: q/k/v biases, also replicated under kv_size_multiplier 2; Qwen3: per-head q/k norms (their gradients
-summed over tp), head_dim 16, tied embeddings across pipeline stages. SGD runs compare exported weights within
+summed over tp), head_dim 16, tied embeddings across pipeline stages. A tied Llama with 1003 tokens trains from
+shards padded to 1004 rows like transformers on the real 1003. SGD runs compare exported weights within
 1e-6, AdamW runs losses within 1e-5 (and weights within 1e-4).
 """
 
@@ -27,6 +28,11 @@ CASES = {
                                  "sgd", {}),
     "qwen3-tp2-pp2-sp-adamw": ("qwen3", 2, 2, dict(attention="qkv_linear", fuse_qkv=True), "adamw",
                                dict(sequence_parallel=True)),
+    # vocabulary 1003, tied: padded to 1004 rows in the shards, padding logits masked, export gives 1003 rows back
+    "vocab1003-tp4-kvm2-fused-sgd": ("vocab1003", 4, 1, dict(attention="qkv_linear", fuse_qkv=True,
+                                                             kv_size_multiplier=2), "sgd", {}),
+    "vocab1003-tp2-pp2-fused-sgd": ("vocab1003", 2, 2, dict(attention="qkv_linear", fuse_qkv=True), "sgd", {}),
+    "vocab1003-tp2-pp2-adamw": ("vocab1003", 2, 2, dict(attention="qkv_linear"), "adamw", {}),
 }
 
 
