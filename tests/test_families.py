@@ -31,8 +31,10 @@ COMMON = dict(heads=8, kv_heads=2, layers=4)
 LAYOUTS = {
     "tp2-pp2-fused": dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True),
     "tp4-kvm2-fused-trn1": dict(tp=4, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=2),
-    "tp4-kvm2-trn2": dict(tp=4, pp=2, attention="qkv_linear", kv_size_multiplier=2, hw_backend="trn2"),
-    "tp8-kvm4-fused-trn2": dict(tp=8, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=4, hw_backend="trn2"),
+    "tp4-kvm2-trn2-xser": dict(tp=4, pp=2, attention="qkv_linear", kv_size_multiplier=2, hw_backend="trn2",
+                               flavour="xser-split"),
+    "tp8-kvm4-fused-trn2": dict(tp=8, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=4, hw_backend="trn2",
+                                flavour="xser-inline"),
     "tp2-separate-vpp": dict(tp=2, pp=2, vpp=2, attention="separate"),
 }
 
