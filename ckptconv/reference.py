@@ -73,11 +73,13 @@ def _llama3(inv: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions ``0..seq_len-1``, shape ``(seq_len, head_dim)``, computed in fp32."""
-    positions = torch.arange(seq_len, device=inv_freq.device)[:, None].float()
-    freqs = positions * inv_freq.float()
+def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions ``0..seq_len-1`` (or the given ``positions``), shape ``(seq_len, head_dim)``,
+    computed in fp32."""
+    if positions is None:
+        positions = torch.arange(seq_len, device=inv_freq.device)
+    freqs = positions[:, None].float() * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

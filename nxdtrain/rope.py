@@ -30,9 +30,12 @@ def inv_freq(config: dict[str, Any], head_dim: int | None = None) -> torch.Tenso
     return reference.rope_inv_freq(config, dim)
 
 
-def cos_sin(inv: torch.Tensor, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions ``0..seq_len-1``, shape ``(1, seq_len, head_dim)``, computed in fp32."""
-    cos, sin = reference.rope_cos_sin(inv, seq_len, dtype)
+def cos_sin(inv: torch.Tensor, seq_len: int, dtype: torch.dtype,
+            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions ``0..seq_len-1`` (or the ``seq_len`` given ``positions``: a context-parallel
+    rank's global ones), shape ``(1, seq_len, head_dim)``, computed in fp32 (elementwise: a position's
+    values do not depend on which others are computed with it)."""
+    cos, sin = reference.rope_cos_sin(inv, seq_len, dtype, positions=positions)
     return cos[None], sin[None]
 
 

@@ -46,3 +46,15 @@ def test_family_trains_like_transformers(tmp_path, nxd_model, reference, name):
                     log_jsonl=str(tmp_path / "log.jsonl"), **options, **extra)
     export(tmp_path / "ckpt", tmp_path / "hf")
     assert_matches_reference(log, tmp_path / "hf", reference(model, **options), optimizer)
+
+
+def test_a_sliding_window_shorter_than_the_rows_is_refused_with_context_parallelism(nxd_model):
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.errors import TrainError
+    from nxdtrain.train import prepare
+
+    src = str(nxd_model("mistral", tp=1, pp=1, attention="qkv_linear"))
+    config = TrainConfig.from_flat({"no_checkpoint": True, **train_options(resume=src, seq_len=32, context_parallel=2)})
+    with pytest.raises(TrainError, match=r"^config.json: sliding_window 16 < --seq-len 32 with --context-parallel 2: "
+                                         r"ring attention has no window mask"):
+        prepare(config, 2)
