@@ -39,6 +39,7 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
+from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
@@ -147,6 +148,7 @@ def to_nxd(
     out = Path(out)
     with HfCheckpoint(src, config=config, io=options.io) as hf:
         layout.check_model(hf.spec)
+        layout = _padded(layout, hf.spec, notes)
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(src))
         if layout.hw is Hardware.TRN2 and layout.kvm > 1 and layout.trn2_kv_layout is Trn2KvLayout.OFFICIAL:
             message = ("--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs "
@@ -174,6 +176,15 @@ def to_nxd(
         _verify_after(src, out, config, verify_layers, result.notes)
     result.seconds = time.monotonic() - started
     return result
+
+
+def _padded(layout: ParallelLayout, spec: ModelSpec, notes: list[str]) -> ParallelLayout:
+    """``layout`` with its vocabulary padding recorded, and said (never silent)."""
+    layout = layout.padded_for(spec)
+    if layout.padded_vocab is not None:
+        notes.append(f"vocab_size {spec.vocab} is padded to {layout.padded_vocab} rows (a multiple of tp {layout.tp}) "
+                     "with zero rows in the embedding and lm_head shards; recorded in ckptconv.json, stripped by to-hf")
+    return layout
 
 
 def target_layout(*, tp: int, pp: int, vpp: int, kv_size_multiplier: int, attention: str | Attention, fuse_qkv: bool,
@@ -342,6 +353,7 @@ def reshard(
             trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
         )
         new.check_model(spec)
+        new = _padded(new, spec, notes)
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,

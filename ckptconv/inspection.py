@@ -132,7 +132,7 @@ def _lm_head_form(spec: ModelSpec, last_stage_keys: list[str]) -> str:
 
 def _model_summary(spec: Any) -> dict[str, Any]:
     return {
-        "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
+        "family": spec.model_type, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
         "head_dim": spec.head_dim, "intermediate": spec.intermediate, "vocab": spec.vocab, "tied": spec.tied,
     }
 
