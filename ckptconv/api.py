@@ -39,6 +39,7 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
+from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
@@ -191,14 +192,20 @@ def to_hf(
     max_shard_size: int = 5 * 10**9,
     dtype: str = "keep",
     kv_replicas: str = "error",
+    weights: str = "auto",
     options: RunOptions | None = None,
 ) -> Result:
-    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory."""
+    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
+
+    ``weights="masters"`` exports NxD's fp32 master weights from the tag's ``optim/`` instead of its
+    model files (which a tag saved with ``avoid_saving_lower_precision_weights`` lacks: then the
+    masters are read without asking); see :mod:`ckptconv.nxd_masters`.
+    """
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                        check=options.check)
+                                                        check=options.check, weights=weights)
     with ckpt:
         for line in notes:
             note(line, quiet=options.quiet)
@@ -206,7 +213,7 @@ def to_hf(
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(sorted(ckpt.files.values())))
+                                   _identity(_input_files(ckpt)))
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
         copies = _kept_hf_files(ckpt.root, notes, into="", skip=CONFIG)
         spec_ = FinalizeSpec(
@@ -245,18 +252,20 @@ def reshard(
     hints: dict[str, Any] | None = None,
     dtype: str = "keep",
     kv_replicas: str = "error",
+    weights: str = "auto",
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
 
     Unset layout options keep the source's values; ``kv_size_multiplier`` defaults to what the
-    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path.
+    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path. ``weights``:
+    as for :func:`to_hf` (the weights only: optimizer state is not carried).
     """
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check)
+                                                     check=options.check, weights=weights)
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
@@ -271,7 +280,7 @@ def reshard(
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                                   _identity(sorted(ckpt.files.values())))
+                                   _identity(_input_files(ckpt)))
         copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
         spec_ = FinalizeSpec(
             fingerprint,
@@ -330,6 +339,15 @@ def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
     paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
     return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies]
+
+
+def _input_files(ckpt: Any) -> list[Path]:
+    """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
+    weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
+    files = sorted(ckpt.files.values())
+    if ckpt.weight_source is not None:
+        files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
+    return files
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:

@@ -64,6 +64,18 @@ DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps 
 JSON_HELP = "print the result as JSON on stdout"
 
 
+FROM_MASTERS_HELP = ("an NxD training tag: read the fp32 master weights in its optim/ (ZeRO-1, use_master_weights_in_ckpt) "
+                     "instead of its model files; a tag whose model files hold no tensors is read from them anyway")
+
+
+def _from_masters_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-masters", action="store_true", help=FROM_MASTERS_HELP)
+
+
+def _weights(args: argparse.Namespace) -> str:
+    return "masters" if args.from_masters else "auto"
+
+
 def _revision_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None,
                    help="for a hub id: branch, tag or commit (default main); looked up in the HF cache first")
@@ -131,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    _from_masters_flag(p)
     _run_flags(p)
 
     p = sub.add_parser("reshard", help="NxD shards -> NxD shards of another layout")
@@ -143,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+    _from_masters_flag(p)
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -182,12 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", action="store_true", help="also check every file's size and digest against ckptconv.json")
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     _layout_flags(p, defaults=False)
+    _from_masters_flag(p)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
     p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (when PATH has none)")
+    _from_masters_flag(p)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("finalize", help="finish a conversion split over several processes (--part)")
@@ -240,7 +256,7 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.api import to_hf
 
         result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
-                       dtype=args.dtype, kv_replicas=args.kv_replicas, options=options)
+                       dtype=args.dtype, kv_replicas=args.kv_replicas, weights=_weights(args), options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         kept, options = _attention(args), _options(args)  # None: the source's attention mode
@@ -250,7 +266,8 @@ def run(args: argparse.Namespace) -> Any:
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
-            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
+            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, weights=_weights(args),
+            options=options,
         )
     if args.command == "to-dcp":
         hints, options = _hints(args), _options(args)
@@ -285,11 +302,13 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.verify import verify
 
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
-                      hints=hints, files=args.files, revision=args.revision, check=not args.no_check)
+                      hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
+                      weights=_weights(args))
     if args.command == "inspect":
         from ckptconv.inspection import inspect
 
-        return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check)
+        return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
+                       weights=_weights(args))
     if args.command == "finalize":
         from ckptconv.finalize import finalize
 

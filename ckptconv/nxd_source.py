@@ -20,6 +20,7 @@ from ckptconv.layout import HF_FILES_DIR, ParallelLayout, shard_file
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_masters import choose_weights
 from ckptconv.plan import Source
 
 
@@ -42,8 +43,12 @@ def open_nxd(
     hints: dict[str, Any] | None = None,
     io: str = "mmap",
     check: bool = True,
+    weights: str = "auto",
 ) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
+
+    ``weights``: ``auto`` reads the model files, or NxD's fp32 masters in ``optim/`` when the model
+    files hold no tensors; ``masters`` reads the masters (see :mod:`ckptconv.nxd_masters`).
 
     With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
     sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
@@ -53,6 +58,11 @@ def open_nxd(
 
     ckpt = NxdCheckpoint(src, io=io, check=check)
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
+    try:
+        notes += choose_weights(ckpt, weights, io=io, check=check)
+    except BaseException:
+        ckpt.close()
+        raise
     meta = ckpt.metadata
     hints = {k: v for k, v in (hints or {}).items() if v is not None}
     spec = model_spec_of(ckpt.root, meta, config,

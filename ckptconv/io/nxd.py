@@ -19,6 +19,7 @@ import threading
 from collections.abc import Collection, Mapping
 from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -132,6 +133,7 @@ class _SplitShard:
             if not isinstance(tid, int):
                 raise ConversionError(f"{path}: {key!r} is not a TensorReference")
             self._tids[key] = tid
+        self._declared = load_small(Path(str(path) + INFO_SUFFIX))  # {tid: {"dtype", "shape", ...}}
         self.io = io
         self._readers: dict[str, TorchZipReader] = {}
 
@@ -145,6 +147,18 @@ class _SplitShard:
 
     def keys(self) -> list[str]:
         return list(self._tids)
+
+    def declared(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape that ``.info.pt`` records for ``key`` (known even when its tensor file was not saved)."""
+        entry = self._declared.get(self._tids[key]) if isinstance(self._declared, dict) else None
+        dtype, shape = (entry.get("dtype"), entry.get("shape")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, (tuple, list)):
+            raise ConversionError(f"{self.path}{INFO_SUFFIX}: no dtype and shape for tid {self._tids[key]} ({key!r})")
+        return dtype, tuple(int(d) for d in shape)
+
+    def saved(self, key: str) -> bool:
+        """Whether ``key``'s tensor file exists (NxD skips them all under ``avoid_saving_lower_precision_weights``)."""
+        return (Path(str(self.path) + TENSORS_SUFFIX) / f"tensor_{self._tids[key]}.pt").is_file()
 
     def _entry(self, key: str) -> StoredTensor:
         reader = self._tensor_reader(key)
@@ -175,6 +189,16 @@ def detect_flavour(path: Path) -> Flavour:
     if Path(str(path) + TENSORS_SUFFIX).is_dir():
         return Flavour.XSER_INLINE
     return Flavour.PLAIN
+
+
+class WeightSource(Protocol):
+    """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files."""
+
+    def shard(self, file: str) -> FileReader: ...
+
+    def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class NxdCheckpoint:
@@ -208,21 +232,57 @@ class NxdCheckpoint:
         self.flavour = detect_flavour(first)
         self._readers: dict[str, FileReader | _SplitShard] = {}
         self._lock = threading.Lock()
+        self._weights: WeightSource | None = None
 
     def _reader(self, file: str) -> FileReader | _SplitShard:
         with self._lock:
             if file not in self._readers:
-                try:
-                    path = self.files[file]
-                except KeyError:
-                    raise ConversionError(f"{self.model_dir}: no shard {file}") from None
-                self._readers[file] = open_shard(path, self.io, self.checks)
+                if file not in self.files:
+                    raise ConversionError(f"{self.model_dir}: no shard {file}")
+                if self._weights is not None:
+                    self._readers[file] = self._weights.shard(file)
+                else:
+                    self._readers[file] = open_shard(self.files[file], self.io, self.checks)
             return self._readers[file]
+
+    def read_weights_from(self, source: WeightSource) -> None:
+        """Serve every shard's tensors from ``source`` (NxD's fp32 masters in ``optim/``) instead of
+        the model files; call before reading any tensor."""
+        self.close()
+        self._weights = source
+
+    @property
+    def weight_source(self) -> WeightSource | None:
+        """Where tensors are read from when not the model files (see :meth:`read_weights_from`)."""
+        return self._weights
+
+    def declared(self, source: Source) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape of a model-file tensor as its shard declares it (xser: ``.info.pt``), even
+        when the tensor itself was not saved; unaffected by :meth:`read_weights_from`."""
+        assert source.file is not None
+        reader = open_shard(self.files[source.file], self.io, None)
+        try:
+            return reader.declared(source.key) if isinstance(reader, _SplitShard) else reader.info(source.key)[:2]
+        finally:
+            reader.close()
+
+    def unsaved_tensors(self) -> list[str]:
+        """``file: key`` of every model tensor whose data is absent (an xser tag saved with
+        ``avoid_saving_lower_precision_weights``: its weights exist only as the optimizer's masters)."""
+        if self.flavour is not Flavour.XSER_SPLIT:
+            return []
+        missing = []
+        for file, path in sorted(self.files.items()):
+            reader = _SplitShard(path, self.io)
+            missing += [f"{file}: {key}" for key in reader.keys() if not reader.saved(key)]
+            reader.close()
+        return missing
 
     def finish_checks(self, *, workers: int = 8) -> int:
         """Complete the checks of every shard read from (hash what was not read); raise
         IntegrityError naming the first bad file. Returns how many files were checked."""
-        return self.checks.finish(workers=workers)
+        checked = self.checks.finish(workers=workers)
+        return checked + (self._weights.finish_checks(workers=workers) if self._weights is not None else 0)
 
     def keys(self, file: str) -> list[str]:
         return self._reader(file).keys()
@@ -254,6 +314,8 @@ class NxdCheckpoint:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        if self._weights is not None:
+            self._weights.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self

@@ -1,0 +1,133 @@
+"""NxD's fp32 master weights as a tag's model weights: ``to-hf``, ``reshard``, ``verify`` and ``inspect`` of
+NxD training tags whose masters live in ``optim/`` (ZeRO-1 with ``use_master_weights_in_ckpt``).
+
+A tag saved with ``avoid_saving_lower_precision_weights`` (xser) holds no model tensors at all: its
+weights are the masters, and they are read from there without being asked. A tag holding both
+(bf16 model tensors, fp32 masters) exports the model tensors unless ``--from-masters``; either way a
+note says which, since the masters are what training continues from.
+
+    >>> ckpt = NxdCheckpoint("ckpt/step_2")                                   # doctest: +SKIP
+    >>> notes = choose_weights(ckpt, "auto", io="mmap", check=True)          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.layout import shard_file
+from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
+from ckptconv.plan import Source
+
+WEIGHTS = ("auto", "masters")  # where a tag's weights are read from: model files unless absent, or the masters
+
+
+
+class MasterShard:
+    """One model shard's tensors served from the optimizer's masters (the executor's ``FileReader``)."""
+
+    def __init__(self, optim: NxdOptimizer, file: str, model_keys: list[str]) -> None:
+        self.optim = optim
+        self.file = file
+        tp_pp = {shard_file(tp_rank=tp, pp_rank=pp): (tp, pp) for tp, pp in optim.ranks}
+        self.tp, self.pp = tp_pp[file]
+        names = set(optim.names(self.tp, self.pp))
+        missing = [k for k in model_keys if k not in names]
+        if missing:
+            raise ConversionError(f"{optim.dir}: no master for {missing[0]!r} of {file}; its weights exist only in "
+                                  "the model file")
+        self._keys = list(model_keys)
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        dtype, shape = self.optim.slot_info(self.tp, self.pp, key)
+        return dtype, shape, False
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = self.optim.master_rows(self.tp, self.pp, key, start, stop)
+        rows = rows.reshape(stop - start, *rows.shape[1:]) if rows.dim() else rows.reshape(1)
+        return rows if out is None else out.view(rows.shape).copy_(rows)
+
+    def read(self, key: str) -> torch.Tensor:
+        shape = self.info(key)[1]
+        return self.read_rows(key, 0, shape[0] if shape else 1).reshape(shape)
+
+    def close(self) -> None:
+        pass  # the optimizer's files are closed with it
+
+
+class MasterWeights:
+    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters."""
+
+    def __init__(self, optim: NxdOptimizer) -> None:
+        if not optim.has_masters:
+            raise ConversionError(f"{optim.dir}: holds no master weights (NxD writes them only with ZeRO-1 and "
+                                  "use_master_weights_in_ckpt)")
+        self.optim = optim
+        model = optim.model  # its key order now, before it reads through this source
+        self._keys = {f: [k for k in model.keys(f) if not k.endswith("inv_freq")] for f in model.files}
+
+    def shard(self, file: str) -> MasterShard:
+        return MasterShard(self.optim, file, self._keys[file])
+
+    def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int:
+        if not only_read:  # every master, read or not
+            self.optim.open_masters()
+        return self.optim.finish_checks(workers=workers, only_read=only_read)
+
+    def close(self) -> None:
+        self.optim.close()
+
+
+
+
+def choose_weights(ckpt: NxdCheckpoint, weights: str, *, io: str, check: bool) -> list[str]:
+    """Point ``ckpt`` at the masters when asked (``masters``) or when its model files hold no tensors;
+    the notes say where the weights come from."""
+    if weights not in WEIGHTS:
+        raise ConversionError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
+    unsaved = ckpt.unsaved_tensors()
+    total = sum(len(ckpt.keys(f)) for f in ckpt.files)
+    if unsaved and len(unsaved) != total:
+        raise ConversionError(f"{ckpt.model_dir}: {len(unsaved)} of {total} model tensors were not saved "
+                              f"(first: {unsaved[0]}); an incomplete tag")
+    if weights == "auto" and not unsaved:
+        return _masters_also(ckpt, io=io, check=check)
+    if not (ckpt.root / OPTIM_DIR).is_dir():
+        why = "--from-masters needs them" if not unsaved else f"the model files hold no tensors ({unsaved[0]})"
+        raise ConversionError(f"{ckpt.root}: no {OPTIM_DIR}/ with master weights; {why}")
+    optim = NxdOptimizer(ckpt, io=io, check=check)
+    try:
+        source = MasterWeights(optim)
+    except BaseException:
+        optim.close()
+        raise
+    ckpt.read_weights_from(source)
+    why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
+           else "--from-masters")
+    return [f"weights: the {optim.dtype_of_masters()} master weights in {OPTIM_DIR}/ ({optim.format.value}, "
+            f"dp {optim.dp}; {why})"]
+
+
+def _masters_also(ckpt: NxdCheckpoint, *, io: str, check: bool) -> list[str]:
+    """A note when NxD's optimizer beside the model files also holds masters (which differ from bf16 weights)."""
+    if not (ckpt.root / OPTIM_DIR).is_dir():
+        return []
+    try:
+        with NxdOptimizer(ckpt, io=io, check=check) as optim:
+            if not optim.has_masters:
+                return []
+            dtype = optim.dtype_of_masters()
+    except ConversionError:
+        return []  # not NxD's optimizer format (nxdtrain's own tags): the model files are the weights
+    model = sorted({str(ckpt.declared(s)[0]).removeprefix("torch.") for s in _sources(ckpt)})
+    return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
+            "state training continues from: --from-masters exports those"]
+
+
+def _sources(ckpt: NxdCheckpoint) -> list[Source]:
+    return [Source(f, k) for f in sorted(ckpt.files) for k in ckpt.keys(f)]
+
