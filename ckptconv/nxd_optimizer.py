@@ -175,10 +175,11 @@ class _OptimFile:
             def split_leaf(obj: Any, where: str) -> _Leaf | None:
                 if not isinstance(obj, TensorReference):
                     return None
-                entry = info.get(obj.tid) if isinstance(info, dict) else None
+                tid = getattr(obj, "tid", None)
+                entry = info.get(tid) if isinstance(info, dict) and isinstance(tid, int) else None
                 if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), torch.dtype):
-                    raise ConversionError(f"{info_path}: no dtype and shape for tid {obj.tid} ({where})")
-                made = _SplitLeaf(tensors / f"tensor_{obj.tid}.pt", entry["dtype"],
+                    raise ConversionError(f"{info_path}: no dtype and shape for tid {tid} ({where})")
+                made = _SplitLeaf(tensors / f"tensor_{tid}.pt", entry["dtype"],
                                   tuple(int(d) for d in entry["shape"]), io, checks)
                 self._split.append(made)
                 return made
@@ -223,9 +224,9 @@ def index_names(model_names: list[str], model_shapes: dict[str, tuple[int, ...]]
                 index_shapes: list[tuple[int, ...]], where: str) -> tuple[list[str], str]:
     """(name of each optimizer index, how it was decided): the model's parameters in order, split into the
     param groups by the first rule whose group sizes and every stored shape agree; else an error."""
-    if sum(group_sizes) != len(model_names):
-        raise ConversionError(f"{where}: the optimizer holds {sum(group_sizes)} parameters, the model shard "
-                              f"{len(model_names)}; the optimizer belongs to another model or layout")
+    if sum(group_sizes) != len(model_names) or len(index_shapes) != len(model_names):
+        raise ConversionError(f"{where}: {sum(group_sizes)} optimizer indices ({len(index_shapes)} shapes) for "
+                              f"{len(model_names)} parameters")
     candidates = [("one param group, model order", list(model_names))] if len(group_sizes) == 1 else []
     if len(group_sizes) == 2:
         for rule, no_decay in _GROUP_RULES:
@@ -476,10 +477,13 @@ class NxdOptimizer:
                 raise ConversionError(f"{other.path}: keys or param groups differ from {first.path}")
         groups = _param_groups(top["param_groups"], first.path)
         count = sum(len(g["params"]) for g in groups)
-        per_dp = [self._states(f, fmt, count) for f in files]
-        index_shapes = self._full_shapes(fmt, files, per_dp, count)
         model_file = shard_file(tp_rank=tp, pp_rank=pp)
         model_names = [k for k in self.model.keys(model_file) if not k.endswith("inv_freq")]
+        if count != len(model_names):
+            raise ConversionError(f"{first.path}: the optimizer holds {count} parameters, the model shard "
+                                  f"{len(model_names)}; the optimizer belongs to another model or layout")
+        per_dp = [self._states(f, fmt, count) for f in files]
+        index_shapes = self._full_shapes(fmt, files, per_dp, count)
         model_shapes = {k: self.model.declared(Source(model_file, k))[1] for k in model_names}
         names, naming = index_names(model_names, model_shapes, [len(g["params"]) for g in groups], index_shapes,
                                     str(first.path))
@@ -577,11 +581,11 @@ class NxdOptimizer:
                 if set(state) != set(MOMENTS) or name not in steps:
                     raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} lacks one of step, exp_avg, exp_avg_sq")
                 shape = self.model.declared(Source(model_file, name))[1]
-                for m in MOMENTS:
-                    if tuple(state[m].shape) != shape:
-                        raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {m} has shape {list(state[m].shape)}, "
-                                              f"the parameter {list(shape)}")
-                slots.append(_Slot(name, i, 0, shape, [steps[name]], {m: [state[m]] for m in MOMENTS}, None))
+                for moment in MOMENTS:
+                    if tuple(state[moment].shape) != shape:
+                        raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {moment} has shape "
+                                              f"{list(state[moment].shape)}, the parameter {list(shape)}")
+                slots.append(_Slot(name, i, 0, shape, [steps[name]], {k: [state[k]] for k in MOMENTS}, None))
             named = {**{k: v for k, v in group.items() if k != "params"}, "params": names}
             self.ranks[(tp, pp)] = _Rank([named], slots, "names in the DCP keys")
 
