@@ -314,3 +314,33 @@ def test_a_damaged_moment_is_caught(tmp_path: Path) -> None:
     file.write_bytes(bytes(raw))
     with pytest.raises(ConversionError, match="CRC"):
         list(read_optimizer_state(tag))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_verify_and_reshard_take_every_case(case: str, tmp_path: Path) -> None:
+    """inspect names the optimizer it found; verify checks the tag's weights against an HF export of
+    them; reshard to tp 2 writes shards whose export equals the direct one."""
+    m, config = manifest(case), FIXTURES / case / "hf" / "config.json"
+    report = inspect(tag_of(case), config=config)
+    assert report["complete"] and report["optimizer"]["format"] == NxdOptimizer.open(tag_of(case)).format.value
+    masters_only = m["flags"]["avoid_saving_lower_precision_weights"] and m["flags"]["use_xser"]
+    assert report["weights_from"] == ("optim/ (NxD's master weights)" if masters_only else "model files")
+    to_hf(tag_of(case), tmp_path / "hf", config=config, options=QUIET)
+    assert verify(tmp_path / "hf", tag_of(case), config=config)["ok"]
+    reshard(tag_of(case), tmp_path / "tp2", tp=2, pp=1, config=config, options=QUIET)
+    to_hf(tmp_path / "tp2", tmp_path / "back", options=QUIET)
+    direct, back = hf_state(tmp_path / "hf"), hf_state(tmp_path / "back")
+    assert sorted(direct) == sorted(back) and all(torch.equal(direct[k], back[k]) for k in direct)
+
+
+def test_cli_from_masters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptconv.cli import main
+
+    case = "zero1_bf16_masters_xser"
+    args = [str(tag_of(case)), str(tmp_path / "hf"), "--config", str(FIXTURES / case / "hf" / "config.json")]
+    assert main(["to-hf", *args, "--from-masters", "--quiet"]) == 0
+    held = reference(case, "params_at_save.hf")
+    assert all(torch.equal(v, held[k]) for k, v in hf_state(tmp_path / "hf").items())
+    capsys.readouterr()
+    assert main(["inspect", str(tag_of(case)), "--config", args[-1], "--from-masters", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights_from"].startswith("optim/")
