@@ -18,7 +18,6 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import shard_file
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
-from ckptconv.plan import Source
 
 WEIGHTS = ("auto", "masters")  # where a tag's weights are read from: model files unless absent, or the masters
 
@@ -121,13 +120,9 @@ def _masters_also(ckpt: NxdCheckpoint, *, io: str, check: bool) -> list[str]:
             if not optim.has_masters:
                 return []
             dtype = optim.dtype_of_masters()
-    except ConversionError:
+    except ValueError:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
         return []  # not NxD's optimizer format (nxdtrain's own tags): the model files are the weights
-    model = sorted({str(ckpt.declared(s)[0]).removeprefix("torch.") for s in _sources(ckpt)})
+    model = sorted({str(dtype).removeprefix("torch.") for f in ckpt.files for dtype, _ in ckpt.declared(f).values()})
     return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
             "state training continues from: --from-masters exports those"]
-
-
-def _sources(ckpt: NxdCheckpoint) -> list[Source]:
-    return [Source(f, k) for f in sorted(ckpt.files) for k in ckpt.keys(f)]
 

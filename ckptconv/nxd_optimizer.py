@@ -281,7 +281,8 @@ class NxdOptimizer:
         self.model = model
         self._owns_model = owns_model
         self.dir = model.root / OPTIM_DIR
-        self.checks = CheckedFiles(model.root, None, enabled=check)
+        records = None if model.metadata is None else model.metadata.files  # a tag that ckptconv.json describes
+        self.checks = CheckedFiles(model.root, records, enabled=check)
         self._files: list[_OptimFile] = []
         self._dcp: DcpCheckpoint | None = None
         self.ranks: dict[tuple[int, int], _Rank] = {}
@@ -477,14 +478,14 @@ class NxdOptimizer:
                 raise ConversionError(f"{other.path}: keys or param groups differ from {first.path}")
         groups = _param_groups(top["param_groups"], first.path)
         count = sum(len(g["params"]) for g in groups)
-        model_file = shard_file(tp_rank=tp, pp_rank=pp)
-        model_names = [k for k in self.model.keys(model_file) if not k.endswith("inv_freq")]
+        declared = self.model.declared(shard_file(tp_rank=tp, pp_rank=pp))
+        model_names = [k for k in declared if not k.endswith("inv_freq")]
         if count != len(model_names):
             raise ConversionError(f"{first.path}: the optimizer holds {count} parameters, the model shard "
                                   f"{len(model_names)}; the optimizer belongs to another model or layout")
         per_dp = [self._states(f, fmt, count) for f in files]
         index_shapes = self._full_shapes(fmt, files, per_dp, count)
-        model_shapes = {k: self.model.declared(Source(model_file, k))[1] for k in model_names}
+        model_shapes = {k: declared[k][1] for k in model_names}
         names, naming = index_names(model_names, model_shapes, [len(g["params"]) for g in groups], index_shapes,
                                     str(first.path))
         group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
@@ -569,8 +570,8 @@ class NxdOptimizer:
             raise ConversionError(f"{self.dir / DCP_METADATA}: holds tp x pp ranks {sorted(leaves)}; the model has "
                                   f"tp {self.model.tp} x pp {self.model.pp}")
         for (tp, pp), by_name in sorted(leaves.items()):
-            model_file = shard_file(tp_rank=tp, pp_rank=pp)
-            names = [k for k in self.model.keys(model_file) if not k.endswith("inv_freq")]
+            declared = self.model.declared(shard_file(tp_rank=tp, pp_rank=pp))
+            names = [k for k in declared if not k.endswith("inv_freq")]
             if set(by_name) != set(names) or len(group.get("params", [])) != len(names):
                 odd = sorted(set(by_name) ^ set(names)) or ["(param_groups.0.params)"]
                 raise ConversionError(f"{self.dir / DCP_METADATA}: optimizer state of tp rank {tp} pp rank {pp} does "
@@ -580,7 +581,7 @@ class NxdOptimizer:
                 state = by_name[name]
                 if set(state) != set(MOMENTS) or name not in steps:
                     raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} lacks one of step, exp_avg, exp_avg_sq")
-                shape = self.model.declared(Source(model_file, name))[1]
+                shape = declared[name][1]
                 for moment in MOMENTS:
                     if tuple(state[moment].shape) != shape:
                         raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {moment} has shape "
@@ -686,5 +687,5 @@ def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | Non
             return {"format": optim.format.value, "dp": optim.dp, "dtype": optim.dtype_of_masters(),
                     "masters": optim.has_masters, "param_groups": len(optim.groups()),
                     "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
-    except ConversionError as exc:
+    except ValueError as exc:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
         return {"format": None, "not_read": str(exc)}

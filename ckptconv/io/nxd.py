@@ -256,13 +256,14 @@ class NxdCheckpoint:
         """Where tensors are read from when not the model files (see :meth:`read_weights_from`)."""
         return self._weights
 
-    def declared(self, source: Source) -> tuple[torch.dtype, tuple[int, ...]]:
-        """dtype and shape of a model-file tensor as its shard declares it (xser: ``.info.pt``), even
-        when the tensor itself was not saved; unaffected by :meth:`read_weights_from`."""
-        assert source.file is not None
-        reader = open_shard(self.files[source.file], self.io, None)
+    def declared(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of every tensor of a model file, in file order, as the shard declares them
+        (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`."""
+        reader = open_shard(self.files[file], self.io, None)
         try:
-            return reader.declared(source.key) if isinstance(reader, _SplitShard) else reader.info(source.key)[:2]
+            if isinstance(reader, _SplitShard):
+                return {key: reader.declared(key) for key in reader.keys()}
+            return {key: reader.info(key)[:2] for key in reader.keys()}
         finally:
             reader.close()
 
