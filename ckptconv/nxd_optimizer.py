@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -107,6 +108,7 @@ class _SplitLeaf(_Leaf):
     def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], io: str, checks: CheckedFiles) -> None:
         self.path, self.dtype, self.shape, self.io, self.checks = path, dtype, shape, io, checks
         self._reader: TorchZipReader | None = None
+        self._lock = threading.Lock()  # the executor's workers may ask for the same master at once
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
         self.open()
@@ -114,6 +116,10 @@ class _SplitLeaf(_Leaf):
         return self._reader.read_rows("", start, stop)
 
     def open(self) -> None:
+        with self._lock:
+            self._open()
+
+    def _open(self) -> None:
         if self._reader is None:
             if not self.path.is_file():
                 raise ConversionError(f"{self.path}: missing; its .info.pt lists it")
@@ -129,6 +135,16 @@ class _SplitLeaf(_Leaf):
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+
+
+class _NumberLeaf(_Leaf):
+    """A ``step`` saved as a plain number (torch before 1.12), read as a 0-d float32 tensor."""
+
+    def __init__(self, value: float) -> None:
+        self.value, self.dtype, self.shape = value, torch.float32, ()
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        return torch.tensor([float(self.value)], dtype=self.dtype)[start:stop]
 
 
 class _DcpLeaf(_Leaf):
@@ -637,6 +653,9 @@ def _adamw_state(state: Any, path: Path, where: str) -> dict[str, _Leaf]:
         extra = sorted(map(str, set(state) - set(_ADAMW_KEYS))) if isinstance(state, dict) else []
         what = f"unknown key {extra[0]!r}" if extra else f"keys {keys}"
         raise ConversionError(f"{path}: {where} has {what}; expected AdamW's {', '.join(_ADAMW_KEYS)}")
+    step = state["step"]
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        state = {**state, "step": _NumberLeaf(step)}
     return {k: _tensor(state[k], path, f"{where}[{k!r}]") for k in _ADAMW_KEYS}
 
 

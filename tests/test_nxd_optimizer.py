@@ -344,3 +344,16 @@ def test_cli_from_masters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     capsys.readouterr()
     assert main(["inspect", str(tag_of(case)), "--config", args[-1], "--from-masters", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights_from"].startswith("optim/")
+
+
+def test_a_step_saved_as_a_number_reads_the_same(tmp_path: Path) -> None:
+    """torch before 1.12 saved AdamW's step as a Python number."""
+    tag = copy_tag("plain_fp32", tmp_path)
+    file = tag / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    state = torch.load(file, weights_only=True)
+    for entry in state["state"].values():
+        entry["step"] = float(entry["step"])
+    torch.save(state, file)
+    before = {p.name: p for p in read_optimizer_state(tag_of("plain_fp32"))}
+    for p in read_optimizer_state(tag):
+        assert p.step == before[p.name].step == 2.0 and torch.equal(p.exp_avg_sq, before[p.name].exp_avg_sq)
