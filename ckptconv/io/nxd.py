@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -156,9 +157,12 @@ class _SplitShard:
             raise ConversionError(f"{self.path}{INFO_SUFFIX}: no dtype and shape for tid {self._tids[key]} ({key!r})")
         return dtype, tuple(int(d) for d in shape)
 
-    def saved(self, key: str) -> bool:
-        """Whether ``key``'s tensor file exists (NxD skips them all under ``avoid_saving_lower_precision_weights``)."""
-        return (Path(str(self.path) + TENSORS_SUFFIX) / f"tensor_{self._tids[key]}.pt").is_file()
+    def unsaved(self) -> list[str]:
+        """Keys whose tensor file is absent (NxD writes none under ``avoid_saving_lower_precision_weights``);
+        one directory listing, not a look-up per tensor (slow on network file systems)."""
+        directory = Path(str(self.path) + TENSORS_SUFFIX)
+        present = set(os.listdir(directory)) if directory.is_dir() else set()
+        return [key for key, tid in self._tids.items() if f"tensor_{tid}.pt" not in present]
 
     def _entry(self, key: str) -> StoredTensor:
         reader = self._tensor_reader(key)
@@ -275,7 +279,7 @@ class NxdCheckpoint:
         missing = []
         for file, path in sorted(self.files.items()):
             reader = _SplitShard(path, self.io)
-            missing += [f"{file}: {key}" for key in reader.keys() if not reader.saved(key)]
+            missing += [f"{file}: {key}" for key in reader.unsaved()]
             reader.close()
         return missing
 
