@@ -46,7 +46,7 @@ class MasterShard:
         return dtype, shape, False
 
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = self.optim.master_rows(self.tp, self.pp, key, start, stop)
+        rows = self.optim.rows(self.tp, self.pp, key, "master", start, stop)
         rows = rows.reshape(stop - start, *rows.shape[1:]) if rows.dim() else rows.reshape(1)
         return rows if out is None else out.view(rows.shape).copy_(rows)
 

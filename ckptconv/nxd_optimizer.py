@@ -358,15 +358,21 @@ class NxdOptimizer:
                                  self._whole(slot, slot.moments["exp_avg_sq"]),
                                  None if slot.master is None else self._whole(slot, slot.master))
 
-    def master_rows(self, tp_rank: int, pp_rank: int, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of dim 0 of a parameter's master, read from the dp chunks that hold them."""
+    def rows(self, tp_rank: int, pp_rank: int, name: str, what: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of a parameter's ``master``, ``exp_avg`` or ``exp_avg_sq``, read from
+        the dp chunks that hold them and nothing else (a resume at another layout reads only its slice)."""
         slot = self._slot(tp_rank, pp_rank, name)
-        if slot.master is None:
-            raise ConversionError(f"{self.dir}: no master weights for {name!r} (saved without use_master_weights_in_ckpt)")
-        return self._rows(slot, slot.master, start, stop)
+        if what == "master":
+            if slot.master is None:
+                raise ConversionError(f"{self.dir}: no master weights for {name!r} (saved without "
+                                      "use_master_weights_in_ckpt)")
+            return self._rows(slot, slot.master, start, stop)
+        if what not in MOMENTS:
+            raise ValueError(f"what must be master, exp_avg or exp_avg_sq; got {what!r}")
+        return self._rows(slot, slot.moments[what], start, stop)
 
     def slot_info(self, tp_rank: int, pp_rank: int, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """The master's dtype and the parameter's full shape."""
+        """The optimizer dtype (of the master, else of the moments) and the parameter's full shape."""
         slot = self._slot(tp_rank, pp_rank, name)
         leaves = slot.master if slot.master is not None else slot.moments["exp_avg"]
         return leaves[0].dtype, slot.shape

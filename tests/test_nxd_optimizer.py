@@ -250,13 +250,18 @@ def _dp_split(state: dict[str, Any], dp: int) -> list[dict[str, Any]]:
     return ranks
 
 
+def split_over_dp(case: str, tmp: Path, dp: int) -> Path:
+    """A copy of a ZeRO-1 case's tag whose one optimizer file is replaced by ``dp`` ranks' files."""
+    tag = copy_tag(case, tmp)
+    whole = torch.load(tag / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    for r, part in enumerate(_dp_split(whole, dp)):
+        torch.save(part, tag / "optim" / f"dp_rank_{r:02d}_tp_rank_00_pp_rank_00.pt")
+    return tag
+
+
 def test_zero1_chunks_of_three_dp_ranks_are_put_back_together(tmp_path: Path) -> None:
     case = "zero1_bf16_masters"
-    tag = copy_tag(case, tmp_path)
-    optim_dir = tag / "optim"
-    whole = torch.load(optim_dir / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
-    for r, part in enumerate(_dp_split(whole, 3)):
-        torch.save(part, optim_dir / f"dp_rank_{r:02d}_tp_rank_00_pp_rank_00.pt")
+    tag = split_over_dp(case, tmp_path, 3)
     before = {p.name: p for p in read_optimizer_state(tag_of(case))}
     with NxdOptimizer.open(tag) as optim:
         assert optim.dp == 3
@@ -357,3 +362,15 @@ def test_a_step_saved_as_a_number_reads_the_same(tmp_path: Path) -> None:
     before = {p.name: p for p in read_optimizer_state(tag_of("plain_fp32"))}
     for p in read_optimizer_state(tag):
         assert p.step == before[p.name].step == 2.0 and torch.equal(p.exp_avg_sq, before[p.name].exp_avg_sq)
+
+
+def test_row_slices_across_dp_chunks(tmp_path: Path) -> None:
+    """A slice of rows that spans dp ranks' chunks (and the last rank's padding) is the slice of the whole."""
+    case = "zero1_bf16_masters"
+    tag = split_over_dp(case, tmp_path, 3)
+    full = {p.name: p for p in read_optimizer_state(tag_of(case))}
+    name = "model.embed_tokens.weight"  # 64 rows: chunks of 22, 22, 20 (+ 2 pad rows)
+    with NxdOptimizer.open(tag) as optim:
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            for start, stop in ((0, 64), (20, 45), (43, 64), (44, 44)):
+                assert torch.equal(optim.rows(0, 0, name, what, start, stop), getattr(full[name], what)[start:stop])
