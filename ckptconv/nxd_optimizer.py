@@ -611,6 +611,8 @@ class NxdOptimizer:
                 slots.append(_Slot(name, i, 0, shape, [steps[name]], {k: [state[k]] for k in MOMENTS}, None))
             named = {**{k: v for k, v in group.items() if k != "params"}, "params": names}
             self.ranks[(tp, pp)] = _Rank([named], slots, "names in the DCP keys")
+        # each dp rank saved its chunk of every tensor: the most chunks any tensor has is the dp size
+        self.dp = max(len(dcp.entry(k).chunks) for k in dcp.keys() if dcp.entry(k).is_tensor)
 
 
 # --------------------------------------------------------------------------------------------
