@@ -22,6 +22,7 @@ from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
 from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
+from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.metadata import add_version_flag
 from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
 
@@ -62,18 +63,17 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 
 DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps its precision)"
 JSON_HELP = "print the result as JSON on stdout"
+TOKENIZER_HELP = ("directory whose tokenizer files (tokenizer.json, tokenizer_config.json, ...) go with the "
+                  "output, replacing the source's (a single .pt/.bin source has none)")
+OVERRIDE_HELP = ("read the shards with the layout flags given even where they contradict the layout SRC's ckptconv.json "
+                 "records (refused without it); the notes say what was overridden")
 
 
-FROM_MASTERS_HELP = ("an NxD training tag: read the fp32 master weights in its optim/ (ZeRO-1, use_master_weights_in_ckpt) "
-                     "instead of its model files; a tag whose model files hold no tensors is read from them anyway")
-
-
-def _from_masters_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--from-masters", action="store_true", help=FROM_MASTERS_HELP)
-
-
-def _weights(args: argparse.Namespace) -> str:
-    return "masters" if args.from_masters else "auto"
+def _masters_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--masters", action=argparse.BooleanOptionalAction, default=None,
+                   help="weights from the fp32 master weights in a training tag's optim/ (an nxdtrain bf16 run's, or "
+                        f"NxD's ZeRO-1 sharded_master_weights) instead of the shards' bf16 copy (default: {default}; "
+                        "an NxD tag whose model files hold no tensors is always read from its masters)")
 
 
 def _revision_flag(p: argparse.ArgumentParser) -> None:
@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     p.add_argument("--verify", nargs="?", const=2, type=int, default=0, metavar="LAYERS",
                    help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
@@ -137,13 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=("source", *DTYPES), default="source",
+                   help="source (default): the dtype the source model had (its config.json), else the shards'; "
+                        "keep: the shards' dtype; or cast floating weights to bf16/fp16/fp32")
     p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
-                   help="when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
+                   help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
+                        "fail (default), keep the first, or average")
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
+    _masters_flag(p, "when present")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
-    _from_masters_flag(p)
     _run_flags(p)
 
     p = sub.add_parser("reshard", help="NxD shards -> NxD shards of another layout")
@@ -155,8 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
-                   help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
-    _from_masters_flag(p)
+                   help="when copies of a K/V head (or norm) drifted apart: fail (default) or keep the first")
+    p.add_argument("--source-hw-backend", choices=("trn1", "trn2"), default=None,
+                   help="the hardware SRC was written for, where it has no ckptconv.json and its K/V replicas "
+                        "cannot tell (tiled: trn1, or trn2 by the official converter)")
+    p.add_argument("--source-trn2-kv-layout", choices=("runtime", "official"), default=None,
+                   help="with --source-hw-backend trn2: SRC's K/V replica order")
+    _masters_flag(p, "the shards")
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -196,14 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", action="store_true", help="also check every file's size and digest against ckptconv.json")
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     _layout_flags(p, defaults=False)
-    _from_masters_flag(p)
+    _masters_flag(p, "the shards")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
     p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (when PATH has none)")
-    _from_masters_flag(p)
+    _masters_flag(p, "the shards")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("finalize", help="finish a conversion split over several processes (--part)")
@@ -215,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in ("to-hf", "verify", "nxd-compat", "to-dcp", "reshard"):  # flags that describe an NxD source
+        sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
     for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
         sub.choices[name].add_argument(
             "--no-check", action="store_true",
@@ -232,9 +244,10 @@ def _flavour(value: str | None) -> str:
     return {None: "plain", "plain": "plain", "inline": "xser-inline", "split": "xser-split"}[value]
 
 
-def _hints(args: argparse.Namespace) -> dict[str, Any]:
-    return {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
-            "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout}
+def _hints(args: argparse.Namespace) -> LayoutHints:
+    return LayoutHints({"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
+                        "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout},
+                       override=args.override_recorded_layout)
 
 
 def run(args: argparse.Namespace) -> Any:
@@ -247,7 +260,7 @@ def run(args: argparse.Namespace) -> Any:
             attention=attention, fuse_qkv=bool(args.fuse_qkv),
             hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
             flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
-            revision=args.revision, options=options,
+            revision=args.revision, tokenizer=args.tokenizer, options=options,
         )
     if args.command == "to-hf":
         if args.private and not args.push_to_hub:
@@ -256,7 +269,8 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.api import to_hf
 
         result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
-                       dtype=args.dtype, kv_replicas=args.kv_replicas, weights=_weights(args), options=options)
+                       dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
+                       masters=args.masters, options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         kept, options = _attention(args), _options(args)  # None: the source's attention mode
@@ -266,8 +280,10 @@ def run(args: argparse.Namespace) -> Any:
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
-            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, weights=_weights(args),
+            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
             options=options,
+            hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
+                              override=args.override_recorded_layout, style="reshard"),
         )
     if args.command == "to-dcp":
         hints, options = _hints(args), _options(args)
@@ -303,12 +319,12 @@ def run(args: argparse.Namespace) -> Any:
 
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
                       hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
-                      weights=_weights(args))
+                      masters=args.masters)
     if args.command == "inspect":
         from ckptconv.inspection import inspect
 
         return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
-                       weights=_weights(args))
+                       masters=args.masters)
     if args.command == "finalize":
         from ckptconv.finalize import finalize
 

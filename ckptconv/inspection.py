@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckptconv.errors import ConversionError, IntegrityError
+from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
@@ -19,7 +19,7 @@ from ckptconv.plan import Source
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
-            check: bool = True, weights: str = "auto") -> dict[str, Any]:
+            check: bool = True, masters: bool | None = None) -> dict[str, Any]:
     """Describe an HF or NxD checkpoint (or hub id ``org/name``); for NxD, also check that its files are intact.
 
     With ``check`` (the default) every NxD shard is read once: its size and digest against
@@ -27,8 +27,8 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     the file, so ``complete`` is never reported for damaged shards. ``check=False``
     (``--no-check``) reads headers only and compares sizes. HF checkpoints: headers only.
 
-    An NxD training tag also reports ``weights_from`` (its model files, or NxD's fp32 masters in
-    ``optim/``: ``weights="masters"``, or a tag whose model files hold no tensors) and ``optimizer``
+    An NxD training tag also reports ``weights_from`` (its model files, or the fp32 masters in
+    ``optim/``: ``masters=True``, or an NxD tag whose model files hold no tensors) and ``optimizer``
     (what :class:`ckptconv.nxd_optimizer.NxdOptimizer` reads there, or why it could not).
 
     Example:
@@ -39,7 +39,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
     try:
-        return _inspect_nxd(path, config, check, weights)
+        return _inspect_nxd(path, config, check, masters)
     except IntegrityError:
         raise  # NxD shards that fail their checks: say so, not "neither NxD nor HF"
     except ConversionError as nxd_error:
@@ -70,10 +70,17 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
     }
 
 
-def _inspect_nxd(path: Path, config: str | Path | None, check: bool, weights: str) -> dict[str, Any]:
+def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:
     from ckptconv.nxd_source import open_nxd
 
-    ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, weights=weights)
+    try:
+        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, masters=masters)
+        undecided = None
+    except AmbiguousLayout as exc:  # describe what is known; the layout's hardware stays open
+        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"},
+                                                masters=masters)
+        undecided = str(exc)
+        notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:
         dtypes: Counter[str] = Counter()
         nbytes = 0
@@ -95,7 +102,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, weights: st
             "root": str(ckpt.root),
             "found_as": ckpt.found_as,
             "model": _model_summary(spec),
-            "layout": layout.to_json(),
+            "layout": {**layout.to_json(), **({"hw": "trn1|trn2-official", "trn2_kv_layout": None} if undecided else {})},
             "lm_head": _lm_head_form(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
             "flavour": ckpt.flavour.value,
             "shards": len(ckpt.files),
@@ -105,7 +112,9 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, weights: st
             "complete": complete,
             "problems": problems,
             "checked_files": checked,
-            "weights_from": f"{OPTIM_DIR}/ (NxD's master weights)" if source is not None else "model files",
+            "weights_from": (f"{OPTIM_DIR}/ (NxD's master weights)" if source is not None
+                             else f"{OPTIM_DIR}/ (nxdtrain's master weights)" if ckpt.masters_identity() is not None
+                             else "model files"),
             "optimizer": optimizer,
             "notes": notes,
         }

@@ -19,9 +19,6 @@ from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import shard_file
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
 
-WEIGHTS = ("auto", "masters")  # where a tag's weights are read from: model files unless absent, or the masters
-
-
 
 class MasterShard:
     """One model shard's tensors served from the optimizer's masters (the executor's ``FileReader``)."""
@@ -81,48 +78,64 @@ class MasterWeights:
         self.optim.close()
 
 
-
-
-def choose_weights(ckpt: NxdCheckpoint, weights: str, *, io: str, check: bool) -> list[str]:
-    """Point ``ckpt`` at the masters when asked (``masters``) or when its model files hold no tensors;
-    the notes say where the weights come from."""
-    if weights not in WEIGHTS:
-        raise ConversionError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
+def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: str, check: bool) -> list[str]:
+    """Point ``ckpt`` at NxD's own masters in ``optim/`` when its model files hold no tensors, when asked
+    (``masters``), or by default where ``prefer``; the notes say where the weights come from. Where
+    ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`)."""
     unsaved = ckpt.unsaved_tensors()
     total = sum(len(ckpt.keys(f)) for f in ckpt.files)
     if unsaved and len(unsaved) != total:
         raise ConversionError(f"{ckpt.model_dir}: {len(unsaved)} of {total} model tensors were not saved "
                               f"(first: {unsaved[0]}); an incomplete tag")
-    if weights == "auto" and not unsaved:
-        return _masters_also(ckpt, io=io, check=check)
-    if not (ckpt.root / OPTIM_DIR).is_dir():
-        why = "--from-masters needs them" if not unsaved else f"the model files hold no tensors ({unsaved[0]})"
-        raise ConversionError(f"{ckpt.root}: no {OPTIM_DIR}/ with master weights; {why}")
-    optim = NxdOptimizer(ckpt, io=io, check=check)
-    try:
-        source = MasterWeights(optim)
-    except BaseException:
-        optim.close()
-        raise
-    ckpt.read_weights_from(source)
-    why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
-           else "--from-masters")
-    return [f"weights: the {optim.dtype_of_masters()} master weights in {OPTIM_DIR}/ ({optim.format.value}, "
-            f"dp {optim.dp}; {why})"]
-
-
-def _masters_also(ckpt: NxdCheckpoint, *, io: str, check: bool) -> list[str]:
-    """A note when NxD's optimizer beside the model files also holds masters (which differ from bf16 weights)."""
-    if not (ckpt.root / OPTIM_DIR).is_dir():
+    if unsaved and masters is False:
+        raise ConversionError(f"{ckpt.model_dir}: the model files hold no tensors ({unsaved[0]}): the weights exist "
+                              f"only as the master weights in {OPTIM_DIR}/; drop --no-masters")
+    if masters is False:
         return []
-    try:
-        with NxdOptimizer(ckpt, io=io, check=check) as optim:
-            if not optim.has_masters:
-                return []
-            dtype = optim.dtype_of_masters()
-    except ValueError:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
-        return []  # not NxD's optimizer format (nxdtrain's own tags): the model files are the weights
-    model = sorted({str(dtype).removeprefix("torch.") for f in ckpt.files for dtype, _ in ckpt.declared(f).values()})
-    return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
-            "state training continues from: --from-masters exports those"]
+    optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved))
+    if optim is None:
+        return []
+    if not optim.has_masters:
+        optim.close()
+        if unsaved or masters:
+            raise ConversionError(f"{optim.dir}: holds no master weights (NxD writes them only with ZeRO-1 and "
+                                  "use_master_weights_in_ckpt)" + (f"; the model files hold no tensors ({unsaved[0]})"
+                                                                  if unsaved else ""))
+        return []
+    dtype = optim.dtype_of_masters()
+    if not (unsaved or masters or prefer):
+        optim.close()
+        model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
+        return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
+                "state training continues from: --masters reads those"]
+    ckpt.read_weights_from(MasterWeights(optim))
+    why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
+           else "--masters" if masters else "present; --no-masters reads the model files")
+    return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]
 
+
+def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool) -> NxdOptimizer | None:
+    """NxD's optimizer of the tag, or None where there is none or ``optim/`` holds another format (nxdtrain's
+    own tags); when ``needed`` (the masters are the only weights), why it could not be read."""
+    if not (ckpt.root / OPTIM_DIR).is_dir():
+        if needed:
+            raise ConversionError(f"{ckpt.root}: the model files hold no tensors and there is no {OPTIM_DIR}/")
+        return None
+    try:
+        return NxdOptimizer(ckpt, io=io, check=check)
+    except ValueError:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
+        if needed:
+            raise
+        return None
+
+
+def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool) -> list[str]:
+    """Point ``ckpt`` at the fp32 masters an nxdtrain bf16 run keeps in ``optim/`` when asked or preferred
+    (after the shards were checked against ``ckptconv.json``, which records their dtype)."""
+    if ckpt.weight_source is not None or masters is False or not (masters or prefer):
+        return []
+    if not ckpt.use_masters(required=bool(masters)):
+        return []
+    why = "--masters" if masters else "--no-masters exports the shards"
+    return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "
+            f"shards' bf16 copy; {why}"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_sta
 from ckptconv.options import RunOptions
 from ckptconv.verify import verify
 from tests.conftest import hf_state
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
@@ -164,39 +167,65 @@ def expected_model_weights(case: str, stored: torch.Tensor, name: str) -> torch.
     return held.to(stored.dtype)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_to_hf_gives_the_weights_nxd_saved(case: str, tmp_path: Path) -> None:
-    result = to_hf(tag_of(case), tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", options=QUIET)
-    got, held = hf_state(tmp_path / "hf"), reference(case, "params_at_save.hf")
+def masters_only(case: str) -> bool:
+    flags = manifest(case)["flags"]
+    return bool(flags["avoid_saving_lower_precision_weights"] and flags["use_xser"])
+
+
+def export(case: str, out: Path, **kwargs: Any) -> tuple[dict[str, torch.Tensor], str]:
+    """``to_hf`` of a case's tag: (the tensors written, the notes as one line)."""
+    result = to_hf(tag_of(case), out, config=FIXTURES / case / "hf" / "config.json", options=QUIET, **kwargs)
+    return hf_state(out), " ".join(result.notes)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not masters_only(c)])
+def test_to_hf_of_the_shards_gives_the_weights_nxd_saved(case: str, tmp_path: Path) -> None:
+    got, says = export(case, tmp_path / "hf", masters=False, dtype="keep")
+    held = reference(case, "params_at_save.hf")
     assert sorted(got) == sorted(held)
-    masters_only = manifest(case)["flags"]["avoid_saving_lower_precision_weights"] and manifest(case)["flags"]["use_xser"]
     for name, value in got.items():
-        want = held[name] if masters_only else expected_model_weights(case, value, name)
+        want = expected_model_weights(case, value, name)
         assert value.dtype == want.dtype and torch.equal(value, want), name
-    says = " ".join(result.notes)
-    if masters_only:
-        assert "master weights in optim/" in says and "hold no tensors" in says
-    elif manifest(case)["flags"]["use_master_weights_in_ckpt"]:
-        assert "--from-masters exports those" in says
+    assert "master weights" not in says
 
 
-@pytest.mark.parametrize("case", MASTER_CASES)
-def test_to_hf_from_masters_gives_the_masters(case: str, tmp_path: Path) -> None:
-    result = to_hf(tag_of(case), tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", weights="masters",
-                   options=QUIET)
-    got, held = hf_state(tmp_path / "hf"), reference(case, "params_at_save.hf")
+@pytest.mark.parametrize("case", CASES)
+def test_to_hf_takes_the_masters_when_present(case: str, tmp_path: Path) -> None:
+    """to-hf's default (as for nxdtrain's masters): NxD's masters where the tag holds them, bit for bit
+    with ``--dtype keep``; the shards where it does not."""
+    got, says = export(case, tmp_path / "hf", dtype="keep")
+    held = reference(case, "params_at_save.hf")
     assert sorted(got) == sorted(held)
     for name, value in got.items():
-        assert value.dtype == held[name].dtype and torch.equal(value, held[name]), name
-    assert any("master weights in optim/" in n for n in result.notes)
+        want = held[name] if case in MASTER_CASES else expected_model_weights(case, value, name)
+        assert value.dtype == want.dtype and torch.equal(value, want), name
+    if masters_only(case):
+        assert "master weights in optim/" in says and "hold no tensors" in says
+    elif case in MASTER_CASES:
+        assert "master weights in optim/" in says and "--no-masters reads the model files" in says
+
+
+def test_to_hf_default_dtype_of_a_masters_only_tag() -> None:
+    """``--dtype source`` (the default) writes what the model's config.json declares (bf16 here): the
+    masters rounded, which is what NxD's model files would have held."""
+    case = "zero1_bf16_masters_only_xser"
+    with tempfile.TemporaryDirectory() as out:
+        got, says = export(case, Path(out) / "hf")
+    for name, value in got.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, expected_model_weights(case, value, name)), name
+    assert "writing bfloat16, the dtype of the source model" in says
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in MASTER_CASES])
-def test_from_masters_without_masters_is_refused(case: str, tmp_path: Path) -> None:
+def test_masters_required_without_masters_is_refused(case: str, tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match="holds no master weights"):
-        to_hf(tag_of(case), tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", weights="masters",
-              options=QUIET)
+        export(case, tmp_path / "hf", masters=True)
     assert not (tmp_path / "hf").exists()
+
+
+def test_no_masters_on_a_masters_only_tag_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConversionError, match="hold no tensors.*drop --no-masters"):
+        export("zero1_bf16_masters_only_xser", tmp_path / "hf", masters=False)
 
 
 def test_inspect_says_where_the_weights_come_from() -> None:
@@ -222,7 +251,7 @@ def test_verify_and_reshard_of_a_masters_only_tag(tmp_path: Path) -> None:
 
     out = reshard(tag_of(case), tmp_path / "tp2", tp=2, pp=1, config=config, options=QUIET)
     assert any("master weights in optim/" in n for n in out.notes)
-    to_hf(tmp_path / "tp2", tmp_path / "back", options=QUIET)
+    to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", options=QUIET)
     back, held = hf_state(tmp_path / "back"), reference(case, "params_at_save.hf")
     assert all(torch.equal(back[k], held[k]) for k in held)
 
@@ -269,7 +298,8 @@ def test_zero1_chunks_of_three_dp_ranks_are_put_back_together(tmp_path: Path) ->
             ref = before[p.name]
             assert all(torch.equal(getattr(p, k), getattr(ref, k)) for k in ("exp_avg", "exp_avg_sq", "master")), p.name
             assert p.step == ref.step
-    to_hf(tag, tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", weights="masters", options=QUIET)
+    to_hf(tag, tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", masters=True, dtype="keep",
+          options=QUIET)
     held = reference(case, "params_at_save.hf")
     assert all(torch.equal(v, held[k]) for k, v in hf_state(tmp_path / "hf").items())
 
@@ -324,30 +354,30 @@ def test_a_damaged_moment_is_caught(tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_inspect_verify_and_reshard_take_every_case(case: str, tmp_path: Path) -> None:
     """inspect names the optimizer it found; verify checks the tag's weights against an HF export of
-    them; reshard to tp 2 writes shards whose export equals the direct one."""
-    m, config = manifest(case), FIXTURES / case / "hf" / "config.json"
+    them; reshard to tp 2 writes shards whose export equals the direct one (the shards by default,
+    the masters where they are the only weights)."""
+    config = FIXTURES / case / "hf" / "config.json"
     report = inspect(tag_of(case), config=config)
     assert report["complete"] and report["optimizer"]["format"] == NxdOptimizer.open(tag_of(case)).format.value
-    masters_only = m["flags"]["avoid_saving_lower_precision_weights"] and m["flags"]["use_xser"]
-    assert report["weights_from"] == ("optim/ (NxD's master weights)" if masters_only else "model files")
-    to_hf(tag_of(case), tmp_path / "hf", config=config, options=QUIET)
+    assert report["weights_from"] == ("optim/ (NxD's master weights)" if masters_only(case) else "model files")
+    direct, _ = export(case, tmp_path / "hf", masters=None if masters_only(case) else False, dtype="keep")
     assert verify(tmp_path / "hf", tag_of(case), config=config)["ok"]
     reshard(tag_of(case), tmp_path / "tp2", tp=2, pp=1, config=config, options=QUIET)
-    to_hf(tmp_path / "tp2", tmp_path / "back", options=QUIET)
-    direct, back = hf_state(tmp_path / "hf"), hf_state(tmp_path / "back")
+    to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", options=QUIET)
+    back = hf_state(tmp_path / "back")
     assert sorted(direct) == sorted(back) and all(torch.equal(direct[k], back[k]) for k in direct)
 
 
-def test_cli_from_masters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_masters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ckptconv.cli import main
 
     case = "zero1_bf16_masters_xser"
     args = [str(tag_of(case)), str(tmp_path / "hf"), "--config", str(FIXTURES / case / "hf" / "config.json")]
-    assert main(["to-hf", *args, "--from-masters", "--quiet"]) == 0
+    assert main(["to-hf", *args, "--masters", "--dtype", "keep", "--quiet"]) == 0
     held = reference(case, "params_at_save.hf")
     assert all(torch.equal(v, held[k]) for k, v in hf_state(tmp_path / "hf").items())
     capsys.readouterr()
-    assert main(["inspect", str(tag_of(case)), "--config", args[-1], "--from-masters", "--json"]) == 0
+    assert main(["inspect", str(tag_of(case)), "--config", args[-1], "--masters", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weights_from"].startswith("optim/")
 
 
