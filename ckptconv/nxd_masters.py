@@ -1,13 +1,14 @@
-"""NxD's fp32 master weights as a tag's model weights: ``to-hf``, ``reshard``, ``verify`` and ``inspect`` of
-NxD training tags whose masters live in ``optim/`` (ZeRO-1 with ``use_master_weights_in_ckpt``).
+"""The fp32 master weights in a training tag's ``optim/`` as its model weights, for ``to-hf``, ``reshard``,
+``verify`` and ``inspect``: NxD's own (ZeRO-1 with ``use_master_weights_in_ckpt``, read through
+:mod:`ckptconv.nxd_optimizer`), and those an nxdtrain bf16 run keeps (``NxdCheckpoint.use_masters``).
 
 A tag saved with ``avoid_saving_lower_precision_weights`` (xser) holds no model tensors at all: its
-weights are the masters, and they are read from there without being asked. A tag holding both
-(bf16 model tensors, fp32 masters) exports the model tensors unless ``--from-masters``; either way a
-note says which, since the masters are what training continues from.
+weights are the masters, and they are read from there without being asked. Where a tag holds both,
+``to-hf`` takes the masters (``prefer``) and the other commands the shards unless ``--masters``; the
+notes say which, since the masters are what training continues from.
 
-    >>> ckpt = NxdCheckpoint("ckpt/step_2")                                   # doctest: +SKIP
-    >>> notes = choose_weights(ckpt, "auto", io="mmap", check=True)          # doctest: +SKIP
+    >>> ckpt = NxdCheckpoint("ckpt/step_2")                                            # doctest: +SKIP
+    >>> notes = nxd_masters(ckpt, None, prefer=True, io="mmap", check=True)           # doctest: +SKIP
 """
 
 from __future__ import annotations
