@@ -84,7 +84,7 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
     (``masters``), or by default where ``prefer``; the notes say where the weights come from. Where
     ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`)."""
     unsaved = ckpt.unsaved_tensors()
-    total = sum(len(ckpt.keys(f)) for f in ckpt.files)
+    total = sum(len(ckpt.keys(f)) for f in ckpt.files) if unsaved else 0
     if unsaved and len(unsaved) != total:
         raise ConversionError(f"{ckpt.model_dir}: {len(unsaved)} of {total} model tensors were not saved "
                               f"(first: {unsaved[0]}); an incomplete tag")

@@ -404,3 +404,11 @@ def test_row_slices_across_dp_chunks(tmp_path: Path) -> None:
         for what in ("master", "exp_avg", "exp_avg_sq"):
             for start, stop in ((0, 64), (20, 45), (43, 64), (44, 44)):
                 assert torch.equal(optim.rows(0, 0, name, what, start, stop), getattr(full[name], what)[start:stop])
+
+
+def test_a_tag_missing_some_model_tensors_is_refused(tmp_path: Path) -> None:
+    """Only all of them absent is NxD's masters-only save; some absent is a damaged tag."""
+    tag = copy_tag("zero1_bf16_masters_xser", tmp_path)
+    (tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors" / "tensor_3.pt").unlink()
+    with pytest.raises(ConversionError, match="1 of 15 model tensors were not saved"):
+        to_hf(tag, tmp_path / "hf", config=FIXTURES / "zero1_bf16_masters_xser" / "hf" / "config.json", options=QUIET)
