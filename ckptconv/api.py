@@ -40,6 +40,7 @@ from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, T
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
@@ -260,8 +261,10 @@ def to_hf(
 ) -> Result:
     """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
 
-    ``masters``: read the weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's
-    ``optim/`` (None, the default: when present; True: required; False: the shards).
+    ``masters``: read the weights from the fp32 master weights in the tag's ``optim/``: those an nxdtrain
+    bf16 run keeps, or NxD's own (ZeRO-1 ``sharded_master_weights``, see :mod:`ckptconv.nxd_masters`).
+    None, the default: when present (and always for an NxD tag whose model files hold no tensors);
+    True: required; False: the shards.
 
     ``dtype``: ``source`` (the default) writes the dtype the model's HF config declares (see
     :func:`export_dtype`), ``keep`` the shards' dtype, or a cast (``bf16``, ``fp16``, ``fp32``).
@@ -272,11 +275,8 @@ def to_hf(
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                        check=options.check)
+                                                        check=options.check, masters=masters, prefer_masters=True)
     with ckpt:
-        if masters is not False and ckpt.use_masters(required=bool(masters)):
-            notes.append(f"weights from the fp32 master weights in {ckpt.root}/optim/ (nxdtrain, a bf16 run), "
-                         "not the shards' bf16 copy; --no-masters exports the shards")
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
             note(line, quiet=options.quiet)
@@ -284,7 +284,7 @@ def to_hf(
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(sorted(ckpt.files.values())), _tokenizer_identity(tokenizer),
+                                   _identity(_input_files(ckpt)), _tokenizer_identity(tokenizer),
                                    ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
         copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
@@ -330,18 +330,21 @@ def reshard(
     hints: dict[str, Any] | None = None,
     dtype: str = "keep",
     kv_replicas: str = "error",
+    masters: bool | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
 
     Unset layout options keep the source's values; ``kv_size_multiplier`` defaults to what the
-    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path.
+    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path. ``masters``: as
+    for :func:`to_hf`, but by default the shards (only the weights are written: optimizer state is
+    not carried).
     """
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check)
+                                                     check=options.check, masters=masters)
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
@@ -357,7 +360,7 @@ def reshard(
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                                   _identity(sorted(ckpt.files.values())))
+                                   _identity(_input_files(ckpt)))
         hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
                                                       _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
         spec_ = FinalizeSpec(
@@ -417,6 +420,15 @@ def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
     paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
     return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies]
+
+
+def _input_files(ckpt: Any) -> list[Path]:
+    """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
+    weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
+    files = sorted(ckpt.files.values())
+    if ckpt.weight_source is not None:
+        files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
+    return files
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:

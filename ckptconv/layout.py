@@ -192,6 +192,15 @@ _SHARD_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank
 _LEGACY_RE = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)$")
 
 
+def parse_rank_file(name: str) -> tuple[int, int, int] | None:
+    """``(dp_rank, tp_rank, pp_rank)`` of a ``dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt`` name (NxD's ZeRO-1
+    optimizer files carry the real dp rank); None for any other name, expert-parallel ones included."""
+    m = _SHARD_RE.match(name)
+    if m is None or m.group(2) is not None:
+        return None
+    return int(m.group(1)), int(m.group(3)), int(m.group(4))
+
+
 def parse_shard_name(name: str) -> tuple[int, int] | None:
     """``(tp_rank, pp_rank)`` of a shard file name (current or legacy directory name), else None."""
     m = _SHARD_RE.match(name)

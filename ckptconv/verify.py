@@ -289,8 +289,12 @@ def verify(
     files: bool = False,
     revision: str | None = None,
     check: bool = True,
+    masters: bool | None = None,
 ) -> dict[str, Any]:
     """Compare the sharded computation with the dense HF one; see the module docstring.
+
+    ``masters=True``: check the fp32 master weights in the tag's ``optim/`` instead of the shards (see
+    :func:`ckptconv.nxd_source.open_nxd`; NxD's are read without asking when the model files hold none).
 
     ``hf_dir`` may be a hub id ``org/name`` (``revision``: branch, tag or commit), see :mod:`ckptconv.hub`.
 
@@ -301,7 +305,7 @@ def verify(
     from ckptconv.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
-    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check)
+    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []
