@@ -405,7 +405,9 @@ def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) ->
 def _read_piece_rows(reader: TensorReader, piece: Piece, shift: int, n: int, target: torch.Tensor,
                      dtype: torch.dtype) -> None:
     """``n`` rows of ``piece`` from its row ``shift`` (or the fp32 mean of its copies) into ``target``."""
-    if piece.alternates:  # --kv-replicas mean: average every copy, in fp32
+    if piece.zeros:  # vocabulary padding
+        target.zero_()
+    elif piece.alternates:  # --kv-replicas mean: average every copy, in fp32
         copies = [reader.read_rows(p.source, p.start + shift, p.start + shift + n).float()
                   for p in (piece, *piece.alternates)]
         target.copy_(torch.stack(copies).mean(dim=0))
