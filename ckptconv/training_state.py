@@ -368,8 +368,8 @@ def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor
             out[component] = OutTensor(state_key(weight.key, component), dtype, (), 0,
                                        (Piece(component_source(first, component), 0, 1),))
             continue
-        pieces = tuple(Piece(component_source(p.source, component), p.start, p.stop, row_perm=p.row_perm)
-                       for p in weight.pieces)
+        pieces = tuple(Piece(component_source(p.source, component), p.start, p.stop, row_perm=p.row_perm,
+                             zeros=p.zeros) for p in weight.pieces)  # padding rows: zero moments, as trained
         out[component] = OutTensor(state_key(weight.key, component), dtype, weight.shape, weight.dim, pieces)
     return out
 
