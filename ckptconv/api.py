@@ -46,6 +46,8 @@ from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
+from ckptconv.tag_reshard import TrainingTag
+from ckptconv.training_state import is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
@@ -331,14 +333,21 @@ def reshard(
     dtype: str = "keep",
     kv_replicas: str = "error",
     masters: bool | None = None,
+    dp: int | None = None,
+    zero1: bool | None = None,
+    weights_only: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
 
     Unset layout options keep the source's values; ``kv_size_multiplier`` defaults to what the
     new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path. ``masters``: as
-    for :func:`to_hf`, but by default the shards (only the weights are written: optimizer state is
-    not carried).
+    for :func:`to_hf`, but by default the shards.
+
+    A training tag (nxdtrain's: ``optim/`` and ``user_content.pt`` beside the shards) gives a training tag
+    at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training_state`), over
+    ``dp`` ranks with ZeRO-1 (``zero1``; both default to the tag's) or in one file per shard without;
+    step, consumed samples, schedule and options come along. ``weights_only``: the shards alone.
     """
     options = options or RunOptions()
     started = time.monotonic()
@@ -359,18 +368,31 @@ def reshard(
         new = _padded(new, spec, notes)
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
+        training = None if weights_only or not is_training_tag(ckpt.root) else TrainingTag.open(
+            ckpt, spec, old, with_inv_freq, plan, dp=dp, zero1=zero1, io=options.io)
+        if training is None and (dp is not None or zero1 is not None):
+            raise ConversionError(f"{ckpt.root}: --dp and --zero1 place optimizer state; "
+                                  + ("--weights-only writes none" if weights_only else "this is not an nxdtrain "
+                                     "training tag (no optim/ and user_content.pt of nxdtrain's)"))
+        if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
+            notes.append(f"{ckpt.root}/{OPTIM_DIR}/ is not nxdtrain's optimizer state (NxD's own): not carried; "
+                         f"{out} holds the weights")
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                                   _identity(_input_files(ckpt)))
+                                   _identity(_input_files(ckpt)),
+                                   None if training is None else training.identity())
         hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
                                                       _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
-        spec_ = FinalizeSpec(
-            fingerprint,
-            metadata=dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
-                          dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            texts=texts, copies=copies,
-        )
-        result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
-                          sources=[Path(src), ckpt.root])
+        metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
+                        dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
+        spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
+        if training is not None:
+            with training:
+                plan, reader = training.extend(plan, spec_, new, notes)
+                result = _convert(plan, reader, out, training.sinks(sink_factory(target_flavour)), options, spec_,
+                                  "reshard", kv_replicas, sources=[Path(src), ckpt.root])
+        else:
+            result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
+                              sources=[Path(src), ckpt.root])
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
@@ -419,7 +441,7 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
 def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
     paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
-    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies]
+    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies] + spec.markers
 
 
 def _input_files(ckpt: Any) -> list[Path]:

@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-trn2-kv-layout", choices=("runtime", "official"), default=None,
                    help="with --source-hw-backend trn2: SRC's K/V replica order")
     _masters_flag(p, "the shards")
+    p.add_argument("--dp", type=int, default=None,
+                   help="training tag: data-parallel ranks the ZeRO-1 optimizer state is partitioned over "
+                        "(default: the tag's)")
+    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None,
+                   help="training tag: optimizer state partitioned over --dp ranks (ZeRO-1) or one file per shard "
+                        "(default: the tag's)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -281,7 +289,7 @@ def run(args: argparse.Namespace) -> Any:
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
-            options=options,
+            dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, options=options,
             hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
                               override=args.override_recorded_layout, style="reshard"),
         )

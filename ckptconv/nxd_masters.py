@@ -17,8 +17,10 @@ import torch
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import shard_file
+from ckptconv.layout import ParallelLayout, shard_file
+from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
+from ckptconv.training_state import use_masters
 
 
 class MasterShard:
@@ -130,12 +132,14 @@ def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool) -
         return None
 
 
-def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool) -> list[str]:
+def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, spec: ModelSpec,
+                     layout: ParallelLayout, with_inv_freq: bool) -> list[str]:
     """Point ``ckpt`` at the fp32 masters an nxdtrain bf16 run keeps in ``optim/`` when asked or preferred
-    (after the shards were checked against ``ckptconv.json``, which records their dtype)."""
+    (after the shards were checked against ``ckptconv.json``, which records their dtype); they are found by
+    parameter, whichever dp rank saved them (:func:`ckptconv.training_state.use_masters`)."""
     if ckpt.weight_source is not None or masters is False or not (masters or prefer):
         return []
-    if not ckpt.use_masters(required=bool(masters)):
+    if use_masters(ckpt, spec, layout, with_inv_freq, required=bool(masters)) is None:
         return []
     why = "--masters" if masters else "--no-masters exports the shards"
     return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "

@@ -69,7 +69,8 @@ def open_nxd(
         weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check)
         spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints))
         notes[1:1] = weights
-        notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters)
+        notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters, spec=spec, layout=layout,
+                                  with_inv_freq=with_inv_freq)
     except BaseException:
         ckpt.close()  # refused: no file stays open
         raise

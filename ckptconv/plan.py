@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -90,6 +91,7 @@ class OutFile:
     path: str                    # relative to the output root
     format: str                  # "torch" (torch.save zip) or "safetensors"
     tensors: tuple[OutTensor, ...]
+    plain: tuple[tuple[str, Any], ...] = ()  # torch files: plain values stored before the tensors
 
     @property
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
 from ckptconv.options import usable_cpus
@@ -32,13 +33,11 @@ from nxdtrain.checkpoint import (
     TagWriter,
     TrainingState,
     check_checkpoint_dir,
-    check_layout,
-    check_optimizer_layout,
-    load_small,
-    optim_file,
     read_training_state,
     resolve_start,
+    resume_notes,
     run_layout,
+    same_layout,
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
@@ -56,6 +55,7 @@ from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
 from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
+from nxdtrain.restore import StageReader
 from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -77,6 +77,7 @@ class RunPlan:
     precision_note: str = ""            # which precision the run uses, and why (rank 0 prints it)
     eval_rows: RowSource | None = None  # --eval-data, opened (and checked) once
     eval_count: int = 0                 # global batches per evaluation
+    resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry (rank 0 prints)
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,11 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         if why is not None:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
     source = resolve_start(config.checkpoint)
-    layout = run_layout(config.parallel, source.layout)
-    check_layout(source, layout)
-    layout.check_model(source.spec)
+    layout = run_layout(config.parallel, source.layout, source.spec)
+    try:
+        layout.check_model(source.spec)
+    except ConversionError as exc:
+        raise TrainError(f"{source.flag} {source.given}: this run's layout: {exc}") from None
     tp, pp = layout.tp, layout.pp
     data = config.data
     par = config.parallel
@@ -138,8 +141,9 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.tensorboard:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
-    if resume_state is not None:
-        check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp * cp)
+    # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
+    notes = resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp, world=world_size,
+                         optimizer=config.optim.optimizer)
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -148,7 +152,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count)
+                   eval_rows, eval_count, tuple(notes))
 
 
 def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
@@ -217,12 +221,29 @@ class Trainer:
         cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
                                 dtype=dtype, recompute=par.activation_checkpointing, cp=cp).to(self.device)
-        shard = source.shard(c.tp, c.pp)
-        state = source.load_state(c.tp, c.pp)
-        self.model.load_shard_state(state, str(shard))
-        zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
-        self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
-                                   capturable=device.is_xla)
+        resharding = not same_layout(source.layout, plan.layout)
+        stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp,
+                            optimizer=source.full) if resharding or source.full else None
+        try:
+            if stage is not None and resharding:
+                state, where = stage.weights(), f"{source.root} (resharded on load)"
+            else:
+                state, where = source.load_state(c.tp, c.pp), str(source.shard(c.tp, c.pp))
+            self.model.load_shard_state(state, where)
+            zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
+            self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
+                                       capturable=device.is_xla)
+            del state
+            self.step, self.consumed = 0, 0
+            self.saved_step: int | None = None
+            if source.full:
+                assert stage is not None
+                self._restore(stage)
+            if stage is not None:
+                stage.finish()
+        finally:
+            if stage is not None:
+                stage.close()
         self.grad_plan = grad_plan(self.model, mesh, plan)
         from nxdtrain.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
@@ -235,10 +256,6 @@ class Trainer:
                                vocab=source.spec.vocab, gbs=data.gbs)
         self.eval_batches = None if plan.eval_rows is None else Batches(
             plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab)
-        self.step, self.consumed = 0, 0
-        self.saved_step: int | None = None
-        if source.full:
-            self._restore()
         ckpt = cfg.checkpoint
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
@@ -252,15 +269,18 @@ class Trainer:
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
+            for line in plan.resume_notes:
+                note(line)
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
                  f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
                  f"(warmup {cfg.optim.warmup:g} steps)")
 
-    def _restore(self) -> None:
-        tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
+    def _restore(self, stage: StageReader) -> None:
+        """Optimizer state, fp32 masters, step, data position and RNG of a full checkpoint."""
+        state = self.plan.resume_state
         assert state is not None  # a full checkpoint
-        path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=self.mesh.dpcp_rank if self.optimizer.zero else 0)
-        self.optimizer.load_state_dict(load_small(path, self.plan.source.checks()), str(path))
+        same = state.options.get("optimizer", self.cfg.optim.optimizer) == self.cfg.optim.optimizer
+        self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups, same_optimizer=same)
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:

@@ -39,7 +39,8 @@ def test_flag_sets_are_pinned():
                                                            "--masters", "--no-masters"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check",
                                                              "--source-hw-backend", "--source-trn2-kv-layout",
-                                                             "--override-recorded-layout", "--masters", "--no-masters"}
+                                                             "--override-recorded-layout", "--masters", "--no-masters",
+                                                             "--dp", "--zero1", "--no-zero1", "--weights-only"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",

@@ -18,10 +18,10 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -216,14 +216,13 @@ def detect_flavour(path: Path) -> Flavour:
     return Flavour.PLAIN
 
 
-OPTIM_DIR = "optim"
-MASTERS_KEY = "master"  # nxdtrain's optimizer file: {"master": {parameter name: fp32 tensor}, ...} with bf16
+OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training_state; NxD's: nxd_optimizer)
 
 
 class _WithMasters:
     """One shard whose tensors come from nxdtrain's fp32 masters where they have them."""
 
-    def __init__(self, shard: FileReader | _SplitShard, masters: TorchFileReader) -> None:
+    def __init__(self, shard: FileReader | _SplitShard, masters: Any) -> None:
         self.shard, self.masters = shard, masters
         self._names = set(masters.keys())
 
@@ -285,7 +284,9 @@ class NxdCheckpoint:
         self.flavour = detect_flavour(first)
         self._readers: dict[str, FileReader | _SplitShard | _WithMasters] = {}
         self._lock = threading.Lock()
-        self._masters: dict[str, Path] | None = None  # shard name -> optim file, once use_masters() chose them
+        self._masters_for: Callable[[str], Any] | None = None  # once use_masters(): shard -> its masters' reader
+        self._masters_identity: list[tuple[str, int, int]] = []
+        self._masters_owner: Any = None  # closed with this checkpoint
         self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
@@ -297,38 +298,23 @@ class NxdCheckpoint:
                     self._readers[file] = self._weights.shard(file)
                 else:
                     shard = open_shard(self.files[file], self.io, self.checks)
-                    self._readers[file] = shard if self._masters is None else _WithMasters(
-                        shard, TorchFileReader(self._masters[file], self.io, self.checks, within=MASTERS_KEY))
+                    self._readers[file] = shard if self._masters_for is None else _WithMasters(
+                        shard, self._masters_for(file))
             return self._readers[file]
 
-    def use_masters(self, *, required: bool) -> bool:
-        """Read the weights from the fp32 master weights nxdtrain keeps in ``optim/`` (a bf16 run) instead
-        of the shards' rounded copy; keys the masters lack (``inv_freq``) still come from the shards.
-        Returns whether masters are used: False (or, when ``required``, an error) where there are none."""
-        optim = self.root / OPTIM_DIR
-        paths = {shard_file(tp_rank=tp, pp_rank=pp): optim / shard_name(tp_rank=tp, pp_rank=pp)
-                 for tp, pp in self.ranks}
-        missing = next((p for p in paths.values() if not p.is_file()), None)
-        if missing is not None:
-            if required:
-                raise ConversionError(f"{missing}: missing, so no nxdtrain master weights to export (--masters)")
-            return False
-        try:
-            probe = TorchFileReader(next(iter(paths.values())), self.io, within=MASTERS_KEY)
-        except ValueError as exc:  # an fp32 run (its weights are the masters), NxD's format, or not loadable safely
-            if required:
-                raise ConversionError(f"{exc} (no nxdtrain master weights to export: --masters)") from None
-            return False
-        probe.close()
-        self.close()
-        self._masters = paths
-        return True
+    def use_masters(self, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]],
+                    owner: Any) -> None:
+        """Read the weights from fp32 master weights (nxdtrain's bf16 runs keep them with the optimizer state)
+        instead of the shards' rounded copy: ``masters_for(shard file)`` reads that shard's masters
+        (:func:`ckptconv.training_state.use_masters`); keys they lack (``inv_freq``) still come from the shards.
+        ``identity``: the files they come from (names, sizes, mtimes), for a conversion's fingerprint;
+        ``owner`` (what reads them) is closed with this checkpoint."""
+        self.close()  # readers opened so far read the shards alone
+        self._masters_for, self._masters_identity, self._masters_owner = masters_for, identity, owner
 
     def masters_identity(self) -> list[tuple[str, int, int]] | None:
         """The optimizer files read for master weights (names, sizes, mtimes), or None."""
-        if self._masters is None:
-            return None
-        return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in self._masters.values()]
+        return self._masters_identity if self._masters_for is not None else None
 
     def read_weights_from(self, source: WeightSource) -> None:
         """Serve every shard's tensors from ``source`` (NxD's fp32 masters in ``optim/``) instead of
@@ -402,6 +388,8 @@ class NxdCheckpoint:
         self._readers.clear()
         if self._weights is not None:
             self._weights.close()
+        if self._masters_owner is not None:
+            self._masters_owner.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self
@@ -420,7 +408,8 @@ class TorchZipSink:
     def __init__(self, out_file: OutFile, tmp: Path, *, empty_tensors_dir: bool = False) -> None:
         self.path = tmp / out_file.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        metas = {t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors}
+        metas: dict[str, Any] = dict(out_file.plain)
+        metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
         self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
         self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
 

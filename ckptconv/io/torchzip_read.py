@@ -221,6 +221,12 @@ class TorchZipReader:
         except KeyError:
             raise KeyError(f"{self.path}: no key {key!r}") from None
 
+    def adopt(self, key: str, pickled: PickledTensor) -> None:
+        """Make a tensor found inside a plain value (a nested dict's) readable as top-level ``key``."""
+        if key in self._entries:
+            raise ValueError(f"{self.path}: key {key!r} exists already")
+        self._entries[key] = self._stored(key, pickled)
+
     def _tensor(self, key: str) -> StoredTensor:
         e = self.entry(key)
         if not isinstance(e, StoredTensor):
