@@ -342,6 +342,7 @@ def from_dcp(
             layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
                                    fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
             layout.check_model(spec)
+            layout = layout.padded_for(spec)
             target = choice(Flavour, flavour, "flavour")
             full = bool(carried) and any(family(k) == "optimizer" for k in ckpt.keys())
             if full:

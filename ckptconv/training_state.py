@@ -36,6 +36,7 @@ import torch
 
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles
+from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
@@ -44,7 +45,6 @@ from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 
 FORMAT = 2
-OPTIM_DIR = "optim"
 MASTER = "master"
 _SEP = ":"  # "<component>:<nxd key>" names an optimizer tensor in a plan's Source
 _OPTIM_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
@@ -368,8 +368,8 @@ def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor
             out[component] = OutTensor(state_key(weight.key, component), dtype, (), 0,
                                        (Piece(component_source(first, component), 0, 1),))
             continue
-        pieces = tuple(Piece(component_source(p.source, component), p.start, p.stop, row_perm=p.row_perm)
-                       for p in weight.pieces)
+        pieces = tuple(Piece(component_source(p.source, component), p.start, p.stop, row_perm=p.row_perm,
+                             zeros=p.zeros) for p in weight.pieces)  # padding rows: zero moments, as trained
         out[component] = OutTensor(state_key(weight.key, component), dtype, weight.shape, weight.dim, pieces)
     return out
 
@@ -430,8 +430,16 @@ SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 
 
 def is_training_tag(root: Path) -> bool:
-    """A directory holding optimizer state beside its shards (what nxdtrain saves), not a converted one."""
-    return (root / OPTIM_DIR).is_dir() and (root / USER_CONTENT_FILE).is_file()
+    """A tag nxdtrain saved: its optimizer state (format 1 or 2) and side files beside the shards (not a
+    converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.nxd_optimizer reads)."""
+    first = root / OPTIM_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    if not (first.is_file() and (root / USER_CONTENT_FILE).is_file()):
+        return False
+    try:
+        with TorchZipReader(first, io="read") as reader:  # data.pkl only; the conversion checks what it reads
+            return "format" in reader.keys() and reader.entry("format") in (1, FORMAT)
+    except (ValueError, OSError):
+        return False
 
 
 def resharded_user_content(content: Mapping[str, Any], new: ParallelLayout, *, zero1: bool) -> dict[str, Any]:
@@ -469,8 +477,8 @@ class _ShardMasters:
 def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
                 required: bool) -> TagOptimizer | None:
     """Make ``ckpt`` (an NxdCheckpoint) read its weights from the fp32 masters a bf16 nxdtrain run keeps with its
-    optimizer state (format 2 or 1, any dp or ZeRO-1); return the TagOptimizer to close after the conversion, or
-    None (an error when ``required``) where the tag has no masters: no ``optim/``, an fp32 run, other files."""
+    optimizer state (format 2 or 1, any dp or ZeRO-1; closed with ``ckpt``); return the TagOptimizer, or None
+    (an error when ``required``) where the tag has no masters: no ``optim/``, an fp32 run, other files."""
     directory = ckpt.root / OPTIM_DIR
 
     def none(why: str) -> TagOptimizer | None:
@@ -492,5 +500,5 @@ def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_fre
         optim.close()
         return none(f"{directory}: optimizer state without fp32 masters (an fp32 run: its weights are the masters)")
     identity = [(str(f.path), f.path.stat().st_size, f.path.stat().st_mtime_ns) for f in optim.files]
-    ckpt.use_masters(lambda shard: _ShardMasters(optim, shard), identity)
+    ckpt.use_masters(lambda shard: _ShardMasters(optim, shard), identity, optim)
     return optim

@@ -179,6 +179,7 @@ def run_layout(cfg: ParallelConfig, shards: ParallelLayout, spec: ModelSpec) -> 
         tp=cfg.tp, pp=cfg.pp, vpp=1, kvm=kvm, attention=attention,
         fuse_qkv=(shards.fuse_qkv and attention is Attention.QKV_LINEAR) if cfg.fuse_qkv is None else cfg.fuse_qkv,
         hw=shards.hw, trn2_kv_layout=shards.trn2_kv_layout,
+        padded_vocab=shards.padded_vocab if cfg.tp == shards.tp else None,  # else: reshard (check_layout says so)
     )
 
 

@@ -127,6 +127,11 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         raise TrainError(reason)
     if reason := check_cp_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
         raise TrainError(reason)
+    window = source.spec.window
+    if cp > 1 and window is not None and window < data.seq_len:  # the family's sliding window (Mistral)
+        raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
+                         f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
+                         f"{window} tokens")
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
@@ -176,6 +181,8 @@ def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
     names = {id(p): n for n, p in model.named_parameters()}
     if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
         out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
+    elif model.tp_partial() and mesh.tp_group is not None:  # per-head q/k norms saw only this rank's heads
+        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_partial())
     if tp_rank != 0:
         out.uncounted.update({name: [] for name in model.tp_replicated()})
     # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).

@@ -3,6 +3,7 @@ weights land; ZeRO-1 partitions as torch's ZeroRedundancyOptimizer does; format-
 
 from __future__ import annotations
 
+import json
 import shutil
 import types
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ckptconv.api import RunOptions, to_nxd
+from ckptconv.api import RunOptions, reshard, to_nxd
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.io.nxd import TorchZipSink, load_shard
@@ -214,4 +215,36 @@ def test_moments_by_hf_name(source):
             assert moments.keys() == {"step", "exp_avg", "exp_avg_sq"}
             for component, want in _moments(weight).items():
                 assert torch.equal(moments[component], want), (tensor.key, component)
+        optim.close()
+
+
+def test_moments_of_a_padded_vocabulary(tmp_path):
+    """tp 4 pads a 130-row vocabulary to 132: the padding rows' moments are zeros (as training leaves them), and
+    resharding back to tp 1 gives every moment of the source (ckptconv reshard of a training tag, both ways)."""
+    hf = make_tiny_llama(tmp_path / "hf", kv_heads=4, layers=2, vocab=130)
+    src = tmp_path / "src"
+    to_nxd(hf, src, tp=1, options=RunOptions(quiet=True, part=(0, 1)))
+    _fake_tag(src)
+    torch.save({"step": 5, "consumed_samples": 20, "rng": [], "options": {}}, src / "user_content.pt")
+    torch.save({"step": 5}, src / "scheduler.pt")
+    unchecked = RunOptions(quiet=True, part=(0, 1), check=False)  # the fake's side files are not in its records
+    reshard(src, tmp_path / "tp4", tp=4, pp=1, options=unchecked)
+    padded = torch.load(tmp_path / "tp4/optim/dp_rank_00_tp_rank_03_pp_rank_00.pt", weights_only=True)
+    rows = padded[state_key("model.embed_tokens.weight", "exp_avg")]
+    assert rows.shape[0] == 33 and torch.equal(rows[-2:], torch.zeros_like(rows[-2:]))
+    reshard(tmp_path / "tp4", tmp_path / "back", tp=1, pp=1, options=RunOptions(quiet=True, part=(0, 1)))
+    want = torch.load(src / "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    got = torch.load(tmp_path / "back/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
+    assert sorted(tensors) == sorted(k for k, v in got.items() if isinstance(v, torch.Tensor))
+    assert all(torch.equal(want[k], got[k]) for k in tensors)
+    # What a training rank reads on its own (read_tensor, nxdtrain's resume at tp 4): the same rows.
+    ckpt, spec, old, with_inv_freq, _ = open_nxd(src, check=False)
+    with ckpt:
+        optim = TagOptimizer(src, spec, old, with_inv_freq=with_inv_freq)
+        new = ParallelLayout.from_json(json.loads((tmp_path / "tp4/ckptconv.json").read_text())["layout"])
+        plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq)
+        embed = next(t for f in plan.files if f.path.endswith("tp_rank_03_pp_rank_00.pt") for t in f.tensors
+                     if t.key == "model.embed_tokens.weight")
+        assert torch.equal(read_tensor(state_tensors(embed, optim)["exp_avg"], TagReader(ckpt, optim)), rows)
         optim.close()

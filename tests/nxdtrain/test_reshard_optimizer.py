@@ -90,8 +90,9 @@ def test_reshard_flags_of_a_training_tag(straight, tmp_path, nxd_model, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["ckptconv.json", "hf", "model"]
     converted = nxd_model("gqa2-4", **SOURCE)
     assert ckptconv_main(["reshard", str(converted), str(tmp_path / "x"), "--tp", "1", "--dp", "2"]) == 1
-    assert capsys.readouterr().err.strip().endswith(f"{converted}: --dp and --zero1 place optimizer state; this is "
-                                                    "not a training tag (no optim/ and user_content.pt)")
+    assert capsys.readouterr().err.strip().endswith(
+        f"{converted}: --dp and --zero1 place optimizer state; this is not an nxdtrain training tag (no optim/ and "
+        "user_content.pt of nxdtrain's)")
 
 
 def test_reshard_of_a_training_tag_in_parts(straight, tmp_path):
