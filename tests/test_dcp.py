@@ -675,3 +675,25 @@ def test_to_dcp_of_a_bf16_tag_writes_its_fp32_masters(models, tmp_path):
     want = expected_titan_state({k: 3 * v for k, v in hf_state(hf).items()}, spec)
     loaded = dcp_load(tmp_path / "dcp", {k: v.shape for k, v in want.items()})
     assert all(torch.equal(loaded[k], want[k]) for k in want)
+
+
+def test_a_real_bf16_zero1_tag_through_titans_format_continues(tmp_path):
+    """nxdtrain's real bf16 ZeRO-1 tag (format 1, fixtures/nxdtrain-format1) into TorchTitan's keys and back into a
+    tag: nxdtrain resumes it (fp32 masters as the weights, AdamW state resharded over dp 2 with ZeRO-1 on load) and its
+    steps 3-4 give the losses of the run that wrote it."""
+    from tests.conftest import REPO
+    from tests.nxdtrain.harness import DIST_TIMEOUT, run_world
+
+    fixture = REPO / "fixtures" / "nxdtrain-format1"
+    run = json.loads((fixture / "run.json").read_text())
+    result = ckptconv.to_dcp(fixture / "step_2", tmp_path / "dcp", options=QUIET)
+    assert any("fp32 master weights" in n for n in result.notes)
+    layout = json.loads((fixture / "step_2" / "ckptconv.json").read_text())["layout"]
+    back = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "tag", to="nxd", config=fixture / "step_2/hf/config.json",
+                             tp=layout["tp"], pp=layout["pp"], attention=layout["attention"], fuse_qkv=layout["fuse_qkv"],
+                             kv_size_multiplier=layout["kvm"], consumed_samples=2 * run["options"]["gbs"], options=QUIET)
+    assert any("a run that came from nxdtrain" in n for n in back.notes)
+    log = run_world(4, resume=str(tmp_path / "tag"), checkpoint_dir=str(tmp_path / "ckpt"),
+                    log_jsonl=str(tmp_path / "log.jsonl"), **{**run["options"], "dist_timeout": DIST_TIMEOUT})
+    assert [r["step"] for r in log] == [3, 4]
+    assert [r["loss"] for r in log] == pytest.approx(run["losses"][2:], rel=1e-5)
