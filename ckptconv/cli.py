@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     p.add_argument("--weights-only", action="store_true",
                    help="training tag: write the model only (no AdamW state, lr schedule or step)")
+    _masters_flag(p, "when present")
     _run_flags(p)
 
     p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors, NxD shards, or an nxdtrain tag")
@@ -306,7 +307,7 @@ def run(args: argparse.Namespace) -> Any:
 
         return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
                       dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                      weights_only=args.weights_only, options=options)
+                      weights_only=args.weights_only, masters=args.masters, options=options)
     if args.command == "from-dcp":
         if args.to == "hf":
             given = [flag for flag, value, default in (

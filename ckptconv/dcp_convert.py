@@ -82,13 +82,12 @@ from ckptconv.titan_names import (
 )
 from ckptconv.titan_state import tag_state, titan_values
 from ckptconv.training_state import (
-    MASTER,
+    OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
     TagReader,
     is_training_tag,
     state_replicas,
-    use_masters,
 )
 
 TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
@@ -113,11 +112,13 @@ def to_dcp(
     max_file_size: int = DEFAULT_FILE_SIZE,
     kv_replicas: str = "error",
     weights_only: bool = False,
+    masters: bool | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Write the model of ``src`` (an HF dir/file or hub id, a converted NxD dir, a training tag or a
     checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``; of a training tag (unless
-    ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's own keys."""
+    ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's own keys.
+    ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``."""
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
@@ -126,6 +127,8 @@ def to_dcp(
         raise ConversionError(f"--kv-replicas must be 'error' or 'first' for to-dcp, got {kv_replicas!r}")
     if _is_hf_source(src):
         given = sorted(k for k, v in (hints or {}).items() if v is not None)
+        if masters is not None:
+            raise ConversionError(f"--masters/--no-masters choose a training tag's weights; {src} is an HF model")
         if given:
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
@@ -143,17 +146,16 @@ def to_dcp(
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
+        # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
         ckpt, spec, layout, with_inv_freq, read_notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                                  check=options.check)
+                                                                  check=options.check, masters=masters,
+                                                                  prefer_masters=True)
         with ckpt, contextlib.ExitStack() as stack:
             training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
                 TrainingTag.open(ckpt, spec, layout, with_inv_freq, Plan([]), dp=None, zero1=None, io=options.io))
-            if training is not None and MASTER in training.optim.hyper.components:
-                fp32 = use_masters(ckpt, spec, layout, with_inv_freq, required=True)
-                assert fp32 is not None
-                stack.callback(fp32.close)
-                read_notes.append(f"weights from the fp32 master weights in {ckpt.root}/optim/ (nxdtrain, a bf16 "
-                                  "run), not the shards' bf16 copy")
+            if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
+                read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
+                                  "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")
             shard_dtypes = ckpt.dtypes()
             tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
                                          lm_head_copy=stores_lm_head(spec, shard_dtypes))

@@ -43,7 +43,7 @@ def test_flag_sets_are_pinned():
                                                              "--dp", "--zero1", "--no-zero1", "--weights-only"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout",
-                                                            "--weights-only"}
+                                                            "--weights-only", "--masters", "--no-masters"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check", "--weights-only",
                                                               "--consumed-samples"}

@@ -675,6 +675,31 @@ def test_to_dcp_of_a_bf16_tag_writes_its_fp32_masters(models, tmp_path):
     want = expected_titan_state({k: 3 * v for k, v in hf_state(hf).items()}, spec)
     loaded = dcp_load(tmp_path / "dcp", {k: v.shape for k, v in want.items()})
     assert all(torch.equal(loaded[k], want[k]) for k in want)
+    # --no-masters: the shards' weights, the AdamW state still carried
+    result = ckptconv.to_dcp(tag, tmp_path / "shards", masters=False, options=RunOptions(quiet=True, check=False))
+    assert not any("fp32 master weights" in n for n in result.notes)
+    want = expected_titan_state(hf_state(hf), spec)
+    loaded = dcp_load(tmp_path / "shards", {k: v.shape for k, v in want.items()})
+    assert all(torch.equal(loaded[k], want[k]) for k in want)
+    with DcpCheckpoint(tmp_path / "shards") as ckpt:
+        assert "optimizer.state.norm.weight.exp_avg" in ckpt.keys()
+
+
+def test_to_dcp_of_nxds_own_tag_takes_its_masters_and_says_its_optimizer_files_stay(tmp_path):
+    """A tag NxD itself saved (ZeRO-1, bf16, fp32 masters): the weights are its masters (as to-hf's), its optimizer
+    files are not nxdtrain's and are said to stay behind."""
+    from tests.conftest import REPO
+
+    case = REPO / "fixtures" / "nxdt-official" / "zero1_bf16_masters"
+    config = case / "hf" / "config.json"
+    result = ckptconv.to_dcp(case / "ckpt" / "step_2", tmp_path / "dcp", config=config, options=QUIET)
+    assert any("not carried: the optimizer files" in n for n in result.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer in the fixture
+        ckptconv.to_hf(case / "ckpt" / "step_2", tmp_path / "hf", config=config, dtype="keep", options=QUIET)
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", config=config, options=QUIET)
+    a, b = hf_state(tmp_path / "hf"), hf_state(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == torch.float32 for k in a)
 
 
 def test_a_real_bf16_zero1_tag_through_titans_format_continues(tmp_path):
