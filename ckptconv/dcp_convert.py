@@ -32,6 +32,7 @@ from ckptconv.api import (
     _fingerprint,
     _hf_side_copies,
     _identity,
+    _input_files,
     _kept_hf_files,
     dtype_policy,
     target_layout,
@@ -176,7 +177,7 @@ def to_dcp(
                                max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
             placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
             fingerprint = _fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
-                                       _identity(sorted(ckpt.files.values())), ckpt.masters_identity(),
+                                       _identity(_input_files(ckpt)), ckpt.masters_identity(),
                                        None if training is None else training.identity())
             copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
             spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json(), placed)

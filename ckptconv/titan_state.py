@@ -111,7 +111,8 @@ def titan_values(spec: ModelSpec, param_groups: list[dict[str, Any]], scheduler:
                      "nxdtrain's lr, the steps after at TorchTitan's own schedule")
     else:
         last_epoch = titan_last_epoch(step=step, warmup=titan.warmup_steps)
-        notes.append(f"continue in TorchTitan with {titan.describe()}: from step {step + 1} on its lr is nxdtrain's"
+        notes.append(f"continue in TorchTitan with {titan.describe()}: from step {step + 1} to {decay_steps} its lr "
+                     "is nxdtrain's"
                      + ("" if last_epoch > step else " through warmup, its decay then one step later (the tag is "
                         "still in warmup)"))
     seq_len = content.get("options", {}).get("seq_len")
