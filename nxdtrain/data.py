@@ -174,8 +174,17 @@ class ConcatRows:
         self.size = self._ends[-1] if parts else 0
 
     def row(self, index: int) -> list[int]:
+        part, local = self._locate(index)
+        return self.parts[part].row(local)
+
+    def _locate(self, index: int) -> tuple[int, int]:
         part = bisect.bisect_right(self._ends, index)
-        return self.parts[part].row(index - (self._ends[part - 1] if part else 0))
+        return part, index - (self._ends[part - 1] if part else 0)
+
+    def where(self, index: int) -> tuple[str, int]:
+        """(file, row in that file) of row ``index``: what an error names."""
+        part, local = self._locate(index)
+        return self.parts[part].name, local
 
 
 def load_column(path: Path, column: str) -> Any:
@@ -219,6 +228,14 @@ class DatasetRows:
 
     def row(self, index: int) -> list[int]:
         return self._data[index][COLUMN]
+
+    def lengths(self) -> list[int] | None:
+        """Every row's length from the Arrow list offsets (no row decoded); None for an indexed view."""
+        import pyarrow.compute as pc
+
+        if getattr(self._data, "_indices", None) is not None:
+            return None
+        return pc.list_value_length(self._data.data.table.column(COLUMN)).to_pylist()
 
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -292,7 +309,8 @@ class Batches:
             index = self.row_index(sample)
             ids = self.source.row(index)
             if len(ids) < self.seq_len:
-                raise TrainError(f"{self.source.name}: row {index} has {len(ids)} tokens; --seq-len {self.seq_len} "
+                name, row = self.source.where(index) if hasattr(self.source, "where") else (self.source.name, index)
+                raise TrainError(f"{name}: row {row} has {len(ids)} tokens; --seq-len {self.seq_len} "
                                  "needs at least that many (pack shorter rows first)")
             rows.append(ids[: self.seq_len])
         out = torch.tensor(rows, dtype=torch.int64)

@@ -16,6 +16,7 @@ Example (one process; ``nxdtrain run`` is the same call):
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,9 @@ from nxdtrain.checkpoint import (
     TrainingState,
     check_checkpoint_dir,
     check_layout,
+    check_one_writer,
     check_optimizer_layout,
+    claim_checkpoint_dir,
     load_small,
     optim_file,
     read_training_state,
@@ -42,9 +45,11 @@ from nxdtrain.checkpoint import (
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
+from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
+from nxdtrain.data_check import check_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
-from nxdtrain.dist import Mesh, detect_env, init_world, local_world_size
+from nxdtrain.dist import LAUNCHER_ENV, Mesh, detect_env, init_world, local_world_size
 from nxdtrain.epochs import data_parallel
 from nxdtrain.epochs import resolve as resolve_length
 from nxdtrain.errors import TrainError
@@ -75,6 +80,8 @@ class RunPlan:
     precision_note: str = ""            # which precision the run uses, and why (rank 0 prints it)
     eval_rows: RowSource | None = None  # --eval-data, opened (and checked) once
     eval_count: int = 0                 # global batches per evaluation
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
+    notes: list[str] = dataclasses.field(default_factory=list)        # what rank 0 says before the first step
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
                    "it; see examples/neuron/), or use --device cpu")
         if why is not None:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
+    check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint)
     layout = run_layout(config.parallel, source.layout)
     check_layout(source, layout)
@@ -121,14 +129,23 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
-    rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    data_plan = check_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed),
+                           seq_len=data.seq_len, long_rows=data.long_rows)
+    rows = data_plan.rows
+    notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
     eval_rows, eval_count = open_eval(config, source.spec.vocab)
+    epochs = config.epochs
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
     if resume_state is not None:
         check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
+    run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
+    record = run_record(config, epochs=epochs, run=str(run_id))
+    if resume_state is not None:  # the schedule and data order the tag recorded, or a refusal
+        notes += check_resume(resume_state.run, resume_state.missing, record, tag=str(source.root),
+                              override=config.checkpoint.override_schedule)
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -137,7 +154,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count)
+                   eval_rows, eval_count, record, notes)
 
 
 def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
@@ -146,7 +163,8 @@ def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
     if not data.eval_every or not data.eval_data:
         return None, 0
     # A different seed: synthetic held-out rows must not be the training rows.
-    rows = open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1)
+    rows = check_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
+                      seq_len=data.seq_len, long_rows=data.long_rows).rows
     whole = None if rows.size is None else rows.size // data.gbs
     if whole is None and data.eval_batches is None:
         raise TrainError("--eval-data synthetic has no end: give --eval-batches N")
@@ -227,7 +245,7 @@ class Trainer:
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
-            host_group=mesh.host_group,
+            record=plan.record, host_group=mesh.host_group,
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
@@ -236,6 +254,8 @@ class Trainer:
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
+            for line in plan.notes:
+                note(line)
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
                  f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
                  f"(warmup {cfg.optim.warmup:g} steps)")
@@ -344,12 +364,20 @@ def train(config: TrainConfig) -> list[StepMetrics]:
     plan = prepare(config, env.world_size)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
     device = init_world(env, config.dist_timeout, plan.device)
+    directory = config.checkpoint.checkpoint_dir
+    lock = None
     try:
+        if env.rank == 0 and directory:  # one writer per checkpoint directory, for the whole run
+            launcher = os.environ.get(LAUNCHER_ENV)
+            lock = claim_checkpoint_dir(directory, f"nxdtrain run --checkpoint-dir {directory} (rank 0 of "
+                                                   f"{env.world_size}{f', launcher pid {launcher}' if launcher else ''})")
         trainer = Trainer(plan, device)
         history, last_tag = trainer.run()
         dist.barrier(group=trainer.mesh.host_group)
     finally:
         dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     if env.rank == 0 and config.export_hf:
         target = last_tag or Path(config.checkpoint.checkpoint_dir or "")
         export(target, config.export_hf, label="--export-hf")
