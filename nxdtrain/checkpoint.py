@@ -254,6 +254,7 @@ class TrainingState:
     options: dict[str, Any]  # the saving run's flat options (TrainConfig.to_flat)
     run: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
     missing: list[str] = dataclasses.field(default_factory=list)   # what an older tag's record lacks
+    loss: float | None = None  # the loss logged at the tag's step (nxdtrain.loss_check); None: not recorded
 
 
 def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> TrainingState:
@@ -263,8 +264,9 @@ def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> Traini
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")
     run, missing = recorded_run(user, scheduler)
+    loss = user.get("loss")
     return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])), dict(user.get("options", {})),
-                         run, missing)
+                         run, missing, float(loss) if isinstance(loss, (int, float)) else None)
 
 
 def check_optimizer_layout(source: ResumeSource, state: TrainingState, *, zero1: bool, dp: int) -> None:
@@ -333,7 +335,8 @@ class TagWriter:
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.continuity)
     host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
 
-    def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any]) -> Path:
+    def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
+             loss: float | None = None) -> Path:
         tag = self.root / f"step_{step}"
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
@@ -353,7 +356,7 @@ class TagWriter:
         if rank == 0:
             assert lock is not None
             with lock:
-                self._finish(tag, step, consumed, model, scheduler, gathered)
+                self._finish(tag, step, consumed, model, scheduler, gathered, loss)
         dist.barrier(group=self.host_group)
         return tag
 
@@ -382,7 +385,7 @@ class TagWriter:
         return lock
 
     def _finish(self, tag: Path, step: int, consumed: int, model: Any, scheduler: dict[str, Any],
-                gathered: list[Any]) -> None:
+                gathered: list[Any], loss: float | None) -> None:
         """Rank 0: side files, metadata, then the markers, then retention."""
         files: dict[str, dict[str, Any]] = {}
         for records, _ in gathered:
@@ -390,7 +393,8 @@ class TagWriter:
         side: list[Path] = [
             _save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
             _save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
-                         "options": self.options, "layout": self.layout.to_json(), "run": self.record},
+                         "options": self.options, "layout": self.layout.to_json(), "run": self.record,
+                         "loss": loss},
                         tag / USER_CONTENT_FILE),
         ]
         hf_src = self.source.root / HF_FILES_DIR

@@ -16,6 +16,7 @@ Example (one process; ``nxdtrain run`` is the same call):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -54,11 +55,12 @@ from nxdtrain.epochs import data_parallel
 from nxdtrain.epochs import resolve as resolve_length
 from nxdtrain.errors import TrainError
 from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
+from nxdtrain.loss_check import refusal, verdict
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
-from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
+from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
 from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -239,6 +241,7 @@ class Trainer:
             plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab)
         self.step, self.consumed = 0, 0
         self.saved_step: int | None = None
+        self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.loss_check)
         if source.full:
             self._restore()
         ckpt = cfg.checkpoint
@@ -307,13 +310,35 @@ class Trainer:
         self.dev.sync()
         return total / plan.eval_count
 
+    def check_first_loss(self) -> None:
+        """One forward of the first batch before step 1; stop when it says the weights were loaded wrong
+        (:mod:`nxdtrain.loss_check`). Collective: every rank sees the same loss and stops alike."""
+        cfg, mesh = self.cfg, self.mesh
+        if cfg.checkpoint.allow_high_loss or cfg.data.data == SYNTHETIC:
+            return
+        ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
+        with torch.no_grad():
+            loss = self.pipeline.evaluate(ids.to(self.device))
+        for group in (mesh.dp_group, mesh.pp_group):  # as the training loss: summed over dp, from the last stage
+            if group is not None:
+                dist.all_reduce(loss, group=group)
+        value = float(loss)
+        state = self.plan.resume_state
+        recorded = state.loss if state is not None else None
+        why = verdict(value, vocab=self.plan.source.spec.vocab, recorded=recorded)
+        if why is not None:
+            raise TrainError(refusal(why, f"{self.plan.source.flag} {self.plan.source.given}"))
+        if self.rank0:
+            note(f"first batch loss {value:.3f} before step {self.step + 1} (ln vocab {math.log(self.plan.source.spec.vocab):.3f}"
+                 + (f", the tag recorded {recorded:.3f}" if recorded is not None else "") + "): the weights load as trained")
+
     def save(self) -> Path:
         assert self.writer is not None
         scheduler = {"schedule": self.cfg.optim.schedule, "lr": self.cfg.optim.lr, "min_lr": self.cfg.optim.min_lr,
                      "warmup": self.cfg.optim.warmup, "decay_steps": self.cfg.decay_steps,
                      "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
         tag = self.writer.save(step=self.step, consumed=self.consumed, model=self.model, optimizer=self.optimizer,
-                               scheduler=scheduler)
+                               scheduler=scheduler, loss=self.last_loss)
         self.saved_step = self.step
         if self.rank0:
             note(f"saved {tag}")
@@ -324,6 +349,8 @@ class Trainer:
         cfg = self.cfg
         freq = cfg.checkpoint.checkpoint_freq
         start = self.step
+        if start < cfg.steps:  # before the log is opened: a stopped start writes nothing
+            self.check_first_loss()
         log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0,
                       tensorboard=cfg.tensorboard, seq_len=cfg.data.seq_len)
         history: list[StepMetrics] = []
@@ -344,6 +371,7 @@ class Trainer:
                     for metrics in read_metrics(pending, started, tokens_per_step):
                         history.append(metrics)
                         log.record(metrics)
+                        self.last_loss = metrics.loss
                     pending = []
                 if saving:
                     last_tag = self.save()
