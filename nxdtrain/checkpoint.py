@@ -432,9 +432,10 @@ def run_of(tag: Path) -> str | None:
     """The id of the run that wrote ``tag`` (ckptconv.json ``extra.nxdtrain.run``); None: unknown (an older
     nxdtrain, another tool, no readable metadata)."""
     try:
-        extra = read_metadata(tag).extra or {}
+        meta = read_metadata(tag)
     except ConversionError:
         return None
+    extra = (meta.extra if meta is not None else None) or {}
     run = (extra.get("nxdtrain") or {}).get("run") if isinstance(extra.get("nxdtrain"), dict) else None
     return run if isinstance(run, str) else None
 

@@ -88,9 +88,8 @@ def _lengths(source: RowSource, *, whole: bool) -> tuple[list[tuple[int, int]], 
         lengths = source.lengths()
         if lengths is not None:
             return list(enumerate(lengths)), size
-    if whole or size <= PARSE_ALL:
-        picked = range(size)
-    else:
+    picked: list[int] | range = range(size)
+    if not whole and size > PARSE_ALL:
         step = (size - 1) / (SAMPLE - 1)
         picked = sorted({round(k * step) for k in range(SAMPLE)})
     return [(i, len(_parsed(source, i))) for i in picked], size

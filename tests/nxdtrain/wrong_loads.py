@@ -46,7 +46,7 @@ def trained_llama(path: Path, *, steps: int, seq_len: int = 16, **shape: Any) ->
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        loss = float(out.loss)
+        loss = float(out.loss.detach())
     model.save_pretrained(path)  # a directory of its own: saving over the memory-mapped source keeps the old weights
     return path, loss
 
