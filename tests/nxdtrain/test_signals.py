@@ -73,13 +73,17 @@ def kill_leftovers(pids: set[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def start_launcher(src: Path, root: Path, log: Path, *, checkpoint_freq: int) -> subprocess.Popen:
+    """`nxdtrain run --nproc 2` training (for ever) from ``src`` into ``root``, in a session of its own."""
+    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
+            "--checkpoint-dir", str(root), "--checkpoint-freq", str(checkpoint_freq), "--log-jsonl", str(log)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, nxd_model):
     src = nxd_model("mha", tp=1, pp=1, attention="separate")
     root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
-            "--checkpoint-dir", str(root), "--checkpoint-freq", "2", "--log-jsonl", str(log)]
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = start_launcher(src, root, log, checkpoint_freq=2)
     workers: set[int] = set()
     try:
         wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 3 and completed(root), 180,
@@ -158,10 +162,7 @@ def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(t
 
     src = nxd_model("mha", tp=1, pp=1, attention="separate")
     root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
-            "--checkpoint-dir", str(root), "--checkpoint-freq", "50", "--log-jsonl", str(log)]
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = start_launcher(src, root, log, checkpoint_freq=50)
     workers: set[int] = set()
     try:
         wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 2 and completed(root), 180,
