@@ -11,6 +11,11 @@ AdamW; rows:
 * nxdtrain tp 1, tp 2, tp 2 + sequence parallel, pp 2, dp 2 + ZeRO-1, each with activation
   checkpointing none / selective / full.
 
+A second table, "long context", trains a smaller model (:data:`LONG`) on one row of ``--long-seq``
+tokens (default 4096, the longest this machine trains in reasonable time) at tp 1, context parallel
+2 and 4, and tp 2 + sequence parallel, without checkpointing: per-rank activation memory and
+tokens/s against tp 1 (``--long-only`` runs just this table; ``--long-seq 0`` skips it).
+
 Every process measures itself (``/proc/self/status``): ``peak`` is its VmHWM over the whole run;
 ``act`` is the activation peak: VmHWM of the timed steps minus the resident size when they start
 (after the warmup, when weights, gradients and optimizer state exist; VmHWM is reset there through
@@ -28,6 +33,7 @@ With a CUDA device the same script runs NCCL and bf16 (``--precision bf16``) and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -57,6 +63,7 @@ class Shape:
 
 
 QUICK = Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=352, vocab=1024, seq=128)
+LONG = Shape(layers=2, hidden=256, heads=8, kv_heads=2, intermediate=704, vocab=8192, seq=4096)
 
 # name: (tp, pp, dp, extra nxdtrain options)
 ROWS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
@@ -65,7 +72,11 @@ ROWS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
     "tp2-sp": (2, 1, 1, {"sequence_parallel": True}),
     "pp2": (1, 2, 1, {}),
     "dp2-zero1": (1, 1, 2, {"zero1": True}),
+    "cp2": (1, 1, 1, {"context_parallel": 2}),
+    "cp4": (1, 1, 1, {"context_parallel": 4}),
 }
+DEFAULT_ROWS = ("tp1", "tp2", "tp2-sp", "pp2", "dp2-zero1")
+LONG_ROWS = ("tp1", "cp2", "cp4", "tp2-sp")
 MODES = ("none", "selective", "full")
 
 
@@ -202,6 +213,7 @@ def build_model(root: Path, shape: Shape, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = root / "hf"
+    root.mkdir(parents=True, exist_ok=True)
     if (hf / "config.json").exists():
         return hf
     torch.manual_seed(seed)
@@ -247,7 +259,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
 
     shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
     root = Path(args.workdir)
-    hf = build_model(root, shape)
+    hf = build_model(root, shape) if not args.long_only else root / "hf"
     base = dict(precision=args.precision, data="synthetic", seq_len=shape.seq, gbs=args.gbs, mbs=args.mbs,
                 steps=args.warmup + args.steps, lr=1e-4, warmup=0, schedule="constant", optimizer="adamw",
                 weight_decay=0.1, clip_grad=1.0, seed=1, dist_timeout=600.0, no_checkpoint=True)
@@ -269,40 +281,71 @@ def run_all(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
               flush=True)
 
     for mode in ("none", "full"):
-        if mode in args.modes:
+        if mode in args.modes and not args.long_only:
             launch(hf_worker, (str(hf), base, args.steps, args.warmup, mode == "full"), 1, "transformers", mode,
                    root / f"out-hf-{mode}")
-    for row in args.rows:
-        tp, pp, dp = ROWS[row][:3]
-        src = converted(hf, root, tp, pp)
-        for mode in args.modes:
-            options = {**base, **ROWS[row][3], "resume": str(src), "tp": tp, "pp": pp,
-                       "activation_checkpointing": mode}
-            launch(nxd_worker, (options, args.steps, args.warmup), tp * pp * dp, row, mode, root / f"out-{row}-{mode}")
+    def nxd_rows(rows: list[str], modes: list[str], hf: Path, base: dict[str, Any], label: str) -> None:
+        for row in rows:
+            tp, pp, dp, extra = ROWS[row]
+            src = converted(hf, hf.parent, tp, pp)
+            for mode in modes:
+                options = {**base, **extra, "resume": str(src), "tp": tp, "pp": pp, "activation_checkpointing": mode}
+                procs = tp * pp * dp * extra.get("context_parallel", 1)
+                launch(nxd_worker, (options, args.steps, args.warmup), procs, row, mode,
+                       root / f"out-{label}{row}-{mode}")
+
+    if not args.long_only:
+        nxd_rows(args.rows, args.modes, hf, base, "")
+    if args.long_seq:
+        long_shape = dataclasses.replace(LONG, seq=args.long_seq)
+        long_hf = build_model(root / "long", long_shape)
+        long_base = {**base, "seq_len": long_shape.seq, "gbs": 1, "mbs": 1}
+        results.append(LONG_MARK)
+        tokens = long_shape.seq
+        fpt = flops_per_token(long_shape)
+        nxd_rows(list(LONG_ROWS), ["none"], long_hf, long_base, "long-")
     return results, failed
 
 
+LONG_MARK = Result("--long--", "", 0, 0.0, [], 0.0, 0.0)  # where the long-context rows start in the results
+
+
 def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
-    ref = next((r for r in results if r.row == "transformers" and r.mode == "none"), None)
+    main_rows = results[:results.index(LONG_MARK)] if LONG_MARK in results else results
+    long_rows = results[results.index(LONG_MARK) + 1:] if LONG_MARK in results else []
     shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
-    lines = [f"machine: {machine}; model {shape}; {args.warmup} warmup + {args.steps} timed steps, gbs {args.gbs}, "
-             f"mbs {args.mbs}, {args.precision}", "",
-             "| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank |"
+    lines = [f"machine: {machine}; {args.warmup} warmup + {args.steps} timed steps, {args.precision}", ""]
+    if main_rows:
+        lines += [f"model {shape}; gbs {args.gbs}, mbs {args.mbs}", ""] + _rows(main_rows, "transformers", args)
+    if long_rows:
+        long_shape = dataclasses.replace(LONG, seq=args.long_seq)
+        lines += ["", f"long context: model {long_shape}; one row of {long_shape.seq} tokens per step, checkpointing "
+                      "none; ref: the tp1 row", ""]
+        lines += _rows(long_rows, "tp1", args)
+    return "\n".join(lines) + "\n"
+
+
+def _rows(results: list[Result], ref_row: str, args: argparse.Namespace) -> list[str]:
+    ref = next((r for r in results if r.row == ref_row and r.mode == "none"), None)
+    lines = ["| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank | ref / act |"
              + (" MFU |" if args.peak_tflops else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
     for r in results:
         speed = f"{r.tokens_per_s / ref.tokens_per_s:.2f}" if ref else "-"
         memory = f"{r.peak_mib / ref.peak_mib:.2f}" if ref else "-"
+        act = f"{ref.act_mib / r.act_mib:.2f}" if ref and r.act_mib > 0 else "-"  # how many times less
         mfu = f" {r.mfu:.1%} |" if r.mfu is not None else ""
         lines.append(f"| {r.row} | {r.mode} | {r.procs} | {r.tokens_per_s:.0f} | {speed} | {r.peak_mib:.0f} | "
-                     f"{memory} | {r.act_mib:.0f} |{mfu}")
-    return "\n".join(lines) + "\n"
+                     f"{memory} | {r.act_mib:.0f} | {act} |{mfu}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 2-layer 128-wide model, one step: a smoke check")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--long-seq", type=int, default=4096, help="tokens per row of the long-context table (0: skip)")
+    parser.add_argument("--long-only", action="store_true", help="run only the long-context table")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated checkpointing modes")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
@@ -324,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown row or mode {unknown[0]!r}")
     if args.quick:
         args.steps, args.warmup = 1, 1
+        args.long_seq = min(args.long_seq, 512)
     args.precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     cleanup = None
     if args.workdir is None:
@@ -344,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(exist_ok=True)
     (OUT / "train.md").write_text(text)
     (OUT / "train.json").write_text(json.dumps({"machine": machine, "args": {k: v for k, v in vars(args).items()},
-                                                "results": [asdict(r) for r in results]}, indent=1, default=str))
+                                                "results": [asdict(r) for r in results if r is not LONG_MARK]},
+                                               indent=1, default=str))
     if failed:  # a row that did not run is not a measurement: say so in the exit status too
         print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
         return 1

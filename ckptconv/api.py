@@ -33,7 +33,7 @@ from ckptconv.finalize import (
     write_spec,
 )
 from ckptconv.hub import resolve_hf
-from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
+from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
@@ -79,6 +79,31 @@ def dtype_policy(dtype: str):  # type: ignore[no-untyped-def]
     return keep_dtype if target is None else cast_floats_to(target)
 
 
+SOURCE_DTYPE = "source"  # to-hf's default --dtype: what the source model had
+_CONFIG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def export_dtype(dtype: str, config: dict[str, Any], shard_dtypes: dict[str, torch.dtype], notes: list[str]) -> str:
+    """The ``--dtype`` an export writes: ``source`` becomes the dtype the model's HF config declares
+    (``dtype``, or transformers 4's ``torch_dtype``: what the source weights were) where the shards
+    hold another (a run trained in bf16 from fp32 weights, a ``to-nxd --dtype bf16``), else ``keep``."""
+    if dtype != SOURCE_DTYPE:
+        return dtype
+    declared = _CONFIG_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+    held = {d for k, d in shard_dtypes.items() if d.is_floating_point and not k.endswith("inv_freq")}
+    if declared is None or held == {DTYPES[declared]}:
+        return "keep"
+    target = DTYPES[declared]
+    assert target is not None
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
+    widened = all(d.itemsize < target.itemsize for d in held)
+    lost = "what the cast to the shards' dtype rounded away stays lost"
+    notes.append(f"writing {str(target).removeprefix('torch.')}, the dtype of the source model (its config.json), "
+                 f"from {names} shards" + (f" (widened: {lost})" if widened else "")
+                 + "; --dtype keep writes the shards' dtype")
+    return declared
+
+
 # --------------------------------------------------------------------------------------------
 # HF -> NxD
 
@@ -100,9 +125,13 @@ def to_nxd(
     dtype: str = "keep",
     verify_layers: int = 0,
     revision: str | None = None,
+    tokenizer: str | Path | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Convert an HF Llama checkpoint (directory, single file, or hub id ``org/name``) into NxD shards under ``out/model``.
+
+    ``tokenizer``: a directory whose tokenizer (and generation) files are kept in ``out/hf/`` instead of
+    those beside ``src`` (a single ``.pt``/``.bin`` file usually has none), so that exports carry them.
 
     A hub id is resolved by :func:`ckptconv.hub.resolve_hf` (the local cache first; ``revision``: branch, tag
     or commit). With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
@@ -125,13 +154,18 @@ def to_nxd(
             warnings.warn(message, stacklevel=2)
             notes.append(message)
         plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
-        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()))
-        copies = _hf_side_copies(hf, notes)
+        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()),
+                                   _tokenizer_identity(tokenizer))
+        copies = _with_tokenizer(_hf_side_copies(hf, notes), tokenizer, f"{HF_FILES_DIR}/", notes)
+        if not has_tokenizer([Path(target).name for _, target in copies]):
+            notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
+                         "pass --tokenizer DIR")
+        hf_config, copies, texts = _config_as_written(hf.spec.config, dtype, plan, copies)
         spec = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=hf.spec.config, layout=layout.to_json(), flavour=flavour.value,
+            metadata=dict(kind="nxd", hf_config=hf_config, layout=layout.to_json(), flavour=flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            copies=copies,
+            texts=texts, copies=copies,
         )
         result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd", sources=[Path(src)])
     result.notes[:0] = notes
@@ -171,6 +205,24 @@ def _kept_hf_files(root: Path, notes: list[str], *, into: str, skip: str = "") -
     return [(source, into + name) for name, source in outdir.confined_files(root, HF_FILES_DIR, names, notes)]
 
 
+def _with_tokenizer(copies: list[tuple[str, str]], tokenizer: str | Path | None, into: str,
+                    notes: list[str]) -> list[tuple[str, str]]:
+    """``copies`` with the side files of the ``--tokenizer`` directory instead of same-named ones."""
+    if tokenizer is None:
+        return copies
+    directory = Path(tokenizer)
+    found = outdir.confined_files(directory, "", tokenizer_side_files(directory), notes)
+    targets = {into + name for name, _ in found}
+    notes.append(f"tokenizer from {directory}: {', '.join(name for name, _ in found)}")
+    return [c for c in copies if c[1] not in targets] + [(source, into + name) for name, source in found]
+
+
+def _tokenizer_identity(tokenizer: str | Path | None) -> list[tuple[str, int, int]] | None:
+    if tokenizer is None:
+        return None
+    return _identity(sorted(p for p in Path(tokenizer).iterdir() if p.is_file()))
+
+
 def _hf_side_copies(hf: HfCheckpoint, notes: list[str]) -> list[tuple[str, str]]:
     """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
     copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
@@ -189,26 +241,48 @@ def to_hf(
     config: str | Path | None = None,
     hints: dict[str, Any] | None = None,
     max_shard_size: int = 5 * 10**9,
-    dtype: str = "keep",
+    dtype: str = SOURCE_DTYPE,
     kv_replicas: str = "error",
+    tokenizer: str | Path | None = None,
+    masters: bool | None = None,
     options: RunOptions | None = None,
 ) -> Result:
-    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory."""
+    """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
+
+    ``masters``: read the weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's
+    ``optim/`` (None, the default: when present; True: required; False: the shards).
+
+    ``dtype``: ``source`` (the default) writes the dtype the model's HF config declares (see
+    :func:`export_dtype`), ``keep`` the shards' dtype, or a cast (``bf16``, ``fp16``, ``fp32``).
+    The tokenizer and generation files kept in the source's ``hf/`` come along; ``tokenizer`` (a
+    directory) replaces them. An export that would have no tokenizer warns.
+    """
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
                                                         check=options.check)
     with ckpt:
+        if masters is not False and ckpt.use_masters(required=bool(masters)):
+            notes.append(f"weights from the fp32 master weights in {ckpt.root}/optim/ (nxdtrain, a bf16 run), "
+                         "not the shards' bf16 copy; --no-masters exports the shards")
+        dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
             note(line, quiet=options.quiet)
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(sorted(ckpt.files.values())))
+                                   _identity(sorted(ckpt.files.values())), _tokenizer_identity(tokenizer),
+                                   ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
-        copies = _kept_hf_files(ckpt.root, notes, into="", skip=CONFIG)
+        copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
+        if not has_tokenizer([target for _, target in copies]):
+            message = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
+                       "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
+                       "adds one")
+            warnings.warn(message, stacklevel=2)
+            notes.append(message)
         spec_ = FinalizeSpec(
             fingerprint,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
@@ -272,12 +346,13 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(sorted(ckpt.files.values())))
-        copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
+        hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
+                                                      _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
         spec_ = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=spec.config, layout=new.to_json(), flavour=target_flavour.value,
+            metadata=dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            copies=copies,
+            texts=texts, copies=copies,
         )
         result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
                           sources=[Path(src), ckpt.root])
@@ -374,6 +449,19 @@ def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
                 else "files of an unfinished conversion" if ours else f"files ckptconv did not write ({strangers[0]!r})")
         raise ConversionError(f"{out}: not empty; holds {what}; choose another OUT")
     outdir.remove_owned(out)  # only ours: listed in ckptconv.json or declared in the temporary directory
+
+
+def _config_as_written(config: dict[str, Any], dtype: str, plan: Plan, copies: list[tuple[str, str]]
+                       ) -> tuple[dict[str, Any], list[tuple[str, str]], dict[str, str]]:
+    """(HF config to record, side-file copies, texts) of a converted checkpoint: after a deliberate
+    ``--dtype`` cast the written dtype becomes the model's, in ckptconv.json and in the kept
+    ``hf/config.json`` (so ``to-hf --dtype source`` keeps it); otherwise all as they were."""
+    name = _dtype_name(plan)
+    if dtype == "keep" or "," in name:
+        return config, copies, {}
+    config = {**config, "torch_dtype": name, "dtype": name}
+    kept = f"{HF_FILES_DIR}/{CONFIG}"
+    return config, [c for c in copies if c[1] != kept], {kept: config_text(config, plan.files[0].tensors[0].dtype)}
 
 
 def _dtype_name(plan: Plan) -> str:

@@ -22,6 +22,7 @@ from ckptconv.compat import run_compat
 from ckptconv.errors import ConversionError
 from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
+from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.metadata import add_version_flag
 from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
 
@@ -62,6 +63,10 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
 
 DTYPE_HELP = "cast floating weights to this dtype (default keep; inv_freq keeps its precision)"
 JSON_HELP = "print the result as JSON on stdout"
+TOKENIZER_HELP = ("directory whose tokenizer files (tokenizer.json, tokenizer_config.json, ...) go with the "
+                  "output, replacing the source's (a single .pt/.bin source has none)")
+OVERRIDE_HELP = ("read the shards with the layout flags given even where they contradict the layout SRC's ckptconv.json "
+                 "records (refused without it); the notes say what was overridden")
 
 
 def _revision_flag(p: argparse.ArgumentParser) -> None:
@@ -115,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     p.add_argument("--verify", nargs="?", const=2, type=int, default=0, metavar="LAYERS",
                    help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
@@ -125,9 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     _layout_flags(p, defaults=False)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
+    p.add_argument("--dtype", choices=("source", *DTYPES), default="source",
+                   help="source (default): the dtype the source model had (its config.json), else the shards'; "
+                        "keep: the shards' dtype; or cast floating weights to bf16/fp16/fp32")
     p.add_argument("--kv-replicas", choices=("error", "first", "mean"), default="error",
-                   help="when copies of a K/V head (or norm) differ: fail (default), keep the first, or average")
+                   help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
+                        "fail (default), keep the first, or average")
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
+    p.add_argument("--masters", action=argparse.BooleanOptionalAction, default=None,
+                   help="weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's optim/ "
+                        "(default: when present; --no-masters: the shards' bf16 copy)")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -142,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
-                   help="when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+                   help="when copies of a K/V head (or norm) drifted apart: fail (default) or keep the first")
+    p.add_argument("--source-hw-backend", choices=("trn1", "trn2"), default=None,
+                   help="the hardware SRC was written for, where it has no ckptconv.json and its K/V replicas "
+                        "cannot tell (tiled: trn1, or trn2 by the official converter)")
+    p.add_argument("--source-trn2-kv-layout", choices=("runtime", "official"), default=None,
+                   help="with --source-hw-backend trn2: SRC's K/V replica order")
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -199,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(p)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in ("to-hf", "verify", "nxd-compat", "to-dcp", "reshard"):  # flags that describe an NxD source
+        sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
     for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
         sub.choices[name].add_argument(
             "--no-check", action="store_true",
@@ -216,9 +236,10 @@ def _flavour(value: str | None) -> str:
     return {None: "plain", "plain": "plain", "inline": "xser-inline", "split": "xser-split"}[value]
 
 
-def _hints(args: argparse.Namespace) -> dict[str, Any]:
-    return {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
-            "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout}
+def _hints(args: argparse.Namespace) -> LayoutHints:
+    return LayoutHints({"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
+                        "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout},
+                       override=args.override_recorded_layout)
 
 
 def run(args: argparse.Namespace) -> Any:
@@ -231,7 +252,7 @@ def run(args: argparse.Namespace) -> Any:
             attention=attention, fuse_qkv=bool(args.fuse_qkv),
             hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
             flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
-            revision=args.revision, options=options,
+            revision=args.revision, tokenizer=args.tokenizer, options=options,
         )
     if args.command == "to-hf":
         if args.private and not args.push_to_hub:
@@ -240,7 +261,8 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.api import to_hf
 
         result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
-                       dtype=args.dtype, kv_replicas=args.kv_replicas, options=options)
+                       dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
+                       masters=args.masters, options=options)
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         kept, options = _attention(args), _options(args)  # None: the source's attention mode
@@ -251,6 +273,8 @@ def run(args: argparse.Namespace) -> Any:
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
+            hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
+                              override=args.override_recorded_layout, style="reshard"),
         )
     if args.command == "to-dcp":
         hints, options = _hints(args), _options(args)

@@ -4,7 +4,9 @@ Differences from the official tool, on purpose: booleans are read as written (``
 False`` is False, where the official parser's ``bool(str)`` makes it True); fused QKV is split
 by head counts, not in thirds; ``tp < kv heads`` works; trn2 with ``kv_size_multiplier > 1``
 gets the runtime-correct K/V layout unless ``--trn2_kv_layout official``; a tied model's shards
-get a copy of the embedding as ``lm_head.weight`` (the official tool writes none; both are read).
+get a copy of the embedding as ``lm_head.weight`` (the official tool writes none; both are read);
+when merging, the layout ``ckptconv.json`` records wins over the official defaults (``--hw_backend``
+defaults to trn1 only when sharding), and a flag given that contradicts it is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ckptconv.errors import ConversionError
 from ckptconv.layout import Attention
+from ckptconv.layout_flags import LayoutHints
 from ckptconv.options import RunOptions
 
 if TYPE_CHECKING:
@@ -53,8 +56,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input_dir", required=True, help="a state-dict file (from_full_state) or the model/ dir")
     parser.add_argument("--output_dir", required=True, help="output directory (shards under model/, or checkpoint.pt)")
     parser.add_argument("--config", required=True, help="HF config.json")
-    parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--pp_size", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    # Layout defaults are None: 1/trn1 when sharding; when merging, what ckptconv.json records (or the shards show)
+    # wins, and only a flag actually given is checked against it.
+    parser.add_argument("--tp_size", type=int, default=None, help="tensor-parallel degree (default 1 when sharding)")
+    parser.add_argument("--pp_size", type=int, default=None, help="pipeline-parallel degree (default 1 when sharding)")
     # None: 1 when sharding; read from the shards when merging (the official merge needs neither).
     parser.add_argument("--virtual_pp_size", type=int, default=None,
                         help="virtual pipeline stages per pp rank (default 1 when sharding; read from the shards when merging)")
@@ -63,8 +68,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument(flag, type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL",
                             help=f"{what} (True/False as written; the flag alone means True)"
                             if flag != "--load_xser" else what)
-    parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default="trn1", help="head order (default trn1)")
-    parser.add_argument("--trn2_kv_layout", choices=("runtime", "official"), default="runtime",
+    parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default=None,
+                        help="head order (default trn1 when sharding; when merging, the recorded or observed one)")
+    parser.add_argument("--trn2_kv_layout", choices=("runtime", "official"), default=None,
                         help="ckptconv extension: K/V replica order on trn2 (default: what the runtime expects)")
     parser.add_argument("--n_layers", type=int, default=None, help="ignored (as in the official tool)")
     parser.add_argument("--model_style", choices=("hf", "megatron"), default="hf",
@@ -87,16 +93,17 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
         from ckptconv.api import to_nxd
 
         return to_nxd(
-            args.input_dir, args.output_dir, tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size or 1,
+            args.input_dir, args.output_dir, tp=args.tp_size or 1, pp=args.pp_size or 1, vpp=args.virtual_pp_size or 1,
             kv_size_multiplier=args.kv_size_multiplier or 1, attention=attention, fuse_qkv=args.fuse_qkv,
-            hw_backend=args.hw_backend, trn2_kv_layout=args.trn2_kv_layout,
+            hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
             flavour="xser-inline" if args.save_xser else "plain", config=args.config, options=options,
         )
     # The official merge reads coalesced and fused keys by their names; so do we (flags only add facts).
     explicit = args.qkv_linear or args.coalesce_qkv
-    hints = dict(tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size, kvm=args.kv_size_multiplier,
-                 attention=attention if explicit else None, fuse_qkv=args.fuse_qkv or None, hw=args.hw_backend,
-                 trn2_kv_layout=args.trn2_kv_layout)
+    hints = LayoutHints(dict(tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size, kvm=args.kv_size_multiplier,
+                             attention=attention if explicit else None, fuse_qkv=args.fuse_qkv or None,
+                             hw=args.hw_backend, trn2_kv_layout=args.trn2_kv_layout),
+                        override=args.override_recorded_layout, style="compat")
     return to_full_state(args.input_dir, args.output_dir, config=args.config, hints=hints, options=options)
 
 

@@ -10,6 +10,10 @@ class ConversionError(ValueError):
     """Bad input or an impossible request: the message names the file, key or flag and the fix."""
 
 
+class AmbiguousLayout(ConversionError):
+    """Shards without a record that fit more than one layout (trn1 and the official trn2): flags must decide."""
+
+
 class VerificationError(ConversionError):
     """A check on data failed (replicas differ, hashes mismatch, numerics out of tolerance)."""
 

@@ -451,7 +451,9 @@ def _check_replicas(groups: list[ReplicaGroup], reader: TensorReader, policy: st
                     f"replicas of {group.hf_key}[{group.start}:{group.stop}] differ: "
                     f"{copy.source.file}:{copy.source.key} vs {group.copies[0].source.file}:"
                     f"{group.copies[0].source.key}, max abs difference {diff:.3g}; "
-                    f"pass --kv-replicas first or mean to export the first copy or their mean"
+                    "the K/V replica order was checked against the layout when the shards were opened, so "
+                    "these copies drifted apart (e.g. trained without keeping replicas in sync): pass "
+                    "--kv-replicas first or mean to export the first copy or their mean"
                 )
 
 

@@ -2,7 +2,9 @@
 
 tp and pp come from file names, the attention mode from key names, kvm from the K/V rows per
 rank, vpp from which layers each pp rank holds, and trn1 vs trn2 from which ranks hold equal
-K/V replicas. Every inference is reported as a note so the user sees what was assumed.
+K/V replicas (tiled replicas fit both trn1 and the official converter's trn2, so they are refused
+unless ``--hw-backend`` says which). Every inference is reported as a note so the user sees what
+was assumed.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from dataclasses import replace
 
 import torch
 
-from ckptconv.errors import ConversionError
+from ckptconv.errors import AmbiguousLayout, ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
+from ckptconv.layout_flags import LayoutHints
+from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: dict[str, object]) -> tuple[ParallelLayout, list[str]]:
-    """The layout of ``ckpt``; ``hints`` (flag values the user gave) win over inference."""
+def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: LayoutHints) -> tuple[ParallelLayout, list[str]]:
+    """The layout of ``ckpt``; ``hints`` (flag values the user gave) win over inference, except where
+    the K/V replica order contradicts them (then they are refused)."""
     notes: list[str] = []
     keys = ckpt.keys(sorted(ckpt.files)[0])
     attention, fused = _attention_mode(keys)
@@ -37,11 +42,10 @@ def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: dict[str, object])
         kvm = _infer_kvm(ckpt, spec, layout)
         layout = replace(layout, kvm=kvm)
         notes.append(f"kv_size_multiplier {kvm} from K/V rows per rank")
-        if "hw" not in hints and kvm > 1:
-            hw, kv_layout, note = _infer_hw(ckpt, spec, layout)
-            layout = replace(layout, hw=hw, trn2_kv_layout=kv_layout)
+        if replicas_tell_layout(spec, layout):
+            layout, note = _infer_hw(ckpt, spec, layout, hints)
             notes.append(note)
-    overrides = {k: v for k, v in hints.items() if v is not None}
+    overrides = hints.given()
     if overrides:
         layout = replace(layout, **overrides)  # type: ignore[arg-type]
         notes.append("given on the command line: " + ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in overrides.items()))
@@ -123,19 +127,88 @@ def _k_rows(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, tp_ran
     return ckpt.read_rows(Source(file, prefix + "weight_k"), 0, spec.head_dim)
 
 
-def _infer_hw(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout) -> tuple[Hardware, Trn2KvLayout, str]:
-    """Adjacent equal replicas mean trn2 (runtime layout); tiled ones mean trn1 (or official trn2)."""
-    k0 = _k_rows(ckpt, spec, layout, 0)
-    if torch.equal(k0, _k_rows(ckpt, spec, layout, 1)):
-        return Hardware.TRN2, Trn2KvLayout.RUNTIME, "trn2 from K/V replicas on adjacent ranks"
-    if torch.equal(k0, _k_rows(ckpt, spec, layout, spec.kv_heads)):
-        return (
-            Hardware.TRN1,
-            Trn2KvLayout.RUNTIME,
-            "trn1 from tiled K/V replicas (the official trn2 layout looks the same: pass --hw-backend trn2 "
-            "--trn2-kv-layout official if that is what wrote these shards)",
+# The two K/V replica orders a qkv_linear shard set can have (docs/nxd-format.md §3)
+ADJACENT = "adjacent"  # K_(r div kvm): the trn2 runtime layout
+TILED = "tiled"        # K_(r mod kv): trn1, and trn2 as the official converter writes it
+
+
+def expected_order(layout: ParallelLayout) -> str:
+    return ADJACENT if layout.hw is Hardware.TRN2 and layout.trn2_kv_layout is Trn2KvLayout.RUNTIME else TILED
+
+
+def _describe_order(order: str) -> str:
+    return ("on adjacent ranks (the trn2 runtime layout)" if order == ADJACENT
+            else "tiled across ranks (trn1, or trn2 as the official converter writes it)")
+
+
+def replicas_tell_layout(spec: ModelSpec, layout: ParallelLayout) -> bool:
+    """Whether the K/V replica order depends on the hardware layout (kvm > 1 with several KV heads)."""
+    return layout.attention is Attention.QKV_LINEAR and layout.kvm > 1 and spec.kv_heads > 1
+
+
+def replica_orders(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout) -> set[str]:
+    """The replica orders the first layer's K heads fit, over every tp rank (empty: the copies differ)."""
+    heads = [_k_rows(ckpt, spec, layout, rank) for rank in range(layout.tp)]
+    orders = set()
+    if all(torch.equal(heads[r], heads[r - r % layout.kvm]) for r in range(layout.tp)):
+        orders.add(ADJACENT)
+    if all(torch.equal(heads[r], heads[r % spec.kv_heads]) for r in range(layout.tp)):
+        orders.add(TILED)
+    return orders
+
+
+def check_replica_order(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, where: str) -> None:
+    """Refuse a layout whose K/V replica order the shards contradict (the other order fits instead):
+    exporting with it would pair query heads with the wrong K/V heads."""
+    if not replicas_tell_layout(spec, layout):
+        return
+    expected = expected_order(layout)
+    orders = replica_orders(ckpt, spec, layout)
+    if expected not in orders and orders:
+        raise ConversionError(
+            f"{ckpt.model_dir}: the K/V replicas sit {_describe_order(next(iter(orders)))}, but the layout "
+            f"({where}: hw {layout.hw.value}, trn2_kv_layout {layout.trn2_kv_layout.value}) puts them "
+            f"{_describe_order(expected)}; the layout flags are wrong (--hw-backend, --trn2-kv-layout), "
+            "not the weights"
         )
-    raise ConversionError(
-        "cannot infer trn1/trn2: K/V replicas on ranks 0, 1 and "
-        f"{spec.kv_heads} all differ; pass --hw-backend (trained replicas may have drifted)"
+
+
+def _infer_hw(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout,
+              hints: LayoutHints) -> tuple[ParallelLayout, str]:
+    """trn1 vs trn2 from the K/V replica order, checked against ``--hw-backend``/``--trn2-kv-layout`` when given.
+
+    Tiled replicas are what trn1 and the official converter's trn2 both write; the two differ only in
+    query-head order, which no weight shows, so without flags they are refused, never guessed.
+    """
+    orders = replica_orders(ckpt, spec, layout)
+    given = {k: hints[k] for k in ("hw", "trn2_kv_layout") if hints.get(k) is not None}
+    hw, kv_layout = hints.flag("hw"), hints.flag("trn2_kv_layout")
+    if given:
+        told = replace(layout, **given)  # type: ignore[arg-type]
+        expected = expected_order(told)
+        if orders and expected not in orders:
+            raise ConversionError(
+                f"{ckpt.model_dir}: the K/V replicas sit {_describe_order(next(iter(orders)))}, but "
+                + " ".join(f"{hints.flag(k)} {getattr(v, 'value', v)}" for k, v in given.items())
+                + f" puts them {_describe_order(expected)}; these layout flags are wrong, not the weights "
+                + (f"(pass {hw} trn2 alone)" if ADJACENT in orders else
+                   f"(pass {hw} trn1, or {hw} trn2 {kv_layout} official)")
+            )
+        how = "fits" if orders else "was given; the copies differ, so the export checks every one"
+        return told, f"K/V replica order {how} " + ", ".join(f"{hints.flag(k)} {getattr(v, 'value', v)}"
+                                                            for k, v in given.items())
+    if orders == {ADJACENT}:
+        return replace(layout, hw=Hardware.TRN2, trn2_kv_layout=Trn2KvLayout.RUNTIME), \
+            "trn2 from K/V replicas on adjacent ranks"
+    if orders == {TILED}:
+        raise AmbiguousLayout(
+            f"{ckpt.model_dir}: no {METADATA_FILE}, and the K/V replicas are tiled across ranks: written for trn1, "
+            f"or for trn2 by the official converter, which differ only in query-head order (no weight shows it); "
+            f"pass {hw} trn1, or {hw} trn2 {kv_layout} official"
+        )
+    what = "all K/V heads are equal, so their order tells nothing" if orders else \
+        f"the K/V replicas on the {layout.tp} tp ranks fit neither the tiled nor the adjacent order"
+    raise (AmbiguousLayout if orders else ConversionError)(
+        f"{ckpt.model_dir}: cannot infer trn1/trn2: {what}; pass {hw} trn1, {hw} trn2, "
+        f"or {hw} trn2 {kv_layout} official"
     )

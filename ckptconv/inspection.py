@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckptconv.errors import ConversionError, IntegrityError
+from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
@@ -68,7 +68,13 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str, Any]:
     from ckptconv.nxd_source import open_nxd
 
-    ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check)
+    try:
+        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check)
+        undecided = None
+    except AmbiguousLayout as exc:  # describe what is known; the layout's hardware stays open
+        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"})
+        undecided = str(exc)
+        notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:
         dtypes: Counter[str] = Counter()
         nbytes = 0
@@ -86,7 +92,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str
             "root": str(ckpt.root),
             "found_as": ckpt.found_as,
             "model": _model_summary(spec),
-            "layout": layout.to_json(),
+            "layout": {**layout.to_json(), **({"hw": "trn1|trn2-official", "trn2_kv_layout": None} if undecided else {})},
             "lm_head": _lm_head_form(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
             "flavour": ckpt.flavour.value,
             "shards": len(ckpt.files),

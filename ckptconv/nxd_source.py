@@ -17,6 +17,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import HF_FILES_DIR, ParallelLayout, shard_file
+from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
@@ -45,23 +46,40 @@ def open_nxd(
 ) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
+    ``hints`` are the layout flags the user gave (``None``: not given; a
+    :class:`ckptconv.layout_flags.LayoutHints` also says how to name them and whether they may
+    override): what ``ckptconv.json`` records wins, and a given value that contradicts it is refused.
+
     With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
     sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
     trusting what was read.
     """
-    from ckptconv.infer import infer_layout
-
     ckpt = NxdCheckpoint(src, io=io, check=check)
+    try:
+        spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints))
+    except BaseException:
+        ckpt.close()  # refused: no file stays open
+        raise
+    return ckpt, spec, layout, with_inv_freq, notes
+
+
+def _understand(ckpt: NxdCheckpoint, config: str | Path | None,
+                hints: LayoutHints) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
+    from ckptconv.infer import check_replica_order, infer_layout
+
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
     meta = ckpt.metadata
-    hints = {k: v for k, v in (hints or {}).items() if v is not None}
     spec = model_spec_of(ckpt.root, meta, config,
                          missing=f"no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
     spec.check_counts((k for f in sorted(ckpt.files) for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
     if meta is not None and meta.layout is not None:
-        layout = ParallelLayout.from_json({**meta.layout, **hints})
+        where = str(ckpt.root / METADATA_FILE)
+        recorded, overridden = apply_to_record(meta.layout, hints, where)
+        layout = ParallelLayout.from_json(recorded)
         with_inv_freq = meta.with_inv_freq
         notes.append(f"layout from {METADATA_FILE}")
+        notes.extend(overridden)
+        check_replica_order(ckpt, spec, layout, f"{where} and {OVERRIDE_FLAG}" if overridden else where)
     else:
         layout, inferred = infer_layout(ckpt, spec, hints)
         with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
@@ -71,7 +89,7 @@ def open_nxd(
             f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
         )
     check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None)
-    return ckpt, spec, layout, with_inv_freq, notes
+    return spec, layout, with_inv_freq, notes
 
 
 def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> str:

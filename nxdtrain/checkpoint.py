@@ -273,7 +273,9 @@ def check_optimizer_layout(source: ResumeSource, state: TrainingState, *, zero1:
     """Refuse, before any process starts, a resume whose ZeRO-1 optimizer partition does not fit this run.
 
     ZeRO-1 state is one file per data-parallel rank: it can only be loaded with ``--zero1`` over the same
-    number of dp ranks. Without ZeRO-1 the one copy (dp rank 0's) fits any dp.
+    number of dp ranks. Without ZeRO-1 the one copy (dp rank 0's) fits any dp. With context parallelism ZeRO-1
+    shards over dp x cp and ``dp`` is that product (the files' dp index is the dp x cp one): a dp 1 x cp 2 state
+    loads at dp 2 x cp 1 and back.
     """
     saved_dp = 0  # ZeRO-1 partitions saved: dp ranks 0, 1, ... of the first stage's first tp rank
     while optim_file(source.root, tp_rank=0, pp_rank=0, dp_rank=saved_dp).is_file():
@@ -328,12 +330,13 @@ class TagWriter:
     source: ResumeSource
     layout: ParallelLayout
     coords: Any                  # dist.Coords of this rank
-    zero1: bool
+    zero1: bool                  # with zero_rank: this rank's ZeRO-1 shard (its index in the dp x cp group)
     flavour: Flavour
     keep: int
     options: dict[str, Any]
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.continuity)
     host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
+    zero_rank: int = 0
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None) -> Path:
@@ -341,14 +344,16 @@ class TagWriter:
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier(group=self.host_group)
-        tp, dp, pp = self.coords
+        tp, pp = self.coords.tp, self.coords.pp
+        # The ranks of one (tp, pp) hold the same shard: the first of its dp x cp replicas writes it, as at cp 1.
+        first = self.coords.dp == 0 and self.coords.cp == 0
         written: list[Path] = []
-        if dp == 0:
+        if first:
             tensors, column_major = _shard_to_save(model)
             written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), tensors, self.flavour,
                                   column_major=column_major)
-        if dp == 0 or self.zero1:
-            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp if self.zero1 else 0)
+        if first or self.zero1:
+            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else 0)
             written.append(_save_torch(to_host(optimizer.state_dict()), path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()

@@ -39,8 +39,10 @@ def add_commands(sub: Any) -> None:
     steps.add_argument("--mbs", type=int, default=1, metavar="N", help="microbatch size in rows (default: 1)")
     steps.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree (default: 1)")
     steps.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline-parallel degree (default: 1)")
+    steps.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                       help="context-parallel degree (default: 1; its ranks read the same rows)")
     world = steps.add_mutually_exclusive_group()
-    world.add_argument("--nproc", type=int, metavar="N", help="world size (default: tp x pp, i.e. dp 1)")
+    world.add_argument("--nproc", type=int, metavar="N", help="world size (default: tp x pp x cp, i.e. dp 1)")
     world.add_argument("--nodes", type=int, metavar="K", help="nodes (world = K x --cores-per-node)")
     steps.add_argument("--cores-per-node", type=int, metavar="C",
                        help="processes per node (NeuronCores or GPUs); with --nodes")
@@ -71,7 +73,7 @@ def _pack(args: argparse.Namespace) -> int:
 
 
 def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1, world: int | None = None,
-                 seq_len: int | None = None, epochs: int = 1, warmup: float = 0.0,
+                 seq_len: int | None = None, epochs: int = 1, warmup: float = 0.0, cp: int = 1,
                  long_rows: str = "cut") -> dict[str, Any]:
     """Everything ``nxdtrain steps`` prints; the numbers come from the functions ``run`` uses."""
     from nxdtrain.config import OptimConfig
@@ -80,7 +82,8 @@ def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1,
     from nxdtrain.epochs import data_parallel, run_length
 
     OptimConfig(warmup=warmup)  # the same check (and message) as run's --warmup
-    for flag, value in (("--gbs", gbs), ("--mbs", mbs), ("--tp", tp), ("--pp", pp), ("--epochs", epochs)):
+    for flag, value in (("--gbs", gbs), ("--mbs", mbs), ("--tp", tp), ("--pp", pp), ("--context-parallel", cp),
+                        ("--epochs", epochs)):
         if value < 1:
             raise TrainError(f"{flag} must be an integer >= 1, got {value}")
     if data == "synthetic":
@@ -91,11 +94,11 @@ def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1,
     checked = check_rows(rows, seq_len=seq, long_rows=long_rows)  # what run checks before its first process
     rows = checked.rows
     assert rows.size is not None
-    world = world or tp * pp
-    dp, microbatches = data_parallel(world=world, tp=tp, pp=pp, gbs=gbs, mbs=mbs)
+    world = world or tp * pp * cp
+    dp, microbatches = data_parallel(world=world, tp=tp, pp=pp, gbs=gbs, mbs=mbs, cp=cp)
     length = run_length(rows=rows.size, gbs=gbs, epochs=epochs, warmup=warmup)
     return {"data": data, "rows": rows.size, "seq_len": seq, "tokens": rows.size * seq, "world": world, "tp": tp,
-            "pp": pp, "dp": dp, "gbs": gbs, "mbs": mbs, "microbatches": microbatches,
+            "pp": pp, "cp": cp, "dp": dp, "gbs": gbs, "mbs": mbs, "microbatches": microbatches,
             "steps_per_epoch": length.steps_per_epoch, "rows_dropped_per_epoch": length.dropped_per_epoch,
             "epochs": epochs, "steps": length.steps, "warmup": length.warmup,
             "tokens_trained": length.steps * gbs * seq, "rows_checked": checked.checked,
@@ -116,14 +119,16 @@ def _steps(args: argparse.Namespace) -> int:
         raise TrainError("--nodes and --cores-per-node go together (world = nodes x cores per node)")
     world = args.nproc if args.nodes is None else args.nodes * args.cores_per_node
     report = steps_report(data=args.data, gbs=args.gbs, mbs=args.mbs, tp=args.tp, pp=args.pp, world=world,
-                          seq_len=args.seq_len, epochs=args.epochs, warmup=args.warmup, long_rows=args.long_rows)
+                          seq_len=args.seq_len, epochs=args.epochs, warmup=args.warmup, cp=args.context_parallel,
+                          long_rows=args.long_rows)
     if args.json:
         print(json.dumps(report))
         return 0
     from ckptconv.report import key_values
 
     key_values([(label, f"{report[key]:,}") for key, label in STEPS_LABELS.items()], right=True,
-               title=f"{report['data']}: gbs {report['gbs']}, mbs {report['mbs']}, tp {report['tp']} x pp {report['pp']}")
+               title=f"{report['data']}: gbs {report['gbs']}, mbs {report['mbs']}, tp {report['tp']} x pp {report['pp']}"
+                     + (f" x cp {report['cp']}" if report["cp"] > 1 else ""))
     return 0
 
 

@@ -49,7 +49,7 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the model is split: tp x pp (must match the shards) and dp = world / (tp·pp)."""
+    """How the model is split: tp x pp (must match the shards), context parallel, and dp = world / (tp·pp·cp)."""
 
     tp: int = option(1, "tensor-parallel degree (must equal the shards' tp)")
     pp: int = option(1, "pipeline-parallel degree (must equal the shards' pp)")
@@ -64,10 +64,20 @@ class ParallelConfig:
     activation_checkpointing: str = option("none", "recompute activations in the backward: the attention core "
                                                    "(selective) or each decoder layer (full)", choices=RECOMPUTE,
                                            aliases=("--activations-checkpoint-granularity",))
+    context_parallel: int = option(1, "split every row's sequence over this many ranks (zigzag chunks, ring "
+                                      "attention); needs --seq-len divisible by 2 x N", aliases=("--context-parallel-size",))
+    ring_attention: bool = option(True, "attention across context-parallel ranks is ring attention (NxDT's "
+                                        "model.fusions.ring_attention); nxdtrain has no other, so --context-parallel "
+                                        "> 1 needs it")
 
     def __post_init__(self) -> None:
         _check(_is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
         _check(_is_int(self.pp) and self.pp >= 1, f"--pp must be an integer >= 1, got {self.pp!r}")
+        _check(_is_int(self.context_parallel) and self.context_parallel >= 1,
+               f"--context-parallel must be an integer >= 1, got {self.context_parallel!r}")
+        _check(self.ring_attention or self.context_parallel == 1,
+               f"--context-parallel {self.context_parallel} needs ring attention (model.fusions.ring_attention: true), "
+               "the only context-parallel attention nxdtrain has; drop --no-ring-attention or use --context-parallel 1")
         _check(self.kv_replicator is None or (_is_int(self.kv_replicator) and self.kv_replicator >= 1),
                f"--kv-replicator must be an integer >= 1, got {self.kv_replicator!r}")
         _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
@@ -233,7 +243,7 @@ class TrainConfig:
         _choice("--device", self.device, DEVICES)
         _check(_is_int(self.log_every) and self.log_every >= 1, f"--log-every must be an integer >= 1, got {self.log_every!r}")
         if self.device == "xla":
-            why = xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer)
+            why = xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer, cp=self.parallel.context_parallel)
             _check(why is None, str(why))
         ckpt = self.checkpoint
         _check(not (self.export_hf and not ckpt.checkpoint_dir),

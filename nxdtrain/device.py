@@ -31,8 +31,13 @@ DEVICES = ("auto", "cpu", "cuda", "xla")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
 
 
-def xla_limits(*, pp: int, optimizer: str) -> str | None:
+def xla_limits(*, pp: int, optimizer: str, cp: int = 1) -> str | None:
     """Why a run cannot use ``--device xla`` (one line), or None; needs no torch_xla, so flags fail early."""
+    if cp > 1:
+        return (f"--context-parallel {cp} with --device xla: ring attention passes K/V blocks between ranks with "
+                "point-to-point send/recv (batch_isend_irecv), which nxdtrain cannot run or test multi-process under "
+                "torch-xla 2.9 (XLA:CPU has no multi-process runtime); use --context-parallel 1 (--sequence-parallel "
+                "splits activations over tp), or train with --context-parallel on --device cpu/cuda")
     if pp > 1:
         return (f"--pp {pp} with --device xla: torch.distributed.pipelining sends activations with point-to-point "
                 "send/recv, which torch-xla's 'xla' process-group backend runs as one compiled graph and host sync "

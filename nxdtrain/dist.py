@@ -1,12 +1,23 @@
 """Processes and process groups: who am I, who are my tp/pp/dp peers, and how the world starts.
 
-NxD's rank order: ``rank = pp_rank·(dp·tp) + dp_rank·tp + tp_rank`` (tp fastest, pp slowest), so
-the tp ranks of one stage are adjacent (one node) and pipeline stages span nodes.
+NxD's rank order (``parallel_state.initialize_model_parallel`` reshapes ``arange(world)`` to
+``[pp, dp, cp, tp]``): ``rank = pp_rank·(dp·cp·tp) + dp_rank·(cp·tp) + cp_rank·tp + tp_rank`` (tp
+fastest, then context parallel, then dp, pp slowest), so the tp ranks of one stage are adjacent (one
+node) and pipeline stages span nodes. With cp 1 this is ``pp_rank·(dp·tp) + dp_rank·tp + tp_rank``.
 
     >>> coords(5, tp=2, dp=2, pp=2)
-    Coords(tp=1, dp=0, pp=1)
+    Coords(tp=1, dp=0, pp=1, cp=0)
     >>> group_ranks("dp", tp=2, dp=2, pp=2)
     [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+tp 8, cp 2, dp 2 (32 ranks): the cp groups pair ranks one tp group apart, the dp groups two:
+
+    >>> group_ranks("cp", tp=8, dp=2, pp=1, cp=2)[:3]
+    [[0, 8], [1, 9], [2, 10]]
+    >>> group_ranks("dp", tp=8, dp=2, pp=1, cp=2)[:2]
+    [[0, 16], [1, 17]]
+    >>> coords(25, tp=8, dp=2, pp=1, cp=2)
+    Coords(tp=1, dp=1, pp=0, cp=1)
     >>> first_slurm_host("gpu-[017-020,031],cpu7")
     'gpu-017'
 """
@@ -36,29 +47,35 @@ class Coords(NamedTuple):
     tp: int
     dp: int
     pp: int
+    cp: int = 0  # context-parallel rank (last: a cp-1 world's coordinates read as before)
 
 
-def rank_of(c: Coords, *, tp: int, dp: int) -> int:
+def rank_of(c: Coords, *, tp: int, dp: int, cp: int = 1) -> int:
     """Global rank of coordinates (NxD order)."""
-    return c.pp * dp * tp + c.dp * tp + c.tp
+    return ((c.pp * dp + c.dp) * cp + c.cp) * tp + c.tp
 
 
-def coords(rank: int, *, tp: int, dp: int, pp: int) -> Coords:
-    """(tp, dp, pp) coordinates of a global rank (NxD order)."""
-    assert 0 <= rank < tp * dp * pp, (rank, tp, dp, pp)
-    return Coords(rank % tp, (rank // tp) % dp, rank // (tp * dp))
+def coords(rank: int, *, tp: int, dp: int, pp: int, cp: int = 1) -> Coords:
+    """(tp, dp, pp, cp) coordinates of a global rank (NxD order)."""
+    assert 0 <= rank < tp * dp * pp * cp, (rank, tp, dp, pp, cp)
+    return Coords(rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp), (rank // tp) % cp)
 
 
-def group_ranks(kind: str, *, tp: int, dp: int, pp: int) -> list[list[int]]:
+GROUP_KINDS = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "mp": ("tp", "pp"), "dpcp": ("dp", "cp")}
+
+
+def group_ranks(kind: str, *, tp: int, dp: int, pp: int, cp: int = 1) -> list[list[int]]:
     """All groups of one kind as lists of global ranks.
 
-    ``tp``/``dp``/``pp``: ranks that differ only in that coordinate; ``mp`` (model parallel): the
-    tp x pp ranks of one data-parallel replica, over which a gradient norm is summed.
+    ``tp``/``dp``/``pp``/``cp``: ranks that differ only in that coordinate; ``mp`` (model parallel): the
+    tp x pp ranks of one data-parallel (and context-parallel) replica, over which a gradient norm is
+    summed; ``dpcp``: the dp x cp ranks holding the same shard (gradients are summed and ZeRO-1 shards
+    over them, dp-major as NxD's zero1 sharding groups).
     """
-    varying = {"tp": ("tp",), "dp": ("dp",), "pp": ("pp",), "mp": ("tp", "pp")}[kind]
+    varying = GROUP_KINDS[kind]
     groups: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(tp * dp * pp):
-        c = coords(rank, tp=tp, dp=dp, pp=pp)
+    for rank in range(tp * dp * pp * cp):
+        c = coords(rank, tp=tp, dp=dp, pp=pp, cp=cp)
         fixed = tuple(getattr(c, name) for name in Coords._fields if name not in varying)
         groups.setdefault(fixed, []).append(rank)
     return list(groups.values())
@@ -161,32 +178,41 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
 
 
 class Mesh:
-    """This rank's coordinates and process groups for a tp x dp x pp world.
+    """This rank's coordinates and process groups for a tp x cp x dp x pp world.
 
     Every rank creates every group in the same order (``new_group`` is collective), and keeps
     the one it belongs to. A group of one rank is kept as ``None``: collectives over it are no-ops.
     """
 
-    def __init__(self, *, tp: int, pp: int, timeout_s: float) -> None:
+    def __init__(self, *, tp: int, pp: int, timeout_s: float, cp: int = 1) -> None:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world % (tp * pp):
-            raise TrainError(f"world size {world} is not a multiple of --tp {tp} x --pp {pp}")
-        self.tp, self.pp, self.dp = tp, pp, world // (tp * pp)
+        if world % (tp * pp * cp):
+            raise TrainError(f"world size {world} is not a multiple of --tp {tp} x --pp {pp} x --context-parallel {cp}")
+        self.tp, self.pp, self.cp, self.dp = tp, pp, cp, world // (tp * pp * cp)
         self.rank, self.world = rank, world
-        self.coords = coords(rank, tp=tp, dp=self.dp, pp=pp)
+        self.coords = coords(rank, tp=tp, dp=self.dp, pp=pp, cp=cp)
         self._timeout = timedelta(seconds=timeout_s)
         self.xla = dist.get_backend() == "xla"
         # Barriers and object gathers (checkpoint bookkeeping) on the host: the xla backend's barrier
         # returns at once and it gathers no Python objects.
         self.host_group = dist.new_group(backend="gloo", timeout=self._timeout) if self.xla else None
-        sizes = {"tp": tp, "dp": self.dp, "pp": pp}
+        sizes = {"tp": tp, "dp": self.dp, "pp": pp, "cp": cp}
         self.tp_group = self._mine(group_ranks("tp", **sizes))
         self.dp_group = self._mine(group_ranks("dp", **sizes))
         self.mp_group = self._mine(group_ranks("mp", **sizes))
         # The pipeline always gets a real group: torch.distributed.pipelining addresses peers through it.
         self.pp_group = self._mine(group_ranks("pp", **sizes), keep_single=True)
+        # Created only with cp > 1, so a cp-1 world makes exactly the groups it made before.
+        self.cp_ranks = next(r for r in group_ranks("cp", **sizes) if rank in r)  # this rank's ring, in cp order
+        self.cp_group = self._mine(group_ranks("cp", **sizes)) if cp > 1 else None
+        self.dpcp_group = self._mine(group_ranks("dpcp", **sizes)) if cp > 1 else self.dp_group
+
+    @property
+    def dpcp_rank(self) -> int:
+        """This rank's index in the dp x cp group (dp-major): its ZeRO-1 shard."""
+        return self.coords.dp * self.cp + self.coords.cp
 
     def _mine(self, groups: Sequence[Sequence[int]], *, keep_single: bool = False) -> Any:
         import torch.distributed as dist
@@ -204,19 +230,19 @@ class Mesh:
 
     def tp_subgroups(self, partition: Sequence[Sequence[int]]) -> Any:
         """Groups of tp ranks (e.g. the replicas of one K/V head) inside every tp group; this rank's one."""
-        sizes = {"tp": self.tp, "dp": self.dp}
+        sizes = {"tp": self.tp, "dp": self.dp, "cp": self.cp}
         groups = [
-            [rank_of(Coords(t, dp, pp), **sizes) for t in part]
-            for pp in range(self.pp) for dp in range(self.dp) for part in partition
+            [rank_of(Coords(t, dp, pp, c), **sizes) for t in part]
+            for pp in range(self.pp) for dp in range(self.dp) for c in range(self.cp) for part in partition
         ]
         return self._mine(groups)
 
     def first_last_stage_group(self) -> Any:
         """The first and last pipeline ranks of each (tp, dp): where a tied embedding lives twice."""
-        sizes = {"tp": self.tp, "dp": self.dp}
+        sizes = {"tp": self.tp, "dp": self.dp, "cp": self.cp}
         groups = [
-            [rank_of(Coords(t, dp, 0), **sizes), rank_of(Coords(t, dp, self.pp - 1), **sizes)]
-            for dp in range(self.dp) for t in range(self.tp)
+            [rank_of(Coords(t, dp, 0, c), **sizes), rank_of(Coords(t, dp, self.pp - 1, c), **sizes)]
+            for dp in range(self.dp) for c in range(self.cp) for t in range(self.tp)
         ]
         return self._mine(groups) if self.pp > 1 else None
 
@@ -229,7 +255,8 @@ class Mesh:
         return self.coords.pp == self.pp - 1
 
     def describe(self) -> str:
-        return f"world {self.world} = tp {self.tp} x pp {self.pp} x dp {self.dp}"
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return f"world {self.world} = tp {self.tp} x pp {self.pp} x dp {self.dp}{cp}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -65,11 +65,14 @@ def run_length(*, rows: int | None, gbs: int, epochs: int | None = None, steps: 
     return RunLength(rows, gbs, epochs, per_epoch, dropped, total, warmup_steps(warmup, total))
 
 
-def data_parallel(*, world: int, tp: int, pp: int, gbs: int, mbs: int) -> tuple[int, int]:
-    """(dp, microbatches per dp rank) of a world; the batch arithmetic ``run`` and ``steps`` share."""
-    if world % (tp * pp):
-        raise TrainError(f"world size {world} (--nproc or the launcher's) is not a multiple of --tp {tp} x --pp {pp}")
-    dp = world // (tp * pp)
+def data_parallel(*, world: int, tp: int, pp: int, gbs: int, mbs: int, cp: int = 1) -> tuple[int, int]:
+    """(dp, microbatches per dp rank) of a world; the batch arithmetic ``run`` and ``steps`` share.
+
+    The cp ranks of a data-parallel replica read the same rows (each keeps its chunks of them)."""
+    if world % (tp * pp * cp):
+        what = f"--tp {tp} x --pp {pp}" + (f" x --context-parallel {cp}" if cp > 1 else "")
+        raise TrainError(f"world size {world} (--nproc or the launcher's) is not a multiple of {what}")
+    dp = world // (tp * pp * cp)
     if gbs % (mbs * dp):
         raise TrainError(f"--gbs {gbs} must be a multiple of --mbs {mbs} x data-parallel size {dp}")
     return dp, gbs // (mbs * dp)

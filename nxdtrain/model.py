@@ -30,6 +30,7 @@ from ckptconv.layout import Attention as AttentionMode
 from ckptconv.layout import ParallelLayout, layer_pp_ranks
 from ckptconv.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
 from ckptconv.model_spec import ModelSpec
+from nxdtrain.context_parallel import CpGroup, zigzag_positions
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel import (
     ColumnParallelLinear,
@@ -41,6 +42,7 @@ from nxdtrain.parallel import (
 )
 from nxdtrain.recompute import MODES as RECOMPUTE_MODES
 from nxdtrain.recompute import maybe_checkpoint
+from nxdtrain.ring_attention import ring_attention
 from nxdtrain.rope import apply_rope, cos_sin, inv_freq
 
 
@@ -96,8 +98,9 @@ class SelfAttention(nn.Module):
     kv_index: torch.Tensor
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads,
-                 *, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None) -> None:
+                 *, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None, cp: CpGroup | None = None) -> None:
         super().__init__()
+        self.cp = cp or CpGroup()
         hd, hidden = spec.head_dim, spec.hidden
         n, m = len(heads.q), len(heads.kv)
         self.shape = (n, m, hd)
@@ -151,7 +154,9 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, n * hd))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QKᵀ)V: what selective checkpointing recomputes."""
+        """softmax(QKᵀ)V: what selective checkpointing recomputes (ring attention over the cp ranks)."""
+        if self.cp.size > 1:
+            return ring_attention(q, k, v, self.cp, scale=self.scaling, kv_index=self.kv_index if self.expand_kv else None)
         if self.expand_kv:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
@@ -182,9 +187,9 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads, *,
-                 eps: float, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None) -> None:
+                 eps: float, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None, cp: CpGroup) -> None:
         super().__init__()
-        self.self_attn = SelfAttention(spec, layout, tp, heads, dtype=dtype, carried_inv_freq=carried_inv_freq)
+        self.self_attn = SelfAttention(spec, layout, tp, heads, dtype=dtype, carried_inv_freq=carried_inv_freq, cp=cp)
         self.mlp = MLP(spec, tp, dtype=dtype)
         self.input_layernorm = RMSNorm(spec.hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden, eps, dtype)
@@ -218,15 +223,19 @@ class LlamaStage(nn.Module):
     Input: token ids (first stage) or hidden states; output: hidden states, or on the last stage
     this rank's vocabulary slice of the logits. Layers keep their global numbers. With
     ``tp.sequence_parallel`` the hidden states in and out are this tp rank's sequence slice
-    ``[batch, seq/tp, hidden]``; ``recompute`` is the activation checkpointing mode.
+    ``[batch, seq/tp, hidden]``; ``recompute`` is the activation checkpointing mode. With context
+    parallelism (``cp.size > 1``) the sequence is this cp rank's zigzag chunks
+    (:mod:`nxdtrain.context_parallel`): RoPE takes their global positions, attention is the ring.
     """
 
     rope_inv_freq: torch.Tensor
     lm_head: ColumnParallelLinear
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
-                 with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none") -> None:
+                 with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                 cp: CpGroup | None = None) -> None:
         super().__init__()
+        self.cp = cp = cp or CpGroup()
         assert recompute in RECOMPUTE_MODES, recompute
         self.recompute = recompute
         if layout.vpp != 1:
@@ -245,7 +254,7 @@ class LlamaStage(nn.Module):
         if self.is_first:
             self.model.embed_tokens = ParallelEmbedding(spec.vocab // tp.size, spec.hidden, tp, dtype=dtype)
         self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried)
+            str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried, cp=cp)
             for i in self.layer_ids
         })
         if self.is_last:
@@ -268,7 +277,8 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.is_first else x
         seq = h.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)  # h: this rank's slice with SP
-        cos, sin = cos_sin(self.rope_inv_freq, seq, h.dtype)
+        positions = zigzag_positions(seq * self.cp.size, self.cp, h.device) if self.cp.size > 1 else None
+        cos, sin = cos_sin(self.rope_inv_freq, seq, h.dtype, positions=positions)
         for layer in self.model.layers.values():
             h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin)
         if self.is_last:

@@ -10,7 +10,10 @@ summed over data-parallel ranks, and the reported loss is the same sum over micr
 At pp 1 the microbatches run in a plain loop (the same forward, loss and backward calls the
 schedules make, without their machinery); at pp > 1 the stage is given the shapes it sends and
 receives, so the first step runs no extra forward for shape inference. With sequence
-parallelism the hidden states passed between stages are each tp rank's sequence slice.
+parallelism the hidden states passed between stages are each tp rank's sequence slice. With
+context parallelism every cp rank gets the same rows and keeps its zigzag chunks of the ids and
+of the targets (shifted on the whole row first); its loss is its tokens' share of the same global
+sum, and the trainer sums losses and gradients over cp as over dp.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from nxdtrain.context_parallel import split_sequence
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel import vocab_parallel_cross_entropy
@@ -60,39 +64,46 @@ class PipelineStep:
                                                  ignore_index=IGNORE)
         return per_token.sum() / self.tokens
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This cp rank's ids and targets of whole rows (all of them without context parallelism)."""
+        cp = self.model.cp
+        return split_sequence(ids, cp), split_sequence(shifted_targets(ids), cp)
+
+    def run(self, rows: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all microbatches; the summed loss on the last stage, 0 elsewhere."""
+        ids, targets = self._inputs(rows)
         if self.schedule is None:
-            return self._run_one_stage(ids)
+            return self._run_one_stage(ids, targets)
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.is_first else ()
         # return_outputs (torch >= 2.10) keeps the last stage's logits out of the result; older torch has no such flag.
         kwargs: dict[str, Any] = {"return_outputs": False} if self._has_return_outputs else {}
         if self.model.is_last:
-            kwargs.update(target=shifted_targets(ids), losses=losses)
+            kwargs.update(target=targets, losses=losses)
         self.schedule.step(*args, **kwargs)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
-    def evaluate(self, ids: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, rows: torch.Tensor) -> torch.Tensor:
         """Forward only (call under ``torch.no_grad``): the summed loss of all microbatches on the last stage,
         0 elsewhere; the same loss definition as :meth:`run`."""
+        ids, all_targets = self._inputs(rows)
         if self.schedule is None:
-            targets = shifted_targets(ids).tensor_split(self.microbatches)
+            targets = all_targets.tensor_split(self.microbatches)
             chunks = ids.tensor_split(self.microbatches)
             return torch.stack([self._loss(self.model(c), t).float() for c, t in zip(chunks, targets, strict=True)]).sum()
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.is_first else ()
-        kwargs: dict[str, Any] = {"target": shifted_targets(ids), "losses": losses} if self.model.is_last else {}
+        kwargs: dict[str, Any] = {"target": all_targets, "losses": losses} if self.model.is_last else {}
         self.schedule.eval(*args, **kwargs)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
-    def _run_one_stage(self, ids: torch.Tensor) -> torch.Tensor:
+    def _run_one_stage(self, ids: torch.Tensor, all_targets: torch.Tensor) -> torch.Tensor:
         losses = []
-        targets = shifted_targets(ids).tensor_split(self.microbatches)
+        targets = all_targets.tensor_split(self.microbatches)
         for chunk, target in zip(ids.tensor_split(self.microbatches), targets, strict=True):
             loss = self._loss(self.model(chunk), target)
             loss.backward()
@@ -107,6 +118,7 @@ def stage_shapes(model: LlamaStage, *, mbs: int, seq_len: int) -> tuple[Shape, S
     """(input, output) shape and dtype of one microbatch through this stage (what the stages exchange)."""
     tp = model.tp
     dtype = next(model.parameters()).dtype
+    seq_len //= model.cp.size  # this cp rank's chunks
     local_seq = seq_len // tp.size if tp.sequence_parallel else seq_len
     hidden: Shape = ((mbs, local_seq, model.spec.hidden), dtype)
     inputs: Shape = ((mbs, seq_len), torch.long) if model.is_first else hidden

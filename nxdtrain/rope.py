@@ -61,10 +61,14 @@ def _llama3(inv: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def cos_sin(inv: torch.Tensor, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions ``0..seq_len-1``, shape ``(1, seq_len, head_dim)``, computed in fp32."""
-    positions = torch.arange(seq_len, device=inv.device)[None, :, None].float()
-    freqs = positions * inv.float()
+def cos_sin(inv: torch.Tensor, seq_len: int, dtype: torch.dtype,
+            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions ``0..seq_len-1`` (or the ``seq_len`` given ``positions``: a context-parallel
+    rank's global ones), shape ``(1, seq_len, head_dim)``, computed in fp32 (elementwise: a position's
+    values do not depend on which others are computed with it)."""
+    if positions is None:
+        positions = torch.arange(seq_len, device=inv.device)
+    freqs = positions[None, :, None].float() * inv.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -46,6 +46,8 @@ from nxdtrain.checkpoint import (
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
+from nxdtrain.context_parallel import CpGroup
+from nxdtrain.context_parallel import check_seq_len as check_cp_seq_len
 from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
 from nxdtrain.data_check import check_rows
@@ -112,7 +114,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise TrainError."""
     device = resolve_kind(config.device)
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
-        why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer)
+        why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer, cp=config.parallel.context_parallel)
         if why is None and config.nproc and config.nproc > 1:
             why = (f"--nproc {config.nproc} with --device xla: start XLA worlds with torchrun (PJRT ranks come from "
                    "it; see examples/neuron/), or use --device cpu")
@@ -125,8 +127,12 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     layout.check_model(source.spec)
     tp, pp = layout.tp, layout.pp
     data = config.data
-    dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs)
-    if config.parallel.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
+    par = config.parallel
+    cp = par.context_parallel
+    dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
+    if par.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
+        raise TrainError(reason)
+    if reason := check_cp_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
         raise TrainError(reason)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
@@ -142,7 +148,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
     if resume_state is not None:
-        check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp)
+        check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp * cp)
     run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
     record = run_record(config, epochs=epochs, run=str(run_id))
     if resume_state is not None:  # the schedule and data order the tag recorded, or a refusal
@@ -181,7 +187,8 @@ def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
     """Who sums which gradients with whom (see nxdtrain.grads); collective: every rank calls it."""
     spec, layout, tp_rank = plan.source.spec, plan.layout, mesh.coords.tp
-    out = GradPlan(dp_group=mesh.dp_group, mp_group=mesh.mp_group)
+    # Gradients are summed over dp x cp: the cp ranks of a replica each hold their chunks' share.
+    out = GradPlan(dp_group=mesh.dpcp_group, mp_group=mesh.mp_group)
     names = {id(p): n for n, p in model.named_parameters()}
     if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
         out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
@@ -212,19 +219,21 @@ class Trainer:
     def __init__(self, plan: RunPlan, device: Device) -> None:
         cfg, source = plan.config, plan.source
         self.plan, self.cfg, self.dev, self.device = plan, cfg, device, device.torch_device
-        self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, timeout_s=cfg.dist_timeout)
+        self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, cp=cfg.parallel.context_parallel,
+                                timeout_s=cfg.dist_timeout)
         self.rank0 = mesh.rank == 0
         c = mesh.coords
         torch.manual_seed(cfg.seed)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         par = cfg.parallel
         tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
+        cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
-                                dtype=dtype, recompute=par.activation_checkpointing).to(self.device)
+                                dtype=dtype, recompute=par.activation_checkpointing, cp=cp).to(self.device)
         shard = source.shard(c.tp, c.pp)
         state = source.load_state(c.tp, c.pp)
         self.model.load_shard_state(state, str(shard))
-        zero_group = mesh.dp_group if cfg.parallel.zero1 else None
+        zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
         self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
                                    capturable=device.is_xla)
         self.grad_plan = grad_plan(self.model, mesh, plan)
@@ -248,7 +257,7 @@ class Trainer:
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
-            record=plan.record, host_group=mesh.host_group,
+            record=plan.record, host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
@@ -266,7 +275,7 @@ class Trainer:
     def _restore(self) -> None:
         tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
         assert state is not None  # a full checkpoint
-        path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=c.dp if self.optimizer.zero else 0)
+        path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=self.mesh.dpcp_rank if self.optimizer.zero else 0)
         self.optimizer.load_state_dict(load_small(path, self.plan.source.checks()), str(path))
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
@@ -285,7 +294,7 @@ class Trainer:
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
         self.optimizer.step(self.dev.lr(lr))
         self.optimizer.zero_grad()
-        for group in (mesh.dp_group, mesh.pp_group):  # the loss lives on the last stage of each dp replica
+        for group in (mesh.dpcp_group, mesh.pp_group):  # the loss lives on the last stage of each dp x cp replica
             if group is not None:
                 dist.all_reduce(loss, group=group)
         masters = self.optimizer.master
@@ -304,7 +313,7 @@ class Trainer:
             for k in range(plan.eval_count):
                 ids = self.eval_batches.dp_slice(consumed=k * gbs, gbs=gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
                 total = total + self.pipeline.evaluate(ids.to(self.device))
-        for group in (mesh.dp_group, mesh.pp_group):  # as the training loss: summed over dp, from the last stage
+        for group in (mesh.dpcp_group, mesh.pp_group):  # as the training loss: summed over dp x cp, from the last stage
             if group is not None:
                 dist.all_reduce(total, group=group)
         self.dev.sync()

@@ -29,14 +29,18 @@ def flags(command: str) -> set[str]:
 def test_flag_sets_are_pinned():
     """Scripts depend on these names: a rename must be deliberate and show up here."""
     assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify",
-                                                               "--revision"}
+                                                               "--revision", "--tokenizer"}
     assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json",
-                                               "--revision", "--no-check"}
+                                               "--revision", "--no-check", "--override-recorded-layout"}
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",
-                                                           "--push-to-hub", "--private", "--no-check"}
-    assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check"}
+                                                           "--push-to-hub", "--private", "--no-check",
+                                                           "--override-recorded-layout", "--tokenizer",
+                                                           "--masters", "--no-masters"}
+    assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check",
+                                                             "--source-hw-backend", "--source-trn2-kv-layout",
+                                                             "--override-recorded-layout"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
-                                                            "--kv-replicas", "--no-check"}
+                                                            "--kv-replicas", "--no-check", "--override-recorded-layout"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check"}
     assert flags("inspect") == {"--config", "--json", "--revision", "--no-check"}
@@ -45,7 +49,7 @@ def test_flag_sets_are_pinned():
         "--convert_from_full_state", "--convert_to_full_state", "--input_dir", "--output_dir", "--config",
         "--tp_size", "--pp_size", "--virtual_pp_size", "--kv_size_multiplier", "--qkv_linear", "--fuse_qkv",
         "--coalesce_qkv", "--hw_backend", "--trn2_kv_layout", "--save_xser", "--load_xser", "--n_layers",
-        "--model_style", "--hf_model_name", "--no-check",
+        "--model_style", "--hf_model_name", "--no-check", "--override-recorded-layout",
     }
 
 

@@ -131,7 +131,7 @@ def test_export():
         "--max-shard-size 5GB --push-to-hub acme/llama-cpt --private --quiet",
     ]
     (line,) = dry_run("export.sbatch", 1, CKPT="/fsx/ckpt", OUT="/fsx/hf")
-    assert line == "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 ckptconv to-hf /fsx/ckpt /fsx/hf --dtype keep --max-shard-size 5GB --quiet"
+    assert line == "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 ckptconv to-hf /fsx/ckpt /fsx/hf --dtype source --max-shard-size 5GB --quiet"
     args = ckptconv_parser().parse_args(tool_args(line, "ckptconv"))
     assert (args.command, args.src, args.out, args.max_shard_size, args.push_to_hub) == ("to-hf", "/fsx/ckpt", "/fsx/hf",
                                                                                          5 * 10**9, None)

@@ -15,6 +15,7 @@ import ckptconv
 from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError, IntegrityError, VerificationError
 from ckptconv.io.nxd import load_shard, save_shard
+from ckptconv.layout_flags import LayoutHints
 from ckptconv.reference import dense_layer
 from ckptconv.verify import verify
 from tests.conftest import hf_state
@@ -77,11 +78,13 @@ def test_verify_passes_on_every_golden_case(golden_dir: Path, tmp_path: Path, na
     case_dir = golden_dir / name
     case = load_case(golden_dir, name)
     shards = case_dir / "out"
+    flags = dict(zip(case["official_args"][1::2], case["official_args"][2::2], strict=True))
     if "official_error" in case:  # the official tool wrote nothing: check ours instead
-        flags = dict(zip(case["official_args"][1::2], case["official_args"][2::2], strict=True))
         shards = convert(case_dir / "hf", tmp_path / "ours", tp=int(flags["--tp_size"]), pp=int(flags["--pp_size"]),
                          vpp=int(flags["--virtual_pp_size"]), attention="qkv_linear")
-    report = verify(case_dir / "hf", shards, config=case_dir / "hf" / "config.json")
+    # tiled K/V replicas (kvm > 1) fit trn1 and the official trn2: the hardware the official run was told is needed
+    hints = {"hw": flags["--hw_backend"]} if int(flags.get("--kv_size_multiplier", "1")) > 1 else None
+    report = verify(case_dir / "hf", shards, config=case_dir / "hf" / "config.json", hints=hints)
     assert report["ok"], report["problems"]
     assert len(report["layers"]) == case["hf_config"]["num_hidden_layers"]
 
@@ -121,6 +124,8 @@ def test_verify_fails_on_fused_qkv_split_in_thirds(gqa: Path, tmp_path: Path):
                 state[base + "weight_q"], state[base + "weight_k"], state[base + "weight_v"] = q, k, v
         edit_shard(out, tp, 0, thirds)
     with pytest.raises(ConversionError, match=r"weight_q' has shape \[16, 64\], layout .* implies \[32, 64\]"):
+        verify(gqa, out, hints=LayoutHints({"fuse_qkv": False}, override=True))  # the record says fused
+    with pytest.raises(ConversionError, match=r"--fuse-qkv False contradicts .*records fuse_qkv True"):
         verify(gqa, out, hints={"fuse_qkv": False})
 
 
@@ -174,6 +179,7 @@ def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Pa
     message = str(err.value)
     assert "model.layers.3.self_attn.k_proj.weight[0:8]" in message
     assert "tp_rank_02" in message and "tp_rank_00" in message and "max abs difference 0.5" in message
+    assert "drifted apart" in message  # the replica order fits the layout: not a layout-flag mistake
     ckptconv.to_hf(out, tmp_path / "first", kv_replicas="first", options=QUIET)
     assert torch.equal(hf_state(tmp_path / "first")["model.layers.3.self_attn.k_proj.weight"][:8], original)
     ckptconv.to_hf(out, tmp_path / "mean", kv_replicas="mean", options=QUIET)
@@ -181,16 +187,24 @@ def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Pa
 
 
 @pytest.mark.parametrize("hw", ["trn1", "trn2"])
-def test_to_hf_infers_trn1_or_trn2_from_replicas(gqa: Path, tmp_path: Path, hw: str, capsys: pytest.CaptureFixture[str]):
+def test_to_hf_infers_trn2_from_replicas_and_refuses_to_guess_trn1(gqa: Path, tmp_path: Path, hw: str,
+                                                                   capsys: pytest.CaptureFixture[str]):
+    """Adjacent replicas can only be trn2; tiled ones fit trn1 and the official trn2 alike: refused without --hw-backend."""
     from ckptconv.cli import main
 
     out = convert(gqa, tmp_path / "nxd", tp=4, pp=2, attention="qkv_linear", kv_size_multiplier=2, fuse_qkv=True,
                   hw_backend=hw)
     (out / "ckptconv.json").unlink()
     shutil.rmtree(out / "hf")
-    assert main(["to-hf", str(out), str(tmp_path / "back"), "--config", str(gqa / "config.json")]) == 0
+    argv = ["to-hf", str(out), str(tmp_path / "back"), "--config", str(gqa / "config.json")]
+    if hw == "trn1":
+        assert main(argv) == 1
+        assert "pass --hw-backend trn1, or --hw-backend trn2 --trn2-kv-layout official" in capsys.readouterr().err
+        argv += ["--hw-backend", "trn1"]
+    assert main(argv) == 0
     err = capsys.readouterr().err
-    assert f"inferred {hw} from" in err and "kv_size_multiplier 2 from K/V rows" in err
+    assert "kv_size_multiplier 2 from K/V rows" in err
+    assert ("inferred trn2 from" if hw == "trn2" else "K/V replica order fits --hw-backend trn1") in err
     back, original = hf_state(tmp_path / "back"), hf_state(gqa)
     assert all(torch.equal(back[k], original[k]) for k in original)
 

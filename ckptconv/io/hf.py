@@ -45,6 +45,24 @@ SIDE_FILES = (
 )
 
 
+# Any one of these makes a directory loadable by AutoTokenizer (tokenizer_config.json alone does not).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(names: list[str]) -> bool:
+    return any(name in TOKENIZER_FILES for name in names)
+
+
+def tokenizer_side_files(directory: Path, flag: str = "--tokenizer") -> list[str]:
+    """The side files (tokenizer, generation config) of ``directory``, which must hold a tokenizer."""
+    if not directory.is_dir():
+        raise ConversionError(f"{flag} {directory}: not a directory (pass the directory holding tokenizer.json)")
+    names = [name for name in SIDE_FILES if (directory / name).is_file()]
+    if not has_tokenizer(names):
+        raise ConversionError(f"{flag} {directory}: holds none of {', '.join(TOKENIZER_FILES)}")
+    return names
+
+
 class HfCheckpoint:
     """An HF Llama checkpoint opened lazily; implements the executor's ``TensorReader``."""
 

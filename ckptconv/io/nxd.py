@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import threading
+import warnings
 from collections.abc import Collection, Mapping
 from enum import Enum
 from pathlib import Path
@@ -67,6 +68,22 @@ def completed_tags(root: Path) -> list[Path]:
     return sorted(tags, key=order)
 
 
+def newest_tag(root: Path) -> tuple[Path | None, str | None]:
+    """The tag a checkpoint root resumes or exports from: the completed tag with the highest step
+    (the ``done`` marker's mtime only breaks ties), and a warning when NxD's own rule, the tag whose
+    ``done`` was modified last, would take another one (after a copy that lost the timestamps)."""
+    tags = completed_tags(root)
+    if not tags:
+        return None, None
+    ours = tags[-1]
+    by_mtime = max(tags, key=lambda p: (p / DONE_MARKER).stat().st_mtime)
+    if by_mtime == ours or (by_mtime / DONE_MARKER).stat().st_mtime == (ours / DONE_MARKER).stat().st_mtime:
+        return ours, None
+    return ours, (f"{root}: took {ours.name}, the highest step; NxD's load_checkpoint would take {by_mtime.name}, "
+                  f"whose '{DONE_MARKER}' marker was modified last (timestamps changed by a copy?); pass a tag "
+                  "directory to choose")
+
+
 def _shard_files(directory: Path) -> dict[tuple[int, int], Path]:
     found: dict[tuple[int, int], Path] = {}
     if not directory.is_dir():
@@ -101,9 +118,13 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
         return path, path / MODEL_DIR, how
     if _shard_files(path):
         return (path.parent if path.name == MODEL_DIR else path), path, "model directory"
-    tags = completed_tags(path)
-    if tags:
-        return tags[-1], tags[-1] / MODEL_DIR, f"newest completed tag {tags[-1].name}"
+    tag, differs = newest_tag(path)
+    if tag is not None:
+        how = f"newest completed tag {tag.name} (highest step)"
+        if differs:
+            warnings.warn(differs, stacklevel=2)
+            how += f"; {differs}"
+        return tag, tag / MODEL_DIR, how
     raise ConversionError(
         f"{path}: no NxD shards found (looked for {MODEL_DIR}/dp_rank_00_tp_rank_XX_pp_rank_YY.pt, "
         f"shards in the directory itself, and tag directories with a '{DONE_MARKER}' marker)"
@@ -177,6 +198,34 @@ def detect_flavour(path: Path) -> Flavour:
     return Flavour.PLAIN
 
 
+OPTIM_DIR = "optim"
+MASTERS_KEY = "master"  # nxdtrain's optimizer file: {"master": {parameter name: fp32 tensor}, ...} with bf16
+
+
+class _WithMasters:
+    """One shard whose tensors come from nxdtrain's fp32 masters where they have them."""
+
+    def __init__(self, shard: FileReader | _SplitShard, masters: TorchFileReader) -> None:
+        self.shard, self.masters = shard, masters
+        self._names = set(masters.keys())
+
+    def _of(self, key: str) -> FileReader | _SplitShard:
+        return self.masters if key in self._names else self.shard
+
+    def keys(self) -> list[str]:
+        return self.shard.keys()
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        return self._of(key).info(key)
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._of(key).read_rows(key, start, stop, out)
+
+    def close(self) -> None:
+        self.shard.close()
+        self.masters.close()
+
+
 class NxdCheckpoint:
     """NxD shards opened lazily; implements the executor's ``TensorReader``.
 
@@ -206,18 +255,50 @@ class NxdCheckpoint:
             raise ConversionError(f"{self.model_dir}: incomplete checkpoint, missing {', '.join(missing[:4])}")
         first = next(iter(self.files.values()))
         self.flavour = detect_flavour(first)
-        self._readers: dict[str, FileReader | _SplitShard] = {}
+        self._readers: dict[str, FileReader | _SplitShard | _WithMasters] = {}
         self._lock = threading.Lock()
+        self._masters: dict[str, Path] | None = None  # shard name -> optim file, once use_masters() chose them
 
-    def _reader(self, file: str) -> FileReader | _SplitShard:
+    def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
         with self._lock:
             if file not in self._readers:
                 try:
                     path = self.files[file]
                 except KeyError:
                     raise ConversionError(f"{self.model_dir}: no shard {file}") from None
-                self._readers[file] = open_shard(path, self.io, self.checks)
+                shard = open_shard(path, self.io, self.checks)
+                self._readers[file] = shard if self._masters is None else _WithMasters(
+                    shard, TorchFileReader(self._masters[file], self.io, self.checks, within=MASTERS_KEY))
             return self._readers[file]
+
+    def use_masters(self, *, required: bool) -> bool:
+        """Read the weights from the fp32 master weights nxdtrain keeps in ``optim/`` (a bf16 run) instead
+        of the shards' rounded copy; keys the masters lack (``inv_freq``) still come from the shards.
+        Returns whether masters are used: False (or, when ``required``, an error) where there are none."""
+        optim = self.root / OPTIM_DIR
+        paths = {shard_file(tp_rank=tp, pp_rank=pp): optim / shard_name(tp_rank=tp, pp_rank=pp)
+                 for tp, pp in self.ranks}
+        missing = next((p for p in paths.values() if not p.is_file()), None)
+        if missing is not None:
+            if required:
+                raise ConversionError(f"{missing}: missing, so no nxdtrain master weights to export (--masters)")
+            return False
+        try:
+            probe = TorchFileReader(next(iter(paths.values())), self.io, within=MASTERS_KEY)
+        except ValueError as exc:  # an fp32 run (its weights are the masters), NxD's format, or not loadable safely
+            if required:
+                raise ConversionError(f"{exc} (no nxdtrain master weights to export: --masters)") from None
+            return False
+        probe.close()
+        self.close()
+        self._masters = paths
+        return True
+
+    def masters_identity(self) -> list[tuple[str, int, int]] | None:
+        """The optimizer files read for master weights (names, sizes, mtimes), or None."""
+        if self._masters is None:
+            return None
+        return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in self._masters.values()]
 
     def finish_checks(self, *, workers: int = 8) -> int:
         """Complete the checks of every shard read from (hash what was not read); raise

@@ -64,9 +64,9 @@ class SafetensorsFileReader:
 class TorchFileReader:
     """A torch.save zip holding a flat dict of tensors."""
 
-    def __init__(self, path: Path, io: str, checks: CheckedFiles | None = None) -> None:
+    def __init__(self, path: Path, io: str, checks: CheckedFiles | None = None, *, within: str | None = None) -> None:
         self.path = path
-        self._reader = TorchZipReader(path, io=io, checks=checks)
+        self._reader = TorchZipReader(path, io=io, checks=checks, within=within)
         self.archive = self._reader.archive
 
     def keys(self) -> list[str]:

@@ -128,10 +128,12 @@ class TorchZipReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], io: str = "mmap", checks: CheckedFiles | None = None, *,
-                 source: PositionalFile | FileWindow | None = None) -> None:
+                 source: PositionalFile | FileWindow | None = None, within: str | None = None) -> None:
         """``source``: read the zip from this (a window of a larger file: one item of a DCP ``.distcp``)
-        instead of opening ``path``; its owner checks the bytes (see :meth:`zip_records`)."""
+        instead of opening ``path``; its owner checks the bytes (see :meth:`zip_records`). ``within``:
+        the entries are those of the dict stored under this top-level key (nxdtrain's ``master``)."""
         self.path = os.fspath(path)
+        self._within = within
         self._src = PositionalFile(self.path, io) if source is None else source
         self._crc_now = checks is not None and checks.enabled  # data.pkl is parsed at once: check it at once
         try:
@@ -181,6 +183,11 @@ class TorchZipReader:
             top = {"": top}
         if not isinstance(top, dict):
             raise ValueError(f"{self.path}: expected a dict (or a tensor) at top level, got {type(top).__name__}")
+        if self._within is not None:
+            inner = top.get(self._within)
+            if not isinstance(inner, dict):
+                raise ValueError(f"{self.path}: no {self._within!r} dict at top level")
+            top = inner
         # What a faithful re-save needs besides the items: dict vs OrderedDict, and attributes
         # such as state_dict()'s ``_metadata``.
         self.container_type: type = type(top)

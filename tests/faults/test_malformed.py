@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -126,6 +127,14 @@ CASES: list[Case] = [
     ("nxd-shard-wrong-dtype", "nxd", lambda s: _to_half(_nxd_shard(s, 1)), "bytes, ckptconv.json records "),
     ("nxd-shard-wrong-dtype-unchecked", "nxd --no-check", lambda s: _to_half(_nxd_shard(s, 1)),
      "dp_rank_00_tp_rank_01_pp_rank_00.pt: 'model.embed_tokens.weight' is float16, "),
+    # Layout flags against what ckptconv.json records, and layouts the shards cannot tell apart (#21)
+    ("nxd-flag-contradicts-record", "nxd --hw-backend trn2", lambda s: None,
+     "--hw-backend trn2 contradicts"),
+    ("nxd-tp-flag-contradicts-record", "nxd --tp 1", lambda s: None, "--tp 1 contradicts"),
+    ("nxd-unrecorded-tiled-replicas", "nxd", lambda s: _tiled_unrecorded(s),
+     "pass --hw-backend trn1, or --hw-backend trn2 --trn2-kv-layout official"),
+    ("nxd-unrecorded-tiled-replicas-as-trn2", "nxd --hw-backend trn2", lambda s: _tiled_unrecorded(s),
+     "layout flags are wrong, not the weights"),
     pytest.param("nxd-shard-data-bit-flipped", "nxd",
                  lambda s: _flip(_nxd_shard(s), _zip_record_offset(_nxd_shard(s), "data/0") + 7),
                  "dp_rank_00_tp_rank_00_pp_rank_00.pt"),
@@ -158,6 +167,19 @@ def _with_layers(src: Path, layers: int) -> dict:
     meta = json.loads((src / "ckptconv.json").read_text())
     meta["hf_config"]["num_hidden_layers"] = layers
     return meta
+
+
+def _tiled_unrecorded(src: Path) -> None:
+    """SRC resharded to tp 4 with kv_size_multiplier 2 (trn1: tiled K/V replicas), then without
+    ckptconv.json: what the official converter writes for trn1 and for trn2 alike."""
+    from ckptconv.api import RunOptions, reshard
+
+    tiled = src.parent / "tiled"
+    reshard(src, tiled, tp=4, pp=1, attention="qkv_linear", kv_size_multiplier=2,
+            options=RunOptions(quiet=True, workers=2))
+    shutil.rmtree(src)
+    (tiled / "ckptconv.json").unlink()
+    tiled.rename(src)
 
 
 def _swap(a: Path, b: Path) -> None:

@@ -28,6 +28,33 @@ def test_groups():
     assert group_ranks("mp", **sizes) == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
+@pytest.mark.parametrize("tp,dp,pp,cp", [(8, 2, 1, 2), (2, 3, 2, 2), (1, 2, 2, 4), (4, 1, 1, 1)])
+def test_context_parallel_rank_order_is_nxds(tp, dp, pp, cp):
+    """NxD's parallel_state lays ranks out as arange(world).reshape(pp, dp, cp, tp) and takes each group as one
+    axis of it (its zero1 sharding groups: the dp x cp plane, dp-major); the groups here are the same lists."""
+    import torch
+
+    grid = torch.arange(tp * dp * pp * cp).reshape(pp, dp, cp, tp)
+    sizes = dict(tp=tp, dp=dp, pp=pp, cp=cp)
+
+    def axis(*keep: int) -> list[list[int]]:  # groups varying along the kept axes, in rank order of their first member
+        dims = list(keep) + [d for d in range(4) if d not in keep]
+        moved = grid.permute(*dims[len(keep):], *keep).reshape(-1, int(torch.tensor(grid.shape)[list(keep)].prod()))
+        return sorted(moved.tolist())
+
+    assert group_ranks("tp", **sizes) == axis(3)
+    assert group_ranks("cp", **sizes) == axis(2)
+    assert group_ranks("dp", **sizes) == axis(1)
+    assert group_ranks("pp", **sizes) == axis(0)
+    assert group_ranks("dpcp", **sizes) == axis(1, 2)
+    for rank in range(tp * dp * pp * cp):
+        c = coords(rank, **sizes)
+        assert int(grid[c.pp, c.dp, c.cp, c.tp]) == rank == rank_of(c, tp=tp, dp=dp, cp=cp)
+    # cp 1 is the order without context parallelism
+    if cp == 1:
+        assert [coords(r, **sizes) for r in range(tp * dp * pp)] == [coords(r, tp=tp, dp=dp, pp=pp) for r in range(tp * dp * pp)]
+
+
 @pytest.mark.parametrize("nodelist,host", [
     ("node001", "node001"),
     ("gpu-[017-020,031],cpu7", "gpu-017"),

@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope", "tp_group"]
+MODULES = ["config", "context_parallel", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope",
+           "tp_group"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -41,7 +41,7 @@ def test_steps_command_equals_a_hand_calculation(corpus, capsys):
     # 38 rows of 16; world 4 / tp 2 = dp 2; 4 / (mbs 1 x dp 2) = 2 microbatches; 38 // 4 = 9 steps per epoch
     # (2 rows dropped); 3 epochs = 27 steps; warmup ceil(27 x 0.05 = 1.35) = 2; 27 x 4 x 16 tokens trained.
     assert report == {"data": str(corpus / "parts"), "rows": 38, "seq_len": 16, "tokens": 608, "world": 4, "tp": 2,
-                      "pp": 1, "dp": 2, "gbs": 4, "mbs": 1, "microbatches": 2, "steps_per_epoch": 9,
+                      "pp": 1, "cp": 1, "dp": 2, "gbs": 4, "mbs": 1, "microbatches": 2, "steps_per_epoch": 9,
                       "rows_dropped_per_epoch": 2, "epochs": 3, "steps": 27, "warmup": 2, "tokens_trained": 1728,
                       "rows_checked": 38, "long_rows": 0, "tokens_never_trained": 0}
     assert main([*argv, "--nodes", "2", "--cores-per-node", "2", "--json"]) == 0
@@ -51,6 +51,9 @@ def test_steps_command_equals_a_hand_calculation(corpus, capsys):
     for label, value in (("steps per epoch", "9"), ("total steps", "27"), ("warmup steps", "2"),
                          ("data parallel (dp)", "2"), ("tokens trained", "1,728")):
         assert any(label in line and line.rstrip(" │").endswith(value) for line in table.splitlines()), label
+    # Context-parallel ranks read the same rows: world 8 = tp 2 x cp 2 x dp 2 gives the same dp and steps.
+    assert main([*argv, "--nproc", "8", "--context-parallel", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {**report, "world": 8, "cp": 2}
     assert main(["steps", "--data", str(corpus / "rows.jsonl"), "--gbs", "4", "--nproc", "3", "--tp", "2"]) == 1
     assert "world size 3 (--nproc or the launcher's) is not a multiple of --tp 2 x --pp 1" in capsys.readouterr().err
 
