@@ -294,14 +294,18 @@ class Trainer:
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
         self.optimizer.step(self.dev.lr(lr))
         self.optimizer.zero_grad()
-        for group in (mesh.dpcp_group, mesh.pp_group):  # the loss lives on the last stage of each dp x cp replica
-            if group is not None:
-                dist.all_reduce(loss, group=group)
+        self.sum_loss(loss)
         masters = self.optimizer.master
         param_norm = global_norm({name: masters[name].detach() for name in self.optimizer.names}, self.grad_plan)
         self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
         return PendingStep(step, loss, lr, norm, self.consumed, param_norm)
+
+    def sum_loss(self, loss: torch.Tensor) -> None:
+        """In place: a loss summed over dp x cp, from the last stage of each replica (where it lives) to every rank."""
+        for group in (self.mesh.dpcp_group, self.mesh.pp_group):
+            if group is not None:
+                dist.all_reduce(loss, group=group)
 
     def evaluate(self) -> torch.Tensor:
         """Mean token loss over the evaluation batches (every rank takes part: tp, pp and dp, as in training)."""
@@ -313,9 +317,7 @@ class Trainer:
             for k in range(plan.eval_count):
                 ids = self.eval_batches.dp_slice(consumed=k * gbs, gbs=gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
                 total = total + self.pipeline.evaluate(ids.to(self.device))
-        for group in (mesh.dpcp_group, mesh.pp_group):  # as the training loss: summed over dp x cp, from the last stage
-            if group is not None:
-                dist.all_reduce(total, group=group)
+        self.sum_loss(total)  # as the training loss
         self.dev.sync()
         return total / plan.eval_count
 
@@ -328,9 +330,7 @@ class Trainer:
         ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
         with torch.no_grad():
             loss = self.pipeline.evaluate(ids.to(self.device))
-        for group in (mesh.dp_group, mesh.pp_group):  # as the training loss: summed over dp, from the last stage
-            if group is not None:
-                dist.all_reduce(loss, group=group)
+        self.sum_loss(loss)  # as the training loss
         value = float(loss)
         state = self.plan.resume_state
         recorded = state.loss if state is not None else None

@@ -3,8 +3,8 @@ converted start, against ln(vocab) and against the loss the resumed tag recorded
 
 from __future__ import annotations
 
-import json
 import math
+import re
 import shutil
 
 import pytest
@@ -15,7 +15,7 @@ from nxdtrain.dist import spawn
 from nxdtrain.loss_check import ABOVE_GUESSING, ABOVE_RECORDED, verdict
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import WORLD_TIMEOUT, convert, run_world, train_options
-from tests.nxdtrain.wrong_loads import VOCAB, pattern_rows, trained_llama, write_rows
+from tests.nxdtrain.wrong_loads import VOCAB, pair_kv_wrongly, pattern_rows, trained_llama, write_rows
 
 LAYOUT = dict(tp=4, attention="qkv_linear", kv_size_multiplier=2)  # 8 heads, 2 KV heads: each KV head twice
 
@@ -30,55 +30,49 @@ def trained(tmp_path_factory):
     return hf, write_rows(root / "rows.jsonl", pattern_rows(64, 16, seed=5))
 
 
-def first_trained_shards(tag, converted, out):
-    """``out`` (a copy of ``tag``) with the model shards of ``converted`` and its ckptconv.json records updated, so
-    that the checked reads pass: what a conversion with the wrong K/V order writes, under the tag's layout."""
-    from ckptconv.digest import DEFAULT, record_files
-
-    meta = json.loads((out / "ckptconv.json").read_text())
-    shards = sorted((converted / "model").iterdir())
-    for shard in shards:
-        shutil.copyfile(shard, out / "model" / shard.name)
-    records = record_files([out / "model" / s.name for s in shards], out, DEFAULT)
-    meta["files"].update({rel: rec.to_json() for rel, rec in records.items()})
-    (out / "ckptconv.json").write_text(json.dumps(meta))
-
-
 def options(data, **extra):
     return train_options(data=str(data), gbs=8, tp=4, decay_steps=2, **extra)
 
 
-def test_a_resume_read_with_the_wrong_trn2_kv_order_stops_before_step_1(trained, tmp_path, capsys):
-    """A tag whose shards are in the official converter's trn2 K/V order (kvm 2) while its ckptconv.json says the
-    runtime order: each query head meets the wrong K/V head. Every shape fits; only the loss says so."""
+def stopped(source, data, tmp_path, capsys, steps):
+    """Start from ``source`` in 4 processes; the one-line error (the run must stop before its first step)."""
+    log = tmp_path / f"stopped-{source.name}.jsonl"
+    config = TrainConfig.from_flat({**options(data, steps=steps), "resume": str(source), "no_checkpoint": True,
+                                    "log_jsonl": str(log)})
+    capsys.readouterr()
+    assert spawn(run_worker, (config,), 4, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 1
+    assert not log.exists()  # no step was taken
+    return capsys.readouterr().err
+
+
+def test_shards_with_query_heads_paired_to_the_wrong_kv_heads_stop_before_step_1(trained, tmp_path, capsys):
+    """K/V heads on the wrong tp ranks (the trn1/trn2 head-order mistake, with replicas that still agree): every
+    shape and every replica check passes; only the loss says so, for a converted start and a resumed tag alike."""
     hf, data = trained
-    src = convert(hf, tmp_path / "runtime", hw_backend="trn2", **LAYOUT)
+    src = convert(hf, tmp_path / "converted", **LAYOUT)
     ck = tmp_path / "ck"
     first = run_world(4, resume=str(src), checkpoint_dir=str(ck), log_jsonl=str(tmp_path / "a.jsonl"),
                       **options(data, steps=1))
-    wrong = tmp_path / "wrong"  # the same tag with its model shards converted in the official order
-    shutil.copytree(ck, wrong)
-    official = convert(hf, tmp_path / "official", hw_backend="trn2", trn2_kv_layout="official", **LAYOUT)
-    first_trained_shards(ck / "step_1", official, wrong / "step_1")
-    config = TrainConfig.from_flat({**options(data, steps=2), "resume": str(wrong), "checkpoint_dir": str(wrong),
-                                    "log_jsonl": str(tmp_path / "wrong.jsonl")})
-    capsys.readouterr()
-    assert spawn(run_worker, (config,), 4, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 1
-    err = capsys.readouterr().err
-    assert err.startswith(f"nxdtrain: error: --resume {wrong}: the first batch loss "), err
-    assert (f"is far above the loss {first[0]['loss']:.3f} recorded in the tag (+ {ABOVE_RECORDED:g}); the weights "
-            "were most likely read with the wrong layout: check the conversion's --qkv-linear/--fuse-qkv, "
-            "--kv-size-multiplier, the trn1/trn2 head order (--hw-backend) and a tied lm_head (tie_word_embeddings); "
-            "or pass --allow-high-loss to train anyway\n") in err
-    assert not (tmp_path / "wrong.jsonl").exists() and not (wrong / "step_2").exists()  # no step was taken
-    # The tag read as written passes the check and trains on.
+    assert first[0]["loss"] < math.log(VOCAB) - 2
+    causes = ("; the weights were most likely read with the wrong layout: check the conversion's --qkv-linear/"
+              "--fuse-qkv, --kv-size-multiplier, the trn1/trn2 head order (--hw-backend) and a tied lm_head "
+              "(tie_word_embeddings); or pass --allow-high-loss to train anyway\n")
+    wrong_src = shutil.copytree(src, tmp_path / "wrong-converted")
+    pair_kv_wrongly(wrong_src)
+    err = stopped(wrong_src, data, tmp_path, capsys, steps=1)
+    assert re.fullmatch(rf"nxdtrain: error: --resume {re.escape(str(wrong_src))}: the first batch loss (\d+\.\d+) is "
+                        rf"above ln\(vocab 128\) = 4\.852 \+ 1, worse than guessing{re.escape(causes)}", err), err
+    wrong_tag = shutil.copytree(ck / "step_1", tmp_path / "wrong-ck" / "step_1")
+    pair_kv_wrongly(wrong_tag)
+    err = stopped(wrong_tag, data, tmp_path, capsys, steps=2)
+    assert err.startswith(f"nxdtrain: error: --resume {wrong_tag}: the first batch loss ") and causes in err, err
+    # The tag read as written passes the check and trains on; --allow-high-loss takes the wrong one anyway.
     resumed = run_world(4, resume=str(ck), checkpoint_dir=str(ck), log_jsonl=str(tmp_path / "b.jsonl"),
                         **options(data, steps=2))
     assert [r["step"] for r in resumed] == [2]
-    # --allow-high-loss takes the wrong one anyway, at the loss the check saw.
-    allowed = run_world(4, resume=str(wrong), checkpoint_dir=str(wrong), log_jsonl=str(tmp_path / "c.jsonl"),
-                        **options(data, steps=2, allow_high_loss=True))
-    assert allowed[0]["loss"] > first[0]["loss"] + ABOVE_RECORDED
+    allowed = run_world(4, resume=str(wrong_src), no_checkpoint=True, log_jsonl=str(tmp_path / "c.jsonl"),
+                        **options(data, steps=1, allow_high_loss=True))
+    assert allowed[0]["loss"] > math.log(VOCAB) + ABOVE_GUESSING
 
 
 def test_a_random_init_start_is_not_stopped(nxd_model, trained, tmp_path, capsys):

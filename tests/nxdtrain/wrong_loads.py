@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.digest import DEFAULT, record_files
 from tests.conftest import make_tiny_llama
 
 VOCAB = 128
@@ -51,11 +52,18 @@ def trained_llama(path: Path, *, steps: int, seq_len: int = 16, **shape: Any) ->
     return path, loss
 
 
-def claim_hw(converted: Path, hw: str) -> Path:
-    """Make ``converted``'s ckptconv.json claim the head order ``hw`` (what a conversion with the wrong
-    --hw-backend records): the shards stay as they were written, their reading changes."""
-    meta_path = converted / "ckptconv.json"
-    meta = json.loads(meta_path.read_text())
-    meta["layout"]["hw"] = hw
-    meta_path.write_text(json.dumps(meta))
-    return converted
+def pair_kv_wrongly(tag: Path) -> None:
+    """Swap the K/V heads of tp ranks 0 <-> 1 and 2 <-> 3 in ``tag`` (tp 4, kvm 2, trn1's tiled replicas: rank r holds
+    K/V head r % 2), and record the new files' digests so that the checked reads pass. The replicas stay consistent
+    (ranks 0 and 2 still hold the same K/V head), so no structural check can see it: each query head now attends
+    with the other group's K/V head, as shards written with the wrong head order do."""
+    paths = [tag / "model" / f"dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt" for r in range(4)]
+    shards = [torch.load(p, weights_only=True) for p in paths]
+    for a, b in ((0, 1), (2, 3)):
+        for key in [k for k in shards[a] if k.endswith((".weight_k", ".weight_v"))]:
+            shards[a][key], shards[b][key] = shards[b][key], shards[a][key]
+    for shard, path in zip(shards, paths, strict=True):
+        torch.save(shard, path)
+    meta = json.loads((tag / "ckptconv.json").read_text())
+    meta["files"].update({rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT).items()})
+    (tag / "ckptconv.json").write_text(json.dumps(meta))
