@@ -31,8 +31,10 @@ CHUNK = 32 * 2**20  # bytes generated and written at a time
 SHARD_BYTES = 5 * 10**9
 
 
-def config_for(shape: str, layers: int) -> dict:
-    return {**COMMON, **SHAPES[shape], "num_hidden_layers": layers}
+def config_for(shape: str, layers: int, vocab: int | None = None) -> dict:
+    """The shape's config with ``layers`` layers (and, to keep a benchmark's disk use down, another vocabulary)."""
+    config = {**COMMON, **SHAPES[shape], "num_hidden_layers": layers}
+    return config if vocab is None else {**config, "vocab_size": vocab}
 
 
 def _fill(writer: SafetensorsWriter, key: str, nbytes: int, rng: np.random.Generator) -> None:
@@ -42,9 +44,9 @@ def _fill(writer: SafetensorsWriter, key: str, nbytes: int, rng: np.random.Gener
         writer.write_extent(key, offset, torch.from_numpy(bits).view(torch.bfloat16))
 
 
-def write_model(out: Path, shape: str, layers: int, seed: int = 0) -> int:
+def write_model(out: Path, shape: str, layers: int, seed: int = 0, vocab: int | None = None) -> int:
     """Write the model; return its weight bytes."""
-    config = config_for(shape, layers)
+    config = config_for(shape, layers, vocab)
     shapes = hf_shapes(ModelSpec.from_config(config), with_inv_freq=False)
     out.mkdir(parents=True, exist_ok=True)
     groups: list[list[str]] = [[]]

@@ -39,11 +39,15 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
+from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
+from ckptconv.tag_reshard import TrainingTag
+from ckptconv.training_state import is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
@@ -147,6 +151,7 @@ def to_nxd(
     out = Path(out)
     with HfCheckpoint(src, config=config, io=options.io) as hf:
         layout.check_model(hf.spec)
+        layout = _padded(layout, hf.spec, notes)
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(src))
         if layout.hw is Hardware.TRN2 and layout.kvm > 1 and layout.trn2_kv_layout is Trn2KvLayout.OFFICIAL:
             message = ("--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs "
@@ -174,6 +179,15 @@ def to_nxd(
         _verify_after(src, out, config, verify_layers, result.notes)
     result.seconds = time.monotonic() - started
     return result
+
+
+def _padded(layout: ParallelLayout, spec: ModelSpec, notes: list[str]) -> ParallelLayout:
+    """``layout`` with its vocabulary padding recorded, and said (never silent)."""
+    layout = layout.padded_for(spec)
+    if layout.padded_vocab is not None:
+        notes.append(f"vocab_size {spec.vocab} is padded to {layout.padded_vocab} rows (a multiple of tp {layout.tp}) "
+                     "with zero rows in the embedding and lm_head shards; recorded in ckptconv.json, stripped by to-hf")
+    return layout
 
 
 def target_layout(*, tp: int, pp: int, vpp: int, kv_size_multiplier: int, attention: str | Attention, fuse_qkv: bool,
@@ -249,8 +263,10 @@ def to_hf(
 ) -> Result:
     """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
 
-    ``masters``: read the weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's
-    ``optim/`` (None, the default: when present; True: required; False: the shards).
+    ``masters``: read the weights from the fp32 master weights in the tag's ``optim/``: those an nxdtrain
+    bf16 run keeps, or NxD's own (ZeRO-1 ``sharded_master_weights``, see :mod:`ckptconv.nxd_masters`).
+    None, the default: when present (and always for an NxD tag whose model files hold no tensors);
+    True: required; False: the shards.
 
     ``dtype``: ``source`` (the default) writes the dtype the model's HF config declares (see
     :func:`export_dtype`), ``keep`` the shards' dtype, or a cast (``bf16``, ``fp16``, ``fp32``).
@@ -261,11 +277,8 @@ def to_hf(
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                        check=options.check)
+                                                        check=options.check, masters=masters, prefer_masters=True)
     with ckpt:
-        if masters is not False and ckpt.use_masters(required=bool(masters)):
-            notes.append(f"weights from the fp32 master weights in {ckpt.root}/optim/ (nxdtrain, a bf16 run), "
-                         "not the shards' bf16 copy; --no-masters exports the shards")
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
             note(line, quiet=options.quiet)
@@ -273,7 +286,7 @@ def to_hf(
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
         fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(sorted(ckpt.files.values())), _tokenizer_identity(tokenizer),
+                                   _identity(_input_files(ckpt)), _tokenizer_identity(tokenizer),
                                    ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
         copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
@@ -319,18 +332,28 @@ def reshard(
     hints: dict[str, Any] | None = None,
     dtype: str = "keep",
     kv_replicas: str = "error",
+    masters: bool | None = None,
+    dp: int | None = None,
+    zero1: bool | None = None,
+    weights_only: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
 
     Unset layout options keep the source's values; ``kv_size_multiplier`` defaults to what the
-    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path.
+    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path. ``masters``: as
+    for :func:`to_hf`, but by default the shards.
+
+    A training tag (nxdtrain's: ``optim/`` and ``user_content.pt`` beside the shards) gives a training tag
+    at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training_state`), over
+    ``dp`` ranks with ZeRO-1 (``zero1``; both default to the tag's) or in one file per shard without;
+    step, consumed samples, schedule and options come along. ``weights_only``: the shards alone.
     """
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check)
+                                                     check=options.check, masters=masters)
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
@@ -342,20 +365,34 @@ def reshard(
             trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
         )
         new.check_model(spec)
+        new = _padded(new, spec, notes)
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
+        training = None if weights_only or not is_training_tag(ckpt.root) else TrainingTag.open(
+            ckpt, spec, old, with_inv_freq, plan, dp=dp, zero1=zero1, io=options.io)
+        if training is None and (dp is not None or zero1 is not None):
+            raise ConversionError(f"{ckpt.root}: --dp and --zero1 place optimizer state; "
+                                  + ("--weights-only writes none" if weights_only else "this is not an nxdtrain "
+                                     "training tag (no optim/ and user_content.pt of nxdtrain's)"))
+        if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
+            notes.append(f"{ckpt.root}/{OPTIM_DIR}/ is not nxdtrain's optimizer state (NxD's own): not carried; "
+                         f"{out} holds the weights")
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                                   _identity(sorted(ckpt.files.values())))
+                                   _identity(_input_files(ckpt)),
+                                   None if training is None else training.identity())
         hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
                                                       _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
-        spec_ = FinalizeSpec(
-            fingerprint,
-            metadata=dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
-                          dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
-            texts=texts, copies=copies,
-        )
-        result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
-                          sources=[Path(src), ckpt.root])
+        metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
+                        dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
+        spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
+        if training is not None:
+            with training:
+                plan, reader = training.extend(plan, spec_, new, notes)
+                result = _convert(plan, reader, out, training.sinks(sink_factory(target_flavour)), options, spec_,
+                                  "reshard", kv_replicas, sources=[Path(src), ckpt.root])
+        else:
+            result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
+                              sources=[Path(src), ckpt.root])
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
@@ -404,7 +441,16 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
 def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
     paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
-    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies]
+    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies] + spec.markers
+
+
+def _input_files(ckpt: Any) -> list[Path]:
+    """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
+    weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
+    files = sorted(ckpt.files.values())
+    if ckpt.weight_source is not None:
+        files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
+    return files
 
 
 def _identity(files: list[Path]) -> list[tuple[str, int, int]]:

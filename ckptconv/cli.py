@@ -69,6 +69,13 @@ OVERRIDE_HELP = ("read the shards with the layout flags given even where they co
                  "records (refused without it); the notes say what was overridden")
 
 
+def _masters_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--masters", action=argparse.BooleanOptionalAction, default=None,
+                   help="weights from the fp32 master weights in a training tag's optim/ (an nxdtrain bf16 run's, or "
+                        f"NxD's ZeRO-1 sharded_master_weights) instead of the shards' bf16 copy (default: {default}; "
+                        "an NxD tag whose model files hold no tensors is always read from its masters)")
+
+
 def _revision_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None,
                    help="for a hub id: branch, tag or commit (default main); looked up in the HF cache first")
@@ -138,9 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
                         "fail (default), keep the first, or average")
     p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
-    p.add_argument("--masters", action=argparse.BooleanOptionalAction, default=None,
-                   help="weights from the fp32 master weights an nxdtrain bf16 run keeps in the tag's optim/ "
-                        "(default: when present; --no-masters: the shards' bf16 copy)")
+    _masters_flag(p, "when present")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
@@ -161,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "cannot tell (tiled: trn1, or trn2 by the official converter)")
     p.add_argument("--source-trn2-kv-layout", choices=("runtime", "official"), default=None,
                    help="with --source-hw-backend trn2: SRC's K/V replica order")
+    _masters_flag(p, "the shards")
+    p.add_argument("--dp", type=int, default=None,
+                   help="training tag: data-parallel ranks the ZeRO-1 optimizer state is partitioned over "
+                        "(default: the tag's)")
+    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None,
+                   help="training tag: optimizer state partitioned over --dp ranks (ZeRO-1) or one file per shard "
+                        "(default: the tag's)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
 
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
@@ -200,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", action="store_true", help="also check every file's size and digest against ckptconv.json")
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     _layout_flags(p, defaults=False)
+    _masters_flag(p, "the shards")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
     p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (when PATH has none)")
+    _masters_flag(p, "the shards")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
     p = sub.add_parser("finalize", help="finish a conversion split over several processes (--part)")
@@ -272,7 +288,8 @@ def run(args: argparse.Namespace) -> Any:
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
-            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, options=options,
+            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
+            dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, options=options,
             hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
                               override=args.override_recorded_layout, style="reshard"),
         )
@@ -309,11 +326,13 @@ def run(args: argparse.Namespace) -> Any:
         from ckptconv.verify import verify
 
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
-                      hints=hints, files=args.files, revision=args.revision, check=not args.no_check)
+                      hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
+                      masters=args.masters)
     if args.command == "inspect":
         from ckptconv.inspection import inspect
 
-        return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check)
+        return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
+                       masters=args.masters)
     if args.command == "finalize":
         from ckptconv.finalize import finalize
 

@@ -258,6 +258,7 @@ def from_dcp(
             layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
                                    fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
             layout.check_model(spec)
+            layout = layout.padded_for(spec)
             target = choice(Flavour, flavour, "flavour")
             plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
             fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity)

@@ -405,7 +405,9 @@ def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) ->
 def _read_piece_rows(reader: TensorReader, piece: Piece, shift: int, n: int, target: torch.Tensor,
                      dtype: torch.dtype) -> None:
     """``n`` rows of ``piece`` from its row ``shift`` (or the fp32 mean of its copies) into ``target``."""
-    if piece.alternates:  # --kv-replicas mean: average every copy, in fp32
+    if piece.zeros:  # vocabulary padding
+        target.zero_()
+    elif piece.alternates:  # --kv-replicas mean: average every copy, in fp32
         copies = [reader.read_rows(p.source, p.start + shift, p.start + shift + n).float()
                   for p in (piece, *piece.alternates)]
         target.copy_(torch.stack(copies).mean(dim=0))
@@ -475,6 +477,25 @@ def replica_bands(reader: TensorReader, group: ReplicaGroup):  # type: ignore[no
         first = reader.read_rows(first_piece.source, first_piece.start + lo, first_piece.start + hi)
         for copy in group.copies[1:]:
             yield first, reader.read_rows(copy.source, copy.start + lo, copy.start + hi), copy
+
+
+def read_tensor(tensor: OutTensor, reader: TensorReader) -> torch.Tensor:
+    """A planned tensor whole, in memory (a training rank reads its own shard of another layout this way)."""
+    if not tensor.shape:  # 0-dim: one piece, the whole thing
+        return reader.read_rows(tensor.pieces[0].source, 0, 1).reshape(()).to(tensor.dtype)
+    if any(p.row_perm or p.alternates for p in tensor.pieces):
+        raise AssertionError(f"{tensor.key}: permuted or averaged pieces are read by the executor only")
+    parts = [_zero_piece(tensor, piece) if piece.zeros else _read_piece(reader, piece, tensor.dim)
+             for piece in tensor.pieces]
+    out = parts[0] if len(parts) == 1 else torch.cat([p.to(tensor.dtype) for p in parts], dim=tensor.dim)
+    return out.to(tensor.dtype).contiguous()
+
+
+def _zero_piece(tensor: OutTensor, piece: Piece) -> torch.Tensor:
+    """Vocabulary padding: ``piece.length`` zero rows (or columns) of the tensor."""
+    shape = list(tensor.shape)
+    shape[tensor.dim] = piece.length
+    return torch.zeros(shape, dtype=tensor.dtype)
 
 
 def _read_piece(reader: TensorReader, piece, dim: int) -> torch.Tensor:  # type: ignore[no-untyped-def]

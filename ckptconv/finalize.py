@@ -51,6 +51,7 @@ class FinalizeSpec:
     texts: dict[str, str] = field(default_factory=dict)         # relative path -> content
     blobs: dict[str, str] = field(default_factory=dict)         # relative path -> base64 of binary content
     copies: list[tuple[str, str]] = field(default_factory=list)  # (absolute source, relative target)
+    markers: list[str] = field(default_factory=list)  # files holding "1", written after ckptconv.json (a tag's)
 
 
 def _tmp(out: Path) -> Path:
@@ -138,6 +139,8 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
         files[rel] = FileRecord.of(out / rel, spec.hash)
     if spec.metadata is not None:
         meta = Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})
-        write_metadata(out, meta)  # last: its presence means the directory is complete
+        write_metadata(out, meta)  # its presence means the directory is complete (markers aside)
+    for rel in spec.markers:  # not listed in ckptconv.json: known names, written last (ckptconv.io.nxd.write_markers)
+        write_text(out / rel, "1")
     clear_tmp(out)  # the lock goes when its holder releases it
     return files

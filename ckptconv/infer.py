@@ -18,6 +18,7 @@ from ckptconv.errors import AmbiguousLayout, ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
 from ckptconv.layout_flags import LayoutHints
+from ckptconv.mapping import EMBED
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import Source
@@ -34,6 +35,10 @@ def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: LayoutHints) -> tu
     layout = ParallelLayout(tp=ckpt.tp, pp=ckpt.pp, attention=attention, fuse_qkv=fused)
     notes.append(f"tp {ckpt.tp} and pp {ckpt.pp} from file names; attention {attention.value}"
                  + (" (fused weight_qkv)" if fused else "") + " from key names")
+    padded = _stored_vocab_rows(ckpt)
+    if padded != spec.vocab:
+        layout = replace(layout, padded_vocab=padded)
+        notes.append(f"embedding padded to {padded} rows (vocab_size {spec.vocab}) from its shard shape")
     vpp = _infer_vpp(ckpt, spec, layout)
     layout = replace(layout, vpp=vpp)
     if vpp > 1:
@@ -51,6 +56,15 @@ def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: LayoutHints) -> tu
         notes.append("given on the command line: " + ", ".join(f"{k}={getattr(v, 'value', v)}" for k, v in overrides.items()))
     layout.check_model(spec)
     return layout, notes
+
+
+def _stored_vocab_rows(ckpt: NxdCheckpoint) -> int:
+    """Embedding rows over all tp ranks, as stored (another tool may have padded them, NxDT to 128 x tp)."""
+    file = shard_file(tp_rank=0, pp_rank=0)
+    if EMBED not in ckpt.keys(file):
+        raise ConversionError(f"{ckpt.files[file]}: missing {EMBED!r}")
+    _, shape, _ = ckpt.info(Source(file, EMBED))
+    return shape[0] * ckpt.tp
 
 
 def _attention_mode(keys: list[str]) -> tuple[Attention, bool]:

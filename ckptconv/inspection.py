@@ -14,17 +14,22 @@ from ckptconv.layout import shard_file
 from ckptconv.mapping import stores_lm_head
 from ckptconv.metadata import METADATA_FILE, read_metadata
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_optimizer import OPTIM_DIR, optimizer_summary
 from ckptconv.plan import Source
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
-            check: bool = True) -> dict[str, Any]:
+            check: bool = True, masters: bool | None = None) -> dict[str, Any]:
     """Describe an HF or NxD checkpoint (or hub id ``org/name``); for NxD, also check that its files are intact.
 
     With ``check`` (the default) every NxD shard is read once: its size and digest against
     ``ckptconv.json`` and every torch zip record's CRC-32; a mismatch raises IntegrityError naming
     the file, so ``complete`` is never reported for damaged shards. ``check=False``
     (``--no-check``) reads headers only and compares sizes. HF checkpoints: headers only.
+
+    An NxD training tag also reports ``weights_from`` (its model files, or the fp32 masters in
+    ``optim/``: ``masters=True``, or an NxD tag whose model files hold no tensors) and ``optimizer``
+    (what :class:`ckptconv.nxd_optimizer.NxdOptimizer` reads there, or why it could not).
 
     Example:
         >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP
@@ -34,7 +39,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
     try:
-        return _inspect_nxd(path, config, check)
+        return _inspect_nxd(path, config, check, masters)
     except IntegrityError:
         raise  # NxD shards that fail their checks: say so, not "neither NxD nor HF"
     except ConversionError as nxd_error:
@@ -65,14 +70,15 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
     }
 
 
-def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str, Any]:
+def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:
     from ckptconv.nxd_source import open_nxd
 
     try:
-        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check)
+        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, masters=masters)
         undecided = None
     except AmbiguousLayout as exc:  # describe what is known; the layout's hardware stays open
-        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"})
+        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"},
+                                                masters=masters)
         undecided = str(exc)
         notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:
@@ -84,6 +90,10 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str
                 dtypes[str(dtype).removeprefix("torch.")] += 1
                 nbytes += _numel(shape) * dtype.itemsize
         checked = ckpt.checks.finish(only_read=False) if check else 0  # every shard opened above: read them whole
+        source = ckpt.weight_source
+        if check and source is not None:
+            checked += source.finish_checks(only_read=False)
+        optimizer = optimizer_summary(ckpt, check)
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {
@@ -102,6 +112,10 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool) -> dict[str
             "complete": complete,
             "problems": problems,
             "checked_files": checked,
+            "weights_from": (f"{OPTIM_DIR}/ (NxD's master weights)" if source is not None
+                             else f"{OPTIM_DIR}/ (nxdtrain's master weights)" if ckpt.masters_identity() is not None
+                             else "model files"),
+            "optimizer": optimizer,
             "notes": notes,
         }
 
@@ -132,7 +146,7 @@ def _lm_head_form(spec: ModelSpec, last_stage_keys: list[str]) -> str:
 
 def _model_summary(spec: Any) -> dict[str, Any]:
     return {
-        "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
+        "family": spec.model_type, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
         "head_dim": spec.head_dim, "intermediate": spec.intermediate, "vocab": spec.vocab, "tied": spec.tied,
     }
 

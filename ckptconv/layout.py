@@ -14,12 +14,14 @@ Example:
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.errors import ConversionError, choice
-from ckptconv.model_spec import ModelSpec
+
+if TYPE_CHECKING:
+    from ckptconv.model_spec import ModelSpec
 
 
 class Attention(str, Enum):
@@ -52,6 +54,9 @@ class ParallelLayout:
     fuse_qkv: bool = False
     hw: Hardware = Hardware.TRN1
     trn2_kv_layout: Trn2KvLayout = Trn2KvLayout.RUNTIME
+    # Rows of the embedding and lm_head in the shards when they exceed vocab_size: zero rows, never predicted
+    # (None: vocab_size rounded up to a multiple of tp). Another tool's padding (NxDT: to 128 x tp) is read as stored.
+    padded_vocab: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", choice(Attention, self.attention, "attention"))
@@ -61,6 +66,8 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConversionError(f"--{name.replace('kvm', 'kv-size-multiplier')} must be an integer >= 1, got {value!r}")
+        if self.padded_vocab is not None and (type(self.padded_vocab) is not int or self.padded_vocab < 1):
+            raise ConversionError(f"padded_vocab must be a positive integer, got {self.padded_vocab!r}")
         if self.fuse_qkv and self.attention is not Attention.QKV_LINEAR:
             raise ConversionError("--fuse-qkv needs --qkv-linear (fused weight_qkv exists only on the qkv_linear path)")
         if self.kvm > 1 and self.attention is not Attention.QKV_LINEAR:
@@ -77,11 +84,14 @@ class ParallelLayout:
         divisible = [
             ("num_attention_heads", spec.heads),
             ("intermediate_size", spec.intermediate),
-            ("vocab_size", spec.vocab),
         ]
         for name, value in divisible:
             if value % self.tp:
                 raise ConversionError(f"--tp {self.tp} must divide {name} ({value})")
+        rows = self.vocab_rows(spec)
+        if rows % self.tp or rows < spec.vocab:
+            raise ConversionError(f"padded vocabulary of {rows} rows: must be a multiple of --tp {self.tp} and at "
+                                  f"least vocab_size ({spec.vocab})")
         if spec.layers < self.stages:
             raise ConversionError(
                 f"--pp {self.pp} x --vpp {self.vpp} = {self.stages} stages, but the model has only {spec.layers} layers"
@@ -101,6 +111,17 @@ class ParallelLayout:
                 )
         else:
             self._check_kv_replication(spec)
+
+    def vocab_rows(self, spec: ModelSpec) -> int:
+        """Rows of the embedding (and lm_head) over all tp ranks: vocab_size, padded to a multiple of tp."""
+        if self.padded_vocab is not None:
+            return self.padded_vocab
+        return -(-spec.vocab // self.tp) * self.tp
+
+    def padded_for(self, spec: ModelSpec) -> ParallelLayout:
+        """This layout with its vocabulary padding spelled out when there is any (so ckptconv.json records it)."""
+        rows = self.vocab_rows(spec)
+        return replace(self, padded_vocab=rows if rows != spec.vocab else None)
 
     def _check_kv_replication(self, spec: ModelSpec) -> None:
         kv, tp, kvm = spec.kv_heads, self.tp, self.kvm
@@ -122,6 +143,8 @@ class ParallelLayout:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        if data["padded_vocab"] is None:  # unpadded layouts are recorded as before
+            del data["padded_vocab"]
         for key, value in data.items():
             if isinstance(value, Enum):
                 data[key] = value.value
@@ -167,6 +190,15 @@ def shard_file(*, tp_rank: int, pp_rank: int) -> str:
 
 _SHARD_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _LEGACY_RE = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)$")
+
+
+def parse_rank_file(name: str) -> tuple[int, int, int] | None:
+    """``(dp_rank, tp_rank, pp_rank)`` of a ``dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt`` name (NxD's ZeRO-1
+    optimizer files carry the real dp rank); None for any other name, expert-parallel ones included."""
+    m = _SHARD_RE.match(name)
+    if m is None or m.group(2) is not None:
+        return None
+    return int(m.group(1)), int(m.group(3)), int(m.group(4))
 
 
 def parse_shard_name(name: str) -> tuple[int, int] | None:

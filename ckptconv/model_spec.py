@@ -1,4 +1,4 @@
-"""The numbers of a Llama model that decide how it is sharded, read from an HF ``config.json``.
+"""The numbers of a model that decide how it is sharded, read from an HF ``config.json``.
 
 Example:
     >>> spec = ModelSpec.from_config({"hidden_size": 64, "num_attention_heads": 8,
@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
+from ckptconv.families import FAMILIES, Family, family_for
 
-SUPPORTED_MODEL_TYPES = ("llama",)
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # HF and NxD keys alike
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Shapes of a Llama checkpoint; ``config`` keeps the whole HF config for writing it back."""
+    """Shapes of a checkpoint of family ``model_type``; ``config`` keeps the whole HF config for writing it back."""
 
     hidden: int
     heads: int
@@ -35,6 +35,7 @@ class ModelSpec:
     vocab: int
     layers: int
     tied: bool
+    model_type: str = "llama"
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,16 @@ class ModelSpec:
                                   f"{len(found)} layers{span}")
 
     @property
+    def family(self) -> Family:
+        """The family entry every converter path and the trainer read (:mod:`ckptconv.families`)."""
+        return FAMILIES[self.model_type]
+
+    @property
+    def window(self) -> int | None:
+        """Sliding attention window (keys a query sees, itself included); None: full causal attention."""
+        return self.family.attention_window(self.config)
+
+    @property
     def group(self) -> int:
         """Query heads per key/value head (GQA group size)."""
         return self.heads // self.kv_heads
@@ -80,11 +91,7 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-        model_type = config.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConversionError(
-                f"{source}: model_type is {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        family = family_for(config, source)
         missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size",
                                "vocab_size", "num_hidden_layers") if k not in config]
         if missing:
@@ -107,6 +114,7 @@ class ModelSpec:
             vocab=config["vocab_size"],
             layers=config["num_hidden_layers"],
             tied=bool(config.get("tie_word_embeddings", False)),
+            model_type=family.model_type,
             config=dict(config),
         )
 

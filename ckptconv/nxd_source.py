@@ -21,6 +21,7 @@ from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, a
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_masters import nxd_masters, nxdtrain_masters
 from ckptconv.plan import Source
 
 
@@ -43,6 +44,8 @@ def open_nxd(
     hints: dict[str, Any] | None = None,
     io: str = "mmap",
     check: bool = True,
+    masters: bool | None = None,
+    prefer_masters: bool = False,
 ) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
@@ -50,13 +53,24 @@ def open_nxd(
     :class:`ckptconv.layout_flags.LayoutHints` also says how to name them and whether they may
     override): what ``ckptconv.json`` records wins, and a given value that contradicts it is refused.
 
+    ``masters`` (the fp32 master weights in a training tag's ``optim/``, see :mod:`ckptconv.nxd_masters`):
+    True reads them (an error where there are none), False the shards; None the shards, or the
+    masters where ``prefer_masters`` and they exist. An NxD tag whose model files hold no tensors
+    (``avoid_saving_lower_precision_weights``) is read from its masters unless ``masters`` is False.
+
     With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
     sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
     trusting what was read.
     """
     ckpt = NxdCheckpoint(src, io=io, check=check)
     try:
+        # NxD's masters before the checks (a masters-only tag has nothing else to check), nxdtrain's after
+        # (ckptconv.json records the shards' dtype, not the masters')
+        weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check)
         spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints))
+        notes[1:1] = weights
+        notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters, spec=spec, layout=layout,
+                                  with_inv_freq=with_inv_freq)
     except BaseException:
         ckpt.close()  # refused: no file stays open
         raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class Piece:
 
     ``row_perm`` (rows only): the rows are taken in periods of ``len(row_perm)``, output row ``i``
     of each period being source row ``row_perm[i]`` of it (TorchTitan's RoPE order of a head).
+    ``zeros``: ``stop - start`` zero rows (vocabulary padding); ``source`` only names a tensor of the dtype.
     """
 
     source: Source
@@ -48,6 +50,7 @@ class Piece:
     stop: int
     alternates: tuple[Piece, ...] = ()
     row_perm: tuple[int, ...] = ()
+    zeros: bool = False
 
     @property
     def length(self) -> int:
@@ -88,6 +91,7 @@ class OutFile:
     path: str                    # relative to the output root
     format: str                  # "torch" (torch.save zip) or "safetensors"
     tensors: tuple[OutTensor, ...]
+    plain: tuple[tuple[str, Any], ...] = ()  # torch files: plain values stored before the tensors
 
     @property
     def nbytes(self) -> int:
@@ -166,7 +170,7 @@ def _out_tensor(
     source_of: Callable[[str], Source],
 ) -> OutTensor:
     first = record.segments[0].hf_key
-    pieces = tuple(Piece(source_of(s.hf_key), s.start, s.stop) for s in record.segments)
+    pieces = tuple(Piece(source_of(s.hf_key), s.start, s.stop, zeros=s.pad) for s in record.segments)
     return OutTensor(
         key=record.key,
         dtype=dtype_policy(record.key, dtypes[first]),
@@ -200,8 +204,9 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
         for record in records:
             offset = 0
             for seg in record.segments:
-                piece = Piece(Source(file, record.key), offset, offset + seg.length)
-                out[seg.hf_key].append(_Placement(seg.hf_key, record.dim, seg.start, seg.stop, piece))
+                if not seg.pad:  # padding rows are no HF range
+                    piece = Piece(Source(file, record.key), offset, offset + seg.length)
+                    out[seg.hf_key].append(_Placement(seg.hf_key, record.dim, seg.start, seg.stop, piece))
                 offset += seg.length
     return out
 
@@ -387,6 +392,9 @@ def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece
     pieces: list[Piece] = []
     for piece in tensor.pieces:
         dim, old_pieces = tiles[piece.source.key]
+        if piece.zeros:  # padding: read nothing, but name a source the new reader has (for the dtype)
+            pieces.append(Piece(old_pieces[0].source, piece.start, piece.stop, zeros=True))
+            continue
         if dim is None:
             (whole,) = old_pieces
             pieces.append(Piece(whole.source, piece.start, piece.stop, row_perm=piece.row_perm))
@@ -413,7 +421,8 @@ def _merge(pieces: list[Piece]) -> tuple[Piece, ...]:
     out: list[Piece] = []
     for p in pieces:
         last = out[-1] if out else None
-        if last is not None and last.source == p.source and last.stop == p.start and last.row_perm == p.row_perm:
+        if (last is not None and last.source == p.source and last.stop == p.start and last.row_perm == p.row_perm
+                and not (last.zeros or p.zeros)):
             out[-1] = Piece(p.source, last.start, p.stop, row_perm=p.row_perm)
         else:
             out.append(p)

@@ -144,8 +144,11 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
     """The model keys TorchTitan's llama3 saves for ``spec``, in its state_dict order.
 
     A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
-    names in TorchTitan; two copies in DCP), both from HF's embedding.
+    names in TorchTitan; two copies in DCP), both from HF's embedding. Only the Llama family maps onto it.
     """
+    if spec.family.model_type != "llama":
+        raise ConversionError(f"TorchTitan DCP: only TorchTitan's {TITAN_MODEL} model is supported, not "
+                              f"{spec.family.name} (model_type {spec.family.model_type!r})")
     shapes = hf_shapes(spec, with_inv_freq=False)
     rules = [*GLOBAL_HEAD, *(NameRule(r.hf.format(n), r.titan.format(n), r.rope)
                              for n in range(spec.layers) for r in LAYER_RULES), *GLOBAL_TAIL]

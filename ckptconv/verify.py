@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,19 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
-from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, q_heads, stores_lm_head
+from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, kv_heads, q_heads, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
-from ckptconv.reference import attention_heads, dense_layer, mlp, rms_norm, rope_cos_sin, rope_inv_freq
+from ckptconv.reference import (
+    attention_heads,
+    dense_layer,
+    layer_attention_extras,
+    mlp,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32
 # When the shards were cast (e.g. fp32 HF -> bf16 shards) the weights themselves differ by the cast.
@@ -85,17 +94,11 @@ class _Shards:
         prefix = f"model.layers.{layer}."
         t = lambda name: self.tensor(file, prefix + name)  # noqa: E731
         n_rows = self.spec.heads // self.layout.tp * self.spec.head_dim
-        w: dict[str, torch.Tensor] = {}
-        if self.layout.attention is Attention.QKV_LINEAR and self.layout.fuse_qkv:
-            qkv = t("self_attn.qkv_proj.weight_qkv")
-            kv_rows = (qkv.shape[0] - n_rows) // 2  # the runtime splits by head counts
-            w["q"], w["k"], w["v"] = qkv.split([n_rows, kv_rows, kv_rows])
-        elif self.layout.attention is Attention.QKV_LINEAR:
-            w["q"], w["k"], w["v"] = (t(f"self_attn.qkv_proj.weight_{p}") for p in "qkv")
-        elif self.layout.attention is Attention.COALESCED:
-            w["q"], w["k"], w["v"] = t("self_attn.qkv_proj.weight").chunk(3)
-        else:
-            w["q"], w["k"], w["v"] = (t(f"self_attn.{p}_proj.weight") for p in "qkv")
+        w = self._qkv(t, n_rows, "weight")
+        if self.spec.family.qkv_bias:
+            w.update({"b" + part: value for part, value in self._qkv(t, n_rows, "bias").items()})
+        if self.spec.family.qk_norm:
+            w["q_norm"], w["k_norm"] = t("self_attn.q_norm.weight"), t("self_attn.k_norm.weight")
         if w["q"].shape[0] != n_rows:
             raise ConversionError(
                 f"{self.ckpt.files[file]}: layer {layer} holds {w['q'].shape[0]} Q rows on rank {rank}, "
@@ -106,6 +109,31 @@ class _Shards:
         w["down"] = t("mlp.down_proj.weight")
         w["ln1"], w["ln2"] = t("input_layernorm.weight"), t("post_attention_layernorm.weight")
         return w
+
+    def _qkv(self, t: Callable[[str], torch.Tensor], n_rows: int, kind: str) -> dict[str, torch.Tensor]:
+        """q/k/v weights (``kind`` weight) or biases (bias) of one rank, split as the runtime splits them."""
+        w: dict[str, torch.Tensor] = {}
+        if self.layout.attention is Attention.QKV_LINEAR and self.layout.fuse_qkv:
+            qkv = t(f"self_attn.qkv_proj.{kind}_qkv")
+            kv_rows = (qkv.shape[0] - n_rows) // 2  # the runtime splits by head counts
+            w["q"], w["k"], w["v"] = qkv.split([n_rows, kv_rows, kv_rows])
+        elif self.layout.attention is Attention.QKV_LINEAR:
+            w["q"], w["k"], w["v"] = (t(f"self_attn.qkv_proj.{kind}_{p}") for p in "qkv")
+        elif self.layout.attention is Attention.COALESCED:
+            w["q"], w["k"], w["v"] = t(f"self_attn.qkv_proj.{kind}").chunk(3)
+        else:
+            w["q"], w["k"], w["v"] = (t(f"self_attn.{p}_proj.{kind}") for p in "qkv")
+        return w
+
+
+def _rank_extras(w: dict[str, torch.Tensor], eps: float) -> dict[str, Any]:
+    """A rank's optional attention inputs (biases, q/k norms), in :func:`attention_heads`' keywords."""
+    extras: dict[str, Any] = {}
+    if "bq" in w:
+        extras["bias"] = (w["bq"], w["bk"], w["bv"])
+    if "q_norm" in w:
+        extras["qk_norm"] = (w["q_norm"], w["k_norm"], eps)
+    return extras
 
 
 def _hf_layer(hf: HfCheckpoint, layer: int) -> dict[str, torch.Tensor]:
@@ -122,26 +150,33 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
     spec, layout = shards.spec, shards.layout
     config, hd = spec.config, spec.head_dim
     eps = float(config.get("rms_norm_eps", 1e-6))
-    dense = dense_layer(x, hf_w, config, hd)
+    window = spec.window
+    dense = dense_layer(x, hf_w, config, hd, window=window)
     cos, sin = rope_cos_sin(rope_inv_freq(config, hd), x.shape[1])
     h = rms_norm(x, hf_w["input_layernorm.weight"], eps)
     dense_heads = attention_heads(h, hf_w["self_attn.q_proj.weight"], hf_w["self_attn.k_proj.weight"],
-                                  hf_w["self_attn.v_proj.weight"], hd, cos, sin).view(*x.shape[:2], spec.heads, hd)
+                                  hf_w["self_attn.v_proj.weight"], hd, cos, sin, window=window,
+                                  **layer_attention_extras(hf_w, eps)).view(*x.shape[:2], spec.heads, hd)
     x1 = x + dense["attention"]
     h2 = rms_norm(x1, hf_w["post_attention_layernorm.weight"], eps)
     attn_sum = torch.zeros_like(x)
     mlp_sum = torch.zeros_like(x)
-    bad: dict[str, list[int]] = {"attention": [], "o_proj": [], "mlp": [], "norms": []}
+    bad: dict[str, list[int]] = {"attention": [], "o_proj": [], "biases": [], "mlp": [], "norms": []}
     chunk = spec.intermediate // layout.tp
     for rank in range(layout.tp):
         w = shards.layer(layer, rank)
         if not (_close(w["ln1"], hf_w["input_layernorm.weight"], tol) and _close(w["ln2"], hf_w["post_attention_layernorm.weight"], tol)):
             bad["norms"].append(rank)
+        if "q_norm" in w and not (_close(w["q_norm"], hf_w["self_attn.q_norm.weight"], tol)
+                                  and _close(w["k_norm"], hf_w["self_attn.k_norm.weight"], tol)):
+            bad["norms"].append(rank)
         h_r = rms_norm(x, w["ln1"], eps)
-        attn_r = attention_heads(h_r, w["q"], w["k"], w["v"], hd, cos, sin)
+        attn_r = attention_heads(h_r, w["q"], w["k"], w["v"], hd, cos, sin, window=window, **_rank_extras(w, eps))
         attn_sum += attn_r @ w["o"].t()
         # Diagnose against the heads this layout says the rank holds.
         heads = _claimed_q_heads(spec, layout, rank)
+        if "bq" in w and not _biases_match(w, hf_w, spec, layout, rank, tol):
+            bad["biases"].append(rank)
         expected_attn = dense_heads[:, :, heads].reshape(*x.shape[:2], -1)
         if not _close(attn_r, expected_attn, tol):
             bad["attention"].append(rank)
@@ -161,8 +196,9 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
         _compare("mlp", mlp_sum, dense["mlp"]),
         _compare("output", x + attn_sum + mlp_sum, dense["output"]),
     ]
-    checks[0].ranks = sorted(set(bad["attention"]) | set(bad["o_proj"]))
-    checks[0].detail = _blame(bad, ("attention", "Q/K/V heads"), ("o_proj", "o_proj columns"), ("norms", "norm weights"))
+    checks[0].ranks = sorted(set(bad["attention"]) | set(bad["o_proj"]) | set(bad["biases"]))
+    checks[0].detail = _blame(bad, ("attention", "Q/K/V heads"), ("biases", "q/k/v biases"),
+                              ("o_proj", "o_proj columns"), ("norms", "norm weights"))
     checks[1].ranks = bad["mlp"]
     checks[1].detail = _blame(bad, ("mlp", "gate_up/down blocks"))
     if bad["norms"]:
@@ -177,6 +213,27 @@ def _claimed_q_heads(spec: ModelSpec, layout: ParallelLayout, rank: int) -> list
     return list(range(rank * n, (rank + 1) * n))
 
 
+def _claimed_kv_heads(spec: ModelSpec, layout: ParallelLayout, rank: int) -> list[int]:
+    if layout.attention is Attention.QKV_LINEAR:
+        return kv_heads(spec, layout, rank)
+    n = spec.kv_heads // layout.tp if layout.attention is Attention.SEPARATE else spec.heads // layout.tp
+    return list(range(rank * n, (rank + 1) * n))
+
+
+def _rows(heads: list[int], head_dim: int) -> torch.Tensor:
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+
+
+def _biases_match(w: dict[str, torch.Tensor], hf_w: dict[str, torch.Tensor], spec: ModelSpec,
+                  layout: ParallelLayout, rank: int, tol: float) -> bool:
+    """The rank's q/k/v biases are the HF bias rows of the heads the layout says it holds."""
+    q_rows = _rows(_claimed_q_heads(spec, layout, rank), spec.head_dim)
+    kv_rows = _rows(_claimed_kv_heads(spec, layout, rank), spec.head_dim)
+    return (_close(w["bq"], hf_w["self_attn.q_proj.bias"][q_rows], tol)
+            and _close(w["bk"], hf_w["self_attn.k_proj.bias"][kv_rows], tol)
+            and _close(w["bv"], hf_w["self_attn.v_proj.bias"][kv_rows], tol))
+
+
 def _blame(bad: dict[str, list[int]], *parts: tuple[str, str]) -> str:
     return "; ".join(f"{label} differ on rank(s) {', '.join(map(str, bad[k]))}" for k, label in parts if bad[k])
 
@@ -187,7 +244,7 @@ def _check_vocab(hf: HfCheckpoint, shards: _Shards, generator: torch.Generator) 
     full = lambda key: hf.read_rows(Source(None, key), 0, hf.info(Source(None, key))[1][0]).float()  # noqa: E731
     embed = full(EMBED)
     ids = torch.randint(0, spec.vocab, (2, 16), generator=generator)
-    per = spec.vocab // layout.tp
+    per = layout.vocab_rows(spec) // layout.tp  # padding rows (if any) are never looked up
     lookup = torch.zeros(2, 16, spec.hidden)
     for rank in range(layout.tp):
         local = shards.tensor(shards.file(rank, 0), EMBED)
@@ -204,7 +261,7 @@ def _check_vocab(hf: HfCheckpoint, shards: _Shards, generator: torch.Generator) 
         head_of = {r: (shards.file(r, 0), EMBED) for r in range(layout.tp)}
     logits = torch.cat(
         [rms_norm(x, shards.tensor(shards.file(r, last), FINAL_NORM), eps) @ shards.tensor(*head_of[r]).t()
-         for r in range(layout.tp)], dim=-1)
+         for r in range(layout.tp)], dim=-1)[..., :spec.vocab]  # padding logits are masked wherever used
     checks.append(_compare("lm_head", logits, expected))
     return checks
 
@@ -232,8 +289,12 @@ def verify(
     files: bool = False,
     revision: str | None = None,
     check: bool = True,
+    masters: bool | None = None,
 ) -> dict[str, Any]:
     """Compare the sharded computation with the dense HF one; see the module docstring.
+
+    ``masters=True``: check the fp32 master weights in the tag's ``optim/`` instead of the shards (see
+    :func:`ckptconv.nxd_source.open_nxd`; NxD's are read without asking when the model files hold none).
 
     ``hf_dir`` may be a hub id ``org/name`` (``revision``: branch, tag or commit), see :mod:`ckptconv.hub`.
 
@@ -244,7 +305,7 @@ def verify(
     from ckptconv.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
-    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check)
+    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []

@@ -3,7 +3,8 @@
 A tag ``<checkpoint_dir>/step_<N>/`` holds::
 
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   one shard per (tp, pp), written by ckptconv.io.nxd.save_shard
-    optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state (+ fp32 masters with bf16); DD > 0 only with ZeRO-1
+    optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state by parameter name (+ fp32 masters with bf16; the
+                                                format of ckptconv.training_state); DD > 0 only with ZeRO-1
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
     ckptconv.json                               layout, flavour, dtype, size + digest of every file
@@ -12,7 +13,8 @@ A tag ``<checkpoint_dir>/step_<N>/`` holds::
 Resume rules (``--resume PATH``): a directory with ``model/`` but no ``optim/`` (what ``ckptconv
 to-nxd`` writes) gives weights only, step 0 and a fresh optimizer; a checkpoint root gives its
 newest completed tag, full state; a tag directory gives that tag, full state; ``--weights-only``
-forces the first. A missing PATH, or a tag without ``done``, is an error. ``--resume auto`` (what a
+forces the first. A missing PATH, or a tag without ``done``, is an error. Shards (and optimizer state) of
+another layout, dp size or ZeRO-1 setting are resharded on load (:mod:`nxdtrain.restore`). ``--resume auto`` (what a
 requeued job passes every time) takes the newest completed tag in ``--checkpoint-dir`` when there is one,
 else ``--init PATH`` by the same rules (:func:`resolve_start`).
 """
@@ -54,6 +56,7 @@ from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
+from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.continuity import recorded_run
 from nxdtrain.device import to_host
@@ -61,9 +64,7 @@ from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
 from nxdtrain.preflight import check_model_config, check_writable
 
-OPTIM_DIR = "optim"
 MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
-SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 
 
 @dataclass(frozen=True)
@@ -169,37 +170,70 @@ def damaged(exc: ConversionError) -> str:
     return str(exc)
 
 
-def run_layout(cfg: ParallelConfig, shards: ParallelLayout) -> ParallelLayout:
-    """The run's layout: tp/pp from the flags; attention, fusion and kvm from the flags or else the shards."""
+def run_layout(cfg: ParallelConfig, shards: ParallelLayout, spec: ModelSpec) -> ParallelLayout:
+    """The run's layout: tp/pp from the flags; attention, fusion and kvm from the flags or else the shards
+    (kvm: the shards' at their tp, else what the run's tp needs: tp / kv heads when tp > kv heads)."""
     if cfg.qkv_linear is None:
         attention = shards.attention
     elif cfg.qkv_linear:
         attention = Attention.QKV_LINEAR
     else:
         attention = shards.attention if shards.attention is not Attention.QKV_LINEAR else Attention.SEPARATE
+    kvm = cfg.kv_replicator
+    if kvm is None:
+        needed = cfg.tp // spec.kv_heads if attention is Attention.QKV_LINEAR and cfg.tp > spec.kv_heads else 1
+        kvm = shards.kvm if cfg.tp == shards.tp and attention is shards.attention else needed
     return ParallelLayout(
-        tp=cfg.tp, pp=cfg.pp, vpp=1,
-        kvm=shards.kvm if cfg.kv_replicator is None else cfg.kv_replicator,
-        attention=attention,
+        tp=cfg.tp, pp=cfg.pp, vpp=1, kvm=kvm, attention=attention,
         fuse_qkv=(shards.fuse_qkv and attention is Attention.QKV_LINEAR) if cfg.fuse_qkv is None else cfg.fuse_qkv,
         hw=shards.hw, trn2_kv_layout=shards.trn2_kv_layout,
+        padded_vocab=shards.padded_vocab if cfg.tp == shards.tp else None,  # else: reshard (check_layout says so)
     )
 
 
-def check_layout(source: ResumeSource, run: ParallelLayout) -> None:
-    """Fail with the reshard command when the shards were cut for another layout."""
-    fields = ("tp", "pp", "vpp", "kvm", "attention", "fuse_qkv")
-    if all(getattr(source.layout, f) == getattr(run, f) for f in fields):
-        return
-    flags = f"--tp {run.tp} --pp {run.pp}"
-    if run.attention is Attention.QKV_LINEAR:
-        flags += f" --qkv-linear --kv-size-multiplier {run.kvm}" + (" --fuse-qkv" if run.fuse_qkv else " --no-fuse-qkv")
-    else:
-        flags += " --coalesce-qkv" if run.attention is Attention.COALESCED else " --no-qkv-linear"
-    target = f"{source.root}-tp{run.tp}-pp{run.pp}"
-    raise TrainError(f"{source.flag} {source.given}: shards are {describe(source.layout)}, this run is "
-                     f"{describe(run)}; reshard first: ckptconv reshard {source.root} {target} {flags} (then "
-                     f"{source.flag} {target})")
+LAYOUT_FIELDS = ("tp", "pp", "vpp", "kvm", "attention", "fuse_qkv")
+
+
+def same_layout(shards: ParallelLayout, run: ParallelLayout) -> bool:
+    """Whether the shards are this run's own (else each rank reads its shard through the reshard plan)."""
+    return all(getattr(shards, f) == getattr(run, f) for f in LAYOUT_FIELDS)
+
+
+def describe_zero1(on: bool, size: int) -> str:
+    return f"ZeRO-1 over {size} dp rank{'s' if size != 1 else ''}" if on else "no ZeRO-1"
+
+
+def resume_notes(source: ResumeSource, run: ParallelLayout, state: TrainingState | None, *, zero1: bool, dp: int,
+                 world: int, optimizer: str) -> list[str]:
+    """What a resume reshards on load, and what it cannot carry exactly: one line each, printed before any step."""
+    notes = []
+    weights = not same_layout(source.layout, run)
+    optim = state is not None and (bool(state.options.get("zero1")), saved_dp(source)) != (zero1, dp if zero1 else 1)
+    if weights or optim:
+        what = "weights" + (" and optimizer state" if state is not None else "")
+        old = describe(source.layout) + ("" if state is None else
+                                         f", {describe_zero1(bool(state.options.get('zero1')), saved_dp(source))}")
+        new = describe(run) + ("" if state is None else f", {describe_zero1(zero1, dp)}")
+        notes.append(f"resharding on load ({what}, each rank reads its slices of the tag): {old} -> {new}")
+    saved_optimizer = state.options.get("optimizer") if state is not None else None
+    if saved_optimizer is not None and saved_optimizer != optimizer:
+        notes.append(f"not carried: the tag's {saved_optimizer} state (this run is --optimizer {optimizer}; it starts "
+                     "its own state at the tag's weights and step)")
+    if state is not None and len(state.rng) != world:
+        saved_by = f"saved by a world of {len(state.rng)}" if state.rng else "not in the tag"
+        notes.append(f"not carried exactly: RNG states ({saved_by}, this run has {world} ranks; "
+                     "training draws no random numbers, so the steps are unchanged); the data continues at sample "
+                     f"{state.consumed_samples}: a global batch is the same rows whatever dp is, each dp rank takes "
+                     "its share")
+    return notes
+
+
+def saved_dp(source: ResumeSource) -> int:
+    """How many dp ranks' optimizer files the tag holds (1 without ZeRO-1)."""
+    count = 0
+    while optim_file(source.root, tp_rank=0, pp_rank=0, dp_rank=count).is_file():
+        count += 1
+    return max(count, 1)
 
 
 def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
@@ -267,31 +301,6 @@ def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> Traini
     loss = user.get("loss")
     return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])), dict(user.get("options", {})),
                          run, missing, float(loss) if isinstance(loss, (int, float)) else None)
-
-
-def check_optimizer_layout(source: ResumeSource, state: TrainingState, *, zero1: bool, dp: int) -> None:
-    """Refuse, before any process starts, a resume whose ZeRO-1 optimizer partition does not fit this run.
-
-    ZeRO-1 state is one file per data-parallel rank: it can only be loaded with ``--zero1`` over the same
-    number of dp ranks. Without ZeRO-1 the one copy (dp rank 0's) fits any dp. With context parallelism ZeRO-1
-    shards over dp x cp and ``dp`` is that product (the files' dp index is the dp x cp one): a dp 1 x cp 2 state
-    loads at dp 2 x cp 1 and back.
-    """
-    saved_dp = 0  # ZeRO-1 partitions saved: dp ranks 0, 1, ... of the first stage's first tp rank
-    while optim_file(source.root, tp_rank=0, pp_rank=0, dp_rank=saved_dp).is_file():
-        saved_dp += 1
-    saved_zero1 = bool(state.options.get("zero1", False))
-    saved = (saved_zero1, saved_dp if saved_zero1 else 1)
-    if saved == (zero1, dp if zero1 else 1):
-        return
-
-    def describe_zero1(on: bool, size: int) -> str:
-        return f"with --zero1 over {size} dp rank{'s' if size != 1 else ''}" if on else "without --zero1"
-
-    hint = (f"--zero1 with a data-parallel size of {saved[1]}" if saved_zero1 else "no --zero1")
-    raise TrainError(f"{source.flag} {source.given}: optimizer state in {source.root} was saved {describe_zero1(*saved)}, "
-                     f"this run is {describe_zero1(zero1, dp)}; resume with {hint}, or with --weights-only "
-                     "(weights only, fresh optimizer)")
 
 
 # --------------------------------------------------------------------------------------------

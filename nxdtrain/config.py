@@ -53,7 +53,8 @@ class ParallelConfig:
 
     tp: int = option(1, "tensor-parallel degree (must equal the shards' tp)")
     pp: int = option(1, "pipeline-parallel degree (must equal the shards' pp)")
-    kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards'",
+    kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards' at "
+                                       "their tp, else tp / kv heads",
                                        aliases=("--kv-size-multiplier",))
     qkv_linear: bool | None = option(None, "GQA QKV layer (weight_q/k/v or weight_qkv); default: the shards'")
     fuse_qkv: bool | None = option(None, "fused weight_qkv (needs qkv_linear); default: the shards'")

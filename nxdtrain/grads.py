@@ -2,7 +2,8 @@
 
 After the backward of all microbatches each rank holds the gradient of its own loss terms.
 Three sums make them the gradient of the global-batch loss (four with sequence parallelism,
-where step 0 sums the norm weights' gradients over tp: each rank saw only its sequence slice):
+where step 0 sums the norm weights' gradients over tp: each rank saw only its sequence slice; also
+without it for per-head q/k norms, of which each rank saw only its own heads):
 
 1. K/V replicas (kv_size_multiplier > 1): the tp ranks holding the same K/V head each saw only
    their own Q heads; the sum over the replica group is the head's full gradient, and every
@@ -39,7 +40,7 @@ class GradPlan:
     tied_names: tuple[str, ...] = ()  # ("model.embed_tokens.weight",) on the first stage, lm_head on the last; both if pp == 1
     uncounted: dict[str, list[Rows]] = field(default_factory=dict)  # rows left out of the norm here (empty list: all)
     seq_group: Any = None           # tp group, with sequence parallelism
-    seq_names: tuple[str, ...] = ()  # norm weights: summed over seq_group
+    seq_names: tuple[str, ...] = ()  # norm weights (SP) or per-head q/k norms: summed over seq_group
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:

@@ -1,4 +1,4 @@
-"""One pipeline stage of a tensor-parallel Llama whose ``state_dict()`` is exactly one NxD shard.
+"""One pipeline stage of a tensor-parallel decoder (any family of ``ckptconv.families``) whose ``state_dict()`` is exactly one NxD shard.
 
 Which heads, rows and layers a (tp, pp) rank holds is asked from ``ckptconv.mapping`` (the single
 source of truth for the GQA head order); this module only builds layers of those sizes. Each
@@ -30,6 +30,7 @@ from ckptconv.layout import Attention as AttentionMode
 from ckptconv.layout import ParallelLayout, layer_pp_ranks
 from ckptconv.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
 from ckptconv.model_spec import ModelSpec
+from ckptconv.reference import causal_attention, rms_norm
 from nxdtrain.context_parallel import CpGroup, zigzag_positions
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel import (
@@ -74,10 +75,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _InvFreq(nn.Module):
@@ -105,17 +103,24 @@ class SelfAttention(nn.Module):
         n, m = len(heads.q), len(heads.kv)
         self.shape = (n, m, hd)
         self.scaling = hd ** -0.5
+        self.window = spec.window  # family: sliding attention window (None: full causal)
         self.separate = layout.attention is AttentionMode.SEPARATE
+        bias = spec.family.qkv_bias  # family: q/k/v biases (Qwen2), split like their weight rows
         self.qkv_proj: ColumnParallelLinear | GQAQKVColumnParallelLinear  # absent with separate q/k/v
         if self.separate:
-            self.q_proj = ColumnParallelLinear(hidden, n * hd, tp, dtype=dtype)
-            self.k_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
-            self.v_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(hidden, n * hd, tp, dtype=dtype, bias=bias)
+            self.k_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype, bias=bias)
+            self.v_proj = ColumnParallelLinear(hidden, m * hd, tp, dtype=dtype, bias=bias)
         elif layout.attention is AttentionMode.COALESCED:
-            self.qkv_proj = ColumnParallelLinear(hidden, (n + 2 * m) * hd, tp, dtype=dtype)
+            self.qkv_proj = ColumnParallelLinear(hidden, (n + 2 * m) * hd, tp, dtype=dtype, bias=bias)
         else:
-            self.qkv_proj = GQAQKVColumnParallelLinear(hidden, n * hd, m * hd, tp, fuse=layout.fuse_qkv, dtype=dtype)
+            self.qkv_proj = GQAQKVColumnParallelLinear(hidden, n * hd, m * hd, tp, fuse=layout.fuse_qkv, dtype=dtype,
+                                                       bias=bias)
         self.o_proj = RowParallelLinear(n * hd, hidden, tp, dtype=dtype)
+        self.qk_norm = spec.family.qk_norm  # family: per-head q/k RMSNorm before RoPE (Qwen3), replicated
+        if self.qk_norm:
+            eps = float(spec.config.get("rms_norm_eps", 1e-6))
+            self.q_norm, self.k_norm = RMSNorm(hd, eps, dtype), RMSNorm(hd, eps, dtype)
         if carried_inv_freq is not None:
             self.rotary_emb = _InvFreq(carried_inv_freq)
         # The K/V head each local Q head attends with (GQA: global head h uses K/V head h // group).
@@ -149,6 +154,8 @@ class SelfAttention(nn.Module):
         q = q.view(batch, seq, n, hd).transpose(1, 2)
         k = k.view(batch, seq, m, hd).transpose(1, 2)
         v = v.view(batch, seq, m, hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
         out = maybe_checkpoint(self.recompute_core, self._core, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, n * hd))
@@ -159,16 +166,18 @@ class SelfAttention(nn.Module):
             return ring_attention(q, k, v, self.cp, scale=self.scaling, kv_index=self.kv_index if self.expand_kv else None)
         if self.expand_kv:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        return causal_attention(q, k, v, scale=self.scaling, window=self.window)
 
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
         n, m, hd = self.shape
         if self.separate:
-            return [(self.k_proj.weight, slice(0, m * hd)), (self.v_proj.weight, slice(0, m * hd))]
-        if isinstance(self.qkv_proj, GQAQKVColumnParallelLinear):
+            layers, rows = [self.k_proj, self.v_proj], slice(0, m * hd)
+        elif isinstance(self.qkv_proj, GQAQKVColumnParallelLinear):
             return self.qkv_proj.kv_rows()
-        return [(self.qkv_proj.weight, slice(n * hd, (n + 2 * m) * hd))]
+        else:
+            layers, rows = [self.qkv_proj], slice(n * hd, (n + 2 * m) * hd)
+        return [(p, rows) for layer in layers for p in (layer.weight, layer.bias) if p is not None]
 
 
 class MLP(nn.Module):
@@ -230,6 +239,7 @@ class LlamaStage(nn.Module):
 
     rope_inv_freq: torch.Tensor
     lm_head: ColumnParallelLinear
+    vocab_padding: torch.Tensor | None
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
                  with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none",
@@ -246,20 +256,23 @@ class LlamaStage(nn.Module):
         self.with_inv_freq = with_inv_freq
         self.is_first, self.is_last = pp_rank == 0, pp_rank == layout.pp - 1
         eps = _check_arch(spec.config)
-        self.register_buffer("rope_inv_freq", inv_freq(spec.config), persistent=False)
+        self.register_buffer("rope_inv_freq", inv_freq(spec.config, spec.head_dim), persistent=False)
         heads = rank_heads(spec, layout, tp.rank)
         carried = self.rope_inv_freq if with_inv_freq else None
         self.layer_ids = [i for i, owner in enumerate(layer_pp_ranks(spec.layers, layout)) if owner == pp_rank]
         self.model = _Body()
+        vocab_local = layout.vocab_rows(spec) // tp.size  # padded to a multiple of tp: zero rows, masked logits
         if self.is_first:
-            self.model.embed_tokens = ParallelEmbedding(spec.vocab // tp.size, spec.hidden, tp, dtype=dtype)
+            self.model.embed_tokens = ParallelEmbedding(vocab_local, spec.hidden, tp, dtype=dtype)
         self.model.layers = nn.ModuleDict({
             str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried, cp=cp)
             for i in self.layer_ids
         })
         if self.is_last:
             self.model.norm = RMSNorm(spec.hidden, eps, dtype)
-            self.lm_head = ColumnParallelLinear(spec.hidden, spec.vocab // tp.size, tp, dtype=dtype)
+            self.lm_head = ColumnParallelLinear(spec.hidden, vocab_local, tp, dtype=dtype)
+            padding = torch.arange(tp.rank * vocab_local, (tp.rank + 1) * vocab_local) >= spec.vocab
+            self.register_buffer("vocab_padding", padding if bool(padding.any()) else None, persistent=False)
         self._check_matches_shard()
         for attn in self.attention_layers():
             attn.recompute_core = recompute == "selective"
@@ -282,7 +295,10 @@ class LlamaStage(nn.Module):
         for layer in self.model.layers.values():
             h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin)
         if self.is_last:
-            return self.lm_head(self.model.norm(h))
+            logits = self.lm_head(self.model.norm(h))
+            if self.vocab_padding is not None:  # padding rows never win the softmax (and get no gradient)
+                logits = logits.masked_fill(self.vocab_padding, torch.finfo(logits.dtype).min)
+            return logits
         return h
 
     # ------------------------------------------------------------------ shard I/O
@@ -318,5 +334,10 @@ class LlamaStage(nn.Module):
             yield layer.self_attn
 
     def tp_replicated(self) -> list[str]:
-        """Parameters every tp rank holds whole (their gradients are equal on all tp ranks)."""
+        """Parameters every tp rank holds whole (norm weights, per-head q/k norms included)."""
         return [name for name, _ in self.named_parameters() if name.endswith("norm.weight")]
+
+    def tp_partial(self) -> list[str]:
+        """Replicated parameters whose gradient each tp rank holds only its heads' part of (per-head q/k norms:
+        summed over tp)."""
+        return [name for name, _ in self.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight"))]

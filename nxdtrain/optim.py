@@ -16,17 +16,17 @@ torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ckptconv import training_state
 from nxdtrain.config import NXDT_SCHEDULES, OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.schedules import nxdt_lr
-
-STATE_FORMAT = 1
 
 
 def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
@@ -97,6 +97,7 @@ class Optimizer:
             self.master = self.params
         groups = param_groups([(n, self.master[n]) for n in self.names], cfg.weight_decay)
         self.zero = zero_group is not None
+        self.zero_group = zero_group
         self.zero_size = dist.get_world_size(zero_group) if self.zero else 1
         self.capturable = capturable
         self.torch_optimizer = make_torch_optimizer(groups, cfg, lr=cfg.lr, zero_group=zero_group,
@@ -144,30 +145,64 @@ class Optimizer:
         """The optimizer holding this rank's state (ZeRO's local partition, or the whole one)."""
         return self.torch_optimizer.optim if self.zero else self.torch_optimizer  # type: ignore[attr-defined]
 
+    def _owned(self) -> list[list[str]]:
+        """Per param group, the names whose state this rank's optimizer holds, in its order."""
+        name_of = {id(self.master[n]): n for n in self.names}
+        return [[name_of[id(p)] for p in group["params"]] for group in self._local().param_groups]
+
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors and numbers only (loadable with ``torch.load(weights_only=True)``)."""
-        state: dict[str, Any] = {"format": STATE_FORMAT, "names": list(self.names), "zero1": self.zero,
-                                 "zero_size": self.zero_size, "optimizer": self._local().state_dict()}
+        """This rank's state in the neutral form (:mod:`ckptconv.training_state`, format 2): plain data and
+        tensors keyed by parameter name, loadable with ``torch.load(weights_only=True)``. With ZeRO-1 each
+        dp rank saves the state, and the fp32 masters, of the parameters it owns."""
+        local = self._local().state_dict()
+        owned = [n for group in self._owned() for n in group]
+        state: dict[str, Any] = {
+            "format": training_state.FORMAT, "names": list(self.names), "zero1": self.zero,
+            "zero_size": self.zero_size, "dp_rank": dist.get_rank(self.zero_group) if self.zero else 0,
+            "owned": owned,
+            "param_groups": [training_state.plain_group(g) for g in local["param_groups"]],
+        }
+        for index, name in enumerate(owned):  # torch numbers parameters in group order
+            for component, value in local["state"].get(index, {}).items():
+                state[training_state.state_key(name, component)] = value
         if self.mixed:
-            state["master"] = {n: self.master[n].detach().clone() for n in self.names}
+            for name in owned:
+                state[training_state.state_key(name, training_state.MASTER)] = self.master[name].detach().clone()
         return state
 
-    def load_state_dict(self, state: dict[str, Any], source: str) -> None:
-        if state.get("format") != STATE_FORMAT or state.get("names") != self.names:
-            raise TrainError(f"{source}: optimizer state is for other parameters than this stage's "
-                             "(different model or layout); resume with --weights-only")
-        if bool(state.get("zero1")) != self.zero or state.get("zero_size", 1) != self.zero_size:
-            saved = f"--zero1 over {state.get('zero_size')} dp ranks" if state.get("zero1") else "without --zero1"
-            mine = f"--zero1 over {self.zero_size} dp ranks" if self.zero else "without --zero1"
-            raise TrainError(f"{source}: optimizer state was saved {saved}, this run is {mine}; "
-                             "resume with the same setting or with --weights-only")
-        for group in state["optimizer"].get("param_groups", []):
-            if "capturable" in group:  # this device's setting, not the saver's (a tag moves between cpu and xla)
-                group["capturable"] = self.capturable
-        self._local().load_state_dict(state["optimizer"])
-        if "master" in state:
-            with torch.no_grad():
-                for name in self.names:
-                    self.master[name].copy_(state["master"][name])
+    def load_state(self, read: Callable[[str, str | None], dict[str, torch.Tensor]],
+                   param_groups: list[dict[str, Any]], *, same_optimizer: bool = True) -> None:
+        """Restore from the neutral form: ``read(name, only)`` gives a parameter's optimizer tensors by
+        component (``master`` among them when the tag has fp32 masters; just that one with ``only``),
+        already in this rank's layout. ``same_optimizer`` False (the tag was trained with another one): only the
+        masters are taken, the optimizer starts its own state (the resume says so)."""
+        local = self._local()
+        groups: list[dict[str, Any]] = []
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        index = 0
+        masters: dict[str, torch.Tensor] = {}
+        for g, names in enumerate(self._owned()):
+            hyper = dict(param_groups[g]) if g < len(param_groups) and same_optimizer else {}
+            if "capturable" in hyper:  # this device's setting, not the saver's (a tag moves between cpu and xla)
+                hyper["capturable"] = self.capturable
+            ids = []
+            for name in names:
+                found = read(name, None) if same_optimizer else read(name, training_state.MASTER)
+                if training_state.MASTER in found:
+                    masters[name] = found.pop(training_state.MASTER)
+                if found:  # in the parameter's memory layout, as torch's own zeros_like state would be
+                    state[index] = {c: torch.empty_like(self.master[name], dtype=t.dtype).copy_(t)
+                                    if t.shape == self.master[name].shape else t for c, t in found.items()}
+                ids.append(index)
+                index += 1
+            groups.append({**hyper, "params": ids})
+        if same_optimizer:
+            local.load_state_dict({"state": state, "param_groups": groups})
+        with torch.no_grad():
+            for name in self.names:
+                master = masters.pop(name) if name in masters else read(name, training_state.MASTER).get(
+                    training_state.MASTER)
+                if master is not None:
+                    self.master[name].copy_(master)
                     if self.mixed:
                         self.params[name].copy_(self.master[name])

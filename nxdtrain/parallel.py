@@ -80,20 +80,29 @@ def _empty(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(rows, cols, dtype=dtype))
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y_r = x @ W_r.T`` where ``W_r`` (``weight``, ``out_local x in``) is this rank's rows of W."""
+def _empty_bias(rows: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(rows, dtype=dtype))
 
-    def __init__(self, in_features: int, out_local: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32) -> None:
+
+class ColumnParallelLinear(nn.Module):
+    """``y_r = x @ W_r.T (+ b_r)`` where ``W_r`` (``weight``, ``out_local x in``) is this rank's rows of W and
+    ``b_r`` (``bias``, with ``bias=True``) the same rows of the bias."""
+
+    bias: nn.Parameter | None
+
+    def __init__(self, in_features: int, out_local: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32,
+                 bias: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.weight = _empty(out_local, in_features, dtype)
+        self.bias = _empty_bias(out_local, dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(enter_tp(x, self.tp))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The product alone, for an input that already went through :func:`enter_tp`."""
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -134,35 +143,42 @@ class GQAQKVColumnParallelLinear(nn.Module):
     """The GQA QKV layer: this rank's Q heads and its (possibly replicated) K/V heads.
 
     Parameters are ``weight_q``/``weight_k``/``weight_v`` or, with ``fuse``, one ``weight_qkv`` =
-    ``cat(weight_q, weight_k, weight_v)`` (rows ``q_rows``, ``kv_rows``, ``kv_rows``).
+    ``cat(weight_q, weight_k, weight_v)`` (rows ``q_rows``, ``kv_rows``, ``kv_rows``); with ``bias``, the biases
+    of the same rows ``bias_q``/``bias_k``/``bias_v`` or ``bias_qkv``.
     """
 
     def __init__(self, hidden: int, q_rows: int, kv_rows: int, tp: TpGroup, *, fuse: bool,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, bias: bool = False) -> None:
         super().__init__()
         self.tp = tp
         self.sizes = (q_rows, kv_rows, kv_rows)
-        self.fuse = fuse
-        if fuse:
-            self.weight_qkv = _empty(q_rows + 2 * kv_rows, hidden, dtype)
-        else:
-            self.weight_q = _empty(q_rows, hidden, dtype)
-            self.weight_k = _empty(kv_rows, hidden, dtype)
-            self.weight_v = _empty(kv_rows, hidden, dtype)
+        self.fuse, self.has_bias = fuse, bias
+        parts = ("qkv",) if fuse else ("q", "k", "v")
+        rows = (q_rows + 2 * kv_rows,) if fuse else self.sizes
+        for part, n in zip(parts, rows, strict=True):
+            setattr(self, f"weight_{part}", _empty(n, hidden, dtype))
+        for part, n in zip(parts, rows, strict=True):
+            if bias:
+                setattr(self, f"bias_{part}", _empty_bias(n, dtype))
+
+    def _linear(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        return F.linear(x, getattr(self, f"weight_{part}"), getattr(self, f"bias_{part}") if self.has_bias else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = enter_tp(x, self.tp)
         if self.fuse:
-            q, k, v = F.linear(x, self.weight_qkv).split(self.sizes, dim=-1)
+            q, k, v = self._linear(x, "qkv").split(self.sizes, dim=-1)
             return q, k, v
-        return F.linear(x, self.weight_q), F.linear(x, self.weight_k), F.linear(x, self.weight_v)
+        return self._linear(x, "q"), self._linear(x, "k"), self._linear(x, "v")
 
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
-        """(parameter, rows) holding K and V: replicated on other ranks when kv_size_multiplier > 1."""
+        """(parameter, rows) holding K and V (weights and biases): replicated on other ranks when
+        kv_size_multiplier > 1."""
         q, kv, _ = self.sizes
+        kinds = ("weight", "bias") if self.has_bias else ("weight",)
         if self.fuse:
-            return [(self.weight_qkv, slice(q, q + 2 * kv))]
-        return [(self.weight_k, slice(0, kv)), (self.weight_v, slice(0, kv))]
+            return [(getattr(self, f"{kind}_qkv"), slice(q, q + 2 * kv)) for kind in kinds]
+        return [(getattr(self, f"{kind}_{p}"), slice(0, kv)) for kind in kinds for p in "kv"]
 
 
 # --------------------------------------------------------------------------------------------

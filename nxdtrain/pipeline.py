@@ -122,7 +122,8 @@ def stage_shapes(model: LlamaStage, *, mbs: int, seq_len: int) -> tuple[Shape, S
     local_seq = seq_len // tp.size if tp.sequence_parallel else seq_len
     hidden: Shape = ((mbs, local_seq, model.spec.hidden), dtype)
     inputs: Shape = ((mbs, seq_len), torch.long) if model.is_first else hidden
-    outputs: Shape = ((mbs, seq_len, model.spec.vocab // tp.size), dtype) if model.is_last else hidden
+    vocab_local = model.layout.vocab_rows(model.spec) // tp.size  # a padded vocabulary included
+    outputs: Shape = ((mbs, seq_len, vocab_local), dtype) if model.is_last else hidden
     return inputs, outputs
 
 

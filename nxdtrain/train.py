@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
 from ckptconv.options import usable_cpus
@@ -34,15 +35,13 @@ from nxdtrain.checkpoint import (
     TagWriter,
     TrainingState,
     check_checkpoint_dir,
-    check_layout,
     check_one_writer,
-    check_optimizer_layout,
     claim_checkpoint_dir,
-    load_small,
-    optim_file,
     read_training_state,
     resolve_start,
+    resume_notes,
     run_layout,
+    same_layout,
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
@@ -63,6 +62,7 @@ from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
 from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
+from nxdtrain.restore import StageReader
 from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -84,8 +84,9 @@ class RunPlan:
     precision_note: str = ""            # which precision the run uses, and why (rank 0 prints it)
     eval_rows: RowSource | None = None  # --eval-data, opened (and checked) once
     eval_count: int = 0                 # global batches per evaluation
+    resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry, what the data check
+                                        # found, what an override changed (rank 0 prints)
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
-    notes: list[str] = dataclasses.field(default_factory=list)        # what rank 0 says before the first step
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,11 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint)
-    layout = run_layout(config.parallel, source.layout)
-    check_layout(source, layout)
-    layout.check_model(source.spec)
+    layout = run_layout(config.parallel, source.layout, source.spec)
+    try:
+        layout.check_model(source.spec)
+    except ConversionError as exc:
+        raise TrainError(f"{source.flag} {source.given}: this run's layout: {exc}") from None
     tp, pp = layout.tp, layout.pp
     data = config.data
     par = config.parallel
@@ -134,21 +137,27 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         raise TrainError(reason)
     if reason := check_cp_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
         raise TrainError(reason)
+    window = source.spec.window
+    if cp > 1 and window is not None and window < data.seq_len:  # the family's sliding window (Mistral)
+        raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
+                         f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
+                         f"{window} tokens")
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
     data_plan = check_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed),
                            seq_len=data.seq_len, long_rows=data.long_rows)
     rows = data_plan.rows
-    notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
+    data_notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
     eval_rows, eval_count = open_eval(config, source.spec.vocab)
     epochs = config.epochs
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
-    if resume_state is not None:
-        check_optimizer_layout(source, resume_state, zero1=config.parallel.zero1, dp=dp * cp)
+    # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
+    notes = data_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
+                                      world=world_size, optimizer=config.optim.optimizer)
     run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
     record = run_record(config, epochs=epochs, run=str(run_id))
     if resume_state is not None:  # the schedule and data order the tag recorded, or a refusal
@@ -162,7 +171,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count, record, notes)
+                   eval_rows, eval_count, tuple(notes), record)
 
 
 def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
@@ -192,6 +201,8 @@ def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
     names = {id(p): n for n, p in model.named_parameters()}
     if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
         out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
+    elif model.tp_partial() and mesh.tp_group is not None:  # per-head q/k norms saw only this rank's heads
+        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_partial())
     if tp_rank != 0:
         out.uncounted.update({name: [] for name in model.tp_replicated()})
     # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).
@@ -230,12 +241,30 @@ class Trainer:
         cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
                                 dtype=dtype, recompute=par.activation_checkpointing, cp=cp).to(self.device)
-        shard = source.shard(c.tp, c.pp)
-        state = source.load_state(c.tp, c.pp)
-        self.model.load_shard_state(state, str(shard))
-        zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
-        self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
-                                   capturable=device.is_xla)
+        resharding = not same_layout(source.layout, plan.layout)
+        stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp,
+                            optimizer=source.full) if resharding or source.full else None
+        try:
+            if stage is not None and resharding:
+                state, where = stage.weights(), f"{source.root} (resharded on load)"
+            else:
+                state, where = source.load_state(c.tp, c.pp), str(source.shard(c.tp, c.pp))
+            self.model.load_shard_state(state, where)
+            zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
+            self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
+                                       capturable=device.is_xla)
+            del state
+            self.step, self.consumed = 0, 0
+            self.saved_step: int | None = None
+            self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.loss_check)
+            if source.full:
+                assert stage is not None
+                self._restore(stage)
+            if stage is not None:
+                stage.finish()
+        finally:
+            if stage is not None:
+                stage.close()
         self.grad_plan = grad_plan(self.model, mesh, plan)
         from nxdtrain.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
@@ -248,11 +277,6 @@ class Trainer:
                                vocab=source.spec.vocab, gbs=data.gbs)
         self.eval_batches = None if plan.eval_rows is None else Batches(
             plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab)
-        self.step, self.consumed = 0, 0
-        self.saved_step: int | None = None
-        self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.loss_check)
-        if source.full:
-            self._restore()
         ckpt = cfg.checkpoint
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
@@ -266,17 +290,18 @@ class Trainer:
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
-            for line in plan.notes:
+            for line in plan.resume_notes:
                 note(line)
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
                  f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
                  f"(warmup {cfg.optim.warmup:g} steps)")
 
-    def _restore(self) -> None:
-        tag, c, state = self.plan.source.root, self.mesh.coords, self.plan.resume_state
+    def _restore(self, stage: StageReader) -> None:
+        """Optimizer state, fp32 masters, step, data position and RNG of a full checkpoint."""
+        state = self.plan.resume_state
         assert state is not None  # a full checkpoint
-        path = optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=self.mesh.dpcp_rank if self.optimizer.zero else 0)
-        self.optimizer.load_state_dict(load_small(path, self.plan.source.checks()), str(path))
+        same = state.options.get("optimizer", self.cfg.optim.optimizer) == self.cfg.optim.optimizer
+        self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups, same_optimizer=same)
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:

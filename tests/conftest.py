@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(os.environ.get("CKPTCONV_GOLDEN", REPO.parent / "shared" / "fixtures" / "nxd-official"))
 
 
+FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
 def make_tiny_llama(
     path: Path,
     *,
@@ -30,20 +33,25 @@ def make_tiny_llama(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     max_shard_size: str | None = None,
+    model_type: str = "llama",
+    **extra,
 ) -> Path:
-    """``save_pretrained`` of a random tiny Llama; every weight distinct, norms not all ones."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """``save_pretrained`` of a random tiny model of ``model_type`` (llama, mistral, qwen2, qwen3; ``extra``: more
+    config fields); every weight distinct, norms not all ones, biases not zero."""
+    import transformers
 
+    family = FAMILY_CLASSES[model_type]
+    config_class, model_class = (getattr(transformers, family + suffix) for suffix in ("Config", "ForCausalLM"))
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = config_class(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         num_hidden_layers=layers, vocab_size=vocab, intermediate_size=intermediate,
-        tie_word_embeddings=tied, max_position_embeddings=128,
+        tie_word_embeddings=tied, max_position_embeddings=128, **extra,
     )
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

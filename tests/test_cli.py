@@ -31,19 +31,21 @@ def test_flag_sets_are_pinned():
     assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify",
                                                                "--revision", "--tokenizer"}
     assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json",
-                                               "--revision", "--no-check", "--override-recorded-layout"}
+                                               "--revision", "--no-check", "--override-recorded-layout",
+                                               "--masters", "--no-masters"}
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",
                                                            "--push-to-hub", "--private", "--no-check",
                                                            "--override-recorded-layout", "--tokenizer",
                                                            "--masters", "--no-masters"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check",
                                                              "--source-hw-backend", "--source-trn2-kv-layout",
-                                                             "--override-recorded-layout"}
+                                                             "--override-recorded-layout", "--masters", "--no-masters",
+                                                             "--dp", "--zero1", "--no-zero1", "--weights-only"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check"}
-    assert flags("inspect") == {"--config", "--json", "--revision", "--no-check"}
+    assert flags("inspect") == {"--config", "--json", "--revision", "--no-check", "--masters", "--no-masters"}
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {
         "--convert_from_full_state", "--convert_to_full_state", "--input_dir", "--output_dir", "--config",

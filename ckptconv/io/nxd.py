@@ -13,13 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from enum import Enum
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -153,6 +155,7 @@ class _SplitShard:
             if not isinstance(tid, int):
                 raise ConversionError(f"{path}: {key!r} is not a TensorReference")
             self._tids[key] = tid
+        self._declared = load_small(Path(str(path) + INFO_SUFFIX))  # {tid: {"dtype", "shape", ...}}
         self.io = io
         self._readers: dict[str, TorchZipReader] = {}
 
@@ -166,6 +169,21 @@ class _SplitShard:
 
     def keys(self) -> list[str]:
         return list(self._tids)
+
+    def declared(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape that ``.info.pt`` records for ``key`` (known even when its tensor file was not saved)."""
+        entry = self._declared.get(self._tids[key]) if isinstance(self._declared, dict) else None
+        dtype, shape = (entry.get("dtype"), entry.get("shape")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, (tuple, list)):
+            raise ConversionError(f"{self.path}{INFO_SUFFIX}: no dtype and shape for tid {self._tids[key]} ({key!r})")
+        return dtype, tuple(int(d) for d in shape)
+
+    def unsaved(self) -> list[str]:
+        """Keys whose tensor file is absent (NxD writes none under ``avoid_saving_lower_precision_weights``);
+        one directory listing, not a look-up per tensor (slow on network file systems)."""
+        directory = Path(str(self.path) + TENSORS_SUFFIX)
+        present = set(os.listdir(directory)) if directory.is_dir() else set()
+        return [key for key, tid in self._tids.items() if f"tensor_{tid}.pt" not in present]
 
     def _entry(self, key: str) -> StoredTensor:
         reader = self._tensor_reader(key)
@@ -198,14 +216,13 @@ def detect_flavour(path: Path) -> Flavour:
     return Flavour.PLAIN
 
 
-OPTIM_DIR = "optim"
-MASTERS_KEY = "master"  # nxdtrain's optimizer file: {"master": {parameter name: fp32 tensor}, ...} with bf16
+OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training_state; NxD's: nxd_optimizer)
 
 
 class _WithMasters:
     """One shard whose tensors come from nxdtrain's fp32 masters where they have them."""
 
-    def __init__(self, shard: FileReader | _SplitShard, masters: TorchFileReader) -> None:
+    def __init__(self, shard: FileReader | _SplitShard, masters: Any) -> None:
         self.shard, self.masters = shard, masters
         self._names = set(masters.keys())
 
@@ -224,6 +241,16 @@ class _WithMasters:
     def close(self) -> None:
         self.shard.close()
         self.masters.close()
+
+
+class WeightSource(Protocol):
+    """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files."""
+
+    def shard(self, file: str) -> FileReader: ...
+
+    def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int: ...
+
+    def close(self) -> None: ...
 
 
 class NxdCheckpoint:
@@ -257,53 +284,77 @@ class NxdCheckpoint:
         self.flavour = detect_flavour(first)
         self._readers: dict[str, FileReader | _SplitShard | _WithMasters] = {}
         self._lock = threading.Lock()
-        self._masters: dict[str, Path] | None = None  # shard name -> optim file, once use_masters() chose them
+        self._masters_for: Callable[[str], Any] | None = None  # once use_masters(): shard -> its masters' reader
+        self._masters_identity: list[tuple[str, int, int]] = []
+        self._masters_owner: Any = None  # closed with this checkpoint
+        self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
         with self._lock:
             if file not in self._readers:
-                try:
-                    path = self.files[file]
-                except KeyError:
-                    raise ConversionError(f"{self.model_dir}: no shard {file}") from None
-                shard = open_shard(path, self.io, self.checks)
-                self._readers[file] = shard if self._masters is None else _WithMasters(
-                    shard, TorchFileReader(self._masters[file], self.io, self.checks, within=MASTERS_KEY))
+                if file not in self.files:
+                    raise ConversionError(f"{self.model_dir}: no shard {file}")
+                if self._weights is not None:
+                    self._readers[file] = self._weights.shard(file)
+                else:
+                    shard = open_shard(self.files[file], self.io, self.checks)
+                    self._readers[file] = shard if self._masters_for is None else _WithMasters(
+                        shard, self._masters_for(file))
             return self._readers[file]
 
-    def use_masters(self, *, required: bool) -> bool:
-        """Read the weights from the fp32 master weights nxdtrain keeps in ``optim/`` (a bf16 run) instead
-        of the shards' rounded copy; keys the masters lack (``inv_freq``) still come from the shards.
-        Returns whether masters are used: False (or, when ``required``, an error) where there are none."""
-        optim = self.root / OPTIM_DIR
-        paths = {shard_file(tp_rank=tp, pp_rank=pp): optim / shard_name(tp_rank=tp, pp_rank=pp)
-                 for tp, pp in self.ranks}
-        missing = next((p for p in paths.values() if not p.is_file()), None)
-        if missing is not None:
-            if required:
-                raise ConversionError(f"{missing}: missing, so no nxdtrain master weights to export (--masters)")
-            return False
-        try:
-            probe = TorchFileReader(next(iter(paths.values())), self.io, within=MASTERS_KEY)
-        except ValueError as exc:  # an fp32 run (its weights are the masters), NxD's format, or not loadable safely
-            if required:
-                raise ConversionError(f"{exc} (no nxdtrain master weights to export: --masters)") from None
-            return False
-        probe.close()
-        self.close()
-        self._masters = paths
-        return True
+    def use_masters(self, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]],
+                    owner: Any) -> None:
+        """Read the weights from fp32 master weights (nxdtrain's bf16 runs keep them with the optimizer state)
+        instead of the shards' rounded copy: ``masters_for(shard file)`` reads that shard's masters
+        (:func:`ckptconv.training_state.use_masters`); keys they lack (``inv_freq``) still come from the shards.
+        ``identity``: the files they come from (names, sizes, mtimes), for a conversion's fingerprint;
+        ``owner`` (what reads them) is closed with this checkpoint."""
+        self.close()  # readers opened so far read the shards alone
+        self._masters_for, self._masters_identity, self._masters_owner = masters_for, identity, owner
 
     def masters_identity(self) -> list[tuple[str, int, int]] | None:
         """The optimizer files read for master weights (names, sizes, mtimes), or None."""
-        if self._masters is None:
-            return None
-        return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in self._masters.values()]
+        return self._masters_identity if self._masters_for is not None else None
+
+    def read_weights_from(self, source: WeightSource) -> None:
+        """Serve every shard's tensors from ``source`` (NxD's fp32 masters in ``optim/``) instead of
+        the model files; call before reading any tensor."""
+        self.close()
+        self._weights = source
+
+    @property
+    def weight_source(self) -> WeightSource | None:
+        """Where tensors are read from when not the model files (see :meth:`read_weights_from`)."""
+        return self._weights
+
+    def declared(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of every tensor of a model file, in file order, as the shard declares them
+        (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`."""
+        reader = open_shard(self.files[file], self.io, None)
+        try:
+            if isinstance(reader, _SplitShard):
+                return {key: reader.declared(key) for key in reader.keys()}
+            return {key: reader.info(key)[:2] for key in reader.keys()}
+        finally:
+            reader.close()
+
+    def unsaved_tensors(self) -> list[str]:
+        """``file: key`` of every model tensor whose data is absent (an xser tag saved with
+        ``avoid_saving_lower_precision_weights``: its weights exist only as the optimizer's masters)."""
+        if self.flavour is not Flavour.XSER_SPLIT:
+            return []
+        missing = []
+        for file, path in sorted(self.files.items()):
+            reader = _SplitShard(path, self.io)
+            missing += [f"{file}: {key}" for key in reader.unsaved()]
+            reader.close()
+        return missing
 
     def finish_checks(self, *, workers: int = 8) -> int:
         """Complete the checks of every shard read from (hash what was not read); raise
         IntegrityError naming the first bad file. Returns how many files were checked."""
-        return self.checks.finish(workers=workers)
+        checked = self.checks.finish(workers=workers)
+        return checked + (self._weights.finish_checks(workers=workers) if self._weights is not None else 0)
 
     def keys(self, file: str) -> list[str]:
         return self._reader(file).keys()
@@ -335,6 +386,10 @@ class NxdCheckpoint:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        if self._weights is not None:
+            self._weights.close()
+        if self._masters_owner is not None:
+            self._masters_owner.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self
@@ -353,7 +408,8 @@ class TorchZipSink:
     def __init__(self, out_file: OutFile, tmp: Path, *, empty_tensors_dir: bool = False) -> None:
         self.path = tmp / out_file.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        metas = {t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors}
+        metas: dict[str, Any] = dict(out_file.plain)
+        metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
         self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
         self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
 

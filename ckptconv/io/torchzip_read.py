@@ -221,11 +221,22 @@ class TorchZipReader:
         except KeyError:
             raise KeyError(f"{self.path}: no key {key!r}") from None
 
+    def adopt(self, key: str, pickled: PickledTensor) -> None:
+        """Make a tensor found inside a plain value (a nested dict's) readable as top-level ``key``."""
+        if key in self._entries:
+            raise ValueError(f"{self.path}: key {key!r} exists already")
+        self._entries[key] = self._stored(key, pickled)
+
     def _tensor(self, key: str) -> StoredTensor:
         e = self.entry(key)
         if not isinstance(e, StoredTensor):
             raise ValueError(f"{self.path}: {key!r} is a {type(e).__name__}, not a tensor")
         return e
+
+    def locate(self, where: str, pt: PickledTensor) -> StoredTensor:
+        """A tensor nested below the top level (an optimizer's ``state[i]["exp_avg"]``), checked
+        against its storage record like a top-level one; ``where`` names it in errors."""
+        return self._stored(where, pt)
 
     def _read_elements(self, st: StoredTensor, first: int, count: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements [first, first+count) of the storage, as a new 1-D tensor (or into ``out``)."""
@@ -241,7 +252,10 @@ class TorchZipReader:
         >>> r.read("w").stride()  # doctest: +SKIP
         (1, 4)
         """
-        st = self._tensor(key)
+        return self.read_stored(self._tensor(key))
+
+    def read_stored(self, st: StoredTensor) -> torch.Tensor:
+        """:meth:`read` of a tensor found by :meth:`locate` (or :meth:`entry`)."""
         if st.numel == 0:
             return torch.empty_strided(st.shape, st.stride, dtype=st.dtype)
         span = sum((s - 1) * t for s, t in zip(st.shape, st.stride, strict=True)) + 1
@@ -256,7 +270,11 @@ class TorchZipReader:
         >>> r.read_rows("w", 2, 4).shape  # doctest: +SKIP
         torch.Size([2, 8])
         """
-        st = self._tensor(key)
+        return self.read_stored_rows(self._tensor(key), start, stop, out)
+
+    def read_stored_rows(self, st: StoredTensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`read_rows` of a tensor found by :meth:`locate` (or :meth:`entry`)."""
+        key = st.key
         shape, stride = (st.shape, st.stride) if st.shape else ((1,), (1,))
         if not 0 <= start <= stop <= shape[0]:
             raise ValueError(f"{self.path}: {key!r}: rows [{start}, {stop}) out of range; expected within [0, {shape[0]}]")

@@ -1,4 +1,5 @@
-"""The reference: transformers' LlamaForCausalLM trained in one process on the same rows."""
+"""The reference: the family's transformers class (LlamaForCausalLM, MistralForCausalLM, ...) trained in one process
+on the same rows."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from nxdtrain.optim import lr_at, make_torch_optimizer, param_groups
 
 def train_reference(hf_dir: Path, cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the HF model trained on the whole global batch at once."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model.train()
     named = list(model.named_parameters())
     optimizer = make_torch_optimizer(param_groups(named, cfg.optim.weight_decay), cfg.optim, lr=cfg.optim.lr)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptconv.training_state import MASTER, state_key
 from nxdtrain.train import export
 from tests.conftest import hf_state
 from tests.nxdtrain.harness import run_world, train_options
@@ -118,5 +119,6 @@ def test_bf16_trains_close_to_fp32(tmp_path, nxd_model, reference):
     shard = torch.load(tag / "model/dp_rank_00_tp_rank_01_pp_rank_01.pt", weights_only=True)
     optim = torch.load(tag / "optim/dp_rank_00_tp_rank_01_pp_rank_01.pt", weights_only=True)
     assert {t.dtype for t in shard.values()} == {torch.bfloat16}
-    assert {t.dtype for t in optim["master"].values()} == {torch.float32}
-    assert all(torch.equal(optim["master"][k].to(torch.bfloat16), shard[k].contiguous()) for k in shard)
+    masters = {k: optim[state_key(k, MASTER)] for k in shard}
+    assert {t.dtype for t in masters.values()} == {torch.float32}
+    assert all(torch.equal(masters[k].to(torch.bfloat16), shard[k].contiguous()) for k in shard)

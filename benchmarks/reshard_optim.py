@@ -1,0 +1,97 @@
+"""Peak memory of ``ckptconv reshard`` of a training tag (with its optimizer state) against the weights alone.
+
+Builds a training tag in real layer shapes (synthetic bf16 weights converted to NxD shards, nxdtrain's format-2
+optimizer files with fp32 ``exp_avg``, ``exp_avg_sq`` and masters, side files, markers, ckptconv.json records),
+then reshards it with its optimizer state and with ``--weights-only``, each under ``/usr/bin/time``, whose peak
+RSS is reported.
+
+    python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.synth import write_model
+from ckptconv.api import RunOptions, to_nxd
+from ckptconv.digest import record_files
+from ckptconv.io.nxd import load_shard, write_markers
+from ckptconv.metadata import read_metadata, write_metadata
+from ckptconv.training_state import FORMAT, MASTER, SCHEDULER_FILE, USER_CONTENT_FILE, stage_groups, state_key
+
+
+def make_training_tag(tag: Path) -> int:
+    """Turn converted shards into an nxdtrain-like tag; return the optimizer bytes written."""
+    (tag / "optim").mkdir()
+    total = 0
+    for shard in sorted((tag / "model").iterdir()):
+        weights = load_shard(shard)
+        names = [k for k in weights if not k.endswith("inv_freq")]
+        groups = stage_groups(names, {n: tuple(weights[n].shape) for n in names})
+        flat: dict[str, object] = {"format": FORMAT, "names": names, "zero1": False, "zero_size": 1, "dp_rank": 0,
+                                   "owned": [n for g in groups for n, _ in g],
+                                   "param_groups": [{"lr": 1e-4, "weight_decay": 0.1}, {"lr": 1e-4, "weight_decay": 0.0}]}
+        for name in flat["owned"]:  # type: ignore[union-attr]
+            w = weights[name].float()
+            flat[state_key(name, "step")] = torch.tensor(100.0)
+            flat[state_key(name, "exp_avg")] = w * 1e-3
+            flat[state_key(name, "exp_avg_sq")] = w * w * 1e-6
+            flat[state_key(name, MASTER)] = w
+            total += 3 * w.numel() * 4
+        torch.save(flat, tag / "optim" / shard.name)
+        del weights, flat
+    torch.save({"step": 100, "schedule": "cosine"}, tag / SCHEDULER_FILE)
+    torch.save({"step": 100, "consumed_samples": 400, "rng": [], "options": {"tp": 8, "pp": 1}}, tag / USER_CONTENT_FILE)
+    meta = read_metadata(tag)
+    assert meta is not None
+    extra = [p for p in sorted((tag / "optim").iterdir())] + [tag / SCHEDULER_FILE, tag / USER_CONTENT_FILE]
+    meta.files.update({rel: rec.to_json() for rel, rec in record_files(extra, tag, "blake3").items()})
+    write_metadata(tag, meta)
+    write_markers(tag)
+    return total
+
+
+def peak(argv: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a command, measured by /usr/bin/time: a child forked from this
+    process would inherit this process's RSS into its ru_maxrss (kept across exec), and this one held shards."""
+    started = time.monotonic()
+    done = subprocess.run(["/usr/bin/time", "-f", "%M", *argv], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{argv}: exit status {done.returncode}: {done.stderr[-2000:]}")
+    return time.monotonic() - started, int(done.stderr.strip().splitlines()[-1]) * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--shape", choices=("8b", "70b"), default="8b")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=16384)
+    args = parser.parse_args()
+    work = args.work
+    shutil.rmtree(work, ignore_errors=True)
+    write_model(work / "hf", args.shape, args.layers, vocab=args.vocab)
+    tag = work / "tag"
+    to_nxd(work / "hf", tag, tp=8, attention="qkv_linear", fuse_qkv=True, options=RunOptions(quiet=True, part=(0, 1)))
+    shutil.rmtree(work / "hf")
+    optim_bytes = make_training_tag(tag)
+    cli = [sys.executable, "-m", "ckptconv.cli", "reshard", str(tag)]
+    flags = ["--tp", "4", "--pp", "1", "--quiet", "--io", "read"]
+    with_state = peak([*cli, str(work / "out-state"), *flags, "--dp", "2", "--zero1"])
+    shutil.rmtree(work / "out-state")
+    weights = peak([*cli, str(work / "out-weights"), *flags, "--weights-only"])
+    print(f"{args.shape} x{args.layers} layers, vocab {args.vocab}, tp 8 -> tp 4 x dp 2 ZeRO-1: optimizer state "
+          f"{optim_bytes / 1e9:.2f} GB; with it {with_state[0]:.1f} s, peak RSS {with_state[1] / 2**20:.0f} MiB; "
+          f"weights only {weights[0]:.1f} s, peak RSS {weights[1] / 2**20:.0f} MiB")
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The model families ckptconv and nxdtrain know, by HF ``model_type``: one file each, registered here.
+
+    >>> family_for({"model_type": "llama"}).hf_class
+    'LlamaForCausalLM'
+    >>> family_for({"model_type": "mixtral"})
+    Traceback (most recent call last):
+    ...
+    ckptconv.errors.ConversionError: config.json: model_type is 'mixtral' (a mixture-of-experts model, not supported yet); supported: llama, mistral, qwen2, qwen3
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptconv.errors import ConversionError
+from ckptconv.families.base import Family, Refusal
+from ckptconv.families.llama import LLAMA
+from ckptconv.families.mistral import MISTRAL
+from ckptconv.families.qwen import QWEN2, QWEN3
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+# Known model types with a feature the seam has no rule for yet (docs/architecture.md, "Adding an MoE family").
+NOT_YET = {
+    "mixtral": "a mixture-of-experts model",
+    "qwen2_moe": "a mixture-of-experts model",
+    "qwen3_moe": "a mixture-of-experts model",
+    "gpt_oss": "a mixture-of-experts model with attention sinks",
+}
+
+__all__ = ["FAMILIES", "LLAMA", "Family", "Refusal", "family_for", "supported"]
+
+
+def supported() -> str:
+    return ", ".join(FAMILIES)
+
+
+def family_for(config: dict[str, Any], source: str = "config.json") -> Family:
+    """The family of an HF config (no ``model_type``: Llama), its refusals checked."""
+    model_type = config.get("model_type", "llama")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        why = f" ({NOT_YET[model_type]}, not supported yet)" if model_type in NOT_YET else ""
+        raise ConversionError(f"{source}: model_type is {model_type!r}{why}; supported: {supported()}")
+    family.check_config(config, source)
+    return family

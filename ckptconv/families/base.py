@@ -1,0 +1,97 @@
+"""What a model family is: data the converter, verify and the trainer all read.
+
+A :class:`Family` is registered by its HF ``model_type`` (:mod:`ckptconv.families`). It names the
+decoder-layer parameters in HF module order, one rule object each (:mod:`ckptconv.families.rules`), the
+features its layer computes (q/k/v biases, per-head q/k norms, a sliding attention window) and the config
+keys whose features are not supported (refused in one line naming the key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckptconv.errors import ConversionError
+from ckptconv.families.rules import QkvRule, ReplicatedRule, Shapes
+
+if TYPE_CHECKING:
+    from ckptconv.heads import ShardRecord
+    from ckptconv.layout import ParallelLayout
+    from ckptconv.model_spec import ModelSpec
+
+
+class LayerRule(Protocol):
+    """One kind of decoder-layer parameter (see :mod:`ckptconv.families.rules`)."""
+
+    @property
+    def hf_names(self) -> tuple[str, ...]: ...
+
+    def shapes(self, spec: ModelSpec) -> Shapes: ...
+
+    def records(self, spec: ModelSpec, layout: ParallelLayout, prefix: str, rank: int) -> Iterator[ShardRecord]: ...
+
+
+def _truthy(value: Any) -> bool:
+    return bool(value)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A config key whose feature the family's NxD layout or trainer does not have."""
+
+    key: str
+    reason: str
+    refused: Callable[[Any], bool] = _truthy
+
+    def check(self, config: dict[str, Any], source: str) -> None:
+        if self.key in config and self.refused(config[self.key]):
+            raise ConversionError(f"{source}: {self.key} is {config[self.key]!r}; {self.reason}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its layer's parameters (rules, HF module order) and what its attention computes.
+
+    ``window_key``: the config key holding a sliding attention window (None or absent: full causal
+    attention). ``hf_class``: the transformers class whose computation the trainer reproduces.
+    """
+
+    model_type: str
+    name: str
+    hf_class: str
+    layer_rules: tuple[LayerRule, ...]
+    refusals: tuple[Refusal, ...] = ()
+    window_key: str | None = None
+
+    @property
+    def layer_keys(self) -> tuple[str, ...]:
+        """HF names of one layer's tensors (without ``model.layers.N.``), in HF module order."""
+        return tuple(name for rule in self.layer_rules for name in rule.hf_names)
+
+    @property
+    def optional_layer_keys(self) -> frozenset[str]:
+        return frozenset(r.name for r in self.layer_rules if isinstance(r, ReplicatedRule) and r.optional)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return any(isinstance(r, QkvRule) and r.bias for r in self.layer_rules)
+
+    @property
+    def qk_norm(self) -> bool:
+        return "self_attn.q_norm.weight" in self.layer_keys
+
+    def layer_shapes(self, spec: ModelSpec) -> Shapes:
+        shapes: Shapes = {}
+        for rule in self.layer_rules:
+            shapes.update(rule.shapes(spec))
+        return shapes
+
+    def check_config(self, config: dict[str, Any], source: str) -> None:
+        for refusal in self.refusals:
+            refusal.check(config, source)
+
+    def attention_window(self, config: dict[str, Any]) -> int | None:
+        """Keys a query sees, itself included (None: all earlier ones), as ``window_key`` states it."""
+        value = config.get(self.window_key) if self.window_key else None
+        return None if value is None else int(value)

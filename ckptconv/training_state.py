@@ -1,0 +1,493 @@
+"""A training tag's optimizer state in a layout-neutral form, and how it moves with a conversion plan.
+
+An optimizer tensor of a parameter (AdamW's ``exp_avg``/``exp_avg_sq``, the fp32 ``master`` of a bf16
+run) has exactly its parameter's layout, so it is one more record of the same plan: wherever a plan
+reads weight rows ``Source(file, key)[a:b]``, the moment reads ``Source(file, "exp_avg:" + key)[a:b]``
+(:func:`component_source`). A 0-dim tensor (AdamW's per-parameter ``step``) is carried as it is.
+
+The neutral form of one optimizer file (``FORMAT`` 2, a flat torch zip that is read lazily and written
+in bands like a shard)::
+
+    format: 2, names: [stage parameter names], zero1: bool, zero_size: int, dp_rank: int,
+    owned: [names whose state this file holds],
+    param_groups: [hyper-parameters of group 0 (matrices, decayed), of group 1 (vectors)],
+    "state.<name>.<component>": tensor, ...
+
+Format 1 files (nxdtrain before this format: a torch optimizer ``state_dict`` indexed by position) are read
+as lazily, by mapping positions back to names (:func:`neutral_from_format1`); what cannot be mapped is refused.
+TorchTitan's export builds on the same per-name view (:class:`TagOptimizer`).
+
+    >>> state_key("model.norm.weight", "exp_avg")
+    'state.model.norm.weight.exp_avg'
+    >>> zero1_partition([[("a", 6), ("b", 4), ("c", 4)], [("n", 1)]], 2)
+    [[['a'], ['n']], [['b', 'c'], []]]
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.errors import ConversionError, IntegrityError
+from ckptconv.io.checked import CheckedFiles
+from ckptconv.io.nxd import OPTIM_DIR
+from ckptconv.io.safe_load import PickledTensor
+from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
+from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
+from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.model_spec import ModelSpec
+from ckptconv.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
+
+FORMAT = 2
+MASTER = "master"
+_SEP = ":"  # "<component>:<nxd key>" names an optimizer tensor in a plan's Source
+_OPTIM_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+
+
+def state_key(name: str, component: str) -> str:
+    """The key of a parameter's optimizer tensor in a format-2 file."""
+    return f"state.{name}.{component}"
+
+
+def component_source(source: Source, component: str) -> Source:
+    """Where ``component`` of the parameter stored at ``source`` lies (the plan's key for it)."""
+    return Source(source.file, f"{component}{_SEP}{source.key}")
+
+
+def split_key(key: str) -> tuple[str | None, str]:
+    """``(component, nxd key)`` of a plan Source key; component None for a weight."""
+    component, sep, name = key.partition(_SEP)
+    return (component, name) if sep else (None, key)
+
+
+def is_matrix(shape: Sequence[int]) -> bool:
+    """Group 0 (weight decay) holds matrices, group 1 vectors: nxdtrain's param_groups rule."""
+    return len(shape) >= 2
+
+
+def zero1_partition(groups: Sequence[Sequence[tuple[str, int]]], world: int) -> list[list[list[str]]]:
+    """Names per dp rank per param group, as torch's ZeroRedundancyOptimizer assigns parameters.
+
+    Its rule (torch/distributed/optim/zero_redundancy_optimizer.py, ``_partition_parameters``): group by
+    group, parameters sorted by size (largest first, stable), each to the rank with the fewest elements so
+    far (the lowest such rank), sizes carried over from group to group.
+    """
+    sizes = [0] * world
+    out: list[list[list[str]]] = [[[] for _ in groups] for _ in range(world)]
+    for g, group in enumerate(groups):
+        for name, numel in sorted(group, key=lambda item: item[1], reverse=True):
+            rank = sizes.index(min(sizes))
+            out[rank][g].append(name)
+            sizes[rank] += numel
+    return out
+
+
+def stage_groups(names: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> list[list[tuple[str, int]]]:
+    """(name, numel) of the stage's parameters in group 0 (matrices) and group 1 (vectors), in ``names`` order."""
+    def numel(name: str) -> int:
+        return int(torch.Size(shapes[name]).numel())
+
+    return [[(n, numel(n)) for n in names if is_matrix(shapes[n])],
+            [(n, numel(n)) for n in names if not is_matrix(shapes[n])]]
+
+
+def plain_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters (no parameter list) as fresh plain values with interned keys, so that
+    the same values pickle to the same bytes whether they were just set or loaded from a file."""
+    return {sys.intern(str(k)): tuple(v) if isinstance(v, (list, tuple)) else v
+            for k, v in group.items() if k != "params"}
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: format 1 mapped to names
+
+
+def _tensor_like(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, PickledTensor))
+
+
+def neutral_from_format1(state: Mapping[str, Any], shapes: Mapping[str, Sequence[int]], *, dp_rank: int,
+                         where: str) -> dict[str, Any]:
+    """A format-1 file's content as format 2 (same keys as :func:`FORMAT` files), positions mapped to names.
+    Its tensors may be tensors or, read lazily, :class:`~ckptconv.io.safe_load.PickledTensor` stand-ins.
+
+    Format 1 indexes a torch optimizer's state by position: group 0's parameters, then group 1's, each
+    in the stage's parameter order (or, with ZeRO-1, in the order ZeroRedundancyOptimizer gave this dp
+    rank). Every tensor's shape is checked against its parameter's: a file that does not map exactly is
+    refused, never misread.
+    """
+    names = list(state["names"])
+    zero1, zero_size = bool(state.get("zero1")), int(state.get("zero_size", 1))
+    missing = [n for n in names if n not in shapes]
+    if missing:
+        raise ConversionError(f"{where}: optimizer state names parameter {missing[0]!r}, which this layout does not have")
+    groups = stage_groups(names, shapes)
+    local = (zero1_partition(groups, zero_size)[dp_rank] if zero1 else [[n for n, _ in g] for g in groups])
+    optimizer = state["optimizer"]
+    saved_groups = optimizer.get("param_groups", [])
+    if len(saved_groups) != len(local):
+        raise ConversionError(f"{where}: {len(saved_groups)} param groups, expected {len(local)}")
+    out: dict[str, Any] = {"format": FORMAT, "names": names, "zero1": zero1, "zero_size": zero_size,
+                           "dp_rank": dp_rank, "owned": [n for g in local for n in g],
+                           "param_groups": [plain_group(g) for g in saved_groups]}
+    for group, group_names in zip(saved_groups, local, strict=True):
+        if len(group["params"]) != len(group_names):
+            raise ConversionError(f"{where}: a param group holds {len(group['params'])} parameters, the layout "
+                                  f"implies {len(group_names)}; not nxdtrain state of this layout")
+        for index, name in zip(group["params"], group_names, strict=True):
+            for component, value in optimizer.get("state", {}).get(index, {}).items():
+                if not _tensor_like(value):
+                    continue
+                if len(value.shape) and tuple(value.shape) != tuple(shapes[name]):
+                    raise ConversionError(f"{where}: state {index} ({component}) has shape {list(value.shape)}, "
+                                          f"parameter {name!r} has {list(shapes[name])}")
+                out[state_key(name, component)] = value
+    for name, value in (state.get("master") or {}).items():
+        out[state_key(name, MASTER)] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# A tag's optimizer files, indexed by parameter
+
+
+class _OptimFile:
+    """One optimizer file, read lazily: format 2 as it is, format 1 with its positions mapped to names."""
+
+    def __init__(self, path: Path, dp_rank: int, shapes: Mapping[str, Sequence[int]], checks: CheckedFiles | None,
+                 io: str) -> None:
+        self.path = path
+        try:
+            self._zip = TorchZipReader(path, io=io, checks=checks)
+        except ConversionError:  # a damaged file (its checks): said as for shards
+            raise
+        except ValueError as exc:
+            reason = "empty file" if path.stat().st_size == 0 else str(exc).removeprefix(f"{path}: ")
+            raise ConversionError(f"{path}: not an optimizer file ({reason}); use another tag, or "
+                                  "--weights-only for the weights alone") from None
+        try:
+            entries = {k: self._zip.entry(k) for k in self._zip.keys()}
+            version = entries.get("format")
+            if version == 1:
+                entries = neutral_from_format1(entries, shapes, dp_rank=dp_rank, where=str(path))
+                for key, value in entries.items():
+                    if isinstance(value, PickledTensor):
+                        self._zip.adopt(key, value)
+            elif version != FORMAT:
+                raise ConversionError(f"{path}: optimizer state format {version!r}; this ckptconv reads formats 1 "
+                                      f"and {FORMAT} (nxdtrain's)")
+        except BaseException:
+            self._zip.close()
+            raise
+        self.format = FORMAT if version == FORMAT else 1
+        self.plain: dict[str, Any] = {k: v for k, v in entries.items() if not _stored_or_pickled(v)}
+        self.tensors = [k for k, v in entries.items() if _stored_or_pickled(v)]
+
+    def tensor_keys(self) -> list[str]:
+        return self.tensors
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        entry = self._zip.entry(key)
+        return entry.dtype, tuple(entry.shape), not is_row_major(tuple(entry.shape), tuple(entry.stride))
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._zip.read_rows(key, start, stop, out)
+
+    def close(self) -> None:
+        self._zip.close()
+
+
+def _stored_or_pickled(value: Any) -> bool:
+    return isinstance(value, (StoredTensor, PickledTensor))
+
+
+def stage_shapes(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
+                 lm_head_copy: bool = True) -> dict[tuple[int, int], dict[str, tuple[int, ...]]]:
+    """Per (tp, pp): every parameter's shape in the shards of ``layout`` (buffers such as inv_freq left out)."""
+    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    return {
+        ranks: {r.key: hf_record_shape(r, shapes[r.segments[0].hf_key]) for r in records
+                if not r.key.endswith("inv_freq")}
+        for ranks, records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq,
+                                                lm_head_copy=lm_head_copy).items()
+    }
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """What a tag's optimizer files say about the whole optimizer."""
+
+    param_groups: list[dict[str, Any]]  # hyper-parameters per group (no parameter lists)
+    zero1: bool
+    zero_size: int
+    components: tuple[str, ...]         # e.g. ("step", "exp_avg", "exp_avg_sq", "master")
+    formats: tuple[int, ...]            # the file formats found
+
+
+class TagOptimizer:
+    """The optimizer files of a training tag (``optim/``), indexed by (tp rank, pp rank, parameter).
+
+    A ``TensorReader`` for Sources ``Source(model shard file, "<component>:<key>")`` (see :func:`component_source`):
+    the tensor ``component`` of parameter ``key`` of that shard, from whichever dp rank's file holds it.
+    """
+
+    def __init__(self, root: Path, spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
+                 lm_head_copy: bool = True, checks: CheckedFiles | None = None, io: str = "mmap",
+                 only: set[tuple[int, int]] | None = None) -> None:
+        """``only``: open just the files of these (tp rank, pp rank) shards (what one training rank reads)."""
+        self.root = root
+        shapes = stage_shapes(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+        directory = root / OPTIM_DIR
+        found: dict[tuple[int, int, int], Path] = {}
+        for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+            match = _OPTIM_RE.match(path.name)
+            if match:
+                dp, tp, pp = (int(g) for g in match.groups())
+                found[(tp, pp, dp)] = path
+        missing = [(tp, pp) for tp, pp in shapes if (tp, pp, 0) not in found]
+        if missing:
+            raise ConversionError(f"{directory}: no optimizer file for tp rank {missing[0][0]} pp rank "
+                                  f"{missing[0][1]} (expected a tag of layout tp {layout.tp} pp {layout.pp})")
+        self._files: list[_OptimFile] = []
+        self._where: dict[tuple[str, str], tuple[_OptimFile, str]] = {}  # (shard file, component:key) -> file, key
+        components: dict[str, None] = {}
+        formats: set[int] = set()
+        first: _OptimFile | None = None
+        try:
+            for (tp, pp, dp), path in sorted(found.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
+                if (tp, pp) not in shapes:
+                    raise ConversionError(f"{path}: tp rank {tp} pp rank {pp} is outside layout tp {layout.tp} pp {layout.pp}")
+                if only is not None and (tp, pp) not in only:
+                    continue
+                optim = _OptimFile(path, dp, shapes[(tp, pp)], checks, io)
+                self._files.append(optim)
+                formats.add(optim.format)
+                first = first or optim
+                shard = shard_file(tp_rank=tp, pp_rank=pp)
+                for key in optim.tensor_keys():
+                    name, component = _parse_state_key(key, shapes[(tp, pp)], str(path))
+                    components.setdefault(component)
+                    self._where.setdefault((shard, f"{component}{_SEP}{name}"), (optim, key))
+        except BaseException:
+            self.close()
+            raise
+        assert first is not None
+        self.hyper = Hyper(list(first.plain.get("param_groups", [])), bool(first.plain.get("zero1")),
+                           int(first.plain.get("zero_size", 1)), tuple(sorted(components, key=_component_order)),
+                           tuple(sorted(formats)))
+
+    @property
+    def files(self) -> list[_OptimFile]:
+        return list(self._files)
+
+    def names_with(self, shard: str, component: str) -> list[str]:
+        """The parameters of ``shard`` that have ``component`` (e.g. fp32 masters)."""
+        prefix = f"{component}{_SEP}"
+        return [key[len(prefix):] for file, key in self._where if file == shard and key.startswith(prefix)]
+
+    def components_of(self, source: Source) -> list[str]:
+        """The optimizer tensors the parameter stored at ``source`` has (none: plain SGD)."""
+        return [c for c in self.hyper.components if (source.file, f"{c}{_SEP}{source.key}") in self._where]
+
+    def _lookup(self, source: Source) -> tuple[_OptimFile, str]:
+        try:
+            return self._where[(str(source.file), source.key)]
+        except KeyError:
+            component, name = split_key(source.key)
+            raise ConversionError(f"{self.root / OPTIM_DIR}: no {component} state for {name!r} of {source.file}") from None
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        optim, key = self._lookup(source)
+        return optim.info(key)
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        optim, key = self._lookup(source)
+        return optim.read_rows(key, start, stop, out)
+
+    def close(self) -> None:
+        for optim in self._files:
+            optim.close()
+
+
+# torch's AdamW creates its state in this order (and nxdtrain saves it so); masters come last
+_COMPONENTS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", MASTER)
+
+
+def _component_order(component: str) -> tuple[int, str]:
+    """Components in one order whatever file order the source had (equal inputs give equal bytes)."""
+    return (_COMPONENTS.index(component) if component in _COMPONENTS else len(_COMPONENTS), component)
+
+
+def _parse_state_key(key: str, shapes: Mapping[str, Any], where: str) -> tuple[str, str]:
+    if key.startswith("state."):
+        name, _, component = key[len("state."):].rpartition(".")
+        if name in shapes and component:
+            return name, component
+    raise ConversionError(f"{where}: unexpected key {key!r} (expected state.<parameter>.<component>)")
+
+
+class TagReader:
+    """The executor's reader over a tag: weights from its shards, optimizer tensors from :class:`TagOptimizer`."""
+
+    def __init__(self, shards: Any, optim: TagOptimizer) -> None:
+        self.shards, self.optim = shards, optim
+
+    def _of(self, source: Source) -> Any:
+        return self.optim if split_key(source.key)[0] is not None else self.shards
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        return self._of(source).info(source)  # type: ignore[no-any-return]
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._of(source).read_rows(source, start, stop, out)  # type: ignore[no-any-return]
+
+    def position(self, source: Source) -> int:
+        return 0 if split_key(source.key)[0] is not None else self.shards.position(source)
+
+    def finish_checks(self, *, workers: int = 8) -> int:
+        return self.shards.finish_checks(workers=workers)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------
+# Planning: the optimizer files of a target layout
+
+
+def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor]:
+    """The optimizer tensors of the parameter ``weight`` (a planned shard tensor) by component, read like it."""
+    out = {}
+    first = weight.pieces[0].source
+    for component in optim.components_of(first):
+        dtype, shape, _ = optim.info(component_source(first, component))
+        if not shape:  # a scalar (AdamW's step): carried as it is
+            out[component] = OutTensor(state_key(weight.key, component), dtype, (), 0,
+                                       (Piece(component_source(first, component), 0, 1),))
+            continue
+        pieces = tuple(Piece(component_source(p.source, component), p.start, p.stop, row_perm=p.row_perm,
+                             zeros=p.zeros) for p in weight.pieces)  # padding rows: zero moments, as trained
+        out[component] = OutTensor(state_key(weight.key, component), dtype, weight.shape, weight.dim, pieces)
+    return out
+
+
+def state_replicas(replicas: Sequence[ReplicaGroup], optim: TagOptimizer) -> list[ReplicaGroup]:
+    """The weights' replica groups (K/V heads, norms, a tied head) for every optimizer tensor: copies must agree."""
+    out = []
+    for group in replicas:
+        for component in optim.components_of(group.copies[0].source):
+            _, shape, _ = optim.info(component_source(group.copies[0].source, component))
+            if shape:
+                copies = tuple(Piece(component_source(p.source, component), p.start, p.stop) for p in group.copies)
+                out.append(ReplicaGroup(f"{group.hf_key} ({component})", group.dim, group.start, group.stop, copies))
+    return out
+
+
+def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"{OPTIM_DIR}/dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+
+
+def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: int, zero1: bool) -> list[OutFile]:
+    """Format-2 optimizer files for the target shards ``shards`` (a reshard plan's files), over ``dp``
+    ranks with ZeRO-1 (the partition recomputed, :func:`zero1_partition`) or one file per shard without."""
+    out = []
+    for shard in shards:
+        ranks_of = parse_shard_name(Path(shard.path).name)
+        assert ranks_of is not None, shard.path
+        tp, pp = ranks_of
+        params = [t for t in shard.tensors if not t.key.endswith("inv_freq")]
+        names = [t.key for t in params]
+        by_name = {t.key: t for t in params}
+        groups = stage_groups(names, {t.key: t.shape for t in params})
+        ranks = zero1_partition(groups, dp) if zero1 else [[[n for n, _ in g] for g in groups]]
+        for dp_rank, local in enumerate(ranks):
+            owned = [n for g in local for n in g]
+            plain = (("format", FORMAT), ("names", names), ("zero1", zero1), ("zero_size", dp if zero1 else 1),
+                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", optim.hyper.param_groups))
+            tensors = tuple(t for n in owned for t in state_tensors(by_name[n], optim).values())
+            out.append(OutFile(optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), "torch", tensors, plain))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# A training tag's side files (nxdtrain writes them; ckptconv reshard carries them)
+
+SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
+
+
+def is_training_tag(root: Path) -> bool:
+    """A tag nxdtrain saved: its optimizer state (format 1 or 2) and side files beside the shards (not a
+    converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.nxd_optimizer reads)."""
+    first = root / OPTIM_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    if not (first.is_file() and (root / USER_CONTENT_FILE).is_file()):
+        return False
+    try:
+        with TorchZipReader(first, io="read") as reader:  # data.pkl only; the conversion checks what it reads
+            return "format" in reader.keys() and reader.entry("format") in (1, FORMAT)
+    except (ValueError, OSError):
+        return False
+
+
+def resharded_user_content(content: Mapping[str, Any], new: ParallelLayout, *, zero1: bool) -> dict[str, Any]:
+    """``user_content.pt`` of a tag moved to layout ``new``: step, consumed samples and the run's options
+    carried; the layout and the layout options say the new one; the per-rank RNG states are dropped (they
+    belong to the old world's ranks; nxdtrain's training draws no random numbers and says so on resume)."""
+    options = dict(content.get("options", {}))
+    options.update({k: v for k, v in (("tp", new.tp), ("pp", new.pp), ("zero1", zero1)) if k in options})
+    return {**content, "rng": [], "options": options, "layout": new.to_json()}
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 master weights as the weights (to-hf of a bf16 run's tag)
+
+
+class _ShardMasters:
+    """One shard's fp32 masters, by the shard's parameter names (a file reader for NxdCheckpoint)."""
+
+    def __init__(self, optim: TagOptimizer, shard: str) -> None:
+        self.optim, self.shard = optim, shard
+
+    def keys(self) -> list[str]:
+        return self.optim.names_with(self.shard, MASTER)
+
+    def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        return self.optim.info(Source(self.shard, f"{MASTER}{_SEP}{key}"))
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.optim.read_rows(Source(self.shard, f"{MASTER}{_SEP}{key}"), start, stop, out)
+
+    def close(self) -> None:  # the TagOptimizer's owner closes it
+        pass
+
+
+def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
+                required: bool) -> TagOptimizer | None:
+    """Make ``ckpt`` (an NxdCheckpoint) read its weights from the fp32 masters a bf16 nxdtrain run keeps with its
+    optimizer state (format 2 or 1, any dp or ZeRO-1; closed with ``ckpt``); return the TagOptimizer, or None
+    (an error when ``required``) where the tag has no masters: no ``optim/``, an fp32 run, other files."""
+    directory = ckpt.root / OPTIM_DIR
+
+    def none(why: str) -> TagOptimizer | None:
+        if required:
+            raise ConversionError(f"{why}, so no nxdtrain master weights to export (--masters)")
+        return None
+
+    if not directory.is_dir():
+        return none(f"{directory}: missing")
+    try:
+        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
+                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                             checks=ckpt.checks, io=ckpt.io)
+    except IntegrityError:
+        raise
+    except ConversionError as exc:  # not nxdtrain's optimizer files (NxD's format, say)
+        return none(str(exc))
+    if MASTER not in optim.hyper.components:
+        optim.close()
+        return none(f"{directory}: optimizer state without fp32 masters (an fp32 run: its weights are the masters)")
+    identity = [(str(f.path), f.path.stat().st_size, f.path.stat().st_mtime_ns) for f in optim.files]
+    ckpt.use_masters(lambda shard: _ShardMasters(optim, shard), identity, optim)
+    return optim

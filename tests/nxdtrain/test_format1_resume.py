@@ -1,0 +1,61 @@
+"""Tags written before optimizer state by parameter name (format 1, a real one: fixtures/nxdtrain-format1) resume
+with their full state: at the same layout and at dp 1 without ZeRO-1, steps 3-4 equal the run that wrote it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptconv.api import RunOptions, reshard, to_hf
+from tests.conftest import REPO
+from tests.nxdtrain.harness import DIST_TIMEOUT, run_world
+
+FIXTURE = REPO / "fixtures" / "nxdtrain-format1"
+
+
+@pytest.fixture()
+def tag(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(FIXTURE / "step_2", tmp_path / "old" / "step_2"))
+
+
+def _options() -> tuple[dict, list[float]]:
+    run = json.loads((FIXTURE / "run.json").read_text())
+    options = {**run["options"], "dist_timeout": DIST_TIMEOUT}
+    return options, run["losses"]
+
+
+def test_format1_zero1_tag_continues_bitwise(tag, tmp_path):
+    options, losses = _options()
+    log = run_world(4, resume=str(tag), checkpoint_dir=str(tmp_path / "ckpt"), log_jsonl=str(tmp_path / "log.jsonl"),
+                    **options)
+    assert [(r["step"], r["loss"]) for r in log] == [(3, losses[2]), (4, losses[3])]
+
+
+def test_format1_zero1_tag_resumes_at_dp1_without_zero1(tag, tmp_path):
+    options, losses = _options()
+    log = run_world(2, resume=str(tag), checkpoint_dir=str(tmp_path / "ckpt"), log_jsonl=str(tmp_path / "log.jsonl"),
+                    **{**options, "zero1": False})
+    assert [r["step"] for r in log] == [3, 4]
+    assert [r["loss"] for r in log] == losses[2:]  # dp 1 sums the same microbatch gradients: equal here
+
+
+@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixture's model has none
+def test_masters_export_from_zero1_tags_of_both_formats(tag, tmp_path):
+    """to-hf --masters finds every parameter's fp32 master whichever dp rank's file holds it: in the format-1 tag
+    (every file has all masters) and after a reshard to format 2 (each dp rank has its own parameters')."""
+    quiet = RunOptions(quiet=True, part=(0, 1))
+    to_hf(tag, tmp_path / "hf1", masters=True, dtype="keep", options=quiet)
+    moved = reshard(tag, tmp_path / "f2", tp=2, pp=1, dp=2, zero1=True, options=quiet).out
+    to_hf(moved, tmp_path / "hf2", masters=True, dtype="keep", options=quiet)
+    to_hf(tag, tmp_path / "shards", masters=False, dtype="keep", options=quiet)
+    one, two = load_file(tmp_path / "hf1/model.safetensors"), load_file(tmp_path / "hf2/model.safetensors")
+    shards = load_file(tmp_path / "shards/model.safetensors")
+    assert one.keys() == two.keys() == shards.keys()
+    for key in one:
+        assert one[key].dtype == torch.float32 and torch.equal(one[key], two[key]), key
+        assert torch.equal(one[key].to(torch.bfloat16), shards[key]), key  # the shards are the masters rounded
