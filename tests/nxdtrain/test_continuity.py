@@ -37,14 +37,14 @@ def test_a_resume_with_changed_steps_is_refused(two_steps):
                                "--override-schedule to change the run on purpose")
     # The recorded schedule itself resumes (decay steps given, more steps): nothing changes, nothing refused.
     same = TrainConfig.from_flat({**options, "steps": 8, "decay_steps": 4, "resume": str(ck), "checkpoint_dir": str(ck)})
-    assert not [n for n in prepare(same, world_size=1).notes if "override" in n]
+    assert not [n for n in prepare(same, world_size=1).resume_notes if "override" in n]
 
 
 def test_override_schedule_says_exactly_what_changed(two_steps):
     _, ck, options = two_steps
     config = TrainConfig.from_flat({**options, "steps": 8, "lr": 2e-3, "seed": 8, "override_schedule": True,
                                     "resume": str(ck), "checkpoint_dir": str(ck)})
-    notes = prepare(config, world_size=1).notes
+    notes = prepare(config, world_size=1).resume_notes
     assert ("--override-schedule: the run changes at this resume: peak lr 0.001 -> 0.002; decay steps 4 -> 8; "
             "seed 7 -> 8") in notes
 
