@@ -142,6 +142,8 @@ class DataConfig:
     long_rows: str = option("cut", "rows longer than --seq-len: cut (their tail is not trained; the start says how "
                                    "many tokens that drops), split (into rows of --seq-len; a remainder shorter "
                                    "than --seq-len is dropped) or error", choices=LONG_ROWS)
+    pad: bool = option(False, "pad rows shorter than --seq-len after their last token; padded positions are not "
+                              "trained (no target), and the step's loss still divides by gbs x (seq_len - 1)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
     mbs: int = option(1, "microbatch size in rows")
     shuffle: bool = option(True, "visit rows in a seeded random order per epoch (--no-shuffle: file order)")

@@ -42,7 +42,8 @@ class SplitRows:
 
     def __init__(self, source: RowSource, lengths: list[int], seq_len: int) -> None:
         self.name, self.source, self.seq_len = source.name, source, seq_len
-        self._pieces = [(row, k * seq_len) for row, n in enumerate(lengths) for k in range(n // seq_len)]
+        # A row shorter than seq_len (only there with --pad) stays one row, padded when it is read.
+        self._pieces = [(row, k * seq_len) for row, n in enumerate(lengths) for k in range(max(n // seq_len, 1))]
         self.size = len(self._pieces)
 
     def row(self, index: int) -> list[int]:
@@ -66,6 +67,8 @@ class DataPlan:
     checked: int                # rows whose length was read
     total: int                  # rows in the data
     long_rows: int = 0          # rows longer than --seq-len (among those checked)
+    short_rows: int = 0         # rows shorter than --seq-len, padded (--pad; among those checked)
+    pad_positions: int = 0      # positions --pad adds (among those checked)
     dropped_tokens: int = 0     # tokens no step trains on: cut tails or split remainders (among those checked)
     notes: list[str] = field(default_factory=list)
 
@@ -78,6 +81,9 @@ class DataPlan:
             out.append(f"{self.long_rows:,} rows longer than --seq-len {seq_len} are {verb} (--long-rows {long_rows}): "
                        f"{self.dropped_tokens:,} tokens are never trained on{'' if self.checked == self.total else ' in the rows checked'}"
                        f"; --long-rows {other} or error to change that")
+        if self.short_rows:
+            out.append(f"{self.short_rows:,} rows shorter than --seq-len {seq_len} are padded (--pad): "
+                       f"{self.pad_positions:,} positions hold no token and are not trained on")
         return out + self.notes
 
 
@@ -103,7 +109,7 @@ def _parsed(source: RowSource, index: int) -> list[int]:
     return ids
 
 
-def check_rows(source: RowSource, *, seq_len: int, long_rows: str) -> DataPlan:
+def check_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool = False) -> DataPlan:
     """Check every part of ``source`` (see the module docstring); the rows to train on."""
     if source.size is None:  # synthetic: rows of exactly --seq-len
         return DataPlan(source, 0, 0)
@@ -114,10 +120,15 @@ def check_rows(source: RowSource, *, seq_len: int, long_rows: str) -> DataPlan:
         found, size = _lengths(part, whole=long_rows == "split")
         plan.checked += len(found)
         for row, n in found:
+            if n < seq_len and pad and n >= 1:
+                plan.short_rows += 1
+                plan.pad_positions += seq_len - n
+                continue
             if n < seq_len:
                 name, local = _where(part, row)
                 raise TrainError(f"{name}: row {local} has {n} tokens, fewer than --seq-len {seq_len}; pack the data "
-                                 f"into rows of {seq_len} (nxdtrain data pack --seq-len {seq_len}) or lower --seq-len")
+                                 f"into rows of {seq_len} (nxdtrain data pack --seq-len {seq_len}), lower --seq-len, "
+                                 "or pass --pad")
             if n > seq_len:
                 if long_rows == "error":
                     name, local = _where(part, row)

@@ -146,7 +146,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
     data_plan = check_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed),
-                           seq_len=data.seq_len, long_rows=data.long_rows)
+                           seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad)
     rows = data_plan.rows
     data_notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
     eval_rows, eval_count = open_eval(config, source.spec.vocab)
@@ -181,7 +181,7 @@ def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
         return None, 0
     # A different seed: synthetic held-out rows must not be the training rows.
     rows = check_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
-                      seq_len=data.seq_len, long_rows=data.long_rows).rows
+                      seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad).rows
     whole = None if rows.size is None else rows.size // data.gbs
     if whole is None and data.eval_batches is None:
         raise TrainError("--eval-data synthetic has no end: give --eval-batches N")
@@ -274,9 +274,9 @@ class Trainer:
                                      tokens_per_batch=data.gbs * (data.seq_len - 1), device=self.device,
                                      mbs=data.mbs, seq_len=data.seq_len)
         self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed,
-                               vocab=source.spec.vocab, gbs=data.gbs)
+                               vocab=source.spec.vocab, gbs=data.gbs, pad=data.pad)
         self.eval_batches = None if plan.eval_rows is None else Batches(
-            plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab)
+            plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab, pad=data.pad)
         ckpt = cfg.checkpoint
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,

@@ -11,7 +11,7 @@ import pytest
 
 from nxdtrain import dist
 from nxdtrain.cli import main
-from nxdtrain.data import open_rows
+from nxdtrain.data import PAD, Batches, open_rows
 from nxdtrain.data_check import PARSE_ALL, check_rows
 from nxdtrain.errors import TrainError
 
@@ -38,8 +38,8 @@ def test_a_short_row_is_refused_before_the_first_process_starts(tmp_path, nxd_mo
             "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck")]
     assert main(argv) == 1
     assert capsys.readouterr().err == (f"nxdtrain: error: {data}/train-001.json.gz: row 6 has 9 tokens, fewer than "
-                                       "--seq-len 16; pack the data into rows of 16 (nxdtrain data pack --seq-len 16) "
-                                       "or lower --seq-len\n")
+                                       "--seq-len 16; pack the data into rows of 16 (nxdtrain data pack --seq-len 16), "
+                                       "lower --seq-len, or pass --pad\n")
     assert not (tmp_path / "ck").exists()
 
 
@@ -91,3 +91,40 @@ def test_steps_prints_the_plan(tmp_path, capsys):
     assert (report["rows_checked"], report["long_rows"], report["tokens_never_trained"]) == (4, 4, 8)
     assert main(["steps", "--data", str(data), "--gbs", "2", "--seq-len", "4", "--long-rows", "split", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 8  # 4 rows of 10 -> 2 rows of 4 each (2 tokens dropped)
+
+
+def test_pad_keeps_short_rows_and_says_so(tmp_path):
+    data = write_parts(tmp_path / "parts", [[list(range(8)), list(range(5))], [list(range(3)), list(range(12))]])
+    rows = open_rows(str(data), vocab=32, seq_len=8, seed=0)
+    plan = check_rows(rows, seq_len=8, long_rows="split", pad=True)
+    assert (plan.short_rows, plan.pad_positions, plan.long_rows, plan.dropped_tokens) == (2, 3 + 5, 1, 4)
+    assert plan.rows.size == 4  # 8 | 5 padded | 3 padded | 12 -> one row of 8 (4 dropped)
+    assert "2 rows shorter than --seq-len 8 are padded (--pad): 8 positions hold no token and are not trained on" in (
+        plan.lines(8, "split"))
+    batches = Batches(plan.rows, seq_len=8, shuffle=False, seed=0, vocab=32, pad=True)
+    assert batches.batch(consumed=1, count=2).tolist() == [[0, 1, 2, 3, 4, PAD, PAD, PAD],
+                                                          [0, 1, 2, PAD, PAD, PAD, PAD, PAD]]
+
+
+def test_padded_rows_train_on_their_real_tokens_only(tmp_path, nxd_model, hf_model):
+    """The first loss with --pad equals transformers' cross-entropy over the real targets only (labels -100 after
+    a row's last token), summed and divided by gbs x (seq_len - 1) as every nxdtrain loss is."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tests.nxdtrain.harness import run_world, train_options
+
+    rows = [list(range(3, 19)), list(range(40, 49)), list(range(60, 76)), list(range(90, 95))]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    log = run_world(1, resume=str(nxd_model("mha", tp=1, pp=1, attention="separate")), no_checkpoint=True,
+                    log_jsonl=str(tmp_path / "log.jsonl"),
+                    **train_options(data=str(path), pad=True, shuffle=False, gbs=4, seq_len=16, steps=1))
+    ids = torch.tensor([r + [0] * (16 - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (16 - len(r)) for r in rows])
+    model = LlamaForCausalLM.from_pretrained(hf_model("mha"), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    summed = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                               ignore_index=-100, reduction="sum")
+    assert abs(log[0]["loss"] - float(summed) / (4 * 15)) < 1e-5
