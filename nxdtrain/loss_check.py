@@ -11,7 +11,7 @@ on the run's own data; the run stops, in one line naming the likely causes, when
 * far above the loss recorded in the tag it resumes: above ``recorded +`` :data:`ABOVE_RECORDED`,
 
 unless ``--allow-high-loss``. The margins come from measurements (README, "A wrong load is caught"):
-``benchmarks/loss_check.py`` trains a tiny Llama below ln V, then loads it right and wrong.
+``tests/nxdtrain/measure_loss_check.py`` trains a tiny Llama below ln V, then loads it right and wrong.
 ``--data synthetic`` (random tokens) is not checked: on random tokens no model beats guessing.
 
     >>> verdict(2.1, vocab=32000, recorded=None) is None

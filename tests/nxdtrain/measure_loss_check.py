@@ -6,7 +6,7 @@ converted at tp 4 x kvm 2 (8 query heads, 2 K/V heads), read right or with the K
 2 <-> 3 swapped (replicas still consistent, so no structural check sees it), and nxdtrain logs the loss of step 1
 (its forward runs before the update: the loss the check sees):
 
-    python benchmarks/loss_check.py OUT [--steps 400]
+    python -m tests.nxdtrain.measure_loss_check OUT [--steps 400]
 
 Prints one JSON object: ln(vocab), the HF loss after training, and nxdtrain's first loss per case.
 """
@@ -20,11 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.conftest import make_tiny_llama  # noqa: E402
-from tests.nxdtrain.harness import convert  # noqa: E402
-from tests.nxdtrain.wrong_loads import VOCAB, pair_kv_wrongly, pattern_rows, trained_llama, write_rows  # noqa: E402
+from tests.conftest import make_tiny_llama
+from tests.nxdtrain.harness import convert
+from tests.nxdtrain.wrong_loads import VOCAB, pair_kv_wrongly, pattern_rows, trained_llama, write_rows
 
 LAYOUT = dict(tp=4, attention="qkv_linear", kv_size_multiplier=2)
 SHAPE = dict(heads=8, kv_heads=2, layers=3)
