@@ -41,6 +41,9 @@ from nxdtrain.errors import TrainError
 from nxdtrain.lifeline import die_with, start_time
 
 DEFAULT_PORT = 29500
+# Set in the processes spawn() starts: the file their process group meets in (a free port found first could
+# be taken by another program before the store binds it).
+RENDEZVOUS_ENV = "NXDTRAIN_RENDEZVOUS_FILE"
 
 
 class Coords(NamedTuple):
@@ -166,10 +169,17 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
                              f"({env.launcher}) as rank {env.rank} of {env.world_size}; multi-process XLA needs a "
                              "PJRT device with distributed support (Neuron, TPU), not XLA:CPU")
         return dev
-    dist.init_process_group(
-        dev.backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank, world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    rendezvous = os.environ.get(RENDEZVOUS_ENV)
+    if rendezvous:  # a world spawned here: a file in the launcher's temp dir, no port another process can take
+        dist.init_process_group(dev.backend, init_method=f"file://{rendezvous}", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    elif env.world_size == 1 and not env.master_port:  # the OS picks the port as the store binds it
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        dist.init_process_group(dev.backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(dev.backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
     return dev
 
 
@@ -271,6 +281,7 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world
            errors: str, launcher: tuple[int, int | None]) -> None:
     die_with(*launcher)  # a launcher killed by SIGKILL (the OOM killer) takes its workers with it
     os.environ[LAUNCHER_ENV] = str(launcher[0])
+    os.environ[RENDEZVOUS_ENV] = os.path.join(errors, "rendezvous")
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
