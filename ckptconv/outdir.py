@@ -220,10 +220,40 @@ def _holder(path: Path) -> dict[str, Any]:
     return {}
 
 
-def _busy(out: Path, holder: dict[str, Any]) -> ConversionError:
-    who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {holder.get('command', '?')}"
-           if holder else "a process that has not yet said who it is")
-    return ConversionError(f"{out}: in use by another writer ({who}); wait for it to finish or choose another OUT")
+class BusyError(ConversionError):
+    """OUT is held by another live writer; ``holder`` is its record (pid, host, started, command), or {}."""
+
+    def __init__(self, message: str, holder: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+def describe_holder(holder: dict[str, Any]) -> str:
+    """``pid 123 on host: command`` of a lock record (what a refusal names)."""
+    if not holder:
+        return "a process that has not yet said who it is"
+    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {holder.get('command', '?')}"
+
+
+def _busy(out: Path, holder: dict[str, Any]) -> BusyError:
+    return BusyError(f"{out}: in use by another writer ({describe_holder(holder)}); wait for it to finish or "
+                     "choose another OUT", holder)
+
+
+def check_free(out: Path) -> None:
+    """Raise :class:`BusyError` when a live process holds OUT's lock (creates nothing; a lock left by a
+    dead process is free: the kernel dropped its flock)."""
+    path = out / TMP_DIR / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return  # no lock file (or not one we would follow): nobody holds OUT
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(out, _holder(path)) from None
+    finally:
+        os.close(fd)
 
 
 def _open_lock(out: Path) -> tuple[int, Path]:
@@ -256,6 +286,7 @@ def acquire(out: Path, *, fingerprint: str, parts: int = 1, command: str | None 
     """
     deadline = time.monotonic() + PART_WAIT_SECONDS
     record = {"pid": os.getpid(), "host": socket.gethostname(), "fingerprint": fingerprint, "parts": parts,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300]}
     while True:
         fd, path = _open_lock(out)

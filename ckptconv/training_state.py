@@ -474,6 +474,29 @@ class _ShardMasters:
         pass
 
 
+def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
+    """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
+    format (NxD's own: :func:`ckptconv.nxd_optimizer.optimizer_summary`) or there is none."""
+    if not (ckpt.root / OPTIM_DIR).is_dir():
+        return None
+    try:
+        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
+                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                             checks=ckpt.checks, io=ckpt.io)
+    except IntegrityError:
+        raise
+    except ConversionError:  # not nxdtrain's optimizer files
+        return None
+    try:
+        hyper = optim.hyper
+        return {"format": f"nxdtrain {'/'.join(str(f) for f in hyper.formats)}", "zero1": hyper.zero1,
+                "dp": hyper.zero_size if hyper.zero1 else None, "files": len(optim.files),
+                "components": list(hyper.components), "masters": MASTER in hyper.components,
+                "param_groups": len(hyper.param_groups)}
+    finally:
+        optim.close()
+
+
 def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
                 required: bool) -> TagOptimizer | None:
     """Make ``ckpt`` (an NxdCheckpoint) read its weights from the fp32 masters a bf16 nxdtrain run keeps with its

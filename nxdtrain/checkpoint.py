@@ -52,12 +52,13 @@ from ckptconv.io.nxd import (
 )
 from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, shard_file, shard_name
 from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
-from ckptconv.metadata import Metadata, write_metadata
+from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
 from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
+from nxdtrain.continuity import recorded_run
 from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
@@ -118,6 +119,13 @@ def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> 
     given = Path(path)
     if not given.exists():
         raise TrainError(f"{flag} {path}: no such directory")
+    tags = completed_tags(given) if given.is_dir() and (given / MODEL_DIR).is_dir() else []
+    if tags:
+        # Shards and tags in one directory (an older nxdtrain let --checkpoint-dir be the converted input):
+        # the tags are the run's progress, the shards where it started.
+        source = resolve_resume(str(tags[-1]), weights_only=weights_only, flag=flag)
+        return dataclasses.replace(source, given=path, case=f"{source.case} (the newest completed tag in {path}; "
+                                                            "its converted shards are where the run began)")
     try:
         root, _, _ = resolve_checkpoint(given)
         check_model_config(root)
@@ -238,6 +246,11 @@ def check_checkpoint_dir(directory: str | None, start_step: int) -> None:
     check_writable(directory, "--checkpoint-dir")
     if not Path(directory).is_dir():
         return
+    if (Path(directory) / MODEL_DIR).is_dir():
+        raise TrainError(f"--checkpoint-dir {directory}: holds NxD shards ({MODEL_DIR}/: a converted checkpoint or a "
+                         f"tag); tags written there would sit behind those shards, and a requeued --resume {directory} "
+                         f"would start again from them at step 0: use a directory of its own, e.g. "
+                         f"{str(directory).rstrip('/')}-run")
     newer = [t.name for t in completed_tags(Path(directory)) if (tag_step(t.name) or 0) > start_step]
     if newer:
         raise TrainError(f"--checkpoint-dir {directory}: holds {newer[-1]}, past this run's start (step {start_step}); "
@@ -273,6 +286,9 @@ class TrainingState:
     consumed_samples: int
     rng: list[dict[str, torch.Tensor]]
     options: dict[str, Any]  # the saving run's flat options (TrainConfig.to_flat)
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
+    missing: list[str] = dataclasses.field(default_factory=list)   # what an older tag's record lacks
+    loss: float | None = None  # the loss logged at the tag's step (nxdtrain.loss_check); None: not recorded
 
 
 def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> TrainingState:
@@ -281,7 +297,10 @@ def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> Traini
     step = int(user["step"])
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")
-    return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])), dict(user.get("options", {})))
+    run, missing = recorded_run(user, scheduler)
+    loss = user.get("loss")
+    return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])), dict(user.get("options", {})),
+                         run, missing, float(loss) if isinstance(loss, (int, float)) else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,10 +343,12 @@ class TagWriter:
     flavour: Flavour
     keep: int
     options: dict[str, Any]
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.continuity)
     host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
     zero_rank: int = 0
 
-    def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any]) -> Path:
+    def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
+             loss: float | None = None) -> Path:
         tag = self.root / f"step_{step}"
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
@@ -349,7 +370,7 @@ class TagWriter:
         if rank == 0:
             assert lock is not None
             with lock:
-                self._finish(tag, step, consumed, model, scheduler, gathered)
+                self._finish(tag, step, consumed, model, scheduler, gathered, loss)
         dist.barrier(group=self.host_group)
         return tag
 
@@ -378,7 +399,7 @@ class TagWriter:
         return lock
 
     def _finish(self, tag: Path, step: int, consumed: int, model: Any, scheduler: dict[str, Any],
-                gathered: list[Any]) -> None:
+                gathered: list[Any], loss: float | None) -> None:
         """Rank 0: side files, metadata, then the markers, then retention."""
         files: dict[str, dict[str, Any]] = {}
         for records, _ in gathered:
@@ -386,7 +407,9 @@ class TagWriter:
         side: list[Path] = [
             _save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
             _save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
-                         "options": self.options, "layout": self.layout.to_json()}, tag / USER_CONTENT_FILE),
+                         "options": self.options, "layout": self.layout.to_json(), "run": self.record,
+                         "loss": loss},
+                        tag / USER_CONTENT_FILE),
         ]
         hf_src = self.source.root / HF_FILES_DIR
         if hf_src.is_dir() and not hf_src.is_symlink():
@@ -399,11 +422,11 @@ class TagWriter:
             kind="nxd", hf_config=self.source.spec.config, files=files, layout=self.layout.to_json(),
             flavour=self.flavour.value, dtype=str(dtype).removeprefix("torch."),
             with_inv_freq=self.source.with_inv_freq,
-            extra={"nxdtrain": {"step": step, "consumed_samples": consumed}},
+            extra={"nxdtrain": {"step": step, "consumed_samples": consumed, "run": self.record.get("run")}},
         ))
         write_markers(tag)
         outdir.clear_tmp(tag)  # complete: ckptconv.json lists the files, the markers are known names
-        prune(self.root, self.keep)
+        prune(self.root, self.keep, run=str(self.record.get("run")))
 
 
 def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:
@@ -419,17 +442,66 @@ def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None
     return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` completed ``step_<N>`` tags; return the deleted ones.
+def run_of(tag: Path) -> str | None:
+    """The id of the run that wrote ``tag`` (ckptconv.json ``extra.nxdtrain.run``); None: unknown (an older
+    nxdtrain, another tool, no readable metadata)."""
+    try:
+        meta = read_metadata(tag)
+    except ConversionError:
+        return None
+    extra = (meta.extra if meta is not None else None) or {}
+    run = (extra.get("nxdtrain") or {}).get("run") if isinstance(extra.get("nxdtrain"), dict) else None
+    return run if isinstance(run, str) else None
 
+
+def prune(root: Path, keep: int, *, run: str) -> list[Path]:
+    """Delete all but the newest ``keep`` completed ``step_<N>`` tags of the run ``run``; return the deleted ones.
+
+    Only tags that run wrote (its id in their ckptconv.json; a resume carries the id on) are counted and
+    deleted: another run's tags in the same directory, and tags of unknown origin, are never touched.
     ``done`` goes first, so a crash halfway through a deletion leaves a tag that is never resumed.
     Only what nxdtrain wrote there goes (what its ckptconv.json lists, and the markers); a tag
     holding anything else keeps that, and its directory.
     """
-    ours = [t for t in completed_tags(root) if t.name.startswith("step_") and tag_step(t.name) is not None]
+    ours = [t for t in completed_tags(root)
+            if t.name.startswith("step_") and tag_step(t.name) is not None and run_of(t) == run]
     doomed = ours[:-keep] if len(ours) > keep else []
     for tag in doomed:
         outdir.remove_owned(tag, also=MARKERS, keep=())
         with contextlib.suppress(OSError):
             tag.rmdir()  # only when nothing foreign is left in it
     return doomed
+
+
+# --------------------------------------------------------------------------------------------
+# One writer per checkpoint directory
+
+RUN_LOCK = "nxdtrain-run"
+
+
+def _busy(directory: str | Path, exc: outdir.BusyError) -> TrainError:
+    holder = exc.holder
+    since = f", started {holder['started']}" if holder.get("started") else ""
+    return TrainError(f"--checkpoint-dir {directory}: another training run writes there "
+                      f"({outdir.describe_holder(holder)}{since}); two runs in one directory would interleave "
+                      "their tags: wait for it to end (or stop it), or use another --checkpoint-dir")
+
+
+def check_one_writer(directory: str | None) -> None:
+    """Refuse, before any process starts, a ``--checkpoint-dir`` that a live run holds (creates nothing)."""
+    if directory and Path(directory).is_dir():
+        try:
+            outdir.check_free(Path(directory))
+        except outdir.BusyError as exc:
+            raise _busy(directory, exc) from None
+
+
+def claim_checkpoint_dir(directory: str, command: str) -> outdir.OutLock:
+    """Rank 0: hold ``--checkpoint-dir`` for the whole run (ckptconv's output lock: a flock the kernel drops
+    when the process dies, even by SIGKILL, with an owner record naming pid, host, start and command)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        return outdir.acquire(path, fingerprint=RUN_LOCK, command=command)
+    except outdir.BusyError as exc:
+        raise _busy(directory, exc) from None

@@ -47,6 +47,8 @@ def add_commands(sub: Any) -> None:
     steps.add_argument("--cores-per-node", type=int, metavar="C",
                        help="processes per node (NeuronCores or GPUs); with --nodes")
     steps.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (default: the length of row 0)")
+    steps.add_argument("--long-rows", default="cut", choices=("cut", "split", "error"),
+                       help="rows longer than --seq-len, as nxdtrain run's --long-rows (default: cut)")
     steps.add_argument("--epochs", type=int, default=1, metavar="E", help="epochs (default: 1)")
     steps.add_argument("--warmup", type=float, default=0.0, metavar="R",
                        help="warmup as a fraction (< 1) of the total steps or a step count (default: 0)")
@@ -71,10 +73,12 @@ def _pack(args: argparse.Namespace) -> int:
 
 
 def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1, world: int | None = None,
-                 seq_len: int | None = None, epochs: int = 1, warmup: float = 0.0, cp: int = 1) -> dict[str, Any]:
+                 seq_len: int | None = None, epochs: int = 1, warmup: float = 0.0, cp: int = 1,
+                 long_rows: str = "cut") -> dict[str, Any]:
     """Everything ``nxdtrain steps`` prints; the numbers come from the functions ``run`` uses."""
     from nxdtrain.config import OptimConfig
     from nxdtrain.data import open_rows
+    from nxdtrain.data_check import check_rows
     from nxdtrain.epochs import data_parallel, run_length
 
     OptimConfig(warmup=warmup)  # the same check (and message) as run's --warmup
@@ -87,6 +91,9 @@ def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1,
     rows = open_rows(data, vocab=1, seq_len=seq_len or 2, seed=0)
     assert rows.size is not None
     seq = seq_len or len(rows.row(0))
+    checked = check_rows(rows, seq_len=seq, long_rows=long_rows)  # what run checks before its first process
+    rows = checked.rows
+    assert rows.size is not None
     world = world or tp * pp * cp
     dp, microbatches = data_parallel(world=world, tp=tp, pp=pp, gbs=gbs, mbs=mbs, cp=cp)
     length = run_length(rows=rows.size, gbs=gbs, epochs=epochs, warmup=warmup)
@@ -94,14 +101,16 @@ def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1,
             "pp": pp, "cp": cp, "dp": dp, "gbs": gbs, "mbs": mbs, "microbatches": microbatches,
             "steps_per_epoch": length.steps_per_epoch, "rows_dropped_per_epoch": length.dropped_per_epoch,
             "epochs": epochs, "steps": length.steps, "warmup": length.warmup,
-            "tokens_trained": length.steps * gbs * seq}
+            "tokens_trained": length.steps * gbs * seq, "rows_checked": checked.checked,
+            "long_rows": checked.long_rows, "tokens_never_trained": checked.dropped_tokens}
 
 
 STEPS_LABELS = {
     "rows": "rows", "seq_len": "tokens per row", "tokens": "tokens (rows x tokens per row)", "world": "world size", "dp": "data parallel (dp)",
     "microbatches": "microbatches per dp rank", "steps_per_epoch": "steps per epoch",
     "rows_dropped_per_epoch": "rows dropped per epoch", "epochs": "epochs", "steps": "total steps",
-    "warmup": "warmup steps", "tokens_trained": "tokens trained",
+    "warmup": "warmup steps", "tokens_trained": "tokens trained", "rows_checked": "rows checked (lengths)",
+    "long_rows": "rows longer than tokens per row", "tokens_never_trained": "their tokens never trained (--long-rows)",
 }
 
 
@@ -110,7 +119,8 @@ def _steps(args: argparse.Namespace) -> int:
         raise TrainError("--nodes and --cores-per-node go together (world = nodes x cores per node)")
     world = args.nproc if args.nodes is None else args.nodes * args.cores_per_node
     report = steps_report(data=args.data, gbs=args.gbs, mbs=args.mbs, tp=args.tp, pp=args.pp, world=world,
-                          seq_len=args.seq_len, epochs=args.epochs, warmup=args.warmup, cp=args.context_parallel)
+                          seq_len=args.seq_len, epochs=args.epochs, warmup=args.warmup, cp=args.context_parallel,
+                          long_rows=args.long_rows)
     if args.json:
         print(json.dumps(report))
         return 0

@@ -29,6 +29,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.recompute)
+LONG_ROWS = ("cut", "split", "error")  # rows longer than --seq-len (nxdtrain.data_check)
 AUTO = "auto"  # --resume auto
 
 
@@ -136,7 +137,13 @@ class DataConfig:
 
     data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.json(.gz) file (input_ids per row), a "
                                     "directory or glob of those (sorted), or 'synthetic'", path=True)
-    seq_len: int = option(1024, "tokens per row (longer rows are cut, shorter rows are an error)")
+    seq_len: int = option(1024, "tokens per row (shorter rows are an error, checked before the run starts; "
+                                "longer rows: --long-rows)")
+    long_rows: str = option("cut", "rows longer than --seq-len: cut (their tail is not trained; the start says how "
+                                   "many tokens that drops), split (into rows of --seq-len; a remainder shorter "
+                                   "than --seq-len is dropped) or error", choices=LONG_ROWS)
+    pad: bool = option(False, "pad rows shorter than --seq-len after their last token; padded positions are not "
+                              "trained (no target), and the step's loss still divides by gbs x (seq_len - 1)")
     gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
     mbs: int = option(1, "microbatch size in rows")
     shuffle: bool = option(True, "visit rows in a seeded random order per epoch (--no-shuffle: file order)")
@@ -147,6 +154,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
+        _choice("--long-rows", self.long_rows, LONG_ROWS)
         _check(_is_int(self.gbs) and self.gbs >= 1, f"--gbs must be an integer >= 1, got {self.gbs!r}")
         _check(_is_int(self.mbs) and self.mbs >= 1, f"--mbs must be an integer >= 1, got {self.mbs!r}")
         _check(self.gbs % self.mbs == 0, f"--gbs {self.gbs} must be a multiple of --mbs {self.mbs}")
@@ -175,6 +183,11 @@ class CheckpointConfig:
     xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)")
     no_checkpoint: bool = option(False, "train without --checkpoint-dir on purpose: nothing is saved and the "
                                         "trained weights are lost when the run ends")
+    override_schedule: bool = option(False, "resume with another learning-rate schedule or data order than the "
+                                            "tag recorded (peak/min lr, warmup, decay steps, schedule, seed, "
+                                            "shuffle, epochs); without it such a resume is refused")
+    allow_high_loss: bool = option(False, "start even when the first batch's loss of a resumed or converted start "
+                                          "says the weights were loaded wrong (nxdtrain.loss_check)")
 
     def __post_init__(self) -> None:
         _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, "

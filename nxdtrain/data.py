@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from nxdtrain.config import TrainConfig
 
 COLUMN = "input_ids"
+PAD = -1  # --pad: the positions after a short row's last token (never a token id; nxdtrain.pipeline ignores them)
 
 
 class RowSource(Protocol):
@@ -174,8 +175,17 @@ class ConcatRows:
         self.size = self._ends[-1] if parts else 0
 
     def row(self, index: int) -> list[int]:
+        part, local = self._locate(index)
+        return self.parts[part].row(local)
+
+    def _locate(self, index: int) -> tuple[int, int]:
         part = bisect.bisect_right(self._ends, index)
-        return self.parts[part].row(index - (self._ends[part - 1] if part else 0))
+        return part, index - (self._ends[part - 1] if part else 0)
+
+    def where(self, index: int) -> tuple[str, int]:
+        """(file, row in that file) of row ``index``: what an error names."""
+        part, local = self._locate(index)
+        return self.parts[part].name, local
 
 
 def load_column(path: Path, column: str) -> Any:
@@ -220,6 +230,14 @@ class DatasetRows:
     def row(self, index: int) -> list[int]:
         return self._data[index][COLUMN]
 
+    def lengths(self) -> list[int] | None:
+        """Every row's length from the Arrow list offsets (no row decoded); None for an indexed view."""
+        import pyarrow.compute as pc
+
+        if getattr(self._data, "_indices", None) is not None:
+            return None
+        return pc.list_value_length(self._data.data.table.column(COLUMN)).to_pylist()
+
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
@@ -263,8 +281,9 @@ class Batches:
     """Rows in training order, cut to ``seq_len`` and checked against the vocabulary."""
 
     def __init__(self, source: RowSource, *, seq_len: int, shuffle: bool, seed: int, vocab: int | None = None,
-                 gbs: int | None = None) -> None:
+                 gbs: int | None = None, pad: bool = False) -> None:
         self.source, self.seq_len, self.shuffle, self.seed = source, seq_len, shuffle, seed
+        self.pad = pad  # short rows end in PAD positions instead of being an error
         self.vocab = vocab
         self._epoch: tuple[int, torch.Tensor] | None = None
         size = source.size
@@ -291,13 +310,17 @@ class Batches:
         for sample in range(consumed, consumed + count):
             index = self.row_index(sample)
             ids = self.source.row(index)
+            if len(ids) < self.seq_len and self.pad:
+                ids = list(ids) + [PAD] * (self.seq_len - len(ids))
             if len(ids) < self.seq_len:
-                raise TrainError(f"{self.source.name}: row {index} has {len(ids)} tokens; --seq-len {self.seq_len} "
+                name, row = self.source.where(index) if hasattr(self.source, "where") else (self.source.name, index)
+                raise TrainError(f"{name}: row {row} has {len(ids)} tokens; --seq-len {self.seq_len} "
                                  "needs at least that many (pack shorter rows first)")
             rows.append(ids[: self.seq_len])
         out = torch.tensor(rows, dtype=torch.int64)
-        if self.vocab is not None and out.numel() and (out.min() < 0 or out.max() >= self.vocab):
-            bad = int(out.max()) if out.max() >= self.vocab else int(out.min())
+        real = out[out != PAD] if self.pad else out
+        if self.vocab is not None and real.numel() and (real.min() < 0 or real.max() >= self.vocab):
+            bad = int(real.max()) if real.max() >= self.vocab else int(real.min())
             raise TrainError(f"{self.source.name}: token id {bad} is outside the model's vocabulary [0, {self.vocab})")
         return out
 
@@ -312,5 +335,6 @@ def global_batches(cfg: TrainConfig, vocab: int, *, start: int = 0) -> list[torc
     whole; for references and benchmarks that train the same rows another way)."""
     data = cfg.data
     rows = open_rows(data.data, vocab=vocab, seq_len=data.seq_len, seed=cfg.seed)
-    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab, gbs=data.gbs)
+    batches = Batches(rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed, vocab=vocab, gbs=data.gbs,
+                      pad=data.pad)
     return [batches.batch(consumed=s * data.gbs, count=data.gbs) for s in range(start, cfg.steps)]

@@ -38,8 +38,12 @@ from typing import Any, NamedTuple
 
 from ckptconv.launcher import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
 from nxdtrain.errors import TrainError
+from nxdtrain.lifeline import die_with, start_time
 
 DEFAULT_PORT = 29500
+# Set in the processes spawn() starts: the file their process group meets in (a free port found first could
+# be taken by another program before the store binds it).
+RENDEZVOUS_ENV = "NXDTRAIN_RENDEZVOUS_FILE"
 
 
 class Coords(NamedTuple):
@@ -165,10 +169,17 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
                              f"({env.launcher}) as rank {env.rank} of {env.world_size}; multi-process XLA needs a "
                              "PJRT device with distributed support (Neuron, TPU), not XLA:CPU")
         return dev
-    dist.init_process_group(
-        dev.backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank, world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    rendezvous = os.environ.get(RENDEZVOUS_ENV)
+    if rendezvous:  # a world spawned here: a file in the launcher's temp dir, no port another process can take
+        dist.init_process_group(dev.backend, init_method=f"file://{rendezvous}", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    elif env.world_size == 1 and not env.master_port:  # the OS picks the port as the store binds it
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+        dist.init_process_group(dev.backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(dev.backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
     return dev
 
 
@@ -262,11 +273,15 @@ class Mesh:
 # Starting N local processes
 
 
+LAUNCHER_ENV = "NXDTRAIN_LAUNCHER_PID"  # set in the processes of --nproc: whom to name as the run's owner
 ERROR_FILE = "rank-{}.txt"  # in the launcher's error directory: a failed process's one-line message
 
 
 def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world: int, port: int,
-           errors: str) -> None:
+           errors: str, launcher: tuple[int, int | None]) -> None:
+    die_with(*launcher)  # a launcher killed by SIGKILL (the OOM killer) takes its workers with it
+    os.environ[LAUNCHER_ENV] = str(launcher[0])
+    os.environ[RENDEZVOUS_ENV] = os.path.join(errors, "rendezvous")
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -295,7 +310,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     with ``--debug`` every process prints its traceback); a run past ``timeout_s`` is terminated too (exit code 124). SIGTERM or
     SIGINT to this process is forwarded to every worker, and the launcher waits for them all
     (killing those still alive after :data:`STOP_GRACE_S`) before it returns 128 + the signal: a
-    supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind.
+    supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind. A
+    launcher killed by SIGKILL takes them along too (:mod:`nxdtrain.lifeline`).
     """
     import multiprocessing
     import tempfile
@@ -305,7 +321,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     multiprocessing.set_forkserver_preload(list(preload))
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="nxdtrain-errors-") as errors:
-        context = mp.start_processes(_child, args=(fn, args, nprocs, port, errors), nprocs=nprocs, join=False,
+        launcher = (os.getpid(), start_time(os.getpid()))
+        context = mp.start_processes(_child, args=(fn, args, nprocs, port, errors, launcher), nprocs=nprocs, join=False,
                                      start_method="forkserver")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with _Forwarding(context) as forwarding:

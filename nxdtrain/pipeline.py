@@ -25,6 +25,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from nxdtrain.context_parallel import split_sequence
+from nxdtrain.data import PAD
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel import vocab_parallel_cross_entropy
@@ -34,10 +35,11 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
 def shifted_targets(ids: torch.Tensor) -> torch.Tensor:
-    """Position t predicts token t+1; the last position predicts nothing (-100), as transformers pads labels."""
+    """Position t predicts token t+1; the last position predicts nothing (-100), as transformers pads labels;
+    nor does a position followed by padding (``--pad``: :data:`nxdtrain.data.PAD`)."""
     target = torch.full_like(ids, IGNORE)
     target[:, :-1] = ids[:, 1:]
-    return target
+    return target.masked_fill(target == PAD, IGNORE)
 
 
 class PipelineStep:
@@ -67,7 +69,9 @@ class PipelineStep:
     def _inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This cp rank's ids and targets of whole rows (all of them without context parallelism)."""
         cp = self.model.cp
-        return split_sequence(ids, cp), split_sequence(shifted_targets(ids), cp)
+        # Padded positions (after a row's last token) are fed as token 0: causal attention keeps them out of
+        # every real position, and they predict nothing.
+        return split_sequence(ids.clamp(min=0), cp), split_sequence(shifted_targets(ids), cp)
 
     def run(self, rows: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all microbatches; the summed loss on the last stage, 0 elsewhere."""

@@ -16,6 +16,8 @@ Example (one process; ``nxdtrain run`` is the same call):
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,8 @@ from nxdtrain.checkpoint import (
     TagWriter,
     TrainingState,
     check_checkpoint_dir,
+    check_one_writer,
+    claim_checkpoint_dir,
     read_training_state,
     resolve_start,
     resume_notes,
@@ -43,18 +47,21 @@ from nxdtrain.checkpoint import (
 from nxdtrain.config import TrainConfig
 from nxdtrain.context_parallel import CpGroup
 from nxdtrain.context_parallel import check_seq_len as check_cp_seq_len
+from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
+from nxdtrain.data_check import check_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
-from nxdtrain.dist import Mesh, detect_env, init_world, local_world_size
+from nxdtrain.dist import LAUNCHER_ENV, Mesh, detect_env, init_world, local_world_size
 from nxdtrain.epochs import data_parallel
 from nxdtrain.epochs import resolve as resolve_length
 from nxdtrain.errors import TrainError
 from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
+from nxdtrain.loss_check import refusal, verdict
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
-from nxdtrain.preflight import check_export_target, check_model_config, check_saves, synthetic_notice
+from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
 from nxdtrain.restore import StageReader
 from nxdtrain.sequence_parallel import check_seq_len
 
@@ -77,7 +84,9 @@ class RunPlan:
     precision_note: str = ""            # which precision the run uses, and why (rank 0 prints it)
     eval_rows: RowSource | None = None  # --eval-data, opened (and checked) once
     eval_count: int = 0                 # global batches per evaluation
-    resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry (rank 0 prints)
+    resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry, what the data check
+                                        # found, what an override changed (rank 0 prints)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
                    "it; see examples/neuron/), or use --device cpu")
         if why is not None:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
+    check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint)
     layout = run_layout(config.parallel, source.layout, source.spec)
     try:
@@ -135,15 +145,24 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
-    rows = open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed)
+    data_plan = check_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed),
+                           seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad)
+    rows = data_plan.rows
+    data_notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
     eval_rows, eval_count = open_eval(config, source.spec.vocab)
+    epochs = config.epochs
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
     resume_state = read_training_state(source.root, source.checks()) if source.full else None
     # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
-    notes = resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp, world=world_size,
-                         optimizer=config.optim.optimizer)
+    notes = data_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
+                                      world=world_size, optimizer=config.optim.optimizer)
+    run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
+    record = run_record(config, epochs=epochs, run=str(run_id))
+    if resume_state is not None:  # the schedule and data order the tag recorded, or a refusal
+        notes += check_resume(resume_state.run, resume_state.missing, record, tag=str(source.root),
+                              override=config.checkpoint.override_schedule)
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -152,7 +171,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count, tuple(notes))
+                   eval_rows, eval_count, tuple(notes), record)
 
 
 def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
@@ -161,7 +180,8 @@ def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
     if not data.eval_every or not data.eval_data:
         return None, 0
     # A different seed: synthetic held-out rows must not be the training rows.
-    rows = open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1)
+    rows = check_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
+                      seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad).rows
     whole = None if rows.size is None else rows.size // data.gbs
     if whole is None and data.eval_batches is None:
         raise TrainError("--eval-data synthetic has no end: give --eval-batches N")
@@ -236,6 +256,7 @@ class Trainer:
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None
+            self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.loss_check)
             if source.full:
                 assert stage is not None
                 self._restore(stage)
@@ -253,14 +274,14 @@ class Trainer:
                                      tokens_per_batch=data.gbs * (data.seq_len - 1), device=self.device,
                                      mbs=data.mbs, seq_len=data.seq_len)
         self.batches = Batches(plan.rows, seq_len=data.seq_len, shuffle=data.shuffle, seed=cfg.seed,
-                               vocab=source.spec.vocab, gbs=data.gbs)
+                               vocab=source.spec.vocab, gbs=data.gbs, pad=data.pad)
         self.eval_batches = None if plan.eval_rows is None else Batches(
-            plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab)
+            plan.eval_rows, seq_len=data.seq_len, shuffle=False, seed=cfg.seed, vocab=source.spec.vocab, pad=data.pad)
         ckpt = cfg.checkpoint
         self.writer = None if not ckpt.checkpoint_dir else TagWriter(
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
-            host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
+            record=plan.record, host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
@@ -298,14 +319,18 @@ class Trainer:
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
         self.optimizer.step(self.dev.lr(lr))
         self.optimizer.zero_grad()
-        for group in (mesh.dpcp_group, mesh.pp_group):  # the loss lives on the last stage of each dp x cp replica
-            if group is not None:
-                dist.all_reduce(loss, group=group)
+        self.sum_loss(loss)
         masters = self.optimizer.master
         param_norm = global_norm({name: masters[name].detach() for name in self.optimizer.names}, self.grad_plan)
         self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
         return PendingStep(step, loss, lr, norm, self.consumed, param_norm)
+
+    def sum_loss(self, loss: torch.Tensor) -> None:
+        """In place: a loss summed over dp x cp, from the last stage of each replica (where it lives) to every rank."""
+        for group in (self.mesh.dpcp_group, self.mesh.pp_group):
+            if group is not None:
+                dist.all_reduce(loss, group=group)
 
     def evaluate(self) -> torch.Tensor:
         """Mean token loss over the evaluation batches (every rank takes part: tp, pp and dp, as in training)."""
@@ -317,11 +342,29 @@ class Trainer:
             for k in range(plan.eval_count):
                 ids = self.eval_batches.dp_slice(consumed=k * gbs, gbs=gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
                 total = total + self.pipeline.evaluate(ids.to(self.device))
-        for group in (mesh.dpcp_group, mesh.pp_group):  # as the training loss: summed over dp x cp, from the last stage
-            if group is not None:
-                dist.all_reduce(total, group=group)
+        self.sum_loss(total)  # as the training loss
         self.dev.sync()
         return total / plan.eval_count
+
+    def check_first_loss(self) -> None:
+        """One forward of the first batch before step 1; stop when it says the weights were loaded wrong
+        (:mod:`nxdtrain.loss_check`). Collective: every rank sees the same loss and stops alike."""
+        cfg, mesh = self.cfg, self.mesh
+        if cfg.checkpoint.allow_high_loss or cfg.data.data == SYNTHETIC:
+            return
+        ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
+        with torch.no_grad():
+            loss = self.pipeline.evaluate(ids.to(self.device))
+        self.sum_loss(loss)  # as the training loss
+        value = float(loss)
+        state = self.plan.resume_state
+        recorded = state.loss if state is not None else None
+        why = verdict(value, vocab=self.plan.source.spec.vocab, recorded=recorded)
+        if why is not None:
+            raise TrainError(refusal(why, f"{self.plan.source.flag} {self.plan.source.given}"))
+        if self.rank0:
+            note(f"first batch loss {value:.3f} before step {self.step + 1} (ln vocab {math.log(self.plan.source.spec.vocab):.3f}"
+                 + (f", the tag recorded {recorded:.3f}" if recorded is not None else "") + "): the weights load as trained")
 
     def save(self) -> Path:
         assert self.writer is not None
@@ -329,7 +372,7 @@ class Trainer:
                      "warmup": self.cfg.optim.warmup, "decay_steps": self.cfg.decay_steps,
                      "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
         tag = self.writer.save(step=self.step, consumed=self.consumed, model=self.model, optimizer=self.optimizer,
-                               scheduler=scheduler)
+                               scheduler=scheduler, loss=self.last_loss)
         self.saved_step = self.step
         if self.rank0:
             note(f"saved {tag}")
@@ -340,6 +383,8 @@ class Trainer:
         cfg = self.cfg
         freq = cfg.checkpoint.checkpoint_freq
         start = self.step
+        if start < cfg.steps:  # before the log is opened: a stopped start writes nothing
+            self.check_first_loss()
         log = StepLog(first_step=start, last_step=cfg.steps, jsonl=cfg.log_jsonl, enabled=self.rank0,
                       tensorboard=cfg.tensorboard, seq_len=cfg.data.seq_len)
         history: list[StepMetrics] = []
@@ -360,6 +405,7 @@ class Trainer:
                     for metrics in read_metrics(pending, started, tokens_per_step):
                         history.append(metrics)
                         log.record(metrics)
+                        self.last_loss = metrics.loss
                     pending = []
                 if saving:
                     last_tag = self.save()
@@ -380,12 +426,20 @@ def train(config: TrainConfig) -> list[StepMetrics]:
     plan = prepare(config, env.world_size)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
     device = init_world(env, config.dist_timeout, plan.device)
+    directory = config.checkpoint.checkpoint_dir
+    lock = None
     try:
+        if env.rank == 0 and directory:  # one writer per checkpoint directory, for the whole run
+            launcher = os.environ.get(LAUNCHER_ENV)
+            lock = claim_checkpoint_dir(directory, f"nxdtrain run --checkpoint-dir {directory} (rank 0 of "
+                                                   f"{env.world_size}{f', launcher pid {launcher}' if launcher else ''})")
         trainer = Trainer(plan, device)
         history, last_tag = trainer.run()
         dist.barrier(group=trainer.mesh.host_group)
     finally:
         dist.destroy_process_group()
+        if lock is not None:
+            lock.release()
     if env.rank == 0 and config.export_hf:
         target = last_tag or Path(config.checkpoint.checkpoint_dir or "")
         export(target, config.export_hf, label="--export-hf")

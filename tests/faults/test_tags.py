@@ -14,14 +14,15 @@ from nxdtrain.checkpoint import TagWriter, prune
 from nxdtrain.errors import TrainError
 
 
-def _complete_tag(root: Path, step: int, extra: dict[str, str] | None = None) -> Path:
+def _complete_tag(root: Path, step: int, extra: dict[str, str] | None = None, run: str = "r1") -> Path:
     """A finished tag as TagWriter leaves it: files, ckptconv.json listing them, then the markers."""
     tag = root / f"step_{step}"
     (tag / "model").mkdir(parents=True)
     (tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").write_bytes(b"weights")
     (tag / "scheduler.pt").write_bytes(b"s")
     files = {"model/dp_rank_00_tp_rank_00_pp_rank_00.pt": {"size": 7}, "scheduler.pt": {"size": 1}}
-    (tag / "ckptconv.json").write_text(json.dumps({"tool": "ckptconv", "kind": "nxd", "files": files}))
+    (tag / "ckptconv.json").write_text(json.dumps({"tool": "ckptconv", "kind": "nxd", "files": files,
+                                                   "extra": {"nxdtrain": {"run": run}}}))
     for name in ("checkpoint", "done"):
         (tag / name).write_text("1")
     for rel, text in (extra or {}).items():
@@ -37,7 +38,7 @@ def _writer(root: Path) -> TagWriter:
 def test_prune_keeps_what_nxdtrain_did_not_write(tmp_path: Path):
     old = _complete_tag(tmp_path, 2, {"model/README.md": "a user's note"})
     new = _complete_tag(tmp_path, 4)
-    assert prune(tmp_path, keep=1) == [old]
+    assert prune(tmp_path, keep=1, run="r1") == [old]
     assert sorted(p.relative_to(old).as_posix() for p in old.rglob("*")) == ["model", "model/README.md"]
     assert (old / "model" / "README.md").read_text() == "a user's note"
     assert (new / "done").is_file()

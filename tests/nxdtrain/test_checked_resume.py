@@ -43,7 +43,9 @@ def flip_inside(path: Path, key: str) -> str:
 def resume(tag: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "2", "--data", "synthetic",
             "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--optimizer", "sgd", "--log-jsonl", str(tmp_path / "log.jsonl"),
-            "--no-checkpoint"]
+            "--no-checkpoint",
+            # the schedule and data order the tag recorded (train_options; a resume that changes them is refused)
+            "--lr", "1e-3", "--min-lr", "1e-4", "--warmup", "1", "--seed", "7", "--decay-steps", "1"]
     return subprocess.run(argv, capture_output=True, text=True, timeout=240)
 
 

@@ -20,6 +20,7 @@ RUN_FLAGS = {
     "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
     "--resume", "--weights-only", "--no-weights-only", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
     "--no-xser", "--no-checkpoint", "--init", "--eval-data", "--eval-every", "--eval-batches",
+    "--long-rows", "--pad", "--no-pad", "--override-schedule", "--no-override-schedule", "--allow-high-loss", "--no-allow-high-loss",
 }
 
 

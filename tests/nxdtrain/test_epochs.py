@@ -42,7 +42,8 @@ def test_steps_command_equals_a_hand_calculation(corpus, capsys):
     # (2 rows dropped); 3 epochs = 27 steps; warmup ceil(27 x 0.05 = 1.35) = 2; 27 x 4 x 16 tokens trained.
     assert report == {"data": str(corpus / "parts"), "rows": 38, "seq_len": 16, "tokens": 608, "world": 4, "tp": 2,
                       "pp": 1, "cp": 1, "dp": 2, "gbs": 4, "mbs": 1, "microbatches": 2, "steps_per_epoch": 9,
-                      "rows_dropped_per_epoch": 2, "epochs": 3, "steps": 27, "warmup": 2, "tokens_trained": 1728}
+                      "rows_dropped_per_epoch": 2, "epochs": 3, "steps": 27, "warmup": 2, "tokens_trained": 1728,
+                      "rows_checked": 38, "long_rows": 0, "tokens_never_trained": 0}
     assert main([*argv, "--nodes", "2", "--cores-per-node", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == report
     assert main([*argv, "--nodes", "2", "--cores-per-node", "2"]) == 0

@@ -31,7 +31,7 @@ def run(tmp_path_factory, nxd_model):
     argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--nproc", "4", "--tp", "2", "--pp", "2", "--resume", "auto",
             "--init", str(src), "--checkpoint-dir", str(tmp / "ckpt"), "--data", str(tmp / "train.jsonl"),
             "--eval-data", str(tmp / "held.jsonl"), "--eval-every", "2", "--seq-len", str(SEQ), "--gbs", str(GBS),
-            "--lr", "1e-2", "--precision", "fp32", "--log-jsonl", str(tmp / "log.jsonl"), "--tensorboard",
+            "--lr", "1e-2", "--decay-steps", "3", "--precision", "fp32", "--log-jsonl", str(tmp / "log.jsonl"), "--tensorboard",
             str(tmp / "tb")]
     first = subprocess.run([*argv, "--steps", "2"], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr

@@ -64,7 +64,8 @@ def test_retention_and_done_marker(tmp_path, nxd_model, capsys):
     straight = run_world(2, resume=str(src), checkpoint_dir=str(root), log_jsonl=str(tmp_path / "a.jsonl"), **options)
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
     meta = json.loads((root / "step_4/ckptconv.json").read_text())
-    assert meta["extra"]["nxdtrain"] == {"step": 4, "consumed_samples": 8}
+    assert meta["extra"]["nxdtrain"] == {"step": 4, "consumed_samples": 8, "run": meta["extra"]["nxdtrain"]["run"]}
+    assert len(meta["extra"]["nxdtrain"]["run"]) == 16  # the run's id, the same in every tag of the run
     assert {"model/dp_rank_00_tp_rank_00_pp_rank_01.pt", "optim/dp_rank_00_tp_rank_00_pp_rank_01.pt",
             "user_content.pt", "scheduler.pt", "hf/config.json"} <= set(meta["files"])
 

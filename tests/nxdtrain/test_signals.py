@@ -73,13 +73,17 @@ def kill_leftovers(pids: set[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def start_launcher(src: Path, root: Path, log: Path, *, checkpoint_freq: int) -> subprocess.Popen:
+    """`nxdtrain run --nproc 2` training (for ever) from ``src`` into ``root``, in a session of its own."""
+    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
+            "--checkpoint-dir", str(root), "--checkpoint-freq", str(checkpoint_freq), "--log-jsonl", str(log)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, nxd_model):
     src = nxd_model("mha", tp=1, pp=1, attention="separate")
     root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
-            "--checkpoint-dir", str(root), "--checkpoint-freq", "2", "--log-jsonl", str(log)]
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    launcher = start_launcher(src, root, log, checkpoint_freq=2)
     workers: set[int] = set()
     try:
         wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 3 and completed(root), 180,
@@ -146,3 +150,39 @@ def test_sigterm_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_mo
     assert "tag has no 'done' marker" in capsys.readouterr().err
     assert ckptconv_main(["to-hf", str(tag), str(tmp_path / "hf"), "--config", config, "--quiet"]) == 1
     assert not (tmp_path / "hf" / "ckptconv.json").exists()
+
+
+KILL_BOUND_S = 15.0  # the workers' watchdog polls every 0.5 s; slack for a busy machine
+
+
+def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(tmp_path, nxd_model):
+    """What the OOM killer does to `nxdtrain run --nproc 2`: no worker goes on training and saving alone; while
+    the run lives, a second run into its --checkpoint-dir is refused naming it; once it is gone, the dir is free."""
+    from ckptconv import outdir
+
+    src = nxd_model("mha", tp=1, pp=1, attention="separate")
+    root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    launcher = start_launcher(src, root, log, checkpoint_freq=50)
+    workers: set[int] = set()
+    try:
+        wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 2 and completed(root), 180,
+                 "two training steps and a tag")
+        # The issue's second writer: a resume of the same directory (a requeued job while the first still runs).
+        second = subprocess.run([sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(root), *TRAIN_FLAGS,
+                                 "--checkpoint-dir", str(root)], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 1
+        holder = json.loads((root / ".ckptconv-tmp/lock").read_text())
+        assert second.stderr.startswith(f"nxdtrain: error: --checkpoint-dir {root}: another training run writes "
+                                        f"there (pid {holder['pid']} on "), second.stderr
+        assert f"launcher pid {launcher.pid}" in second.stderr and "\n" not in second.stderr.strip()
+        workers = descendants(launcher.pid)
+        assert holder["pid"] in workers
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        wait_for(lambda: not alive(workers), KILL_BOUND_S, f"workers {sorted(alive(workers))} to die with the launcher")
+        outdir.check_free(root)  # the dead run's lock is free again
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        kill_leftovers(workers | descendants(launcher.pid))

@@ -127,16 +127,20 @@ def _restored(tag: Path, device: str) -> tuple[dict[str, torch.Tensor], dict[str
         trainer = Trainer(plan, dev)
         assert trainer.step == 2 and next(trainer.model.parameters()).device.type == device
         model = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
-        state = trainer.optimizer.torch_optimizer.state_dict()["state"]
-        optim = {f"{i}.{k}": v.detach().cpu() for i, s in state.items() for k, v in s.items()}
+        optim = _state_tensors(trainer.optimizer.state_dict())
     finally:
         dist.destroy_process_group()
     return model, optim
 
 
 def _saved_optim(tag: Path) -> dict[str, torch.Tensor]:
-    saved = torch.load(optim_file(tag, tp_rank=0, pp_rank=0, dp_rank=0), weights_only=True)["optimizer"]["state"]
-    return {f"{i}.{k}": v for i, s in saved.items() for k, v in s.items()}
+    return _state_tensors(torch.load(optim_file(tag, tp_rank=0, pp_rank=0, dp_rank=0), weights_only=True))
+
+
+def _state_tensors(optimizer_file: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The per-parameter tensors of an optimizer file in the neutral form (format 2), by key, on the host."""
+    assert optimizer_file["format"] == 2
+    return {k: v.detach().cpu() for k, v in optimizer_file.items() if k.startswith("state.")}
 
 
 @pytest.mark.parametrize("xser", [False, True], ids=["plain", "xser"])

@@ -1,0 +1,102 @@
+"""A resume keeps the run: its learning-rate schedule and data order are recorded in every tag and compared.
+
+Every tag's ``user_content.pt`` holds the run record (:func:`run_record`): the schedule as resolved
+(a warmup fraction and ``--epochs`` already turned into steps, ``decay_steps`` defaulted from
+``--steps``) and what fixes the data order. A resume whose record differs is refused in one line
+naming each old and new value, unless ``--override-schedule`` (Megatron's switch of that name),
+which says exactly what changed. Tags written before the record existed: what their
+``scheduler.pt`` and options hold is used, and what is missing is said to be assumed.
+
+    >>> old = {"schedule": "cosine", "lr": 3e-4, "min_lr": 3e-5, "warmup": 10, "decay_steps": 100,
+    ...        "seed": 1, "shuffle": True, "epochs": None}
+    >>> changes(old, {**old, "decay_steps": 200})
+    ['decay steps 100 -> 200']
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from nxdtrain.config import TrainConfig
+from nxdtrain.errors import TrainError
+
+SCHEDULE_KEYS = ("schedule", "lr", "min_lr", "warmup", "decay_steps")
+ORDER_KEYS = ("seed", "shuffle")
+LABELS = {"schedule": "schedule", "lr": "peak lr", "min_lr": "min lr", "warmup": "warmup steps",
+          "decay_steps": "decay steps", "seed": "seed", "shuffle": "shuffle", "epochs": "epochs"}
+FLAGS = {"schedule": "--schedule", "lr": "--lr", "min_lr": "--min-lr", "warmup": "--warmup",
+         "decay_steps": "--decay-steps (default: --steps)", "seed": "--seed", "shuffle": "--shuffle/--no-shuffle",
+         "epochs": "--epochs"}
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def run_record(config: TrainConfig, *, epochs: int | None, run: str) -> dict[str, Any]:
+    """What a tag records of the run (``config`` resolved: warmup and decay steps are step counts)."""
+    optim = config.optim
+    return {"schedule": optim.schedule, "lr": optim.lr, "min_lr": optim.min_lr, "warmup": int(optim.warmup),
+            "decay_steps": config.decay_steps, "seed": config.seed, "shuffle": config.data.shuffle, "epochs": epochs,
+            "run": run}
+
+
+def recorded_run(user: dict[str, Any], scheduler: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The run record of a tag, and the keys it did not hold (an older tag: what it has is pieced together
+    from ``scheduler.pt`` and the saved options)."""
+    record = user.get("run")
+    if isinstance(record, dict):
+        return dict(record), []
+    options = user.get("options") or {}
+    pieced: dict[str, Any] = {}
+    for key in SCHEDULE_KEYS:
+        if key in scheduler:
+            pieced[key] = scheduler[key]
+    for key in ORDER_KEYS:
+        if key in options:
+            pieced[key] = options[key]
+    return pieced, [k for k in (*SCHEDULE_KEYS, *ORDER_KEYS) if k not in pieced]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)), abs(float(b)))
+    return bool(a == b)
+
+
+def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``'<what> OLD -> NEW'`` for each recorded value this run changes (epochs only where both runs gave it)."""
+    out = []
+    for key in (*SCHEDULE_KEYS, *ORDER_KEYS, "epochs"):
+        if key not in old or (key == "epochs" and (old[key] is None or new[key] is None)):
+            continue
+        if not _same(old[key], new[key]):
+            out.append(f"{LABELS[key]} {old[key]:g} -> {new[key]:g}" if _numbers(old[key], new[key])
+                       else f"{LABELS[key]} {old[key]} -> {new[key]}")
+    return out
+
+
+def _numbers(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def check_resume(old: dict[str, Any], missing: list[str], new: dict[str, Any], *, tag: str,
+                 override: bool) -> list[str]:
+    """Lines for the log; raise when this run's schedule or data order differs from the tag's and
+    ``--override-schedule`` was not given."""
+    notes = []
+    if missing:
+        assumed = ", ".join(f"{LABELS[k]} {new[k]}" for k in missing)
+        notes.append(f"{tag} records no {', '.join(LABELS[k] for k in missing)} (an older tag): assuming this "
+                     f"run's ({assumed})")
+    changed = changes(old, new)
+    if not changed:
+        return notes
+    if not override:
+        flags = ", ".join(sorted({FLAGS[key] for key in (*SCHEDULE_KEYS, *ORDER_KEYS, "epochs")
+                                  if any(line.startswith(LABELS[key] + " ") for line in changed)}))
+        raise TrainError(f"--resume: this run changes what {tag} recorded: {'; '.join(changed)}; resume with the "
+                         f"recorded values ({flags}), or pass --override-schedule to change the run on purpose")
+    notes.append(f"--override-schedule: the run changes at this resume: {'; '.join(changed)}")
+    return notes

@@ -1,0 +1,144 @@
+"""The data checked before any process starts: every file parses, and every row's length fits ``--seq-len``.
+
+A short row used to stop a run when it was reached (at a random time with shuffling, named as a row of
+the whole data set), and long rows were cut without a word. Here, once, before the first process:
+
+* a datasets directory: every row's length from its Arrow offsets (no row is decoded);
+* ``.jsonl``/``.json`` files: every row parsed when a file holds at most :data:`PARSE_ALL` rows, else
+  :data:`SAMPLE` rows spread over it (first and last included), and said so;
+* a row shorter than ``--seq-len`` is refused naming its file and row; a longer row is cut (default: the
+  start says how many tokens that drops), split into rows of ``--seq-len`` (``--long-rows split``: the
+  remainder shorter than a row is dropped, counted) or refused (``--long-rows error``).
+
+    >>> plan = check_rows(ListRows("a.jsonl", [[1, 2, 3, 4, 5], [6, 7, 8]]), seq_len=2, long_rows="split")
+    >>> plan.rows.size, plan.dropped_tokens
+    (3, 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nxdtrain.data import ConcatRows, DatasetRows, RowSource
+from nxdtrain.errors import TrainError
+
+PARSE_ALL = 50_000  # rows of one JSON file parsed whole; beyond that, sampled
+SAMPLE = 2_000
+
+
+class ListRows:
+    """Rows held in a list (tests, doctests)."""
+
+    def __init__(self, name: str, rows: list[list[int]]) -> None:
+        self.name, self._rows, self.size = name, rows, len(rows)
+
+    def row(self, index: int) -> list[int]:
+        return self._rows[index]
+
+
+class SplitRows:
+    """Each row of ``source`` as ``len // seq_len`` rows of ``seq_len`` tokens (``--long-rows split``)."""
+
+    def __init__(self, source: RowSource, lengths: list[int], seq_len: int) -> None:
+        self.name, self.source, self.seq_len = source.name, source, seq_len
+        # A row shorter than seq_len (only there with --pad) stays one row, padded when it is read.
+        self._pieces = [(row, k * seq_len) for row, n in enumerate(lengths) for k in range(max(n // seq_len, 1))]
+        self.size = len(self._pieces)
+
+    def row(self, index: int) -> list[int]:
+        row, start = self._pieces[index]
+        return self.source.row(row)[start:start + self.seq_len]
+
+    def where(self, index: int) -> tuple[str, int]:
+        return _where(self.source, self._pieces[index][0])
+
+
+def _where(source: Any, index: int) -> tuple[str, int]:
+    """(file, row in that file) of row ``index`` of ``source``."""
+    return source.where(index) if hasattr(source, "where") else (source.name, index)
+
+
+@dataclass
+class DataPlan:
+    """What the check found, and the rows the run trains on (``--long-rows split``: the pieces)."""
+
+    rows: RowSource
+    checked: int                # rows whose length was read
+    total: int                  # rows in the data
+    long_rows: int = 0          # rows longer than --seq-len (among those checked)
+    short_rows: int = 0         # rows shorter than --seq-len, padded (--pad; among those checked)
+    pad_positions: int = 0      # positions --pad adds (among those checked)
+    dropped_tokens: int = 0     # tokens no step trains on: cut tails or split remainders (among those checked)
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self, seq_len: int, long_rows: str) -> list[str]:
+        how = "all rows" if self.checked == self.total else f"{self.checked:,} of {self.total:,} rows (sampled)"
+        out = [f"data {self.rows.name}: {self.total:,} rows, {how} checked against --seq-len {seq_len}"]
+        if self.long_rows:
+            verb = {"cut": "cut to --seq-len", "split": "split into rows of --seq-len"}[long_rows]
+            other = "split" if long_rows == "cut" else "cut"
+            out.append(f"{self.long_rows:,} rows longer than --seq-len {seq_len} are {verb} (--long-rows {long_rows}): "
+                       f"{self.dropped_tokens:,} tokens are never trained on{'' if self.checked == self.total else ' in the rows checked'}"
+                       f"; --long-rows {other} or error to change that")
+        if self.short_rows:
+            out.append(f"{self.short_rows:,} rows shorter than --seq-len {seq_len} are padded (--pad): "
+                       f"{self.pad_positions:,} positions hold no token and are not trained on")
+        return out + self.notes
+
+
+def _lengths(source: RowSource, *, whole: bool) -> tuple[list[tuple[int, int]], int]:
+    """((row, length) for the rows checked, rows in ``source``); ``whole``: every row, however many."""
+    size = source.size or 0
+    if isinstance(source, DatasetRows):
+        lengths = source.lengths()
+        if lengths is not None:
+            return list(enumerate(lengths)), size
+    picked: list[int] | range = range(size)
+    if not whole and size > PARSE_ALL:
+        step = (size - 1) / (SAMPLE - 1)
+        picked = sorted({round(k * step) for k in range(SAMPLE)})
+    return [(i, len(_parsed(source, i))) for i in picked], size
+
+
+def _parsed(source: RowSource, index: int) -> list[int]:
+    ids = source.row(index)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        name, row = _where(source, index)
+        raise TrainError(f"{name}: row {row}: input_ids is not a list of integer token ids")
+    return ids
+
+
+def check_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool = False) -> DataPlan:
+    """Check every part of ``source`` (see the module docstring); the rows to train on."""
+    if source.size is None:  # synthetic: rows of exactly --seq-len
+        return DataPlan(source, 0, 0)
+    parts = source.parts if isinstance(source, ConcatRows) else [source]
+    plan = DataPlan(source, 0, source.size)
+    all_lengths: list[int] = []
+    for part in parts:
+        found, size = _lengths(part, whole=long_rows == "split")
+        plan.checked += len(found)
+        for row, n in found:
+            if n < seq_len and pad and n >= 1:
+                plan.short_rows += 1
+                plan.pad_positions += seq_len - n
+                continue
+            if n < seq_len:
+                name, local = _where(part, row)
+                raise TrainError(f"{name}: row {local} has {n} tokens, fewer than --seq-len {seq_len}; pack the data "
+                                 f"into rows of {seq_len} (nxdtrain data pack --seq-len {seq_len}), lower --seq-len, "
+                                 "or pass --pad")
+            if n > seq_len:
+                if long_rows == "error":
+                    name, local = _where(part, row)
+                    raise TrainError(f"{name}: row {local} has {n} tokens, more than --seq-len {seq_len} "
+                                     "(--long-rows error); --long-rows cut or split to train on it")
+                plan.long_rows += 1
+                plan.dropped_tokens += n - seq_len if long_rows == "cut" else n % seq_len
+        all_lengths += [n for _, n in found]
+    if long_rows == "split" and plan.long_rows:
+        plan.rows = SplitRows(source, all_lengths, seq_len)
+        plan.notes.append(f"--long-rows split: {plan.total:,} rows became {plan.rows.size:,} rows of --seq-len "
+                          f"{seq_len}")
+    return plan
