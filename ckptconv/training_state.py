@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -393,6 +393,17 @@ def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: int, zero1: bool) -> list[OutFile]:
     """Format-2 optimizer files for the target shards ``shards`` (a reshard plan's files), over ``dp``
     ranks with ZeRO-1 (the partition recomputed, :func:`zero1_partition`) or one file per shard without."""
+    return optimizer_files(shards, lambda _, weight: state_tensors(weight, optim), optim.hyper.param_groups,
+                           dp=dp, zero1=zero1)
+
+
+StateOf = Callable[[str, OutTensor], Mapping[str, OutTensor]]
+
+
+def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: list[dict[str, Any]], *, dp: int,
+                    zero1: bool) -> list[OutFile]:
+    """Format-2 optimizer files for ``shards``; ``state_of(shard path, weight)`` plans a parameter's optimizer
+    tensors by component (keyed :func:`state_key`), wherever they are read from (a tag, a TorchTitan checkpoint)."""
     out = []
     for shard in shards:
         ranks_of = parse_shard_name(Path(shard.path).name)
@@ -406,8 +417,8 @@ def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: 
         for dp_rank, local in enumerate(ranks):
             owned = [n for g in local for n in g]
             plain = (("format", FORMAT), ("names", names), ("zero1", zero1), ("zero_size", dp if zero1 else 1),
-                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", optim.hyper.param_groups))
-            tensors = tuple(t for n in owned for t in state_tensors(by_name[n], optim).values())
+                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", param_groups))
+            tensors = tuple(t for n in owned for t in state_of(shard.path, by_name[n]).values())
             out.append(OutFile(optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), "torch", tensors, plain))
     return out
 
