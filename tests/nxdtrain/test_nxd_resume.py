@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +182,101 @@ def test_bf16_moments_continue_within_a_few_bf16_ulps(tmp_path: Path) -> None:
         scale = torch.stack([got.abs(), want.abs(), held[name].double().abs(), torch.full_like(want, 1e-2)]).amax(0)
         worst = max(worst, ((got - want).abs() / bf16_ulp(scale)).max().item())
     assert worst <= 4, worst
+
+
+def as_shards(tensors: dict[str, torch.Tensor], like: Path, out: Path) -> Path:
+    """``tensors`` (full tensors in NxD names at tp 1) as a one-shard NxD checkpoint beside the tag ``like``'s
+    config: what each rank of another layout reads of them is then the plan's slice, as for the weights."""
+    (out / "model").mkdir(parents=True)
+    torch.save({k: v.contiguous() for k, v in tensors.items()}, out / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    (out / "hf").mkdir()
+    shutil.copy(like / "hf" / "config.json", out / "hf" / "config.json")
+    return out
+
+
+def on_rank(tensors: Path, run: ParallelLayout, tp_rank: int) -> dict[str, torch.Tensor]:
+    stage = StageReader(resolve_resume(str(tensors), weights_only=False), run, tp_rank=tp_rank, pp_rank=0,
+                        optimizer=False)
+    try:
+        return stage.weights()
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize("case", ["zero1_bf16_masters_only_xser", "plain_fp32", "zero1_bf16_dcp"])
+def test_resume_at_tp2_continues_step_3_as_nxd_did(case: str, tmp_path: Path) -> None:
+    """The tag (tp 1) resumed at tp 2: each rank reads its slices of NxD's moments and masters through the
+    reshard plan; its step 3 with its slice of the recorded gradients is its slice of NxD's step 3."""
+    tag = nxd_tag(case, tmp_path / "tag")
+    _, expected, _ = continue_step_3(case, tmp_path / "tp1")  # NxD's own step 3 (or, without masters, the widened one)
+    run = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
+    grads = as_shards(reference(case, "grads_next.nxd"), tag, tmp_path / "grads")
+    after = as_shards(expected, tag, tmp_path / "after")
+    lr = step_lr(case, tag)
+    for tp_rank in range(2):
+        optimizer = restored(tag, run, tp_rank, precision_of(case))
+        mine = on_rank(grads, run, tp_rank)
+        for name in optimizer.names:
+            optimizer.master[name].grad = mine[name].to(torch.float32)
+        optimizer.step(lr)
+        want = on_rank(after, run, tp_rank)
+        for name in optimizer.names:
+            torch.testing.assert_close(optimizer.master[name].detach().double(), want[name].double(), rtol=0,
+                                       atol=3e-8, msg=f"tp rank {tp_rank}: {name}")
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: nxdtrain run --resume <NxD's tag>, a few steps from data
+
+# NxD's example schedule as the fixtures ran it (case.json "scheduler"): a resume with other values is refused
+SCHEDULE = ["--schedule", "CosineAnnealing", "--lr", "0.01", "--min-lr", "0.001", "--warmup", "2", "--decay-steps", "10"]
+
+
+def nxdtrain_run(tag: Path, log: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "4", "--data", "synthetic",
+            "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--log-jsonl", str(log), "--no-checkpoint", *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=240)
+
+
+def test_run_resumes_nxds_masters_only_tag_at_tp1_and_tp2(tmp_path: Path) -> None:
+    """Steps 3 and 4 from NxD's masters-only tag (weights from the masters), at the tag's tp 1 and resharded to
+    tp 2 on load: the losses agree (fp32), step 3 runs at NxD's lr, and the log says what was carried."""
+    tag = nxd_tag("zero1_bf16_masters_only_xser", tmp_path)
+    logs = []
+    for tp in (1, 2):
+        log = tmp_path / f"tp{tp}.jsonl"
+        done = nxdtrain_run(tag, log, *SCHEDULE, "--precision", "fp32", "--tp", str(tp), "--nproc", str(tp))
+        assert done.returncode == 0, done.stderr[-2000:]
+        logs.append([json.loads(line) for line in log.read_text().splitlines()])
+        if tp == 1:
+            said = done.stderr
+            assert "written by NxD's own code" in said and "starting at step 2 of 4" in said
+            assert ("AdamW's step and moments and the fp32 masters from its optimizer files (zero1, dp 1), step 2, "
+                    "the schedule from scheduler.pt (CosineAnnealing, warmup 2, max steps 10") in said
+            assert "weights: NxD's master weights in optim/" in said
+            assert "the data continues at sample 8 = step 2 x --gbs 4" in said
+    assert [r["step"] for r in logs[0]] == [3, 4] and logs[0][0]["lr"] == pytest.approx(0.01, rel=1e-12)
+    assert logs[0][0]["consumed_samples"] == 12
+    for one, two in zip(*logs, strict=True):
+        assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
+
+
+def test_run_resumes_an_nxdt_tag_and_names_what_it_cannot_carry(tmp_path: Path) -> None:
+    """NxDT's tag: the data position from the tag name; its LinearAnnealingWithWarmUp (a LambdaLR) records no
+    warmup or max steps, so this run's flags are used and the log says so before step 1."""
+    tag = nxd_tag("nxdt_zero1_bf16_masters_xser", tmp_path)
+    done = nxdtrain_run(tag, tmp_path / "log.jsonl", "--schedule", "LinearAnnealingWithWarmUp", "--lr", "0.01",
+                        "--warmup", "2", "--decay-steps", "10")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "NxDT's own tag" in done.stderr and "precision bf16 (recorded in the checkpoint)" in done.stderr
+    assert "not carried: schedule, min lr, warmup steps, decay steps" in done.stderr
+    assert "the data continues at sample 8 (the tag name's consumed_samples)" in done.stderr
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["consumed_samples"] for r in log] == [12, 16]
+
+
+def test_run_with_another_schedule_than_nxds_is_refused(tmp_path: Path) -> None:
+    tag = nxd_tag("zero1_fp32", tmp_path)
+    done = nxdtrain_run(tag, tmp_path / "log.jsonl", *SCHEDULE[:-4], "--warmup", "3", "--decay-steps", "10")
+    assert done.returncode != 0 and "warmup steps 2 -> 3" in done.stderr and "--override-schedule" in done.stderr
+    assert not (tmp_path / "log.jsonl").exists()
