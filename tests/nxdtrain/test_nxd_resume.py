@@ -143,7 +143,7 @@ def test_the_widened_reference_is_nxds_own_resume(tmp_path: Path) -> None:
     nxd = reference("zero1_bf16", "params_after_next_resumed.nxd")
     ours = widened_step_3("zero1_bf16", step_lr("zero1_bf16", nxd_tag("zero1_bf16", tmp_path)))
     for name, value in ours.items():
-        torch.testing.assert_close(value, nxd[name], rtol=0, atol=2.5e-7, msg=name)
+        torch.testing.assert_close(value, nxd[name], rtol=0, atol=3e-8, msg=name)
 
 
 FP32_STATE = [c for c in CASES if c != "plain_bf16"]
@@ -170,7 +170,8 @@ def test_a_fresh_optimizer_is_caught(tmp_path: Path) -> None:
 def test_bf16_moments_continue_within_a_few_bf16_ulps(tmp_path: Path) -> None:
     """ZeRO-1 off with a bf16 model: NxD's AdamW ran in bf16 (bf16 moments, no masters); nxdtrain's bf16 run
     steps fp32 masters widened from the weights with the moments widened, so its result rounded to bf16
-    is compared in bf16 ulps of the largest operand, as tests/test_nxd_optimizer.py does."""
+    is compared in bf16 ulps of the largest operand, as tests/test_nxd_optimizer.py does (measured: at most
+    3.0, two thirds of the elements equal)."""
     from tests.test_nxd_optimizer import bf16_ulp
 
     ours, nxd, moved = continue_step_3("plain_bf16", tmp_path)
@@ -182,6 +183,21 @@ def test_bf16_moments_continue_within_a_few_bf16_ulps(tmp_path: Path) -> None:
         scale = torch.stack([got.abs(), want.abs(), held[name].double().abs(), torch.full_like(want, 1e-2)]).amax(0)
         worst = max(worst, ((got - want).abs() / bf16_ulp(scale)).max().item())
     assert worst <= 4, worst
+
+
+def test_weights_only_resume_of_a_masters_only_tag_reads_the_masters(tmp_path: Path) -> None:
+    """--weights-only of NxD's masters-only tag (model files without tensors): the weights are the masters."""
+    case = "zero1_bf16_masters_only_xser"
+    source = resolve_resume(str(nxd_tag(case, tmp_path)), weights_only=True)
+    assert not source.full and source.nxd
+    stage = StageReader(source, source.layout, tp_rank=0, pp_rank=0, optimizer=False)
+    try:
+        weights = stage.weights()
+        stage.finish()
+    finally:
+        stage.close()
+    held = reference(case, "params_at_save.nxd")
+    assert sorted(weights) == sorted(held) and all(torch.equal(weights[k], held[k]) for k in held)
 
 
 def as_shards(tensors: dict[str, torch.Tensor], like: Path, out: Path) -> Path:
