@@ -17,7 +17,7 @@ The RNG states and NxD's data order are never carried (said in one line).
 
     >>> nxd_schedule({"max_steps": 10, "warmup_steps": 2, "constant_steps": 0, "min_lr": 0.001,
     ...               "base_lrs": [0.01, 0.01], "last_epoch": 2})[0]
-    {'schedule': 'CosineAnnealing', 'lr': 0.01, 'min_lr': 0.001, 'warmup': 2, 'decay_steps': 10}
+    {'lr': 0.01, 'schedule': 'CosineAnnealing', 'min_lr': 0.001, 'warmup': 2, 'decay_steps': 10}
 """
 
 from __future__ import annotations
