@@ -254,17 +254,21 @@ def nxdtrain_run(tag: Path, log: Path, *extra: str) -> subprocess.CompletedProce
     return subprocess.run(argv, capture_output=True, text=True, timeout=240)
 
 
-def test_run_resumes_nxds_masters_only_tag_at_tp1_and_tp2(tmp_path: Path) -> None:
-    """Steps 3 and 4 from NxD's masters-only tag (weights from the masters), at the tag's tp 1 and resharded to
-    tp 2 on load: the losses agree (fp32), step 3 runs at NxD's lr, and the log says what was carried."""
+def test_run_resumes_nxds_masters_only_tag_at_three_layouts(tmp_path: Path) -> None:
+    """Steps 3 and 4 from NxD's masters-only tag (weights from the masters), at the tag's tp 1, resharded to
+    tp 2 on load, and over dp 2 with nxdtrain's ZeRO-1: the losses agree (fp32), step 3 runs at NxD's lr, and
+    the log says what was carried."""
     tag = nxd_tag("zero1_bf16_masters_only_xser", tmp_path)
     logs = []
-    for tp in (1, 2):
-        log = tmp_path / f"tp{tp}.jsonl"
-        done = nxdtrain_run(tag, log, *SCHEDULE, "--precision", "fp32", "--tp", str(tp), "--nproc", str(tp))
+    for k, layout in enumerate((["--tp", "1", "--nproc", "1"], ["--tp", "2", "--nproc", "2"],
+                                ["--tp", "1", "--nproc", "2", "--zero1"])):
+        log = tmp_path / f"run{k}.jsonl"
+        done = nxdtrain_run(tag, log, *SCHEDULE, "--precision", "fp32", *layout)
         assert done.returncode == 0, done.stderr[-2000:]
         logs.append([json.loads(line) for line in log.read_text().splitlines()])
-        if tp == 1:
+        if k == 2:
+            assert "-> tp 1 pp 1 kvm 1 qkv_linear fused, ZeRO-1 over 2 dp ranks" in done.stderr
+        if k == 0:
             said = done.stderr
             assert "written by NxD's own code" in said and "starting at step 2 of 4" in said
             assert ("AdamW's step and moments and the fp32 masters from its optimizer files (zero1, dp 1), step 2, "
@@ -273,8 +277,9 @@ def test_run_resumes_nxds_masters_only_tag_at_tp1_and_tp2(tmp_path: Path) -> Non
             assert "the data continues at sample 8 = step 2 x --gbs 4" in said
     assert [r["step"] for r in logs[0]] == [3, 4] and logs[0][0]["lr"] == pytest.approx(0.01, rel=1e-12)
     assert logs[0][0]["consumed_samples"] == 12
-    for one, two in zip(*logs, strict=True):
-        assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
+    for other in logs[1:]:
+        for one, two in zip(logs[0], other, strict=True):
+            assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
 
 
 def test_run_resumes_an_nxdt_tag_and_names_what_it_cannot_carry(tmp_path: Path) -> None:
