@@ -24,6 +24,7 @@ from ckptconv.layout import ParallelLayout
 from ckptconv.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint import resolve_resume
 from nxdtrain.config import OptimConfig
+from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.nxd_resume import read_nxd_state
 from nxdtrain.optim import Optimizer, lr_at
@@ -301,3 +302,12 @@ def test_run_with_another_schedule_than_nxds_is_refused(tmp_path: Path) -> None:
     done = nxdtrain_run(tag, tmp_path / "log.jsonl", *SCHEDULE[:-4], "--warmup", "3", "--decay-steps", "10")
     assert done.returncode != 0 and "warmup steps 2 -> 3" in done.stderr and "--override-schedule" in done.stderr
     assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_steps_that_disagree_are_refused(tmp_path: Path) -> None:
+    tag = nxd_tag("plain_fp32", tmp_path)
+    user = torch.load(tag / "user_content.pt", weights_only=True)
+    torch.save({**user, "total_steps": 3}, tag / "user_content.pt")
+    with pytest.raises(TrainError, match="the recorded steps disagree: AdamW's step 2, total_steps 3, the scheduler's "
+                                         "last_epoch 2; resume with --weights-only"):
+        read_nxd_state(tag, None, gbs=4)
