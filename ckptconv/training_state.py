@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -414,6 +414,17 @@ def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: int, zero1: bool) -> list[OutFile]:
     """Format-2 optimizer files for the target shards ``shards`` (a reshard plan's files), over ``dp``
     ranks with ZeRO-1 (the partition recomputed, :func:`zero1_partition`) or one file per shard without."""
+    return optimizer_files(shards, lambda _, weight: state_tensors(weight, optim), optim.hyper.param_groups,
+                           dp=dp, zero1=zero1)
+
+
+StateOf = Callable[[str, OutTensor], Mapping[str, OutTensor]]
+
+
+def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: list[dict[str, Any]], *, dp: int,
+                    zero1: bool) -> list[OutFile]:
+    """Format-2 optimizer files for ``shards``; ``state_of(shard path, weight)`` plans a parameter's optimizer
+    tensors by component (keyed :func:`state_key`), wherever they are read from (a tag, a TorchTitan checkpoint)."""
     out = []
     for shard in shards:
         ranks_of = parse_shard_name(Path(shard.path).name)
@@ -427,8 +438,8 @@ def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: 
         for dp_rank, local in enumerate(ranks):
             owned = [n for g in local for n in g]
             plain = (("format", FORMAT), ("names", names), ("zero1", zero1), ("zero_size", dp if zero1 else 1),
-                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", optim.hyper.param_groups))
-            tensors = tuple(t for n in owned for t in state_tensors(by_name[n], optim).values())
+                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", param_groups))
+            tensors = tuple(t for n in owned for t in state_of(shard.path, by_name[n]).values())
             out.append(OutFile(optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), "torch", tensors, plain))
     return out
 
@@ -482,6 +493,29 @@ class _ShardMasters:
 
     def close(self) -> None:  # the TagOptimizer's owner closes it
         pass
+
+
+def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
+    """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
+    format (NxD's own: :func:`ckptconv.nxd_optimizer.optimizer_summary`) or there is none."""
+    if not (ckpt.root / OPTIM_DIR).is_dir():
+        return None
+    try:
+        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
+                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                             checks=ckpt.checks, io=ckpt.io)
+    except IntegrityError:
+        raise
+    except ConversionError:  # not nxdtrain's optimizer files
+        return None
+    try:
+        hyper = optim.hyper
+        return {"format": f"nxdtrain {'/'.join(str(f) for f in hyper.formats)}", "zero1": hyper.zero1,
+                "dp": hyper.zero_size if hyper.zero1 else None, "files": len(optim.files),
+                "components": list(hyper.components), "masters": MASTER in hyper.components,
+                "param_groups": len(hyper.param_groups)}
+    finally:
+        optim.close()
 
 
 def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
