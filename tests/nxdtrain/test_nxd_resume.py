@@ -255,14 +255,14 @@ def nxdtrain_run(tag: Path, log: Path, *extra: str) -> subprocess.CompletedProce
     return subprocess.run(argv, capture_output=True, text=True, timeout=240)
 
 
-def test_run_resumes_nxds_masters_only_tag_at_three_layouts(tmp_path: Path) -> None:
+def test_run_resumes_nxds_masters_only_tag_at_four_layouts(tmp_path: Path) -> None:
     """Steps 3 and 4 from NxD's masters-only tag (weights from the masters), at the tag's tp 1, resharded to
-    tp 2 on load, and over dp 2 with nxdtrain's ZeRO-1: the losses agree (fp32), step 3 runs at NxD's lr, and
-    the log says what was carried."""
+    tp 2 and to pp 2 on load, and over dp 2 with nxdtrain's ZeRO-1: the losses agree (fp32), step 3 runs at
+    NxD's lr, and the log says what was carried."""
     tag = nxd_tag("zero1_bf16_masters_only_xser", tmp_path)
     logs = []
     for k, layout in enumerate((["--tp", "1", "--nproc", "1"], ["--tp", "2", "--nproc", "2"],
-                                ["--tp", "1", "--nproc", "2", "--zero1"])):
+                                ["--tp", "1", "--nproc", "2", "--zero1"], ["--pp", "2", "--nproc", "2"])):
         log = tmp_path / f"run{k}.jsonl"
         done = nxdtrain_run(tag, log, *SCHEDULE, "--precision", "fp32", *layout)
         assert done.returncode == 0, done.stderr[-2000:]
