@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -230,6 +230,23 @@ class Hyper:
     formats: tuple[int, ...]            # the file formats found
 
 
+class OptimizerSource(Protocol):
+    """What a plan reads optimizer tensors through: :class:`TagOptimizer` (nxdtrain's files) or
+    :class:`ckptconv.nxd_tag_optimizer.NxdTagOptimizer` (NxD's own)."""
+
+    hyper: Hyper
+
+    def components_of(self, source: Source) -> list[str]: ...
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]: ...
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def finish_checks(self, *, workers: int = 8) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class TagOptimizer:
     """The optimizer files of a training tag (``optim/``), indexed by (tp rank, pp rank, parameter).
 
@@ -310,6 +327,10 @@ class TagOptimizer:
         optim, key = self._lookup(source)
         return optim.read_rows(key, start, stop, out)
 
+    def finish_checks(self, *, workers: int = 8) -> int:
+        """Nothing of its own: its files are checked with the shards' checks it was given."""
+        return 0
+
     def close(self) -> None:
         for optim in self._files:
             optim.close()
@@ -335,7 +356,7 @@ def _parse_state_key(key: str, shapes: Mapping[str, Any], where: str) -> tuple[s
 class TagReader:
     """The executor's reader over a tag: weights from its shards, optimizer tensors from :class:`TagOptimizer`."""
 
-    def __init__(self, shards: Any, optim: TagOptimizer) -> None:
+    def __init__(self, shards: Any, optim: OptimizerSource) -> None:
         self.shards, self.optim = shards, optim
 
     def _of(self, source: Source) -> Any:
@@ -358,7 +379,7 @@ class TagReader:
 # Planning: the optimizer files of a target layout
 
 
-def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor]:
+def state_tensors(weight: OutTensor, optim: OptimizerSource) -> dict[str, OutTensor]:
     """The optimizer tensors of the parameter ``weight`` (a planned shard tensor) by component, read like it."""
     out = {}
     first = weight.pieces[0].source
@@ -374,7 +395,7 @@ def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor
     return out
 
 
-def state_replicas(replicas: Sequence[ReplicaGroup], optim: TagOptimizer) -> list[ReplicaGroup]:
+def state_replicas(replicas: Sequence[ReplicaGroup], optim: OptimizerSource) -> list[ReplicaGroup]:
     """The weights' replica groups (K/V heads, norms, a tied head) for every optimizer tensor: copies must agree."""
     out = []
     for group in replicas:
