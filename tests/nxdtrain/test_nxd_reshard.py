@@ -94,3 +94,13 @@ def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
     for one, two in zip(*logs, strict=True):
         assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
         assert one["consumed_samples"] == two["consumed_samples"]
+
+
+def test_the_position_module_examples() -> None:
+    """ckptconv.nxd_position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
+    import doctest
+
+    import ckptconv.nxd_position
+
+    result = doctest.testmod(ckptconv.nxd_position)
+    assert result.attempted > 0 and result.failed == 0
