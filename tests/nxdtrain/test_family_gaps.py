@@ -1,0 +1,147 @@
+"""Mistral, Qwen2 and Qwen3 where only Llama was tested: dp 2 + ZeRO-1, resume, resume at another layout,
+``ckptconv reshard`` of a training tag, context parallelism (fp32, tiny models of tests/nxdtrain/harness.py).
+
+Each family trains 4 AdamW steps at tp 2 x pp 2 once (its step-2 tag kept). That tag is continued (a) at the same
+layout: losses and the step-4 model and optimizer files bitwise those of the uninterrupted run; (b) directly at
+another layout (Qwen2: tp 4 with kv_size_multiplier 2, so the K/V biases' moments gain replicas; Qwen3 and
+Mistral: tp 1), (c) after ``ckptconv reshard`` to tp 1 x dp 2 with ZeRO-1: steps 3-4 and the exported weights
+equal the uninterrupted run's within 1e-5. AdamW moments of a bias or a q/k norm placed on the wrong rows would
+move those parameters by about lr = 1e-3, a fresh optimizer likewise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptconv.cli import main as ckptconv_main
+from nxdtrain.train import export
+from tests.conftest import hf_state
+from tests.nxdtrain.harness import run_world, train_options
+from tests.nxdtrain.test_context_parallel import ADAMW
+from tests.nxdtrain.test_parity import assert_matches_reference
+from tests.nxdtrain.test_resume import tree_bytes
+
+FAMILIES = ["mistral", "qwen2", "qwen3"]
+TOL = 1e-5
+CP_TOL = 1e-6
+
+
+def seq_len(family: str) -> int:
+    return 32 if family == "mistral" else 16  # Mistral's rows are longer than its window of 16
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[str, float]:
+    assert a.keys() == b.keys()
+    return max(((k, float((a[k].float() - b[k].float()).abs().max())) for k in b), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dp2_zero1_trains_like_transformers(tmp_path, nxd_model, reference, family):
+    """tp 2 x dp 2 with the AdamW state sharded over dp: losses and exported weights as the transformers class."""
+    options = train_options(optimizer="adamw", lr=1e-3, mbs=1, seq_len=seq_len(family))
+    src = nxd_model(family, tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
+    log = run_world(4, resume=str(src), tp=2, zero1=True, checkpoint_dir=str(tmp_path / "ckpt"),
+                    log_jsonl=str(tmp_path / "log.jsonl"), **options)
+    assert sorted(p.name for p in (tmp_path / "ckpt/step_3/optim").iterdir()) == [
+        f"dp_rank_0{d}_tp_rank_0{t}_pp_rank_00.pt" for d in range(2) for t in range(2)]
+    export(tmp_path / "ckpt", tmp_path / "hf")
+    assert_matches_reference(log, tmp_path / "hf", reference(family, **options), "adamw")
+
+
+# --------------------------------------------------------------------------------------------
+# Resume: the same layout bitwise, another layout (directly, or through `ckptconv reshard`) within 1e-5
+
+SOURCE = dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)
+OTHER_LAYOUT = {  # family: (world, layout flags of the resumed run)
+    "mistral": (1, dict(tp=1, pp=1)),
+    "qwen2": (4, dict(tp=4, pp=1, kv_replicator=2)),
+    "qwen3": (2, dict(tp=1, pp=2)),
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, nxd_model: Any) -> dict:
+    """4 uninterrupted AdamW steps at tp 2 x pp 2 keeping the tags of steps 2 and 4."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"straight-{family}")
+    options = train_options(optimizer="adamw", steps=4, decay_steps=4, warmup=2, gbs=4, mbs=1,
+                            seq_len=seq_len(family), checkpoint_freq=2, keep=2)
+    log = run_world(4, resume=str(nxd_model(family, **SOURCE)), checkpoint_dir=str(root / "ckpt"),
+                    log_jsonl=str(root / "log.jsonl"), tp=2, pp=2, **options)
+    export(root / "ckpt/step_4", root / "hf")
+    return {"family": family, "log": log, "root": root, "options": options, "weights": hf_state(root / "hf")}
+
+
+def _continue(straight: dict, tmp: Path, resume: Path, nproc: int, **layout: Any) -> list[dict]:
+    log = run_world(nproc, resume=str(resume), checkpoint_dir=str(tmp / "ckpt"), log_jsonl=str(tmp / "log.jsonl"),
+                    **{**straight["options"], **layout})
+    assert [r["step"] for r in log] == [3, 4]
+    return log
+
+
+def _assert_continues_within_tol(straight: dict, tmp: Path, log: list[dict]) -> None:
+    for mine, theirs in zip(log, straight["log"][2:], strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=TOL), (mine, theirs)
+        assert mine["lr"] == theirs["lr"]
+    export(tmp / "ckpt/step_4", tmp / "hf")
+    key, worst = _max_diff(hf_state(tmp / "hf"), straight["weights"])
+    assert worst <= TOL, f"{straight['family']}: {key} differs from the uninterrupted run by {worst}"
+
+
+def test_resume_at_the_same_layout_is_bitwise(straight, tmp_path):
+    log = _continue(straight, tmp_path, straight["root"] / "ckpt/step_2", 4, tp=2, pp=2)
+    for key in ("loss", "lr", "grad_norm", "consumed_samples"):
+        assert [r[key] for r in log] == [r[key] for r in straight["log"][2:]], key
+    for part in ("model", "optim"):
+        assert tree_bytes(tmp_path / "ckpt/step_4" / part) == tree_bytes(straight["root"] / "ckpt/step_4" / part)
+
+
+def test_resume_directly_at_another_layout(straight, tmp_path):
+    nproc, layout = OTHER_LAYOUT[straight["family"]]
+    log = _continue(straight, tmp_path, straight["root"] / "ckpt/step_2", nproc, **layout)
+    _assert_continues_within_tol(straight, tmp_path, log)
+
+
+def test_ckptconv_reshard_of_a_training_tag(straight, tmp_path):
+    """`ckptconv reshard` moves the family's weights and AdamW moments to tp 1 x dp 2 with ZeRO-1."""
+    out = tmp_path / "tag"
+    assert ckptconv_main(["reshard", str(straight["root"] / "ckpt/step_2"), str(out), "--tp", "1", "--pp", "1",
+                          "--dp", "2", "--zero1", "--quiet"]) == 0
+    assert sorted(p.name for p in (out / "optim").iterdir()) == [
+        "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
+    log = _continue(straight, tmp_path, out, 2, tp=1, pp=1, zero1=True)
+    _assert_continues_within_tol(straight, tmp_path, log)
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism: cp 2 trains the model cp 1 trains (Mistral only where its window covers the rows)
+
+CP_CASES = {
+    # name: (family, tp, seq_len)
+    "qwen2-cp2": ("qwen2", 1, 16),
+    "qwen3-tp2-cp2": ("qwen3", 2, 16),
+    "mistral-window-covers-rows-cp2": ("mistral", 1, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_cp2_equals_cp1(tmp_path, hf_model, nxd_model, name):
+    family, tp, rows = CP_CASES[name]
+    options = train_options(mbs=2, seq_len=rows, **ADAMW)
+    src = nxd_model(family, tp=tp, pp=1, attention="qkv_linear")
+    logs, states = [], []
+    for cp in (1, 2):
+        run = tmp_path / f"cp{cp}"
+        logs.append(run_world(tp * cp, resume=str(src), tp=tp, context_parallel=cp, checkpoint_dir=str(run / "ckpt"),
+                              log_jsonl=str(run / "log.jsonl"), **options))
+        export(run / "ckpt", run / "hf")
+        states.append(hf_state(run / "hf"))
+    losses = [(a["loss"], b["loss"]) for a, b in zip(*logs, strict=True)]
+    assert len(losses) == 3 and max(abs(a - b) for a, b in losses) <= CP_TOL, losses
+    key, worst = _max_diff(states[1], states[0])
+    assert worst <= CP_TOL, f"{key}: cp 2 weights differ from cp 1 by {worst}"
+    assert _max_diff(states[0], hf_state(hf_model(family)))[1] > 100 * CP_TOL  # training moved the weights
