@@ -145,3 +145,37 @@ def test_cp2_equals_cp1(tmp_path, hf_model, nxd_model, name):
     key, worst = _max_diff(states[1], states[0])
     assert worst <= CP_TOL, f"{key}: cp 2 weights differ from cp 1 by {worst}"
     assert _max_diff(states[0], hf_state(hf_model(family)))[1] > 100 * CP_TOL  # training moved the weights
+
+
+# --------------------------------------------------------------------------------------------
+# A padded vocabulary through a bf16 run: the masters carry the padding, their export strips it
+
+
+def test_masters_export_of_a_padded_bf16_run(tmp_path, nxd_model):
+    """1003 tokens at tp 2 (1004 rows), bf16 with fp32 masters, ZeRO-1 over dp 2: `to-hf --masters --dtype keep`
+    gives the masters' 1003 real rows in fp32, `--no-masters` their bf16 rounding (the shards)."""
+    from ckptconv.api import RunOptions, to_hf
+    from ckptconv.io.nxd import load_shard
+    from ckptconv.training_state import MASTER, state_key
+    from nxdtrain.checkpoint import optim_file
+
+    src = nxd_model("vocab1003", tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
+    run_world(4, resume=str(src), tp=2, zero1=True, checkpoint_dir=str(tmp_path / "ckpt"),
+              log_jsonl=str(tmp_path / "log.jsonl"), **train_options(optimizer="adamw", steps=2, precision="bf16"))
+    tag = tmp_path / "ckpt/step_2"
+    quiet = RunOptions(quiet=True)
+    to_hf(tag, tmp_path / "masters", masters=True, dtype="keep", options=quiet)
+    to_hf(tag, tmp_path / "shards", masters=False, dtype="keep", options=quiet)
+    masters, shards = hf_state(tmp_path / "masters"), hf_state(tmp_path / "shards")
+    embed = "model.embed_tokens.weight"
+    assert masters[embed].shape == shards[embed].shape == (1003, 64)
+    assert masters[embed].dtype == torch.float32 and shards[embed].dtype == torch.bfloat16
+    assert all(torch.equal(masters[k].to(torch.bfloat16), shards[k]) for k in masters)
+    assert not torch.equal(masters[embed], shards[embed].float())  # the masters are not the widened shards
+    # Rank 1's 502 rows end in the padding row: its master (wherever ZeRO-1 put it) stays zero and is not exported.
+    parts = [torch.load(optim_file(tag, tp_rank=1, pp_rank=0, dp_rank=d), weights_only=True) for d in range(2)]
+    held = [p[state_key(embed, MASTER)] for p in parts if state_key(embed, MASTER) in p]
+    rank1 = torch.cat([h.reshape(-1) for h in held]) if len(held) > 1 else held[0].reshape(-1)
+    rows = rank1[:502 * 64].reshape(502, 64)
+    assert not rows[501].any() and torch.equal(rows[:501], masters[embed][502:])
+    assert load_shard(tag / "model/dp_rank_00_tp_rank_01_pp_rank_00.pt")[embed].shape == (502, 64)
