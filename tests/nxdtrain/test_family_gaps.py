@@ -1,8 +1,9 @@
 """Mistral, Qwen2 and Qwen3 where only Llama was tested: dp 2 + ZeRO-1, resume, resume at another layout,
 ``ckptconv reshard`` of a training tag, context parallelism (fp32, tiny models of tests/nxdtrain/harness.py).
 
-Each family trains 4 AdamW steps at tp 2 x pp 2 once (its step-2 tag kept). That tag is continued (a) at the same
-layout: losses and the step-4 model and optimizer files bitwise those of the uninterrupted run; (b) directly at
+Each family trains 4 AdamW steps at tp 2 x pp 2 once (its step-2 tag kept). (a) 2 steps + resume + 2 steps at the
+same layout: losses and the step-4 model and optimizer files bitwise those of the uninterrupted run. Its step-2
+tag is continued (b) directly at
 another layout (Qwen2: tp 4 with kv_size_multiplier 2, so the K/V biases' moments gain replicas; Qwen3 and
 Mistral: tp 1), (c) after ``ckptconv reshard`` to tp 1 x dp 2 with ZeRO-1: steps 3-4 and the exported weights
 equal the uninterrupted run's within 1e-5. AdamW moments of a bias or a q/k norm placed on the wrong rows would
@@ -41,15 +42,22 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[s
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dp2_zero1_trains_like_transformers(tmp_path, nxd_model, reference, family):
-    """tp 2 x dp 2 with the AdamW state sharded over dp: losses and exported weights as the transformers class."""
+    """tp 2 x dp 2 with the AdamW state sharded over dp: losses and exported weights as the transformers class, and
+    bitwise those of plain AdamW at dp 2."""
     options = train_options(optimizer="adamw", lr=1e-3, mbs=1, seq_len=seq_len(family))
     src = nxd_model(family, tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
-    log = run_world(4, resume=str(src), tp=2, zero1=True, checkpoint_dir=str(tmp_path / "ckpt"),
-                    log_jsonl=str(tmp_path / "log.jsonl"), **options)
-    assert sorted(p.name for p in (tmp_path / "ckpt/step_3/optim").iterdir()) == [
+    logs, states = [], []
+    for zero1 in (True, False):
+        run = tmp_path / f"zero{int(zero1)}"
+        logs.append(run_world(4, resume=str(src), tp=2, zero1=zero1, checkpoint_dir=str(run / "ckpt"),
+                              log_jsonl=str(run / "log.jsonl"), **options))
+        export(run / "ckpt", run / "hf")
+        states.append(hf_state(run / "hf"))
+    assert sorted(p.name for p in (tmp_path / "zero1/ckpt/step_3/optim").iterdir()) == [
         f"dp_rank_0{d}_tp_rank_0{t}_pp_rank_00.pt" for d in range(2) for t in range(2)]
-    export(tmp_path / "ckpt", tmp_path / "hf")
-    assert_matches_reference(log, tmp_path / "hf", reference(family, **options), "adamw")
+    assert_matches_reference(logs[0], tmp_path / "zero1/hf", reference(family, **options), "adamw")
+    assert [r["loss"] for r in logs[0]] == [r["loss"] for r in logs[1]]
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,10 +100,13 @@ def _assert_continues_within_tol(straight: dict, tmp: Path, log: list[dict]) -> 
     assert worst <= TOL, f"{straight['family']}: {key} differs from the uninterrupted run by {worst}"
 
 
-def test_resume_at_the_same_layout_is_bitwise(straight, tmp_path):
-    log = _continue(straight, tmp_path, straight["root"] / "ckpt/step_2", 4, tp=2, pp=2)
+def test_resume_at_the_same_layout_is_bitwise(straight, tmp_path, nxd_model):
+    """2 steps, then a resume of that run's checkpoint directory for 2 more: the 4 uninterrupted steps, bitwise."""
+    first = run_world(4, resume=str(nxd_model(straight["family"], **SOURCE)), checkpoint_dir=str(tmp_path / "ckpt"),
+                      log_jsonl=str(tmp_path / "first.jsonl"), tp=2, pp=2, **{**straight["options"], "steps": 2})
+    log = _continue(straight, tmp_path, tmp_path / "ckpt", 4, tp=2, pp=2)
     for key in ("loss", "lr", "grad_norm", "consumed_samples"):
-        assert [r[key] for r in log] == [r[key] for r in straight["log"][2:]], key
+        assert [r[key] for r in first + log] == [r[key] for r in straight["log"]], key
     for part in ("model", "optim"):
         assert tree_bytes(tmp_path / "ckpt/step_4" / part) == tree_bytes(straight["root"] / "ckpt/step_4" / part)
 
