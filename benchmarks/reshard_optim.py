@@ -1,4 +1,5 @@
-"""Peak memory of ``ckptconv reshard`` of a training tag (with its optimizer state) against the weights alone.
+"""Peak memory of ``ckptconv reshard`` (or ``to-dcp``) of a training tag (with its optimizer state) against the
+weights alone.
 
 Builds a training tag in real layer shapes (synthetic bf16 weights converted to NxD shards, nxdtrain's format-2
 optimizer files with fp32 ``exp_avg``, ``exp_avg_sq`` and masters, side files, markers, ckptconv.json records),
@@ -6,6 +7,7 @@ then reshards it with its optimizer state and with ``--weights-only``, each unde
 RSS is reported.
 
     python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384
+    python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384 --to-dcp   # TorchTitan's DCP
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from ckptconv.io.nxd import load_shard, write_markers
 from ckptconv.metadata import read_metadata, write_metadata
 from ckptconv.training_state import FORMAT, MASTER, SCHEDULER_FILE, USER_CONTENT_FILE, stage_groups, state_key
 
+# torch AdamW's param-group fields, as nxdtrain's optimizer files record them
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,
+         "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+
 
 def make_training_tag(tag: Path) -> int:
     """Turn converted shards into an nxdtrain-like tag; return the optimizer bytes written."""
@@ -37,7 +43,7 @@ def make_training_tag(tag: Path) -> int:
         groups = stage_groups(names, {n: tuple(weights[n].shape) for n in names})
         flat: dict[str, object] = {"format": FORMAT, "names": names, "zero1": False, "zero_size": 1, "dp_rank": 0,
                                    "owned": [n for g in groups for n, _ in g],
-                                   "param_groups": [{"lr": 1e-4, "weight_decay": 0.1}, {"lr": 1e-4, "weight_decay": 0.0}]}
+                                   "param_groups": [{**ADAMW, "weight_decay": 0.1}, {**ADAMW, "weight_decay": 0.0}]}
         for name in flat["owned"]:  # type: ignore[union-attr]
             w = weights[name].float()
             flat[state_key(name, "step")] = torch.tensor(100.0)
@@ -47,7 +53,8 @@ def make_training_tag(tag: Path) -> int:
             total += 3 * w.numel() * 4
         torch.save(flat, tag / "optim" / shard.name)
         del weights, flat
-    torch.save({"step": 100, "schedule": "cosine"}, tag / SCHEDULER_FILE)
+    torch.save({"step": 100, "schedule": "cosine", "lr": 1e-4, "min_lr": 1e-5, "warmup": 10, "decay_steps": 1000},
+               tag / SCHEDULER_FILE)
     torch.save({"step": 100, "consumed_samples": 400, "rng": [], "options": {"tp": 8, "pp": 1}}, tag / USER_CONTENT_FILE)
     meta = read_metadata(tag)
     assert meta is not None
@@ -74,6 +81,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=("8b", "70b"), default="8b")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--to-dcp", action="store_true", help="measure to-dcp (TorchTitan) instead of reshard")
     args = parser.parse_args()
     work = args.work
     shutil.rmtree(work, ignore_errors=True)
@@ -82,12 +90,17 @@ def main() -> None:
     to_nxd(work / "hf", tag, tp=8, attention="qkv_linear", fuse_qkv=True, options=RunOptions(quiet=True, part=(0, 1)))
     shutil.rmtree(work / "hf")
     optim_bytes = make_training_tag(tag)
-    cli = [sys.executable, "-m", "ckptconv.cli", "reshard", str(tag)]
-    flags = ["--tp", "4", "--pp", "1", "--quiet", "--io", "read"]
-    with_state = peak([*cli, str(work / "out-state"), *flags, "--dp", "2", "--zero1"])
+    if args.to_dcp:
+        cli, flags, state_flags = [sys.executable, "-m", "ckptconv.cli", "to-dcp", str(tag)], ["--quiet", "--io", "read"], []
+        what = "tp 8 -> TorchTitan DCP"
+    else:
+        cli = [sys.executable, "-m", "ckptconv.cli", "reshard", str(tag)]
+        flags, state_flags = ["--tp", "4", "--pp", "1", "--quiet", "--io", "read"], ["--dp", "2", "--zero1"]
+        what = "tp 8 -> tp 4 x dp 2 ZeRO-1"
+    with_state = peak([*cli, str(work / "out-state"), *flags, *state_flags])
     shutil.rmtree(work / "out-state")
     weights = peak([*cli, str(work / "out-weights"), *flags, "--weights-only"])
-    print(f"{args.shape} x{args.layers} layers, vocab {args.vocab}, tp 8 -> tp 4 x dp 2 ZeRO-1: optimizer state "
+    print(f"{args.shape} x{args.layers} layers, vocab {args.vocab}, {what}: optimizer state "
           f"{optim_bytes / 1e9:.2f} GB; with it {with_state[0]:.1f} s, peak RSS {with_state[1] / 2**20:.0f} MiB; "
           f"weights only {weights[0]:.1f} s, peak RSS {weights[1] / 2**20:.0f} MiB")
     shutil.rmtree(work)

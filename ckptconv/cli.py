@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
 
-    p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model weights)")
+    p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model; a training tag's AdamW state too)")
     p.add_argument("src", help="HF model directory or hub id org/name, a converted NxD dir, a training tag, "
                                "or a checkpoint root")
     p.add_argument("out", help="output DCP directory (load it in TorchTitan with checkpoint.initial_load_path=OUT)")
@@ -189,9 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
+    p.add_argument("--weights-only", action="store_true",
+                   help="training tag: write the model only (no AdamW state, lr schedule or step)")
+    _masters_flag(p, "when present")
     _run_flags(p)
 
-    p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors or NxD shards (model weights)")
+    p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors, NxD shards, or an nxdtrain tag")
     p.add_argument("src", help="a TorchTitan checkpoint: a step-N directory, or its checkpoint folder (newest step)")
     p.add_argument("out", help="output directory (HF files, or NxD shards under OUT/model/)")
     p.add_argument("--to", choices=("hf", "nxd"), default="hf", help="what to write (default hf)")
@@ -202,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
                    help="--to hf: per safetensors file (default 5GB)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="--to nxd of a full checkpoint: the shards only, not an nxdtrain training tag")
+    p.add_argument("--consumed-samples", type=int, default=None, metavar="N",
+                   help="--to nxd of a full checkpoint: the tag's data position (nxdtrain continues at row N; "
+                        "default 0: TorchTitan's data loader position is not carried)")
     _run_flags(p)
 
     p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
@@ -299,7 +307,7 @@ def run(args: argparse.Namespace) -> Any:
 
         return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
                       dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                      options=options)
+                      weights_only=args.weights_only, masters=args.masters, options=options)
     if args.command == "from-dcp":
         if args.to == "hf":
             given = [flag for flag, value, default in (
@@ -318,7 +326,8 @@ def run(args: argparse.Namespace) -> Any:
             kv_size_multiplier=args.kvm or 1, attention=attention,
             fuse_qkv=bool(args.fuse_qkv), hw_backend=args.hw_backend or "trn1",
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=_flavour(args.xser), dtype=args.dtype,
-            max_shard_size=args.max_shard_size, options=options,
+            max_shard_size=args.max_shard_size, weights_only=args.weights_only,
+            consumed_samples=args.consumed_samples, options=options,
         )
     if args.command == "verify":
         layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)

@@ -1,9 +1,10 @@
 """``to_dcp`` and ``from_dcp``: TorchTitan's DCP checkpoints from and to HF or NxD, through the one executor.
 
 ``to_dcp`` writes the model in TorchTitan's llama3 layout (pinned: ``titan_names.TITAN_VERSION``),
-loadable with ``checkpoint.initial_load_path=OUT``; ``from_dcp`` reads a TorchTitan checkpoint's
-model back to HF safetensors or to NxD shards at any layout. Optimizer, scheduler and train state
-are not carried yet (their keys are recognised, reported and left).
+loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its AdamW state, schedule
+position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
+checkpoint's model back to HF safetensors or to NxD shards at any layout, and a full checkpoint's
+state into an nxdtrain training tag (``plan_dcp.plan_dcp_to_tag``).
 
 Example:
     >>> import ckptconv
@@ -15,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import base64
+import contextlib
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from ckptconv.api import (
     _fingerprint,
     _hf_side_copies,
     _identity,
+    _input_files,
     _kept_hf_files,
     dtype_policy,
     target_layout,
@@ -40,25 +44,51 @@ from ckptconv.hub import resolve_hf
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
-from ckptconv.io.nxd import Flavour
+from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import model_spec_of, open_nxd
-from ckptconv.plan import Plan, hf_sources
-from ckptconv.plan_dcp import DEFAULT_FILE_SIZE, hf_dtypes_of, plan_dcp_to_hf, plan_dcp_to_nxd, plan_to_dcp, tied_copies
+from ckptconv.plan import OutTensor, Plan, hf_sources
+from ckptconv.plan_dcp import (
+    DEFAULT_FILE_SIZE,
+    hf_dtypes_of,
+    plan_dcp_to_hf,
+    plan_dcp_to_nxd,
+    plan_dcp_to_tag,
+    plan_titan_optimizer,
+    plan_to_dcp,
+    tied_copies,
+)
 from ckptconv.progress import note
+from ckptconv.tag_reshard import TrainingTag
 from ckptconv.titan_names import (
+    LR_SCHEDULER_KEYS,
+    OPTIMIZER_STATE_FIELDS,
+    PARAM_GROUP_FIELDS,
     STATE_FAMILIES,
     TITAN_MODEL,
     TITAN_VERSION,
+    TRAIN_STATE_KEYS,
     family,
     is_known_state_key,
+    optimizer_key,
     optimizer_params,
+    param_group_key,
     planner_path,
     titan_params,
+    trained_params,
+)
+from ckptconv.titan_state import tag_state, titan_values
+from ckptconv.training_state import (
+    OPTIM_DIR,
+    SCHEDULER_FILE,
+    USER_CONTENT_FILE,
+    TagReader,
+    is_training_tag,
+    state_replicas,
 )
 
 TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
@@ -82,10 +112,14 @@ def to_dcp(
     dtype: str = "keep",
     max_file_size: int = DEFAULT_FILE_SIZE,
     kv_replicas: str = "error",
+    weights_only: bool = False,
+    masters: bool | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Write the model of ``src`` (an HF dir/file or hub id, a converted NxD dir, a training tag or a
-    checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``."""
+    checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``; of a training tag (unless
+    ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's own keys.
+    ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``."""
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
@@ -94,6 +128,8 @@ def to_dcp(
         raise ConversionError(f"--kv-replicas must be 'error' or 'first' for to-dcp, got {kv_replicas!r}")
     if _is_hf_source(src):
         given = sorted(k for k, v in (hints or {}).items() if v is not None)
+        if masters is not None:
+            raise ConversionError(f"--masters/--no-masters choose a training tag's weights; {src} is an HF model")
         if given:
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
@@ -111,23 +147,43 @@ def to_dcp(
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
+        # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
         ckpt, spec, layout, with_inv_freq, read_notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                                  check=options.check)
-        notes += read_notes
-        with ckpt:
-            for line in read_notes:
-                note(line, quiet=options.quiet)
+                                                                  check=options.check, masters=masters,
+                                                                  prefer_masters=True)
+        with ckpt, contextlib.ExitStack() as stack:
+            training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
+                TrainingTag.open(ckpt, spec, layout, with_inv_freq, Plan([]), dp=None, zero1=None, io=options.io))
+            if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
+                read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
+                                  "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")
             shard_dtypes = ckpt.dtypes()
             tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
                                          lm_head_copy=stores_lm_head(spec, shard_dtypes))
+            state: list[OutTensor] = []
+            values: dict[str, Any] = {}
+            if training is not None:
+                state = plan_titan_optimizer(spec, tiles, training.optim)
+                replicas = replicas + state_replicas(replicas, training.optim)
+                values, state_notes = titan_values(spec, training.optim.hyper.param_groups, training.scheduler(),
+                                                   training.user_content, str(ckpt.root))
+                read_notes += [f"training tag at step {training.user_content['step']}: AdamW state, lr schedule "
+                               "and step carried (TorchTitan loads it with initial_load_model_only=false)",
+                               *state_notes]
+            notes += read_notes
+            for line in read_notes:
+                note(line, quiet=options.quiet)
             plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
-                               max_file_size=max_file_size, tiles=tiles, replicas=replicas)
+                               max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
+            placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
             fingerprint = _fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
-                                       _identity(sorted(ckpt.files.values())))
+                                       _identity(_input_files(ckpt)), ckpt.masters_identity(),
+                                       None if training is None else training.identity())
             copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
-            spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json())
-            result = _convert(plan, ckpt, out, sink_factory(layout_items(plan.files)), options, spec_, "to-dcp",
-                              kv_replicas, sources=[Path(src), ckpt.root])
+            spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json(), placed)
+            reader = ckpt if training is None else TagReader(ckpt, training.optim)
+            result = _convert(plan, reader, out, sink_factory(layout_items(plan.files, placed)), options, spec_,
+                              "to-dcp", kv_replicas, sources=[Path(src), ckpt.root])
         layout_json = layout.to_json()
     result.notes[:0] = notes
     result.layout = layout_json
@@ -136,10 +192,11 @@ def to_dcp(
 
 
 def _dcp_finalize(plan: Plan, spec: ModelSpec, fingerprint: str, copies: list[tuple[str, str]],
-                  source_layout: dict[str, Any] | None) -> FinalizeSpec:
+                  source_layout: dict[str, Any] | None,
+                  values: dict[str, dict[str, Any]] | None = None) -> FinalizeSpec:
     """What completes a DCP output once its data files exist: ``.metadata`` (what makes it loadable),
     the HF files kept under ``hf/``, then ``ckptconv.json``."""
-    metadata = encode_metadata(layout_items(plan.files), planner_path, save_id_of(fingerprint))
+    metadata = encode_metadata(layout_items(plan.files, values), planner_path, save_id_of(fingerprint))
     extra: dict[str, Any] = dict(TITAN)
     if source_layout is not None:
         extra["from_layout"] = source_layout
@@ -156,8 +213,8 @@ def _dcp_finalize(plan: Plan, spec: ModelSpec, fingerprint: str, copies: list[tu
 # Out of DCP
 
 
-def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "read",
-             check: bool = True) -> tuple[DcpCheckpoint, ModelSpec, list[str]]:
+def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "read", check: bool = True,
+             carried: tuple[str, ...] = ()) -> tuple[DcpCheckpoint, ModelSpec, list[str]]:
     """Open a TorchTitan DCP checkpoint with its model spec; its keys must be TorchTitan's llama3
     keys for that spec (else an error naming the first unknown key). Returns notes to show."""
     ckpt = DcpCheckpoint(src, io=io, check=check)
@@ -165,16 +222,17 @@ def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "re
         notes = [f"reading {ckpt.root} ({ckpt.found_as})"]
         spec = model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no HF "
                              "config; pass --config PATH/config.json (the model's HF config)")
-        notes += check_titan_keys(ckpt, spec)
+        notes += check_titan_keys(ckpt, spec, carried)
     except BaseException:
         ckpt.close()
         raise
     return ckpt, spec, notes
 
 
-def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec) -> list[str]:
+def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, ...] = ()) -> list[str]:
     """Every key is a TorchTitan llama3 model key of this config (shape included) or one of the
-    state TorchTitan saves beside it; the model keys are all there. Returns what is left behind."""
+    state TorchTitan saves beside it; the model keys are all there. Returns what is left behind
+    (the state families not in ``carried``)."""
     expected = {p.key: p.shape for p in titan_params(spec)}
     trained = set(optimizer_params(spec))
     left: dict[str, int] = {}
@@ -204,7 +262,27 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec) -> list[str]:
             raise ConversionError(f"{where}: the config ties the embeddings, but 'tok_embeddings.weight' and "
                                   f"'lm_head.weight' differ (max abs difference {diff:.3g}); pass --config with "
                                   "the config of the model that was trained (tie_word_embeddings false)")
-    return [f"not carried (model weights only): {n} {fam} key(s)" for fam in STATE_FAMILIES if (n := left.get(fam))]
+    what = "model weights only" if not carried else "not read into an nxdtrain tag"
+    return [f"not carried ({what}): {n} {fam} key(s)" for fam in STATE_FAMILIES
+            if (n := left.get(fam)) and fam not in carried]
+
+
+def check_titan_state(ckpt: DcpCheckpoint, spec: ModelSpec) -> None:
+    """A full checkpoint holds every trained parameter's AdamW tensors (moments of its shape, a 0-dim step),
+    its param-group values, the schedule and train state: else an error naming the first missing or wrong key."""
+    where = f"{ckpt.root / DCP_METADATA}"
+    for param in trained_params(spec):
+        for field in OPTIMIZER_STATE_FIELDS:
+            key, shape = optimizer_key(param.key, field), () if field == "step" else param.shape
+            entry = ckpt.entries.get(key)
+            if entry is None or entry.dtype is None or tuple(entry.size) != tuple(shape):
+                found = "missing" if entry is None else "a value" if entry.dtype is None else f"shape {list(entry.size)}"
+                raise ConversionError(f"{where}: {key!r} is {found}, expected a tensor of shape {list(shape)} (AdamW "
+                                      "state of a TorchTitan llama3 run); --weights-only takes the model alone")
+        for key in [param_group_key(param.key, f) for f in PARAM_GROUP_FIELDS] + [*LR_SCHEDULER_KEYS, *TRAIN_STATE_KEYS]:
+            if key not in ckpt.entries:
+                raise ConversionError(f"{where}: missing {key!r}; a full TorchTitan checkpoint has it (--weights-only "
+                                      "takes the model alone)")
 
 
 def from_dcp(
@@ -224,16 +302,25 @@ def from_dcp(
     flavour: str | Flavour = Flavour.PLAIN,
     dtype: str = "keep",
     max_shard_size: int = 5 * 10**9,
+    weights_only: bool = False,
+    consumed_samples: int | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """A TorchTitan DCP checkpoint's model (``src``: a step directory, or a checkpoint folder: its
-    newest ``step-N``) as HF safetensors (``to="hf"``) or NxD shards of the given layout (``to="nxd"``)."""
+    newest ``step-N``) as HF safetensors (``to="hf"``) or NxD shards of the given layout (``to="nxd"``).
+
+    To NxD, a full checkpoint (with TorchTitan's AdamW state) becomes an nxdtrain training tag (unless
+    ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position."""
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
     if to not in ("hf", "nxd"):
         raise ConversionError(f"--to must be hf or nxd, got {to!r}")
-    ckpt, spec, notes = open_dcp(src, config=config, io=options.io, check=options.check)
+    if consumed_samples is not None and (to != "nxd" or weights_only or consumed_samples < 0):
+        raise ConversionError(f"--consumed-samples {consumed_samples}: the data position of an nxdtrain tag "
+                              "(from-dcp --to nxd of a full checkpoint), an integer >= 0")
+    carried = ("optimizer", "lr_scheduler", "train_state") if to == "nxd" and not weights_only else ()
+    ckpt, spec, notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     with ckpt:
         for line in notes:
             note(line, quiet=options.quiet)
@@ -260,21 +347,50 @@ def from_dcp(
             layout.check_model(spec)
             layout = layout.padded_for(spec)
             target = choice(Flavour, flavour, "flavour")
-            plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
-            fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity)
+            full = bool(carried) and any(family(k) == "optimizer" for k in ckpt.keys())
+            if full:
+                check_titan_state(ckpt, spec)
+            state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
+                                                    consumed_samples=consumed_samples, where=str(ckpt.root))
+            if state is None:
+                if consumed_samples is not None:
+                    raise ConversionError(f"{ckpt.root}: holds no optimizer state (a model-only checkpoint), so no "
+                                          "training tag is written; drop --consumed-samples")
+                plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
+            else:
+                plan = plan_dcp_to_tag(spec, layout, ckpt.dtypes(), state.param_groups, dtype_policy=policy)
+                notes += state.notes
+                for line in state.notes:
+                    note(line, quiet=options.quiet)
+            fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity,
+                                       None if state is None else consumed_samples)
             if config is not None and not any(rel == f"{HF_FILES_DIR}/{CONFIG}" for _, rel in kept):
                 kept.append((str(Path(config).resolve()), f"{HF_FILES_DIR}/{CONFIG}"))
+            extra: dict[str, Any] = {"from": TITAN}
+            if state is not None:
+                extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
             spec_ = FinalizeSpec(
                 fingerprint,
                 metadata=dict(kind="nxd", hf_config=spec.config, layout=layout.to_json(), flavour=target.value,
-                              dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint,
-                              extra={"from": TITAN}),
+                              dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint, extra=extra),
                 copies=kept,
             )
-            result = _convert(plan, ckpt, out, nxd_sink_factory(target), options, spec_, "from-dcp",
-                              sources=[Path(src), ckpt.root])
+            sinks = nxd_sink_factory(target)
+            if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
+                spec_.blobs[USER_CONTENT_FILE] = _torch_blob({**state.user_content, "layout": layout.to_json()})
+                spec_.blobs[SCHEDULER_FILE] = _torch_blob(state.scheduler)
+                spec_.markers = [CHECKPOINT_MARKER, DONE_MARKER]
+                sinks = TrainingTag.sinks(sinks)
+            result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=[Path(src), ckpt.root])
             layout_json = layout.to_json()
     result.notes[:0] = notes
     result.layout = layout_json
     result.seconds = time.monotonic() - started
     return result
+
+
+def _torch_blob(value: Any) -> str:
+    """A small side file's content (``torch.save``), as FinalizeSpec's blobs hold it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()

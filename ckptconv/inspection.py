@@ -16,6 +16,7 @@ from ckptconv.metadata import METADATA_FILE, read_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, optimizer_summary
 from ckptconv.plan import Source
+from ckptconv.training_state import optimizer_summary as nxdtrain_optimizer_summary
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
@@ -74,10 +75,10 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
     from ckptconv.nxd_source import open_nxd
 
     try:
-        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, masters=masters)
+        ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, masters=masters)
         undecided = None
     except AmbiguousLayout as exc:  # describe what is known; the layout's hardware stays open
-        ckpt, spec, layout, _, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"},
+        ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"},
                                                 masters=masters)
         undecided = str(exc)
         notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
@@ -93,7 +94,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
         source = ckpt.weight_source
         if check and source is not None:
             checked += source.finish_checks(only_read=False)
-        optimizer = optimizer_summary(ckpt, check)
+        optimizer = nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or optimizer_summary(ckpt, check)
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {

@@ -376,6 +376,18 @@ class NxdOptimizer:
         leaves = slot.master if slot.master is not None else slot.moments["exp_avg"]
         return leaves[0].dtype, slot.shape
 
+    def dtype_of(self, tp_rank: int, pp_rank: int, name: str, what: str) -> torch.dtype:
+        """The stored dtype of a parameter's ``master``, ``exp_avg`` or ``exp_avg_sq``."""
+        slot = self._slot(tp_rank, pp_rank, name)
+        leaves = slot.master if what == "master" else slot.moments.get(what)
+        if not leaves:
+            raise ConversionError(f"{self.dir}: no {what} for {name!r} on tp rank {tp_rank} pp rank {pp_rank}")
+        return leaves[0].dtype
+
+    def param_step(self, tp_rank: int, pp_rank: int, name: str) -> float:
+        """AdamW's step count of one parameter (the same on every dp rank, else an error)."""
+        return self._step(self._slot(tp_rank, pp_rank, name))
+
     def open_masters(self) -> None:
         """Open the file of every master (xser: one per tensor) without reading it; then
         ``finish_checks(only_read=False)`` checks every byte of them."""

@@ -13,10 +13,13 @@ keyed ``optimizer.state.<param>.exp_avg``, say) through the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from ckptconv.errors import ConversionError
 from ckptconv.io.dcp import distcp_name
 from ckptconv.layout import ParallelLayout
 from ckptconv.mapping import EMBED, hf_shapes
@@ -36,7 +39,17 @@ from ckptconv.plan import (
     keep_dtype,
     plan_to_nxd,
 )
-from ckptconv.titan_names import TitanParam, inverse_rows, rope_rows, titan_name, titan_params
+from ckptconv.titan_names import (
+    OPTIMIZER_STATE_FIELDS,
+    TitanParam,
+    inverse_rows,
+    optimizer_key,
+    rope_rows,
+    titan_name,
+    titan_params,
+    trained_params,
+)
+from ckptconv.training_state import TagOptimizer, optimizer_files, state_key, state_tensors
 
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
@@ -57,8 +70,10 @@ def plan_to_dcp(
     max_file_size: int = DEFAULT_FILE_SIZE,
     tiles: Tiles | None = None,
     replicas: list[ReplicaGroup] | None = None,
+    state: Sequence[OutTensor] = (),
 ) -> Plan:
-    """TorchTitan's model keys in ``.distcp`` files of at most ``max_file_size`` bytes.
+    """TorchTitan's model keys (then ``state``: optimizer tensors) in ``.distcp`` files of at most
+    ``max_file_size`` bytes.
 
     ``source_dtypes`` is keyed by HF name; with ``tiles`` (:func:`ckptconv.plan.hf_sources` of NxD
     shards) each HF range is read from the shards holding it, and ``replicas`` are checked.
@@ -68,8 +83,26 @@ def plan_to_dcp(
         dtype = dtype_policy(param.key, source_dtypes[param.pieces[0].hf_key])
         tensor = titan_tensor(param, spec, dtype)
         tensors.append(tensor if tiles is None else _from_shards(tensor, tiles))
+    tensors += state
     files = [OutFile(distcp_name(i), "dcp", tuple(group)) for i, group in enumerate(group_by_size(tensors, max_file_size))]
     return Plan(files, list(replicas or []))
+
+
+def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: TagOptimizer) -> list[OutTensor]:
+    """TorchTitan's AdamW tensors (``optimizer.state.<param>.{step,exp_avg,exp_avg_sq}``) of every trained
+    parameter (fused ``wqkv`` included), read from a training tag's optimizer files exactly as the parameter's
+    rows are read from its shards: a moment is fused and RoPE-permuted like its weight."""
+    tensors = []
+    for param in trained_params(spec):
+        weight = _from_shards(titan_tensor(param, spec, torch.float32), tiles)
+        state = state_tensors(weight, optim)
+        missing = [c for c in OPTIMIZER_STATE_FIELDS if c not in state]
+        if missing:
+            raise ConversionError(f"{optim.root}: no AdamW {missing[0]} for {param.key} (the tag's optimizer state "
+                                  f"has {', '.join(state) or 'nothing'}); TorchTitan's checkpoint needs AdamW state: "
+                                  "pass --weights-only for the model alone")
+        tensors += [dataclasses.replace(state[c], key=optimizer_key(param.key, c)) for c in OPTIMIZER_STATE_FIELDS]
+    return tensors
 
 
 def _from_shards(tensor: OutTensor, tiles: Tiles) -> OutTensor:
@@ -163,3 +196,33 @@ def plan_dcp_to_nxd(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[st
     """NxD shards of ``layout`` from TorchTitan's model keys (the to-nxd plan, read from DCP)."""
     plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
     return _read_from_dcp(plan, spec)
+
+
+def plan_dcp_to_tag(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[str, torch.dtype],
+                    param_groups: list[dict[str, Any]], *, dp: int = 1, zero1: bool = False,
+                    dtype_policy: DtypePolicy = keep_dtype) -> Plan:
+    """An nxdtrain training tag's shards and format-2 optimizer files from a full TorchTitan checkpoint.
+
+    Each shard tensor's AdamW moments are its HF rows read from TorchTitan's optimizer tensors through
+    the same table backwards (the fused ``wqkv`` split, RoPE rows restored); ``step`` is its trained
+    parameter's. The moments keep their stored dtype.
+    """
+    hf_plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
+    weights = titan_tiles(titan_params(spec), spec)
+    shards = [OutFile(f.path, f.format, tuple(compose(t, weights) for t in f.tensors)) for f in hf_plan.files]
+    def reader(component: str) -> Callable[[str], Source]:
+        return lambda key: Source(None, optimizer_key(key, component))
+
+    moments = {c: titan_tiles(trained_params(spec), spec, source_of=reader(c)) for c in OPTIMIZER_STATE_FIELDS if c != "step"}
+    hf_tensor = {(f.path, t.key): t for f in hf_plan.files for t in f.tensors}
+
+    def state_of(path: str, weight: OutTensor) -> dict[str, OutTensor]:
+        read = {c: compose(hf_tensor[(path, weight.key)], tiles) for c, tiles in moments.items()}
+        first = read["exp_avg"].pieces[0].source.key
+        step = first[:-len("exp_avg")] + "step"  # the trained parameter's step (one per parameter)
+        out = {"step": OutTensor(state_key(weight.key, "step"), dcp_dtypes[step], (), 0, (Piece(Source(None, step), 0, 1),))}
+        for c, t in read.items():
+            out[c] = dataclasses.replace(t, key=state_key(weight.key, c), dtype=dcp_dtypes[t.pieces[0].source.key])
+        return out
+
+    return Plan(shards + optimizer_files(shards, state_of, param_groups, dp=dp, zero1=zero1), hf_plan.replicas)

@@ -42,6 +42,20 @@ def _describe_zero1(on: bool, dp: int) -> str:
     return f"ZeRO-1 over {dp} dp rank{'s' if dp != 1 else ''}" if on else "without ZeRO-1"
 
 
+def _checked(ckpt: NxdCheckpoint, path: Path) -> bytes:
+    """A side file's bytes, as recorded (--no-check: as they are): side files are carried only so."""
+    if not path.is_file():
+        raise ConversionError(f"{path}: missing from the training tag; pass --weights-only for the shards alone")
+    return check_whole_file(path, ckpt.checks.record(path) if ckpt.checks.enabled else None)
+
+
+def _load(ckpt: NxdCheckpoint, path: Path) -> Any:
+    try:
+        return load_small_bytes(_checked(ckpt, path), str(path))
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
+
+
 @dataclass
 class TrainingTag:
     """A training tag being resharded: its optimizer files opened, the target's dp and ZeRO-1 chosen."""
@@ -55,17 +69,9 @@ class TrainingTag:
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, plan: Plan, *,
              dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
-        def checked(path: Path) -> bytes:  # side files are carried only as recorded (--no-check: as they are)
-            if not path.is_file():
-                raise ConversionError(f"{path}: missing from the training tag; pass --weights-only for the shards alone")
-            return check_whole_file(path, ckpt.checks.record(path) if ckpt.checks.enabled else None)
-
         path = ckpt.root / USER_CONTENT_FILE
-        checked(ckpt.root / SCHEDULER_FILE)
-        try:
-            content = load_small_bytes(checked(path), str(path))
-        except ValueError as exc:
-            raise ConversionError(str(exc)) from None
+        _checked(ckpt, ckpt.root / SCHEDULER_FILE)
+        content = _load(ckpt, path)
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
         optim = TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
@@ -76,6 +82,14 @@ class TrainingTag:
             optim.close()
             raise ConversionError(f"--dp must be an integer >= 1, got {size!r}")
         return cls(ckpt, optim, content, size if on else 1, on)
+
+    def scheduler(self) -> dict[str, Any]:
+        """``scheduler.pt``: the run's schedule (schedule, lr, min_lr, warmup, decay_steps) at its step."""
+        path = self.ckpt.root / SCHEDULER_FILE
+        record = _load(self.ckpt, path)
+        if not isinstance(record, dict):
+            raise ConversionError(f"{path}: not nxdtrain's scheduler record (expected a dict)")
+        return record
 
     def __enter__(self) -> TrainingTag:
         return self

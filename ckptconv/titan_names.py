@@ -188,21 +188,35 @@ LR_SCHEDULER_KEYS = ("lr_scheduler.last_epoch",)
 TRAIN_STATE_KEYS = ("train_state.step", "train_state.ntokens_seen")
 
 
-def optimizer_params(spec: ModelSpec) -> list[str]:
-    """The parameter names TorchTitan's optimizer state is keyed by: the trained parameters (fused
-    ``wqkv``, no ``lm_head`` when tied: it is the embedding)."""
-    names = []
+def trained_params(spec: ModelSpec) -> list[TitanParam]:
+    """The parameters TorchTitan's optimizer state is keyed by, in its order: the model's, with q/k/v
+    as the fused ``wqkv`` (:func:`fused_qkv_param`) and no ``lm_head`` when tied (it is the embedding)."""
+    out = []
     for param in titan_params(spec):
         if spec.tied and param.key == "lm_head.weight":
             continue
         m = _LAYER.search(param.key)
         if m is not None and param.key.endswith(("wq.weight", "wk.weight", "wv.weight")):
-            fused = FUSED_QKV.format(m.group(1))
-            if fused not in names:
-                names.append(fused)
+            if param.key.endswith("wq.weight"):
+                out.append(fused_qkv_param(spec, int(m.group(1))))
             continue
-        names.append(param.key)
-    return names
+        out.append(param)
+    return out
+
+
+def optimizer_params(spec: ModelSpec) -> list[str]:
+    """The names of :func:`trained_params`."""
+    return [p.key for p in trained_params(spec)]
+
+
+def optimizer_key(param: str, component: str) -> str:
+    """TorchTitan's DCP key of an optimizer tensor (``exp_avg``, ...) of a trained parameter."""
+    return f"optimizer.state.{param}.{component}"
+
+
+def param_group_key(param: str, field: str) -> str:
+    """TorchTitan's DCP key of a param-group field (``lr``, ...), saved once per trained parameter."""
+    return f"optimizer.param_groups.{param}.{field}"
 
 
 def is_known_state_key(key: str, trained: Collection[str]) -> bool:

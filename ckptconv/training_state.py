@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -230,6 +230,23 @@ class Hyper:
     formats: tuple[int, ...]            # the file formats found
 
 
+class OptimizerSource(Protocol):
+    """What a plan reads optimizer tensors through: :class:`TagOptimizer` (nxdtrain's files) or
+    :class:`ckptconv.nxd_tag_optimizer.NxdTagOptimizer` (NxD's own)."""
+
+    hyper: Hyper
+
+    def components_of(self, source: Source) -> list[str]: ...
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]: ...
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def finish_checks(self, *, workers: int = 8) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class TagOptimizer:
     """The optimizer files of a training tag (``optim/``), indexed by (tp rank, pp rank, parameter).
 
@@ -310,6 +327,10 @@ class TagOptimizer:
         optim, key = self._lookup(source)
         return optim.read_rows(key, start, stop, out)
 
+    def finish_checks(self, *, workers: int = 8) -> int:
+        """Nothing of its own: its files are checked with the shards' checks it was given."""
+        return 0
+
     def close(self) -> None:
         for optim in self._files:
             optim.close()
@@ -335,7 +356,7 @@ def _parse_state_key(key: str, shapes: Mapping[str, Any], where: str) -> tuple[s
 class TagReader:
     """The executor's reader over a tag: weights from its shards, optimizer tensors from :class:`TagOptimizer`."""
 
-    def __init__(self, shards: Any, optim: TagOptimizer) -> None:
+    def __init__(self, shards: Any, optim: OptimizerSource) -> None:
         self.shards, self.optim = shards, optim
 
     def _of(self, source: Source) -> Any:
@@ -358,7 +379,7 @@ class TagReader:
 # Planning: the optimizer files of a target layout
 
 
-def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor]:
+def state_tensors(weight: OutTensor, optim: OptimizerSource) -> dict[str, OutTensor]:
     """The optimizer tensors of the parameter ``weight`` (a planned shard tensor) by component, read like it."""
     out = {}
     first = weight.pieces[0].source
@@ -374,7 +395,7 @@ def state_tensors(weight: OutTensor, optim: TagOptimizer) -> dict[str, OutTensor
     return out
 
 
-def state_replicas(replicas: Sequence[ReplicaGroup], optim: TagOptimizer) -> list[ReplicaGroup]:
+def state_replicas(replicas: Sequence[ReplicaGroup], optim: OptimizerSource) -> list[ReplicaGroup]:
     """The weights' replica groups (K/V heads, norms, a tied head) for every optimizer tensor: copies must agree."""
     out = []
     for group in replicas:
@@ -393,6 +414,17 @@ def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: int, zero1: bool) -> list[OutFile]:
     """Format-2 optimizer files for the target shards ``shards`` (a reshard plan's files), over ``dp``
     ranks with ZeRO-1 (the partition recomputed, :func:`zero1_partition`) or one file per shard without."""
+    return optimizer_files(shards, lambda _, weight: state_tensors(weight, optim), optim.hyper.param_groups,
+                           dp=dp, zero1=zero1)
+
+
+StateOf = Callable[[str, OutTensor], Mapping[str, OutTensor]]
+
+
+def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: list[dict[str, Any]], *, dp: int,
+                    zero1: bool) -> list[OutFile]:
+    """Format-2 optimizer files for ``shards``; ``state_of(shard path, weight)`` plans a parameter's optimizer
+    tensors by component (keyed :func:`state_key`), wherever they are read from (a tag, a TorchTitan checkpoint)."""
     out = []
     for shard in shards:
         ranks_of = parse_shard_name(Path(shard.path).name)
@@ -406,8 +438,8 @@ def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: 
         for dp_rank, local in enumerate(ranks):
             owned = [n for g in local for n in g]
             plain = (("format", FORMAT), ("names", names), ("zero1", zero1), ("zero_size", dp if zero1 else 1),
-                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", optim.hyper.param_groups))
-            tensors = tuple(t for n in owned for t in state_tensors(by_name[n], optim).values())
+                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", param_groups))
+            tensors = tuple(t for n in owned for t in state_of(shard.path, by_name[n]).values())
             out.append(OutFile(optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), "torch", tensors, plain))
     return out
 
@@ -461,6 +493,29 @@ class _ShardMasters:
 
     def close(self) -> None:  # the TagOptimizer's owner closes it
         pass
+
+
+def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
+    """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
+    format (NxD's own: :func:`ckptconv.nxd_optimizer.optimizer_summary`) or there is none."""
+    if not (ckpt.root / OPTIM_DIR).is_dir():
+        return None
+    try:
+        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
+                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                             checks=ckpt.checks, io=ckpt.io)
+    except IntegrityError:
+        raise
+    except ConversionError:  # not nxdtrain's optimizer files
+        return None
+    try:
+        hyper = optim.hyper
+        return {"format": f"nxdtrain {'/'.join(str(f) for f in hyper.formats)}", "zero1": hyper.zero1,
+                "dp": hyper.zero_size if hyper.zero1 else None, "files": len(optim.files),
+                "components": list(hyper.components), "masters": MASTER in hyper.components,
+                "param_groups": len(hyper.param_groups)}
+    finally:
+        optim.close()
 
 
 def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,

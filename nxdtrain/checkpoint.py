@@ -56,7 +56,7 @@ from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
-from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
+from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE, is_training_tag
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.continuity import recorded_run
 from nxdtrain.device import to_host
@@ -81,6 +81,7 @@ class ResumeSource:
     case: str                  # one line for the log
     records: dict[str, Any] | None = None  # ckptconv.json's size + digest per file; None: no metadata
     flag: str = "--resume"     # the option that named it (--init: where --resume auto starts)
+    nxd: bool = False          # optim/ written by NxD's own code (nxdtrain.nxd_resume), not by nxdtrain
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
         return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
@@ -138,13 +139,14 @@ def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> 
     if has_optim and not (root / DONE_MARKER).is_file():
         raise TrainError(f"{flag} {path}: {root} has {OPTIM_DIR}/ but no '{DONE_MARKER}' marker (an interrupted "
                          "save); resume from the checkpoint root to take the newest completed tag")
+    nxd = has_optim and not is_training_tag(root)
     if weights_only or not has_optim:
         why = "--weights-only" if weights_only and has_optim else "no optimizer state (a converted checkpoint)"
         return ResumeSource(path, root, ckpt.files, False, spec, layout, with_inv_freq,
-                            f"weights only from {root} ({why}): step 0, fresh optimizer", records, flag)
+                            f"weights only from {root} ({why}): step 0, fresh optimizer", records, flag, nxd)
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
-    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq, f"full state from {where}",
-                        records, flag)
+    return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq,
+                        f"full state from {where}" + (", written by NxD's own code" if nxd else ""), records, flag, nxd)
 
 
 def resolve_start(ckpt: CheckpointConfig) -> ResumeSource:

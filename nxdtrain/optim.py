@@ -7,7 +7,7 @@ copied back into the parameters after each step). Weight decay applies to matric
 to norm weights. With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
 torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 
-    >>> from nxdtrain.config import NXDT_SCHEDULES, OptimConfig
+    >>> from nxdtrain.config import OptimConfig
     >>> cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup=2, schedule="linear")
     >>> [lr_at(s, cfg, decay_steps=6) for s in range(1, 7)]
     [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
@@ -15,7 +15,6 @@ torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,10 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptconv import training_state
-from nxdtrain.config import NXDT_SCHEDULES, OptimConfig
+from ckptconv import lr_schedule, training_state
+from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
-from nxdtrain.schedules import nxdt_lr
 
 
 def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
@@ -38,18 +36,7 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     """
     if 0 < cfg.warmup < 1:
         raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.epochs.resolve)")
-    if cfg.schedule in NXDT_SCHEDULES:  # NxDT's own step counting (nxdtrain.schedules)
-        return nxdt_lr(step, cfg, decay_steps=decay_steps)
-    if cfg.warmup and step <= cfg.warmup:
-        return cfg.lr * step / cfg.warmup
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup) / max(1, decay_steps - cfg.warmup))
-    min_lr = cfg.min_lr
-    assert min_lr is not None, "OptimConfig.__post_init__ resolves min_lr"
-    if cfg.schedule == "linear":
-        return cfg.lr - (cfg.lr - min_lr) * progress
-    return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr_schedule.lr_at(step, cfg, decay_steps=decay_steps)
 
 
 def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:

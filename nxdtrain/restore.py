@@ -20,6 +20,9 @@ from ckptconv.execute import read_tensor
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
 from ckptconv.mapping import all_shard_records, stores_lm_head
+from ckptconv.nxd_masters import nxd_masters
+from ckptconv.nxd_optimizer import NxdOptimizer
+from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.plan import OutTensor, plan_reshard
 from nxdtrain.checkpoint import damaged
 from nxdtrain.errors import TrainError
@@ -32,16 +35,22 @@ class StageReader:
         self.source = source
         try:
             self.shards = NxdCheckpoint(source.root, io="read")
+            if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/
+                nxd_masters(self.shards, None, prefer=False, io="read", check=True)
             dtypes = self._planning_dtypes()
             plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
             wanted = shard_file(tp_rank=tp_rank, pp_rank=pp_rank)
             self.tensors: dict[str, OutTensor] = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
             read_from = {parse_shard_name(Path(str(p.source.file)).name) for t in self.tensors.values()
                          for p in t.pieces}
-            self.optim = None if not optimizer else training_state.TagOptimizer(
-                source.root, source.spec, source.layout, with_inv_freq=source.with_inv_freq,
-                lm_head_copy=stores_lm_head(source.spec, dtypes), checks=self.shards.checks, io="read",
-                only={r for r in read_from if r is not None})
+            self.optim: training_state.OptimizerSource | None = None
+            if optimizer and source.nxd:
+                self.optim = NxdTagOptimizer(NxdOptimizer(self.shards, io="read"))
+            elif optimizer:
+                self.optim = training_state.TagOptimizer(
+                    source.root, source.spec, source.layout, with_inv_freq=source.with_inv_freq,
+                    lm_head_copy=stores_lm_head(source.spec, dtypes), checks=self.shards.checks, io="read",
+                    only={r for r in read_from if r is not None})
         except ConversionError as exc:
             self.close()
             raise self.error(exc) from None
@@ -86,6 +95,8 @@ class StageReader:
         """Every byte read matched the tag's recorded digests (else an error naming the file)."""
         try:
             self.shards.finish_checks(workers=1)
+            if self.optim is not None:
+                self.optim.finish_checks(workers=1)
         except ConversionError as exc:
             raise self.error(exc) from None
         finally:

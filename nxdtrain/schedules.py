@@ -19,23 +19,6 @@ Ours (``cosine``, ``linear``, ``constant``) are :func:`nxdtrain.optim.lr_at`'s.
 
 from __future__ import annotations
 
-import math
+from ckptconv.lr_schedule import nxdt_lr
 
-from nxdtrain.config import OptimConfig
-
-
-def nxdt_lr(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
-    """Learning rate of optimizer step ``step`` (1-based) under the NxDT schedule ``cfg.schedule``."""
-    s, warmup, total = step - 1, int(cfg.warmup), decay_steps
-    min_lr = cfg.min_lr or 0.0
-    if cfg.schedule == "LinearAnnealingWithWarmUp":
-        if s < warmup:
-            return cfg.lr * s / max(1, warmup)
-        return cfg.lr * max(0.0, (total - s) / max(1, total - warmup))
-    if cfg.schedule == "CosineAnnealing":
-        if warmup > 0 and s <= warmup:
-            return cfg.lr * (s + 1) / (warmup + 1)
-        if s > total or total <= warmup:
-            return min_lr
-        return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * (s - warmup) / (total - warmup)))
-    raise ValueError(f"not an NxDT schedule: {cfg.schedule!r}")
+__all__ = ["nxdt_lr"]  # the formula lives in ckptconv (one place: training and the TorchTitan export)

@@ -59,6 +59,7 @@ from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradien
 from nxdtrain.loss_check import refusal, verdict
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
+from nxdtrain.nxd_resume import read_nxd_state
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel import TpGroup
 from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
@@ -154,9 +155,14 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
-    resume_state = read_training_state(source.root, source.checks()) if source.full else None
+    resume_state: TrainingState | None = None
+    nxd_notes: list[str] = []
+    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
+        resume_state, nxd_notes = read_nxd_state(source.root, source.checks(), gbs=data.gbs)
+    elif source.full:
+        resume_state = read_training_state(source.root, source.checks())
     # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
-    notes = data_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
+    notes = data_notes + nxd_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
                                       world=world_size, optimizer=config.optim.optimizer)
     run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
     record = run_record(config, epochs=epochs, run=str(run_id))
@@ -243,10 +249,10 @@ class Trainer:
                                 dtype=dtype, recompute=par.activation_checkpointing, cp=cp).to(self.device)
         resharding = not same_layout(source.layout, plan.layout)
         stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp,
-                            optimizer=source.full) if resharding or source.full else None
+                            optimizer=source.full) if resharding or source.full or source.nxd else None
         try:
-            if stage is not None and resharding:
-                state, where = stage.weights(), f"{source.root} (resharded on load)"
+            if stage is not None and (resharding or source.nxd):  # NxD's tags: the masters may be the weights
+                state, where = stage.weights(), f"{source.root}" + (" (resharded on load)" if resharding else "")
             else:
                 state, where = source.load_state(c.tp, c.pp), str(source.shard(c.tp, c.pp))
             self.model.load_shard_state(state, where)

@@ -42,9 +42,11 @@ def test_flag_sets_are_pinned():
                                                              "--override-recorded-layout", "--masters", "--no-masters",
                                                              "--dp", "--zero1", "--no-zero1", "--weights-only"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
-                                                            "--kv-replicas", "--no-check", "--override-recorded-layout"}
+                                                            "--kv-replicas", "--no-check", "--override-recorded-layout",
+                                                            "--weights-only", "--masters", "--no-masters"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
-                                                              "--max-shard-size", "--no-check"}
+                                                              "--max-shard-size", "--no-check", "--weights-only",
+                                                              "--consumed-samples"}
     assert flags("inspect") == {"--config", "--json", "--revision", "--no-check", "--masters", "--no-masters"}
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {

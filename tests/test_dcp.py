@@ -249,6 +249,11 @@ def test_reads_a_checkpoint_torch_wrote_with_state_families(models, tmp_path):
     with DcpCheckpoint(tmp_path / "ckpt") as ckpt:
         assert ckpt.read_value("train_state.ntokens_seen") == 64
         assert ckpt.read_value(f"optimizer.param_groups.{param}.lr") == 0.1
+    # into an nxdtrain tag, the state must be whole: the first missing key named, --weights-only takes the model
+    with pytest.raises(ConversionError, match=r"'optimizer.state.tok_embeddings.weight.step' is missing.*--weights-only"):
+        ckptconv.from_dcp(tmp_path / "ckpt", tmp_path / "nxd", to="nxd", config=hf / "config.json", options=QUIET)
+    ckptconv.from_dcp(tmp_path / "ckpt", tmp_path / "nxd", to="nxd", config=hf / "config.json", weights_only=True,
+                      options=QUIET)
 
 
 @pytest.mark.parametrize("key", ["layers.0.attention.wq.weight", "optimizer.state.lm_head.weight.exp_avg",
@@ -490,3 +495,230 @@ def test_to_dcp_from_nxd_checks_kv_replicas(models, tmp_path):
     ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp2", kv_replicas="first", options=options)
     with pytest.raises(ConversionError, match="'error' or 'first'"):
         ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp3", kv_replicas="mean", options=options)
+
+
+# --------------------------------------------------------------------------------------------
+# A training tag's AdamW state, schedule and step into TorchTitan's keys
+
+
+ADAMW_GROUP = {"lr": 7e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+               "decoupled_weight_decay": True}
+
+
+def fake_training_tag(hf: Path, out: Path, *, weight_decay_norms: float = 0.0, **layout) -> Path:
+    """Shards of ``layout`` with format-2 AdamW files whose moments are functions of the weights
+    (tests.test_training_state), torch AdamW's param groups, and nxdtrain's side files at step 5."""
+    from tests.test_training_state import _fake_tag
+
+    ckptconv.to_nxd(hf, out, options=QUIET, **layout)
+    _fake_tag(out)
+    for path in (out / "optim").iterdir():
+        flat = torch.load(path, weights_only=True)
+        flat["param_groups"] = [dict(ADAMW_GROUP), {**ADAMW_GROUP, "weight_decay": weight_decay_norms}]
+        torch.save(flat, path)
+    torch.save({"schedule": "cosine", "lr": 1e-3, "min_lr": 1e-4, "warmup": 2, "decay_steps": 10, "step": 5,
+                "last_lr": 7e-4}, out / "scheduler.pt")
+    torch.save({"step": 5, "consumed_samples": 20, "rng": [], "options": {"seq_len": 16, "optimizer": "adamw"}},
+               out / "user_content.pt")
+    return out
+
+
+def expected_trained(titan: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """TorchTitan's trained parameters from its model keys, by hand: q/k/v fused per KV group (its q heads,
+    its k head, its v head), no lm_head when tied."""
+    hd, group = spec.head_dim, spec.group
+    out = {}
+    for key, value in titan.items():
+        if key.endswith(("wk.weight", "wv.weight")) or (spec.tied and key == "lm_head.weight"):
+            continue
+        if key.endswith("wq.weight"):
+            q, k, v = (titan[key.replace("wq.", f"w{m}.")] for m in "qkv")
+            parts = [t for g in range(spec.kv_heads) for t in (q[g * group * hd:(g + 1) * group * hd],
+                                                                k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd])]
+            out[key.replace("wq.weight", "wqkv.weight")] = torch.cat(parts)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("name,layout", [
+    ("gqa", dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)),
+    ("gqa-tied", dict(tp=2, pp=2, attention="qkv_linear", kv_size_multiplier=1)),
+    ("mha", dict(tp=1, pp=1)),
+])
+def test_to_dcp_of_a_training_tag_writes_titans_adamw_state(models, tmp_path, name, layout):
+    hf = models[name]
+    spec = ModelSpec.from_file(hf / "config.json")
+    tag = fake_training_tag(hf, tmp_path / "tag", **layout)
+    # bands far smaller than a tensor, several files: the state streams like the weights
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", max_file_size=40_000,
+                             options=RunOptions(quiet=True, check=False, max_memory=2**20, workers=2))
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) > 3
+    weights = expected_titan_state(hf_state(hf), spec)
+    trained = expected_trained(weights, spec)
+    fields = ("lr", "initial_lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+              "differentiable", "fused", "decoupled_weight_decay")
+    with DcpCheckpoint(tmp_path / "dcp") as ckpt:
+        keys = set(ckpt.keys())
+        values = {k: ckpt.read_value(k) for k in keys if not ckpt.entry(k).is_tensor}
+    assert keys == (set(weights) | {f"optimizer.state.{p}.{c}" for p in trained for c in ("step", "exp_avg", "exp_avg_sq")}
+                    | {f"optimizer.param_groups.{p}.{f}" for p in trained for f in fields}
+                    | {"lr_scheduler.last_epoch", "train_state.step", "train_state.ntokens_seen"})
+    # torch's own DCP reader: the model as before, every moment the same function of its (fused, permuted) weight
+    loaded = dcp_load(tmp_path / "dcp", {**{k: v.shape for k, v in weights.items()},
+                                         **{f"optimizer.state.{p}.{c}": w.shape for p, w in trained.items()
+                                            for c in ("exp_avg", "exp_avg_sq")},
+                                         **{f"optimizer.state.{p}.step": () for p in trained}})
+    for key, w in weights.items():
+        assert torch.equal(loaded[key], w), key
+    for p, w in trained.items():
+        assert torch.equal(loaded[f"optimizer.state.{p}.exp_avg"], 2 * w + 1), p
+        assert torch.equal(loaded[f"optimizer.state.{p}.exp_avg_sq"], w * w + 3), p
+        assert loaded[f"optimizer.state.{p}.step"].item() == 5.0
+    # step 6's lr by hand: cosine from 1e-3 to 1e-4 between steps 2 and 10, half way
+    group = {f: values[f"optimizer.param_groups.tok_embeddings.weight.{f}"] for f in fields}
+    assert group == {**ADAMW_GROUP, "lr": pytest.approx(1e-4 + 9e-4 * 0.5, rel=1e-12), "initial_lr": 1e-3}
+    for p in trained:  # nxdtrain's second group (no weight decay) is the norm weights'
+        want = {**group, "weight_decay": 0.0} if p.endswith("norm.weight") else group
+        assert {f: values[f"optimizer.param_groups.{p}.{f}"] for f in fields} == want, p
+    # past warmup: one more than the step (TorchTitan's schedule runs its decay one step later; see titan_state)
+    assert (values["lr_scheduler.last_epoch"], values["train_state.step"], values["train_state.ntokens_seen"]) == (6, 5, 320)
+    assert any("lr_scheduler.warmup_steps=2" in n and "decay_type=cosine" in n and "min_lr_factor=0.1" in n
+               and "total_steps=10" in n for n in result.notes)
+    assert any("data loader position" in n for n in result.notes)
+    assert any("norm weights have their own AdamW group (weight_decay 0.0; matrices weight_decay 0.1)" in n
+               and r"'norm\.weight$'" in n for n in result.notes)
+
+
+def test_to_dcp_of_a_training_tag_weights_only_and_refusals(models, tmp_path):
+    hf = models["gqa"]
+    tag = fake_training_tag(hf, tmp_path / "tag", weight_decay_norms=0.1)
+    options = RunOptions(quiet=True, check=False)
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=options)
+    assert not any("own AdamW group" in n for n in result.notes)  # one group's values: TorchTitan's default fits
+    assert main(["to-dcp", str(tag), str(tmp_path / "model"), "--weights-only", "--no-check", "--quiet"]) == 0
+    with DcpCheckpoint(tmp_path / "model") as ckpt:
+        assert all(not k.startswith(("optimizer", "lr_scheduler", "train_state")) for k in ckpt.keys())
+    for path in (tag / "optim").iterdir():  # SGD: no moments to give TorchTitan's AdamW
+        flat = torch.load(path, weights_only=True)
+        torch.save({k: v for k, v in flat.items() if not k.endswith(("exp_avg", "exp_avg_sq"))}, path)
+    with pytest.raises(ConversionError, match="no AdamW exp_avg for tok_embeddings.weight.*--weights-only"):
+        ckptconv.to_dcp(tag, tmp_path / "sgd", options=options)
+
+
+@pytest.mark.parametrize("name,there,back", [
+    ("gqa", dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True), dict(tp=1, pp=2, attention="qkv_linear")),
+    ("gqa-tied", dict(tp=1, pp=1), dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)),
+])
+def test_from_dcp_of_a_full_checkpoint_writes_an_nxdtrain_tag(models, tmp_path, name, there, back):
+    """Into TorchTitan's keys and back at another layout: every moment is still the same function of its
+    weight, the step and hyper-parameters come along, and the tag is complete (side files, markers)."""
+    from ckptconv.io.nxd import load_shard
+
+    hf = models[name]
+    tag = fake_training_tag(hf, tmp_path / "tag", **there)
+    ckptconv.to_dcp(tag, tmp_path / "dcp", options=RunOptions(quiet=True, check=False))
+    result = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", to="nxd", config=hf / "config.json",
+                               consumed_samples=20, options=QUIET, **back)
+    assert any("AdamW state and step carried" in n for n in result.notes)
+    assert not any("not carried" in n and "optimizer" in n for n in result.notes)
+    out = tmp_path / "back"
+    assert (out / "done").is_file() and (out / "checkpoint").is_file()
+    content = torch.load(out / "user_content.pt", weights_only=True)
+    assert (content["step"], content["consumed_samples"], content["options"]["optimizer"]) == (5, 20, "adamw")
+    assert torch.load(out / "scheduler.pt", weights_only=True)["step"] == 5
+    shards = sorted((out / "model").iterdir())
+    assert len(list((out / "optim").iterdir())) == len(shards) == back["tp"] * back["pp"]
+    for shard in shards:
+        weights = {k: v for k, v in load_shard(shard).items() if not k.endswith("inv_freq")}
+        flat = torch.load(out / "optim" / shard.name, weights_only=True)
+        assert flat["format"] == 2 and flat["names"] == list(weights) and sorted(flat["owned"]) == sorted(weights)
+        assert [g["weight_decay"] for g in flat["param_groups"]] == [0.1, 0.0]
+        assert flat["param_groups"][0]["betas"] == (0.9, 0.95)
+        for key, w in weights.items():
+            assert torch.equal(flat[f"state.{key}.exp_avg"], 2 * w + 1), key
+            assert torch.equal(flat[f"state.{key}.exp_avg_sq"], w * w + 3), key
+            assert flat[f"state.{key}.step"].item() == 5.0
+    # the CLI's flags are the API's
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in back.items()]
+    flags = [f.replace("--attention=qkv_linear", "--qkv-linear") for f in flags]
+    assert main(["from-dcp", str(tmp_path / "dcp"), str(tmp_path / "cli"), "--to", "nxd", "--config",
+                 str(hf / "config.json"), "--consumed-samples", "20", "--quiet", *flags]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli" / "optim").iterdir()) == sorted(p.name for p in (out / "optim").iterdir())
+    assert all((tmp_path / "cli" / "optim" / p.name).read_bytes() == p.read_bytes() for p in (out / "optim").iterdir())
+    # weights only: plain shards, as before
+    weights_only = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "plain", to="nxd", config=hf / "config.json",
+                                     weights_only=True, options=QUIET, **back)
+    assert not (tmp_path / "plain" / "optim").exists()
+    assert any("not carried" in n and "optimizer key(s)" in n for n in weights_only.notes)
+    with pytest.raises(ConversionError, match="--consumed-samples"):
+        ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "hf", config=hf / "config.json", consumed_samples=3,
+                          options=QUIET)
+
+
+def test_to_dcp_of_a_bf16_tag_writes_its_fp32_masters(models, tmp_path):
+    """A bf16 nxdtrain run keeps fp32 masters with its optimizer state: TorchTitan gets those, not the bf16 copy."""
+    from ckptconv.io.nxd import load_shard
+
+    hf = models["gqa"]
+    spec = ModelSpec.from_file(hf / "config.json")
+    tag = fake_training_tag(hf, tmp_path / "tag", tp=2, attention="qkv_linear", fuse_qkv=True)
+    for path in (tag / "optim").iterdir():
+        flat = torch.load(path, weights_only=True)
+        for key, w in load_shard(tag / "model" / path.name).items():
+            if not key.endswith("inv_freq"):
+                flat[f"state.{key}.master"] = 3 * w.float()
+        torch.save(flat, path)
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=RunOptions(quiet=True, check=False))
+    assert any("fp32 master weights" in n for n in result.notes)
+    want = expected_titan_state({k: 3 * v for k, v in hf_state(hf).items()}, spec)
+    loaded = dcp_load(tmp_path / "dcp", {k: v.shape for k, v in want.items()})
+    assert all(torch.equal(loaded[k], want[k]) for k in want)
+    # --no-masters: the shards' weights, the AdamW state still carried
+    result = ckptconv.to_dcp(tag, tmp_path / "shards", masters=False, options=RunOptions(quiet=True, check=False))
+    assert not any("fp32 master weights" in n for n in result.notes)
+    want = expected_titan_state(hf_state(hf), spec)
+    loaded = dcp_load(tmp_path / "shards", {k: v.shape for k, v in want.items()})
+    assert all(torch.equal(loaded[k], want[k]) for k in want)
+    with DcpCheckpoint(tmp_path / "shards") as ckpt:
+        assert "optimizer.state.norm.weight.exp_avg" in ckpt.keys()
+
+
+def test_to_dcp_of_nxds_own_tag_takes_its_masters_and_says_its_optimizer_files_stay(tmp_path):
+    """A tag NxD itself saved (ZeRO-1, bf16, fp32 masters): the weights are its masters (as to-hf's), its optimizer
+    files are not nxdtrain's and are said to stay behind."""
+    from tests.conftest import REPO
+
+    case = REPO / "fixtures" / "nxdt-official" / "zero1_bf16_masters"
+    config = case / "hf" / "config.json"
+    result = ckptconv.to_dcp(case / "ckpt" / "step_2", tmp_path / "dcp", config=config, options=QUIET)
+    assert any("not carried: the optimizer files" in n for n in result.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer in the fixture
+        ckptconv.to_hf(case / "ckpt" / "step_2", tmp_path / "hf", config=config, dtype="keep", options=QUIET)
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", config=config, options=QUIET)
+    a, b = hf_state(tmp_path / "hf"), hf_state(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == torch.float32 for k in a)
+
+
+def test_a_real_bf16_zero1_tag_through_titans_format_continues(tmp_path):
+    """nxdtrain's real bf16 ZeRO-1 tag (format 1, fixtures/nxdtrain-format1) into TorchTitan's keys and back into a
+    tag: nxdtrain resumes it (fp32 masters as the weights, AdamW state resharded over dp 2 with ZeRO-1 on load) and its
+    steps 3-4 give the losses of the run that wrote it."""
+    from tests.conftest import REPO
+    from tests.nxdtrain.harness import DIST_TIMEOUT, run_world
+
+    fixture = REPO / "fixtures" / "nxdtrain-format1"
+    run = json.loads((fixture / "run.json").read_text())
+    result = ckptconv.to_dcp(fixture / "step_2", tmp_path / "dcp", options=QUIET)
+    assert any("fp32 master weights" in n for n in result.notes)
+    layout = json.loads((fixture / "step_2" / "ckptconv.json").read_text())["layout"]
+    back = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "tag", to="nxd", config=fixture / "step_2/hf/config.json",
+                             tp=layout["tp"], pp=layout["pp"], attention=layout["attention"], fuse_qkv=layout["fuse_qkv"],
+                             kv_size_multiplier=layout["kvm"], consumed_samples=2 * run["options"]["gbs"], options=QUIET)
+    assert any("a run that came from nxdtrain" in n for n in back.notes)
+    log = run_world(4, resume=str(tmp_path / "tag"), checkpoint_dir=str(tmp_path / "ckpt"),
+                    log_jsonl=str(tmp_path / "log.jsonl"), **{**run["options"], "dist_timeout": DIST_TIMEOUT})
+    assert [r["step"] for r in log] == [3, 4]
+    assert [r["loss"] for r in log] == pytest.approx(run["losses"][2:], rel=1e-5)

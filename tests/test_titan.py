@@ -29,7 +29,12 @@ except ImportError:
 
 import torch.distributed as dist  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.components.optimizer import (  # noqa: E402
+    LRSchedulersContainer,
+    OptimizersContainer,
+    ParamGroupConfig,
+    default_adamw,
+)
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
@@ -47,6 +52,7 @@ from ckptconv.titan_names import (  # noqa: E402
     rope_rows,
     titan_params,
 )
+from ckptconv.titan_state import TitanSchedule, titan_last_epoch, titan_schedule  # noqa: E402
 from tests.conftest import hf_state  # noqa: E402
 
 QUIET = RunOptions(quiet=True)
@@ -92,10 +98,12 @@ def titan_model(hf: Path, *, fused: bool = True) -> Llama3Model:
     return model
 
 
-def manager(model: Llama3Model, folder: Path, **config) -> tuple[CheckpointManager, object, object]:
+def manager(model: Llama3Model, folder: Path, *, optimizer=None, schedule=None, training_steps: int = 10,
+            **config) -> tuple[CheckpointManager, object, object]:
     """TorchTitan's CheckpointManager wired as its Trainer wires it (AdamW, warmup schedule, train state)."""
-    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    optimizers = (optimizer or default_adamw(lr=1e-3)).build(model_parts=[model])
+    schedulers = (schedule or LRSchedulersContainer.Config(warmup_steps=2)).build(optimizers=optimizers,
+                                                                                 training_steps=training_steps)
 
     class TrainState:
         step, ntokens_seen = 0, 0
@@ -230,3 +238,172 @@ def test_pinned_version():
     from importlib.metadata import version
 
     assert version("torchtitan") == TITAN_VERSION
+
+
+# --------------------------------------------------------------------------------------------
+# A run moved from nxdtrain to TorchTitan (and back) with its AdamW state, lr schedule and step
+
+RUN = dict(optimizer="adamw", steps=4, decay_steps=4, warmup=1, schedule="cosine", lr=1e-3, min_lr=1e-4,
+           weight_decay=0.1, checkpoint_freq=2, keep=2, tp=2)
+
+
+def titan_schedule_config(schedule: TitanSchedule) -> LRSchedulersContainer.Config:
+    """TorchTitan's schedule as to-dcp says to configure it."""
+    return LRSchedulersContainer.Config(warmup_steps=schedule.warmup_steps, decay_type=schedule.decay_type,
+                                        min_lr_factor=schedule.min_lr_factor, total_steps=schedule.total_steps)
+
+
+def titan_adamw(lr: float, weight_decay: float) -> OptimizersContainer.Config:
+    """nxdtrain's two AdamW groups in TorchTitan's config: the norm weights without weight decay, then the rest."""
+    kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8}
+    return OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"norm\.weight$", optimizer_name="AdamW",
+                         optimizer_kwargs={**kwargs, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={**kwargs, "weight_decay": weight_decay}),
+    ])
+
+
+@pytest.fixture(scope="module", params=["gqa", "tied"])
+def nxd_run(request, models, tmp_path_factory) -> dict:
+    """nxdtrain: 4 AdamW steps (cosine schedule, weight decay, clipping) of a tiny model at tp 2; tags at 2 and 4."""
+    from tests.nxdtrain.harness import convert, run_world, train_options
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"nxd-run-{name}")
+    src = convert(models[name], root / "nxd", tp=2, attention="qkv_linear", fuse_qkv=True)
+    options = train_options(**RUN)
+    log = run_world(2, resume=str(src), checkpoint_dir=str(root / "ckpt"), log_jsonl=str(root / "log.jsonl"), **options)
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    return {"root": root, "log": log, "options": options, "src": src, "hf": models[name]}
+
+
+def batches(options: dict, hf: Path) -> list[torch.Tensor]:
+    """The global batches nxdtrain trained on, step by step."""
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.data import global_batches
+
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    run = {k: v for k, v in options.items() if k not in ("checkpoint_freq", "keep")}
+    cfg = TrainConfig.from_flat({**run, "resume": "unused", "no_checkpoint": True})
+    return global_batches(cfg, vocab)
+
+
+def titan_step(model: Llama3Model, optimizers, schedulers, ids: torch.Tensor) -> tuple[float, float]:
+    """One TorchTitan training step as its Trainer takes it (mean token loss, clipping at 1.0); (loss, lr used)."""
+    model.train()
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters()], 1.0)
+    lr = optimizers.optimizers[0].param_groups[0]["lr"]
+    optimizers.step()
+    schedulers.step()
+    optimizers.zero_grad()
+    return loss.item(), lr
+
+
+def dcp_model(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.zeros_like(v) for k, v in like.items()}
+    dcp.load(state, checkpoint_id=str(path))
+    return state
+
+
+def test_titan_continues_an_nxdtrain_run(nxd_run, tmp_path):
+    """to-dcp of nxdtrain's step-2 tag; TorchTitan's CheckpointManager loads model, optimizer, lr_scheduler and
+    train_state; two more TorchTitan steps on the same rows give nxdtrain's steps 3-4 (losses, lr, weights); its
+    saved step 4, through from-dcp, resumes nxdtrain as nxdtrain's own step-4 tag does."""
+    hf, log = nxd_run["hf"], nxd_run["log"]
+    tag2, tag4 = nxd_run["root"] / "ckpt" / "step_2", nxd_run["root"] / "ckpt" / "step_4"
+    result = ckptconv.to_dcp(tag2, tmp_path / "dcp", options=QUIET)
+    (schedule_note,) = [n for n in result.notes if n.startswith("continue in TorchTitan with")]
+    with DcpCheckpoint(tmp_path / "dcp") as ckpt:
+        assert ckpt.read_value("train_state.step") == 2 and ckpt.read_value("lr_scheduler.last_epoch") == 3
+    recorded = torch.load(tag2 / "scheduler.pt", weights_only=True)
+    _, _, schedule = titan_schedule(recorded, "scheduler.pt")
+    assert schedule is not None and schedule.describe() in schedule_note
+    model = titan_model(hf)
+    ck, optimizers, schedulers = manager(model, tmp_path / "ck", optimizer=titan_adamw(RUN["lr"], RUN["weight_decay"]),
+                                         schedule=titan_schedule_config(schedule), training_steps=RUN["steps"],
+                                         initial_load_path=str(tmp_path / "dcp"), initial_load_model_only=False,
+                                         exclude_from_loading=["dataloader"], interval=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ck.load() is True
+    assert ck.states["train_state"].step == 2
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer in a test tag
+        ckptconv.to_hf(tag2, tmp_path / "hf2", options=QUIET)
+    ours, reference = titan_logits(model, tokens), hf_logits(tmp_path / "hf2", tokens)
+    assert torch.allclose(ours, reference, atol=1e-5, rtol=0), (ours - reference).abs().max()
+    rows = batches(nxd_run["options"], hf)
+    for step in (3, 4):
+        loss, lr = titan_step(model, optimizers, schedulers, rows[step - 1])
+        assert lr == pytest.approx(log[step - 1]["lr"], rel=1e-12), step
+        assert loss == pytest.approx(log[step - 1]["loss"], rel=1e-5), step
+    ckptconv.to_dcp(tag4, tmp_path / "dcp4", weights_only=True, options=QUIET)
+    theirs = {k: v.detach() for k, v in model.state_dict().items()}
+    want = dcp_model(tmp_path / "dcp4", theirs)
+    for key, value in want.items():
+        assert torch.allclose(theirs[key], value, atol=1e-4, rtol=0), (key, (theirs[key] - value).abs().max())
+    assert any(not torch.allclose(theirs[k], dcp_model(tmp_path / "dcp", theirs)[k], atol=1e-4) for k in theirs)
+    # TorchTitan saves its step 4 (full state); from-dcp makes it an nxdtrain tag; nxdtrain's steps 5-6 from it
+    # equal nxdtrain's own from its step-4 tag
+    state = ck.states["train_state"]
+    state.step, state.ntokens_seen = 4, 4 * 4 * 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ck.save(curr_step=4)
+    ck.close()
+    result = ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, attention="qkv_linear",
+                               fuse_qkv=True, config=hf / "config.json", consumed_samples=16, options=QUIET)
+    assert any("a run that came from nxdtrain" in n for n in result.notes)  # last_epoch 5 = step 4 + 1
+    for path in sorted((tag4 / "optim").iterdir()):  # TorchTitan's AdamW state after its steps 3-4 is nxdtrain's
+        mine, want_state = torch.load(tmp_path / "tag" / "optim" / path.name, weights_only=True), torch.load(path, weights_only=True)
+        tensors = sorted(k for k, v in want_state.items() if isinstance(v, torch.Tensor))
+        assert tensors == sorted(k for k, v in mine.items() if isinstance(v, torch.Tensor)) and tensors
+        for key in tensors:
+            scale = want_state[key].abs().max()  # summation order differs (tp 2 vs one process): relative to the scale
+            assert torch.allclose(mine[key], want_state[key], rtol=0, atol=1e-5 * scale), key
+    from tests.nxdtrain.harness import run_world
+
+    more = {**nxd_run["options"], "steps": 6}
+    ours = run_world(2, resume=str(tmp_path / "tag"), checkpoint_dir=str(tmp_path / "a"),
+                     log_jsonl=str(tmp_path / "a.jsonl"), **more)
+    native = run_world(2, resume=str(tag4), checkpoint_dir=str(tmp_path / "b"), log_jsonl=str(tmp_path / "b.jsonl"),
+                       **more)
+    assert [r["step"] for r in ours] == [r["step"] for r in native] == [5, 6]
+    for a, b in zip(ours, native, strict=True):
+        assert a["lr"] == b["lr"] and a["consumed_samples"] == b["consumed_samples"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    ckptconv.to_dcp(tmp_path / "a" / "step_6", tmp_path / "a6", weights_only=True, options=QUIET)
+    ckptconv.to_dcp(tmp_path / "b" / "step_6", tmp_path / "b6", weights_only=True, options=QUIET)
+    a6, b6 = dcp_model(tmp_path / "a6", theirs), dcp_model(tmp_path / "b6", theirs)
+    for key in theirs:
+        assert torch.allclose(a6[key], b6[key], atol=1e-6, rtol=0), (key, (a6[key] - b6[key]).abs().max())
+
+
+@pytest.mark.parametrize("name,warmup,step", [("cosine", 3, 5), ("linear", 2, 2), ("constant", 2, 4), ("cosine", 0, 3),
+                                              ("linear", 4, 1)])
+def test_titans_schedule_as_configured_gives_nxdtrains_lr(name, warmup, step):
+    """TorchTitan's own LRSchedulersContainer, configured as to-dcp says and loaded with its last_epoch, computes
+    nxdtrain's lr at every later step (a tag still in warmup: through warmup)."""
+    from ckptconv.lr_schedule import Recorded, lr_at
+
+    record = {"schedule": name, "lr": 2e-3, "min_lr": 2e-4, "warmup": warmup, "decay_steps": 10}
+    cfg, decay, schedule = titan_schedule(record, "scheduler.pt")
+    assert schedule is not None
+    model = torch.nn.Linear(2, 2)
+    optimizers = default_adamw(lr=schedule.lr).build(model_parts=[model])
+    schedulers = titan_schedule_config(schedule).build(optimizers=optimizers, training_steps=10)
+    schedulers.load_state_dict({"last_epoch": titan_last_epoch(step=step, warmup=warmup)})
+    group = optimizers.optimizers[0].param_groups[0]
+    group["lr"] = lr_at(step + 1, cfg, decay_steps=decay)  # what to-dcp writes into the param groups
+    last = 10 if step >= warmup else warmup  # to the end of the decay (TorchTitan does not hold min_lr past it)
+    for n in range(step + 1, last + 1):
+        assert group["lr"] == pytest.approx(lr_at(n, Recorded(**{k: record[k] for k in ("schedule", "lr", "min_lr",
+                                                                                        "warmup")}),
+                                                    decay_steps=10), rel=1e-9, abs=1e-15), n
+        schedulers.step()

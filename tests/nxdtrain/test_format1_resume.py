@@ -59,3 +59,16 @@ def test_masters_export_from_zero1_tags_of_both_formats(tag, tmp_path):
     for key in one:
         assert one[key].dtype == torch.float32 and torch.equal(one[key], two[key]), key
         assert torch.equal(one[key].to(torch.bfloat16), shards[key]), key  # the shards are the masters rounded
+
+
+def test_inspect_describes_nxdtrain_optimizer_files_of_both_formats(tag, tmp_path):
+    """inspect names nxdtrain's own optimizer format (not as an NxD file it failed to read), before and after a
+    reshard that moves the ZeRO-1 partition to another dp."""
+    from ckptconv.inspection import inspect
+
+    old = inspect(tag)["optimizer"]
+    assert old == {"format": "nxdtrain 1", "zero1": True, "dp": 2, "files": 4, "masters": True, "param_groups": 2,
+                   "components": ["step", "exp_avg", "exp_avg_sq", "master"]}
+    moved = reshard(tag, tmp_path / "f2", tp=1, pp=1, dp=1, zero1=False, options=RunOptions(quiet=True)).out
+    new = inspect(moved)["optimizer"]
+    assert new == {**old, "format": "nxdtrain 2", "zero1": False, "dp": None, "files": 1}

@@ -1,0 +1,95 @@
+"""NxD's own optimizer files seen as :class:`ckptconv.training_state.TagOptimizer` sees nxdtrain's.
+
+A resume reads a parameter's optimizer tensors through the reshard plan by ``Source(model shard file,
+"<component>:<key>")`` (:func:`ckptconv.training_state.component_source`), whatever wrote them. This
+adapter answers those reads from :class:`ckptconv.nxd_optimizer.NxdOptimizer` (plain AdamW, ZeRO-1 with or
+without masters, xser, the DCP variant): AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` and, where NxD saved
+them, the fp32 (fp64) ``master`` weights, each row slice read only from the dp chunks that hold it.
+
+NxD groups parameters by name (no weight decay for names with ``bias``/``norm``, or one group); nxdtrain
+by shape (matrices decayed, vectors not). :attr:`NxdTagOptimizer.hyper` gives NxD's hyper-parameters
+in nxdtrain's two groups, and refuses where a group of ours would hold parameters NxD stepped with
+different hyper-parameters (they could not be continued exactly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.layout import parse_shard_name
+from ckptconv.nxd_optimizer import MOMENTS, NxdOptimizer, OptimFormat
+from ckptconv.plan import Source
+from ckptconv.training_state import MASTER, Hyper, is_matrix, split_key
+
+STEP = "step"
+
+
+class NxdTagOptimizer:
+    """The reader interface of :class:`~ckptconv.training_state.TagOptimizer` over an :class:`NxdOptimizer`
+    (closed with this object)."""
+
+    def __init__(self, optim: NxdOptimizer) -> None:
+        self.optim = optim
+        self.components: tuple[str, ...] = (STEP, *MOMENTS, *((MASTER,) if optim.has_masters else ()))
+        self.hyper = Hyper(self._our_groups(), optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
+
+    def _our_groups(self) -> list[dict[str, Any]]:
+        """NxD's hyper-parameters per nxdtrain group (0: matrices, 1: vectors), the same on every rank."""
+        ours: list[dict[str, Any] | None] = [None, None]
+        for (tp, pp), rank in sorted(self.optim.ranks.items()):
+            shapes = {slot.name: slot.shape for slot in rank.slots}
+            for g, group in enumerate(rank.groups):
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                for name in group["params"]:
+                    mine = 0 if is_matrix(shapes[name]) else 1
+                    if ours[mine] is None:
+                        ours[mine] = hyper
+                    elif ours[mine] != hyper:
+                        kind = "matrices" if mine == 0 else "vectors (norm weights, biases)"
+                        raise ConversionError(
+                            f"{self.optim.dir}: NxD's param group {g} of tp rank {tp} pp rank {pp} holds {name!r} "
+                            f"with hyper-parameters {hyper}, other {kind} have {ours[mine]}; nxdtrain steps all "
+                            f"{kind} with one set, so this state cannot be continued exactly")
+        return [g if g is not None else dict(ours[0] or {}) for g in ours]
+
+    def _where(self, source: Source) -> tuple[int, int, str, str]:
+        component, name = split_key(source.key)
+        ranks = parse_shard_name(str(source.file).rsplit("/", 1)[-1])
+        if component is None or ranks is None:
+            raise ConversionError(f"{self.optim.dir}: no optimizer tensor for {source.file}: {source.key}")
+        return ranks[0], ranks[1], component, name
+
+    def components_of(self, source: Source) -> list[str]:
+        """The optimizer tensors the parameter stored at ``source`` has in NxD's files."""
+        return list(self.components)
+
+    def names_with(self, shard: str, component: str) -> list[str]:
+        ranks = parse_shard_name(shard.rsplit("/", 1)[-1])
+        if ranks is None or component not in self.components:
+            return []
+        return self.optim.names(*ranks)
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        tp, pp, component, name = self._where(source)
+        if component == STEP:
+            return torch.float32, (), False
+        # the moments: the parameter's dtype without ZeRO-1, the optimizer's (fp32, fp64) with it
+        return self.optim.dtype_of(tp, pp, name, component), self.optim.slot_info(tp, pp, name)[1], False
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        tp, pp, component, name = self._where(source)
+        if component == STEP:
+            rows = torch.tensor([self.optim.param_step(tp, pp, name)], dtype=torch.float32)[start:stop]
+        else:
+            rows = self.optim.rows(tp, pp, name, component, start, stop)
+        return rows if out is None else out.view(rows.shape).copy_(rows)
+
+    def finish_checks(self, *, workers: int = 8) -> int:
+        """Complete the checks of the optimizer files read (zip CRC-32s, small files whole)."""
+        return self.optim.finish_checks(workers=workers)
+
+    def close(self) -> None:
+        self.optim.close()
