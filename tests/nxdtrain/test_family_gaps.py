@@ -128,6 +128,19 @@ def test_ckptconv_reshard_of_a_training_tag(straight, tmp_path):
     _assert_continues_within_tol(straight, tmp_path, log)
 
 
+def test_to_dcp_of_a_training_tag_names_the_family(straight, tmp_path, capsys):
+    """TorchTitan's llama3 model cannot hold these families, with or without the tag's optimizer state."""
+    names = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    family = straight["family"]
+    for flags in ([], ["--weights-only"]):
+        assert ckptconv_main(["to-dcp", str(straight["root"] / "ckpt/step_2"), str(tmp_path / "dcp"), "--quiet",
+                              *flags]) == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"ckptconv: error: TorchTitan DCP: only TorchTitan's llama3 model is supported, not {names[family]} "
+            f"(model_type '{family}')")
+        assert not (tmp_path / "dcp").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Context parallelism: cp 2 trains the model cp 1 trains (Mistral only where its window covers the rows)
 
