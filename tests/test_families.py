@@ -4,12 +4,14 @@ reference layer against each family's transformers decoder layer."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import ckptconv
+from ckptconv.cli import main
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import load_shard
 from ckptconv.model_spec import ModelSpec
@@ -195,6 +197,63 @@ def test_qwen2_without_sliding_layers_is_accepted_whatever_its_window_says():
     assert spec.window is None and spec.family.qkv_bias
 
 
-def test_torchtitan_dcp_is_refused_for_other_families(family_models, tmp_path: Path):
-    with pytest.raises(ConversionError, match="TorchTitan's llama3 model .* not Mistral"):
-        ckptconv.to_dcp(family_models("mistral"), tmp_path / "dcp", options=QUIET)
+NAMES = {"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torchtitan_dcp_is_refused_for_other_families(family_models, tiny_models, tmp_path: Path, family: str,
+                                                       capsys):
+    """to-dcp from HF or from NxD shards, and from-dcp under the family's config: one line naming the family."""
+    message = f"TorchTitan DCP: only TorchTitan's llama3 model is supported, not {NAMES[family]} (model_type '{family}')"
+    src = family_models(family)
+    nxd = convert(src, tmp_path / "nxd", tp=2, attention="qkv_linear")
+    capsys.readouterr()  # transformers' save_pretrained progress bar
+    for source in (src, nxd):
+        assert main(["to-dcp", str(source), str(tmp_path / "dcp"), "--quiet"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(message) and "\n" not in err
+        assert not (tmp_path / "dcp").exists()
+    ckptconv.to_dcp(tiny_models("dcp-llama", **COMMON), tmp_path / "llama-dcp", options=QUIET)
+    with pytest.raises(ConversionError, match=re.escape(message)):
+        ckptconv.from_dcp(tmp_path / "llama-dcp", tmp_path / "back", to="hf", config=src / "config.json",
+                          options=QUIET)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_names_the_family_of_hf_and_nxd(family_models, tmp_path: Path, family: str, capsys):
+    src = family_models(family)
+    out = convert(src, tmp_path / "nxd", **LAYOUTS["tp2-pp2-fused"])
+    for path in (src, out):
+        assert main(["inspect", str(path), "--json"]) == 0
+        model = json.loads(capsys.readouterr().out)["model"]
+        assert model["family"] == family, path
+        assert model["head_dim"] == FAMILIES[family]["head_dim"], path
+    assert main(["verify", str(src), str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_ids_of_each_family(family_models, tmp_path: Path, family: str, monkeypatch, capsys):
+    """`to-nxd org/name` (a snapshot in a Hugging Face cache, offline) converts like the model's directory;
+    verify and inspect take the id too."""
+    from huggingface_hub import constants
+
+    from tests.test_hub import add_snapshot, assert_same_conversion
+
+    src = family_models(family)
+    cache, repo_id = tmp_path / "hf-home" / "hub", f"acme/tiny-{family}"
+    snapshot = add_snapshot(cache, repo_id, src, "c" * 40, ("main",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    flags = ["--tp", "4", "--qkv-linear", "--fuse-qkv", "--kv-size-multiplier", "2", "--quiet"]
+    assert main(["to-nxd", repo_id, str(tmp_path / "from-hub"), *flags]) == 0
+    assert main(["to-nxd", str(src), str(tmp_path / "from-dir"), *flags]) == 0
+    assert_same_conversion(tmp_path / "from-hub", tmp_path / "from-dir")
+    capsys.readouterr()
+    assert main(["verify", repo_id, str(tmp_path / "from-hub"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["inspect", repo_id, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["path"] == str(snapshot) and summary["model"]["family"] == family

@@ -107,3 +107,27 @@ def test_a_padding_tp_does_not_divide_is_refused():
         ParallelLayout(tp=4, padded_vocab=1006).check_model(spec)
     with pytest.raises(ConversionError, match="padded vocabulary of 1000 rows"):
         ParallelLayout(tp=4, padded_vocab=1000).check_model(spec)
+
+
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+def test_to_dcp_of_padded_shards_strips_the_padding_and_from_dcp_pads_again(vocab1003, tmp_path: Path, tied: str):
+    """TorchTitan's DCP has no tp: it holds the real 1003 rows, whether read from HF or from shards padded to 1004;
+    from-dcp to tp 4 pads again (the shards of a direct to-nxd), to HF gives the source back."""
+    from ckptconv.io.dcp import distcp_name
+
+    src = vocab1003[tied]
+    layout = dict(tp=4, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=2)
+    ckptconv.to_nxd(src, tmp_path / "nxd", options=QUIET, **layout)
+    ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp", options=QUIET)
+    ckptconv.to_dcp(src, tmp_path / "dcp-from-hf", options=QUIET)
+    assert (tmp_path / "dcp" / distcp_name(0)).read_bytes() == (tmp_path / "dcp-from-hf" / distcp_name(0)).read_bytes()
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", to="nxd", options=QUIET, **layout)
+    assert json.loads((tmp_path / "back" / "ckptconv.json").read_text())["layout"]["padded_vocab"] == 1004
+    for rank in range(4):
+        for pp in range(2):
+            a = load_shard(tmp_path / "back" / "model" / SHARD.format(rank, pp))
+            b = load_shard(tmp_path / "nxd" / "model" / SHARD.format(rank, pp))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (rank, pp)
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "hf", to="hf", options=QUIET)
+    assert_same_state(hf_state(tmp_path / "hf"), hf_state(src))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 1003
