@@ -41,6 +41,7 @@ from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
 from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
 from ckptconv.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 
@@ -460,7 +461,9 @@ def is_training_tag(root: Path) -> bool:
         with TorchZipReader(first, io="read") as reader:  # data.pkl only; the conversion checks what it reads
             return "format" in reader.keys() and reader.entry("format") in (1, FORMAT)
     except (ValueError, OSError):
-        return False
+        # A damaged file: a tag ckptconv or nxdtrain wrote (NxD writes no ckptconv.json) is still ours, so that
+        # its reader reports the damage in its words instead of NxD's reader failing on it.
+        return (root / METADATA_FILE).is_file()
 
 
 def resharded_user_content(content: Mapping[str, Any], new: ParallelLayout, *, zero1: bool) -> dict[str, Any]:
