@@ -347,7 +347,9 @@ def reshard(
     A training tag (nxdtrain's: ``optim/`` and ``user_content.pt`` beside the shards) gives a training tag
     at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training_state`), over
     ``dp`` ranks with ZeRO-1 (``zero1``; both default to the tag's) or in one file per shard without;
-    step, consumed samples, schedule and options come along. ``weights_only``: the shards alone.
+    step, consumed samples, schedule and options come along. A tag of NxD's own code (``optim/`` in NxD's
+    format, :mod:`ckptconv.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
+    mapped by :mod:`ckptconv.nxd_position`. ``weights_only``: the shards alone.
     """
     options = options or RunOptions()
     started = time.monotonic()
@@ -368,15 +370,15 @@ def reshard(
         new = _padded(new, spec, notes)
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
-        training = None if weights_only or not is_training_tag(ckpt.root) else TrainingTag.open(
-            ckpt, spec, old, with_inv_freq, plan, dp=dp, zero1=zero1, io=options.io)
+        training = None
+        if not weights_only and is_training_tag(ckpt.root):
+            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, plan, dp=dp, zero1=zero1, io=options.io)
+        elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
+            training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None):
             raise ConversionError(f"{ckpt.root}: --dp and --zero1 place optimizer state; "
-                                  + ("--weights-only writes none" if weights_only else "this is not an nxdtrain "
-                                     "training tag (no optim/ and user_content.pt of nxdtrain's)"))
-        if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
-            notes.append(f"{ckpt.root}/{OPTIM_DIR}/ is not nxdtrain's optimizer state (NxD's own): not carried; "
-                         f"{out} holds the weights")
+                                  + ("--weights-only writes none" if weights_only else "this is not a training "
+                                     "tag (no optim/)"))
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(_input_files(ckpt)),
                                    None if training is None else training.identity())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,7 @@ from ckptconv.plan_dcp import (
     tied_copies,
 )
 from ckptconv.progress import note
-from ckptconv.tag_reshard import TrainingTag
+from ckptconv.tag_reshard import TrainingTag, torch_blob
 from ckptconv.titan_names import (
     LR_SCHEDULER_KEYS,
     OPTIMIZER_STATE_FIELDS,
@@ -86,6 +85,7 @@ from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
+    TagOptimizer,
     TagReader,
     is_training_tag,
     state_replicas,
@@ -163,6 +163,7 @@ def to_dcp(
             state: list[OutTensor] = []
             values: dict[str, Any] = {}
             if training is not None:
+                assert isinstance(training.optim, TagOptimizer)  # nxdtrain's tag (TrainingTag.open)
                 state = plan_titan_optimizer(spec, tiles, training.optim)
                 replicas = replicas + state_replicas(replicas, training.optim)
                 values, state_notes = titan_values(spec, training.optim.hyper.param_groups, training.scheduler(),
@@ -377,8 +378,8 @@ def from_dcp(
             )
             sinks = nxd_sink_factory(target)
             if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
-                spec_.blobs[USER_CONTENT_FILE] = _torch_blob({**state.user_content, "layout": layout.to_json()})
-                spec_.blobs[SCHEDULER_FILE] = _torch_blob(state.scheduler)
+                spec_.blobs[USER_CONTENT_FILE] = torch_blob({**state.user_content, "layout": layout.to_json()})
+                spec_.blobs[SCHEDULER_FILE] = torch_blob(state.scheduler)
                 spec_.markers = [CHECKPOINT_MARKER, DONE_MARKER]
                 sinks = TrainingTag.sinks(sinks)
             result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=[Path(src), ckpt.root])
@@ -387,10 +388,3 @@ def from_dcp(
     result.layout = layout_json
     result.seconds = time.monotonic() - started
     return result
-
-
-def _torch_blob(value: Any) -> str:
-    """A small side file's content (``torch.save``), as FinalizeSpec's blobs hold it."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()

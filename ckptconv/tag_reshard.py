@@ -25,11 +25,15 @@ from ckptconv.io.safe_load import load_small_bytes
 from ckptconv.layout import ParallelLayout
 from ckptconv.mapping import stores_lm_head
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.nxd_position import nxd_position
+from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.plan import OutFile, Plan
 from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
+    OptimizerSource,
     TagOptimizer,
     TagReader,
     plan_optimizer_files,
@@ -56,15 +60,34 @@ def _load(ckpt: NxdCheckpoint, path: Path) -> Any:
         raise ConversionError(str(exc)) from None
 
 
+def torch_blob(value: Any) -> str:
+    """A small side file's content (``torch.save``), as FinalizeSpec's blobs hold it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _placement(optim: OptimizerSource, dp: int | None, zero1: bool | None) -> tuple[bool, int]:
+    """(ZeRO-1 on, dp ranks of the target's optimizer files): the flags, else the tag's own."""
+    on = optim.hyper.zero1 if zero1 is None else zero1
+    size = (optim.hyper.zero_size if optim.hyper.zero1 else 1) if dp is None else dp
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        optim.close()
+        raise ConversionError(f"--dp must be an integer >= 1, got {size!r}")
+    return on, size if on else 1
+
+
 @dataclass
 class TrainingTag:
     """A training tag being resharded: its optimizer files opened, the target's dp and ZeRO-1 chosen."""
 
     ckpt: NxdCheckpoint
-    optim: TagOptimizer
+    optim: OptimizerSource
     user_content: dict[str, Any]
     dp: int
     zero1: bool
+    scheduler_record: dict[str, Any] | None = None  # scheduler.pt to write; None: the tag's copied
+    source_notes: tuple[str, ...] = ()               # what the source's side files could not say
 
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, plan: Plan, *,
@@ -76,15 +99,42 @@ class TrainingTag:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
         optim = TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
                              lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
-        on = optim.hyper.zero1 if zero1 is None else zero1
-        size = (optim.hyper.zero_size if optim.hyper.zero1 else 1) if dp is None else dp
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            optim.close()
-            raise ConversionError(f"--dp must be an integer >= 1, got {size!r}")
-        return cls(ckpt, optim, content, size if on else 1, on)
+        on, size = _placement(optim, dp, zero1)
+        return cls(ckpt, optim, content, size, on)
+
+    @classmethod
+    def open_nxd(cls, ckpt: NxdCheckpoint, *, dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
+        """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
+        :class:`~ckptconv.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
+        :mod:`ckptconv.nxd_position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
+        nxd = NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)
+        try:
+            optim = NxdTagOptimizer(nxd)
+            position = nxd_position(ckpt.root, nxd.step(), lambda path: _load(ckpt, path))
+            on, size = _placement(optim, dp, zero1)
+        except BaseException:
+            nxd.close()
+            raise
+        options = {"precision": "bf16" if torch.bfloat16 in ckpt.dtypes() else "fp32", "optimizer": "adamw",
+                   "zero1": nxd.format is not OptimFormat.ADAMW}
+        content: dict[str, Any] = {"step": position.step, "rng": [], "options": options}
+        notes = list(position.notes)
+        if position.consumed is not None:
+            content["consumed_samples"] = position.consumed
+        else:  # nxdtrain's resume continues at step x --gbs and says so
+            content["consumed_samples"] = None
+            notes.append(f"NxD's tag records no consumed samples: nxdtrain's resume continues the data at step "
+                         f"{position.step} x its --gbs")
+        missing = [k for k in ("schedule", "lr", "min_lr", "warmup", "decay_steps") if k not in position.record]
+        if missing:
+            notes.append(f"not carried: {', '.join(missing)} ({position.scheduler_from or 'no scheduler state'} does "
+                         "not record them): a resume uses its own flags and says so")
+        return cls(ckpt, optim, content, size, on, {**position.record, "step": position.step}, tuple(notes))
 
     def scheduler(self) -> dict[str, Any]:
         """``scheduler.pt``: the run's schedule (schedule, lr, min_lr, warmup, decay_steps) at its step."""
+        if self.scheduler_record is not None:
+            return dict(self.scheduler_record)
         path = self.ckpt.root / SCHEDULER_FILE
         record = _load(self.ckpt, path)
         if not isinstance(record, dict):
@@ -99,7 +149,7 @@ class TrainingTag:
 
     def identity(self) -> list[tuple[str, int, int]]:
         """What identifies the tag's other inputs cheaply (the fingerprint of a rerun)."""
-        files = sorted((self.ckpt.root / OPTIM_DIR).iterdir()) + [self.ckpt.root / SCHEDULER_FILE,
+        files = sorted((self.ckpt.root / OPTIM_DIR).rglob("*")) + [self.ckpt.root / SCHEDULER_FILE,
                                                                   self.ckpt.root / USER_CONTENT_FILE]
         return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()] + [
             ("dp", self.dp, int(self.zero1))]
@@ -109,19 +159,22 @@ class TrainingTag:
         optim_files = plan_optimizer_files(plan.files, self.optim, dp=self.dp, zero1=self.zero1)
         replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
         content = resharded_user_content(self.user_content, new, zero1=self.zero1)
-        blob = io.BytesIO()
-        torch.save(content, blob)
-        spec.blobs[USER_CONTENT_FILE] = base64.b64encode(blob.getvalue()).decode()
-        spec.copies.append((str((self.ckpt.root / SCHEDULER_FILE).resolve()), SCHEDULER_FILE))
+        spec.blobs[USER_CONTENT_FILE] = torch_blob(content)
+        if self.scheduler_record is not None:
+            spec.blobs[SCHEDULER_FILE] = torch_blob(self.scheduler_record)
+        else:
+            spec.copies.append((str((self.ckpt.root / SCHEDULER_FILE).resolve()), SCHEDULER_FILE))
         spec.markers = [CHECKPOINT_MARKER, DONE_MARKER]  # after ckptconv.json: a tag is complete only then
         assert spec.metadata is not None
         spec.metadata["extra"] = {"nxdtrain": {"step": int(content["step"]),
-                                               "consumed_samples": int(content.get("consumed_samples", 0))}}
+                                               "consumed_samples": content.get("consumed_samples")}}
         hyper = self.optim.hyper
         was = _describe_zero1(hyper.zero1, hyper.zero_size)
-        notes.append(f"training tag at step {content['step']}: optimizer state ({', '.join(hyper.components) or 'none'}) "
+        source = "NxD's own training tag mapped to nxdtrain's format 2: " if self.scheduler_record is not None else ""
+        notes.append(f"{source}training tag at step {content['step']}: optimizer state ({', '.join(hyper.components) or 'none'}) "
                      f"moved with the weights, {was} -> {_describe_zero1(self.zero1, self.dp)}; RNG states dropped "
                      "(they belong to the old world's ranks)")
+        notes.extend(self.source_notes)
         return Plan(plan.files + optim_files, replicas), TagReader(self.ckpt, self.optim)
 
     @staticmethod

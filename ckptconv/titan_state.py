@@ -116,10 +116,11 @@ def titan_values(spec: ModelSpec, param_groups: list[dict[str, Any]], scheduler:
                      + ("" if last_epoch > step else " through warmup, its decay then one step later (the tag is "
                         "still in warmup)"))
     seq_len = content.get("options", {}).get("seq_len")
-    consumed = int(content.get("consumed_samples", 0))
+    consumed = content.get("consumed_samples", 0)  # None: resharded from NxD's tag, which records none
     values.update({"lr_scheduler.last_epoch": last_epoch, "train_state.step": step,
-                   "train_state.ntokens_seen": consumed * int(seq_len) if seq_len else 0})
-    notes.append(f"not carried: the data loader position (nxdtrain consumed {consumed} samples; TorchTitan's "
+                   "train_state.ntokens_seen": int(consumed) * int(seq_len) if seq_len and consumed is not None else 0})
+    seen = f"nxdtrain consumed {int(consumed)} samples" if consumed is not None else "the tag records no consumed samples"
+    notes.append(f"not carried: the data loader position ({seen}; TorchTitan's "
                  "loader starts its data from the beginning: skip those rows, or continue on other data)")
     return values, notes
 

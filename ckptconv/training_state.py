@@ -412,7 +412,7 @@ def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"{OPTIM_DIR}/dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
 
 
-def plan_optimizer_files(shards: Sequence[OutFile], optim: TagOptimizer, *, dp: int, zero1: bool) -> list[OutFile]:
+def plan_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool) -> list[OutFile]:
     """Format-2 optimizer files for the target shards ``shards`` (a reshard plan's files), over ``dp``
     ranks with ZeRO-1 (the partition recomputed, :func:`zero1_partition`) or one file per shard without."""
     return optimizer_files(shards, lambda _, weight: state_tensors(weight, optim), optim.hyper.param_groups,

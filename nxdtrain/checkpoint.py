@@ -291,9 +291,12 @@ class TrainingState:
     run: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
     missing: list[str] = dataclasses.field(default_factory=list)   # what an older tag's record lacks
     loss: float | None = None  # the loss logged at the tag's step (nxdtrain.loss_check); None: not recorded
+    notes: list[str] = dataclasses.field(default_factory=list)     # how the position was read, where not recorded
 
 
-def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> TrainingState:
+def read_training_state(tag: Path, checks: CheckedFiles | None = None, *, gbs: int | None = None) -> TrainingState:
+    """The tag's position; a tag without ``consumed_samples`` (``ckptconv reshard`` of NxD's tag, which records
+    none) continues at step x ``gbs``, as a resume of NxD's tag itself does, and says so."""
     user = load_small(tag / USER_CONTENT_FILE, checks)
     scheduler = load_small(tag / SCHEDULER_FILE, checks)
     step = int(user["step"])
@@ -301,8 +304,17 @@ def read_training_state(tag: Path, checks: CheckedFiles | None = None) -> Traini
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")
     run, missing = recorded_run(user, scheduler)
     loss = user.get("loss")
-    return TrainingState(step, int(user["consumed_samples"]), list(user.get("rng", [])), dict(user.get("options", {})),
-                         run, missing, float(loss) if isinstance(loss, (int, float)) else None)
+    notes = []
+    if user.get("consumed_samples") is None:
+        if gbs is None:
+            raise TrainError(f"{tag / USER_CONTENT_FILE}: no consumed_samples recorded")
+        consumed = step * gbs
+        notes.append(f"the data continues at sample {consumed} = step {step} x --gbs {gbs} (the tag records no "
+                     "consumed samples: resharded from NxD's own tag)")
+    else:
+        consumed = int(user["consumed_samples"])
+    return TrainingState(step, consumed, list(user.get("rng", [])), dict(user.get("options", {})),
+                         run, missing, float(loss) if isinstance(loss, (int, float)) else None, notes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -160,7 +160,8 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
         resume_state, nxd_notes = read_nxd_state(source.root, source.checks(), gbs=data.gbs)
     elif source.full:
-        resume_state = read_training_state(source.root, source.checks())
+        resume_state = read_training_state(source.root, source.checks(), gbs=data.gbs)
+        nxd_notes = resume_state.notes
     # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
     notes = data_notes + nxd_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
                                       world=world_size, optimizer=config.optim.optimizer)

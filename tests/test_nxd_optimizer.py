@@ -355,7 +355,8 @@ def test_a_damaged_moment_is_caught(tmp_path: Path) -> None:
 def test_inspect_verify_and_reshard_take_every_case(case: str, tmp_path: Path) -> None:
     """inspect names the optimizer it found; verify checks the tag's weights against an HF export of
     them; reshard to tp 2 writes shards whose export equals the direct one (the shards by default,
-    the masters where they are the only weights)."""
+    the masters where they are the only weights), and, where NxD saved masters, the resharded training
+    tag's masters export as NxD's do."""
     config = FIXTURES / case / "hf" / "config.json"
     report = inspect(tag_of(case), config=config)
     assert report["complete"] and report["optimizer"]["format"] == NxdOptimizer.open(tag_of(case)).format.value
@@ -363,9 +364,17 @@ def test_inspect_verify_and_reshard_take_every_case(case: str, tmp_path: Path) -
     direct, _ = export(case, tmp_path / "hf", masters=None if masters_only(case) else False, dtype="keep")
     assert verify(tmp_path / "hf", tag_of(case), config=config)["ok"]
     reshard(tag_of(case), tmp_path / "tp2", tp=2, pp=1, config=config, options=QUIET)
-    to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", options=QUIET)
+    to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", masters=None if masters_only(case) else False,
+          options=QUIET)
     back = hf_state(tmp_path / "back")
     assert sorted(direct) == sorted(back) and all(torch.equal(direct[k], back[k]) for k in direct)
+    with NxdOptimizer.open(tag_of(case)) as optim:
+        saved_masters = optim.has_masters
+    if saved_masters and not masters_only(case):
+        nxds, _ = export(case, tmp_path / "hf-masters", masters=True, dtype="keep")
+        to_hf(tmp_path / "tp2", tmp_path / "back-masters", dtype="keep", masters=True, options=QUIET)
+        ours = hf_state(tmp_path / "back-masters")
+        assert sorted(nxds) == sorted(ours) and all(torch.equal(nxds[k], ours[k]) for k in nxds)
 
 
 def test_cli_masters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "context_parallel", "data", "device", "dist", "epochs", "model", "nxd_resume", "optim", "preflight", "rope",
+MODULES = ["config", "context_parallel", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope",
            "tp_group"]
 
 

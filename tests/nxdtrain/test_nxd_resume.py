@@ -64,7 +64,7 @@ def restored(tag: Path, run: ParallelLayout, tp_rank: int, dtype: torch.dtype, *
              same_optimizer: bool = True) -> Optimizer:
     """One rank's nxdtrain optimizer after the resume of ``tag`` at layout ``run``, as Trainer restores it."""
     source = resolve_resume(str(tag), weights_only=False)
-    assert source.full and source.nxd
+    assert source.full
     stage = StageReader(source, run, tp_rank=tp_rank, pp_rank=0, optimizer=True)
     try:
         weights = stage.weights()
@@ -225,12 +225,18 @@ def test_resume_at_tp2_continues_step_3_as_nxd_did(case: str, tmp_path: Path) ->
     """The tag (tp 1) resumed at tp 2: each rank reads its slices of NxD's moments and masters through the
     reshard plan; its step 3 with its slice of the recorded gradients is its slice of NxD's step 3."""
     tag = nxd_tag(case, tmp_path / "tag")
+    assert resolve_resume(str(tag), weights_only=False).nxd
+    step_3_at(case, tag, tag, ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True), tmp_path)
+
+
+def step_3_at(case: str, nxds: Path, tag: Path, run: ParallelLayout, tmp_path: Path) -> None:
+    """Every tp rank of ``run`` resumed from ``tag`` (NxD's tag ``nxds`` or one made from it) steps its slice of
+    the recorded gradients to its slice of NxD's step 3."""
     _, expected, _ = continue_step_3(case, tmp_path / "tp1")  # NxD's own step 3 (or, without masters, the widened one)
-    run = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
-    grads = as_shards(reference(case, "grads_next.nxd"), tag, tmp_path / "grads")
-    after = as_shards(expected, tag, tmp_path / "after")
-    lr = step_lr(case, tag)
-    for tp_rank in range(2):
+    grads = as_shards(reference(case, "grads_next.nxd"), nxds, tmp_path / "grads")
+    after = as_shards(expected, nxds, tmp_path / "after")
+    lr = step_lr(case, nxds)
+    for tp_rank in range(run.tp):
         optimizer = restored(tag, run, tp_rank, precision_of(case))
         mine = on_rank(grads, run, tp_rank)
         for name in optimizer.names:

@@ -1,0 +1,106 @@
+"""``ckptconv reshard`` of NxD's own training tags (fixtures/nxdt-official/, written by NxD 2.28): an nxdtrain
+training tag (format 2) with NxD's optimizer state, step and schedule, checked as tests/nxdtrain/test_nxd_resume.py
+checks a direct resume: each rank of the resharded tag continues step 3 with the recorded gradients to NxD's own
+step 3 (within an fp32 ulp; a fresh optimizer is off by about 1e-3 there)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptconv.api import reshard
+from ckptconv.dcp_convert import to_dcp
+from ckptconv.layout import ParallelLayout
+from ckptconv.training_state import is_training_tag
+from nxdtrain.checkpoint import read_training_state, resolve_resume
+from nxdtrain.config import OptimConfig
+from nxdtrain.optim import lr_at
+from tests.nxdtrain.test_nxd_resume import FP32_STATE, SCHEDULE, manifest, nxd_tag, step_3_at, step_lr
+
+TP1 = ParallelLayout(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True)
+TP2 = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
+
+
+def resharded(case: str, tmp: Path) -> tuple[Path, Path, Path]:
+    """(NxD's tag, it resharded to tp 2, that back to tp 1): both nxdtrain training tags."""
+    nxds = nxd_tag(case, tmp / "nxd")
+    tp2 = reshard(nxds, tmp / "tp2", tp=2, pp=1).out
+    back = reshard(tp2, tmp / "tp1", tp=1, pp=1).out
+    assert is_training_tag(tp2) and is_training_tag(back)
+    return nxds, tp2, back
+
+
+@pytest.mark.parametrize("case", FP32_STATE)
+def test_reshard_of_nxds_tag_continues_step_3_as_nxd_did(case: str, tmp_path: Path) -> None:
+    nxds, tp2, back = resharded(case, tmp_path)
+    assert not resolve_resume(str(tp2), weights_only=False).nxd  # nxdtrain's own format now
+    for tag in (tp2, back):
+        state = read_training_state(tag, None, gbs=4)
+        assert state.step == manifest(case)["saved_after_step"]
+        if "schedule" in state.run:  # the schedule as nxdtrain reads it gives NxD's step-3 lr
+            cfg = OptimConfig(lr=state.run["lr"], min_lr=state.run["min_lr"], warmup=state.run["warmup"],
+                              schedule=state.run["schedule"])
+            assert lr_at(state.step + 1, cfg, decay_steps=state.run["decay_steps"]) == pytest.approx(
+                step_lr(case, nxds), rel=1e-12)
+    step_3_at(case, nxds, tp2, TP2, tmp_path / "at_tp2")
+    step_3_at(case, nxds, back, TP1, tmp_path / "at_tp1")
+
+
+def test_reshard_over_dp_2_with_zero1_continues_step_3(tmp_path: Path) -> None:
+    """NxD's ZeRO-1 state re-partitioned over 2 dp ranks (nxdtrain's partition): the same step 3."""
+    case = "zero1_fp32"
+    nxds = nxd_tag(case, tmp_path / "nxd")
+    out = reshard(nxds, tmp_path / "dp2", tp=2, pp=1, dp=2, zero1=True).out
+    assert sorted(p.name for p in (out / "optim").iterdir()) == [
+        f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(2) for t in range(2)]
+    step_3_at(case, nxds, out, TP2, tmp_path / "at_tp2")
+
+
+def test_the_position_is_carried_and_said(tmp_path: Path) -> None:
+    """The NxDT tag's consumed samples (its name) and NxD's example's (none: step x --gbs at resume)."""
+    nxdt = reshard(nxd_tag("nxdt_zero1_bf16_masters_xser", tmp_path / "a"), tmp_path / "a_out", tp=2, pp=1)
+    assert read_training_state(nxdt.out, None).consumed_samples == 8
+    example = reshard(nxd_tag("plain_fp32", tmp_path / "b"), tmp_path / "b_out", tp=2, pp=1)
+    assert any("NxD's own training tag mapped to nxdtrain's format 2: training tag at step 2" in n
+               for n in example.notes)
+    assert any("records no consumed samples" in n for n in example.notes)
+    state = read_training_state(example.out, None, gbs=4)
+    assert state.consumed_samples == 8 and "step 2 x --gbs 4" in state.notes[0]
+    titan = to_dcp(example.out, tmp_path / "dcp")  # the unrecorded position stays unrecorded on the way on
+    assert any("the data loader position (the tag records no consumed samples" in n for n in titan.notes)
+
+
+def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
+    """``nxdtrain run --resume`` of the resharded tag at its tp 2: steps 3 and 4 with the losses of a direct
+    resume of NxD's tag at tp 2 (the same state read two ways)."""
+    nxds = nxd_tag("zero1_bf16_masters_only_xser", tmp_path / "nxd")
+    out = reshard(nxds, tmp_path / "tp2", tp=2, pp=1).out
+    logs = []
+    for k, tag in enumerate((nxds, out)):
+        log = tmp_path / f"run{k}.jsonl"
+        argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "4", "--data",
+                "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--log-jsonl", str(log),
+                "--no-checkpoint", *SCHEDULE, "--precision", "fp32", "--tp", "2", "--nproc", "2"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        if k == 1:
+            assert "the data continues at sample 8 = step 2 x --gbs 4" in done.stderr
+        logs.append([json.loads(line) for line in log.read_text().splitlines()])
+    assert [r["step"] for r in logs[1]] == [3, 4]
+    for one, two in zip(*logs, strict=True):
+        assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
+        assert one["consumed_samples"] == two["consumed_samples"]
+
+
+def test_the_position_module_examples() -> None:
+    """ckptconv.nxd_position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
+    import doctest
+
+    import ckptconv.nxd_position
+
+    result = doctest.testmod(ckptconv.nxd_position)
+    assert result.attempted > 0 and result.failed == 0
