@@ -498,18 +498,27 @@ class _ShardMasters:
         pass
 
 
+def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
+                   with_inv_freq: bool) -> tuple[TagOptimizer | None, str]:
+    """The TagOptimizer of ``ckpt``'s ``optim/``, or None and why where its files are not nxdtrain's (NxD's
+    format, say); a damaged file of ours still raises IntegrityError."""
+    try:
+        return TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
+                            lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                            checks=ckpt.checks, io=ckpt.io), ""
+    except IntegrityError:
+        raise
+    except ConversionError as exc:
+        return None, str(exc)
+
+
 def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
     """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
     format (NxD's own: :func:`ckptconv.nxd_optimizer.optimizer_summary`) or there is none."""
     if not (ckpt.root / OPTIM_DIR).is_dir():
         return None
-    try:
-        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
-                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
-                             checks=ckpt.checks, io=ckpt.io)
-    except IntegrityError:
-        raise
-    except ConversionError:  # not nxdtrain's optimizer files
+    optim, _ = _tag_optimizer(ckpt, spec, layout, with_inv_freq)
+    if optim is None:
         return None
     try:
         hyper = optim.hyper
@@ -535,14 +544,9 @@ def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_fre
 
     if not directory.is_dir():
         return none(f"{directory}: missing")
-    try:
-        optim = TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
-                             lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
-                             checks=ckpt.checks, io=ckpt.io)
-    except IntegrityError:
-        raise
-    except ConversionError as exc:  # not nxdtrain's optimizer files (NxD's format, say)
-        return none(str(exc))
+    optim, why = _tag_optimizer(ckpt, spec, layout, with_inv_freq)
+    if optim is None:
+        return none(why)
     if MASTER not in optim.hyper.components:
         optim.close()
         return none(f"{directory}: optimizer state without fp32 masters (an fp32 run: its weights are the masters)")
