@@ -23,7 +23,7 @@ from nxdtrain.train import export
 from tests.conftest import hf_state
 from tests.nxdtrain.harness import run_world, train_options
 from tests.nxdtrain.test_context_parallel import ADAMW
-from tests.nxdtrain.test_parity import assert_matches_reference
+from tests.nxdtrain.test_parity import assert_matches_reference, train_with_and_without_zero1
 from tests.nxdtrain.test_resume import tree_bytes
 
 FAMILIES = ["mistral", "qwen2", "qwen3"]
@@ -46,18 +46,13 @@ def test_dp2_zero1_trains_like_transformers(tmp_path, nxd_model, reference, fami
     bitwise those of plain AdamW at dp 2."""
     options = train_options(optimizer="adamw", lr=1e-3, mbs=1, seq_len=seq_len(family))
     src = nxd_model(family, tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
-    logs, states = [], []
-    for zero1 in (True, False):
-        run = tmp_path / f"zero{int(zero1)}"
-        logs.append(run_world(4, resume=str(src), tp=2, zero1=zero1, checkpoint_dir=str(run / "ckpt"),
-                              log_jsonl=str(run / "log.jsonl"), **options))
-        export(run / "ckpt", run / "hf")
-        states.append(hf_state(run / "hf"))
+    runs = train_with_and_without_zero1(tmp_path, src, options)
+    (zero_log, zero), (plain_log, plain) = runs[True], runs[False]
     assert sorted(p.name for p in (tmp_path / "zero1/ckpt/step_3/optim").iterdir()) == [
         f"dp_rank_0{d}_tp_rank_0{t}_pp_rank_00.pt" for d in range(2) for t in range(2)]
-    assert_matches_reference(logs[0], tmp_path / "zero1/hf", reference(family, **options), "adamw")
-    assert [r["loss"] for r in logs[0]] == [r["loss"] for r in logs[1]]
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
+    assert_matches_reference(zero_log, tmp_path / "zero1/hf", reference(family, **options), "adamw")
+    assert [r["loss"] for r in zero_log] == [r["loss"] for r in plain_log]
+    assert all(torch.equal(zero[k], plain[k]) for k in plain)
 
 
 # --------------------------------------------------------------------------------------------

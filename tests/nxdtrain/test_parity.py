@@ -87,24 +87,32 @@ def test_other_layouts_match_transformers(tmp_path, nxd_model, reference, name):
             assert torch.equal(first["model.embed_tokens.weight"], last["lm_head.weight"])
 
 
+def train_with_and_without_zero1(tmp_path: Path, src: Path, options: dict) -> dict[bool, tuple[list, dict]]:
+    """4 processes at tp 2 x dp 2 from ``src``, once with the AdamW state sharded over dp (``tmp_path/zero1``) and once
+    without (``zero0``): each run's log and exported HF state, by ``zero1``."""
+    runs = {}
+    for zero1 in (False, True):
+        run = tmp_path / f"zero{int(zero1)}"
+        log = run_world(4, resume=str(src), tp=2, zero1=zero1, checkpoint_dir=str(run / "ckpt"),
+                        log_jsonl=str(run / "log.jsonl"), **options)
+        export(run / "ckpt", run / "hf")
+        runs[zero1] = (log, hf_state(run / "hf"))
+    return runs
+
+
 def test_zero1_equals_plain_adamw(tmp_path, nxd_model, reference):
     """ZeRO-1 shards the AdamW state over dp; the trained weights are bitwise those of plain AdamW."""
     options = train_options(optimizer="adamw")
     src = nxd_model("gqa", tp=2, pp=1, attention="qkv_linear", kv_size_multiplier=2)
-    logs, states = [], []
-    for zero1 in (False, True):
-        run = tmp_path / f"zero{int(zero1)}"
-        logs.append(run_world(4, resume=str(src), tp=2, zero1=zero1, checkpoint_dir=str(run / "ckpt"),
-                              log_jsonl=str(run / "log.jsonl"), **options))
-        export(run / "ckpt", run / "hf")
-        states.append(hf_state(run / "hf"))
-    assert [r["loss"] for r in logs[0]] == [r["loss"] for r in logs[1]]
-    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    runs = train_with_and_without_zero1(tmp_path, src, options)
+    (plain_log, plain), (zero_log, zero) = runs[False], runs[True]
+    assert [r["loss"] for r in plain_log] == [r["loss"] for r in zero_log]
+    assert all(torch.equal(plain[k], zero[k]) for k in plain)
     # ZeRO-1 writes one optimizer file per dp rank, plain AdamW only dp rank 0's.
     assert sorted(p.name for p in (tmp_path / "zero1/ckpt/step_3/optim").iterdir()) == [
         f"dp_rank_0{d}_tp_rank_0{t}_pp_rank_00.pt" for d in range(2) for t in range(2)]
     assert len(list((tmp_path / "zero0/ckpt/step_3/optim").iterdir())) == 2
-    assert_matches_reference(logs[1], tmp_path / "zero1/hf", reference("gqa", **options), "adamw")
+    assert_matches_reference(zero_log, tmp_path / "zero1/hf", reference("gqa", **options), "adamw")
 
 
 def test_bf16_trains_close_to_fp32(tmp_path, nxd_model, reference):
