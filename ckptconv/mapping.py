@@ -97,13 +97,14 @@ def shard_records(
     vocab = vocab_segments(EMBED, spec.vocab, rows, layout.tp, tp_rank)
     if pp_rank == 0:
         records.append(ShardRecord(EMBED, 0, vocab))
+    optional = spec.family.optional_layer_keys  # the same rules for every layer: chosen once
+    rules = [r for r in spec.family.layer_rules if with_inv_freq or not set(r.hf_names) <= optional]
     for layer, owner in enumerate(pp_of_layer):
         if owner != pp_rank:
             continue
         prefix = LAYER_PREFIX.format(layer)
-        for rule in spec.family.layer_rules:
-            if with_inv_freq or not set(rule.hf_names) <= spec.family.optional_layer_keys:
-                records += rule.records(spec, layout, prefix, tp_rank)
+        for rule in rules:
+            records += rule.records(spec, layout, prefix, tp_rank)
     if pp_rank == layout.pp - 1:
         records.append(_whole(FINAL_NORM, spec.hidden))
         if not spec.tied:
