@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from nxdtrain.config import LONG_ROWS
 from nxdtrain.errors import TrainError
 
 
@@ -47,7 +48,7 @@ def add_commands(sub: Any) -> None:
     steps.add_argument("--cores-per-node", type=int, metavar="C",
                        help="processes per node (NeuronCores or GPUs); with --nodes")
     steps.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (default: the length of row 0)")
-    steps.add_argument("--long-rows", default="cut", choices=("cut", "split", "error"),
+    steps.add_argument("--long-rows", default="cut", choices=LONG_ROWS,
                        help="rows longer than --seq-len, as nxdtrain run's --long-rows (default: cut)")
     steps.add_argument("--epochs", type=int, default=1, metavar="E", help="epochs (default: 1)")
     steps.add_argument("--warmup", type=float, default=0.0, metavar="R",

@@ -40,7 +40,7 @@ class CpGroup:
     @property
     def chunks(self) -> tuple[int, int]:
         """The global chunk indices (of ``2·size``) this rank holds, in local order."""
-        return self.rank, 2 * self.size - 1 - self.rank
+        return self.chunks_of(self.rank)
 
     def chunks_of(self, cp_rank: int) -> tuple[int, int]:
         return cp_rank, 2 * self.size - 1 - cp_rank

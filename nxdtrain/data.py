@@ -39,6 +39,11 @@ COLUMN = "input_ids"
 PAD = -1  # --pad: the positions after a short row's last token (never a token id; nxdtrain.pipeline ignores them)
 
 
+def row_where(source: Any, index: int) -> tuple[str, int]:
+    """(file, row in that file) of row ``index`` of ``source``: what a message about a row names."""
+    return source.where(index) if hasattr(source, "where") else (source.name, index)
+
+
 class RowSource(Protocol):
     """Rows of token ids; ``size`` is None for an endless source."""
 
@@ -313,7 +318,7 @@ class Batches:
             if len(ids) < self.seq_len and self.pad:
                 ids = list(ids) + [PAD] * (self.seq_len - len(ids))
             if len(ids) < self.seq_len:
-                name, row = self.source.where(index) if hasattr(self.source, "where") else (self.source.name, index)
+                name, row = row_where(self.source, index)
                 raise TrainError(f"{name}: row {row} has {len(ids)} tokens; --seq-len {self.seq_len} "
                                  "needs at least that many (pack shorter rows first)")
             rows.append(ids[: self.seq_len])

@@ -18,9 +18,8 @@ the whole data set), and long rows were cut without a word. Here, once, before t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from nxdtrain.data import ConcatRows, DatasetRows, RowSource
+from nxdtrain.data import ConcatRows, DatasetRows, RowSource, row_where
 from nxdtrain.errors import TrainError
 
 PARSE_ALL = 50_000  # rows of one JSON file parsed whole; beyond that, sampled
@@ -51,12 +50,7 @@ class SplitRows:
         return self.source.row(row)[start:start + self.seq_len]
 
     def where(self, index: int) -> tuple[str, int]:
-        return _where(self.source, self._pieces[index][0])
-
-
-def _where(source: Any, index: int) -> tuple[str, int]:
-    """(file, row in that file) of row ``index`` of ``source``."""
-    return source.where(index) if hasattr(source, "where") else (source.name, index)
+        return row_where(self.source, self._pieces[index][0])
 
 
 @dataclass
@@ -104,7 +98,7 @@ def _lengths(source: RowSource, *, whole: bool) -> tuple[list[tuple[int, int]], 
 def _parsed(source: RowSource, index: int) -> list[int]:
     ids = source.row(index)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        name, row = _where(source, index)
+        name, row = row_where(source, index)
         raise TrainError(f"{name}: row {row}: input_ids is not a list of integer token ids")
     return ids
 
@@ -125,13 +119,13 @@ def check_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool = F
                 plan.pad_positions += seq_len - n
                 continue
             if n < seq_len:
-                name, local = _where(part, row)
+                name, local = row_where(part, row)
                 raise TrainError(f"{name}: row {local} has {n} tokens, fewer than --seq-len {seq_len}; pack the data "
                                  f"into rows of {seq_len} (nxdtrain data pack --seq-len {seq_len}), lower --seq-len, "
                                  "or pass --pad")
             if n > seq_len:
                 if long_rows == "error":
-                    name, local = _where(part, row)
+                    name, local = row_where(part, row)
                     raise TrainError(f"{name}: row {local} has {n} tokens, more than --seq-len {seq_len} "
                                      "(--long-rows error); --long-rows cut or split to train on it")
                 plan.long_rows += 1
