@@ -153,7 +153,7 @@ def to_dcp(
                                                                   prefer_masters=True)
         with ckpt, contextlib.ExitStack() as stack:
             training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
-                TrainingTag.open(ckpt, spec, layout, with_inv_freq, Plan([]), dp=None, zero1=None, io=options.io))
+                TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io))
             if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
                 read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
                                   "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")

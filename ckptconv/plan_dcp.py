@@ -208,8 +208,7 @@ def plan_dcp_to_tag(spec: ModelSpec, layout: ParallelLayout, dcp_dtypes: dict[st
     parameter's. The moments keep their stored dtype.
     """
     hf_plan = plan_to_nxd(spec, layout, hf_dtypes_from_dcp(spec, dcp_dtypes), dtype_policy)
-    weights = titan_tiles(titan_params(spec), spec)
-    shards = [OutFile(f.path, f.format, tuple(compose(t, weights) for t in f.tensors)) for f in hf_plan.files]
+    shards = _read_from_dcp(hf_plan, spec).files
     def reader(component: str) -> Callable[[str], Source]:
         return lambda key: Source(None, optimizer_key(key, component))
 

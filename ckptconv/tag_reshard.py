@@ -90,7 +90,7 @@ class TrainingTag:
     source_notes: tuple[str, ...] = ()               # what the source's side files could not say
 
     @classmethod
-    def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, plan: Plan, *,
+    def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
              dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
         path = ckpt.root / USER_CONTENT_FILE
         _checked(ckpt, ckpt.root / SCHEDULER_FILE)
