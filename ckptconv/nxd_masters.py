@@ -20,7 +20,7 @@ from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.layout import ParallelLayout, shard_file
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
-from ckptconv.training_state import use_masters
+from ckptconv.training_state import is_training_tag, use_masters
 
 
 class MasterShard:
@@ -123,6 +123,8 @@ def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool) -
     if not (ckpt.root / OPTIM_DIR).is_dir():
         if needed:
             raise ConversionError(f"{ckpt.root}: the model files hold no tensors and there is no {OPTIM_DIR}/")
+        return None
+    if not needed and is_training_tag(ckpt.root):  # nxdtrain's own files: not parsed as NxD's to be refused
         return None
     try:
         return NxdOptimizer(ckpt, io=io, check=check)

@@ -324,11 +324,6 @@ class NxdOptimizer:
     def has_masters(self) -> bool:
         return all(slot.master is not None for rank in self.ranks.values() for slot in rank.slots)
 
-    def dtype(self) -> torch.dtype:
-        """The moments' dtype (the optimizer dtype for ZeRO-1, the parameter dtype without it)."""
-        first = next(iter(self.ranks.values())).slots[0]
-        return first.moments["exp_avg"][0].dtype
-
     def dtype_of_masters(self) -> str:
         """The masters' dtype name (the optimizer dtype: float32, or float64 under XLA_DOWNCAST_BF16)."""
         first = next(iter(self.ranks.values())).slots[0]
