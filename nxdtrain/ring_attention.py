@@ -73,11 +73,11 @@ class _RingAttention(torch.autograd.Function):
         kv = [k.contiguous(), v.contiguous()]
         for step in range(cp.size):
             pending = _exchange(kv, cp, KV_TAG) if step < cp.size - 1 else None
-            ks, vs = (t.float().chunk(2, dim=2) for t in kv)
+            ks, vs = (_expand(t.float(), kv_index).chunk(2, dim=2) for t in kv)  # GQA heads copied once a step
             for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
-                s = _scores(qs[i], _expand(ks[j], kv_index), scale, causal)
+                s = _scores(qs[i], ks[j], scale, causal)
                 block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), _expand(vs[j], kv_index))
+                block_out = torch.matmul(torch.exp(s - block_lse.unsqueeze(-1)), vs[j])
                 merged = torch.logaddexp(lse[i], block_lse)
                 out[i] = (out[i] * torch.exp(lse[i] - merged).unsqueeze(-1)
                           + block_out * torch.exp(block_lse - merged).unsqueeze(-1))
@@ -105,10 +105,10 @@ class _RingAttention(torch.autograd.Function):
                                                                                       device=v.device)]
         for step in range(cp.size):
             pending = _exchange(kv, cp, KV_TAG) if step < cp.size - 1 else None
-            ks, vs = (t.float().chunk(2, dim=2) for t in kv)
+            ks, vs = (_expand(t.float(), kv_index).chunk(2, dim=2) for t in kv)
             dks, dvs = (t.chunk(2, dim=2) for t in dkv)  # views: accumulate in place
             for i, j, causal in _pairs(cp, (cp.rank - step) % cp.size):
-                key, value = _expand(ks[j], kv_index), _expand(vs[j], kv_index)
+                key, value = ks[j], vs[j]
                 p = torch.exp(_scores(qs[i], key, scale, causal) - lses[i].unsqueeze(-1))
                 dv = torch.matmul(p.transpose(-1, -2), grads[i])
                 ds = p * (torch.matmul(grads[i], value.transpose(-1, -2)) - deltas[i].unsqueeze(-1))
