@@ -25,7 +25,6 @@ TorchTitan's export builds on the same per-name view (:class:`TagOptimizer`).
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
-from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
+from ckptconv.layout import ParallelLayout, parse_rank_file, parse_shard_name, shard_file, shard_name
 from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
 from ckptconv.model_spec import ModelSpec
@@ -48,9 +47,6 @@ from ckptconv.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 FORMAT = 2
 MASTER = "master"
 _SEP = ":"  # "<component>:<nxd key>" names an optimizer tensor in a plan's Source
-_OPTIM_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
-
-
 def state_key(name: str, component: str) -> str:
     """The key of a parameter's optimizer tensor in a format-2 file."""
     return f"state.{name}.{component}"
@@ -264,9 +260,9 @@ class TagOptimizer:
         directory = root / OPTIM_DIR
         found: dict[tuple[int, int, int], Path] = {}
         for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-            match = _OPTIM_RE.match(path.name)
-            if match:
-                dp, tp, pp = (int(g) for g in match.groups())
+            ranks = parse_rank_file(path.name)
+            if ranks:
+                dp, tp, pp = ranks
                 found[(tp, pp, dp)] = path
         missing = [(tp, pp) for tp, pp in shapes if (tp, pp, 0) not in found]
         if missing:
@@ -409,7 +405,7 @@ def state_replicas(replicas: Sequence[ReplicaGroup], optim: OptimizerSource) -> 
 
 
 def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
-    return f"{OPTIM_DIR}/dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+    return f"{OPTIM_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)}"
 
 
 def plan_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool) -> list[OutFile]:
@@ -454,7 +450,7 @@ SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 def is_training_tag(root: Path) -> bool:
     """A tag nxdtrain saved: its optimizer state (format 1 or 2) and side files beside the shards (not a
     converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.nxd_optimizer reads)."""
-    first = root / OPTIM_DIR / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    first = root / optimizer_file(tp_rank=0, pp_rank=0, dp_rank=0)
     if not (first.is_file() and (root / USER_CONTENT_FILE).is_file()):
         return False
     try:

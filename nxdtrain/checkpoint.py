@@ -50,13 +50,13 @@ from ckptconv.io.nxd import (
     tag_step,
     write_markers,
 )
-from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, shard_file, shard_name
+from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, shard_file
 from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
-from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE, is_training_tag
+from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE, is_training_tag, optimizer_file
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.continuity import recorded_run
 from nxdtrain.device import to_host
@@ -279,7 +279,7 @@ def load_small(path: Path, checks: CheckedFiles | None = None) -> Any:
 
 
 def optim_file(tag: Path, *, tp_rank: int, pp_rank: int, dp_rank: int) -> Path:
-    return tag / OPTIM_DIR / shard_name(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
+    return tag / optimizer_file(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)
 
 
 @dataclass(frozen=True)
