@@ -96,9 +96,10 @@ class _Shards:
         n_rows = self.spec.heads // self.layout.tp * self.spec.head_dim
         w = self._qkv(t, n_rows, "weight")
         if self.spec.family.qkv_bias:
-            w.update({"b" + part: value for part, value in self._qkv(t, n_rows, "bias").items()})
+            # The optional attention inputs under their HF names, as reference.layer_attention_extras reads them.
+            w.update({f"self_attn.{part}_proj.bias": value for part, value in self._qkv(t, n_rows, "bias").items()})
         if self.spec.family.qk_norm:
-            w["q_norm"], w["k_norm"] = t("self_attn.q_norm.weight"), t("self_attn.k_norm.weight")
+            w.update({name: t(name) for name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")})
         if w["q"].shape[0] != n_rows:
             raise ConversionError(
                 f"{self.ckpt.files[file]}: layer {layer} holds {w['q'].shape[0]} Q rows on rank {rank}, "
@@ -124,16 +125,6 @@ class _Shards:
         else:
             w["q"], w["k"], w["v"] = (t(f"self_attn.{p}_proj.{kind}") for p in "qkv")
         return w
-
-
-def _rank_extras(w: dict[str, torch.Tensor], eps: float) -> dict[str, Any]:
-    """A rank's optional attention inputs (biases, q/k norms), in :func:`attention_heads`' keywords."""
-    extras: dict[str, Any] = {}
-    if "bq" in w:
-        extras["bias"] = (w["bq"], w["bk"], w["bv"])
-    if "q_norm" in w:
-        extras["qk_norm"] = (w["q_norm"], w["k_norm"], eps)
-    return extras
 
 
 def _hf_layer(hf: HfCheckpoint, layer: int) -> dict[str, torch.Tensor]:
@@ -167,15 +158,15 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
         w = shards.layer(layer, rank)
         if not (_close(w["ln1"], hf_w["input_layernorm.weight"], tol) and _close(w["ln2"], hf_w["post_attention_layernorm.weight"], tol)):
             bad["norms"].append(rank)
-        if "q_norm" in w and not (_close(w["q_norm"], hf_w["self_attn.q_norm.weight"], tol)
-                                  and _close(w["k_norm"], hf_w["self_attn.k_norm.weight"], tol)):
+        if "self_attn.q_norm.weight" in w and not all(_close(w[n], hf_w[n], tol) for n in
+                                                      ("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             bad["norms"].append(rank)
         h_r = rms_norm(x, w["ln1"], eps)
-        attn_r = attention_heads(h_r, w["q"], w["k"], w["v"], hd, cos, sin, window=window, **_rank_extras(w, eps))
+        attn_r = attention_heads(h_r, w["q"], w["k"], w["v"], hd, cos, sin, window=window, **layer_attention_extras(w, eps))
         attn_sum += attn_r @ w["o"].t()
         # Diagnose against the heads this layout says the rank holds.
         heads = _claimed_q_heads(spec, layout, rank)
-        if "bq" in w and not _biases_match(w, hf_w, spec, layout, rank, tol):
+        if "self_attn.q_proj.bias" in w and not _biases_match(w, hf_w, spec, layout, rank, tol):
             bad["biases"].append(rank)
         expected_attn = dense_heads[:, :, heads].reshape(*x.shape[:2], -1)
         if not _close(attn_r, expected_attn, tol):
@@ -229,9 +220,8 @@ def _biases_match(w: dict[str, torch.Tensor], hf_w: dict[str, torch.Tensor], spe
     """The rank's q/k/v biases are the HF bias rows of the heads the layout says it holds."""
     q_rows = _rows(_claimed_q_heads(spec, layout, rank), spec.head_dim)
     kv_rows = _rows(_claimed_kv_heads(spec, layout, rank), spec.head_dim)
-    return (_close(w["bq"], hf_w["self_attn.q_proj.bias"][q_rows], tol)
-            and _close(w["bk"], hf_w["self_attn.k_proj.bias"][kv_rows], tol)
-            and _close(w["bv"], hf_w["self_attn.v_proj.bias"][kv_rows], tol))
+    rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+    return all(_close(w[f"self_attn.{p}_proj.bias"], hf_w[f"self_attn.{p}_proj.bias"][r], tol) for p, r in rows.items())
 
 
 def _blame(bad: dict[str, list[int]], *parts: tuple[str, str]) -> str:
