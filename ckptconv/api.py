@@ -36,7 +36,7 @@ from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
+from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout, default_kvm
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
@@ -359,7 +359,7 @@ def reshard(
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
-            kv_size_multiplier = tp // spec.kv_heads if attention_mode is Attention.QKV_LINEAR and tp > spec.kv_heads else 1
+            kv_size_multiplier = default_kvm(tp, spec.kv_heads, attention_mode)
         new = ParallelLayout(
             tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=attention_mode,
             fuse_qkv=old.fuse_qkv if fuse_qkv is None else fuse_qkv,

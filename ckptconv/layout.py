@@ -178,6 +178,12 @@ MODEL_DIR = "model"  # the shards' directory inside a checkpoint (or training ta
 HF_FILES_DIR = "hf"  # config.json, tokenizer and generation files kept beside the shards
 
 
+def default_kvm(tp: int, kv_heads: int, attention: Attention) -> int:
+    """The kv_size_multiplier a layout needs when none is given: a fused QKV layer replicates its K/V heads over
+    tp / kv_heads ranks when tp exceeds them; every other layout has none."""
+    return tp // kv_heads if attention is Attention.QKV_LINEAR and tp > kv_heads else 1
+
+
 def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
     """File name of one model shard; ``{:02d}`` widens by itself past 99."""
     return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"

@@ -36,14 +36,11 @@ from ckptconv.training_state import (
     OptimizerSource,
     TagOptimizer,
     TagReader,
+    describe_zero1,
     plan_optimizer_files,
     resharded_user_content,
     state_replicas,
 )
-
-
-def _describe_zero1(on: bool, dp: int) -> str:
-    return f"ZeRO-1 over {dp} dp rank{'s' if dp != 1 else ''}" if on else "without ZeRO-1"
 
 
 def _checked(ckpt: NxdCheckpoint, path: Path) -> bytes:
@@ -169,10 +166,11 @@ class TrainingTag:
         spec.metadata["extra"] = {"nxdtrain": {"step": int(content["step"]),
                                                "consumed_samples": content.get("consumed_samples")}}
         hyper = self.optim.hyper
-        was = _describe_zero1(hyper.zero1, hyper.zero_size)
+        was, now = (describe_zero1(on, size, off="without ZeRO-1")
+                    for on, size in ((hyper.zero1, hyper.zero_size), (self.zero1, self.dp)))
         source = "NxD's own training tag mapped to nxdtrain's format 2: " if self.scheduler_record is not None else ""
         notes.append(f"{source}training tag at step {content['step']}: optimizer state ({', '.join(hyper.components) or 'none'}) "
-                     f"moved with the weights, {was} -> {_describe_zero1(self.zero1, self.dp)}; RNG states dropped "
+                     f"moved with the weights, {was} -> {now}; RNG states dropped "
                      "(they belong to the old world's ranks)")
         notes.extend(self.source_notes)
         return Plan(plan.files + optim_files, replicas), TagReader(self.ckpt, self.optim)

@@ -404,6 +404,11 @@ def state_replicas(replicas: Sequence[ReplicaGroup], optim: OptimizerSource) -> 
     return out
 
 
+def describe_zero1(on: bool, size: int, *, off: str = "no ZeRO-1") -> str:
+    """How a tag's (or a run's) optimizer state is placed, for the notes of a reshard or a resume."""
+    return f"ZeRO-1 over {size} dp rank{'s' if size != 1 else ''}" if on else off
+
+
 def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"{OPTIM_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)}"
 

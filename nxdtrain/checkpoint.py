@@ -50,13 +50,20 @@ from ckptconv.io.nxd import (
     tag_step,
     write_markers,
 )
-from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, shard_file
+from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, default_kvm, shard_file
 from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
-from ckptconv.training_state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE, is_training_tag, optimizer_file
+from ckptconv.training_state import (
+    OPTIM_DIR,
+    SCHEDULER_FILE,
+    USER_CONTENT_FILE,
+    describe_zero1,
+    is_training_tag,
+    optimizer_file,
+)
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.continuity import recorded_run
 from nxdtrain.device import to_host
@@ -183,8 +190,8 @@ def run_layout(cfg: ParallelConfig, shards: ParallelLayout, spec: ModelSpec) -> 
         attention = shards.attention if shards.attention is not Attention.QKV_LINEAR else Attention.SEPARATE
     kvm = cfg.kv_replicator
     if kvm is None:
-        needed = cfg.tp // spec.kv_heads if attention is Attention.QKV_LINEAR and cfg.tp > spec.kv_heads else 1
-        kvm = shards.kvm if cfg.tp == shards.tp and attention is shards.attention else needed
+        kvm = shards.kvm if cfg.tp == shards.tp and attention is shards.attention else default_kvm(
+            cfg.tp, spec.kv_heads, attention)
     return ParallelLayout(
         tp=cfg.tp, pp=cfg.pp, vpp=1, kvm=kvm, attention=attention,
         fuse_qkv=(shards.fuse_qkv and attention is Attention.QKV_LINEAR) if cfg.fuse_qkv is None else cfg.fuse_qkv,
@@ -201,20 +208,16 @@ def same_layout(shards: ParallelLayout, run: ParallelLayout) -> bool:
     return all(getattr(shards, f) == getattr(run, f) for f in LAYOUT_FIELDS)
 
 
-def describe_zero1(on: bool, size: int) -> str:
-    return f"ZeRO-1 over {size} dp rank{'s' if size != 1 else ''}" if on else "no ZeRO-1"
-
-
 def resume_notes(source: ResumeSource, run: ParallelLayout, state: TrainingState | None, *, zero1: bool, dp: int,
                  world: int, optimizer: str) -> list[str]:
     """What a resume reshards on load, and what it cannot carry exactly: one line each, printed before any step."""
     notes = []
     weights = not same_layout(source.layout, run)
-    optim = state is not None and (bool(state.options.get("zero1")), saved_dp(source)) != (zero1, dp if zero1 else 1)
+    saved = (bool(state.options.get("zero1")), saved_dp(source)) if state is not None else None
+    optim = saved is not None and saved != (zero1, dp if zero1 else 1)
     if weights or optim:
         what = "weights" + (" and optimizer state" if state is not None else "")
-        old = describe(source.layout) + ("" if state is None else
-                                         f", {describe_zero1(bool(state.options.get('zero1')), saved_dp(source))}")
+        old = describe(source.layout) + ("" if saved is None else f", {describe_zero1(*saved)}")
         new = describe(run) + ("" if state is None else f", {describe_zero1(zero1, dp)}")
         notes.append(f"resharding on load ({what}, each rank reads its slices of the tag): {old} -> {new}")
     saved_optimizer = state.options.get("optimizer") if state is not None else None
