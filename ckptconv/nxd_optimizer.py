@@ -27,7 +27,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -283,6 +283,12 @@ class _Rank:
     groups: list[dict[str, Any]]  # hyper-parameters as saved, "params": names
     slots: list[_Slot]  # in optimizer index order
     naming: str
+    by_name: dict[str, _Slot] = field(init=False, repr=False)  # every read looks a slot up by name
+
+    def __post_init__(self) -> None:
+        self.by_name = {}
+        for slot in self.slots:
+            self.by_name.setdefault(slot.name, slot)
 
 
 class NxdOptimizer:
@@ -425,9 +431,9 @@ class NxdOptimizer:
         return self.ranks[(tp_rank, pp_rank)]
 
     def _slot(self, tp_rank: int, pp_rank: int, name: str) -> _Slot:
-        for slot in self._rank(tp_rank, pp_rank).slots:
-            if slot.name == name:
-                return slot
+        slot = self._rank(tp_rank, pp_rank).by_name.get(name)
+        if slot is not None:
+            return slot
         raise ConversionError(f"{self.dir}: no optimizer state for {name!r} on tp rank {tp_rank} pp rank {pp_rank}")
 
     def _step(self, slot: _Slot) -> float:

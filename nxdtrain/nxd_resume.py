@@ -33,10 +33,10 @@ def _hyper(groups: list[dict[str, Any]]) -> str:
     return "; ".join(f"{kind} {one(g)}" for kind, g in zip(("matrices", "vectors"), groups, strict=False))
 
 
-def _precision(root: Path) -> str:
-    """nxdtrain's precision of NxD's model files: bf16 weights (fp32 masters in the optimizer) or fp32."""
-    with NxdCheckpoint(root, io="read") as ckpt:
-        dtypes = {d for f in ckpt.files for d, _ in ckpt.declared(f).values()}
+def _precision(ckpt: NxdCheckpoint) -> str:
+    """nxdtrain's precision of NxD's model files (as declared: a masters-only tag saved none): bf16 weights (fp32
+    masters in the optimizer) or fp32."""
+    dtypes = {d for f in ckpt.files for d, _ in ckpt.declared(f).values()}
     return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
 
@@ -48,6 +48,7 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
             described = f"{optim.format.value}, dp {optim.dp}"
             groups = NxdTagOptimizer(optim).hyper.param_groups  # refused here, before any step, if not ours
             unsaved = bool(optim.model.unsaved_tensors())
+            precision = _precision(optim.model)
     except ConversionError as exc:
         raise TrainError(f"--resume {tag}: {damaged(exc)}") from None
     try:
@@ -78,7 +79,7 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
     if missing:
         lines.append(f"not carried: {', '.join(missing)} ({where if where is not None else 'no scheduler state'}"
                      " does not record them): this run's flags are used")
-    options = {"precision": _precision(tag), "optimizer": "adamw", "zero1": zero1}
+    options = {"precision": precision, "optimizer": "adamw", "zero1": zero1}
     if unsaved:
         lines.append("weights: NxD's master weights in optim/ (the model files hold no tensors: saved with "
                      "avoid_saving_lower_precision_weights)")
