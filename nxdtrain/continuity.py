@@ -65,16 +65,17 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The recorded values this run changes (epochs only where both runs gave it)."""
+    return [key for key in (*SCHEDULE_KEYS, *ORDER_KEYS, "epochs")
+            if key in old and not (key == "epochs" and (old[key] is None or new[key] is None))
+            and not _same(old[key], new[key])]
+
+
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``'<what> OLD -> NEW'`` for each recorded value this run changes (epochs only where both runs gave it)."""
-    out = []
-    for key in (*SCHEDULE_KEYS, *ORDER_KEYS, "epochs"):
-        if key not in old or (key == "epochs" and (old[key] is None or new[key] is None)):
-            continue
-        if not _same(old[key], new[key]):
-            out.append(f"{LABELS[key]} {old[key]:g} -> {new[key]:g}" if _numbers(old[key], new[key])
-                       else f"{LABELS[key]} {old[key]} -> {new[key]}")
-    return out
+    """``'<what> OLD -> NEW'`` for each recorded value this run changes (:func:`changed_keys`)."""
+    return [f"{LABELS[key]} {old[key]:g} -> {new[key]:g}" if _numbers(old[key], new[key])
+            else f"{LABELS[key]} {old[key]} -> {new[key]}" for key in changed_keys(old, new)]
 
 
 def _numbers(*values: Any) -> bool:
@@ -90,12 +91,12 @@ def check_resume(old: dict[str, Any], missing: list[str], new: dict[str, Any], *
         assumed = ", ".join(f"{LABELS[k]} {new[k]}" for k in missing)
         notes.append(f"{tag} records no {', '.join(LABELS[k] for k in missing)} (an older tag): assuming this "
                      f"run's ({assumed})")
-    changed = changes(old, new)
-    if not changed:
+    keys = changed_keys(old, new)
+    if not keys:
         return notes
+    changed = changes(old, new)
     if not override:
-        flags = ", ".join(sorted({FLAGS[key] for key in (*SCHEDULE_KEYS, *ORDER_KEYS, "epochs")
-                                  if any(line.startswith(LABELS[key] + " ") for line in changed)}))
+        flags = ", ".join(sorted({FLAGS[key] for key in keys}))
         raise TrainError(f"--resume: this run changes what {tag} recorded: {'; '.join(changed)}; resume with the "
                          f"recorded values ({flags}), or pass --override-schedule to change the run on purpose")
     notes.append(f"--override-schedule: the run changes at this resume: {'; '.join(changed)}")
