@@ -43,7 +43,7 @@ from ckptconv.hub import resolve_hf
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
-from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, Flavour
+from ckptconv.io.nxd import TAG_MARKERS, Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
@@ -380,7 +380,7 @@ def from_dcp(
             if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
                 spec_.blobs[USER_CONTENT_FILE] = torch_blob({**state.user_content, "layout": layout.to_json()})
                 spec_.blobs[SCHEDULER_FILE] = torch_blob(state.scheduler)
-                spec_.markers = [CHECKPOINT_MARKER, DONE_MARKER]
+                spec_.markers = list(TAG_MARKERS)
                 sinks = TrainingTag.sinks(sinks)
             result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=[Path(src), ckpt.root])
             layout_json = layout.to_json()

@@ -20,7 +20,7 @@ import torch
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import FinalizeSpec
 from ckptconv.io.checked import check_whole_file
-from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, NxdCheckpoint, TorchZipSink
+from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink
 from ckptconv.io.safe_load import load_small_bytes
 from ckptconv.layout import ParallelLayout
 from ckptconv.mapping import stores_lm_head
@@ -161,7 +161,7 @@ class TrainingTag:
             spec.blobs[SCHEDULER_FILE] = torch_blob(self.scheduler_record)
         else:
             spec.copies.append((str((self.ckpt.root / SCHEDULER_FILE).resolve()), SCHEDULER_FILE))
-        spec.markers = [CHECKPOINT_MARKER, DONE_MARKER]  # after ckptconv.json: a tag is complete only then
+        spec.markers = list(TAG_MARKERS)  # after ckptconv.json: a tag is complete only then
         assert spec.metadata is not None
         spec.metadata["extra"] = {"nxdtrain": {"step": int(content["step"]),
                                                "consumed_samples": content.get("consumed_samples")}}

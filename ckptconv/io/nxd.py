@@ -471,9 +471,12 @@ def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
     return make
 
 
+TAG_MARKERS = (CHECKPOINT_MARKER, DONE_MARKER)  # in writing order: a tag without ``done`` is never resumed from
+
+
 def write_markers(tag_dir: Path) -> None:
     """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from."""
-    for name in (CHECKPOINT_MARKER, DONE_MARKER):
+    for name in TAG_MARKERS:
         write_text(tag_dir / name, "1")
 
 
@@ -483,6 +486,7 @@ __all__ = [
     "METADATA_FILE",
     "completed_tags",
     "resolve_checkpoint",
+    "TAG_MARKERS",
     "sink_factory",
     "tag_step",
     "write_markers",
