@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -155,7 +156,6 @@ class _SplitShard:
             if not isinstance(tid, int):
                 raise ConversionError(f"{path}: {key!r} is not a TensorReference")
             self._tids[key] = tid
-        self._declared = load_small(Path(str(path) + INFO_SUFFIX))  # {tid: {"dtype", "shape", ...}}
         self.io = io
         self._readers: dict[str, TorchZipReader] = {}
 
@@ -169,6 +169,11 @@ class _SplitShard:
 
     def keys(self) -> list[str]:
         return list(self._tids)
+
+    @functools.cached_property
+    def _declared(self) -> Any:
+        """``.info.pt``: {tid: {"dtype", "shape", ...}}; only :meth:`declared` needs it (not a conversion's reads)."""
+        return load_small(Path(str(self.path) + INFO_SUFFIX))
 
     def declared(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape that ``.info.pt`` records for ``key`` (known even when its tensor file was not saved)."""
