@@ -169,7 +169,9 @@ def resume(case: Case, tag_dir: Path, way: str, nxd_src: Path) -> dict[str, Any]
     scheduler = _scheduler(case, optimizer)
     xm.mark_step()
 
-    result: dict[str, Any] = {"way": way}
+    # NxD's caller says whether the optimizer is a DCP directory; a resumed run says what its tag holds
+    use_zero1_dcp = (tag_dir / "optim" / ".metadata").is_file()
+    result: dict[str, Any] = {"way": way, "use_zero1_dcp": use_zero1_dcp}
     root, tag = str(tag_dir.parent), tag_dir.name
     try:
         if way == "objects":
@@ -179,7 +181,7 @@ def resume(case: Case, tag_dir: Path, way: str, nxd_src: Path) -> dict[str, Any]
                 model=model,
                 optimizer=optimizer,
                 scheduler=None if case.nxdt_style else scheduler,
-                use_zero1_dcp=bool(case.flags["use_zero1_dcp"]),
+                use_zero1_dcp=use_zero1_dcp,
             )
         else:
             model_sd: dict[str, Any] = {}
@@ -194,13 +196,15 @@ def resume(case: Case, tag_dir: Path, way: str, nxd_src: Path) -> dict[str, Any]
         return result
     xm.mark_step()
 
+    # NxDT's dicts way restores no scheduler.pt (lightning takes the schedule from user_content)
+    scheduler_restored = way == "objects" or case.nxdt_style
     at_save = case.reference("params_at_save.nxd")
     held = held_values(model, optimizer, zero1)
     result.update(
         load="ok",
         user_content_keys=sorted(user_content) if isinstance(user_content, dict) else None,
         user_content_counters=_small_ints(user_content),
-        scheduler_restored=way == "objects" or case.nxdt_style,
+        scheduler_restored=scheduler_restored,
         scheduler_last_epoch=getattr(scheduler, "last_epoch", None),
         optimizer_steps_after_load=_steps_in_state(optimizer.state_dict()),
         masters_equal_save_after_load=max_abs_diff(held, at_save) == 0.0,
@@ -220,7 +224,7 @@ def resume(case: Case, tag_dir: Path, way: str, nxd_src: Path) -> dict[str, Any]
     result.update(
         after_next_equal=diff == 0.0,
         after_next_max_abs_diff=diff,
-        lr_after_next=[g["lr"] for g in optimizer.param_groups],
+        lr_after_next=[g["lr"] for g in optimizer.param_groups] if scheduler_restored else None,
     )
     resumed = case.reference("params_after_next_resumed.nxd")
     if resumed is not None:  # zero1_bf16: the files cannot give the uninterrupted step; NxD's own resume can

@@ -1,0 +1,124 @@
+"""Write each fixture case's tag again with ckptconv's NxD-format writer, have NxD's loader resume it, record both.
+
+The record, ``fixtures/nxdt-official/written_by_ckptconv.json``, holds per case the writer's command (paths as
+``{case}``/``{out}`` placeholders), the written tag's content (``tests.torch_rows.tag_tree``: key tree, dtypes,
+shapes, a sha256 of every tensor's values) and what NxD's ``load_checkpoint`` did with it both ways.
+``tests/test_nxd_written_proof.py`` re-runs the commands with the current writer and compares the content, so the
+proof stays tied to what the writer writes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tests.torch_rows import tag_tree
+
+from .case import Case
+
+
+def writer_command(case: Case) -> list[str]:
+    """ckptconv's arguments that rewrite ``case``'s tag in NxD's format at its own layout (tp 1, pp 1, dp 1)."""
+    command = [
+        "reshard",
+        f"{{case}}/{case.manifest['checkpoint_root']}/{case.manifest['tag']}",
+        f"{{out}}/{case.manifest['tag']}",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--optimizer-format",
+        "nxd",
+        "--zero1" if case.flags["zero1"] else "--no-zero1",
+    ]
+    if case.flags["param_groups"] == 1:  # the source's grouping (the DCP case): the writer's default rule has two
+        command += ["--nxd-param-groups", "one"]
+    return command + ["--config", f"{{case}}/{case.manifest['hf_config_file']}"]
+
+
+def filled(command: list[str], case_dir: Path, out: Path) -> list[str]:
+    return [part.format(case=case_dir, out=out) for part in command]
+
+
+def _git_head(repo: Path | None) -> dict[str, Any] | None:
+    if repo is None:
+        return None
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {"commit": head.stdout.strip(), "uncommitted_changes": bool(dirty.stdout.strip())}
+
+
+def _runtime() -> dict[str, str]:
+    import torch
+    import torch_xla
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "torch_xla": torch_xla.__version__,
+        "transformers": transformers.__version__,
+        "device": "XLA:CPU (PJRT_DEVICE=CPU), one process, world size 1",
+    }
+
+
+def prove(
+    fixtures: Path,
+    names: list[str],
+    ckptconv: list[str],
+    out_root: Path,
+    nxd_src: Path,
+    manifest: Path,
+    writer_repo: Path | None,
+) -> int:
+    """Write, load and record every case in ``names``; the manifest is written whole at the end (temp + rename)."""
+    from .check import check
+
+    record: dict[str, Any] = {
+        "about": "Tags written by ckptconv's NxD-format writer from each fixture case, then resumed by NxD 2.28's own "
+        "load_checkpoint (tools/nxd_check; README: 'tags written by ckptconv, loaded by NxD').",
+        "nxd": {
+            "repository": "aws-neuron/neuronx-distributed",
+            "tag": "v2.28.0",
+            "commit": "22cadad34418fb8b5939bd8cdfc7a376eede9981",
+        },
+        "runtime": _runtime(),
+        "writer": {"command": "ckptconv", **(_git_head(writer_repo) or {})},
+        "recorded": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "cases": {},
+    }
+    for name in names:
+        case_dir = fixtures / name
+        case = Case.open(case_dir)
+        out = out_root / name
+        if out.exists():  # never overwrite what may not be ours
+            raise SystemExit(f"--out-root {out_root}: {out} exists; choose a new --out-root")
+        command = writer_command(case)
+        run = subprocess.run(ckptconv + filled(command, case_dir, out), capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"{name}: the writer failed (exit {run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
+        tag = out / case.manifest["tag"]
+        result = check(case_dir, tag, nxd_src)
+        record["cases"][name] = {
+            "command": ["ckptconv", *command],
+            "tag": case.manifest["tag"],
+            "nxd_resume": {way: {k: v for k, v in result[way].items() if k != "way"} for way in ("objects", "dicts")},
+            "files": tag_tree(tag),
+        }
+        for way in ("objects", "dicts"):
+            r = result[way]
+            print(
+                f"{name:32s} {way:8s} load {r['load']:6s} step-3 max abs diff {r.get('after_next_max_abs_diff')}"
+                f"{'  ' + r['error'] if r.get('error') else ''}"
+            )
+    temporary = manifest.with_name(manifest.name + ".tmp")
+    temporary.write_text(json.dumps(record, indent=1) + "\n")
+    temporary.rename(manifest)
+    return 0
