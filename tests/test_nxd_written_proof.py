@@ -54,8 +54,9 @@ def test_writer_still_writes_what_nxds_loader_resumed(case: str, tmp_path: Path)
 @pytest.mark.parametrize("case", sorted(RECORD["cases"]))
 def test_nxd_resumed_it_as_the_uninterrupted_run(case: str) -> None:
     """What the record says NxD did, against the case's own manifest: loaded both ways, step and lr of step 3
-    restored, and step 3 equal to the uninterrupted run bit for bit, except where the source holds no fp32
-    masters (a bf16 ZeRO-1 run saved without them: no file can carry them; then it equals NxD's own resume)."""
+    restored (and the scheduler's next rate, where the scheduler is restored), and step 3 equal to the
+    uninterrupted run bit for bit, except where the source holds no fp32 masters (a bf16 ZeRO-1 run saved
+    without them: no file can carry them; there it equals NxD's own resume where the case recorded that)."""
     manifest = json.loads((FIXTURES / case / "case.json").read_text())
     flags = manifest["flags"]
     masters_lost = flags["zero1"] and flags["model_dtype"] == "bfloat16" and not flags["use_master_weights_in_ckpt"]
@@ -63,6 +64,8 @@ def test_nxd_resumed_it_as_the_uninterrupted_run(case: str) -> None:
         assert outcome["load"] == "ok", (way, outcome.get("error"))
         assert outcome["optimizer_steps_after_load"] == [float(manifest["saved_after_step"])], way
         assert outcome["lr_after_load"] == manifest["steps"][2]["lr"], way
+        if outcome["scheduler_restored"]:  # case.json's param_groups hold the uninterrupted run's rates after step 3
+            assert outcome["lr_after_next"] == [g["lr"] for g in manifest["param_groups"]], way
         if not masters_lost:
             assert outcome["masters_equal_save_after_load"] and outcome["after_next_max_abs_diff"] == 0.0, way
         elif "after_next_max_abs_diff_vs_nxd_resumed" in outcome:
