@@ -72,6 +72,25 @@ def test_nxd_resumed_it_as_the_uninterrupted_run(case: str) -> None:
             assert outcome["after_next_max_abs_diff_vs_nxd_resumed"] == 0.0, way
 
 
+def test_nxd_resumed_the_tags_nxdtrain_trained() -> None:
+    """nxdtrain's own NxD-format saves (trained from a fixture tag): NxD loaded each both ways with the tag's exact
+    values, step and next rate, and its next step matches one eager AdamW step from the tag's state within XLA:CPU's
+    rounding (1e-7; NxD's own uninterrupted fixture steps are 7.5e-9 from the same eager step)."""
+    trained = RECORD["trained_by_nxdtrain"]
+    assert sorted(trained) == [
+        "nxdtrain_from_plain_fp32",
+        "nxdtrain_from_zero1_bf16_masters",
+        "nxdtrain_from_zero1_fp32",
+    ]
+    for name, entry in trained.items():
+        for way, outcome in entry["nxd_resume"].items():
+            assert outcome["load"] == "ok", (name, way, outcome.get("error"))
+            assert outcome["masters_equal_save_after_load"], (name, way)
+            assert outcome["optimizer_steps_after_load"] == [float(entry["reference"]["next_step"] - 1)], (name, way)
+            assert outcome["lr_after_load"] == [entry["reference"]["next_lr"]] * 2, (name, way)
+            assert outcome["after_next_max_abs_diff"] < 1e-7, (name, way)
+
+
 def test_a_changed_value_is_named(tmp_path: Path) -> None:
     """One moment element changed in the written optimizer file: the comparison names the file and the key."""
     tag = write("plain_fp32", tmp_path)

@@ -12,7 +12,8 @@ Commands (from the repository root)::
     .venv-xla/bin/python -m tools.nxd_check fixtures
     # each case's tag rewritten by ckptconv's NxD-format writer, resumed by NxD, recorded in
     # fixtures/nxdt-official/written_by_ckptconv.json (tests/test_nxd_written_proof.py keeps it tied to the writer)
-    .venv-xla/bin/python -m tools.nxd_check prove --ckptconv .venv/bin/ckptconv --out-root /tmp/proof --writer-repo .
+    .venv-xla/bin/python -m tools.nxd_check prove --ckptconv .venv/bin/ckptconv --nxdtrain .venv/bin/nxdtrain \\
+        --out-root /tmp/proof --writer-repo .
 
 Each way runs in a fresh process (``resume``, the internal command), as NxD keeps its state in globals.
 """
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--ckptconv", required=True, help="how to run the writer, e.g. '/path/.venv/bin/ckptconv'")
             p.add_argument("--out-root", type=Path, required=True, help="a new folder for the written tags")
             p.add_argument("--writer-repo", type=Path, help="the writer's git checkout (its commit is recorded)")
+            p.add_argument("--nxdtrain", help="how to run nxdtrain (its NxD-format saves are checked too), optional")
             p.add_argument("--manifest", type=Path, default=FIXTURES / "written_by_ckptconv.json")
         if name in ("fixtures", "prove"):
             p.add_argument("cases", nargs="*", help="case names (default: all)")
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             nxd_src,
             args.manifest.resolve(),
             args.writer_repo,
+            shlex.split(args.nxdtrain) if args.nxdtrain else None,
         )
     if args.command == "check":
         result = check(args.case.resolve(), args.tag.resolve(), nxd_src)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from tests.torch_rows import tag_tree
 
 from .case import Case
+from .check import check
 
 
 def writer_command(case: Case) -> list[str]:
@@ -35,13 +37,88 @@ def writer_command(case: Case) -> list[str]:
         "nxd",
         "--zero1" if case.flags["zero1"] else "--no-zero1",
     ]
-    if case.flags["param_groups"] == 1:  # the source's grouping (the DCP case): the writer's default rule has two
-        command += ["--nxd-param-groups", "one"]
     return command + ["--config", f"{{case}}/{case.manifest['hf_config_file']}"]
 
 
 def filled(command: list[str], case_dir: Path, out: Path) -> list[str]:
     return [part.format(case=case_dir, out=out) for part in command]
+
+
+# nxdtrain resumes these fixture tags (NxD's own), trains steps 3 and 4 on synthetic data and saves step 4 in NxD's
+# format; NxD's loader then resumes that and does step 5 (tools/nxd_check/trained.py makes the references)
+TRAINED = {
+    "plain_fp32": ["--no-zero1", "--precision", "fp32"],
+    "zero1_fp32": ["--zero1", "--precision", "fp32"],
+    "zero1_bf16_masters": ["--zero1", "--precision", "bf16"],
+}
+NXDTRAIN_RUN = [
+    "run",
+    "--resume",
+    "{src}",
+    "--steps",
+    "4",
+    "--data",
+    "synthetic",
+    "--seq-len",
+    "16",
+    "--gbs",
+    "4",
+    "--mbs",
+    "1",
+    "--checkpoint-dir",
+    "{out}",
+    "--checkpoint-freq",
+    "4",
+    "--optimizer-format",
+    "nxd",
+    "--tp",
+    "1",
+    "--nproc",
+    "1",
+    "--schedule",
+    "CosineAnnealing",
+    "--lr",
+    "0.01",
+    "--min-lr",
+    "0.001",
+    "--warmup",
+    "2",
+    "--decay-steps",
+    "10",
+]
+
+
+def trained(fixtures: Path, name: str, nxdtrain: list[str], out: Path, nxd_src: Path) -> dict[str, Any]:
+    """nxdtrain trains from fixture case ``name`` and saves in NxD's format; NxD resumes that; the record."""
+    from .stand_ins import install
+    from .trained import make_case
+
+    install(nxd_src)  # the references take the next step's learning rate from NxD's example scheduler
+    case = Case.open(fixtures / name)
+    src = out / "src" / case.manifest["tag"]  # the fixture's tag, plus the hf/config.json nxdtrain asks for
+    shutil.copytree(fixtures / name / case.manifest["checkpoint_root"] / case.manifest["tag"], src)
+    (src / "hf").mkdir()
+    shutil.copy(fixtures / name / case.manifest["hf_config_file"], src / "hf" / "config.json")
+    command = NXDTRAIN_RUN + TRAINED[name]
+    run = subprocess.run(
+        nxdtrain + [p.format(src=src, out=out / "ckpt") for p in command], capture_output=True, text=True, cwd=out
+    )  # cwd: not this repository, whose own nxdtrain/ its worker processes would import instead
+    if run.returncode != 0:
+        raise SystemExit(f"nxdtrain from {name} failed (exit {run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
+    tag = out / "ckpt" / "step_4"
+    reference = make_case(fixtures / name, tag, out / "case", f"nxdtrain_from_{name}")
+    result = check(out / "case", tag, nxd_src)
+    return {
+        "command": ["nxdtrain", *command[:2], "{case}/ckpt/step_2 (with hf/config.json added)", *command[3:]],
+        "tag": "step_4",
+        "reference": {
+            "next_step": reference["next_step"],
+            "next_lr": reference["next_lr"],
+            "params_after_next": "one eager CPU torch.optim.AdamW step from the tag's own state",
+        },
+        "nxd_resume": {way: {k: v for k, v in result[way].items() if k != "way"} for way in ("objects", "dicts")},
+        "files": tag_tree(tag),
+    }
 
 
 def _git_head(repo: Path | None) -> dict[str, Any] | None:
@@ -98,10 +175,10 @@ def prove(
     nxd_src: Path,
     manifest: Path,
     writer_repo: Path | None,
+    nxdtrain: list[str] | None = None,
 ) -> int:
-    """Write, load and record every case in ``names``; the manifest is written whole at the end (temp + rename)."""
-    from .check import check
-
+    """Write, load and record every case in ``names`` (and, given ``nxdtrain``, every ``TRAINED`` run); the manifest
+    is written whole at the end (temp + rename)."""
     record: dict[str, Any] = {
         "about": "Tags written by ckptconv's NxD-format writer from each fixture case, then resumed by NxD 2.28's own "
         "load_checkpoint (tools/nxd_check; README: 'tags written by ckptconv, loaded by NxD').",
@@ -119,10 +196,11 @@ def prove(
         case_dir = fixtures / name
         case = Case.open(case_dir)
         out = out_root / name
+        out_root.mkdir(parents=True, exist_ok=True)
         if out.exists():  # never overwrite what may not be ours
             raise SystemExit(f"--out-root {out_root}: {out} exists; choose a new --out-root")
         command = writer_command(case)
-        run = subprocess.run(ckptconv + filled(command, case_dir, out), capture_output=True, text=True)
+        run = subprocess.run(ckptconv + filled(command, case_dir, out), capture_output=True, text=True, cwd=out_root)
         if run.returncode != 0:
             raise SystemExit(f"{name}: the writer failed (exit {run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
         tag = out / case.manifest["tag"]
@@ -139,6 +217,16 @@ def prove(
                 f"{name:32s} {way:8s} load {r['load']:6s} step-3 max abs diff {r.get('after_next_max_abs_diff')}"
                 f"{'  ' + r['error'] if r.get('error') else ''}"
             )
+    if nxdtrain:
+        record["trained_by_nxdtrain"] = {}
+        for name in TRAINED:
+            entry = trained(fixtures, name, nxdtrain, out_root / "trained" / name, nxd_src)
+            record["trained_by_nxdtrain"][f"nxdtrain_from_{name}"] = entry
+            for way, r in entry["nxd_resume"].items():
+                print(
+                    f"nxdtrain_from_{name:18s} {way:8s} load {r['load']:6s} step-5 max abs diff from eager AdamW "
+                    f"{r.get('after_next_max_abs_diff')}{'  ' + r['error'] if r.get('error') else ''}"
+                )
     temporary = manifest.with_name(manifest.name + ".tmp")
     temporary.write_text(dumps(record))
     temporary.rename(manifest)
