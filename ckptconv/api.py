@@ -41,12 +41,13 @@ from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR
+from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
-from ckptconv.tag_reshard import TrainingTag
+from ckptconv.tag_reshard import NxdFormat, TrainingTag
 from ckptconv.training_state import is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
@@ -336,6 +337,9 @@ def reshard(
     dp: int | None = None,
     zero1: bool | None = None,
     weights_only: bool = False,
+    optimizer_format: str = "nxdtrain",
+    nxd_param_groups: str | None = None,
+    drop_masters: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
@@ -350,8 +354,14 @@ def reshard(
     step, consumed samples, schedule and options come along. A tag of NxD's own code (``optim/`` in NxD's
     format, :mod:`ckptconv.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
     mapped by :mod:`ckptconv.nxd_position`. ``weights_only``: the shards alone.
+
+    ``optimizer_format="nxd"`` writes the optimizer state in NxD's own format instead
+    (:mod:`ckptconv.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
+    NxD's Llama example; ``bias-LayerNorm``; ``one``), checked by reading the files back; ``drop_masters``
+    accepts losing a bf16 model's fp32 state without ZeRO-1.
     """
     options = options or RunOptions()
+    _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything is opened
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
@@ -375,10 +385,13 @@ def reshard(
             training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io)
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
-        if training is None and (dp is not None or zero1 is not None):
-            raise ConversionError(f"{ckpt.root}: --dp and --zero1 place optimizer state; "
+        if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
+            raise ConversionError(f"{ckpt.root}: --dp, --zero1 and --optimizer-format place optimizer state; "
                                   + ("--weights-only writes none" if weights_only else "this is not a training "
                                      "tag (no optim/)"))
+        if training is not None and optimizer_format == "nxd":
+            rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)
+            training.nxd_format = NxdFormat(rule or DEFAULT_RULE, drop_masters, spec, with_inv_freq)
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(_input_files(ckpt)),
                                    None if training is None else training.identity())
@@ -392,6 +405,10 @@ def reshard(
                 plan, reader = training.extend(plan, spec_, new, notes)
                 result = _convert(plan, reader, out, training.sinks(sink_factory(target_flavour)), options, spec_,
                                   "reshard", kv_replicas, sources=[Path(src), ckpt.root])
+            if training.written is not None and not result.skipped and result.finalized:
+                check_written(out, training.written)  # every optimizer index read back as intended
+                notes.append(f"read back with NxD's optimizer reader: every index named as written "
+                             f"({describe_rule(training.written.rule)})")
         else:
             result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
                               sources=[Path(src), ckpt.root])
@@ -399,6 +416,21 @@ def reshard(
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
     return result
+
+
+def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> str | None:
+    """``--optimizer-format``/``--nxd-param-groups``/``--drop-masters`` checked: the param-group rule (None:
+    nxdtrain's format)."""
+    if optimizer_format not in ("nxdtrain", "nxd"):
+        raise ConversionError(f"--optimizer-format must be nxdtrain or nxd, got {optimizer_format!r}")
+    if optimizer_format == "nxdtrain":
+        if rule is not None or drop_masters:
+            raise ConversionError("--nxd-param-groups and --drop-masters apply to --optimizer-format nxd only")
+        return None
+    rule = DEFAULT_RULE if rule is None else rule
+    if rule not in RULE_CHOICES:
+        raise ConversionError(f"--nxd-param-groups must be one of {', '.join(RULE_CHOICES)}, got {rule!r}")
+    return rule
 
 
 # --------------------------------------------------------------------------------------------

@@ -229,10 +229,13 @@ class _OptimFile:
 
 # How NxD's and NxDT's examples split parameters into (decay, no-decay) groups; each keeps model order.
 # NxD's Llama example (the fixtures) tests names for "bias"/"norm"; other examples for "bias"/"LayerNorm".
-_GROUP_RULES: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
-    ("names containing 'bias' or 'LayerNorm' in the no-decay group", lambda n: "bias" in n or "LayerNorm" in n),
-)
+# One table for both directions: the reader tries each, the writer (ckptconv.nxd_optimizer_write) is told one.
+PARAM_GROUP_RULES: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "bias-norm": ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
+    "bias-LayerNorm": ("names containing 'bias' or 'LayerNorm' in the no-decay group",
+                       lambda n: "bias" in n or "LayerNorm" in n),
+}
+_GROUP_RULES = tuple(PARAM_GROUP_RULES.values())
 
 
 def index_names(model_names: list[str], model_shapes: dict[str, tuple[int, ...]], group_sizes: list[int],

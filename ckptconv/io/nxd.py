@@ -35,7 +35,7 @@ from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, Torch
 from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
-from ckptconv.plan import OutFile, OutTensor, Piece, Source
+from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 
 DONE_MARKER = "done"
 CHECKPOINT_MARKER = "checkpoint"
@@ -414,7 +414,8 @@ class TorchZipSink:
         self.path = tmp / out_file.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         metas: dict[str, Any] = dict(out_file.plain)
-        metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
+        if out_file.format != NESTED_TORCH:  # nested: the tensors are placed inside ``plain`` already
+            metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
         self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
         self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
 
