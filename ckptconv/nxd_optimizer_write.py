@@ -192,7 +192,7 @@ class NxdOptimizerPlan:
     dp: int
     masters: str          # "saved" (the source's), "weights" (the weights widened), "none" (ZeRO-1 off)
     dtype: str            # the optimizer dtype (ZeRO-1), or "parameter" (moments in the parameter's dtype)
-    names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # optimizer file -> name per index
+    names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # model shard -> name per index
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "nxd", "param_groups": self.rule, "param_groups_rule": describe_rule(self.rule),
@@ -241,6 +241,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
             param_groups.append({**nxd_param_group(hyper, zero1=zero1, lr=next_lr, initial_lr=peak),
                                  "params": list(range(start, start + len(group)))})
             start += len(group)
+        names_of[shard.path] = order
         state = {n: state_tensors(weights[n], optim) for n in order}
         for n in order:
             if set(state[n]) - {MASTER} != {STEP, *MOMENTS}:
@@ -248,7 +249,6 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
                                       "hold AdamW's step, exp_avg and exp_avg_sq")
         for dp_rank in range(dp if zero1 else 1):
             path = optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank)
-            names_of[path] = order
             tensors: list[OutTensor] = []
             by_index: dict[int, dict[str, TensorAt]] = {}
             shape_info: dict[int, list[int]] = {}
@@ -355,7 +355,7 @@ def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
             found = optim.names(*ranks)
             if found != names:
                 first = next((i for i, (a, b) in enumerate(zip(found, names, strict=False)) if a != b), len(found))
-                raise ConversionError(f"{out / path}: read back, optimizer index {first} names "
+                raise ConversionError(f"{out}: read back, tp rank {ranks[0]} pp rank {ranks[1]}'s optimizer index {first} names "
                                       f"{found[first] if first < len(found) else None!r}, written for "
                                       f"{names[first] if first < len(names) else None!r}")
         if optim.dp != plan.dp and plan.zero1:
