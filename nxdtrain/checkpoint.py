@@ -300,8 +300,13 @@ class TrainingState:
 def read_training_state(tag: Path, checks: CheckedFiles | None = None, *, gbs: int | None = None) -> TrainingState:
     """The tag's position; a tag without ``consumed_samples`` (``ckptconv reshard`` of NxD's tag, which records
     none) continues at step x ``gbs``, as a resume of NxD's tag itself does, and says so."""
-    user = load_small(tag / USER_CONTENT_FILE, checks)
-    scheduler = load_small(tag / SCHEDULER_FILE, checks)
+    return training_state_of(load_small(tag / USER_CONTENT_FILE, checks), load_small(tag / SCHEDULER_FILE, checks),
+                             tag, gbs=gbs)
+
+
+def training_state_of(user: dict[str, Any], scheduler: dict[str, Any], tag: Path, *, gbs: int | None) -> TrainingState:
+    """The position nxdtrain's ``user_content``/``scheduler`` records say (:func:`read_training_state`; a tag in
+    NxD's format keeps them under ``user_content.pt['nxdtrain']``)."""
     step = int(user["step"])
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")

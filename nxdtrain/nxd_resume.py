@@ -10,6 +10,7 @@ The RNG states and NxD's data order are never carried (said in one line).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.nxd_optimizer_write import NXDTRAIN_KEY
 from ckptconv.nxd_position import nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from nxdtrain.checkpoint import TrainingState, damaged, load_small
+from ckptconv.training_state import USER_CONTENT_FILE
+from nxdtrain.checkpoint import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.continuity import LABELS
 from nxdtrain.errors import TrainError
 
@@ -38,6 +41,21 @@ def _precision(ckpt: NxdCheckpoint) -> str:
     masters in the optimizer) or fp32."""
     dtypes = {d for f in ckpt.files for d, _ in ckpt.declared(f).values()}
     return "bf16" if torch.bfloat16 in dtypes else "fp32"
+
+
+def _ours_in_nxd_format(tag: Path, ours: dict[str, Any], step: int, gbs: int, *, zero1: bool, masters: bool,
+                        described: str) -> tuple[TrainingState, list[str]]:
+    """A tag nxdtrain (or ``ckptconv reshard --optimizer-format nxd``) wrote in NxD's format: the position,
+    schedule and data order from nxdtrain's own records it keeps in ``user_content.pt['nxdtrain']``."""
+    state = training_state_of(ours["user_content"], ours["scheduler"], tag, gbs=gbs)
+    if state.step != step:
+        raise TrainError(f"{tag / USER_CONTENT_FILE}: nxdtrain's record is at step {state.step}, NxD's keys and "
+                         f"optimizer at step {step}; resume with --weights-only")
+    options = {**state.options, "zero1": zero1}
+    lines = [f"NxD-format tag written by nxdtrain/ckptconv: AdamW's step and moments{' and the fp32 masters' if masters else ''} "
+             f"from its optimizer files ({described}), step {step}; position, schedule and data order from "
+             f"{USER_CONTENT_FILE}['{NXDTRAIN_KEY}']", *state.notes]
+    return dataclasses.replace(state, options=options, notes=[]), lines
 
 
 def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple[TrainingState, list[str]]:
@@ -59,6 +77,9 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
         raise TrainError(str(exc)) from None
     step, record, notes, user, where = (position.step, position.record, position.notes, position.user,
                                         position.scheduler_from)
+    ours = user.get(NXDTRAIN_KEY)
+    if isinstance(ours, dict) and isinstance(ours.get("user_content"), dict) and isinstance(ours.get("scheduler"), dict):
+        return _ours_in_nxd_format(tag, ours, step, gbs, zero1=zero1, masters=masters, described=described)
     if position.consumed is not None:
         consumed = position.consumed
         data = f"the data continues at sample {consumed} (the tag name's consumed_samples)"
