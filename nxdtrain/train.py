@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
+from ckptconv.nxd_optimizer_write import DEFAULT_RULE
 from ckptconv.options import usable_cpus
 from nxdtrain.checkpoint import (
     ResumeSource,
@@ -172,6 +173,9 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
                               override=config.checkpoint.override_schedule)
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
+    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and not config.parallel.zero1:
+        raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1: NxD keeps a bf16 run's fp32 "
+                         "masters and moments only in its ZeRO-1 optimizer's files")
     # The outputs last: what the run writes, checked before its first step (not after the last one).
     check_saves(config)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
@@ -289,6 +293,8 @@ class Trainer:
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
             record=plan.record, host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
+            zero_size=mesh.dp * mesh.cp, nxd_zero1=cfg.parallel.zero1,
+            nxd_param_groups=(ckpt.nxd_param_groups or DEFAULT_RULE) if ckpt.optimizer_format == "nxd" else None,
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
