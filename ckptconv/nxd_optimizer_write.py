@@ -157,9 +157,11 @@ def _group_hyper(group: list[str], shapes: Mapping[str, Sequence[int]], ours: li
     kinds = {0 if is_matrix(shapes[n]) else 1 for n in group}
     hypers = [{k: v for k, v in ours[k_].items() if k != "params"} for k_ in sorted(kinds)]
     if any(h != hypers[0] for h in hypers[1:]):
+        differ = {k: (hypers[0].get(k), hypers[1].get(k)) for k in {*hypers[0], *hypers[1]}
+                  if hypers[0].get(k) != hypers[1].get(k)}
         raise ConversionError(f"--nxd-param-groups {rule}: NxD's group {g} would hold matrices and vectors, which "
-                              f"were stepped with different hyper-parameters ({hypers[0]} vs {hypers[1]}); "
-                              "choose a rule that keeps them apart")
+                              f"were stepped with different hyper-parameters (matrices, vectors: "
+                              f"{dict(sorted(differ.items()))}); choose a rule that keeps them apart")
     return hypers[0] if hypers else dict(ours[0])
 
 
