@@ -282,6 +282,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
                         narrowed.append(name)
                     tensors += entry.values()
                 by_index[i] = {k: _meta(t) for k, t in entry.items()}
+            plain: tuple[tuple[str, Any], ...]
             if zero1:
                 plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
                          ("shape_info", shape_info), ("sharded_master_weights", masters))

@@ -178,11 +178,12 @@ class TrainingTag:
     def __exit__(self, *exc: object) -> None:
         self.optim.close()
 
-    def identity(self) -> list[tuple[str, int, int]]:
+    def identity(self) -> list[tuple[Any, ...]]:
         """What identifies the tag's other inputs cheaply (the fingerprint of a rerun)."""
         files = sorted((self.ckpt.root / OPTIM_DIR).rglob("*")) + [self.ckpt.root / SCHEDULER_FILE,
                                                                   self.ckpt.root / USER_CONTENT_FILE]
-        fmt = ("nxd", self.nxd_format.rule, int(self.nxd_format.drop_masters)) if self.nxd_format else ("nxdtrain",)
+        fmt: tuple[Any, ...] = (("nxd", self.nxd_format.rule, int(self.nxd_format.drop_masters))
+                                if self.nxd_format else ("nxdtrain",))
         return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()] + [
             ("dp", self.dp, int(self.zero1)), fmt]
 
