@@ -41,8 +41,9 @@ from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR
-from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule
+from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule, rule_of
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
+from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
@@ -391,6 +392,13 @@ def reshard(
                                      "tag (no optim/)"))
         if training is not None and optimizer_format == "nxd":
             rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)
+            saved = rule_of(training.optim.optim) if isinstance(training.optim, NxdTagOptimizer) else None
+            if nxd_param_groups is None and saved is not None:  # NxD's tag: its own groups, which its run rebuilds
+                rule = saved
+                notes.append(f"param groups as NxD's tag has them ({describe_rule(saved)})")
+            elif saved is not None and rule != saved:
+                notes.append(f"param groups regrouped by --nxd-param-groups {rule}: NxD's tag had "
+                             f"{describe_rule(saved)}; the NxD run that loads it must build the new groups")
             training.nxd_format = NxdFormat(rule or DEFAULT_RULE, drop_masters, spec, with_inv_freq)
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(_input_files(ckpt)),

@@ -69,6 +69,15 @@ def describe_rule(rule: str) -> str:
     return "one param group" if rule == "one" else PARAM_GROUP_RULES[rule][0]
 
 
+def rule_of(optim: NxdOptimizer) -> str:
+    """The param-group rule NxD's own tag was saved with (what its reader found), as a rule name: NxD's run
+    that resumes it builds the same groups, so a rewrite keeps them unless told otherwise."""
+    if len(optim.groups()) == 1:
+        return "one"
+    naming = optim.naming()
+    return next(name for name, (description, _) in PARAM_GROUP_RULES.items() if description == naming)
+
+
 # --------------------------------------------------------------------------------------------
 # Row windows: a ZeRO-1 chunk of a planned tensor
 
