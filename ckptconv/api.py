@@ -387,7 +387,8 @@ def reshard(
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
-            raise ConversionError(f"{ckpt.root}: --dp, --zero1 and --optimizer-format place optimizer state; "
+            flags = "--dp and --zero1 place" if dp is not None or zero1 is not None else "--optimizer-format nxd writes"
+            raise ConversionError(f"{ckpt.root}: {flags} optimizer state; "
                                   + ("--weights-only writes none" if weights_only else "this is not a training "
                                      "tag (no optim/)"))
         if training is not None and optimizer_format == "nxd":

@@ -37,7 +37,14 @@ from ckptconv.lr_schedule import Recorded, nxdt_lr
 from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
 from ckptconv.options import NXD_PARAM_GROUPS
 from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
-from ckptconv.training_state import MASTER, OptimizerSource, is_matrix, optimizer_file, state_tensors
+from ckptconv.training_state import (
+    MASTER,
+    OptimizerSource,
+    component_source,
+    is_matrix,
+    optimizer_file,
+    state_tensors,
+)
 
 DEFAULT_RULE = "bias-norm"
 RULE_CHOICES = (*PARAM_GROUP_RULES, "one")
@@ -53,6 +60,7 @@ _ZERO1_GROUP = ("weight_decay", "lr", "betas", "initial_lr", "eps", "amsgrad", "
 _ADAMW_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                    "differentiable": False, "fused": None, "decoupled_weight_decay": True}
 COSINE = "CosineAnnealing"
+NXDTRAIN_KEY = "nxdtrain"  # user_content.pt: nxdtrain's own record beside NxD's example keys
 
 
 def nxd_groups(names: Sequence[str], rule: str) -> list[list[str]]:
@@ -214,8 +222,6 @@ def _optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
     """ZeRO-1's optimizer dtype: the source's masters' (fp32, fp64 under XLA_DOWNCAST_BF16), else its moments'
     where they are fp32/fp64, else fp32."""
     first = weight.pieces[0].source
-    from ckptconv.training_state import component_source  # noqa: PLC0415 (one name, used here only)
-
     components = optim.components_of(first)
     for component in (MASTER, MOMENTS[0]):
         if component in components:
@@ -238,6 +244,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
     ours = optim.hyper.param_groups
     next_lr, peak = lr if lr is not None else (None, None)
     masters_kind, dtypes, narrowed, names_of = "none", set(), [], {}
+    dropped: set[str] = set()
     for shard in shards:
         ranks = parse_shard_name(Path(shard.path).name)
         assert ranks is not None, shard.path
@@ -247,6 +254,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         groups = nxd_groups(list(weights), rule)
         order = [n for g in groups for n in g]
         hypers = [_group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
+        dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
         param_groups, start = [], 0
         for hyper, group in zip(hypers, groups, strict=True):
             param_groups.append({**nxd_param_group(hyper, zero1=zero1, lr=next_lr, initial_lr=peak),
@@ -306,6 +314,8 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
                      "dropped and the moments rounded to the parameters' dtype (a resume continues from the "
                      "bf16 weights)")
+    if dropped:
+        notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(dropped))}")
     if masters_kind == "weights":
         notes.append("sharded_master_weights written from the weights (the source saved no masters)"
                      + ("; a bf16 model's masters are its weights widened, as NxD's own resume rebuilds them"
@@ -347,10 +357,7 @@ def nxd_user_content(content: Mapping[str, Any], scheduler: Mapping[str, Any]) -
     exactly: consumed samples, data order, options)."""
     step = int(content["step"])
     return {"total_steps": step, "batch_idx": step - 1, "epoch": 0, "cli_args": dict(content.get("options", {})),
-            "nxdtrain": {"user_content": dict(content), "scheduler": {**scheduler, "step": step}}}
-
-
-NXDTRAIN_KEY = "nxdtrain"
+            NXDTRAIN_KEY: {"user_content": dict(content), "scheduler": {**scheduler, "step": step}}}
 
 
 # --------------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ def test_flags_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     case = "plain_fp32"
     with pytest.raises(ConversionError, match="apply to --optimizer-format nxd only"):
         reshard(tag_of(case), tmp_path / "x", tp=1, pp=1, nxd_param_groups="one", config=_config(case), options=QUIET)
-    with pytest.raises(ConversionError, match="--weights-only writes none"):
+    with pytest.raises(ConversionError, match="--optimizer-format nxd writes optimizer state; --weights-only writes none"):
         reshard(tag_of(case), tmp_path / "y", tp=1, pp=1, weights_only=True, optimizer_format="nxd",
                 config=_config(case), options=QUIET)
 
