@@ -278,6 +278,8 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
                 step = dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)
                 entry = {STEP: step}
                 if zero1:
+                    if not weight.shape:
+                        raise ConversionError(f"{shard.path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
                     dtype = _optimizer_dtype(optim, weight)
                     dtypes.add(str(dtype).removeprefix("torch."))
                     rows = math.ceil(weight.shape[0] / dp)
