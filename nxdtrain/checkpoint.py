@@ -353,6 +353,10 @@ def _file_records(paths: list[Path], tag: Path) -> dict[str, dict[str, Any]]:
     return {rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT_HASH).items()}
 
 
+# Bands of each rank's share of a rewrite in NxD's format: every rank of a node rewrites at once, beside the model
+REWRITE_MEMORY = 256 << 20
+
+
 @dataclass
 class TagWriter:
     """Writes ``step_<N>`` tags for one rank; every rank calls :meth:`save` (it is collective)."""
@@ -418,7 +422,7 @@ class TagWriter:
                     attention=layout.attention, fuse_qkv=layout.fuse_qkv, hw_backend=layout.hw,
                     trn2_kv_layout=layout.trn2_kv_layout, dp=self.zero_size, zero1=self.nxd_zero1,
                     optimizer_format="nxd", nxd_param_groups=self.nxd_param_groups,
-                    options=RunOptions(quiet=True, part=(rank, world), workers=1))
+                    options=RunOptions(quiet=True, part=(rank, world), workers=1, max_memory=REWRITE_MEMORY))
         except ConversionError as exc:
             raise TrainError(f"{tag}: saved, but not rewritten in NxD's format (--optimizer-format nxd): {exc}") from None
         dist.barrier(group=self.host_group)

@@ -140,3 +140,14 @@ def test_reshard_of_our_tag(nxd_model: Any, tmp_path: Path) -> None:
         with NxdOptimizer.open(out) as optim:
             assert optim.naming() == naming
         assert json.loads((out / "ckptconv.json").read_text())["extra"]["nxd_optimizer"]["param_groups"] == rule
+
+
+def test_retention_counts_nxd_format_tags(nxd_model: Any, tmp_path: Path) -> None:
+    """--keep 1 deletes the older tags written in NxD's format (their ckptconv.json keeps the run's id), and the
+    rewrite leaves nothing beside the tags (its staging and the replaced tag are gone)."""
+    src = nxd_model("gqa2-4", tp=1, pp=1, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=1)
+    run_world(1, resume=str(src), checkpoint_dir=str(tmp_path / "ckpt"), log_jsonl=str(tmp_path / "log.jsonl"),
+              tp=1, pp=1, **_options(precision="fp32", steps=3, checkpoint_freq=1, keep=1))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_3"]
+    assert (tmp_path / "ckpt/step_3/done").is_file()
+    assert "nxd_optimizer" in json.loads((tmp_path / "ckpt/step_3/ckptconv.json").read_text())["extra"]
