@@ -127,6 +127,8 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
     for (tp, pp), records in records_of.items():
         file = shard_file(tp_rank=tp, pp_rank=pp)
         present = set(ckpt.keys(file))
+        # read from NxD's masters: ckptconv.json's dtype is the model files' (an NxD-format tag written here)
+        declared = ckpt.declared(file) if allowed and ckpt.weight_source is not None else None
         for record in records:
             if record.key not in present:
                 raise ConversionError(
@@ -135,7 +137,7 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
                 )
             expected = hf_record_shape(record, shapes[record.segments[0].hf_key])
             dtype, actual, _ = ckpt.info(Source(file, record.key))
-            name = str(dtype).removeprefix("torch.")
+            name = str(declared[record.key][0] if declared else dtype).removeprefix("torch.")
             if allowed and name not in allowed and not record.key.endswith("inv_freq"):
                 raise ConversionError(f"{ckpt.files[file]}: {record.key!r} is {name}, "
                                       f"{ckpt.root / METADATA_FILE} records {recorded_dtype}")

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.api import reshard
+from ckptconv.api import reshard, to_hf
 from ckptconv.cli import main as ckptconv_main
 from ckptconv.errors import ConversionError
 from ckptconv.nxd_optimizer import NxdOptimizer
 from ckptconv.options import RunOptions
-from tests.test_nxd_optimizer import FIXTURES, tag_of
+from tests.conftest import hf_state
+from tests.test_nxd_optimizer import FIXTURES, reference, tag_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
 
@@ -187,3 +188,15 @@ def test_every_case_read_back_equals_nxds(case: str, tmp_path: Path) -> None:
                 assert mine.dtype in (torch.float32, torch.float64) and torch.equal(mine, nxd.to(mine.dtype)), a.name
             if b.master is not None:
                 assert a.master is not None and a.master.dtype == b.master.dtype and torch.equal(a.master, b.master)
+
+
+def test_to_hf_of_a_written_tag_takes_its_masters(tmp_path: Path) -> None:
+    """A tag written here in NxD's format (ckptconv.json records the bf16 model files) exports its fp32 masters:
+    NxD's own values at the save (the case's reference), exactly."""
+    case = "zero1_bf16_masters"
+    wide = _nxd(tag_of(case), tmp_path / "wide", tp=2, pp=2, dp=2, zero1=True, config=_config(case))
+    to_hf(wide, tmp_path / "hf", dtype="keep", options=QUIET)
+    back, held = hf_state(tmp_path / "hf"), reference(case, "params_at_save.hf")
+    assert sorted(back) == sorted(held)
+    for key, value in held.items():
+        assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
