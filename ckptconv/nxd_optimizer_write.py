@@ -312,6 +312,8 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         raise ConversionError(f"{narrowed[0]!r}: a bf16 model's fp32 optimizer state (masters, moments) fits NxD's "
                               "files only with ZeRO-1 (NxD keeps no fp32 copy without it): pass --zero1, or "
                               "--drop-masters to drop the masters and round the moments to the parameter dtype")
+    if drop_masters and zero1:
+        notes.append("--drop-masters: nothing dropped (NxD's ZeRO-1 files keep the masters and fp32 moments)")
     if narrowed:
         notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
                      "dropped and the moments rounded to the parameters' dtype (a resume continues from the "
