@@ -46,7 +46,7 @@ from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nx
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
-from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
+from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
 from ckptconv.tag_reshard import NxdFormat, TrainingTag
 from ckptconv.training_state import is_training_tag
@@ -412,7 +412,8 @@ def reshard(
         if training is not None:
             with training:
                 plan, reader = training.extend(plan, spec_, new, notes)
-                result = _convert(plan, reader, out, training.sinks(sink_factory(target_flavour)), options, spec_,
+                sinks = training.sinks(sink_factory(target_flavour), split=target_flavour is Flavour.XSER_SPLIT)
+                result = _convert(plan, reader, out, sinks, options, spec_,
                                   "reshard", kv_replicas, sources=[Path(src), ckpt.root])
             if training.written is not None and not result.skipped and result.finalized:
                 check_written(out, training.written)  # every optimizer index read back as intended
@@ -483,7 +484,8 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
 
 def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
-    paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
+    paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files
+                                            if f.format in ("torch", NESTED_TORCH)]
     return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies] + spec.markers
 
 

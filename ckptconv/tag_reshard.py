@@ -20,7 +20,7 @@ import torch
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import FinalizeSpec
 from ckptconv.io.checked import check_whole_file
-from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink
+from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
 from ckptconv.layout import ParallelLayout, parse_shard_name
 from ckptconv.mapping import live_module_order, stores_lm_head
@@ -37,7 +37,7 @@ from ckptconv.nxd_optimizer_write import (
 )
 from ckptconv.nxd_position import nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.plan import OutFile, Plan
+from ckptconv.plan import NESTED_TORCH, OutFile, Plan
 from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
@@ -263,10 +263,13 @@ class TrainingTag:
         return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
 
     @staticmethod
-    def sinks(model_sinks: Any) -> Any:
-        """Optimizer files are plain torch zips whatever the shards' flavour."""
+    def sinks(model_sinks: Any, *, split: bool = False) -> Any:
+        """Optimizer files are plain torch zips whatever the shards' flavour; in NxD's format with ``split``
+        (xser-split shards) xser-split, as NxD's xser save writes them."""
         def make(out_file: OutFile, tmp: Path) -> Any:
             if out_file.path.startswith(OPTIM_DIR + "/"):
+                if split and out_file.format == NESTED_TORCH:
+                    return XserSplitSink(out_file, tmp)
                 return TorchZipSink(out_file, tmp)
             return model_sinks(out_file, tmp)
 

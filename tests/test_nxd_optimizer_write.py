@@ -21,6 +21,7 @@ import torch
 from ckptconv.api import reshard, to_hf
 from ckptconv.cli import main as ckptconv_main
 from ckptconv.errors import ConversionError
+from ckptconv.io.safe_load import load_small
 from ckptconv.nxd_optimizer import NxdOptimizer
 from ckptconv.options import RunOptions
 from tests.conftest import hf_state
@@ -200,3 +201,33 @@ def test_to_hf_of_a_written_tag_takes_its_masters(tmp_path: Path) -> None:
     assert sorted(back) == sorted(held)
     for key, value in held.items():
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
+
+
+def _xser(path: Path) -> tuple[Any, Any, dict[int, torch.Tensor]]:
+    """An xser-split file as (structure with tids for its TensorReferences, .info.pt, tensor by tid)."""
+    def tids(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: tids(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [tids(v) for v in value]
+        return ("tid", value.tid) if type(value).__name__ == "TensorReference" else value
+
+    info = load_small(Path(f"{path}.info.pt"))
+    tensors = {tid: _load(Path(f"{path}.tensors") / f"tensor_{tid}.pt") for tid in info}
+    return tids(load_small(path)), info, tensors
+
+
+@pytest.mark.parametrize("case", ["plain_fp32_xser", "zero1_bf16_masters_xser", "nxdt_zero1_bf16_masters_xser"])
+def test_xser_split_as_nxd_writes_it(case: str, tmp_path: Path) -> None:
+    """Shards xser-split (NxD's use_xser): the optimizer file too, as NxD splits it: the same structure with
+    TensorReferences numbered depth-first, the same .info.pt, the same tensor per tid; the model files too."""
+    zero1 = case.startswith(("zero1", "nxdt_zero1"))
+    src = tag_of(case)
+    out = _nxd(src, tmp_path / "out", tp=1, pp=1, zero1=zero1, config=_config(case))
+    for rel in (OPTIM, MODEL):
+        if rel == MODEL and not (src / MODEL).with_name(Path(MODEL).name + ".info.pt").is_file():
+            continue
+        ours, theirs = _xser(out / rel), _xser(src / rel)
+        assert_same(ours[0], theirs[0], rel)
+        assert ours[1] == theirs[1], rel
+        assert_same(ours[2], theirs[2], rel)

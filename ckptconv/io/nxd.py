@@ -32,6 +32,7 @@ from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
+from ckptconv.io.torchzip_pickle import map_tensor_at
 from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
@@ -432,16 +433,24 @@ class TorchZipSink:
 
 
 class XserSplitSink:
-    """NxD training's layout: refs file, ``.info.pt`` and one torch file per tensor."""
+    """NxD training's layout: refs file, ``.info.pt`` and one torch file per tensor. A NESTED_TORCH file (NxD's
+    optimizer state) keeps its structure, each TensorAt a TensorReference numbered depth-first, as NxD's xser
+    save numbers them."""
 
     def __init__(self, out_file: OutFile, tmp: Path) -> None:
         self.path = tmp / out_file.path
         self.tensor_dir = Path(str(self.path) + TENSORS_SUFFIX)
         self.tensor_dir.mkdir(parents=True, exist_ok=True)
-        self.tensors = out_file.tensors
+        self.out_file = out_file
+        if out_file.format == NESTED_TORCH:
+            order: list[str] = []
+            map_tensor_at(dict(out_file.plain), lambda t: order.append(t.key))
+        else:
+            order = [t.key for t in out_file.tensors]
+        self.tid = {key: tid for tid, key in enumerate(order)}
         self._writers: dict[str, TorchZipWriter] = {}
-        for tid, t in enumerate(out_file.tensors):
-            file = self.tensor_dir / f"tensor_{tid}.pt"
+        for t in out_file.tensors:
+            file = self.tensor_dir / f"tensor_{self.tid[t.key]}.pt"
             meta = TensorMeta(t.dtype, t.shape, TensorMeta.contiguous(t.dtype, t.shape).stride)
             self._writers[t.key] = TorchZipWriter(file, plan_zip(file, meta))
         self._column_major = {t.key for t in out_file.tensors if t.column_major}
@@ -454,11 +463,14 @@ class XserSplitSink:
     def finish(self) -> list[Path]:
         for writer in self._writers.values():
             writer.finish()
-        refs = {t.key: TensorReference(tid) for tid, t in enumerate(self.tensors)}
-        info = {
-            tid: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": False}
-            for tid, t in enumerate(self.tensors)
-        }
+        refs: dict[str, Any]
+        if self.out_file.format == NESTED_TORCH:
+            refs = map_tensor_at(dict(self.out_file.plain), lambda t: TensorReference(self.tid[t.key]))
+        else:
+            refs = {t.key: TensorReference(self.tid[t.key]) for t in self.out_file.tensors}
+        by_tid = sorted(self.out_file.tensors, key=lambda t: self.tid[t.key])
+        info = {self.tid[t.key]: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": False}
+                for t in by_tid}
         info_path = Path(str(self.path) + INFO_SUFFIX)
         torch.save(info, info_path)  # plain data
         save_state_dict(self.path, refs)  # our writer names TensorReference without importing torch_xla

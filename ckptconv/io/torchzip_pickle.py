@@ -207,15 +207,15 @@ class _Storages:
         return _TensorStandIn(meta, _StorageStandIn(_storage_pid(meta, self.keys[key])))
 
 
-def _with_stand_ins(value: Any, storages: _Storages) -> Any:
-    """``value`` with every TensorAt replaced by its stand-in, in pickling (depth-first, insertion) order.
+def map_tensor_at(value: Any, fn: Any) -> Any:
+    """``value`` with every TensorAt ``t`` replaced by ``fn(t)``, in pickling (depth-first, insertion) order.
     Containers without a TensorAt are kept as they are (the same objects: the same pickle memo)."""
     if type(value) is TensorAt:
-        return storages.stand_in(value.key, value.meta)
+        return fn(value)
     if type(value) in (dict, OrderedDict) and _holds_tensor_at(value):
-        return type(value)((k, _with_stand_ins(v, storages)) for k, v in value.items())
+        return type(value)((k, map_tensor_at(v, fn)) for k, v in value.items())
     if type(value) in (list, tuple) and _holds_tensor_at(value):
-        return type(value)(_with_stand_ins(v, storages) for v in value)
+        return type(value)(map_tensor_at(v, fn) for v in value)
     return value
 
 
@@ -246,7 +246,7 @@ def _stand_in_container(entries: Mapping[str, Any]) -> tuple[Any, _Storages, boo
             out[key] = storages.stand_in(key, value)
         else:
             has_ref |= _check_plain(value, f"key {key!r}")
-            out[key] = _with_stand_ins(value, storages)
+            out[key] = map_tensor_at(value, lambda t: storages.stand_in(t.key, t.meta))
     for k, v in getattr(out, "__dict__", {}).items():
         has_ref |= _check_plain(v, f"attribute {k!r}")
     return out, storages, has_ref
