@@ -11,15 +11,27 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from ckptconv.api import reshard
+from ckptconv.api import reshard, to_hf
 from ckptconv.dcp_convert import to_dcp
 from ckptconv.layout import ParallelLayout
 from ckptconv.training_state import is_training_tag
 from nxdtrain.checkpoint import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.optim import lr_at
-from tests.nxdtrain.test_nxd_resume import FP32_STATE, SCHEDULE, manifest, nxd_tag, step_3_at, step_lr
+from tests.conftest import hf_state
+from tests.nxdtrain.test_nxd_resume import (
+    CASES,
+    FP32_STATE,
+    SCHEDULE,
+    manifest,
+    nxd_tag,
+    reference,
+    step_3_at,
+    step_lr,
+)
+from tests.test_nxd_optimizer import MASTER_CASES, QUIET, expected_model_weights, masters_only
 
 TP1 = ParallelLayout(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True)
 TP2 = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
@@ -104,3 +116,47 @@ def test_the_position_module_examples() -> None:
 
     result = doctest.testmod(ckptconv.nxd_position)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_reshard_of_bf16_moments_continues_step_3(tmp_path: Path) -> None:
+    """plain_bf16 (bf16 weights and bf16 AdamW moments, no masters) resharded at its own layout (tp 1), to tp 2
+    and back to tp 1: each rank's step 3 is within 4 bf16 ulps of NxD's own and bit for bit nxdtrain's
+    direct resume of NxD's tag (see step_3_at)."""
+    nxds, tp2, back = resharded("plain_bf16", tmp_path)
+    same = reshard(nxds, tmp_path / "same", tp=1, pp=1).out
+    assert is_training_tag(same)
+    for tag, run in ((same, TP1), (tp2, TP2), (back, TP1)):
+        step_3_at("plain_bf16", nxds, tag, run, tmp_path / f"at_{tag.name}")
+
+
+# NxD's tag (tp 1 pp 1, 2 layers) to pipeline layouts: tp 2 x pp 2, and 2 virtual stages (pp 1 x vpp 2: the model's
+# 2 layers allow no pp 2 x vpp 2); nxdtrain runs no vpp, so that tag is resumed at pp 2 (resharded on load)
+PIPELINES = [(dict(tp=2, pp=2), ParallelLayout(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)),
+             (dict(tp=1, pp=1, vpp=2), ParallelLayout(tp=1, pp=2, attention="qkv_linear", fuse_qkv=True))]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("layout", "run"), PIPELINES, ids=["tp2-pp2", "vpp2"])
+@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
+def test_reshard_to_pipeline_stages_exports_and_continues_as_nxd(case: str, layout: dict[str, int],
+                                                                 run: ParallelLayout, tmp_path: Path) -> None:
+    """The resharded tag's to-hf gives exactly the weights NxD saved (its model files' values; with
+    ``--masters`` NxD's fp32 masters, where it saved them), and every (tp, pp) rank resumed from it continues
+    step 3 as NxD did (:func:`step_3_at`)."""
+    nxds = nxd_tag(case, tmp_path / "nxd")
+    out = reshard(nxds, tmp_path / "out", **layout, options=QUIET).out
+    assert is_training_tag(out)
+    held = reference(case, "params_at_save.hf")
+    shards = not masters_only(case)
+    to_hf(out, tmp_path / "hf", dtype="keep", masters=None if masters_only(case) else False, options=QUIET)
+    got = hf_state(tmp_path / "hf")
+    assert sorted(got) == sorted(held)
+    for name, value in got.items():
+        want = expected_model_weights(case, value, name) if shards else held[name]
+        assert value.dtype == want.dtype and torch.equal(value, want), name
+    if case in MASTER_CASES:
+        to_hf(out, tmp_path / "hf-masters", dtype="keep", masters=True, options=QUIET)
+        got = hf_state(tmp_path / "hf-masters")
+        assert sorted(got) == sorted(held)
+        assert all(v.dtype == held[k].dtype and torch.equal(v, held[k]) for k, v in got.items())
+    step_3_at(case, nxds, out, run, tmp_path / "step3")
