@@ -293,6 +293,7 @@ class NxdCheckpoint:
         self._masters_identity: list[tuple[str, int, int]] = []
         self._masters_owner: Any = None  # closed with this checkpoint
         self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
+        self.nxd_optimizer: Any = None  # NxD's optimizer of this tag, where nxd_masters(keep=True) kept it open
         self._declared: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # file -> declared()
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
@@ -399,6 +400,8 @@ class NxdCheckpoint:
             self._weights.close()
         if self._masters_owner is not None:
             self._masters_owner.close()
+        if self.nxd_optimizer is not None:
+            self.nxd_optimizer.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self
