@@ -338,3 +338,34 @@ def test_steps_that_disagree_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TrainError, match="the recorded steps disagree: AdamW's step 2, total_steps 3, the scheduler's "
                                          "last_epoch 2; resume with --weights-only"):
         read_nxd_state(tag, None, gbs=4)
+
+
+@pytest.mark.parametrize("case", ["zero1_bf16_masters_only_xser", "plain_fp32"])
+def test_a_rank_parses_nxds_optimizer_once(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's restore reads the weights' source (NxD's masters, or the model files) and the optimizer state
+    through one parse of NxD's optimizer files (it parsed them twice: for the weights' notes, then the state)."""
+    from ckptconv.nxd_optimizer import NxdOptimizer
+
+    tag = nxd_tag(case, tmp_path)
+    opened: list[Path] = []
+    real = NxdOptimizer.__init__
+
+    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
+        opened.append(model.root)
+        real(self, model, **kwargs)
+
+    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
+    run = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
+    source = resolve_resume(str(tag), weights_only=False)
+    opened.clear()  # resolve_resume's own look at the tag comes before (in prepare), not in the rank's restore
+    stage = StageReader(source, run, tp_rank=1, pp_rank=0, optimizer=True)
+    try:
+        weights = stage.weights()
+        state = stage.optimizer_state("model.norm.weight")
+        stage.finish()
+    finally:
+        stage.close()
+    assert len(opened) == 1
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} | ({"master"} if "masters" in case else set())
+    held = reference(case, "params_at_save.nxd")  # fp32 weights, or the masters: what NxD held
+    assert torch.equal(weights["model.norm.weight"], held["model.norm.weight"])
