@@ -47,18 +47,19 @@ class SplitRows:
     millions of rows costs 8 bytes a row here, in every process.
     """
 
-    def __init__(self, source: RowSource, lengths: Iterable[int], seq_len: int) -> None:
+    def __init__(self, source: RowSource, lengths: Iterable[int], seq_len: int, *, ends: array[int] | None = None) -> None:
+        """``ends``: the pieces' ends another process computed from the same ``lengths`` (:class:`CheckedData`)."""
         self.name, self.source, self.seq_len = source.name, source, seq_len
         # A row shorter than seq_len (only there with --pad) stays one row, padded when it is read.
-        self._ends = array("q", itertools.accumulate(max(n // seq_len, 1) for n in lengths))
-        self.size = self._ends[-1] if self._ends else 0
+        self.ends = ends if ends is not None else array("q", itertools.accumulate(max(n // seq_len, 1) for n in lengths))
+        self.size = self.ends[-1] if self.ends else 0
 
     def _locate(self, index: int) -> tuple[int, int]:
         """(source row, first token) of piece ``index``."""
         if not 0 <= index < self.size:
             raise IndexError(f"row {index} of {self.size}")
-        row = bisect.bisect_right(self._ends, index)
-        return row, (index - (self._ends[row - 1] if row else 0)) * self.seq_len
+        row = bisect.bisect_right(self.ends, index)
+        return row, (index - (self.ends[row - 1] if row else 0)) * self.seq_len
 
     def row(self, index: int) -> list[int]:
         row, start = self._locate(index)
@@ -94,6 +95,25 @@ class DataPlan:
             out.append(f"{self.short_rows:,} rows shorter than --seq-len {seq_len} are padded (--pad): "
                        f"{self.pad_positions:,} positions hold no token and are not trained on")
         return out + self.notes
+
+
+@dataclass(frozen=True)
+class CheckedData:
+    """What a check found, for the processes that train on the same data without checking it again (the
+    workers ``--nproc`` starts: their launcher checked it): the lines it says, and ``--long-rows split``'s pieces."""
+
+    lines: tuple[str, ...]
+    ends: array[int] | None = None  # SplitRows.ends; None: the rows as they are
+
+
+def checked_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool,
+                 checked: CheckedData | None = None) -> tuple[RowSource, CheckedData]:
+    """The rows to train on and what the check found: checked here (:func:`check_rows`), or as ``checked`` says."""
+    if checked is not None:
+        return (source if checked.ends is None else SplitRows(source, (), seq_len, ends=checked.ends)), checked
+    plan = check_rows(source, seq_len=seq_len, long_rows=long_rows, pad=pad)
+    lines = tuple(plan.lines(seq_len, long_rows)) if plan.rows.size is not None else ()
+    return plan.rows, CheckedData(lines, plan.rows.ends if isinstance(plan.rows, SplitRows) else None)
 
 
 def _lengths(source: RowSource, *, whole: bool) -> tuple[Iterator[tuple[int, int]], int]:
