@@ -339,13 +339,17 @@ class NxdCheckpoint:
         (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`.
         A file's headers are read once (the optimizer's reader and the precision and weight notes all ask)."""
         if file not in self._declared:
-            reader = open_shard(self.files[file], self.io, None)
+            # The model file's own reader where reads go to it (opened once, for this and the reads that follow);
+            # a reader of its own where they go elsewhere (masters), closed at once.
+            own = self._weights is None and self._masters_for is None
+            reader = self._reader(file) if own else open_shard(self.files[file], self.io, None)
             try:
                 self._declared[file] = ({key: reader.declared(key) for key in reader.keys()}
                                         if isinstance(reader, _SplitShard)
                                         else {key: reader.info(key)[:2] for key in reader.keys()})
             finally:
-                reader.close()
+                if not own:
+                    reader.close()
         return dict(self._declared[file])
 
     def unsaved_tensors(self) -> list[str]:
