@@ -160,3 +160,27 @@ def test_reshard_to_pipeline_stages_exports_and_continues_as_nxd(case: str, layo
         assert sorted(got) == sorted(held)
         assert all(v.dtype == held[k].dtype and torch.equal(v, held[k]) for k, v in got.items())
     step_3_at(case, nxds, out, run, tmp_path / "step3")
+
+
+def test_run_resumes_pipeline_tags(tmp_path: Path) -> None:
+    """``nxdtrain run --resume`` at pp 2 of NxD's tag itself, of it resharded to tp 2 x pp 2 and of it resharded to
+    2 virtual stages (nxdtrain runs no vpp: resharded on load): steps 3 and 4 with the same losses."""
+    nxds = nxd_tag("zero1_bf16_masters_only_xser", tmp_path / "nxd")
+    tags = [nxds] + [reshard(nxds, tmp_path / name, **layout, options=QUIET).out
+                     for name, (layout, _) in zip(("tp2pp2", "vpp2"), PIPELINES, strict=True)]
+    logs = []
+    for k, tag in enumerate(tags):
+        log = tmp_path / f"run{k}.jsonl"
+        argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "4", "--data",
+                "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--log-jsonl", str(log),
+                "--no-checkpoint", *SCHEDULE, "--precision", "fp32", "--pp", "2", "--nproc", "2"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        if k == 2:
+            assert "resharding on load" in done.stderr and "vpp 2" in done.stderr
+        logs.append([json.loads(line) for line in log.read_text().splitlines()])
+    assert [r["step"] for r in logs[0]] == [3, 4]
+    for other in logs[1:]:
+        for one, two in zip(logs[0], other, strict=True):
+            assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
+            assert one["consumed_samples"] == two["consumed_samples"]
