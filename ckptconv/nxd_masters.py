@@ -101,24 +101,30 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
     optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved))
     if optim is None:
         return []
-    if keep:
-        ckpt.nxd_optimizer = optim
-    if not optim.has_masters:
-        if not keep:
+
+    def release() -> None:  # the weights stay the model files'
+        if keep:
+            ckpt.nxd_optimizer = optim
+        else:
             optim.close()
+
+    if not optim.has_masters:
         if unsaved or masters:
+            optim.close()
             raise ConversionError(f"{optim.dir}: holds no master weights (NxD writes them only with ZeRO-1 and "
                                   "use_master_weights_in_ckpt)" + (f"; the model files hold no tensors ({unsaved[0]})"
                                                                   if unsaved else ""))
+        release()
         return []
     dtype = optim.dtype_of_masters()
     if not (unsaved or masters or prefer):
-        if not keep:
-            optim.close()
+        release()
         model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
         return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
                 "state training continues from: --masters reads those"]
-    ckpt.read_weights_from(MasterWeights(optim))
+    ckpt.read_weights_from(MasterWeights(optim))  # it closes what ckpt held: the optimizer is kept after it
+    if keep:
+        ckpt.nxd_optimizer = optim
     why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
            else "--masters" if masters else "present; --no-masters reads the model files")
     return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]
