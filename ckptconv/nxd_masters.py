@@ -81,10 +81,13 @@ class MasterWeights:
         self.optim.close()
 
 
-def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: str, check: bool) -> list[str]:
+def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: str, check: bool,
+                keep: bool = False) -> list[str]:
     """Point ``ckpt`` at NxD's own masters in ``optim/`` when its model files hold no tensors, when asked
     (``masters``), or by default where ``prefer``; the notes say where the weights come from. Where
-    ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`)."""
+    ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`).
+    ``keep``: the NxD optimizer opened here stays open as ``ckpt.nxd_optimizer`` (closed with ``ckpt``) for a
+    caller that reads it too (inspect's summary, a resume's optimizer state), which then need not parse it again."""
     unsaved = ckpt.unsaved_tensors()
     total = sum(len(ckpt.keys(f)) for f in ckpt.files) if unsaved else 0
     if unsaved and len(unsaved) != total:
@@ -98,20 +101,30 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
     optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved))
     if optim is None:
         return []
+
+    def release() -> None:  # the weights stay the model files'
+        if keep:
+            ckpt.nxd_optimizer = optim
+        else:
+            optim.close()
+
     if not optim.has_masters:
-        optim.close()
         if unsaved or masters:
+            optim.close()
             raise ConversionError(f"{optim.dir}: holds no master weights (NxD writes them only with ZeRO-1 and "
                                   "use_master_weights_in_ckpt)" + (f"; the model files hold no tensors ({unsaved[0]})"
                                                                   if unsaved else ""))
+        release()
         return []
     dtype = optim.dtype_of_masters()
     if not (unsaved or masters or prefer):
-        optim.close()
+        release()
         model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
         return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
                 "state training continues from: --masters reads those"]
-    ckpt.read_weights_from(MasterWeights(optim))
+    ckpt.read_weights_from(MasterWeights(optim))  # it closes what ckpt held: the optimizer is kept after it
+    if keep:
+        ckpt.nxd_optimizer = optim
     why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
            else "--masters" if masters else "present; --no-masters reads the model files")
     return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]

@@ -724,10 +724,16 @@ def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | Non
     another format); None without ``optim/``."""
     if not (model.root / OPTIM_DIR).is_dir():
         return None
+
+    def summary(optim: NxdOptimizer) -> dict[str, Any]:
+        return {"format": optim.format.value, "dp": optim.dp, "dtype": optim.dtype_of_masters(),
+                "masters": optim.has_masters, "param_groups": len(optim.groups()),
+                "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
+
+    if model.nxd_optimizer is not None:  # opened already (ckptconv.nxd_masters, keep=True): closed with the model
+        return summary(model.nxd_optimizer)
     try:
         with NxdOptimizer(model, check=check) as optim:
-            return {"format": optim.format.value, "dp": optim.dp, "dtype": optim.dtype_of_masters(),
-                    "masters": optim.has_masters, "param_groups": len(optim.groups()),
-                    "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
+            return summary(optim)
     except ValueError as exc:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
         return {"format": None, "not_read": str(exc)}

@@ -50,7 +50,7 @@ from nxdtrain.context_parallel import CpGroup
 from nxdtrain.context_parallel import check_seq_len as check_cp_seq_len
 from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
-from nxdtrain.data_check import check_rows
+from nxdtrain.data_check import CheckedData, checked_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.dist import LAUNCHER_ENV, Mesh, detect_env, init_world, local_world_size
 from nxdtrain.epochs import data_parallel
@@ -68,6 +68,11 @@ from nxdtrain.restore import StageReader
 from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+# What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
+# its workers, so that the data is checked once, before the first process, not again on every rank.
+DataChecks = tuple[CheckedData, CheckedData | None]
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class RunPlan:
     resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry, what the data check
                                         # found, what an override changed (rank 0 prints)
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
+    data_checks: DataChecks | None = None  # what the checks of --data and --eval-data found (for the workers)
 
 
 @dataclass(frozen=True)
@@ -113,8 +119,9 @@ def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: in
             for p, (loss, norm, param_norm, eval_loss) in zip(pending, values, strict=True)]
 
 
-def prepare(config: TrainConfig, world_size: int) -> RunPlan:
-    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise TrainError."""
+def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None) -> RunPlan:
+    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise
+    TrainError. ``data_checks``: the launcher's checks of this run's data (its ``RunPlan.data_checks``): not redone."""
     device = resolve_kind(config.device)
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
         why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer, cp=config.parallel.context_parallel)
@@ -147,11 +154,11 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
-    data_plan = check_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed),
-                           seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad)
-    rows = data_plan.rows
-    data_notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
-    eval_rows, eval_count = open_eval(config, source.spec.vocab)
+    rows, train_check = checked_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len,
+                                               seed=config.seed), seq_len=data.seq_len, long_rows=data.long_rows,
+                                     pad=data.pad, checked=data_checks[0] if data_checks else None)
+    data_notes = list(train_check.lines)
+    eval_rows, eval_count, eval_check = open_eval(config, source.spec.vocab, data_checks[1] if data_checks else None)
     epochs = config.epochs
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
@@ -182,17 +189,19 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count, tuple(notes), record)
+                   eval_rows, eval_count, tuple(notes), record, (train_check, eval_check))
 
 
-def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
-    """``--eval-data`` and how many global batches each evaluation takes (all full ones, or --eval-batches)."""
+def open_eval(config: TrainConfig, vocab: int,
+              checked: CheckedData | None = None) -> tuple[RowSource | None, int, CheckedData | None]:
+    """``--eval-data``, how many global batches each evaluation takes (all full ones, or --eval-batches) and what
+    its check found (``checked``: found already)."""
     data = config.data
     if not data.eval_every or not data.eval_data:
-        return None, 0
+        return None, 0, None
     # A different seed: synthetic held-out rows must not be the training rows.
-    rows = check_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
-                      seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad).rows
+    rows, eval_check = checked_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
+                                    seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad, checked=checked)
     whole = None if rows.size is None else rows.size // data.gbs
     if whole is None and data.eval_batches is None:
         raise TrainError("--eval-data synthetic has no end: give --eval-batches N")
@@ -201,7 +210,7 @@ def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
                          f"{data.gbs}")
     count = data.eval_batches if whole is None else min(whole, data.eval_batches or whole)
     assert count is not None
-    return rows, count
+    return rows, count, eval_check
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
@@ -433,10 +442,11 @@ class Trainer:
         return history, last_tag
 
 
-def train(config: TrainConfig) -> list[StepMetrics]:
-    """Train in this process as one rank of the launcher's world (or alone); export at the end if asked."""
+def train(config: TrainConfig, data_checks: DataChecks | None = None) -> list[StepMetrics]:
+    """Train in this process as one rank of the launcher's world (or alone); export at the end if asked.
+    ``data_checks``: what the launcher's checks of the data found (:func:`prepare`)."""
     env = detect_env()
-    plan = prepare(config, env.world_size)
+    plan = prepare(config, env.world_size, data_checks)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
     device = init_world(env, config.dist_timeout, plan.device)
     directory = config.checkpoint.checkpoint_dir
@@ -478,6 +488,7 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
     return to_hf(src, out, options=options)
 
 
-def run_worker(config: TrainConfig) -> None:
-    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once)."""
-    train(config)
+def run_worker(config: TrainConfig, data_checks: DataChecks | None = None) -> None:
+    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once); the
+    data was checked by the launcher (``data_checks``)."""
+    train(config, data_checks)

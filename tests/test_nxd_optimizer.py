@@ -421,3 +421,42 @@ def test_a_tag_missing_some_model_tensors_is_refused(tmp_path: Path) -> None:
     (tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors" / "tensor_3.pt").unlink()
     with pytest.raises(ConversionError, match="1 of 15 model tensors were not saved"):
         to_hf(tag, tmp_path / "hf", config=FIXTURES / "zero1_bf16_masters_xser" / "hf" / "config.json", options=QUIET)
+
+
+def test_declared_reads_a_files_headers_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """NxdCheckpoint.declared: the dtypes and shapes the masters-only tag's .info.pt records (bf16, the shapes
+    of NxD's parameters, though no tensor was saved), read once per file however often it is asked."""
+    import ckptconv.io.nxd as nxd_io
+
+    case = "zero1_bf16_masters_only_xser"
+    opened: list[Path] = []
+    real = nxd_io.open_shard
+    monkeypatch.setattr(nxd_io, "open_shard", lambda path, *a: opened.append(path) or real(path, *a))
+    ckpt = nxd_io.NxdCheckpoint(copy_tag(case, tmp_path))
+    file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    first = ckpt.declared(file)
+    first.clear()  # a caller's change reaches no later caller
+    declared = ckpt.declared(file)
+    held = reference(case, "params_at_save.nxd")
+    assert declared == {k: (torch.bfloat16, tuple(v.shape)) for k, v in held.items()}
+    assert len(opened) == 1
+    ckpt.close()
+
+
+@pytest.mark.parametrize("case", ["plain_fp32", "zero1_bf16_masters", "zero1_bf16_masters_only_xser", "zero1_bf16_dcp"])
+def test_inspect_parses_nxds_optimizer_once(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights' notes (ckptconv.nxd_masters) and the optimizer summary share one opening of NxD's optimizer,
+    whether the weights come from its masters or not; the summary is the same as a reader of its own gives."""
+    opened: list[Path] = []
+    real = NxdOptimizer.__init__
+
+    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
+        opened.append(model.root)
+        real(self, model, **kwargs)
+
+    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
+    report = inspect(tag_of(case), config=FIXTURES / case / "hf" / "config.json")
+    assert len(opened) == 1
+    with NxdOptimizer.open(tag_of(case)) as optim:
+        assert report["optimizer"]["format"] == optim.format.value
+        assert report["optimizer"]["masters"] == optim.has_masters and report["optimizer"]["step"] == optim.step()

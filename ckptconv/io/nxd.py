@@ -294,6 +294,8 @@ class NxdCheckpoint:
         self._masters_identity: list[tuple[str, int, int]] = []
         self._masters_owner: Any = None  # closed with this checkpoint
         self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
+        self.nxd_optimizer: Any = None  # NxD's optimizer of this tag, where nxd_masters(keep=True) kept it open
+        self._declared: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # file -> declared()
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
         with self._lock:
@@ -335,14 +337,21 @@ class NxdCheckpoint:
 
     def declared(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """dtype and shape of every tensor of a model file, in file order, as the shard declares them
-        (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`."""
-        reader = open_shard(self.files[file], self.io, None)
-        try:
-            if isinstance(reader, _SplitShard):
-                return {key: reader.declared(key) for key in reader.keys()}
-            return {key: reader.info(key)[:2] for key in reader.keys()}
-        finally:
-            reader.close()
+        (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`.
+        A file's headers are read once (the optimizer's reader and the precision and weight notes all ask)."""
+        if file not in self._declared:
+            # The model file's own reader where reads go to it (opened once, for this and the reads that follow);
+            # a reader of its own where they go elsewhere (masters), closed at once.
+            own = self._weights is None and self._masters_for is None
+            reader = self._reader(file) if own else open_shard(self.files[file], self.io, None)
+            try:
+                self._declared[file] = ({key: reader.declared(key) for key in reader.keys()}
+                                        if isinstance(reader, _SplitShard)
+                                        else {key: reader.info(key)[:2] for key in reader.keys()})
+            finally:
+                if not own:
+                    reader.close()
+        return dict(self._declared[file])
 
     def unsaved_tensors(self) -> list[str]:
         """``file: key`` of every model tensor whose data is absent (an xser tag saved with
@@ -396,6 +405,8 @@ class NxdCheckpoint:
             self._weights.close()
         if self._masters_owner is not None:
             self._masters_owner.close()
+        if self.nxd_optimizer is not None:
+            self.nxd_optimizer.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self
