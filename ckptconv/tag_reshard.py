@@ -95,15 +95,16 @@ class NxdFormat:
 
 
 def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> OutFile:
-    """A planned model shard with its keys in a live NxD model's parameter order (NxD's optimizer indices
-    follow it, and NxD's own saves write it), not the official converter's (fused qkv at the end)."""
+    """A planned model shard as NxD's own save writes it: its keys in a live NxD model's parameter order (NxD's
+    optimizer indices follow it), not the official converter's (fused qkv at the end), every tensor row-major."""
     ranks = parse_shard_name(Path(shard.path).name)
     assert ranks is not None, shard.path
     order = live_module_order(fmt.spec, layout, tp_rank=ranks[0], pp_rank=ranks[1], with_inv_freq=fmt.with_inv_freq)
     by_key = {t.key: t for t in shard.tensors}
     if set(order) != set(by_key):  # a tied model's shards without lm_head, say: keep the planned order
         order = [k for k in order if k in by_key] + [k for k in by_key if k not in order]
-    return replace(shard, tensors=tuple(by_key[k] for k in order))
+    # row-major, as NxD's own save holds every tensor (the official converter's column-major o_proj is not NxD's)
+    return replace(shard, tensors=tuple(replace(by_key[k], column_major=False) for k in order))
 
 
 @dataclass

@@ -57,8 +57,8 @@ def assert_same(ours: Any, theirs: Any, where: str = "") -> None:
         for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             assert_same(a, b, f"{where}[{i}]")
     elif isinstance(theirs, torch.Tensor):
-        assert (ours.dtype, ours.shape) == (theirs.dtype, theirs.shape), (where, ours.dtype, ours.shape,
-                                                                          theirs.dtype, theirs.shape)
+        assert (ours.dtype, ours.shape, ours.stride()) == (theirs.dtype, theirs.shape, theirs.stride()), (
+            where, ours.dtype, ours.shape, ours.stride(), theirs.dtype, theirs.shape, theirs.stride())
         assert torch.equal(ours, theirs), where
     else:
         assert ours == theirs, (where, ours, theirs)
