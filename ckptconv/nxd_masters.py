@@ -104,7 +104,7 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
 
     def release() -> None:  # the weights stay the model files'
         if keep:
-            ckpt.nxd_optimizer = optim
+            ckpt.keep_nxd_optimizer(optim)
         else:
             optim.close()
 
@@ -122,9 +122,9 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
         model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
         return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
                 "state training continues from: --masters reads those"]
-    ckpt.read_weights_from(MasterWeights(optim))  # it closes what ckpt held: the optimizer is kept after it
+    ckpt.read_weights_from(MasterWeights(optim))
     if keep:
-        ckpt.nxd_optimizer = optim
+        ckpt.keep_nxd_optimizer(optim)
     why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
            else "--masters" if masters else "present; --no-masters reads the model files")
     return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]

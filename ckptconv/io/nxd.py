@@ -293,7 +293,7 @@ class NxdCheckpoint:
         self._masters_identity: list[tuple[str, int, int]] = []
         self._masters_owner: Any = None  # closed with this checkpoint
         self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
-        self.nxd_optimizer: Any = None  # NxD's optimizer of this tag, where nxd_masters(keep=True) kept it open
+        self._nxd_optimizer: Any = None  # NxD's optimizer of this tag, once keep_nxd_optimizer()
         self._declared: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # file -> declared()
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
@@ -316,7 +316,7 @@ class NxdCheckpoint:
         (:func:`ckptconv.training_state.use_masters`); keys they lack (``inv_freq``) still come from the shards.
         ``identity``: the files they come from (names, sizes, mtimes), for a conversion's fingerprint;
         ``owner`` (what reads them) is closed with this checkpoint."""
-        self.close()  # readers opened so far read the shards alone
+        self._new_weight_source("use_masters")
         self._masters_for, self._masters_identity, self._masters_owner = masters_for, identity, owner
 
     def masters_identity(self) -> list[tuple[str, int, int]] | None:
@@ -326,8 +326,29 @@ class NxdCheckpoint:
     def read_weights_from(self, source: WeightSource) -> None:
         """Serve every shard's tensors from ``source`` (NxD's fp32 masters in ``optim/``) instead of
         the model files; call before reading any tensor."""
-        self.close()
+        self._new_weight_source("read_weights_from")
         self._weights = source
+
+    def _new_weight_source(self, how: str) -> None:
+        """Before the weights are read from elsewhere: the shard readers opened so far read the model files, so
+        they are dropped (only they: what else this checkpoint holds stays open). A second source would replace
+        the first one's reads unseen: refused."""
+        if self._weights is not None or self._masters_for is not None:
+            raise RuntimeError(f"{self.root}: {how}: the weights are read from another source already")
+        self._close_readers()
+
+    def keep_nxd_optimizer(self, optim: Any) -> None:
+        """Keep NxD's optimizer of this tag open for the callers that read it too (inspect's summary, a resume's
+        optimizer state; see :func:`ckptconv.nxd_masters.nxd_masters`): it is closed with this checkpoint, and
+        not before (after that its reads fail, :class:`ckptconv.nxd_optimizer.NxdOptimizer`)."""
+        if self._nxd_optimizer is not None and self._nxd_optimizer is not optim:
+            raise RuntimeError(f"{self.root}: keeps another NxD optimizer open already")
+        self._nxd_optimizer = optim
+
+    @property
+    def nxd_optimizer(self) -> Any:
+        """NxD's optimizer of this tag where :meth:`keep_nxd_optimizer` kept it, else None."""
+        return self._nxd_optimizer
 
     @property
     def weight_source(self) -> WeightSource | None:
@@ -396,16 +417,21 @@ class NxdCheckpoint:
                     out[key] = self.info(Source(file, key))[0]
         return out
 
-    def close(self) -> None:
+    def _close_readers(self) -> None:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+
+    def close(self) -> None:
+        """Close everything this checkpoint holds: the shard readers, the weight source, the masters' reader and a
+        kept NxD optimizer (whose reads then fail, not reopen)."""
+        self._close_readers()
         if self._weights is not None:
             self._weights.close()
         if self._masters_owner is not None:
             self._masters_owner.close()
-        if self.nxd_optimizer is not None:
-            self.nxd_optimizer.close()
+        if self._nxd_optimizer is not None:
+            self._nxd_optimizer.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self
