@@ -40,6 +40,7 @@ from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, T
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_masters import MasterWeights
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
@@ -450,7 +451,7 @@ def _input_files(ckpt: Any) -> list[Path]:
     """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
     weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
     files = sorted(ckpt.files.values())
-    if ckpt.weight_source is not None:
+    if isinstance(ckpt.weight_source, MasterWeights):  # nxdtrain's masters: named apart (ckpt.masters_identity)
         files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
     return files
 

@@ -59,7 +59,9 @@ class MasterShard:
 
 
 class MasterWeights:
-    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters."""
+    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model files."""
+
+    label = "NxD's master weights"
 
     def __init__(self, optim: NxdOptimizer) -> None:
         if not optim.has_masters:

@@ -72,3 +72,28 @@ def test_inspect_describes_nxdtrain_optimizer_files_of_both_formats(tag, tmp_pat
     moved = reshard(tag, tmp_path / "f2", tp=1, pp=1, dp=1, zero1=False, options=RunOptions(quiet=True)).out
     new = inspect(moved)["optimizer"]
     assert new == {**old, "format": "nxdtrain 2", "zero1": False, "dp": None, "files": 1}
+
+
+
+def test_both_kinds_of_masters_are_one_weight_source(tag):
+    """nxdtrain's masters are served as NxD's are (NxdCheckpoint.read_weights_from; they were a second mechanism
+    with fields, closing and reports of its own): the weights read are the fp32 masters of the optimizer file
+    (torch.load as the reference), inspect names the source by its label, and a second source is refused."""
+    from ckptconv.inspection import inspect
+    from ckptconv.nxd_source import open_nxd
+    from ckptconv.plan import Source
+    from ckptconv.training_state import use_masters
+
+    file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
+    ckpt, spec, layout, with_inv_freq, _ = open_nxd(tag, prefer_masters=True)
+    with ckpt:
+        assert ckpt.weight_source is not None and ckpt.weight_source.label == "nxdtrain's master weights"
+        for key in ("model.norm.weight", "model.layers.0.self_attn.qkv_proj.weight_qkv"):
+            rows = ckpt.info(Source(file, key))[1][0]
+            read = ckpt.read_rows(Source(file, key), 0, rows)
+            assert read.dtype == torch.float32 and torch.equal(read, saved[key]), key
+        with pytest.raises(RuntimeError, match=r"read from another source already \(nxdtrain's master weights\)"):
+            use_masters(ckpt, spec, layout, with_inv_freq, required=True)
+    assert inspect(tag)["weights_from"] == "model files"
+    assert inspect(tag, masters=True)["weights_from"] == "optim/ (nxdtrain's master weights)"
