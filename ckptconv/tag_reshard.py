@@ -112,7 +112,7 @@ class TrainingTag:
         except BaseException:
             nxd.close()
             raise
-        options = {"precision": "bf16" if torch.bfloat16 in ckpt.dtypes() else "fp32", "optimizer": "adamw",
+        options = {"precision": optim.precision, "optimizer": "adamw",
                    "zero1": nxd.format is not OptimFormat.ADAMW}
         content: dict[str, Any] = {"step": position.step, "rng": [], "options": options}
         notes = list(position.notes)

@@ -13,11 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
-from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
 from ckptconv.nxd_position import nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
@@ -33,22 +30,16 @@ def _hyper(groups: list[dict[str, Any]]) -> str:
     return "; ".join(f"{kind} {one(g)}" for kind, g in zip(("matrices", "vectors"), groups, strict=False))
 
 
-def _precision(ckpt: NxdCheckpoint) -> str:
-    """nxdtrain's precision of NxD's model files (as declared: a masters-only tag saved none): bf16 weights (fp32
-    masters in the optimizer) or fp32."""
-    dtypes = {d for f in ckpt.files for d, _ in ckpt.declared(f).values()}
-    return "bf16" if torch.bfloat16 in dtypes else "fp32"
-
-
 def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple[TrainingState, list[str]]:
     """The training state of NxD's tag ``tag`` and the lines that say what is mapped and what is not."""
     try:
         with NxdOptimizer.open(tag, io="read") as optim:
             zero1, masters, optimizer_step = optim.format is not OptimFormat.ADAMW, optim.has_masters, optim.step()
             described = f"{optim.format.value}, dp {optim.dp}"
-            groups = NxdTagOptimizer(optim).hyper.param_groups  # refused here, before any step, if not ours
+            as_ours = NxdTagOptimizer(optim)
+            groups = as_ours.hyper.param_groups  # refused here, before any step, if not ours
             unsaved = bool(optim.model.unsaved_tensors())
-            precision = _precision(optim.model)
+            precision = as_ours.precision
     except ConversionError as exc:
         raise TrainError(f"--resume {tag}: {damaged(exc)}") from None
     try:
