@@ -40,7 +40,7 @@ from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, T
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
-from ckptconv.nxd_masters import MasterWeights
+from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
 from ckptconv.options import DTYPES as DTYPE_NAMES
@@ -373,7 +373,8 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         training = None
         if not weights_only and is_training_tag(ckpt.root):
-            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io)
+            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
+                                        optim=nxdtrain_optimizer(ckpt))
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None):

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd import NxdCheckpoint, ShardsWithMasters
 from ckptconv.layout import ParallelLayout, shard_file
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
-from ckptconv.training_state import is_training_tag, use_masters
+from ckptconv.training_state import TagOptimizer, is_training_tag, use_masters
 
 
 class MasterShard:
@@ -161,3 +161,11 @@ def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool,
     why = "--masters" if masters else "--no-masters exports the shards"
     return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "
             f"shards' bf16 copy; {why}"]
+
+
+def nxdtrain_optimizer(ckpt: NxdCheckpoint) -> TagOptimizer | None:
+    """The optimizer files of nxdtrain's tag that :func:`nxdtrain_masters` opened for the weights, else None: a
+    caller reading the optimizer state too (reshard's and to-dcp's training tag) takes them rather than parsing
+    every file again. Closed with ``ckpt`` (a second close is harmless; a read after it fails)."""
+    source = ckpt.weight_source
+    return source.owner if isinstance(source, ShardsWithMasters) else None

@@ -97,3 +97,33 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
             use_masters(ckpt, spec, layout, with_inv_freq, required=True)
     assert inspect(tag)["weights_from"] == "model files"
     assert inspect(tag, masters=True)["weights_from"] == "optim/ (nxdtrain's master weights)"
+
+
+@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixture's model has none
+def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monkeypatch):
+    """reshard --masters and to-dcp of a bf16 tag read the weights from its masters and carry its optimizer state:
+    one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's
+    weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
+    from ckptconv import training_state
+    from ckptconv.dcp_convert import to_dcp
+    from ckptconv.io.nxd import load_shard
+
+    made = []
+    real = training_state.TagOptimizer.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(args[0])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(training_state.TagOptimizer, "__init__", counting)
+    quiet = RunOptions(quiet=True, part=(0, 1))
+    out = reshard(tag, tmp_path / "r", tp=2, pp=1, masters=True, options=quiet).out
+    assert len(made) == 1
+    to_dcp(tag, tmp_path / "dcp", options=quiet)
+    assert len(made) == 2  # one more, for to-dcp
+    for rank in range(2):
+        name = f"dp_rank_00_tp_rank_{rank:02d}_pp_rank_00.pt"
+        saved = torch.load(tag / "optim" / name, weights_only=True)["master"]  # format 1: every master, this tp rank
+        shard = load_shard(out / "model" / name)
+        assert sorted(shard) == sorted(saved)
+        assert all(shard[k].dtype == torch.float32 and torch.equal(shard[k], saved[k]) for k in saved)
