@@ -356,7 +356,8 @@ def reshard(
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check, masters=masters)
+                                                     check=options.check, masters=masters,
+                                                     keep_nxd_optimizer=True)  # NxD's tag: its state moves too
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:

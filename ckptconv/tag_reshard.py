@@ -105,7 +105,7 @@ class TrainingTag:
         """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
         :class:`~ckptconv.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
         :mod:`ckptconv.nxd_position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
-        nxd = NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)
+        nxd = ckpt.nxd_optimizer or NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)  # parsed for the weights?
         try:
             optim = NxdTagOptimizer(nxd)
             position = nxd_position(ckpt.root, nxd.step(), lambda path: _load(ckpt, path))
