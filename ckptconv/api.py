@@ -40,6 +40,7 @@ from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, T
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule, rule_of
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
@@ -366,7 +367,8 @@ def reshard(
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check, masters=masters)
+                                                     check=options.check, masters=masters,
+                                                     keep_nxd_optimizer=True)  # NxD's tag: its state moves too
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
@@ -383,7 +385,8 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         training = None
         if not weights_only and is_training_tag(ckpt.root):
-            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io)
+            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
+                                        optim=nxdtrain_optimizer(ckpt))
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
@@ -493,7 +496,7 @@ def _input_files(ckpt: Any) -> list[Path]:
     """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
     weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
     files = sorted(ckpt.files.values())
-    if ckpt.weight_source is not None:
+    if isinstance(ckpt.weight_source, MasterWeights):  # nxdtrain's masters: named apart (ckpt.masters_identity)
         files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
     return files
 

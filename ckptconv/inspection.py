@@ -116,9 +116,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
             "complete": complete,
             "problems": problems,
             "checked_files": checked,
-            "weights_from": (f"{OPTIM_DIR}/ (NxD's master weights)" if source is not None
-                             else f"{OPTIM_DIR}/ (nxdtrain's master weights)" if ckpt.masters_identity() is not None
-                             else "model files"),
+            "weights_from": f"{OPTIM_DIR}/ ({source.label})" if source is not None else "model files",
             "optimizer": optimizer,
             "notes": notes,
         }

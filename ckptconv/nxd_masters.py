@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd import NxdCheckpoint, ShardsWithMasters
 from ckptconv.layout import ParallelLayout, shard_file
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
-from ckptconv.training_state import is_training_tag, use_masters
+from ckptconv.training_state import TagOptimizer, is_training_tag, use_masters
 
 
 class MasterShard:
@@ -59,7 +59,9 @@ class MasterShard:
 
 
 class MasterWeights:
-    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters."""
+    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model files."""
+
+    label = "NxD's master weights"
 
     def __init__(self, optim: NxdOptimizer) -> None:
         if not optim.has_masters:
@@ -104,7 +106,7 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
 
     def release() -> None:  # the weights stay the model files'
         if keep:
-            ckpt.nxd_optimizer = optim
+            ckpt.keep_nxd_optimizer(optim)
         else:
             optim.close()
 
@@ -122,9 +124,9 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
         model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
         return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
                 "state training continues from: --masters reads those"]
-    ckpt.read_weights_from(MasterWeights(optim))  # it closes what ckpt held: the optimizer is kept after it
+    ckpt.read_weights_from(MasterWeights(optim))
     if keep:
-        ckpt.nxd_optimizer = optim
+        ckpt.keep_nxd_optimizer(optim)
     why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
            else "--masters" if masters else "present; --no-masters reads the model files")
     return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]
@@ -159,3 +161,11 @@ def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool,
     why = "--masters" if masters else "--no-masters exports the shards"
     return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "
             f"shards' bf16 copy; {why}"]
+
+
+def nxdtrain_optimizer(ckpt: NxdCheckpoint) -> TagOptimizer | None:
+    """The optimizer files of nxdtrain's tag that :func:`nxdtrain_masters` opened for the weights, else None: a
+    caller reading the optimizer state too (reshard's and to-dcp's training tag) takes them rather than parsing
+    every file again. Closed with ``ckpt`` (a second close is harmless; a read after it fails)."""
+    source = ckpt.weight_source
+    return source.owner if isinstance(source, ShardsWithMasters) else None

@@ -310,6 +310,7 @@ class NxdOptimizer:
         self._files: list[_OptimFile] = []
         self._dcp: DcpCheckpoint | None = None
         self.ranks: dict[tuple[int, int], _Rank] = {}
+        self._closed = False  # reads after close() fail: its leaves would otherwise reopen their files unseen
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: no optimizer state in this tag")
         try:
@@ -352,6 +353,7 @@ class NxdOptimizer:
 
     def params(self, tp_rank: int | None = None, pp_rank: int | None = None) -> Iterator[ParamState]:
         """Every parameter's state (of one rank when given), read one parameter at a time."""
+        self._check_open()
         for (tp, pp), rank in sorted(self.ranks.items()):
             if tp_rank not in (None, tp) or pp_rank not in (None, pp):
                 continue
@@ -395,6 +397,7 @@ class NxdOptimizer:
     def open_masters(self) -> None:
         """Open the file of every master (xser: one per tensor) without reading it; then
         ``finish_checks(only_read=False)`` checks every byte of them."""
+        self._check_open()
         for rank in self.ranks.values():
             for slot in rank.slots:
                 for leaf in slot.master or []:
@@ -412,6 +415,7 @@ class NxdOptimizer:
         return checked
 
     def close(self) -> None:
+        self._closed = True
         for f in self._files:
             f.close()
         self._files.clear()
@@ -429,9 +433,14 @@ class NxdOptimizer:
     # -- reading --------------------------------------------------------------------------
 
     def _rank(self, tp_rank: int, pp_rank: int) -> _Rank:
+        self._check_open()
         if (tp_rank, pp_rank) not in self.ranks:
             raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}")
         return self.ranks[(tp_rank, pp_rank)]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.dir}: read after close() (closed with the checkpoint that kept it?)")
 
     def _slot(self, tp_rank: int, pp_rank: int, name: str) -> _Slot:
         slot = self._rank(tp_rank, pp_rank).by_name.get(name)

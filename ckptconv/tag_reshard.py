@@ -123,14 +123,15 @@ class TrainingTag:
 
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
-             dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
+             dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None) -> TrainingTag:
+        """``optim``: the tag's optimizer files, where they are open already (the weights from their masters)."""
         path = ckpt.root / USER_CONTENT_FILE
         _checked(ckpt, ckpt.root / SCHEDULER_FILE)
         content = _load(ckpt, path)
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
-        optim = TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                             lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
+        optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
+                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)
 
@@ -139,7 +140,7 @@ class TrainingTag:
         """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
         :class:`~ckptconv.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
         :mod:`ckptconv.nxd_position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
-        nxd = NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)
+        nxd = ckpt.nxd_optimizer or NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)  # parsed for the weights?
         try:
             optim = NxdTagOptimizer(nxd)
             position = nxd_position(ckpt.root, nxd.step(), lambda path: _load(ckpt, path))
@@ -147,7 +148,7 @@ class TrainingTag:
         except BaseException:
             nxd.close()
             raise
-        options = {"precision": "bf16" if torch.bfloat16 in ckpt.dtypes() else "fp32", "optimizer": "adamw",
+        options = {"precision": optim.precision, "optimizer": "adamw",
                    "zero1": nxd.format is not OptimFormat.ADAMW}
         content: dict[str, Any] = {"step": position.step, "rng": [], "options": options}
         notes = list(position.notes)

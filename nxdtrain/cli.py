@@ -94,7 +94,8 @@ def _train(config: TrainConfig, *, debug: bool) -> int:
     plan = prepare(config, config.nproc)  # fail here, once, before starting anything
     if debug:
         os.environ[DEBUG_ENV] = "1"  # the processes print their tracebacks too
-    return spawn(run_worker, (config, plan.data_checks), config.nproc, preload=PRELOAD)  # the data checked once
+    # the data checked and the tag read once: the workers get what the launcher found
+    return spawn(run_worker, (config, plan.data_checks, plan.resolved), config.nproc, preload=PRELOAD)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -14,11 +14,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
-from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
 from ckptconv.nxd_optimizer_write import NXDTRAIN_KEY
 from ckptconv.nxd_position import nxd_position
@@ -34,13 +31,6 @@ def _hyper(groups: list[dict[str, Any]]) -> str:
     def one(g: dict[str, Any]) -> str:
         return (f"betas {tuple(g.get('betas', ()))}, eps {g.get('eps')}, weight decay {g.get('weight_decay')}")
     return "; ".join(f"{kind} {one(g)}" for kind, g in zip(("matrices", "vectors"), groups, strict=False))
-
-
-def _precision(ckpt: NxdCheckpoint) -> str:
-    """nxdtrain's precision of NxD's model files (as declared: a masters-only tag saved none): bf16 weights (fp32
-    masters in the optimizer) or fp32."""
-    dtypes = {d for f in ckpt.files for d, _ in ckpt.declared(f).values()}
-    return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
 
 def _ours_in_nxd_format(tag: Path, ours: dict[str, Any], step: int, gbs: int, *, zero1: bool, masters: bool,
@@ -64,9 +54,10 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
         with NxdOptimizer.open(tag, io="read") as optim:
             zero1, masters, optimizer_step = optim.format is not OptimFormat.ADAMW, optim.has_masters, optim.step()
             described = f"{optim.format.value}, dp {optim.dp}"
-            groups = NxdTagOptimizer(optim).hyper.param_groups  # refused here, before any step, if not ours
+            as_ours = NxdTagOptimizer(optim)
+            groups = as_ours.hyper.param_groups  # refused here, before any step, if not ours
             unsaved = bool(optim.model.unsaved_tensors())
-            precision = _precision(optim.model)
+            precision = as_ours.precision
     except ConversionError as exc:
         raise TrainError(f"--resume {tag}: {damaged(exc)}") from None
     try:

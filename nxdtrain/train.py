@@ -76,6 +76,17 @@ DataChecks = tuple[CheckedData, CheckedData | None]
 
 
 @dataclass(frozen=True)
+class Resolved:
+    """What ``--resume`` resolved to and what the tag's training state holds (None: weights only), with the lines
+    reading it said: the launcher of --nproc passes it to its workers, which would otherwise each read every
+    shard's header again (and parse NxD's optimizer files, for NxD's tags) for what the launcher already knows."""
+
+    source: ResumeSource
+    state: TrainingState | None
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A run checked against its checkpoint and world size, before any process group exists."""
 
@@ -95,6 +106,7 @@ class RunPlan:
                                         # found, what an override changed (rank 0 prints)
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
     data_checks: DataChecks | None = None  # what the checks of --data and --eval-data found (for the workers)
+    resolved: Resolved | None = None       # --resume resolved and its state read (for the workers)
 
 
 @dataclass(frozen=True)
@@ -119,9 +131,11 @@ def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: in
             for p, (loss, norm, param_norm, eval_loss) in zip(pending, values, strict=True)]
 
 
-def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None) -> RunPlan:
+def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
+            resolved: Resolved | None = None) -> RunPlan:
     """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise
-    TrainError. ``data_checks``: the launcher's checks of this run's data (its ``RunPlan.data_checks``): not redone."""
+    TrainError. ``data_checks``: the launcher's checks of this run's data (its ``RunPlan.data_checks``): not redone;
+    ``resolved``: the launcher's ``RunPlan.resolved``: the tag is not resolved and read again."""
     device = resolve_kind(config.device)
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
         why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer, cp=config.parallel.context_parallel)
@@ -131,7 +145,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         if why is not None:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
-    source = resolve_start(config.checkpoint)
+    source = resolve_start(config.checkpoint) if resolved is None else resolved.source
     layout = run_layout(config.parallel, source.layout, source.spec)
     try:
         layout.check_model(source.spec)
@@ -163,13 +177,9 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
-    resume_state: TrainingState | None = None
-    nxd_notes: list[str] = []
-    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
-        resume_state, nxd_notes = read_nxd_state(source.root, source.checks(), gbs=data.gbs)
-    elif source.full:
-        resume_state = read_training_state(source.root, source.checks(), gbs=data.gbs)
-        nxd_notes = resume_state.notes
+    if resolved is None:
+        resolved = Resolved(source, *read_state(source, gbs=data.gbs))
+    resume_state, nxd_notes = resolved.state, list(resolved.notes)
     # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
     notes = data_notes + nxd_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
                                       world=world_size, optimizer=config.optim.optimizer)
@@ -189,7 +199,18 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count, tuple(notes), record, (train_check, eval_check))
+                   eval_rows, eval_count, tuple(notes), record, (train_check, eval_check), resolved)
+
+
+def read_state(source: ResumeSource, *, gbs: int) -> tuple[TrainingState | None, tuple[str, ...]]:
+    """The training state of a full resume's tag (None: weights only) and the lines that say how it was read."""
+    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
+        state, lines = read_nxd_state(source.root, source.checks(), gbs=gbs)
+        return state, tuple(lines)
+    if source.full:
+        state = read_training_state(source.root, source.checks(), gbs=gbs)
+        return state, tuple(state.notes)
+    return None, ()
 
 
 def open_eval(config: TrainConfig, vocab: int,
@@ -442,11 +463,12 @@ class Trainer:
         return history, last_tag
 
 
-def train(config: TrainConfig, data_checks: DataChecks | None = None) -> list[StepMetrics]:
+def train(config: TrainConfig, data_checks: DataChecks | None = None,
+          resolved: Resolved | None = None) -> list[StepMetrics]:
     """Train in this process as one rank of the launcher's world (or alone); export at the end if asked.
-    ``data_checks``: what the launcher's checks of the data found (:func:`prepare`)."""
+    ``data_checks``, ``resolved``: what the launcher's checks of the data and of --resume found (:func:`prepare`)."""
     env = detect_env()
-    plan = prepare(config, env.world_size, data_checks)
+    plan = prepare(config, env.world_size, data_checks, resolved)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
     device = init_world(env, config.dist_timeout, plan.device)
     directory = config.checkpoint.checkpoint_dir
@@ -488,7 +510,7 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
     return to_hf(src, out, options=options)
 
 
-def run_worker(config: TrainConfig, data_checks: DataChecks | None = None) -> None:
+def run_worker(config: TrainConfig, data_checks: DataChecks | None = None, resolved: Resolved | None = None) -> None:
     """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once); the
-    data was checked by the launcher (``data_checks``)."""
-    train(config, data_checks)
+    data was checked and --resume resolved by the launcher (``data_checks``, ``resolved``)."""
+    train(config, data_checks, resolved)

@@ -460,3 +460,33 @@ def test_inspect_parses_nxds_optimizer_once(case: str, monkeypatch: pytest.Monke
     with NxdOptimizer.open(tag_of(case)) as optim:
         assert report["optimizer"]["format"] == optim.format.value
         assert report["optimizer"]["masters"] == optim.has_masters and report["optimizer"]["step"] == optim.step()
+
+
+def test_a_kept_optimizer_lives_until_its_checkpoint_closes(tmp_path: Path) -> None:
+    """NxD's optimizer kept by its checkpoint (what nxd_masters(keep=True) does) stays open when the weights switch
+    to its masters (the switch closed everything the checkpoint held, the kept optimizer too, whose files then
+    reopened unseen: nxd_masters had to keep it after the switch); once the checkpoint closes it, a read fails
+    loudly instead of reopening its files. A second weight source or kept optimizer is refused."""
+    from ckptconv.io.nxd import NxdCheckpoint
+    from ckptconv.nxd_masters import MasterWeights
+    from ckptconv.plan import Source
+
+    case = "zero1_bf16_masters_only_xser"
+    ckpt = NxdCheckpoint(copy_tag(case, tmp_path), io="read")
+    optim = NxdOptimizer(ckpt, io="read")
+    ckpt.keep_nxd_optimizer(optim)
+    ckpt.read_weights_from(MasterWeights(optim))
+    held = reference(case, "params_at_save.nxd")
+    name = "model.norm.weight"
+    file = next(f for f in ckpt.files if name in ckpt.keys(f))
+    assert torch.equal(optim.rows(0, 0, name, "master", 0, 2), held[name][:2])  # open (a closed one would raise)
+    assert torch.equal(ckpt.read_rows(Source(file, name), 0, held[name].shape[0]), held[name])
+    with pytest.raises(RuntimeError, match="the weights are read from another source already"):
+        ckpt.read_weights_from(MasterWeights(optim))
+    with NxdOptimizer(ckpt, io="read") as other, pytest.raises(RuntimeError, match="keeps another NxD optimizer"):
+        ckpt.keep_nxd_optimizer(other)
+    ckpt.close()
+    with pytest.raises(RuntimeError, match=r"optim: read after close\(\)"):
+        optim.rows(0, 0, name, "exp_avg", 0, 2)
+    with pytest.raises(RuntimeError, match=r"read after close\(\)"):
+        ckpt.read_rows(Source(file, name), 0, 1)  # the weights come from the closed optimizer's masters

@@ -226,7 +226,7 @@ OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.tr
 
 
 class _WithMasters:
-    """One shard whose tensors come from nxdtrain's fp32 masters where they have them."""
+    """One shard whose tensors come from nxdtrain's fp32 masters where they have them (a ShardsWithMasters reader)."""
 
     def __init__(self, shard: FileReader | _SplitShard, masters: Any) -> None:
         self.shard, self.masters = shard, masters
@@ -250,13 +250,40 @@ class _WithMasters:
 
 
 class WeightSource(Protocol):
-    """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files."""
+    """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files alone: NxD's masters
+    (:class:`ckptconv.nxd_masters.MasterWeights`, in place of the model files) or nxdtrain's
+    (:class:`ShardsWithMasters`, over them)."""
 
-    def shard(self, file: str) -> FileReader: ...
+    label: str  # where the weights come from, in a report's words
+
+    def shard(self, file: str) -> FileReader | _WithMasters: ...
 
     def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int: ...
 
     def close(self) -> None: ...
+
+
+class ShardsWithMasters:
+    """A :class:`WeightSource`: each model file with the fp32 masters an nxdtrain bf16 run keeps over it
+    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training_state.use_masters`); keys they
+    lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
+    conversion's fingerprint; ``owner`` (what reads them) is closed with the checkpoint."""
+
+    label = "nxdtrain's master weights"
+
+    def __init__(self, ckpt: NxdCheckpoint, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]],
+                 owner: Any) -> None:
+        self.ckpt, self.masters_for, self.identity, self.owner = ckpt, masters_for, identity, owner
+
+    def shard(self, file: str) -> _WithMasters:
+        ckpt = self.ckpt
+        return _WithMasters(open_shard(ckpt.files[file], ckpt.io, ckpt.checks), self.masters_for(file))
+
+    def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int:
+        return 0  # the masters are read through the checkpoint's own checks (CheckedFiles shared with the owner)
+
+    def close(self) -> None:
+        self.owner.close()
 
 
 class NxdCheckpoint:
@@ -290,11 +317,8 @@ class NxdCheckpoint:
         self.flavour = detect_flavour(first)
         self._readers: dict[str, FileReader | _SplitShard | _WithMasters] = {}
         self._lock = threading.Lock()
-        self._masters_for: Callable[[str], Any] | None = None  # once use_masters(): shard -> its masters' reader
-        self._masters_identity: list[tuple[str, int, int]] = []
-        self._masters_owner: Any = None  # closed with this checkpoint
-        self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
-        self.nxd_optimizer: Any = None  # NxD's optimizer of this tag, where nxd_masters(keep=True) kept it open
+        self._weights: WeightSource | None = None  # NxD's or nxdtrain's masters (read_weights_from), or None
+        self._nxd_optimizer: Any = None  # NxD's optimizer of this tag, once keep_nxd_optimizer()
         self._declared: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # file -> declared()
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
@@ -302,37 +326,48 @@ class NxdCheckpoint:
             if file not in self._readers:
                 if file not in self.files:
                     raise ConversionError(f"{self.model_dir}: no shard {file}")
-                if self._weights is not None:
-                    self._readers[file] = self._weights.shard(file)
-                else:
-                    shard = open_shard(self.files[file], self.io, self.checks)
-                    self._readers[file] = shard if self._masters_for is None else _WithMasters(
-                        shard, self._masters_for(file))
+                self._readers[file] = (open_shard(self.files[file], self.io, self.checks) if self._weights is None
+                                       else self._weights.shard(file))
             return self._readers[file]
 
     def use_masters(self, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]],
                     owner: Any) -> None:
-        """Read the weights from fp32 master weights (nxdtrain's bf16 runs keep them with the optimizer state)
-        instead of the shards' rounded copy: ``masters_for(shard file)`` reads that shard's masters
-        (:func:`ckptconv.training_state.use_masters`); keys they lack (``inv_freq``) still come from the shards.
-        ``identity``: the files they come from (names, sizes, mtimes), for a conversion's fingerprint;
-        ``owner`` (what reads them) is closed with this checkpoint."""
-        self.close()  # readers opened so far read the shards alone
-        self._masters_for, self._masters_identity, self._masters_owner = masters_for, identity, owner
+        """Read the weights from the fp32 masters an nxdtrain bf16 run keeps with its optimizer state instead of
+        the shards' rounded copy (:class:`ShardsWithMasters`)."""
+        self.read_weights_from(ShardsWithMasters(self, masters_for, identity, owner))
 
     def masters_identity(self) -> list[tuple[str, int, int]] | None:
-        """The optimizer files read for master weights (names, sizes, mtimes), or None."""
-        return self._masters_identity if self._masters_for is not None else None
+        """nxdtrain's optimizer files read for its master weights (names, sizes, mtimes), or None (NxD's optimizer
+        files are among a conversion's input files instead: ``ckptconv.api._input_files``)."""
+        return self._weights.identity if isinstance(self._weights, ShardsWithMasters) else None
 
     def read_weights_from(self, source: WeightSource) -> None:
-        """Serve every shard's tensors from ``source`` (NxD's fp32 masters in ``optim/``) instead of
-        the model files; call before reading any tensor."""
-        self.close()
+        """Serve every shard's tensors from ``source`` (fp32 masters in ``optim/``) instead of the model files
+        alone; call before reading any tensor. The shard readers opened so far read the model files, so they are
+        dropped (only they: what else this checkpoint holds stays open). A second source would replace the
+        first one's reads unseen: refused."""
+        if self._weights is not None:
+            raise RuntimeError(f"{self.root}: the weights are read from another source already "
+                               f"({self._weights.label})")
+        self._close_readers()
         self._weights = source
+
+    def keep_nxd_optimizer(self, optim: Any) -> None:
+        """Keep NxD's optimizer of this tag open for the callers that read it too (inspect's summary, a resume's
+        optimizer state; see :func:`ckptconv.nxd_masters.nxd_masters`): it is closed with this checkpoint, and
+        not before (after that its reads fail, :class:`ckptconv.nxd_optimizer.NxdOptimizer`)."""
+        if self._nxd_optimizer is not None and self._nxd_optimizer is not optim:
+            raise RuntimeError(f"{self.root}: keeps another NxD optimizer open already")
+        self._nxd_optimizer = optim
+
+    @property
+    def nxd_optimizer(self) -> Any:
+        """NxD's optimizer of this tag where :meth:`keep_nxd_optimizer` kept it, else None."""
+        return self._nxd_optimizer
 
     @property
     def weight_source(self) -> WeightSource | None:
-        """Where tensors are read from when not the model files (see :meth:`read_weights_from`)."""
+        """Where tensors are read from when not the model files alone (see :meth:`read_weights_from`)."""
         return self._weights
 
     def declared(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -342,7 +377,7 @@ class NxdCheckpoint:
         if file not in self._declared:
             # The model file's own reader where reads go to it (opened once, for this and the reads that follow);
             # a reader of its own where they go elsewhere (masters), closed at once.
-            own = self._weights is None and self._masters_for is None
+            own = self._weights is None
             reader = self._reader(file) if own else open_shard(self.files[file], self.io, None)
             try:
                 self._declared[file] = ({key: reader.declared(key) for key in reader.keys()}
@@ -397,16 +432,19 @@ class NxdCheckpoint:
                     out[key] = self.info(Source(file, key))[0]
         return out
 
-    def close(self) -> None:
+    def _close_readers(self) -> None:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+
+    def close(self) -> None:
+        """Close everything this checkpoint holds: the shard readers, the weight source and a kept NxD optimizer
+        (whose reads then fail, not reopen)."""
+        self._close_readers()
         if self._weights is not None:
             self._weights.close()
-        if self._masters_owner is not None:
-            self._masters_owner.close()
-        if self.nxd_optimizer is not None:
-            self.nxd_optimizer.close()
+        if self._nxd_optimizer is not None:
+            self._nxd_optimizer.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self

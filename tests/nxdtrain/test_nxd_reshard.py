@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -184,3 +185,52 @@ def test_run_resumes_pipeline_tags(tmp_path: Path) -> None:
         for one, two in zip(logs[0], other, strict=True):
             assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
             assert one["consumed_samples"] == two["consumed_samples"]
+
+
+@pytest.mark.parametrize("case", ["zero1_bf16_masters_only_xser", "zero1_downcast_fp64_masters"])
+def test_the_resharded_tag_resumes_as_nxds_tag_does(case: str, tmp_path: Path) -> None:
+    """NxD's bf16 tags with masters (a masters-only xser tag; XLA_DOWNCAST_BF16's fp64 masters) resumed directly
+    and after ``ckptconv reshard`` at the same layout: each path in the precision it records (bf16: NxD's model
+    files declare bf16 weights; every reshard of NxD's tag recorded fp32, so its run trained in fp32), then step 3
+    with the recorded gradients: the same model dtype and the same fp32 masters, bit for bit."""
+    from nxdtrain.nxd_resume import read_nxd_state
+    from tests.nxdtrain.test_nxd_resume import restored
+
+    nxds = nxd_tag(case, tmp_path / "nxd")
+    out = reshard(nxds, tmp_path / "same", tp=1, pp=1).out
+    precisions = [read_nxd_state(nxds, None, gbs=4)[0].options["precision"],
+                  read_training_state(out, None, gbs=4).options["precision"]]
+    assert precisions == ["bf16", "bf16"]
+    grads, lr = reference(case, "grads_next.nxd"), step_lr(case, nxds)
+    after = []
+    for tag, precision in zip((nxds, out), precisions, strict=True):
+        optimizer = restored(tag, TP1, 0, torch.bfloat16 if precision == "bf16" else torch.float32)
+        for name in optimizer.names:
+            optimizer.master[name].grad = grads[name].to(torch.float32)
+        optimizer.step(lr)
+        after.append({name: optimizer.master[name].detach() for name in optimizer.names})
+    direct, again = after
+    assert sorted(direct) == sorted(again)
+    for name, value in direct.items():
+        assert value.dtype == again[name].dtype == torch.float32 and torch.equal(value, again[name]), name
+
+
+@pytest.mark.parametrize("case", ["zero1_bf16_masters_only_xser", "plain_fp32"])
+def test_reshard_parses_nxds_optimizer_once(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights' look at NxD's optimizer (its masters, or the note that they exist) and the state the reshard
+    moves share one parse of NxD's optimizer files (two before); the tag still continues step 3 as NxD did."""
+    from ckptconv.nxd_optimizer import NxdOptimizer
+
+    made: list[Path] = []
+    real = NxdOptimizer.__init__
+
+    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
+        made.append(model.root)
+        real(self, model, **kwargs)
+
+    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
+    nxds = nxd_tag(case, tmp_path / "nxd")
+    out = reshard(nxds, tmp_path / "tp2", tp=2, pp=1).out
+    assert made == [nxds]
+    monkeypatch.setattr(NxdOptimizer, "__init__", real)
+    step_3_at(case, nxds, out, TP2, tmp_path / "at_tp2")

@@ -378,3 +378,44 @@ def test_a_rank_parses_nxds_optimizer_once(case: str, tmp_path: Path, monkeypatc
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} | ({"master"} if "masters" in case else set())
     held = reference(case, "params_at_save.nxd")  # fp32 weights, or the masters: what NxD held
     assert torch.equal(weights["model.norm.weight"], held["model.norm.weight"])
+
+
+def test_the_workers_take_the_launchers_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--nproc's launcher resolves --resume and reads the tag's state once and hands both to its workers (they
+    each read every shard's header and parsed NxD's optimizer files again): what it passes survives the trip to a
+    process (pickled), and a worker's prepare given it opens no file of the tag yet plans the same run."""
+    import os
+    import pickle
+
+    import nxdtrain.dist
+    from nxdtrain.cli import main
+    from nxdtrain.train import prepare
+
+    tag = nxd_tag("zero1_bf16_masters_only_xser", tmp_path)
+    passed: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(nxdtrain.dist, "spawn", lambda fn, args, nprocs, **kw: passed.append(args) or 0)
+    argv = ["run", "--resume", str(tag), "--steps", "4", "--data", "synthetic", "--seq-len", "16", "--gbs", "4",
+            "--mbs", "1", "--no-checkpoint", "--precision", "fp32", "--nproc", "2", *SCHEDULE]
+    assert main(argv) == 0
+    config, data_checks, resolved = pickle.loads(pickle.dumps(passed[0]))  # as a worker receives them
+    launcher = prepare(config, 2)
+    assert resolved.source == launcher.source and resolved.notes == launcher.resolved.notes
+
+    opened: list[str] = []
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and isinstance(args[0], (str, os.PathLike)) and str(args[0]).startswith(str(tag)):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)  # stays installed (an audit hook cannot be removed): it only records while `tag` is read
+    before = len(opened)
+    worker = prepare(config, 2, data_checks, resolved)
+    assert opened[before:] == []
+    launcher_again = prepare(config, 2)
+    assert len(opened) > before  # the hook sees the tag's files when prepare reads them
+    assert worker.resume_notes == launcher_again.resume_notes and worker.source == launcher_again.source
+    assert worker.resume_state is not None and launcher_again.resume_state is not None
+    ours, again = worker.resume_state, launcher_again.resume_state
+    assert (ours.step, ours.consumed_samples, ours.options, ours.run) == (
+        again.step, again.consumed_samples, again.options, again.run)
+    assert ours.step == 2 and ours.consumed_samples == 8  # NxD's step 2 x --gbs 4
