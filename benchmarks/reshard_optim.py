@@ -8,6 +8,7 @@ RSS is reported.
 
     python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384
     python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384 --to-dcp   # TorchTitan's DCP
+    python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384 --nxd-format  # NxD's own format
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maxim
          "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
 
 
-def make_training_tag(tag: Path) -> int:
+def make_training_tag(tag: Path, schedule: str = "cosine") -> int:
     """Turn converted shards into an nxdtrain-like tag; return the optimizer bytes written."""
     (tag / "optim").mkdir()
     total = 0
@@ -53,7 +54,7 @@ def make_training_tag(tag: Path) -> int:
             total += 3 * w.numel() * 4
         torch.save(flat, tag / "optim" / shard.name)
         del weights, flat
-    torch.save({"step": 100, "schedule": "cosine", "lr": 1e-4, "min_lr": 1e-5, "warmup": 10, "decay_steps": 1000},
+    torch.save({"step": 100, "schedule": schedule, "lr": 1e-4, "min_lr": 1e-5, "warmup": 10, "decay_steps": 1000},
                tag / SCHEDULER_FILE)
     torch.save({"step": 100, "consumed_samples": 400, "rng": [], "options": {"tp": 8, "pp": 1}}, tag / USER_CONTENT_FILE)
     meta = read_metadata(tag)
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--to-dcp", action="store_true", help="measure to-dcp (TorchTitan) instead of reshard")
+    parser.add_argument("--nxd-format", action="store_true",
+                        help="reshard into NxD's own optimizer format (--optimizer-format nxd)")
     args = parser.parse_args()
     work = args.work
     shutil.rmtree(work, ignore_errors=True)
@@ -89,7 +92,7 @@ def main() -> None:
     tag = work / "tag"
     to_nxd(work / "hf", tag, tp=8, attention="qkv_linear", fuse_qkv=True, options=RunOptions(quiet=True, part=(0, 1)))
     shutil.rmtree(work / "hf")
-    optim_bytes = make_training_tag(tag)
+    optim_bytes = make_training_tag(tag, "CosineAnnealing" if args.nxd_format else "cosine")
     if args.to_dcp:
         cli, flags, state_flags = [sys.executable, "-m", "ckptconv.cli", "to-dcp", str(tag)], ["--quiet", "--io", "read"], []
         what = "tp 8 -> TorchTitan DCP"
@@ -97,6 +100,9 @@ def main() -> None:
         cli = [sys.executable, "-m", "ckptconv.cli", "reshard", str(tag)]
         flags, state_flags = ["--tp", "4", "--pp", "1", "--quiet", "--io", "read"], ["--dp", "2", "--zero1"]
         what = "tp 8 -> tp 4 x dp 2 ZeRO-1"
+        if args.nxd_format:
+            state_flags.extend(["--optimizer-format", "nxd"])
+            what += " in NxD's format"
     with_state = peak([*cli, str(work / "out-state"), *flags, *state_flags])
     shutil.rmtree(work / "out-state")
     weights = peak([*cli, str(work / "out-weights"), *flags, "--weights-only"])

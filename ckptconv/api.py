@@ -40,13 +40,16 @@ from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, T
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
+from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule, rule_of
 from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
+from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
-from ckptconv.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
+from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
-from ckptconv.tag_reshard import TrainingTag
+from ckptconv.tag_reshard import NxdFormat, TrainingTag
 from ckptconv.training_state import is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
@@ -336,6 +339,9 @@ def reshard(
     dp: int | None = None,
     zero1: bool | None = None,
     weights_only: bool = False,
+    optimizer_format: str = "nxdtrain",
+    nxd_param_groups: str | None = None,
+    drop_masters: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
@@ -350,12 +356,19 @@ def reshard(
     step, consumed samples, schedule and options come along. A tag of NxD's own code (``optim/`` in NxD's
     format, :mod:`ckptconv.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
     mapped by :mod:`ckptconv.nxd_position`. ``weights_only``: the shards alone.
+
+    ``optimizer_format="nxd"`` writes the optimizer state in NxD's own format instead
+    (:mod:`ckptconv.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
+    NxD's Llama example; ``bias-LayerNorm``; ``one``), checked by reading the files back; ``drop_masters``
+    accepts losing a bf16 model's fp32 state without ZeRO-1.
     """
     options = options or RunOptions()
+    _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything is opened
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check, masters=masters)
+                                                     check=options.check, masters=masters,
+                                                     keep_nxd_optimizer=True)  # NxD's tag: its state moves too
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:
@@ -372,13 +385,25 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
         training = None
         if not weights_only and is_training_tag(ckpt.root):
-            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io)
+            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
+                                        optim=nxdtrain_optimizer(ckpt))
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
-        if training is None and (dp is not None or zero1 is not None):
-            raise ConversionError(f"{ckpt.root}: --dp and --zero1 place optimizer state; "
+        if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
+            flags = "--dp and --zero1 place" if dp is not None or zero1 is not None else "--optimizer-format nxd writes"
+            raise ConversionError(f"{ckpt.root}: {flags} optimizer state; "
                                   + ("--weights-only writes none" if weights_only else "this is not a training "
                                      "tag (no optim/)"))
+        if training is not None and optimizer_format == "nxd":
+            rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)
+            saved = rule_of(training.optim.optim) if isinstance(training.optim, NxdTagOptimizer) else None
+            if nxd_param_groups is None and saved is not None:  # NxD's tag: its own groups, which its run rebuilds
+                rule = saved
+                notes.append(f"param groups as NxD's tag has them ({describe_rule(saved)})")
+            elif saved is not None and rule != saved:
+                notes.append(f"param groups regrouped by --nxd-param-groups {rule}: NxD's tag had "
+                             f"{describe_rule(saved)}; the NxD run that loads it must build the new groups")
+            training.nxd_format = NxdFormat(rule or DEFAULT_RULE, drop_masters, spec, with_inv_freq)
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(_input_files(ckpt)),
                                    None if training is None else training.identity())
@@ -390,8 +415,13 @@ def reshard(
         if training is not None:
             with training:
                 plan, reader = training.extend(plan, spec_, new, notes)
-                result = _convert(plan, reader, out, training.sinks(sink_factory(target_flavour)), options, spec_,
+                sinks = training.sinks(sink_factory(target_flavour), split=target_flavour is Flavour.XSER_SPLIT)
+                result = _convert(plan, reader, out, sinks, options, spec_,
                                   "reshard", kv_replicas, sources=[Path(src), ckpt.root])
+            if training.written is not None and not result.skipped and result.finalized:
+                check_written(out, training.written)  # every optimizer index read back as intended
+                notes.append(f"read back with NxD's optimizer reader: every index named as written "
+                             f"({describe_rule(training.written.rule)})")
         else:
             result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
                               sources=[Path(src), ckpt.root])
@@ -399,6 +429,21 @@ def reshard(
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
     return result
+
+
+def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> str | None:
+    """``--optimizer-format``/``--nxd-param-groups``/``--drop-masters`` checked: the param-group rule (None:
+    nxdtrain's format)."""
+    if optimizer_format not in ("nxdtrain", "nxd"):
+        raise ConversionError(f"--optimizer-format must be nxdtrain or nxd, got {optimizer_format!r}")
+    if optimizer_format == "nxdtrain":
+        if rule is not None or drop_masters:
+            raise ConversionError("--nxd-param-groups and --drop-masters apply to --optimizer-format nxd only")
+        return None
+    rule = DEFAULT_RULE if rule is None else rule
+    if rule not in RULE_CHOICES:
+        raise ConversionError(f"--nxd-param-groups must be one of {', '.join(RULE_CHOICES)}, got {rule!r}")
+    return rule
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,7 +487,8 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
 
 def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
     """Every path this conversion may create in OUT (declared before the first byte is written)."""
-    paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files if f.format == "torch"]
+    paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files
+                                            if f.format in ("torch", NESTED_TORCH)]
     return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies] + spec.markers
 
 
@@ -450,7 +496,7 @@ def _input_files(ckpt: Any) -> list[Path]:
     """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
     weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
     files = sorted(ckpt.files.values())
-    if ckpt.weight_source is not None:
+    if isinstance(ckpt.weight_source, MasterWeights):  # nxdtrain's masters: named apart (ckpt.masters_identity)
         files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
     return files
 

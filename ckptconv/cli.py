@@ -24,7 +24,7 @@ from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
 from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.metadata import add_version_flag
-from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, RunOptions
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, RunOptions
 
 if TYPE_CHECKING:
     from ckptconv.api import Result
@@ -173,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None,
                    help="training tag: optimizer state partitioned over --dp ranks (ZeRO-1) or one file per shard "
                         "(default: the tag's)")
+    p.add_argument("--optimizer-format", choices=("nxdtrain", "nxd"), default="nxdtrain",
+                   help="training tag: write the optimizer state in nxdtrain's format 2 (default) or in NxD's own "
+                        "(NeuronZero1Optimizer / torch AdamW state dicts, NxD's scheduler.pt and user_content.pt), "
+                        "so that NxD resumes it")
+    p.add_argument("--nxd-param-groups", choices=NXD_PARAM_GROUPS, default=None,
+                   help="with --optimizer-format nxd: the param groups of the NxD run that loads the tag: bias-norm "
+                        "(NxD's Llama example, default), bias-LayerNorm (other NxD/NxDT examples) or one")
+    p.add_argument("--drop-masters", action="store_true",
+                   help="with --optimizer-format nxd --no-zero1: accept dropping a bf16 model's fp32 masters and "
+                        "rounding its moments (NxD keeps no fp32 state without ZeRO-1)")
     p.add_argument("--weights-only", action="store_true",
                    help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
@@ -297,7 +307,8 @@ def run(args: argparse.Namespace) -> Any:
             attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
-            dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, options=options,
+            dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, optimizer_format=args.optimizer_format,
+            nxd_param_groups=args.nxd_param_groups, drop_masters=args.drop_masters, options=options,
             hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
                               override=args.override_recorded_layout, style="reshard"),
         )

@@ -49,6 +49,7 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
 from ckptconv.mapping import check_source_shapes, stores_lm_head
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_masters import nxdtrain_optimizer
 from ckptconv.nxd_source import model_spec_of, open_nxd
 from ckptconv.plan import OutTensor, Plan, hf_sources
 from ckptconv.plan_dcp import (
@@ -153,7 +154,8 @@ def to_dcp(
                                                                   prefer_masters=True)
         with ckpt, contextlib.ExitStack() as stack:
             training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
-                TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io))
+                TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,
+                                 optim=nxdtrain_optimizer(ckpt)))
             if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
                 read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
                                   "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")

@@ -75,11 +75,12 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
     from ckptconv.nxd_source import open_nxd
 
     try:
-        ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, masters=masters)
+        ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, masters=masters,
+                                                            keep_nxd_optimizer=True)
         undecided = None
     except AmbiguousLayout as exc:  # describe what is known; the layout's hardware stays open
         ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"},
-                                                masters=masters)
+                                                            masters=masters, keep_nxd_optimizer=True)
         undecided = str(exc)
         notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:
@@ -94,7 +95,9 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
         source = ckpt.weight_source
         if check and source is not None:
             checked += source.finish_checks(only_read=False)
-        optimizer = nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or optimizer_summary(ckpt, check)
+        # NxD's optimizer, already read for the weights' notes, or nxdtrain's (else why NxD's could not be read)
+        optimizer = (optimizer_summary(ckpt, check) if ckpt.nxd_optimizer is not None
+                     else nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or optimizer_summary(ckpt, check))
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {
@@ -113,9 +116,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
             "complete": complete,
             "problems": problems,
             "checked_files": checked,
-            "weights_from": (f"{OPTIM_DIR}/ (NxD's master weights)" if source is not None
-                             else f"{OPTIM_DIR}/ (nxdtrain's master weights)" if ckpt.masters_identity() is not None
-                             else "model files"),
+            "weights_from": f"{OPTIM_DIR}/ ({source.label})" if source is not None else "model files",
             "optimizer": optimizer,
             "notes": notes,
         }

@@ -114,12 +114,23 @@ def shard_records(
     return _in_file_order(records, hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family))
 
 
-def _in_file_order(records: list[ShardRecord], module_order: list[str]) -> list[ShardRecord]:
-    """Each record in the slot of its own HF name, else of its first source key; ``at_end`` ones after."""
+def _in_file_order(records: list[ShardRecord], module_order: list[str], *, at_end: bool = True) -> list[ShardRecord]:
+    """Each record in the slot of its own HF name, else of its first source key; ``at_end`` ones after
+    (``at_end`` False: those in their slot too)."""
     slot = {key: i for i, key in enumerate(module_order)}
-    in_slot = sorted((r for r in records if not r.at_end),
+    in_slot = sorted((r for r in records if not (at_end and r.at_end)),
                      key=lambda r: slot[r.key] if r.key in slot else slot[r.segments[0].hf_key])
-    return in_slot + [r for r in records if r.at_end]
+    return in_slot + [r for r in records if at_end and r.at_end]
+
+
+def live_module_order(spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int,
+                      with_inv_freq: bool = False) -> list[str]:
+    """The keys of shard (tp_rank, pp_rank) in the order of a live NxD model's parameters (what NxD's own
+    save writes, and what its optimizer indices follow): every key in the slot of its first HF source key,
+    a fused ``weight_qkv`` included (the official converter appends those at the end instead)."""
+    records = shard_records(spec, layout, tp_rank=tp_rank, pp_rank=pp_rank, with_inv_freq=with_inv_freq)
+    order = hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family)
+    return [r.key for r in _in_file_order(records, order, at_end=False)]
 
 
 def hf_record_shape(record: ShardRecord, hf_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd import NxdCheckpoint, ShardsWithMasters
 from ckptconv.layout import ParallelLayout, shard_file
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
-from ckptconv.training_state import is_training_tag, use_masters
+from ckptconv.training_state import TagOptimizer, is_training_tag, use_masters
 
 
 class MasterShard:
@@ -59,7 +59,9 @@ class MasterShard:
 
 
 class MasterWeights:
-    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters."""
+    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model files."""
+
+    label = "NxD's master weights"
 
     def __init__(self, optim: NxdOptimizer) -> None:
         if not optim.has_masters:
@@ -81,10 +83,13 @@ class MasterWeights:
         self.optim.close()
 
 
-def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: str, check: bool) -> list[str]:
+def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: str, check: bool,
+                keep: bool = False) -> list[str]:
     """Point ``ckpt`` at NxD's own masters in ``optim/`` when its model files hold no tensors, when asked
     (``masters``), or by default where ``prefer``; the notes say where the weights come from. Where
-    ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`)."""
+    ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`).
+    ``keep``: the NxD optimizer opened here stays open as ``ckpt.nxd_optimizer`` (closed with ``ckpt``) for a
+    caller that reads it too (inspect's summary, a resume's optimizer state), which then need not parse it again."""
     unsaved = ckpt.unsaved_tensors()
     total = sum(len(ckpt.keys(f)) for f in ckpt.files) if unsaved else 0
     if unsaved and len(unsaved) != total:
@@ -98,20 +103,30 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
     optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved))
     if optim is None:
         return []
+
+    def release() -> None:  # the weights stay the model files'
+        if keep:
+            ckpt.keep_nxd_optimizer(optim)
+        else:
+            optim.close()
+
     if not optim.has_masters:
-        optim.close()
         if unsaved or masters:
+            optim.close()
             raise ConversionError(f"{optim.dir}: holds no master weights (NxD writes them only with ZeRO-1 and "
                                   "use_master_weights_in_ckpt)" + (f"; the model files hold no tensors ({unsaved[0]})"
                                                                   if unsaved else ""))
+        release()
         return []
     dtype = optim.dtype_of_masters()
     if not (unsaved or masters or prefer):
-        optim.close()
+        release()
         model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
         return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
                 "state training continues from: --masters reads those"]
     ckpt.read_weights_from(MasterWeights(optim))
+    if keep:
+        ckpt.keep_nxd_optimizer(optim)
     why = ("the model files hold no tensors: saved with avoid_saving_lower_precision_weights" if unsaved
            else "--masters" if masters else "present; --no-masters reads the model files")
     return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]
@@ -146,3 +161,11 @@ def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool,
     why = "--masters" if masters else "--no-masters exports the shards"
     return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "
             f"shards' bf16 copy; {why}"]
+
+
+def nxdtrain_optimizer(ckpt: NxdCheckpoint) -> TagOptimizer | None:
+    """The optimizer files of nxdtrain's tag that :func:`nxdtrain_masters` opened for the weights, else None: a
+    caller reading the optimizer state too (reshard's and to-dcp's training tag) takes them rather than parsing
+    every file again. Closed with ``ckpt`` (a second close is harmless; a read after it fails)."""
+    source = ckpt.weight_source
+    return source.owner if isinstance(source, ShardsWithMasters) else None

@@ -229,10 +229,13 @@ class _OptimFile:
 
 # How NxD's and NxDT's examples split parameters into (decay, no-decay) groups; each keeps model order.
 # NxD's Llama example (the fixtures) tests names for "bias"/"norm"; other examples for "bias"/"LayerNorm".
-_GROUP_RULES: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
-    ("names containing 'bias' or 'LayerNorm' in the no-decay group", lambda n: "bias" in n or "LayerNorm" in n),
-)
+# One table for both directions: the reader tries each, the writer (ckptconv.nxd_optimizer_write) is told one.
+PARAM_GROUP_RULES: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "bias-norm": ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
+    "bias-LayerNorm": ("names containing 'bias' or 'LayerNorm' in the no-decay group",
+                       lambda n: "bias" in n or "LayerNorm" in n),
+}
+_GROUP_RULES = tuple(PARAM_GROUP_RULES.values())
 
 
 def index_names(model_names: list[str], model_shapes: dict[str, tuple[int, ...]], group_sizes: list[int],
@@ -307,6 +310,7 @@ class NxdOptimizer:
         self._files: list[_OptimFile] = []
         self._dcp: DcpCheckpoint | None = None
         self.ranks: dict[tuple[int, int], _Rank] = {}
+        self._closed = False  # reads after close() fail: its leaves would otherwise reopen their files unseen
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: no optimizer state in this tag")
         try:
@@ -349,6 +353,7 @@ class NxdOptimizer:
 
     def params(self, tp_rank: int | None = None, pp_rank: int | None = None) -> Iterator[ParamState]:
         """Every parameter's state (of one rank when given), read one parameter at a time."""
+        self._check_open()
         for (tp, pp), rank in sorted(self.ranks.items()):
             if tp_rank not in (None, tp) or pp_rank not in (None, pp):
                 continue
@@ -392,6 +397,7 @@ class NxdOptimizer:
     def open_masters(self) -> None:
         """Open the file of every master (xser: one per tensor) without reading it; then
         ``finish_checks(only_read=False)`` checks every byte of them."""
+        self._check_open()
         for rank in self.ranks.values():
             for slot in rank.slots:
                 for leaf in slot.master or []:
@@ -409,6 +415,7 @@ class NxdOptimizer:
         return checked
 
     def close(self) -> None:
+        self._closed = True
         for f in self._files:
             f.close()
         self._files.clear()
@@ -426,9 +433,14 @@ class NxdOptimizer:
     # -- reading --------------------------------------------------------------------------
 
     def _rank(self, tp_rank: int, pp_rank: int) -> _Rank:
+        self._check_open()
         if (tp_rank, pp_rank) not in self.ranks:
             raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}")
         return self.ranks[(tp_rank, pp_rank)]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.dir}: read after close() (closed with the checkpoint that kept it?)")
 
     def _slot(self, tp_rank: int, pp_rank: int, name: str) -> _Slot:
         slot = self._rank(tp_rank, pp_rank).by_name.get(name)
@@ -721,10 +733,16 @@ def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | Non
     another format); None without ``optim/``."""
     if not (model.root / OPTIM_DIR).is_dir():
         return None
+
+    def summary(optim: NxdOptimizer) -> dict[str, Any]:
+        return {"format": optim.format.value, "dp": optim.dp, "dtype": optim.dtype_of_masters(),
+                "masters": optim.has_masters, "param_groups": len(optim.groups()),
+                "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
+
+    if model.nxd_optimizer is not None:  # opened already (ckptconv.nxd_masters, keep=True): closed with the model
+        return summary(model.nxd_optimizer)
     try:
         with NxdOptimizer(model, check=check) as optim:
-            return {"format": optim.format.value, "dp": optim.dp, "dtype": optim.dtype_of_masters(),
-                    "masters": optim.has_masters, "param_groups": len(optim.groups()),
-                    "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
+            return summary(optim)
     except ValueError as exc:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
         return {"format": None, "not_read": str(exc)}

@@ -46,6 +46,7 @@ def open_nxd(
     check: bool = True,
     masters: bool | None = None,
     prefer_masters: bool = False,
+    keep_nxd_optimizer: bool = False,
 ) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
@@ -57,6 +58,7 @@ def open_nxd(
     True reads them (an error where there are none), False the shards; None the shards, or the
     masters where ``prefer_masters`` and they exist. An NxD tag whose model files hold no tensors
     (``avoid_saving_lower_precision_weights``) is read from its masters unless ``masters`` is False.
+    ``keep_nxd_optimizer``: NxD's optimizer, once opened for that, stays open as ``ckpt.nxd_optimizer``.
 
     With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
     sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
@@ -66,7 +68,7 @@ def open_nxd(
     try:
         # NxD's masters before the checks (a masters-only tag has nothing else to check), nxdtrain's after
         # (ckptconv.json records the shards' dtype, not the masters')
-        weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check)
+        weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check, keep=keep_nxd_optimizer)
         spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints))
         notes[1:1] = weights
         notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters, spec=spec, layout=layout,
@@ -127,6 +129,8 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
     for (tp, pp), records in records_of.items():
         file = shard_file(tp_rank=tp, pp_rank=pp)
         present = set(ckpt.keys(file))
+        # read from NxD's masters: ckptconv.json's dtype is the model files' (an NxD-format tag written here)
+        declared = ckpt.declared(file) if allowed and ckpt.weight_source is not None else None
         for record in records:
             if record.key not in present:
                 raise ConversionError(
@@ -135,7 +139,7 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
                 )
             expected = hf_record_shape(record, shapes[record.segments[0].hf_key])
             dtype, actual, _ = ckpt.info(Source(file, record.key))
-            name = str(dtype).removeprefix("torch.")
+            name = str(declared[record.key][0] if declared else dtype).removeprefix("torch.")
             if allowed and name not in allowed and not record.key.endswith("inv_freq"):
                 raise ConversionError(f"{ckpt.files[file]}: {record.key!r} is {name}, "
                                       f"{ckpt.root / METADATA_FILE} records {recorded_dtype}")

@@ -36,6 +36,15 @@ class NxdTagOptimizer:
         self.components: tuple[str, ...] = (STEP, *MOMENTS, *((MASTER,) if optim.has_masters else ()))
         self.hyper = Hyper(self._our_groups(), optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
 
+    @property
+    def precision(self) -> str:
+        """nxdtrain's precision of NxD's run: bf16 where its model files hold bf16 weights (the fp32 or fp64 masters
+        are the optimizer's), else fp32; as the files declare them, since a masters-only tag saved none and its
+        weights are read from the masters. The one answer for a resume of the tag and for its reshard."""
+        model = self.optim.model
+        dtypes = {dtype for file in model.files for dtype, _ in model.declared(file).values()}
+        return "bf16" if torch.bfloat16 in dtypes else "fp32"
+
     def _our_groups(self) -> list[dict[str, Any]]:
         """NxD's hyper-parameters per nxdtrain group (0: matrices, 1: vectors), the same on every rank."""
         ours: list[dict[str, Any] | None] = [None, None]

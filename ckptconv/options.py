@@ -88,3 +88,7 @@ class RunOptions:
     def digest(self) -> str | None:
         """The digest algorithm to record, or None for sizes only."""
         return None if self.hash == "none" else self.hash
+
+# `--nxd-param-groups`: the rules of ckptconv.nxd_optimizer.PARAM_GROUP_RULES and "one" (named here, where the
+# CLI can read them without importing torch; ckptconv.nxd_optimizer_write checks the two agree)
+NXD_PARAM_GROUPS = ("bias-norm", "bias-LayerNorm", "one")

@@ -86,10 +86,13 @@ class OutTensor:
         return numel * self.dtype.itemsize
 
 
+NESTED_TORCH = "torch-nested"  # a torch.save zip whose ``plain`` is the whole structure, tensors placed by TensorAt
+
+
 @dataclass(frozen=True)
 class OutFile:
     path: str                    # relative to the output root
-    format: str                  # "torch" (torch.save zip) or "safetensors"
+    format: str                  # "torch" (torch.save zip), NESTED_TORCH or "safetensors"
     tensors: tuple[OutTensor, ...]
     plain: tuple[tuple[str, Any], ...] = ()  # torch files: plain values stored before the tensors
 

@@ -14,6 +14,7 @@ decoder layers.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -94,9 +95,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+@functools.lru_cache(maxsize=4)
 def window_mask(seq_len: int, window: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean (seq, seq) mask, True where query i may see key j: ``i - window < j <= i`` (transformers' sliding
-    window: each query sees ``window`` keys, itself included)."""
+    window: each query sees ``window`` keys, itself included). Built once per shape and device, not for every
+    layer of every step (nxdtrain's Mistral): the tensor is shared, so it is only ever read."""
     i = torch.arange(seq_len, device=device)[:, None]
     j = torch.arange(seq_len, device=device)[None, :]
     return (j <= i) & (j > i - window)

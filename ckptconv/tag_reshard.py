@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,24 @@ import torch
 from ckptconv.errors import ConversionError
 from ckptconv.finalize import FinalizeSpec
 from ckptconv.io.checked import check_whole_file
-from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink
+from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
-from ckptconv.layout import ParallelLayout
-from ckptconv.mapping import stores_lm_head
+from ckptconv.layout import ParallelLayout, parse_shard_name
+from ckptconv.mapping import live_module_order, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.nxd_optimizer_write import (
+    NxdOptimizerPlan,
+    WindowReader,
+    nxd_groups,
+    nxd_scheduler,
+    nxd_user_content,
+    plan_nxd_optimizer_files,
+    schedule_lr,
+)
 from ckptconv.nxd_position import nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.plan import OutFile, Plan
+from ckptconv.plan import NESTED_TORCH, OutFile, Plan
 from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
@@ -74,6 +83,30 @@ def _placement(optim: OptimizerSource, dp: int | None, zero1: bool | None) -> tu
     return on, size if on else 1
 
 
+@dataclass(frozen=True)
+class NxdFormat:
+    """``--optimizer-format nxd``: the param-group rule of the run that will load the tag, and whether a bf16
+    model's fp32 state may be dropped (ZeRO-1 off); the model (its live parameter order)."""
+
+    rule: str
+    drop_masters: bool
+    spec: ModelSpec
+    with_inv_freq: bool
+
+
+def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> OutFile:
+    """A planned model shard as NxD's own save writes it: its keys in a live NxD model's parameter order (NxD's
+    optimizer indices follow it), not the official converter's (fused qkv at the end), every tensor row-major."""
+    ranks = parse_shard_name(Path(shard.path).name)
+    assert ranks is not None, shard.path
+    order = live_module_order(fmt.spec, layout, tp_rank=ranks[0], pp_rank=ranks[1], with_inv_freq=fmt.with_inv_freq)
+    by_key = {t.key: t for t in shard.tensors}
+    if set(order) != set(by_key):  # a tied model's shards without lm_head, say: keep the planned order
+        order = [k for k in order if k in by_key] + [k for k in by_key if k not in order]
+    # row-major, as NxD's own save holds every tensor (the official converter's column-major o_proj is not NxD's)
+    return replace(shard, tensors=tuple(replace(by_key[k], column_major=False) for k in order))
+
+
 @dataclass
 class TrainingTag:
     """A training tag being resharded: its optimizer files opened, the target's dp and ZeRO-1 chosen."""
@@ -85,17 +118,20 @@ class TrainingTag:
     zero1: bool
     scheduler_record: dict[str, Any] | None = None  # scheduler.pt to write; None: the tag's copied
     source_notes: tuple[str, ...] = ()               # what the source's side files could not say
+    nxd_format: NxdFormat | None = None              # write NxD's optimizer format instead of nxdtrain's
+    written: NxdOptimizerPlan | None = None          # what extend() planned in NxD's format (checked after)
 
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
-             dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
+             dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None) -> TrainingTag:
+        """``optim``: the tag's optimizer files, where they are open already (the weights from their masters)."""
         path = ckpt.root / USER_CONTENT_FILE
         _checked(ckpt, ckpt.root / SCHEDULER_FILE)
         content = _load(ckpt, path)
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
-        optim = TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                             lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
+        optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
+                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)
 
@@ -104,7 +140,7 @@ class TrainingTag:
         """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
         :class:`~ckptconv.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
         :mod:`ckptconv.nxd_position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
-        nxd = NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)
+        nxd = ckpt.nxd_optimizer or NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)  # parsed for the weights?
         try:
             optim = NxdTagOptimizer(nxd)
             position = nxd_position(ckpt.root, nxd.step(), lambda path: _load(ckpt, path))
@@ -112,7 +148,7 @@ class TrainingTag:
         except BaseException:
             nxd.close()
             raise
-        options = {"precision": "bf16" if torch.bfloat16 in ckpt.dtypes() else "fp32", "optimizer": "adamw",
+        options = {"precision": optim.precision, "optimizer": "adamw",
                    "zero1": nxd.format is not OptimFormat.ADAMW}
         content: dict[str, Any] = {"step": position.step, "rng": [], "options": options}
         notes = list(position.notes)
@@ -144,15 +180,19 @@ class TrainingTag:
     def __exit__(self, *exc: object) -> None:
         self.optim.close()
 
-    def identity(self) -> list[tuple[str, int, int]]:
+    def identity(self) -> list[tuple[Any, ...]]:
         """What identifies the tag's other inputs cheaply (the fingerprint of a rerun)."""
         files = sorted((self.ckpt.root / OPTIM_DIR).rglob("*")) + [self.ckpt.root / SCHEDULER_FILE,
                                                                   self.ckpt.root / USER_CONTENT_FILE]
+        fmt: tuple[Any, ...] = (("nxd", self.nxd_format.rule, int(self.nxd_format.drop_masters))
+                                if self.nxd_format else ("nxdtrain",))
         return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()] + [
-            ("dp", self.dp, int(self.zero1))]
+            ("dp", self.dp, int(self.zero1)), fmt]
 
-    def extend(self, plan: Plan, spec: FinalizeSpec, new: ParallelLayout, notes: list[str]) -> tuple[Plan, TagReader]:
+    def extend(self, plan: Plan, spec: FinalizeSpec, new: ParallelLayout, notes: list[str]) -> tuple[Plan, Any]:
         """The plan with the optimizer files; ``spec`` with the side files and markers; the reader of both."""
+        if self.nxd_format is not None:
+            return self._extend_nxd(plan, spec, new, notes, self.nxd_format)
         optim_files = plan_optimizer_files(plan.files, self.optim, dp=self.dp, zero1=self.zero1)
         replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
         content = resharded_user_content(self.user_content, new, zero1=self.zero1)
@@ -175,11 +215,63 @@ class TrainingTag:
         notes.extend(self.source_notes)
         return Plan(plan.files + optim_files, replicas), TagReader(self.ckpt, self.optim)
 
+    def _extend_nxd(self, plan: Plan, spec: FinalizeSpec, new: ParallelLayout, notes: list[str],
+                    fmt: NxdFormat) -> tuple[Plan, Any]:
+        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.nxd_optimizer_write`): NxD's tag keeps its own
+        ``scheduler.pt``/``user_content.pt`` (copied as they are) and param groups' lrs; nxdtrain's tag gets NxD's
+        ``CosineAnnealing`` state and NxD's example keys, its own position kept under ``nxdtrain``."""
+        from_nxd = self.scheduler_record is not None
+        step = int(self.user_content["step"])
+        lr = None
+        written_notes: list[str] = []
+        if not from_nxd:
+            record = self.scheduler()
+            groups = len(nxd_groups(["weight"], fmt.rule))
+            scheduler = nxd_scheduler(record, step, groups)  # refuses any other schedule, before a byte is written
+            lr = (schedule_lr(record, step + 1), float(record["lr"]))
+        model_files = [in_live_order(f, fmt, new) for f in plan.files]
+        optim_files, written = plan_nxd_optimizer_files(model_files, self.optim, dp=self.dp, zero1=self.zero1,
+                                                        rule=fmt.rule, drop_masters=fmt.drop_masters, lr=lr,
+                                                        notes=written_notes)
+        self.written = written
+        replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
+        if from_nxd:
+            for name in (SCHEDULER_FILE, USER_CONTENT_FILE):
+                path = self.ckpt.root / name
+                if path.is_file():
+                    _checked(self.ckpt, path)
+                    spec.copies.append((str(path.resolve()), name))
+        else:
+            content = resharded_user_content(self.user_content, new, zero1=self.zero1)
+            spec.blobs[SCHEDULER_FILE] = torch_blob(scheduler)
+            spec.blobs[USER_CONTENT_FILE] = torch_blob(nxd_user_content(content, record))
+        spec.markers = list(TAG_MARKERS)
+        assert spec.metadata is not None
+        spec.metadata["extra"] = {"nxdtrain": {"step": step, "consumed_samples": self.user_content.get("consumed_samples")},
+                                  "nxd_optimizer": written.to_json()}
+        hyper = self.optim.hyper
+        was, now = (describe_zero1(on, size, off="without ZeRO-1")
+                    for on, size in ((hyper.zero1, hyper.zero_size), (self.zero1, self.dp)))
+        source = "NxD's own training tag" if from_nxd else "nxdtrain's training tag"
+        notes.append(f"{source} at step {step} -> NxD's optimizer format ({written.rule}: "
+                     f"{'NeuronZero1Optimizer' if self.zero1 else 'torch AdamW'} state dicts, {was} -> {now}, "
+                     f"optimizer dtype {written.dtype}, masters {written.masters})")
+        notes.append("side files: NxD's scheduler.pt and user_content.pt copied as they are" if from_nxd else
+                     "side files: NxD's CosineAnnealing scheduler.pt; user_content.pt with NxD's example keys "
+                     "(total_steps, batch_idx = step - 1, epoch 0, cli_args = the run's options) and nxdtrain's "
+                     "own position under 'nxdtrain'; RNG states dropped")
+        notes.extend(written_notes)
+        notes.extend(self.source_notes if not from_nxd else ())
+        return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
+
     @staticmethod
-    def sinks(model_sinks: Any) -> Any:
-        """Optimizer files are plain torch zips whatever the shards' flavour."""
+    def sinks(model_sinks: Any, *, split: bool = False) -> Any:
+        """Optimizer files are plain torch zips whatever the shards' flavour; in NxD's format with ``split``
+        (xser-split shards) xser-split, as NxD's xser save writes them."""
         def make(out_file: OutFile, tmp: Path) -> Any:
             if out_file.path.startswith(OPTIM_DIR + "/"):
+                if split and out_file.format == NESTED_TORCH:
+                    return XserSplitSink(out_file, tmp)
                 return TorchZipSink(out_file, tmp)
             return model_sinks(out_file, tmp)
 

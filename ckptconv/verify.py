@@ -166,13 +166,14 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
         attn_sum += attn_r @ w["o"].t()
         # Diagnose against the heads this layout says the rank holds.
         heads = _claimed_q_heads(spec, layout, rank)
-        if "self_attn.q_proj.bias" in w and not _biases_match(w, hf_w, spec, layout, rank, tol):
+        head_rows = _claimed_rows(spec, layout, rank)
+        if "self_attn.q_proj.bias" in w and not all(_close(w[f"self_attn.{p}_proj.bias"], hf_w[f"self_attn.{p}_proj.bias"][r],
+                                                           tol) for p, r in head_rows.items()):
             bad["biases"].append(rank)
         expected_attn = dense_heads[:, :, heads].reshape(*x.shape[:2], -1)
         if not _close(attn_r, expected_attn, tol):
             bad["attention"].append(rank)
-        cols = torch.cat([torch.arange(q * hd, (q + 1) * hd) for q in heads])
-        if not _close(w["o"], hf_w["self_attn.o_proj.weight"][:, cols], tol):
+        if not _close(w["o"], hf_w["self_attn.o_proj.weight"][:, head_rows["q"]], tol):  # o_proj's columns: the q rows
             bad["o_proj"].append(rank)
         h2_r = rms_norm(x1, w["ln2"], eps)
         m_r = mlp(h2_r, w["gate"], w["up"], w["down"])
@@ -211,17 +212,13 @@ def _claimed_kv_heads(spec: ModelSpec, layout: ParallelLayout, rank: int) -> lis
     return list(range(rank * n, (rank + 1) * n))
 
 
-def _rows(heads: list[int], head_dim: int) -> torch.Tensor:
-    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+def _claimed_rows(spec: ModelSpec, layout: ParallelLayout, rank: int) -> dict[str, torch.Tensor]:
+    """The HF rows of q, k and v (q's are o_proj's columns too) of the heads the layout says ``rank`` holds."""
+    def rows(heads: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(h * spec.head_dim, (h + 1) * spec.head_dim) for h in heads])
 
-
-def _biases_match(w: dict[str, torch.Tensor], hf_w: dict[str, torch.Tensor], spec: ModelSpec,
-                  layout: ParallelLayout, rank: int, tol: float) -> bool:
-    """The rank's q/k/v biases are the HF bias rows of the heads the layout says it holds."""
-    q_rows = _rows(_claimed_q_heads(spec, layout, rank), spec.head_dim)
-    kv_rows = _rows(_claimed_kv_heads(spec, layout, rank), spec.head_dim)
-    rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-    return all(_close(w[f"self_attn.{p}_proj.bias"], hf_w[f"self_attn.{p}_proj.bias"][r], tol) for p, r in rows.items())
+    kv = rows(_claimed_kv_heads(spec, layout, rank))
+    return {"q": rows(_claimed_q_heads(spec, layout, rank)), "k": kv, "v": kv}
 
 
 def _blame(bad: dict[str, list[int]], *parts: tuple[str, str]) -> str:

@@ -300,8 +300,13 @@ class TrainingState:
 def read_training_state(tag: Path, checks: CheckedFiles | None = None, *, gbs: int | None = None) -> TrainingState:
     """The tag's position; a tag without ``consumed_samples`` (``ckptconv reshard`` of NxD's tag, which records
     none) continues at step x ``gbs``, as a resume of NxD's tag itself does, and says so."""
-    user = load_small(tag / USER_CONTENT_FILE, checks)
-    scheduler = load_small(tag / SCHEDULER_FILE, checks)
+    return training_state_of(load_small(tag / USER_CONTENT_FILE, checks), load_small(tag / SCHEDULER_FILE, checks),
+                             tag, gbs=gbs)
+
+
+def training_state_of(user: dict[str, Any], scheduler: dict[str, Any], tag: Path, *, gbs: int | None) -> TrainingState:
+    """The position nxdtrain's ``user_content``/``scheduler`` records say (:func:`read_training_state`; a tag in
+    NxD's format keeps them under ``user_content.pt['nxdtrain']``)."""
     step = int(user["step"])
     if int(scheduler.get("step", step)) != step:
         raise TrainError(f"{tag}: {SCHEDULER_FILE} is at step {scheduler['step']}, {USER_CONTENT_FILE} at {step}")
@@ -348,6 +353,10 @@ def _file_records(paths: list[Path], tag: Path) -> dict[str, dict[str, Any]]:
     return {rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT_HASH).items()}
 
 
+# Bands of each rank's share of a rewrite in NxD's format: every rank of a node rewrites at once, beside the model
+REWRITE_MEMORY = 256 << 20
+
+
 @dataclass
 class TagWriter:
     """Writes ``step_<N>`` tags for one rank; every rank calls :meth:`save` (it is collective)."""
@@ -363,6 +372,9 @@ class TagWriter:
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.continuity)
     host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
     zero_rank: int = 0
+    zero_size: int = 1           # the ranks a ZeRO-1 state is partitioned over (dp x cp)
+    nxd_zero1: bool = False      # --zero1 as asked (at dp 1 there is no ZeRO-1 group, NxD's format has ZeRO-1 files)
+    nxd_param_groups: str | None = None  # --optimizer-format nxd: each tag rewritten in NxD's format by this rule
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None) -> Path:
@@ -389,7 +401,44 @@ class TagWriter:
             with lock:
                 self._finish(tag, step, consumed, model, scheduler, gathered, loss)
         dist.barrier(group=self.host_group)
+        if self.nxd_param_groups is not None:
+            self._in_nxd_format(tag)
         return tag
+
+    def _in_nxd_format(self, tag: Path) -> None:
+        """The tag just saved rewritten in NxD's own optimizer format (``ckptconv reshard --optimizer-format nxd``
+        at the same layout), every rank writing its share of the files (``--part rank/world``) into a hidden
+        sibling that replaces the tag when complete: until then the saved tag stays as it is, complete."""
+        from ckptconv.api import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
+
+        staging = tag.with_name(f".{tag.name}.nxd-format")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank == 0 and staging.exists():  # an interrupted rewrite of this step: what ckptconv wrote there goes
+            outdir.remove_owned(staging, also=MARKERS, keep=())
+        dist.barrier(group=self.host_group)
+        layout = self.layout
+        try:
+            reshard(tag, staging, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, kv_size_multiplier=layout.kvm,
+                    attention=layout.attention, fuse_qkv=layout.fuse_qkv, hw_backend=layout.hw,
+                    trn2_kv_layout=layout.trn2_kv_layout, dp=self.zero_size, zero1=self.nxd_zero1,
+                    optimizer_format="nxd", nxd_param_groups=self.nxd_param_groups,
+                    options=RunOptions(quiet=True, part=(rank, world), workers=1, max_memory=REWRITE_MEMORY))
+        except ConversionError as exc:
+            raise TrainError(f"{tag}: saved, but not rewritten in NxD's format (--optimizer-format nxd): {exc}") from None
+        dist.barrier(group=self.host_group)
+        if rank == 0:
+            meta = read_metadata(staging)
+            assert meta is not None
+            extra = dict(meta.extra or {})
+            extra["nxdtrain"] = {**extra.get("nxdtrain", {}), "run": self.record.get("run")}  # prune finds it
+            write_metadata(staging, dataclasses.replace(meta, extra=extra))
+            replaced = tag.with_name(f".{tag.name}.format2")
+            os.rename(tag, replaced)
+            os.rename(staging, tag)
+            outdir.remove_owned(replaced, also=MARKERS, keep=())
+            with contextlib.suppress(OSError):
+                replaced.rmdir()
+        dist.barrier(group=self.host_group)
 
     def _claim(self, tag: Path, step: int) -> outdir.OutLock:
         """Rank 0: lock the tag, clear what an earlier save of this step left (only what nxdtrain

@@ -91,10 +91,11 @@ def _train(config: TrainConfig, *, debug: bool) -> int:
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ConversionError("--nproc starts its own processes; under torchrun or srun leave it out")
-    prepare(config, config.nproc)  # fail here, once, before starting anything
+    plan = prepare(config, config.nproc)  # fail here, once, before starting anything
     if debug:
         os.environ[DEBUG_ENV] = "1"  # the processes print their tracebacks too
-    return spawn(run_worker, (config,), config.nproc, preload=PRELOAD)
+    # the data checked and the tag read once: the workers get what the launcher found
+    return spawn(run_worker, (config, plan.data_checks, plan.resolved), config.nproc, preload=PRELOAD)
 
 
 def _export(args: argparse.Namespace) -> int:

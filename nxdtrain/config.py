@@ -18,9 +18,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv.options import NXD_PARAM_GROUPS
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 
+OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.nxd_optimizer_write: nxd)
+NXD_SCHEDULE = "CosineAnnealing"  # the schedule NxD's scheduler.pt can hold (ckptconv.nxd_optimizer_write.COSINE)
 OPTIMIZERS = ("adamw", "sgd")
 # Ours, then NxDT's by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp; nxdtrain.schedules)
 SCHEDULES = ("cosine", "linear", "constant", "CosineAnnealing", "LinearAnnealingWithWarmUp")
@@ -183,6 +186,14 @@ class CheckpointConfig:
     xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)")
     no_checkpoint: bool = option(False, "train without --checkpoint-dir on purpose: nothing is saved and the "
                                         "trained weights are lost when the run ends")
+    optimizer_format: str = option("nxdtrain", "format of the optimizer state each save writes: nxdtrain's own "
+                                   "(format 2), or nxd: NxD's (NeuronZero1Optimizer with --zero1, else torch "
+                                   "AdamW state dicts; NxD's scheduler.pt and user_content.pt), which NxD 2.28 "
+                                   "reads; needs --optimizer adamw and --schedule CosineAnnealing",
+                                   choices=OPTIMIZER_FORMATS)
+    nxd_param_groups: str | None = option(None, "with --optimizer-format nxd: the param groups of the NxD run that "
+                                                "will load the tags: bias-norm (NxD's Llama example, the default), "
+                                                "bias-LayerNorm, or one", choices=NXD_PARAM_GROUPS)
     override_schedule: bool = option(False, "resume with another learning-rate schedule or data order than the "
                                             "tag recorded (peak/min lr, warmup, decay steps, schedule, seed, "
                                             "shuffle, epochs); without it such a resume is refused")
@@ -203,6 +214,11 @@ class CheckpointConfig:
         _check(_is_int(self.keep) and self.keep >= 1, f"--keep must be an integer >= 1, got {self.keep!r}")
         _check(not (self.no_checkpoint and self.checkpoint_dir),
                f"--no-checkpoint and --checkpoint-dir {self.checkpoint_dir} exclude each other; choose one")
+        _choice("--optimizer-format", self.optimizer_format, OPTIMIZER_FORMATS)
+        _check(self.nxd_param_groups is None or self.optimizer_format == "nxd",
+               f"--nxd-param-groups {self.nxd_param_groups} applies to --optimizer-format nxd only")
+        if self.nxd_param_groups is not None:
+            _choice("--nxd-param-groups", self.nxd_param_groups, NXD_PARAM_GROUPS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,6 +268,12 @@ class TrainConfig:
         _check(not (self.export_hf and not ckpt.checkpoint_dir),
                "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")
         _check(not (ckpt.checkpoint_freq and not ckpt.checkpoint_dir), "--checkpoint-freq needs --checkpoint-dir")
+        if ckpt.optimizer_format == "nxd":  # NxD's files hold AdamW's state and NxD's CosineAnnealing schedule only
+            _check(self.optim.optimizer == "adamw", f"--optimizer-format nxd needs --optimizer adamw (NxD's files hold "
+                                                    f"AdamW's state), got --optimizer {self.optim.optimizer}")
+            _check(self.optim.schedule == NXD_SCHEDULE,
+                   f"--optimizer-format nxd needs --schedule {NXD_SCHEDULE} (the only schedule of NxD's examples "
+                   f"whose scheduler.pt can be written), got --schedule {self.optim.schedule}")
 
     def with_precision(self, device: str, recorded: str | None) -> tuple[TrainConfig, str]:
         """``--precision auto`` resolved for ``device`` (a resumed checkpoint's ``recorded`` precision first),

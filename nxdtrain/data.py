@@ -235,13 +235,18 @@ class DatasetRows:
     def row(self, index: int) -> list[int]:
         return self._data[index][COLUMN]
 
-    def lengths(self) -> list[int] | None:
-        """Every row's length from the Arrow list offsets (no row decoded); None for an indexed view."""
+    def lengths(self) -> array[int] | None:
+        """Every row's length from the Arrow list offsets (no row decoded; 8 bytes a row); None for an indexed
+        view."""
         import pyarrow.compute as pc
 
         if getattr(self._data, "_indices", None) is not None:
             return None
-        return pc.list_value_length(self._data.data.table.column(COLUMN)).to_pylist()
+        lengths = pc.list_value_length(self._data.data.table.column(COLUMN))
+        out = array("q")
+        for chunk in lengths.chunks:
+            out.frombytes(chunk.to_numpy(zero_copy_only=False).astype("int64").tobytes())
+        return out
 
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")

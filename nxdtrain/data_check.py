@@ -17,6 +17,10 @@ the whole data set), and long rows were cut without a word. Here, once, before t
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from nxdtrain.data import ConcatRows, DatasetRows, RowSource, row_where
@@ -37,20 +41,32 @@ class ListRows:
 
 
 class SplitRows:
-    """Each row of ``source`` as ``len // seq_len`` rows of ``seq_len`` tokens (``--long-rows split``)."""
+    """Each row of ``source`` as ``len // seq_len`` rows of ``seq_len`` tokens (``--long-rows split``).
 
-    def __init__(self, source: RowSource, lengths: list[int], seq_len: int) -> None:
+    Holds one integer per source row (the pieces before the next row), not one entry per piece: a corpus of
+    millions of rows costs 8 bytes a row here, in every process.
+    """
+
+    def __init__(self, source: RowSource, lengths: Iterable[int], seq_len: int, *, ends: array[int] | None = None) -> None:
+        """``ends``: the pieces' ends another process computed from the same ``lengths`` (:class:`CheckedData`)."""
         self.name, self.source, self.seq_len = source.name, source, seq_len
         # A row shorter than seq_len (only there with --pad) stays one row, padded when it is read.
-        self._pieces = [(row, k * seq_len) for row, n in enumerate(lengths) for k in range(max(n // seq_len, 1))]
-        self.size = len(self._pieces)
+        self.ends = ends if ends is not None else array("q", itertools.accumulate(max(n // seq_len, 1) for n in lengths))
+        self.size = self.ends[-1] if self.ends else 0
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(source row, first token) of piece ``index``."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"row {index} of {self.size}")
+        row = bisect.bisect_right(self.ends, index)
+        return row, (index - (self.ends[row - 1] if row else 0)) * self.seq_len
 
     def row(self, index: int) -> list[int]:
-        row, start = self._pieces[index]
+        row, start = self._locate(index)
         return self.source.row(row)[start:start + self.seq_len]
 
     def where(self, index: int) -> tuple[str, int]:
-        return row_where(self.source, self._pieces[index][0])
+        return row_where(self.source, self._locate(index)[0])
 
 
 @dataclass
@@ -81,18 +97,38 @@ class DataPlan:
         return out + self.notes
 
 
-def _lengths(source: RowSource, *, whole: bool) -> tuple[list[tuple[int, int]], int]:
-    """((row, length) for the rows checked, rows in ``source``); ``whole``: every row, however many."""
+@dataclass(frozen=True)
+class CheckedData:
+    """What a check found, for the processes that train on the same data without checking it again (the
+    workers ``--nproc`` starts: their launcher checked it): the lines it says, and ``--long-rows split``'s pieces."""
+
+    lines: tuple[str, ...]
+    ends: array[int] | None = None  # SplitRows.ends; None: the rows as they are
+
+
+def checked_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool,
+                 checked: CheckedData | None = None) -> tuple[RowSource, CheckedData]:
+    """The rows to train on and what the check found: checked here (:func:`check_rows`), or as ``checked`` says."""
+    if checked is not None:
+        return (source if checked.ends is None else SplitRows(source, (), seq_len, ends=checked.ends)), checked
+    plan = check_rows(source, seq_len=seq_len, long_rows=long_rows, pad=pad)
+    lines = tuple(plan.lines(seq_len, long_rows)) if plan.rows.size is not None else ()
+    return plan.rows, CheckedData(lines, plan.rows.ends if isinstance(plan.rows, SplitRows) else None)
+
+
+def _lengths(source: RowSource, *, whole: bool) -> tuple[Iterator[tuple[int, int]], int]:
+    """((row, length) for the rows checked, read as they are iterated; how many those are). ``whole``: every
+    row, however many."""
     size = source.size or 0
     if isinstance(source, DatasetRows):
         lengths = source.lengths()
         if lengths is not None:
-            return list(enumerate(lengths)), size
+            return enumerate(lengths), len(lengths)
     picked: list[int] | range = range(size)
     if not whole and size > PARSE_ALL:
         step = (size - 1) / (SAMPLE - 1)
         picked = sorted({round(k * step) for k in range(SAMPLE)})
-    return [(i, len(_parsed(source, i))) for i in picked], size
+    return ((i, len(_parsed(source, i))) for i in picked), len(picked)
 
 
 def _parsed(source: RowSource, index: int) -> list[int]:
@@ -109,11 +145,14 @@ def check_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool = F
         return DataPlan(source, 0, 0)
     parts = source.parts if isinstance(source, ConcatRows) else [source]
     plan = DataPlan(source, 0, source.size)
-    all_lengths: list[int] = []
+    split = long_rows == "split"
+    all_lengths = array("q")  # --long-rows split: every row's length (8 bytes a row), for SplitRows
     for part in parts:
-        found, size = _lengths(part, whole=long_rows == "split")
-        plan.checked += len(found)
+        found, count = _lengths(part, whole=split)
+        plan.checked += count
         for row, n in found:
+            if split:
+                all_lengths.append(n)
             if n < seq_len and pad and n >= 1:
                 plan.short_rows += 1
                 plan.pad_positions += seq_len - n
@@ -130,8 +169,7 @@ def check_rows(source: RowSource, *, seq_len: int, long_rows: str, pad: bool = F
                                      "(--long-rows error); --long-rows cut or split to train on it")
                 plan.long_rows += 1
                 plan.dropped_tokens += n - seq_len if long_rows == "cut" else n % seq_len
-        all_lengths += [n for _, n in found]
-    if long_rows == "split" and plan.long_rows:
+    if split and plan.long_rows:
         plan.rows = SplitRows(source, all_lengths, seq_len)
         plan.notes.append(f"--long-rows split: {plan.total:,} rows became {plan.rows.size:,} rows of --seq-len "
                           f"{seq_len}")

@@ -10,18 +10,18 @@ The RNG states and NxD's data order are never carried (said in one line).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
-from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.nxd_optimizer_write import NXDTRAIN_KEY
 from ckptconv.nxd_position import nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from nxdtrain.checkpoint import TrainingState, damaged, load_small
+from ckptconv.training_state import USER_CONTENT_FILE
+from nxdtrain.checkpoint import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.continuity import LABELS
 from nxdtrain.errors import TrainError
 
@@ -33,11 +33,19 @@ def _hyper(groups: list[dict[str, Any]]) -> str:
     return "; ".join(f"{kind} {one(g)}" for kind, g in zip(("matrices", "vectors"), groups, strict=False))
 
 
-def _precision(ckpt: NxdCheckpoint) -> str:
-    """nxdtrain's precision of NxD's model files (as declared: a masters-only tag saved none): bf16 weights (fp32
-    masters in the optimizer) or fp32."""
-    dtypes = {d for f in ckpt.files for d, _ in ckpt.declared(f).values()}
-    return "bf16" if torch.bfloat16 in dtypes else "fp32"
+def _ours_in_nxd_format(tag: Path, ours: dict[str, Any], step: int, gbs: int, *, zero1: bool, masters: bool,
+                        described: str) -> tuple[TrainingState, list[str]]:
+    """A tag nxdtrain (or ``ckptconv reshard --optimizer-format nxd``) wrote in NxD's format: the position,
+    schedule and data order from nxdtrain's own records it keeps in ``user_content.pt['nxdtrain']``."""
+    state = training_state_of(ours["user_content"], ours["scheduler"], tag, gbs=gbs)
+    if state.step != step:
+        raise TrainError(f"{tag / USER_CONTENT_FILE}: nxdtrain's record is at step {state.step}, NxD's keys and "
+                         f"optimizer at step {step}; resume with --weights-only")
+    options = {**state.options, "zero1": zero1}
+    lines = [f"NxD-format tag written by nxdtrain/ckptconv: AdamW's step and moments{' and the fp32 masters' if masters else ''} "
+             f"from its optimizer files ({described}), step {step}; position, schedule and data order from "
+             f"{USER_CONTENT_FILE}['{NXDTRAIN_KEY}']", *state.notes]
+    return dataclasses.replace(state, options=options, notes=[]), lines
 
 
 def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple[TrainingState, list[str]]:
@@ -46,9 +54,10 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
         with NxdOptimizer.open(tag, io="read") as optim:
             zero1, masters, optimizer_step = optim.format is not OptimFormat.ADAMW, optim.has_masters, optim.step()
             described = f"{optim.format.value}, dp {optim.dp}"
-            groups = NxdTagOptimizer(optim).hyper.param_groups  # refused here, before any step, if not ours
+            as_ours = NxdTagOptimizer(optim)
+            groups = as_ours.hyper.param_groups  # refused here, before any step, if not ours
             unsaved = bool(optim.model.unsaved_tensors())
-            precision = _precision(optim.model)
+            precision = as_ours.precision
     except ConversionError as exc:
         raise TrainError(f"--resume {tag}: {damaged(exc)}") from None
     try:
@@ -59,6 +68,9 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
         raise TrainError(str(exc)) from None
     step, record, notes, user, where = (position.step, position.record, position.notes, position.user,
                                         position.scheduler_from)
+    ours = user.get(NXDTRAIN_KEY)
+    if isinstance(ours, dict) and isinstance(ours.get("user_content"), dict) and isinstance(ours.get("scheduler"), dict):
+        return _ours_in_nxd_format(tag, ours, step, gbs, zero1=zero1, masters=masters, described=described)
     if position.consumed is not None:
         consumed = position.consumed
         data = f"the data continues at sample {consumed} (the tag name's consumed_samples)"

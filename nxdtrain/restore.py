@@ -35,8 +35,9 @@ class StageReader:
         self.source = source
         try:
             self.shards = NxdCheckpoint(source.root, io="read")
-            if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/
-                nxd_masters(self.shards, None, prefer=False, io="read", check=True)
+            if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
+                # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank)
+                nxd_masters(self.shards, None, prefer=False, io="read", check=True, keep=optimizer)
             dtypes = self._planning_dtypes()
             plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
             wanted = shard_file(tp_rank=tp_rank, pp_rank=pp_rank)
@@ -45,7 +46,7 @@ class StageReader:
                          for p in t.pieces}
             self.optim: training_state.OptimizerSource | None = None
             if optimizer and source.nxd:
-                self.optim = NxdTagOptimizer(NxdOptimizer(self.shards, io="read"))
+                self.optim = NxdTagOptimizer(self.shards.nxd_optimizer or NxdOptimizer(self.shards, io="read"))
             elif optimizer:
                 self.optim = training_state.TagOptimizer(
                     source.root, source.spec, source.layout, with_inv_freq=source.with_inv_freq,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
 from ckptconv.layout import ParallelLayout
+from ckptconv.nxd_optimizer_write import DEFAULT_RULE
 from ckptconv.options import usable_cpus
 from nxdtrain.checkpoint import (
     ResumeSource,
@@ -49,7 +50,7 @@ from nxdtrain.context_parallel import CpGroup
 from nxdtrain.context_parallel import check_seq_len as check_cp_seq_len
 from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
-from nxdtrain.data_check import check_rows
+from nxdtrain.data_check import CheckedData, checked_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.dist import LAUNCHER_ENV, Mesh, detect_env, init_world, local_world_size
 from nxdtrain.epochs import data_parallel
@@ -67,6 +68,22 @@ from nxdtrain.restore import StageReader
 from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+# What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
+# its workers, so that the data is checked once, before the first process, not again on every rank.
+DataChecks = tuple[CheckedData, CheckedData | None]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What ``--resume`` resolved to and what the tag's training state holds (None: weights only), with the lines
+    reading it said: the launcher of --nproc passes it to its workers, which would otherwise each read every
+    shard's header again (and parse NxD's optimizer files, for NxD's tags) for what the launcher already knows."""
+
+    source: ResumeSource
+    state: TrainingState | None
+    notes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,8 @@ class RunPlan:
     resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry, what the data check
                                         # found, what an override changed (rank 0 prints)
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
+    data_checks: DataChecks | None = None  # what the checks of --data and --eval-data found (for the workers)
+    resolved: Resolved | None = None       # --resume resolved and its state read (for the workers)
 
 
 @dataclass(frozen=True)
@@ -112,8 +131,11 @@ def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: in
             for p, (loss, norm, param_norm, eval_loss) in zip(pending, values, strict=True)]
 
 
-def prepare(config: TrainConfig, world_size: int) -> RunPlan:
-    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise TrainError."""
+def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
+            resolved: Resolved | None = None) -> RunPlan:
+    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise
+    TrainError. ``data_checks``: the launcher's checks of this run's data (its ``RunPlan.data_checks``): not redone;
+    ``resolved``: the launcher's ``RunPlan.resolved``: the tag is not resolved and read again."""
     device = resolve_kind(config.device)
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
         why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer, cp=config.parallel.context_parallel)
@@ -123,7 +145,7 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
         if why is not None:
             raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
-    source = resolve_start(config.checkpoint)
+    source = resolve_start(config.checkpoint) if resolved is None else resolved.source
     layout = run_layout(config.parallel, source.layout, source.spec)
     try:
         layout.check_model(source.spec)
@@ -146,22 +168,18 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
-    data_plan = check_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len, seed=config.seed),
-                           seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad)
-    rows = data_plan.rows
-    data_notes = data_plan.lines(data.seq_len, data.long_rows) if rows.size is not None else []
-    eval_rows, eval_count = open_eval(config, source.spec.vocab)
+    rows, train_check = checked_rows(open_rows(data.data, vocab=source.spec.vocab, seq_len=data.seq_len,
+                                               seed=config.seed), seq_len=data.seq_len, long_rows=data.long_rows,
+                                     pad=data.pad, checked=data_checks[0] if data_checks else None)
+    data_notes = list(train_check.lines)
+    eval_rows, eval_count, eval_check = open_eval(config, source.spec.vocab, data_checks[1] if data_checks else None)
     epochs = config.epochs
     config = resolve_length(config, rows.size)  # --epochs -> steps, a --warmup fraction -> steps
     if config.tensorboard:
         require_tensorboard()
-    resume_state: TrainingState | None = None
-    nxd_notes: list[str] = []
-    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
-        resume_state, nxd_notes = read_nxd_state(source.root, source.checks(), gbs=data.gbs)
-    elif source.full:
-        resume_state = read_training_state(source.root, source.checks(), gbs=data.gbs)
-        nxd_notes = resume_state.notes
+    if resolved is None:
+        resolved = Resolved(source, *read_state(source, gbs=data.gbs))
+    resume_state, nxd_notes = resolved.state, list(resolved.notes)
     # ZeRO-1 shards over dp x cp (NxD's too): that product is the optimizer state's partition size
     notes = data_notes + nxd_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
                                       world=world_size, optimizer=config.optim.optimizer)
@@ -172,23 +190,39 @@ def prepare(config: TrainConfig, world_size: int) -> RunPlan:
                               override=config.checkpoint.override_schedule)
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
+    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and not config.parallel.zero1:
+        raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1: NxD keeps a bf16 run's fp32 "
+                         "masters and moments only in its ZeRO-1 optimizer's files")
     # The outputs last: what the run writes, checked before its first step (not after the last one).
     check_saves(config)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
     if config.export_hf:
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
-                   eval_rows, eval_count, tuple(notes), record)
+                   eval_rows, eval_count, tuple(notes), record, (train_check, eval_check), resolved)
 
 
-def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
-    """``--eval-data`` and how many global batches each evaluation takes (all full ones, or --eval-batches)."""
+def read_state(source: ResumeSource, *, gbs: int) -> tuple[TrainingState | None, tuple[str, ...]]:
+    """The training state of a full resume's tag (None: weights only) and the lines that say how it was read."""
+    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
+        state, lines = read_nxd_state(source.root, source.checks(), gbs=gbs)
+        return state, tuple(lines)
+    if source.full:
+        state = read_training_state(source.root, source.checks(), gbs=gbs)
+        return state, tuple(state.notes)
+    return None, ()
+
+
+def open_eval(config: TrainConfig, vocab: int,
+              checked: CheckedData | None = None) -> tuple[RowSource | None, int, CheckedData | None]:
+    """``--eval-data``, how many global batches each evaluation takes (all full ones, or --eval-batches) and what
+    its check found (``checked``: found already)."""
     data = config.data
     if not data.eval_every or not data.eval_data:
-        return None, 0
+        return None, 0, None
     # A different seed: synthetic held-out rows must not be the training rows.
-    rows = check_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
-                      seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad).rows
+    rows, eval_check = checked_rows(open_rows(data.eval_data, vocab=vocab, seq_len=data.seq_len, seed=config.seed + 1),
+                                    seq_len=data.seq_len, long_rows=data.long_rows, pad=data.pad, checked=checked)
     whole = None if rows.size is None else rows.size // data.gbs
     if whole is None and data.eval_batches is None:
         raise TrainError("--eval-data synthetic has no end: give --eval-batches N")
@@ -197,7 +231,7 @@ def open_eval(config: TrainConfig, vocab: int) -> tuple[RowSource | None, int]:
                          f"{data.gbs}")
     count = data.eval_batches if whole is None else min(whole, data.eval_batches or whole)
     assert count is not None
-    return rows, count
+    return rows, count, eval_check
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
@@ -289,6 +323,8 @@ class Trainer:
             root=Path(ckpt.checkpoint_dir), source=source, layout=plan.layout, coords=c, zero1=zero_group is not None,
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
             record=plan.record, host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
+            zero_size=mesh.dp * mesh.cp, nxd_zero1=cfg.parallel.zero1,
+            nxd_param_groups=(ckpt.nxd_param_groups or DEFAULT_RULE) if ckpt.optimizer_format == "nxd" else None,
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
@@ -427,10 +463,12 @@ class Trainer:
         return history, last_tag
 
 
-def train(config: TrainConfig) -> list[StepMetrics]:
-    """Train in this process as one rank of the launcher's world (or alone); export at the end if asked."""
+def train(config: TrainConfig, data_checks: DataChecks | None = None,
+          resolved: Resolved | None = None) -> list[StepMetrics]:
+    """Train in this process as one rank of the launcher's world (or alone); export at the end if asked.
+    ``data_checks``, ``resolved``: what the launcher's checks of the data and of --resume found (:func:`prepare`)."""
     env = detect_env()
-    plan = prepare(config, env.world_size)
+    plan = prepare(config, env.world_size, data_checks, resolved)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
     device = init_world(env, config.dist_timeout, plan.device)
     directory = config.checkpoint.checkpoint_dir
@@ -472,6 +510,7 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
     return to_hf(src, out, options=options)
 
 
-def run_worker(config: TrainConfig) -> None:
-    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once)."""
-    train(config)
+def run_worker(config: TrainConfig, data_checks: DataChecks | None = None, resolved: Resolved | None = None) -> None:
+    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once); the
+    data was checked and --resume resolved by the launcher (``data_checks``, ``resolved``)."""
+    train(config, data_checks, resolved)

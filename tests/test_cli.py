@@ -40,7 +40,8 @@ def test_flag_sets_are_pinned():
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check",
                                                              "--source-hw-backend", "--source-trn2-kv-layout",
                                                              "--override-recorded-layout", "--masters", "--no-masters",
-                                                             "--dp", "--zero1", "--no-zero1", "--weights-only"}
+                                                             "--dp", "--zero1", "--no-zero1", "--weights-only",
+                                                             "--optimizer-format", "--nxd-param-groups", "--drop-masters"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout",
                                                             "--weights-only", "--masters", "--no-masters"}

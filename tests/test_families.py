@@ -257,3 +257,19 @@ def test_hub_ids_of_each_family(family_models, tmp_path: Path, family: str, monk
     assert main(["inspect", repo_id, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["path"] == str(snapshot) and summary["model"]["family"] == family
+
+
+def test_the_window_mask_is_built_once_per_shape_and_device():
+    """causal_attention (nxdtrain's Mistral layers call it for every layer and step) builds its mask once per
+    (length, window, device), and attends as with a mask built afresh."""
+    from ckptconv.reference import causal_attention
+
+    window_mask.cache_clear()
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    outs = [causal_attention(q, k, v, window=5) for _ in range(3)]
+    assert window_mask.cache_info().misses == 1 and window_mask.cache_info().hits == 2
+    fresh = window_mask.__wrapped__(12, 5, q.device)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=fresh)
+    assert all(torch.equal(out, expected) for out in outs)
+    causal_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], window=5)  # another length: its own mask
+    assert window_mask.cache_info().misses == 2

@@ -148,15 +148,6 @@ def test_official_trn1_kvm2_golden_shards_need_hw_backend(golden_dir: Path, tmp_
     assert_same_as(hf_state(tmp_path / "b"), case / "hf")
 
 
-def test_trn2_runtime_shards_are_still_inferred(gqa: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """Adjacent replicas are only ever the trn2 runtime layout: inferred, and said so."""
-    shards = unrecorded(ckptconv.to_nxd(gqa, tmp_path / "nxd", tp=4, kv_size_multiplier=2, attention="qkv_linear",
-                                        hw_backend="trn2", options=QUIET).out)
-    assert cli("to-hf", shards, tmp_path / "back", "--config", gqa / "config.json") == 0
-    assert "inferred trn2 from K/V replicas on adjacent ranks" in capsys.readouterr().err
-    assert_same_as(hf_state(tmp_path / "back"), gqa)
-
-
 def test_newest_tag_is_the_highest_step_and_a_different_nxd_choice_is_warned(gqa: Path, tmp_path: Path):
     """NxD resumes the tag whose done marker was modified last; we take the highest step, and say
     so when the two differ (a copy that lost the timestamps)."""

@@ -421,3 +421,72 @@ def test_a_tag_missing_some_model_tensors_is_refused(tmp_path: Path) -> None:
     (tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors" / "tensor_3.pt").unlink()
     with pytest.raises(ConversionError, match="1 of 15 model tensors were not saved"):
         to_hf(tag, tmp_path / "hf", config=FIXTURES / "zero1_bf16_masters_xser" / "hf" / "config.json", options=QUIET)
+
+
+def test_declared_reads_a_files_headers_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """NxdCheckpoint.declared: the dtypes and shapes the masters-only tag's .info.pt records (bf16, the shapes
+    of NxD's parameters, though no tensor was saved), read once per file however often it is asked."""
+    import ckptconv.io.nxd as nxd_io
+
+    case = "zero1_bf16_masters_only_xser"
+    opened: list[Path] = []
+    real = nxd_io.open_shard
+    monkeypatch.setattr(nxd_io, "open_shard", lambda path, *a: opened.append(path) or real(path, *a))
+    ckpt = nxd_io.NxdCheckpoint(copy_tag(case, tmp_path))
+    file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    first = ckpt.declared(file)
+    first.clear()  # a caller's change reaches no later caller
+    declared = ckpt.declared(file)
+    held = reference(case, "params_at_save.nxd")
+    assert declared == {k: (torch.bfloat16, tuple(v.shape)) for k, v in held.items()}
+    assert len(opened) == 1
+    ckpt.close()
+
+
+@pytest.mark.parametrize("case", ["plain_fp32", "zero1_bf16_masters", "zero1_bf16_masters_only_xser", "zero1_bf16_dcp"])
+def test_inspect_parses_nxds_optimizer_once(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weights' notes (ckptconv.nxd_masters) and the optimizer summary share one opening of NxD's optimizer,
+    whether the weights come from its masters or not; the summary is the same as a reader of its own gives."""
+    opened: list[Path] = []
+    real = NxdOptimizer.__init__
+
+    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
+        opened.append(model.root)
+        real(self, model, **kwargs)
+
+    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
+    report = inspect(tag_of(case), config=FIXTURES / case / "hf" / "config.json")
+    assert len(opened) == 1
+    with NxdOptimizer.open(tag_of(case)) as optim:
+        assert report["optimizer"]["format"] == optim.format.value
+        assert report["optimizer"]["masters"] == optim.has_masters and report["optimizer"]["step"] == optim.step()
+
+
+def test_a_kept_optimizer_lives_until_its_checkpoint_closes(tmp_path: Path) -> None:
+    """NxD's optimizer kept by its checkpoint (what nxd_masters(keep=True) does) stays open when the weights switch
+    to its masters (the switch closed everything the checkpoint held, the kept optimizer too, whose files then
+    reopened unseen: nxd_masters had to keep it after the switch); once the checkpoint closes it, a read fails
+    loudly instead of reopening its files. A second weight source or kept optimizer is refused."""
+    from ckptconv.io.nxd import NxdCheckpoint
+    from ckptconv.nxd_masters import MasterWeights
+    from ckptconv.plan import Source
+
+    case = "zero1_bf16_masters_only_xser"
+    ckpt = NxdCheckpoint(copy_tag(case, tmp_path), io="read")
+    optim = NxdOptimizer(ckpt, io="read")
+    ckpt.keep_nxd_optimizer(optim)
+    ckpt.read_weights_from(MasterWeights(optim))
+    held = reference(case, "params_at_save.nxd")
+    name = "model.norm.weight"
+    file = next(f for f in ckpt.files if name in ckpt.keys(f))
+    assert torch.equal(optim.rows(0, 0, name, "master", 0, 2), held[name][:2])  # open (a closed one would raise)
+    assert torch.equal(ckpt.read_rows(Source(file, name), 0, held[name].shape[0]), held[name])
+    with pytest.raises(RuntimeError, match="the weights are read from another source already"):
+        ckpt.read_weights_from(MasterWeights(optim))
+    with NxdOptimizer(ckpt, io="read") as other, pytest.raises(RuntimeError, match="keeps another NxD optimizer"):
+        ckpt.keep_nxd_optimizer(other)
+    ckpt.close()
+    with pytest.raises(RuntimeError, match=r"optim: read after close\(\)"):
+        optim.rows(0, 0, name, "exp_avg", 0, 2)
+    with pytest.raises(RuntimeError, match=r"read after close\(\)"):
+        ckpt.read_rows(Source(file, name), 0, 1)  # the weights come from the closed optimizer's masters

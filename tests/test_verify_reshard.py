@@ -204,7 +204,8 @@ def test_to_hf_infers_trn2_from_replicas_and_refuses_to_guess_trn1(gqa: Path, tm
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "kv_size_multiplier 2 from K/V rows" in err
-    assert ("inferred trn2 from" if hw == "trn2" else "K/V replica order fits --hw-backend trn1") in err
+    assert ("inferred trn2 from K/V replicas on adjacent ranks" if hw == "trn2"
+            else "K/V replica order fits --hw-backend trn1") in err
     back, original = hf_state(tmp_path / "back"), hf_state(gqa)
     assert all(torch.equal(back[k], original[k]) for k in original)
 

@@ -32,10 +32,11 @@ from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
+from ckptconv.io.torchzip_pickle import map_tensor_at
 from ckptconv.io.torchzip_read import is_row_major
 from ckptconv.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
 from ckptconv.metadata import METADATA_FILE, read_metadata
-from ckptconv.plan import OutFile, OutTensor, Piece, Source
+from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 
 DONE_MARKER = "done"
 CHECKPOINT_MARKER = "checkpoint"
@@ -225,7 +226,7 @@ OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.tr
 
 
 class _WithMasters:
-    """One shard whose tensors come from nxdtrain's fp32 masters where they have them."""
+    """One shard whose tensors come from nxdtrain's fp32 masters where they have them (a ShardsWithMasters reader)."""
 
     def __init__(self, shard: FileReader | _SplitShard, masters: Any) -> None:
         self.shard, self.masters = shard, masters
@@ -249,13 +250,40 @@ class _WithMasters:
 
 
 class WeightSource(Protocol):
-    """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files."""
+    """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files alone: NxD's masters
+    (:class:`ckptconv.nxd_masters.MasterWeights`, in place of the model files) or nxdtrain's
+    (:class:`ShardsWithMasters`, over them)."""
 
-    def shard(self, file: str) -> FileReader: ...
+    label: str  # where the weights come from, in a report's words
+
+    def shard(self, file: str) -> FileReader | _WithMasters: ...
 
     def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int: ...
 
     def close(self) -> None: ...
+
+
+class ShardsWithMasters:
+    """A :class:`WeightSource`: each model file with the fp32 masters an nxdtrain bf16 run keeps over it
+    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training_state.use_masters`); keys they
+    lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
+    conversion's fingerprint; ``owner`` (what reads them) is closed with the checkpoint."""
+
+    label = "nxdtrain's master weights"
+
+    def __init__(self, ckpt: NxdCheckpoint, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]],
+                 owner: Any) -> None:
+        self.ckpt, self.masters_for, self.identity, self.owner = ckpt, masters_for, identity, owner
+
+    def shard(self, file: str) -> _WithMasters:
+        ckpt = self.ckpt
+        return _WithMasters(open_shard(ckpt.files[file], ckpt.io, ckpt.checks), self.masters_for(file))
+
+    def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int:
+        return 0  # the masters are read through the checkpoint's own checks (CheckedFiles shared with the owner)
+
+    def close(self) -> None:
+        self.owner.close()
 
 
 class NxdCheckpoint:
@@ -289,59 +317,76 @@ class NxdCheckpoint:
         self.flavour = detect_flavour(first)
         self._readers: dict[str, FileReader | _SplitShard | _WithMasters] = {}
         self._lock = threading.Lock()
-        self._masters_for: Callable[[str], Any] | None = None  # once use_masters(): shard -> its masters' reader
-        self._masters_identity: list[tuple[str, int, int]] = []
-        self._masters_owner: Any = None  # closed with this checkpoint
-        self._weights: WeightSource | None = None  # NxD's masters (read_weights_from), or None
+        self._weights: WeightSource | None = None  # NxD's or nxdtrain's masters (read_weights_from), or None
+        self._nxd_optimizer: Any = None  # NxD's optimizer of this tag, once keep_nxd_optimizer()
+        self._declared: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}  # file -> declared()
 
     def _reader(self, file: str) -> FileReader | _SplitShard | _WithMasters:
         with self._lock:
             if file not in self._readers:
                 if file not in self.files:
                     raise ConversionError(f"{self.model_dir}: no shard {file}")
-                if self._weights is not None:
-                    self._readers[file] = self._weights.shard(file)
-                else:
-                    shard = open_shard(self.files[file], self.io, self.checks)
-                    self._readers[file] = shard if self._masters_for is None else _WithMasters(
-                        shard, self._masters_for(file))
+                self._readers[file] = (open_shard(self.files[file], self.io, self.checks) if self._weights is None
+                                       else self._weights.shard(file))
             return self._readers[file]
 
     def use_masters(self, masters_for: Callable[[str], Any], identity: list[tuple[str, int, int]],
                     owner: Any) -> None:
-        """Read the weights from fp32 master weights (nxdtrain's bf16 runs keep them with the optimizer state)
-        instead of the shards' rounded copy: ``masters_for(shard file)`` reads that shard's masters
-        (:func:`ckptconv.training_state.use_masters`); keys they lack (``inv_freq``) still come from the shards.
-        ``identity``: the files they come from (names, sizes, mtimes), for a conversion's fingerprint;
-        ``owner`` (what reads them) is closed with this checkpoint."""
-        self.close()  # readers opened so far read the shards alone
-        self._masters_for, self._masters_identity, self._masters_owner = masters_for, identity, owner
+        """Read the weights from the fp32 masters an nxdtrain bf16 run keeps with its optimizer state instead of
+        the shards' rounded copy (:class:`ShardsWithMasters`)."""
+        self.read_weights_from(ShardsWithMasters(self, masters_for, identity, owner))
 
     def masters_identity(self) -> list[tuple[str, int, int]] | None:
-        """The optimizer files read for master weights (names, sizes, mtimes), or None."""
-        return self._masters_identity if self._masters_for is not None else None
+        """nxdtrain's optimizer files read for its master weights (names, sizes, mtimes), or None (NxD's optimizer
+        files are among a conversion's input files instead: ``ckptconv.api._input_files``)."""
+        return self._weights.identity if isinstance(self._weights, ShardsWithMasters) else None
 
     def read_weights_from(self, source: WeightSource) -> None:
-        """Serve every shard's tensors from ``source`` (NxD's fp32 masters in ``optim/``) instead of
-        the model files; call before reading any tensor."""
-        self.close()
+        """Serve every shard's tensors from ``source`` (fp32 masters in ``optim/``) instead of the model files
+        alone; call before reading any tensor. The shard readers opened so far read the model files, so they are
+        dropped (only they: what else this checkpoint holds stays open). A second source would replace the
+        first one's reads unseen: refused."""
+        if self._weights is not None:
+            raise RuntimeError(f"{self.root}: the weights are read from another source already "
+                               f"({self._weights.label})")
+        self._close_readers()
         self._weights = source
+
+    def keep_nxd_optimizer(self, optim: Any) -> None:
+        """Keep NxD's optimizer of this tag open for the callers that read it too (inspect's summary, a resume's
+        optimizer state; see :func:`ckptconv.nxd_masters.nxd_masters`): it is closed with this checkpoint, and
+        not before (after that its reads fail, :class:`ckptconv.nxd_optimizer.NxdOptimizer`)."""
+        if self._nxd_optimizer is not None and self._nxd_optimizer is not optim:
+            raise RuntimeError(f"{self.root}: keeps another NxD optimizer open already")
+        self._nxd_optimizer = optim
+
+    @property
+    def nxd_optimizer(self) -> Any:
+        """NxD's optimizer of this tag where :meth:`keep_nxd_optimizer` kept it, else None."""
+        return self._nxd_optimizer
 
     @property
     def weight_source(self) -> WeightSource | None:
-        """Where tensors are read from when not the model files (see :meth:`read_weights_from`)."""
+        """Where tensors are read from when not the model files alone (see :meth:`read_weights_from`)."""
         return self._weights
 
     def declared(self, file: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """dtype and shape of every tensor of a model file, in file order, as the shard declares them
-        (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`."""
-        reader = open_shard(self.files[file], self.io, None)
-        try:
-            if isinstance(reader, _SplitShard):
-                return {key: reader.declared(key) for key in reader.keys()}
-            return {key: reader.info(key)[:2] for key in reader.keys()}
-        finally:
-            reader.close()
+        (xser: ``.info.pt``), even when the tensors were not saved; unaffected by :meth:`read_weights_from`.
+        A file's headers are read once (the optimizer's reader and the precision and weight notes all ask)."""
+        if file not in self._declared:
+            # The model file's own reader where reads go to it (opened once, for this and the reads that follow);
+            # a reader of its own where they go elsewhere (masters), closed at once.
+            own = self._weights is None
+            reader = self._reader(file) if own else open_shard(self.files[file], self.io, None)
+            try:
+                self._declared[file] = ({key: reader.declared(key) for key in reader.keys()}
+                                        if isinstance(reader, _SplitShard)
+                                        else {key: reader.info(key)[:2] for key in reader.keys()})
+            finally:
+                if not own:
+                    reader.close()
+        return dict(self._declared[file])
 
     def unsaved_tensors(self) -> list[str]:
         """``file: key`` of every model tensor whose data is absent (an xser tag saved with
@@ -387,14 +432,19 @@ class NxdCheckpoint:
                     out[key] = self.info(Source(file, key))[0]
         return out
 
-    def close(self) -> None:
+    def _close_readers(self) -> None:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+
+    def close(self) -> None:
+        """Close everything this checkpoint holds: the shard readers, the weight source and a kept NxD optimizer
+        (whose reads then fail, not reopen)."""
+        self._close_readers()
         if self._weights is not None:
             self._weights.close()
-        if self._masters_owner is not None:
-            self._masters_owner.close()
+        if self._nxd_optimizer is not None:
+            self._nxd_optimizer.close()
 
     def __enter__(self) -> NxdCheckpoint:
         return self
@@ -414,7 +464,8 @@ class TorchZipSink:
         self.path = tmp / out_file.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         metas: dict[str, Any] = dict(out_file.plain)
-        metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
+        if out_file.format != NESTED_TORCH:  # nested: the tensors are placed inside ``plain`` already
+            metas.update({t.key: TensorMeta(t.dtype, t.shape, t.stride) for t in out_file.tensors})
         self._writer = TorchZipWriter(self.path, plan_zip(self.path, metas))
         self._empty_dir = Path(str(self.path) + TENSORS_SUFFIX) if empty_tensors_dir else None
 
@@ -431,16 +482,24 @@ class TorchZipSink:
 
 
 class XserSplitSink:
-    """NxD training's layout: refs file, ``.info.pt`` and one torch file per tensor."""
+    """NxD training's layout: refs file, ``.info.pt`` and one torch file per tensor. A NESTED_TORCH file (NxD's
+    optimizer state) keeps its structure, each TensorAt a TensorReference numbered depth-first, as NxD's xser
+    save numbers them."""
 
     def __init__(self, out_file: OutFile, tmp: Path) -> None:
         self.path = tmp / out_file.path
         self.tensor_dir = Path(str(self.path) + TENSORS_SUFFIX)
         self.tensor_dir.mkdir(parents=True, exist_ok=True)
-        self.tensors = out_file.tensors
+        self.out_file = out_file
+        if out_file.format == NESTED_TORCH:
+            order: list[str] = []
+            map_tensor_at(dict(out_file.plain), lambda t: order.append(t.key))
+        else:
+            order = [t.key for t in out_file.tensors]
+        self.tid = {key: tid for tid, key in enumerate(order)}
         self._writers: dict[str, TorchZipWriter] = {}
-        for tid, t in enumerate(out_file.tensors):
-            file = self.tensor_dir / f"tensor_{tid}.pt"
+        for t in out_file.tensors:
+            file = self.tensor_dir / f"tensor_{self.tid[t.key]}.pt"
             meta = TensorMeta(t.dtype, t.shape, TensorMeta.contiguous(t.dtype, t.shape).stride)
             self._writers[t.key] = TorchZipWriter(file, plan_zip(file, meta))
         self._column_major = {t.key for t in out_file.tensors if t.column_major}
@@ -453,11 +512,14 @@ class XserSplitSink:
     def finish(self) -> list[Path]:
         for writer in self._writers.values():
             writer.finish()
-        refs = {t.key: TensorReference(tid) for tid, t in enumerate(self.tensors)}
-        info = {
-            tid: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": False}
-            for tid, t in enumerate(self.tensors)
-        }
+        refs: dict[str, Any]
+        if self.out_file.format == NESTED_TORCH:
+            refs = map_tensor_at(dict(self.out_file.plain), lambda t: TensorReference(self.tid[t.key]))
+        else:
+            refs = {t.key: TensorReference(self.tid[t.key]) for t in self.out_file.tensors}
+        by_tid = sorted(self.out_file.tensors, key=lambda t: self.tid[t.key])
+        info = {self.tid[t.key]: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": False}
+                for t in by_tid}
         info_path = Path(str(self.path) + INFO_SUFFIX)
         torch.save(info, info_path)  # plain data
         save_state_dict(self.path, refs)  # our writer names TensorReference without importing torch_xla

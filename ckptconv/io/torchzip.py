@@ -39,11 +39,11 @@ import torch
 
 from ckptconv.io.crc import crc32
 from ckptconv.io.positional import pwrite_all
-from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorMeta, pickle_entries
+from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorAt, TensorMeta, pickle_entries
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
 
 __all__ = [
-    "SUPPORTED_DTYPES", "StoredTensor", "TensorMeta", "TorchZipReader", "TorchZipWriter", "ZipLayout",
+    "SUPPORTED_DTYPES", "StoredTensor", "TensorAt", "TensorMeta", "TorchZipReader", "TorchZipWriter", "ZipLayout",
     "ZipRecord", "archive_name_for", "crc32_combine", "plan_zip", "pwrite_extent", "save_state_dict",
 ]
 
@@ -232,7 +232,7 @@ def _end_records(n: int, cd_offset: int, cd_size: int) -> bytes:
 
 def plan_zip(path_or_archive_name: str | os.PathLike[str],
              entries: Mapping[str, TensorMeta | Any] | TensorMeta) -> ZipLayout:
-    """Layout of ``torch.save(entries, path)``; TensorMeta values stand for tensors.
+    """Layout of ``torch.save(entries, path)``; TensorMeta values (nested: TensorAt) stand for tensors.
 
     ``entries`` may also be a single TensorMeta, for ``torch.save(tensor)`` (its key is ``""``).
 
@@ -241,9 +241,7 @@ def plan_zip(path_or_archive_name: str | os.PathLike[str],
     ('model', 24, 0)
     """
     archive = archive_name_for(path_or_archive_name)
-    pkl, storage_keys = pickle_entries(entries)
-    metas: dict[str, TensorMeta] = ({"": entries} if isinstance(entries, TensorMeta)
-                                    else {k: entries[k] for k in storage_keys})
+    pkl, storage_keys, metas = pickle_entries(entries)
     contents: list[tuple[str, bytes | None, int]] = [("data.pkl", pkl, len(pkl))]
     contents += [(n, c, len(c)) for n, c in _SMALL_RECORDS]
     contents += [(f"data/{storage_keys[k]}", None, metas[k].nbytes) for k in storage_keys]

@@ -106,6 +106,15 @@ class TensorMeta:
         return TensorMeta(t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
+@dataclass(frozen=True)
+class TensorAt:
+    """A tensor inside a nested structure (NxD's optimizer files: ``base_state[i]["exp_avg"]``), named by
+    ``key`` for its writes; at the top level of a file a plain TensorMeta value does the same."""
+
+    key: str
+    meta: TensorMeta
+
+
 class _StorageStandIn:
     """Takes the place of the TypedStorage/UntypedStorage torch hands to persistent_id."""
 
@@ -167,14 +176,14 @@ class _PyStandInPickler(_PurePythonPickler):
 
 
 def _check_plain(value: Any, where: str) -> bool:
-    """Reject anything the safe reader could not load back (and any nested tensor).
+    """Reject anything the safe reader could not load back (and any nested tensor but a TensorAt).
 
     Returns True if a TensorReference occurs in ``value``."""
     if isinstance(value, (torch.Tensor, TensorMeta)):
-        raise ValueError(f"{where}: tensors are only supported as top-level values")
+        raise ValueError(f"{where}: tensors are only supported as top-level values (nested: TensorAt)")
     if type(value) is TensorReference:
         return True
-    if isinstance(value, _PLAIN_SCALARS) or type(value) is torch.Size:
+    if isinstance(value, _PLAIN_SCALARS) or type(value) is torch.Size or type(value) is TensorAt:
         return False
     if type(value) in (list, tuple):
         return any([_check_plain(v, f"{where}[{i}]") for i, v in enumerate(value)])
@@ -183,46 +192,83 @@ def _check_plain(value: Any, where: str) -> bool:
     raise ValueError(f"{where}: unsupported value type {type(value).__name__} (expected tensor or plain data)")
 
 
-def _stand_in_container(entries: Mapping[str, Any]) -> tuple[Any, dict[str, str], bool]:
-    """Copy of ``entries`` with stand-ins for TensorMeta values, key -> storage key, and
-    whether a TensorReference occurs."""
+class _Storages:
+    """Storage numbering in first-pickled order (torch.save's), by tensor key."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+        self.metas: dict[str, TensorMeta] = {}
+
+    def stand_in(self, key: str, meta: TensorMeta) -> _TensorStandIn:
+        if key in self.keys:
+            raise ValueError(f"tensor key {key!r} occurs twice")
+        self.keys[key] = str(len(self.keys))
+        self.metas[key] = meta
+        return _TensorStandIn(meta, _StorageStandIn(_storage_pid(meta, self.keys[key])))
+
+
+def map_tensor_at(value: Any, fn: Any) -> Any:
+    """``value`` with every TensorAt ``t`` replaced by ``fn(t)``, in pickling (depth-first, insertion) order.
+    Containers without a TensorAt are kept as they are (the same objects: the same pickle memo)."""
+    if type(value) is TensorAt:
+        return fn(value)
+    if type(value) in (dict, OrderedDict) and _holds_tensor_at(value):
+        return type(value)((k, map_tensor_at(v, fn)) for k, v in value.items())
+    if type(value) in (list, tuple) and _holds_tensor_at(value):
+        return type(value)(map_tensor_at(v, fn) for v in value)
+    return value
+
+
+def _holds_tensor_at(value: Any) -> bool:
+    if type(value) is TensorAt:
+        return True
+    if type(value) in (dict, OrderedDict):
+        return any(_holds_tensor_at(v) for v in value.values())
+    if type(value) in (list, tuple):
+        return any(_holds_tensor_at(v) for v in value)
+    return False
+
+
+def _stand_in_container(entries: Mapping[str, Any]) -> tuple[Any, _Storages, bool]:
+    """Copy of ``entries`` with stand-ins for TensorMeta values (and nested TensorAt), the storages by
+    tensor key, and whether a TensorReference occurs."""
     if type(entries) not in (dict, OrderedDict):
         raise ValueError(f"expected a dict or OrderedDict, got {type(entries).__name__}")
     out: Any = type(entries)()
     if type(entries) is OrderedDict:
         out.__dict__.update(vars(entries))  # e.g. state_dict()._metadata is pickled too
-    storage_keys: dict[str, str] = {}
+    storages = _Storages()
     has_ref = False
     for key, value in entries.items():
         if not isinstance(key, str):
             raise ValueError(f"key {key!r}: keys must be str")
         if isinstance(value, TensorMeta):
-            storage_keys[key] = str(len(storage_keys))  # storages are numbered in first-seen order
-            out[key] = _TensorStandIn(value, _StorageStandIn(_storage_pid(value, storage_keys[key])))
+            out[key] = storages.stand_in(key, value)
         else:
             has_ref |= _check_plain(value, f"key {key!r}")
-            out[key] = value
+            out[key] = map_tensor_at(value, lambda t: storages.stand_in(t.key, t.meta))
     for k, v in getattr(out, "__dict__", {}).items():
         has_ref |= _check_plain(v, f"attribute {k!r}")
-    return out, storage_keys, has_ref
+    return out, storages, has_ref
 
 
-def pickle_entries(entries: Mapping[str, Any] | TensorMeta) -> tuple[bytes, dict[str, str]]:
-    """``data.pkl`` bytes for ``entries`` and the storage key of each tensor key.
+def pickle_entries(entries: Mapping[str, Any] | TensorMeta) -> tuple[bytes, dict[str, str], dict[str, TensorMeta]]:
+    """``data.pkl`` bytes for ``entries``, the storage key of each tensor key, and each tensor's meta.
 
     A bare TensorMeta stands for ``torch.save(tensor)``; its key is ``""``.
 
-    >>> data, keys = pickle_entries({"w": TensorMeta.contiguous(torch.float32, (2,))})
+    >>> data, keys, _ = pickle_entries({"w": TensorMeta.contiguous(torch.float32, (2,))})
     >>> keys
     {'w': '0'}
     """
     has_ref = False
     if isinstance(entries, TensorMeta):
         obj: Any = _TensorStandIn(entries, _StorageStandIn(_storage_pid(entries, "0")))
-        storage_keys = {"": "0"}
+        storage_keys, metas = {"": "0"}, {"": entries}
     else:
-        obj, storage_keys, has_ref = _stand_in_container(entries)
+        obj, storages, has_ref = _stand_in_container(entries)
+        storage_keys, metas = storages.keys, storages.metas
     buf = io.BytesIO()
     pickler = _PyStandInPickler if has_ref and TENSOR_REFERENCE_IS_STAND_IN else _StandInPickler
     pickler(buf, protocol=2).dump(obj)  # torch.save's default protocol is 2
-    return buf.getvalue(), storage_keys
+    return buf.getvalue(), storage_keys, metas

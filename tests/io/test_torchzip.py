@@ -23,6 +23,7 @@ from ckptconv.io import torchzip_read
 from ckptconv.io.safe_load import TENSOR_REFERENCE_IS_STAND_IN, TensorReference, load_small
 from ckptconv.io.torchzip import (
     StoredTensor,
+    TensorAt,
     TensorMeta,
     TorchZipReader,
     TorchZipWriter,
@@ -602,3 +603,27 @@ def test_reader_module_has_no_pickle_import() -> None:
     """Only safe_load may unpickle: the reader module must not import pickle or call torch.load."""
     source = Path(torchzip_read.__file__).read_text()
     assert "import pickle" not in source and "torch.load" not in source
+
+
+def test_nested_tensors_byte_identical_to_torch_save(tmp_path: Path) -> None:
+    """Tensors inside nested containers (NxD's optimizer files: ``base_state[i]["exp_avg"]``, int keys, a master
+    table after them) placed by TensorAt: the bytes torch.save writes, storages numbered in pickling order."""
+    rng = random.Random(3)
+    state = {i: {"step": torch.tensor(2.0), "exp_avg": rand_tensor(rng, dtype, shape),
+                 "exp_avg_sq": rand_tensor(rng, dtype, shape)}
+             for i, (dtype, shape) in enumerate([(torch.float32, (4, 3)), (torch.bfloat16, (5,)), (torch.float64, (2, 2))])}
+    masters = {i: rand_tensor(rng, torch.float32, (3,)) for i in range(2)}
+    obj = {"state": {}, "param_groups": [{"lr": 0.01, "betas": [0.9, 0.95], "params": [0, 1, 2]}],
+           "base_state": state, "shape_info": {0: [4, 3], 1: [5], 2: [2, 2]}, "sharded_master_weights": masters}
+    entries = {**obj, "base_state": {i: {k: TensorAt(f"{i}.{k}", TensorMeta.of(v)) for k, v in s.items()}
+                                     for i, s in state.items()},
+               "sharded_master_weights": {i: TensorAt(f"m{i}", TensorMeta.of(v)) for i, v in masters.items()}}
+    path = ours_path(tmp_path, "optim.pt")
+    with TorchZipWriter(path, plan_zip(path, entries)) as writer:
+        for i, s in state.items():
+            for k, v in s.items():
+                writer.write_tensor(f"{i}.{k}", v)
+        for i, v in masters.items():
+            writer.write_tensor(f"m{i}", v)
+    ours, ref = path.read_bytes(), torch_bytes(tmp_path, "optim.pt", obj)
+    assert ours == ref, first_diff(ours, ref)

@@ -19,7 +19,7 @@ RUN_FLAGS = {
     "--beta2", "--eps", "--clip-grad",
     "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
     "--resume", "--weights-only", "--no-weights-only", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
-    "--no-xser", "--no-checkpoint", "--init", "--eval-data", "--eval-every", "--eval-batches",
+    "--no-xser", "--optimizer-format", "--nxd-param-groups", "--no-checkpoint", "--init", "--eval-data", "--eval-every", "--eval-batches",
     "--long-rows", "--pad", "--no-pad", "--override-schedule", "--no-override-schedule", "--allow-high-loss", "--no-allow-high-loss",
 }
 

@@ -72,3 +72,58 @@ def test_inspect_describes_nxdtrain_optimizer_files_of_both_formats(tag, tmp_pat
     moved = reshard(tag, tmp_path / "f2", tp=1, pp=1, dp=1, zero1=False, options=RunOptions(quiet=True)).out
     new = inspect(moved)["optimizer"]
     assert new == {**old, "format": "nxdtrain 2", "zero1": False, "dp": None, "files": 1}
+
+
+
+def test_both_kinds_of_masters_are_one_weight_source(tag):
+    """nxdtrain's masters are served as NxD's are (NxdCheckpoint.read_weights_from; they were a second mechanism
+    with fields, closing and reports of its own): the weights read are the fp32 masters of the optimizer file
+    (torch.load as the reference), inspect names the source by its label, and a second source is refused."""
+    from ckptconv.inspection import inspect
+    from ckptconv.nxd_source import open_nxd
+    from ckptconv.plan import Source
+    from ckptconv.training_state import use_masters
+
+    file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
+    ckpt, spec, layout, with_inv_freq, _ = open_nxd(tag, prefer_masters=True)
+    with ckpt:
+        assert ckpt.weight_source is not None and ckpt.weight_source.label == "nxdtrain's master weights"
+        for key in ("model.norm.weight", "model.layers.0.self_attn.qkv_proj.weight_qkv"):
+            rows = ckpt.info(Source(file, key))[1][0]
+            read = ckpt.read_rows(Source(file, key), 0, rows)
+            assert read.dtype == torch.float32 and torch.equal(read, saved[key]), key
+        with pytest.raises(RuntimeError, match=r"read from another source already \(nxdtrain's master weights\)"):
+            use_masters(ckpt, spec, layout, with_inv_freq, required=True)
+    assert inspect(tag)["weights_from"] == "model files"
+    assert inspect(tag, masters=True)["weights_from"] == "optim/ (nxdtrain's master weights)"
+
+
+@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixture's model has none
+def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monkeypatch):
+    """reshard --masters and to-dcp of a bf16 tag read the weights from its masters and carry its optimizer state:
+    one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's
+    weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
+    from ckptconv import training_state
+    from ckptconv.dcp_convert import to_dcp
+    from ckptconv.io.nxd import load_shard
+
+    made = []
+    real = training_state.TagOptimizer.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(args[0])
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(training_state.TagOptimizer, "__init__", counting)
+    quiet = RunOptions(quiet=True, part=(0, 1))
+    out = reshard(tag, tmp_path / "r", tp=2, pp=1, masters=True, options=quiet).out
+    assert len(made) == 1
+    to_dcp(tag, tmp_path / "dcp", options=quiet)
+    assert len(made) == 2  # one more, for to-dcp
+    for rank in range(2):
+        name = f"dp_rank_00_tp_rank_{rank:02d}_pp_rank_00.pt"
+        saved = torch.load(tag / "optim" / name, weights_only=True)["master"]  # format 1: every master, this tp rank
+        shard = load_shard(out / "model" / name)
+        assert sorted(shard) == sorted(saved)
+        assert all(shard[k].dtype == torch.float32 and torch.equal(shard[k], saved[k]) for k in saved)

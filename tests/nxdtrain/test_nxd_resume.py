@@ -61,14 +61,14 @@ def precision_of(case: str) -> torch.dtype:
 
 
 def restored(tag: Path, run: ParallelLayout, tp_rank: int, dtype: torch.dtype, *,
-             same_optimizer: bool = True) -> Optimizer:
+             same_optimizer: bool = True, pp_rank: int = 0) -> Optimizer:
     """One rank's nxdtrain optimizer after the resume of ``tag`` at layout ``run``, as Trainer restores it."""
     source = resolve_resume(str(tag), weights_only=False)
     assert source.full
-    stage = StageReader(source, run, tp_rank=tp_rank, pp_rank=0, optimizer=True)
+    stage = StageReader(source, run, tp_rank=tp_rank, pp_rank=pp_rank, optimizer=True)
     try:
         weights = stage.weights()
-        model = LlamaStage(source.spec, run, tp=TpGroup(run.tp, tp_rank), pp_rank=0,
+        model = LlamaStage(source.spec, run, tp=TpGroup(run.tp, tp_rank), pp_rank=pp_rank,
                            with_inv_freq=source.with_inv_freq, dtype=dtype)
         model.load_shard_state(weights, str(tag))
         optimizer = Optimizer(model, OptimConfig(), initial=weights)
@@ -168,21 +168,31 @@ def test_a_fresh_optimizer_is_caught(tmp_path: Path) -> None:
     assert max((ours[n] - nxd[n]).abs().max().item() for n in ours) > 1e-3
 
 
-def test_bf16_moments_continue_within_a_few_bf16_ulps(tmp_path: Path) -> None:
-    """ZeRO-1 off with a bf16 model: NxD's AdamW ran in bf16 (bf16 moments, no masters); nxdtrain's bf16 run
-    steps fp32 masters widened from the weights with the moments widened, so its result rounded to bf16
-    is compared in bf16 ulps of the largest operand, as tests/test_nxd_optimizer.py does (measured: at most
-    3.0, two thirds of the elements equal)."""
+def bf16_ulps_off(ours: dict[str, torch.Tensor], nxd: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> float:
+    """The largest distance of ``ours`` rounded to bf16 from NxD's bf16 step, in bf16 ulps of the largest operand
+    (old or new weight, or the step size lr = 1e-2). Why ulps, and why a few: NxD's AdamW ran in bf16 on XLA, so
+    each intermediate (the two moments, the denominator, the update, the decayed weight) was rounded to 8 bits of
+    mantissa, each rounding off by up to half an ulp of its own size; nxdtrain steps the widened values in fp32
+    and rounds once. A handful of such roundings bound the difference by a few ulps of the largest operand
+    (measured: 3.0 at most, 2/3 of the elements equal; a zeroed exp_avg is 129 ulps off: tests/test_nxd_optimizer.py)."""
     from tests.test_nxd_optimizer import bf16_ulp
 
-    ours, nxd, moved = continue_step_3("plain_bf16", tmp_path)
-    held = reference("plain_bf16", "params_at_save.nxd")
-    assert moved > 5e-3
     worst = 0.0
     for name, value in ours.items():
         got, want = value.bfloat16().double(), nxd[name].double()
         scale = torch.stack([got.abs(), want.abs(), held[name].double().abs(), torch.full_like(want, 1e-2)]).amax(0)
         worst = max(worst, ((got - want).abs() / bf16_ulp(scale)).max().item())
+    return worst
+
+
+def test_bf16_moments_continue_within_a_few_bf16_ulps(tmp_path: Path) -> None:
+    """ZeRO-1 off with a bf16 model: NxD's AdamW ran in bf16 (bf16 moments, no masters); nxdtrain's bf16 run
+    steps fp32 masters widened from the weights with the moments widened, so its result rounded to bf16
+    is compared in bf16 ulps of the largest operand, as tests/test_nxd_optimizer.py does (measured: at most
+    3.0, two thirds of the elements equal)."""
+    ours, nxd, moved = continue_step_3("plain_bf16", tmp_path)
+    assert moved > 5e-3
+    worst = bf16_ulps_off(ours, nxd, reference("plain_bf16", "params_at_save.nxd"))
     assert worst <= 4, worst
 
 
@@ -211,8 +221,8 @@ def as_shards(tensors: dict[str, torch.Tensor], like: Path, out: Path) -> Path:
     return out
 
 
-def on_rank(tensors: Path, run: ParallelLayout, tp_rank: int) -> dict[str, torch.Tensor]:
-    stage = StageReader(resolve_resume(str(tensors), weights_only=False), run, tp_rank=tp_rank, pp_rank=0,
+def on_rank(tensors: Path, run: ParallelLayout, tp_rank: int, pp_rank: int = 0) -> dict[str, torch.Tensor]:
+    stage = StageReader(resolve_resume(str(tensors), weights_only=False), run, tp_rank=tp_rank, pp_rank=pp_rank,
                         optimizer=False)
     try:
         return stage.weights()
@@ -230,22 +240,36 @@ def test_resume_at_tp2_continues_step_3_as_nxd_did(case: str, tmp_path: Path) ->
 
 
 def step_3_at(case: str, nxds: Path, tag: Path, run: ParallelLayout, tmp_path: Path) -> None:
-    """Every tp rank of ``run`` resumed from ``tag`` (NxD's tag ``nxds`` or one made from it) steps its slice of
-    the recorded gradients to its slice of NxD's step 3."""
-    _, expected, _ = continue_step_3(case, tmp_path / "tp1")  # NxD's own step 3 (or, without masters, the widened one)
+    """Every (tp, pp) rank of ``run`` resumed from ``tag`` (NxD's tag ``nxds`` or one made from it) steps its slice
+    of the recorded gradients to its slice of NxD's step 3: within an fp32 ulp for fp32 (fp64) state. For
+    plain_bf16 (bf16 moments) within 4 bf16 ulps of NxD's (test_bf16_moments_continue_within_a_few_bf16_ulps),
+    and bit for bit the slice of nxdtrain's direct resume at NxD's tp 1: AdamW is elementwise, so no layout may
+    change an element."""
+    # nxdtrain's step 3 from NxD's tag at its tp 1; NxD's own step 3 (or, without masters, the widened one)
+    direct, nxd, _ = continue_step_3(case, tmp_path / "tp1")
+    bf16 = case == "plain_bf16"
     grads = as_shards(reference(case, "grads_next.nxd"), nxds, tmp_path / "grads")
-    after = as_shards(expected, nxds, tmp_path / "after")
+    after = as_shards(direct if bf16 else nxd, nxds, tmp_path / "after")
+    if bf16:
+        nxd_after = as_shards(nxd, nxds, tmp_path / "nxd_after")
+        held = as_shards(reference(case, "params_at_save.nxd"), nxds, tmp_path / "held")
     lr = step_lr(case, nxds)
-    for tp_rank in range(run.tp):
-        optimizer = restored(tag, run, tp_rank, precision_of(case))
-        mine = on_rank(grads, run, tp_rank)
-        for name in optimizer.names:
-            optimizer.master[name].grad = mine[name].to(torch.float32)
-        optimizer.step(lr)
-        want = on_rank(after, run, tp_rank)
-        for name in optimizer.names:
-            torch.testing.assert_close(optimizer.master[name].detach().double(), want[name].double(), rtol=0,
-                                       atol=3e-8, msg=f"tp rank {tp_rank}: {name}")
+    for pp_rank in range(run.pp):
+        for tp_rank in range(run.tp):
+            optimizer = restored(tag, run, tp_rank, precision_of(case), pp_rank=pp_rank)
+            mine = on_rank(grads, run, tp_rank, pp_rank)
+            for name in optimizer.names:
+                optimizer.master[name].grad = mine[name].to(torch.float32)
+            optimizer.step(lr)
+            ours = {name: optimizer.master[name].detach() for name in optimizer.names}
+            want = on_rank(after, run, tp_rank, pp_rank)
+            for name, value in ours.items():
+                torch.testing.assert_close(value.double(), want[name].double(), rtol=0, atol=0.0 if bf16 else 3e-8,
+                                           msg=f"tp rank {tp_rank} pp rank {pp_rank}: {name}")
+            if bf16:
+                worst = bf16_ulps_off(ours, on_rank(nxd_after, run, tp_rank, pp_rank),
+                                      on_rank(held, run, tp_rank, pp_rank))
+                assert worst <= 4, (tp_rank, pp_rank, worst)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,3 +341,81 @@ def test_steps_that_disagree_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TrainError, match="the recorded steps disagree: AdamW's step 2, total_steps 3, the scheduler's "
                                          "last_epoch 2; resume with --weights-only"):
         read_nxd_state(tag, None, gbs=4)
+
+
+@pytest.mark.parametrize("case", ["zero1_bf16_masters_only_xser", "plain_fp32"])
+def test_a_rank_parses_nxds_optimizer_once(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's restore reads the weights' source (NxD's masters, or the model files) and the optimizer state
+    through one parse of NxD's optimizer files (it parsed them twice: for the weights' notes, then the state),
+    and opens the model file once (its headers were read by a reader of their own, then again to read it)."""
+    import ckptconv.io.nxd as nxd_io
+    from ckptconv.nxd_optimizer import NxdOptimizer
+
+    tag = nxd_tag(case, tmp_path)
+    opened: list[Path] = []
+    real = NxdOptimizer.__init__
+
+    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
+        opened.append(model.root)
+        real(self, model, **kwargs)
+
+    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
+    shards: list[Path] = []
+    real_open = nxd_io.open_shard
+    monkeypatch.setattr(nxd_io, "open_shard", lambda path, *a: shards.append(path) or real_open(path, *a))
+    run = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
+    source = resolve_resume(str(tag), weights_only=False)
+    opened.clear()  # resolve_resume's own look at the tag comes before (in prepare), not in the rank's restore
+    shards.clear()
+    stage = StageReader(source, run, tp_rank=1, pp_rank=0, optimizer=True)
+    try:
+        weights = stage.weights()
+        state = stage.optimizer_state("model.norm.weight")
+        stage.finish()
+    finally:
+        stage.close()
+    assert len(opened) == 1 and len(shards) == 1, shards
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} | ({"master"} if "masters" in case else set())
+    held = reference(case, "params_at_save.nxd")  # fp32 weights, or the masters: what NxD held
+    assert torch.equal(weights["model.norm.weight"], held["model.norm.weight"])
+
+
+def test_the_workers_take_the_launchers_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--nproc's launcher resolves --resume and reads the tag's state once and hands both to its workers (they
+    each read every shard's header and parsed NxD's optimizer files again): what it passes survives the trip to a
+    process (pickled), and a worker's prepare given it opens no file of the tag yet plans the same run."""
+    import os
+    import pickle
+
+    import nxdtrain.dist
+    from nxdtrain.cli import main
+    from nxdtrain.train import prepare
+
+    tag = nxd_tag("zero1_bf16_masters_only_xser", tmp_path)
+    passed: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(nxdtrain.dist, "spawn", lambda fn, args, nprocs, **kw: passed.append(args) or 0)
+    argv = ["run", "--resume", str(tag), "--steps", "4", "--data", "synthetic", "--seq-len", "16", "--gbs", "4",
+            "--mbs", "1", "--no-checkpoint", "--precision", "fp32", "--nproc", "2", *SCHEDULE]
+    assert main(argv) == 0
+    config, data_checks, resolved = pickle.loads(pickle.dumps(passed[0]))  # as a worker receives them
+    launcher = prepare(config, 2)
+    assert resolved.source == launcher.source and resolved.notes == launcher.resolved.notes
+
+    opened: list[str] = []
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and isinstance(args[0], (str, os.PathLike)) and str(args[0]).startswith(str(tag)):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)  # stays installed (an audit hook cannot be removed): it only records while `tag` is read
+    before = len(opened)
+    worker = prepare(config, 2, data_checks, resolved)
+    assert opened[before:] == []
+    launcher_again = prepare(config, 2)
+    assert len(opened) > before  # the hook sees the tag's files when prepare reads them
+    assert worker.resume_notes == launcher_again.resume_notes and worker.source == launcher_again.source
+    assert worker.resume_state is not None and launcher_again.resume_state is not None
+    ours, again = worker.resume_state, launcher_again.resume_state
+    assert (ours.step, ours.consumed_samples, ours.options, ours.run) == (
+        again.step, again.consumed_samples, again.options, again.run)
+    assert ours.step == 2 and ours.consumed_samples == 8  # NxD's step 2 x --gbs 4

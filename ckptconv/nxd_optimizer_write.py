@@ -1,0 +1,385 @@
+"""Writing NxD's own optimizer format, so that NxD 2.28 (NxD's examples, NxDT) resumes a tag from here.
+
+What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the structures NxD 2.28 wrote in
+``fixtures/nxdt-official/``):
+
+* ZeRO-1 on: ``NeuronZero1Optimizer.state_dict()`` per dp rank, ``optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt``:
+  ``state`` {}, ``param_groups``, ``base_state`` {i: step, exp_avg, exp_avg_sq}, ``shape_info`` {i: full shape},
+  ``sharded_master_weights`` {i: chunk}. A chunk is dim 0 zero-padded to a multiple of dp, cut in dp equal
+  parts; moments and masters in the optimizer dtype (fp32, fp64 where the source's masters are).
+* ZeRO-1 off: torch AdamW's ``state_dict()`` in ``optim/dp_rank_00_...``: moments in the parameter's dtype.
+
+Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
+key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
+:func:`ckptconv.nxd_optimizer.index_names` reads with). The files are planned like shards (every tensor a
+list of row ranges of the source, :mod:`ckptconv.plan`) and written by the executor in bands, nested
+structures through :class:`ckptconv.io.torchzip.TensorAt`.
+
+    >>> nxd_groups(["w", "model.norm.weight", "b.bias"], "bias-norm")
+    [['w'], ['model.norm.weight', 'b.bias']]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.errors import ConversionError
+from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.torchzip import TensorAt, TensorMeta
+from ckptconv.layout import parse_shard_name
+from ckptconv.lr_schedule import Recorded, nxdt_lr
+from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
+from ckptconv.options import NXD_PARAM_GROUPS
+from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
+from ckptconv.training_state import (
+    MASTER,
+    OptimizerSource,
+    component_source,
+    is_matrix,
+    optimizer_file,
+    state_tensors,
+)
+
+DEFAULT_RULE = "bias-norm"
+RULE_CHOICES = (*PARAM_GROUP_RULES, "one")
+assert RULE_CHOICES == NXD_PARAM_GROUPS, "ckptconv.options names the same rules for the CLI"
+STEP = "step"
+# The key order of a param group in NxD 2.28's files: torch AdamW's own (initial_lr added by the scheduler),
+# and NeuronZero1Optimizer's (its wrapper groups take initial_lr before the base optimizer's defaults).
+_ADAMW_GROUP = ("weight_decay", "lr", "betas", "eps", "amsgrad", "maximize", "foreach", "capturable",
+                "differentiable", "fused", "decoupled_weight_decay", "initial_lr")
+_ZERO1_GROUP = ("weight_decay", "lr", "betas", "initial_lr", "eps", "amsgrad", "maximize", "foreach", "capturable",
+                "differentiable", "fused", "decoupled_weight_decay")
+# torch AdamW's defaults, for a key a source's param groups do not hold (an older torch's nxdtrain tag)
+_ADAMW_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                   "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+COSINE = "CosineAnnealing"
+NXDTRAIN_KEY = "nxdtrain"  # user_content.pt: nxdtrain's own record beside NxD's example keys
+
+
+def nxd_groups(names: Sequence[str], rule: str) -> list[list[str]]:
+    """The param groups NxD's example builds over ``names`` (a shard's parameters in key order)."""
+    if rule == "one":
+        return [list(names)]
+    if rule not in PARAM_GROUP_RULES:
+        raise ConversionError(f"--nxd-param-groups must be one of {', '.join(RULE_CHOICES)}, got {rule!r}")
+    no_decay = PARAM_GROUP_RULES[rule][1]
+    return [[n for n in names if not no_decay(n)], [n for n in names if no_decay(n)]]
+
+
+def describe_rule(rule: str) -> str:
+    return "one param group" if rule == "one" else PARAM_GROUP_RULES[rule][0]
+
+
+def rule_of(optim: NxdOptimizer) -> str:
+    """The param-group rule NxD's own tag was saved with (what its reader found), as a rule name: NxD's run
+    that resumes it builds the same groups, so a rewrite keeps them unless told otherwise."""
+    if len(optim.groups()) == 1:
+        return "one"
+    naming = optim.naming()
+    return next(name for name, (description, _) in PARAM_GROUP_RULES.items() if description == naming)
+
+
+# --------------------------------------------------------------------------------------------
+# Row windows: a ZeRO-1 chunk of a planned tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWindow(Source):
+    """Rows [start, start + count) of the tensor at (file, key); rows past its end read as zeros (ZeRO-1's
+    padding), for a chunk of a tensor planned by columns (whose pieces cannot be cut by rows)."""
+
+    start: int = 0
+    count: int = 0
+
+    @property
+    def inner(self) -> Source:
+        return Source(self.file, self.key)
+
+
+class WindowReader:
+    """The executor's reader with :class:`RowWindow` sources answered from ``inner``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        if not isinstance(source, RowWindow):
+            return self.inner.info(source)  # type: ignore[no-any-return]
+        dtype, shape, column_major = self.inner.info(source.inner)
+        return dtype, (source.count, *shape[1:]), column_major
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(source, RowWindow):
+            return self.inner.read_rows(source, start, stop, out)  # type: ignore[no-any-return]
+        dtype, shape, _ = self.inner.info(source.inner)
+        rows = self.inner.read_rows(source.inner, min(source.start + start, shape[0]),
+                                    min(source.start + stop, shape[0]))
+        target = out if out is not None else torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        target = target.view(stop - start, *shape[1:])
+        target[:rows.shape[0]].copy_(rows)
+        target[rows.shape[0]:].zero_()
+        return target
+
+    def position(self, source: Source) -> int:
+        position = getattr(self.inner, "position", None)
+        inner = source.inner if isinstance(source, RowWindow) else source
+        return position(inner) if position is not None else 0
+
+    def finish_checks(self, *, workers: int = 8) -> int:
+        return self.inner.finish_checks(workers=workers)  # type: ignore[no-any-return]
+
+
+def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
+    """Rows [start, start + count) of a planned tensor as a tensor of its own, zero rows past its end."""
+    rows = tensor.shape[0]
+    if any(p.alternates for p in tensor.pieces):
+        raise ConversionError(f"{tensor.key}: averaged K/V replicas cannot be cut into ZeRO-1 chunks")
+    if tensor.dim != 0:  # pieces side by side: each source windowed by rows
+        pieces = tuple(dataclasses.replace(p, source=RowWindow(p.source.file, p.source.key, start, count))
+                       for p in tensor.pieces)
+        return OutTensor(key, dtype, (count, *tensor.shape[1:]), tensor.dim, pieces)
+    out, offset = [], 0
+    for piece in tensor.pieces:
+        lo, hi = max(start, offset), min(start + count, offset + piece.length)
+        if lo < hi:
+            shift = lo - offset
+            if piece.row_perm and (shift % len(piece.row_perm) or (hi - lo) % len(piece.row_perm)):
+                raise ConversionError(f"{tensor.key}: a ZeRO-1 chunk boundary cuts a permuted head; use another dp")
+            out.append(dataclasses.replace(piece, start=piece.start + shift, stop=piece.start + shift + hi - lo))
+        offset += piece.length
+    if start + count > rows:  # ZeRO-1's padding rows
+        out.append(Piece(tensor.pieces[0].source, 0, start + count - max(start, rows), zeros=True))
+    return OutTensor(key, dtype, (count, *tensor.shape[1:]), 0, tuple(out))
+
+
+def _meta(tensor: OutTensor) -> TensorAt:
+    return TensorAt(tensor.key, TensorMeta.contiguous(tensor.dtype, tensor.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Param groups
+
+
+def _group_hyper(group: list[str], shapes: Mapping[str, Sequence[int]], ours: list[dict[str, Any]], g: int,
+                 rule: str) -> dict[str, Any]:
+    """The hyper-parameters of NxD group ``g``: those of nxdtrain's group (matrices, vectors) of its members,
+    which must agree."""
+    kinds = {0 if is_matrix(shapes[n]) else 1 for n in group}
+    hypers = [{k: v for k, v in ours[k_].items() if k != "params"} for k_ in sorted(kinds)]
+    if any(h != hypers[0] for h in hypers[1:]):
+        differ = {k: (hypers[0].get(k), hypers[1].get(k)) for k in {*hypers[0], *hypers[1]}
+                  if hypers[0].get(k) != hypers[1].get(k)}
+        raise ConversionError(f"--nxd-param-groups {rule}: NxD's group {g} would hold matrices and vectors, which "
+                              f"were stepped with different hyper-parameters (matrices, vectors: "
+                              f"{dict(sorted(differ.items()))}); choose a rule that keeps them apart")
+    return hypers[0] if hypers else dict(ours[0])
+
+
+def nxd_param_group(hyper: Mapping[str, Any], *, zero1: bool, lr: float | None = None,
+                    initial_lr: float | None = None) -> dict[str, Any]:
+    """A param group's hyper-parameters with the keys, and in the order, NxD writes (``params`` added later);
+    ``lr``/``initial_lr`` given: the schedule's next and peak lr (an nxdtrain source), else the source's."""
+    values = {**_ADAMW_DEFAULTS, **hyper}
+    if lr is not None:
+        values["lr"] = lr
+    if initial_lr is not None:
+        values["initial_lr"] = initial_lr
+    missing = [k for k in ("weight_decay", "lr", "betas", "eps", "initial_lr") if k not in values]
+    if missing:
+        raise ConversionError(f"the optimizer state's param groups lack {missing[0]!r}; NxD's files need it")
+    values["betas"] = [float(b) for b in values["betas"]]  # NxD's files hold lists (its save rebuilds tuples)
+    return {k: values[k] for k in (_ZERO1_GROUP if zero1 else _ADAMW_GROUP)}
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclasses.dataclass(frozen=True)
+class NxdOptimizerPlan:
+    """How the target's optimizer files are written, recorded in ckptconv.json (``extra.nxd_optimizer``)."""
+
+    rule: str
+    zero1: bool
+    dp: int
+    masters: str          # "saved" (the source's), "weights" (the weights widened), "none" (ZeRO-1 off)
+    dtype: str            # the optimizer dtype (ZeRO-1), or "parameter" (moments in the parameter's dtype)
+    names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # model shard -> name per index
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "nxd", "param_groups": self.rule, "param_groups_rule": describe_rule(self.rule),
+                "zero1": self.zero1, "dp": self.dp, "masters": self.masters, "dtype": self.dtype}
+
+
+def _optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
+    """ZeRO-1's optimizer dtype: the source's masters' (fp32, fp64 under XLA_DOWNCAST_BF16), else its moments'
+    where they are fp32/fp64, else fp32."""
+    first = weight.pieces[0].source
+    components = optim.components_of(first)
+    for component in (MASTER, MOMENTS[0]):
+        if component in components:
+            dtype = optim.info(component_source(first, component))[0]
+            if dtype in (torch.float32, torch.float64):
+                return dtype
+    return torch.float32
+
+
+def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool, rule: str,
+                             drop_masters: bool, lr: tuple[float, float] | None,
+                             notes: list[str]) -> tuple[list[OutFile], NxdOptimizerPlan]:
+    """NxD-format optimizer files for the target shards ``shards`` (a reshard plan's files).
+
+    ``lr``: (next lr, peak lr) of the schedule for the param groups (an nxdtrain source); None: the source's
+    own (NxD's param groups). A bf16 model's fp32 state (masters, fp32 moments) fits NxD's files only with
+    ZeRO-1: without it the state is refused unless ``drop_masters`` (masters dropped, moments rounded).
+    """
+    out: list[OutFile] = []
+    ours = optim.hyper.param_groups
+    next_lr, peak = lr if lr is not None else (None, None)
+    masters_kind, dtypes, narrowed, names_of = "none", set(), [], {}
+    dropped: set[str] = set()
+    for shard in shards:
+        ranks = parse_shard_name(Path(shard.path).name)
+        assert ranks is not None, shard.path
+        tp, pp = ranks
+        weights = {t.key: t for t in shard.tensors if not t.key.endswith("inv_freq")}
+        shapes = {k: t.shape for k, t in weights.items()}
+        groups = nxd_groups(list(weights), rule)
+        order = [n for g in groups for n in g]
+        hypers = [_group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
+        dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
+        param_groups, start = [], 0
+        for hyper, group in zip(hypers, groups, strict=True):
+            param_groups.append({**nxd_param_group(hyper, zero1=zero1, lr=next_lr, initial_lr=peak),
+                                 "params": list(range(start, start + len(group)))})
+            start += len(group)
+        names_of[shard.path] = order
+        state = {n: state_tensors(weights[n], optim) for n in order}
+        for n in order:
+            if set(state[n]) - {MASTER} != {STEP, *MOMENTS}:
+                raise ConversionError(f"{shard.path}: {n!r} has optimizer state {sorted(state[n])}; NxD's files "
+                                      "hold AdamW's step, exp_avg and exp_avg_sq")
+        for dp_rank in range(dp if zero1 else 1):
+            path = optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank)
+            tensors: list[OutTensor] = []
+            by_index: dict[int, dict[str, TensorAt]] = {}
+            shape_info: dict[int, list[int]] = {}
+            masters: dict[int, TensorAt] = {}
+            for i, name in enumerate(order):
+                weight, parts = weights[name], state[name]
+                where = "base_state" if zero1 else "state"
+                step = dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)
+                entry = {STEP: step}
+                if zero1:
+                    if not weight.shape:
+                        raise ConversionError(f"{shard.path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
+                    dtype = _optimizer_dtype(optim, weight)
+                    dtypes.add(str(dtype).removeprefix("torch."))
+                    rows = math.ceil(weight.shape[0] / dp)
+                    first = dp_rank * rows
+                    for m in MOMENTS:
+                        entry[m] = row_chunk(parts[m], first, rows, f"{where}.{i}.{m}", dtype)
+                    master = parts.get(MASTER, weight)
+                    masters_kind = "saved" if MASTER in parts else "weights"
+                    chunk = row_chunk(master, first, rows, f"sharded_master_weights.{i}", dtype)
+                    masters[i] = _meta(chunk)
+                    tensors += [*entry.values(), chunk]
+                    shape_info[i] = list(weight.shape)
+                else:
+                    for m in MOMENTS:
+                        if parts[m].dtype.itemsize > weight.dtype.itemsize:
+                            narrowed.append(name)
+                        entry[m] = dataclasses.replace(parts[m], key=f"{where}.{i}.{m}", dtype=weight.dtype)
+                    if MASTER in parts:
+                        narrowed.append(name)
+                    tensors += entry.values()
+                by_index[i] = {k: _meta(t) for k, t in entry.items()}
+            plain: tuple[tuple[str, Any], ...]
+            if zero1:
+                plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
+                         ("shape_info", shape_info), ("sharded_master_weights", masters))
+            else:
+                plain = (("state", by_index), ("param_groups", param_groups))
+            out.append(OutFile(path, NESTED_TORCH, tuple(tensors), plain))
+    if narrowed and not drop_masters:
+        raise ConversionError(f"{narrowed[0]!r}: a bf16 model's fp32 optimizer state (masters, moments) fits NxD's "
+                              "files only with ZeRO-1 (NxD keeps no fp32 copy without it): pass --zero1, or "
+                              "--drop-masters to drop the masters and round the moments to the parameter dtype")
+    if drop_masters and zero1:
+        notes.append("--drop-masters: nothing dropped (NxD's ZeRO-1 files keep the masters and fp32 moments)")
+    if narrowed:
+        notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
+                     "dropped and the moments rounded to the parameters' dtype (a resume continues from the "
+                     "bf16 weights)")
+    if dropped:
+        notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(dropped))}")
+    if masters_kind == "weights":
+        notes.append("sharded_master_weights written from the weights (the source saved no masters)"
+                     + ("; a bf16 model's masters are its weights widened, as NxD's own resume rebuilds them"
+                        if any(t.dtype == torch.bfloat16 for f in shards for t in f.tensors) else ""))
+    plan = NxdOptimizerPlan(rule, zero1, dp if zero1 else 1, masters_kind,
+                            "/".join(sorted(dtypes)) if zero1 else "parameter", names_of)
+    return out, plan
+
+
+# --------------------------------------------------------------------------------------------
+# Side files
+
+
+def nxd_scheduler(record: Mapping[str, Any], step: int, groups: int) -> dict[str, Any]:
+    """``scheduler.pt`` as NxD's examples' ``CosineAnnealing`` writes it, from nxdtrain's schedule record; any
+    other schedule is refused (NxD would load our record into its own scheduler's attributes, silently)."""
+    schedule = record.get("schedule")
+    if schedule != COSINE:
+        raise ConversionError(f"schedule {schedule!r}: NxD's examples have no such scheduler, so scheduler.pt "
+                              f"cannot be written in NxD's format; NxD's format needs --schedule {COSINE}")
+    max_steps, warmup = int(record["decay_steps"]), int(record["warmup"])
+    peak, min_lr = float(record["lr"]), float(record["min_lr"] or 0.0)
+    last = schedule_lr(record, step + 1)
+    return {"max_steps": max_steps, "warmup_steps": warmup, "constant_steps": 0, "decay_steps": max_steps - warmup,
+            "min_lr": min_lr, "base_lrs": [peak] * groups, "last_epoch": step, "_step_count": step + 1,
+            "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": [last] * groups}
+
+
+def schedule_lr(record: Mapping[str, Any], step: int) -> float:
+    """The lr of optimizer step ``step`` under the recorded CosineAnnealing schedule."""
+    cfg = Recorded(schedule=COSINE, lr=float(record["lr"]), min_lr=float(record["min_lr"] or 0.0),
+                   warmup=float(record["warmup"]))
+    return nxdt_lr(step, cfg, decay_steps=int(record["decay_steps"]))
+
+
+def nxd_user_content(content: Mapping[str, Any], scheduler: Mapping[str, Any]) -> dict[str, Any]:
+    """``user_content.pt`` with NxD's example keys (``run_llama_nxd.py``: total_steps, batch_idx, epoch,
+    cli_args) and, under ``nxdtrain``, nxdtrain's own content and schedule record (a resume here continues
+    exactly: consumed samples, data order, options)."""
+    step = int(content["step"])
+    return {"total_steps": step, "batch_idx": step - 1, "epoch": 0, "cli_args": dict(content.get("options", {})),
+            NXDTRAIN_KEY: {"user_content": dict(content), "scheduler": {**scheduler, "step": step}}}
+
+
+# --------------------------------------------------------------------------------------------
+# The check after writing
+
+
+def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
+    """Read what was written back with NxD's reader (:class:`ckptconv.nxd_optimizer.NxdOptimizer`): every
+    optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
+    with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
+        for path, names in plan.names.items():
+            ranks = parse_shard_name(Path(path).name)
+            assert ranks is not None
+            found = optim.names(*ranks)
+            if found != names:
+                first = next((i for i, (a, b) in enumerate(zip(found, names, strict=False)) if a != b), len(found))
+                raise ConversionError(f"{out}: read back, tp rank {ranks[0]} pp rank {ranks[1]}'s optimizer index {first} names "
+                                      f"{found[first] if first < len(found) else None!r}, written for "
+                                      f"{names[first] if first < len(names) else None!r}")
+        if optim.dp != plan.dp and plan.zero1:
+            raise ConversionError(f"{out}: read back with dp {optim.dp}, written for {plan.dp}")
