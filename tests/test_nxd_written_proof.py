@@ -27,7 +27,8 @@ RECORD = json.loads((FIXTURES / "written_by_ckptconv.json").read_text())
 RERUN = (
     "writer output changed since NxD's loader checked it: rerun tools/nxd_check "
     "(NXD_SRC=<neuronx-distributed v2.28.0> .venv-xla/bin/python -m tools.nxd_check prove "
-    "--ckptconv .venv/bin/ckptconv --out-root <a new folder> --writer-repo .; see fixtures/nxdt-official/README.md)"
+    "--ckptconv .venv/bin/ckptconv --nxdtrain .venv/bin/nxdtrain --out-root <a new folder> --writer-repo .; "
+    "see fixtures/nxdt-official/README.md)"
 )
 
 
