@@ -202,6 +202,9 @@ def nxd_param_group(hyper: Mapping[str, Any], *, zero1: bool, lr: float | None =
 # The plan
 
 
+NXD_OPTIMIZER_KEY = "nxd_optimizer"  # ckptconv.json extra: the tag's optim/ was written here in NxD's format
+
+
 @dataclasses.dataclass(frozen=True)
 class NxdOptimizerPlan:
     """How the target's optimizer files are written, recorded in ckptconv.json (``extra.nxd_optimizer``)."""
