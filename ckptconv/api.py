@@ -49,7 +49,7 @@ from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
-from ckptconv.tag_reshard import NxdFormat, TrainingTag
+from ckptconv.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 from ckptconv.training_state import is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
@@ -342,6 +342,7 @@ def reshard(
     optimizer_format: str = "nxdtrain",
     nxd_param_groups: str | None = None,
     drop_masters: bool = False,
+    nxd_trainer: str | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
@@ -360,10 +361,12 @@ def reshard(
     ``optimizer_format="nxd"`` writes the optimizer state in NxD's own format instead
     (:mod:`ckptconv.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
     NxD's Llama example; ``bias-LayerNorm``; ``one``), checked by reading the files back; ``drop_masters``
-    accepts losing a bf16 model's fp32 state without ZeRO-1.
+    accepts losing a bf16 model's fp32 state without ZeRO-1; ``nxd_trainer`` (``nxd-example``, ``nxdt``; default:
+    the source's own, else ``nxd-example``) whose side files to write (:mod:`ckptconv.nxd_trainer_files`).
     """
     options = options or RunOptions()
     _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything is opened
+    check_nxd_trainer(optimizer_format, nxd_trainer)
     started = time.monotonic()
     out = Path(out)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
@@ -403,7 +406,7 @@ def reshard(
             elif saved is not None and rule != saved:
                 notes.append(f"param groups regrouped by --nxd-param-groups {rule}: NxD's tag had "
                              f"{describe_rule(saved)}; the NxD run that loads it must build the new groups")
-            training.nxd_format = NxdFormat(rule or DEFAULT_RULE, drop_masters, spec, with_inv_freq)
+            training.nxd_format = NxdFormat(rule or DEFAULT_RULE, drop_masters, spec, with_inv_freq, nxd_trainer, out)
         fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
                                    _identity(_input_files(ckpt)),
                                    None if training is None else training.identity())

@@ -24,7 +24,7 @@ from ckptconv.launcher import detect_part, parse_part
 from ckptconv.layout import Attention
 from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.metadata import add_version_flag
-from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, RunOptions
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
 
 if TYPE_CHECKING:
     from ckptconv.api import Result
@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-masters", action="store_true",
                    help="with --optimizer-format nxd --no-zero1: accept dropping a bf16 model's fp32 masters and "
                         "rounding its moments (NxD keeps no fp32 state without ZeRO-1)")
+    p.add_argument("--nxd-trainer", choices=NXD_TRAINERS, default=None,
+                   help="with --optimizer-format nxd: whose side files: nxd-example (NxD's example trainers: "
+                        "scheduler.pt, user_content.pt with total_steps) or nxdt (neuronx-distributed-training: "
+                        "lightning's checkpoint dict in user_content.pt, OUT named <name>--step=N-consumed_samples="
+                        "X.ckpt); default: the source's own, else nxd-example")
     p.add_argument("--weights-only", action="store_true",
                    help="training tag: write the shards only (no optimizer state, step or schedule)")
     _run_flags(p)
@@ -308,7 +313,8 @@ def run(args: argparse.Namespace) -> Any:
             trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
             config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
             dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, optimizer_format=args.optimizer_format,
-            nxd_param_groups=args.nxd_param_groups, drop_masters=args.drop_masters, options=options,
+            nxd_param_groups=args.nxd_param_groups, drop_masters=args.drop_masters, nxd_trainer=args.nxd_trainer,
+            options=options,
             hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
                               override=args.override_recorded_layout, style="reshard"),
         )

@@ -66,13 +66,15 @@ def nxdt_lr(step: int, cfg: ScheduleConfig, *, decay_steps: int) -> float:
     (see :mod:`nxdtrain.schedules` for their definitions)."""
     s, warmup, total = step - 1, int(cfg.warmup), decay_steps
     min_lr = cfg.min_lr or 0.0
+    # the rate times the schedule's factor, in the order torch's LambdaLR/transformers and NeMo compute them
+    # (so a scheduler state written from here holds NxDT's own numbers to the last bit)
     if cfg.schedule == "LinearAnnealingWithWarmUp":
         if s < warmup:
-            return cfg.lr * s / max(1, warmup)
+            return cfg.lr * (float(s) / float(max(1, warmup)))
         return cfg.lr * max(0.0, (total - s) / max(1, total - warmup))
     if cfg.schedule == "CosineAnnealing":
         if warmup > 0 and s <= warmup:
-            return cfg.lr * (s + 1) / (warmup + 1)
+            return cfg.lr * ((s + 1) / (warmup + 1))
         if s > total or total <= warmup:
             return min_lr
         return min_lr + (cfg.lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * (s - warmup) / (total - warmup)))

@@ -33,7 +33,6 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
 from ckptconv.layout import parse_shard_name
-from ckptconv.lr_schedule import Recorded, nxdt_lr
 from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
 from ckptconv.options import NXD_PARAM_GROUPS
 from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
@@ -59,7 +58,6 @@ _ZERO1_GROUP = ("weight_decay", "lr", "betas", "initial_lr", "eps", "amsgrad", "
 # torch AdamW's defaults, for a key a source's param groups do not hold (an older torch's nxdtrain tag)
 _ADAMW_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                    "differentiable": False, "fused": None, "decoupled_weight_decay": True}
-COSINE = "CosineAnnealing"
 NXDTRAIN_KEY = "nxdtrain"  # user_content.pt: nxdtrain's own record beside NxD's example keys
 
 
@@ -330,41 +328,6 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
     plan = NxdOptimizerPlan(rule, zero1, dp if zero1 else 1, masters_kind,
                             "/".join(sorted(dtypes)) if zero1 else "parameter", names_of)
     return out, plan
-
-
-# --------------------------------------------------------------------------------------------
-# Side files
-
-
-def nxd_scheduler(record: Mapping[str, Any], step: int, groups: int) -> dict[str, Any]:
-    """``scheduler.pt`` as NxD's examples' ``CosineAnnealing`` writes it, from nxdtrain's schedule record; any
-    other schedule is refused (NxD would load our record into its own scheduler's attributes, silently)."""
-    schedule = record.get("schedule")
-    if schedule != COSINE:
-        raise ConversionError(f"schedule {schedule!r}: NxD's examples have no such scheduler, so scheduler.pt "
-                              f"cannot be written in NxD's format; NxD's format needs --schedule {COSINE}")
-    max_steps, warmup = int(record["decay_steps"]), int(record["warmup"])
-    peak, min_lr = float(record["lr"]), float(record["min_lr"] or 0.0)
-    last = schedule_lr(record, step + 1)
-    return {"max_steps": max_steps, "warmup_steps": warmup, "constant_steps": 0, "decay_steps": max_steps - warmup,
-            "min_lr": min_lr, "base_lrs": [peak] * groups, "last_epoch": step, "_step_count": step + 1,
-            "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": [last] * groups}
-
-
-def schedule_lr(record: Mapping[str, Any], step: int) -> float:
-    """The lr of optimizer step ``step`` under the recorded CosineAnnealing schedule."""
-    cfg = Recorded(schedule=COSINE, lr=float(record["lr"]), min_lr=float(record["min_lr"] or 0.0),
-                   warmup=float(record["warmup"]))
-    return nxdt_lr(step, cfg, decay_steps=int(record["decay_steps"]))
-
-
-def nxd_user_content(content: Mapping[str, Any], scheduler: Mapping[str, Any]) -> dict[str, Any]:
-    """``user_content.pt`` with NxD's example keys (``run_llama_nxd.py``: total_steps, batch_idx, epoch,
-    cli_args) and, under ``nxdtrain``, nxdtrain's own content and schedule record (a resume here continues
-    exactly: consumed samples, data order, options)."""
-    step = int(content["step"])
-    return {"total_steps": step, "batch_idx": step - 1, "epoch": 0, "cli_args": dict(content.get("options", {})),
-            NXDTRAIN_KEY: {"user_content": dict(content), "scheduler": {**scheduler, "step": step}}}
 
 
 # --------------------------------------------------------------------------------------------

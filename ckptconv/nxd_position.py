@@ -58,6 +58,7 @@ class NxdPosition:
     user: dict[str, Any]            # user_content.pt as NxD saved it
     scheduler_from: str | None      # where the scheduler state was found; None: nowhere
     kind: str                       # "NxDT" or "NxD"
+    scheduler: dict[str, Any] | None = None  # the scheduler's state_dict() as saved
 
 
 def _saved_step(user: dict[str, Any], scheduler: dict[str, Any] | None, optimizer_step: float, where: Path) -> int:
@@ -88,4 +89,5 @@ def nxd_position(tag: Path, optimizer_step: float, load: Callable[[Path], Any]) 
     record, notes = nxd_schedule(scheduler) if scheduler is not None else ({}, [])
     in_name = re.search(r"consumed_samples=(\d+(?:\.0*)?)", tag.name)
     consumed = int(float(in_name.group(1))) if in_name else None
-    return NxdPosition(step, record, notes, consumed, user, where, "NxDT" if "global_step" in user else "NxD")
+    return NxdPosition(step, record, notes, consumed, user, where, "NxDT" if "global_step" in user else "NxD",
+                       scheduler)

@@ -92,3 +92,6 @@ class RunOptions:
 # `--nxd-param-groups`: the rules of ckptconv.nxd_optimizer.PARAM_GROUP_RULES and "one" (named here, where the
 # CLI can read them without importing torch; ckptconv.nxd_optimizer_write checks the two agree)
 NXD_PARAM_GROUPS = ("bias-norm", "bias-LayerNorm", "one")
+# `--nxd-trainer`: whose side files an NxD-format tag gets (ckptconv.nxd_trainer_files): NxD's example trainers'
+# (scheduler.pt, user_content.pt with total_steps/batch_idx) or NxDT's (lightning's checkpoint dict)
+NXD_TRAINERS = ("nxd-example", "nxdt")

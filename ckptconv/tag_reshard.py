@@ -31,13 +31,12 @@ from ckptconv.nxd_optimizer_write import (
     NxdOptimizerPlan,
     WindowReader,
     nxd_groups,
-    nxd_scheduler,
-    nxd_user_content,
     plan_nxd_optimizer_files,
-    schedule_lr,
 )
-from ckptconv.nxd_position import nxd_position
+from ckptconv.nxd_position import NxdPosition, nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.nxd_trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
+from ckptconv.options import NXD_TRAINERS
 from ckptconv.plan import NESTED_TORCH, OutFile, Plan
 from ckptconv.training_state import (
     OPTIM_DIR,
@@ -84,6 +83,16 @@ def _placement(optim: OptimizerSource, dp: int | None, zero1: bool | None) -> tu
     return on, size if on else 1
 
 
+def check_nxd_trainer(optimizer_format: str, trainer: str | None) -> None:
+    """``--nxd-trainer`` applies to ``--optimizer-format nxd`` only, and names one of NXD_TRAINERS."""
+    if trainer is None:
+        return
+    if trainer not in NXD_TRAINERS:
+        raise ConversionError(f"--nxd-trainer must be one of {', '.join(NXD_TRAINERS)}, got {trainer!r}")
+    if optimizer_format != "nxd":
+        raise ConversionError(f"--nxd-trainer {trainer} applies to --optimizer-format nxd only")
+
+
 @dataclass(frozen=True)
 class NxdFormat:
     """``--optimizer-format nxd``: the param-group rule of the run that will load the tag, and whether a bf16
@@ -93,6 +102,8 @@ class NxdFormat:
     drop_masters: bool
     spec: ModelSpec
     with_inv_freq: bool
+    trainer: str | None = None  # --nxd-trainer: whose side files (None: the source's own, else nxd-example)
+    out: Path | None = None     # the tag written (NxDT's name, its callbacks' paths)
 
 
 def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> OutFile:
@@ -121,6 +132,7 @@ class TrainingTag:
     source_notes: tuple[str, ...] = ()               # what the source's side files could not say
     nxd_format: NxdFormat | None = None              # write NxD's optimizer format instead of nxdtrain's
     written: NxdOptimizerPlan | None = None          # what extend() planned in NxD's format (checked after)
+    position: NxdPosition | None = None              # NxD's tag: its side files as read
 
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
@@ -163,7 +175,12 @@ class TrainingTag:
         if missing:
             notes.append(f"not carried: {', '.join(missing)} ({position.scheduler_from or 'no scheduler state'} does "
                          "not record them): a resume uses its own flags and says so")
-        return cls(ckpt, optim, content, size, on, {**position.record, "step": position.step}, tuple(notes))
+        return cls(ckpt, optim, content, size, on, {**position.record, "step": position.step}, tuple(notes),
+                   position=position)
+
+    def source_trainer(self) -> str:
+        """The trainer whose side files the source has: NxDT's for an NxDT tag, else NxD's examples'."""
+        return NXDT if self.position is not None and self.position.kind == "NxDT" else NXD_EXAMPLE
 
     def scheduler(self) -> dict[str, Any]:
         """``scheduler.pt``: the run's schedule (schedule, lr, min_lr, warmup, decay_steps) at its step."""
@@ -185,7 +202,8 @@ class TrainingTag:
         """What identifies the tag's other inputs cheaply (the fingerprint of a rerun)."""
         files = sorted((self.ckpt.root / OPTIM_DIR).rglob("*")) + [self.ckpt.root / SCHEDULER_FILE,
                                                                   self.ckpt.root / USER_CONTENT_FILE]
-        fmt: tuple[Any, ...] = (("nxd", self.nxd_format.rule, int(self.nxd_format.drop_masters))
+        fmt: tuple[Any, ...] = (("nxd", self.nxd_format.rule, int(self.nxd_format.drop_masters),
+                                 self.nxd_format.trainer or self.source_trainer())
                                 if self.nxd_format else ("nxdtrain",))
         return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file()] + [
             ("dp", self.dp, int(self.zero1)), fmt]
@@ -223,33 +241,26 @@ class TrainingTag:
         ``CosineAnnealing`` state and NxD's example keys, its own position kept under ``nxdtrain``."""
         from_nxd = self.scheduler_record is not None
         step = int(self.user_content["step"])
-        lr = None
+        trainer = fmt.trainer or self.source_trainer()
+        side = self._side_files(trainer, len(nxd_groups(["weight"], fmt.rule)), fmt, new)  # refusals first
+        lr = side.lr
         written_notes: list[str] = []
-        if not from_nxd:
-            record = self.scheduler()
-            groups = len(nxd_groups(["weight"], fmt.rule))
-            scheduler = nxd_scheduler(record, step, groups)  # refuses any other schedule, before a byte is written
-            lr = (schedule_lr(record, step + 1), float(record["lr"]))
         model_files = [in_live_order(f, fmt, new) for f in plan.files]
         optim_files, written = plan_nxd_optimizer_files(model_files, self.optim, dp=self.dp, zero1=self.zero1,
                                                         rule=fmt.rule, drop_masters=fmt.drop_masters, lr=lr,
                                                         notes=written_notes)
         self.written = written
         replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
-        if from_nxd:
-            for name in (SCHEDULER_FILE, USER_CONTENT_FILE):
-                path = self.ckpt.root / name
-                if path.is_file():
-                    _checked(self.ckpt, path)
-                    spec.copies.append((str(path.resolve()), name))
-        else:
-            content = resharded_user_content(self.user_content, new, zero1=self.zero1)
-            spec.blobs[SCHEDULER_FILE] = torch_blob(scheduler)
-            spec.blobs[USER_CONTENT_FILE] = torch_blob(nxd_user_content(content, record))
+        for name in side.copies:
+            path = self.ckpt.root / name
+            _checked(self.ckpt, path)
+            spec.copies.append((str(path.resolve()), name))
+        for name, value in side.blobs.items():
+            spec.blobs[name] = torch_blob(value)
         spec.markers = list(TAG_MARKERS)
         assert spec.metadata is not None
-        spec.metadata["extra"] = {"nxdtrain": {"step": step, "consumed_samples": self.user_content.get("consumed_samples")},
-                                  NXD_OPTIMIZER_KEY: written.to_json()}
+        spec.metadata["extra"] = {"nxdtrain": {"step": step, "consumed_samples": side.consumed},
+                                  NXD_OPTIMIZER_KEY: {**written.to_json(), "trainer": trainer}}
         hyper = self.optim.hyper
         was, now = (describe_zero1(on, size, off="without ZeRO-1")
                     for on, size in ((hyper.zero1, hyper.zero_size), (self.zero1, self.dp)))
@@ -257,13 +268,22 @@ class TrainingTag:
         notes.append(f"{source} at step {step} -> NxD's optimizer format ({written.rule}: "
                      f"{'NeuronZero1Optimizer' if self.zero1 else 'torch AdamW'} state dicts, {was} -> {now}, "
                      f"optimizer dtype {written.dtype}, masters {written.masters})")
-        notes.append("side files: NxD's scheduler.pt and user_content.pt copied as they are" if from_nxd else
-                     "side files: NxD's CosineAnnealing scheduler.pt; user_content.pt with NxD's example keys "
-                     "(total_steps, batch_idx = step - 1, epoch 0, cli_args = the run's options) and nxdtrain's "
-                     "own position under 'nxdtrain'; RNG states dropped")
+        notes.extend(side.notes)
         notes.extend(written_notes)
         notes.extend(self.source_notes if not from_nxd else ())
         return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
+
+    def _side_files(self, trainer: str, groups: int, fmt: NxdFormat, new: ParallelLayout) -> SideFiles:
+        """The side files for ``trainer`` (:mod:`ckptconv.nxd_trainer_files`), refused before a byte is written."""
+        assert fmt.out is not None
+        if self.position is None:  # nxdtrain's tag: its record at the new layout
+            content = resharded_user_content(self.user_content, new, zero1=self.zero1)
+            return from_nxdtrain(trainer, fmt.out, content, self.scheduler(), groups)
+        position = self.position
+        present = [n for n in (SCHEDULER_FILE, USER_CONTENT_FILE) if (self.ckpt.root / n).is_file()]
+        return from_nxd_tag(trainer, fmt.out, kind=position.kind, step=position.step, consumed=position.consumed,
+                            scheduler=position.scheduler, where=f"{self.ckpt.root}: {position.scheduler_from}", user=position.user,
+                            present=present)
 
     @staticmethod
     def sinks(model_sinks: Any, *, split: bool = False) -> Any:
