@@ -54,7 +54,11 @@ def consumed_text(consumed: int) -> str:
 
 
 def nxdt_tag_name(prefix: str, step: int, consumed: int) -> str:
-    return f"{prefix}--step={step}-consumed_samples={consumed_text(consumed)}.ckpt"
+    return _name(prefix, step, consumed_text(consumed))
+
+
+def _name(prefix: str, step: int, consumed: str) -> str:
+    return f"{prefix}--step={step}-consumed_samples={consumed}.ckpt"
 
 
 def parse_nxdt_name(name: str) -> tuple[str, int, str] | None:
@@ -76,8 +80,8 @@ def nxdt_consumed(out: Path, step: int, consumed: int | None) -> int:
                                   f"{consumed} consumed samples: {right}")
         return consumed
     if parsed is None or parsed[1] != step:
-        raise ConversionError(f"{out}: --nxd-trainer nxdt needs NxDT's tag name "
-                              f"{prefix}--step={step}-consumed_samples=<X>.ckpt; the source records no consumed "
+        raise ConversionError(f"{out}: --nxd-trainer nxdt needs NxDT's tag name {_name(prefix, step, '<X>')}; "
+                              "the source records no consumed "
                               "samples, so X (global batch x steps) comes from that name")
     try:
         value = float(parsed[2])
@@ -100,8 +104,8 @@ def scheduler_state(record: Mapping[str, Any], step: int, groups: int, trainer: 
     allowed = (COSINE,) if trainer == NXD_EXAMPLE else (COSINE, LINEAR)
     if schedule not in allowed:
         raise ConversionError(f"schedule {schedule!r}: {_TRAINER_WORDS[trainer]} no such scheduler, so its "
-                              f"scheduler state cannot be written; --nxd-trainer {trainer} needs --schedule "
-                              + " or ".join(allowed))
+                              f"scheduler state cannot be written; --nxd-trainer {trainer} needs a run trained with "
+                              "schedule " + " or ".join(allowed))
     peak, max_steps, warmup = float(record["lr"]), int(record["decay_steps"]), int(record["warmup"])
     min_lr = float(record["min_lr"] or 0.0)
     last = nxdt_lr(step + 1, Recorded(schedule, peak, min_lr, float(warmup)), decay_steps=max_steps)

@@ -41,7 +41,8 @@ def test_flag_sets_are_pinned():
                                                              "--source-hw-backend", "--source-trn2-kv-layout",
                                                              "--override-recorded-layout", "--masters", "--no-masters",
                                                              "--dp", "--zero1", "--no-zero1", "--weights-only",
-                                                             "--optimizer-format", "--nxd-param-groups", "--drop-masters"}
+                                                             "--optimizer-format", "--nxd-param-groups", "--drop-masters",
+                                                             "--nxd-trainer"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout",
                                                             "--weights-only", "--masters", "--no-masters"}

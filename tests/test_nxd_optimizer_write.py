@@ -180,7 +180,7 @@ def test_every_case_read_back_equals_nxds(case: str, tmp_path: Path) -> None:
     """Every fixture case (xser-split, DCP, masters only, NxDT's) written in NxD's format with ZeRO-1: read back
     by NxD's reader, every parameter's step, moments and masters equal NxD's own tag's (exactly); the param
     groups are NxD's tag's own (one group for the DCP case, whose NxD run cannot load two)."""
-    out = _nxd(tag_of(case), tmp_path / "out", tp=1, pp=1, zero1=True, config=_config(case))
+    out = _nxd(tag_of(case), tmp_path / tag_of(case).name, tp=1, pp=1, zero1=True, config=_config(case))  # NxDT: its name
     with NxdOptimizer.open(tag_of(case)) as theirs, NxdOptimizer.open(out) as ours:
         assert len(ours.groups()) == len(theirs.groups()) and ours.names() == theirs.names()
         for a, b in zip(ours.params(), theirs.params(), strict=True):
@@ -223,7 +223,7 @@ def test_xser_split_as_nxd_writes_it(case: str, tmp_path: Path) -> None:
     TensorReferences numbered depth-first, the same .info.pt, the same tensor per tid; the model files too."""
     zero1 = case.startswith(("zero1", "nxdt_zero1"))
     src = tag_of(case)
-    out = _nxd(src, tmp_path / "out", tp=1, pp=1, zero1=zero1, config=_config(case))
+    out = _nxd(src, tmp_path / src.name, tp=1, pp=1, zero1=zero1, config=_config(case))  # NxDT: its name
     for rel in (OPTIM, MODEL):
         if rel == MODEL and not (src / MODEL).with_name(Path(MODEL).name + ".info.pt").is_file():
             continue
