@@ -12,6 +12,9 @@ Commands (from the repository root)::
     .venv-xla/bin/python -m tools.nxd_check fixtures
     # each case's tag rewritten by ckptconv's NxD-format writer, resumed by NxD, recorded in
     # fixtures/nxdt-official/written_by_ckptconv.json (tests/test_nxd_written_proof.py keeps it tied to the writer)
+    # fixture tags rewritten as NxDT's (--nxd-trainer nxdt), resumed through lightning 2.5.0's own restore, recorded
+    # in the same file under resumed_by_lightning (lightning_resume.py)
+    .venv-xla/bin/python -m tools.nxd_check lightning --ckptconv .venv/bin/ckptconv --out-root /tmp/l --writer-repo .
     .venv-xla/bin/python -m tools.nxd_check prove --ckptconv .venv/bin/ckptconv --nxdtrain .venv/bin/nxdtrain \\
         --out-root /tmp/proof --writer-repo .
 
@@ -42,10 +45,15 @@ def _nxd_src(value: str | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.nxd_check", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("check", "resume", "fixtures", "prove"):
+    for name in ("check", "resume", "fixtures", "prove", "lightning"):
         p = sub.add_parser(name)
         p.add_argument("--nxd-src", help="root of neuronx-distributed v2.28.0 (default $NXD_SRC)")
         p.add_argument("--out", type=Path, help="write the JSON result here (default: print it)")
+        if name == "lightning":
+            p.add_argument("--ckptconv", required=True, help="how to run the writer")
+            p.add_argument("--out-root", type=Path, required=True, help="a new folder for the written tags")
+            p.add_argument("--writer-repo", type=Path, help="the writer's git checkout (its commit is recorded)")
+            p.add_argument("--manifest", type=Path, default=FIXTURES / "written_by_ckptconv.json")
         if name == "prove":
             p.add_argument("--ckptconv", required=True, help="how to run the writer, e.g. '/path/.venv/bin/ckptconv'")
             p.add_argument("--out-root", type=Path, required=True, help="a new folder for the written tags")
@@ -54,15 +62,20 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--manifest", type=Path, default=FIXTURES / "written_by_ckptconv.json")
         if name in ("fixtures", "prove"):
             p.add_argument("cases", nargs="*", help="case names (default: all)")
-        else:
+        elif name != "lightning":
             p.add_argument("--case", type=Path, required=True, help="a fixture case folder (fixtures/nxdt-official/X)")
             p.add_argument("--tag", type=Path, required=True, help="the tag directory to load")
         if name == "resume":
-            p.add_argument("--way", required=True, help="objects or dicts")
+            p.add_argument("--way", required=True, help="objects, dicts or lightning")
     args = parser.parse_args(argv)
     nxd_src = _nxd_src(args.nxd_src)
     if args.command == "fixtures":
         return fixtures(nxd_src, args.cases, args.out)
+    if args.command == "lightning":
+        from .lightning_resume import prove_lightning
+
+        return prove_lightning(FIXTURES, shlex.split(args.ckptconv), args.out_root.resolve(), nxd_src,
+                               args.manifest.resolve(), args.writer_repo)
     if args.command == "prove":
         from .prove import prove
 
@@ -90,7 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         from .resume import resume
 
         torch.distributed.init_process_group("xla", init_method="xla://")
-        result = resume(Case.open(args.case.resolve()), args.tag.resolve(), args.way, nxd_src)
+        if args.way == "lightning":  # NxDT's way through lightning's own restore (lightning_resume.py)
+            from .lightning_resume import resume_with_lightning
+
+            result = resume_with_lightning(Case.open(args.case.resolve()), args.tag.resolve(), nxd_src)
+        else:
+            result = resume(Case.open(args.case.resolve()), args.tag.resolve(), args.way, nxd_src)
     text = json.dumps(result, indent=1) + "\n"
     if args.out:
         args.out.write_text(text)

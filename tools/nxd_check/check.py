@@ -33,32 +33,40 @@ def check(case_dir: Path, tag_dir: Path, nxd_src: Path, *, timeout_s: int = 600)
         raise SystemExit(f"--tag {tag_dir}: not a directory (expected a tag directory inside a checkpoint root)")
     out: dict[str, Any] = {"case": case.name, "tag": str(tag_dir)}
     for way in WAYS:
-        with tempfile.TemporaryDirectory(prefix="nxd_check_") as tmp:
-            result_file = Path(tmp) / "result.json"
-            command = [
-                sys.executable,
-                "-m",
-                "tools.nxd_check",
-                "resume",
-                "--nxd-src",
-                str(nxd_src),
-                "--case",
-                str(case_dir),
-                "--tag",
-                str(tag_dir),
-                "--way",
-                way,
-                "--out",
-                str(result_file),
-            ]
-            run = subprocess.run(
-                command, cwd=REPO, env=_environment(case.flags), capture_output=True, text=True, timeout=timeout_s
-            )
-            if run.returncode != 0 or not result_file.is_file():
-                tail = (run.stdout + run.stderr)[-3000:]
-                raise SystemExit(f"nxd_check resume {case.name} {way}: exit {run.returncode}\n{tail}")
-            out[way] = json.loads(result_file.read_text())
+        out[way] = run_way(case_dir, tag_dir, way, nxd_src, timeout_s=timeout_s)
     return out
+
+
+def run_way(case_dir: Path, tag_dir: Path, way: str, nxd_src: Path, *, timeout_s: int = 600) -> dict[str, Any]:
+    """One resume (``objects``, ``dicts``, ``lightning``) of ``tag_dir`` in a fresh process; its result dict."""
+    from .case import Case
+
+    case = Case.open(case_dir)
+    with tempfile.TemporaryDirectory(prefix="nxd_check_") as tmp:
+        result_file = Path(tmp) / "result.json"
+        command = [
+            sys.executable,
+            "-m",
+            "tools.nxd_check",
+            "resume",
+            "--nxd-src",
+            str(nxd_src),
+            "--case",
+            str(case_dir),
+            "--tag",
+            str(tag_dir),
+            "--way",
+            way,
+            "--out",
+            str(result_file),
+        ]
+        run = subprocess.run(
+            command, cwd=REPO, env=_environment(case.flags), capture_output=True, text=True, timeout=timeout_s
+        )
+        if run.returncode != 0 or not result_file.is_file():
+            tail = (run.stdout + run.stderr)[-3000:]
+            raise SystemExit(f"nxd_check resume {case.name} {way}: exit {run.returncode}\n{tail}")
+        return json.loads(result_file.read_text())
 
 
 def _same_frame(ours: str, recorded: str) -> bool:
