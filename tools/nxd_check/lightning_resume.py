@@ -100,6 +100,8 @@ def resume_with_lightning(case: Case, tag_dir: Path, nxd_src: Path) -> dict[str,
     class NeMoModelCheckpoint(ModelCheckpoint):
         """Stands in for NxDT's (NeMo's) checkpoint callback: same class name and settings, so the same state key."""
 
+    NeMoModelCheckpoint.__qualname__ = "NeMoModelCheckpoint"  # lightning's state key names the class by qualname
+
     # NxDT's own tags hold NeMoModelCheckpoint's state; the fixture's (made without NeMo) lightning's own class's
     saved = torch.load(tag_dir / "user_content.pt", weights_only=True).get("callbacks", {})
     callback_class = ModelCheckpoint if any(k.startswith("ModelCheckpoint{") for k in saved) else NeMoModelCheckpoint
