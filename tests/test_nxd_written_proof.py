@@ -20,7 +20,7 @@ import torch
 
 from ckptconv.cli import main as ckptconv
 from ckptconv.io.safe_load import load_small
-from tests.torch_rows import first_difference, tag_tree
+from tests.torch_rows import first_difference, placeholder_paths, tag_tree
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
 RECORD = json.loads((FIXTURES / "written_by_ckptconv.json").read_text())
@@ -103,3 +103,40 @@ def test_a_changed_value_is_named(tmp_path: Path) -> None:
     assert difference is not None and difference.startswith(
         "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt key ['state', 3, 'exp_avg']"
     ), difference
+
+
+LIGHTNING = RECORD["resumed_by_lightning"]
+RERUN_LIGHTNING = RERUN.replace("prove --ckptconv", "lightning --ckptconv").replace("--nxdtrain .venv/bin/nxdtrain ", "")
+
+
+@pytest.mark.parametrize("case", sorted(LIGHTNING["cases"]))
+def test_writer_still_writes_what_lightning_resumed(case: str, tmp_path: Path) -> None:
+    """The --nxd-trainer nxdt rewrites lightning resumed: the current writer writes the same content (OUT's path,
+    which NxDT's callback state holds, as {out})."""
+    entry = LIGHTNING["cases"][case]
+    args = [part.format(case=FIXTURES / case, out=tmp_path) for part in entry["command"][1:]]
+    assert ckptconv(args) == 0
+    tag = tmp_path / entry["tag"]
+    difference = first_difference(placeholder_paths(tag_tree(tag), tmp_path), entry["files"])
+    assert difference is None, f"{RERUN_LIGHTNING}\n{case}: {difference}"
+
+
+@pytest.mark.parametrize("case", ["harness_on_nxdts_own_tag", *sorted(LIGHTNING["cases"])])
+def test_lightning_resumed_it_as_the_uninterrupted_run(case: str) -> None:
+    """What lightning 2.5.0's own restore did (NxDT's way): global_step, the fit loop's counters, the scheduler and
+    AdamW's step at 2, the optimizer's values those at the save, then step 3 equal to the uninterrupted run bit for
+    bit with the uninterrupted rate after it; our tags' checkpoint-callback state restored (NxDT's key)."""
+    name = "nxdt_zero1_bf16_masters_xser" if case == "harness_on_nxdts_own_tag" else case
+    outcome = LIGHTNING[case] if case == "harness_on_nxdts_own_tag" else LIGHTNING["cases"][case]["lightning_resume"]
+    manifest = json.loads((FIXTURES / name / "case.json").read_text())
+    assert outcome["load"] == "ok", outcome.get("error")
+    assert outcome["progress_after_load"] == {"global_step": 2, "current_epoch": 0, "optimizer_steps": 2,
+                                              "batches_completed": 1, "batches_that_stepped": 1, "scheduler_steps": 2}
+    assert outcome["scheduler_last_epoch_after_load"] == 2 and outcome["optimizer_steps_after_load"] == [2.0]
+    assert outcome["lr_after_load"] == manifest["steps"][2]["lr"] == outcome["scheduler_last_lr_after_load"]
+    assert outcome["masters_equal_save_after_load"] and outcome["after_next_max_abs_diff"] == 0.0
+    assert outcome["lr_after_next"] == [g["lr"] for g in manifest["param_groups"]]
+    assert outcome["progress_after_next"]["global_step"] == 3 and outcome["scheduler_last_epoch_after_next"] == 3
+    callback = outcome["callback_restored"]
+    if callback["class"] == "NeMoModelCheckpoint":  # ours, in the directory lightning's callback watches
+        assert callback["best_model_score"] == 2.0 and callback["best_model_path"].endswith(LIGHTNING["cases"][case]["tag"])

@@ -77,6 +77,12 @@ def tag_tree(tag_dir: Path) -> dict[str, dict[str, Any]]:
     return tree
 
 
+def placeholder_paths(tree: dict[str, dict[str, Any]], out: Path) -> dict[str, dict[str, Any]]:
+    """``tag_tree`` with the absolute path of the folder the tag was written into as ``{out}``: NxDT's
+    checkpoint-callback state holds the tag's path and that folder."""
+    return json.loads(json.dumps(tree).replace(str(out.absolute()), "{out}"))
+
+
 def first_difference(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]]) -> str | None:
     """The first way two ``tag_tree`` results differ, as one line (file, key, expected, actual); None if equal."""
     for rel in sorted(set(got) | set(want)):

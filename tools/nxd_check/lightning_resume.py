@@ -224,11 +224,6 @@ def nxdt_command(case: Case) -> list[str]:
     ]
 
 
-def placeholder_paths(tree: dict[str, Any], out: Path) -> dict[str, Any]:
-    """A tag tree with OUT's absolute path as ``{out}`` (NxDT's callback state holds it)."""
-    return json.loads(json.dumps(tree).replace(str(out.absolute()), "{out}"))
-
-
 def prove_lightning(fixtures: Path, ckptconv: list[str], out_root: Path, nxd_src: Path, manifest: Path,
                     writer_repo: Path | None) -> int:
     """The NxDT fixture's own tag (the harness against lightning's record) and each ``LIGHTNING_CASES`` tag
@@ -240,7 +235,7 @@ def prove_lightning(fixtures: Path, ckptconv: list[str], out_root: Path, nxd_src
 
     import lightning
 
-    from tests.torch_rows import tag_tree
+    from tests.torch_rows import placeholder_paths, tag_tree
 
     from .check import run_way
     from .prove import _git_head, dumps, filled
@@ -272,7 +267,7 @@ def prove_lightning(fixtures: Path, ckptconv: list[str], out_root: Path, nxd_src
             "command": ["ckptconv", *command],
             "tag": NXDT_NAME,
             "lightning_resume": {k: v for k, v in result.items() if k != "way"},
-            "files": placeholder_paths(tag_tree(out / NXDT_NAME), out / NXDT_NAME),
+            "files": placeholder_paths(tag_tree(out / NXDT_NAME), out),
         }
         print(f"{name:32s} lightning load {result.get('load')} step-3 max abs diff "
               f"{result.get('after_next_max_abs_diff')}{'  ' + result['error'] if result.get('error') else ''}")
