@@ -275,6 +275,10 @@ def from_nxd_tag(trainer: str, out: Path, *, kind: str, step: int, consumed: int
                  present: list[str]) -> SideFiles:
     """Side files for a tag of NxD's own code (``kind`` "NxD": an example's, "NxDT"), whose ``present`` side
     files are copied as they are for its own trainer and mapped (scheduler state carried) for the other."""
+    ours = user.get(NXDTRAIN_KEY)
+    if consumed is None and isinstance(ours, dict) and isinstance(ours.get("user_content"), dict):
+        recorded = ours["user_content"].get("consumed_samples")  # a tag nxdtrain/ckptconv wrote: its own record
+        consumed = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
     if trainer == NXDT:
         consumed = nxdt_consumed(out, step, consumed)
     files = SideFiles(consumed=consumed)
@@ -292,11 +296,13 @@ def from_nxd_tag(trainer: str, out: Path, *, kind: str, step: int, consumed: int
                            f"example keys at step {step} (epoch 0, cli_args empty); NxDT's loops and callbacks "
                            "not carried")
     else:
-        content = nxdt_content(out, step, state, step)
+        options = ours["user_content"].get("options", {}) if isinstance(ours, dict) and isinstance(
+            ours.get("user_content"), dict) else {}
+        every, said = _every(options if isinstance(options, dict) else {}, step)
+        content = nxdt_content(out, step, state, every)
         files.notes += [f"side files: NxD's scheduler.pt as NxDT's lr_schedulers[0]; user_content.pt = lightning "
                         f"{LIGHTNING_VERSION}'s checkpoint dict at global_step {step}, epoch 0 (NxD's batch_idx "
-                        f"and epoch not carried), consumed samples {consumed} from the tag name",
-                        _callback_note(f"every_n_train_steps {step} (the step saved)")]
+                        f"and epoch not carried), consumed samples {consumed}", _callback_note(said)]
     if isinstance(user.get(NXDTRAIN_KEY), dict):
         content[NXDTRAIN_KEY] = user[NXDTRAIN_KEY]  # a tag ckptconv/nxdtrain wrote: nxdtrain's record goes along
     files.blobs[USER_CONTENT_FILE] = content

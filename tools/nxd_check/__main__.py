@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--out-root", type=Path, required=True, help="a new folder for the written tags")
             p.add_argument("--writer-repo", type=Path, help="the writer's git checkout (its commit is recorded)")
             p.add_argument("--manifest", type=Path, default=FIXTURES / "written_by_ckptconv.json")
+            p.add_argument("--nxdtrain", help="how to run nxdtrain (its trained tags, as NxDT's, too), optional")
         if name == "prove":
             p.add_argument("--ckptconv", required=True, help="how to run the writer, e.g. '/path/.venv/bin/ckptconv'")
             p.add_argument("--out-root", type=Path, required=True, help="a new folder for the written tags")
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         from .lightning_resume import prove_lightning
 
         return prove_lightning(FIXTURES, shlex.split(args.ckptconv), args.out_root.resolve(), nxd_src,
-                               args.manifest.resolve(), args.writer_repo)
+                               args.manifest.resolve(), args.writer_repo,
+                               shlex.split(args.nxdtrain) if args.nxdtrain else None)
     if args.command == "prove":
         from .prove import prove
 

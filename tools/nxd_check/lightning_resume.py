@@ -158,9 +158,10 @@ def resume_with_lightning(case: Case, tag_dir: Path, nxd_src: Path) -> dict[str,
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(list(range(16)), batch_size=1)
 
+    saved_step = int(case.manifest["saved_after_step"])  # a run saving every that many steps saved this tag
     callback = callback_class(dirpath=str(tag_dir.parent), filename="unused--{step}-{consumed_samples}",
-                                   monitor="step", mode="max", save_top_k=1, every_n_train_steps=2,
-                                   every_n_epochs=0)
+                              monitor="step", mode="max", save_top_k=1, every_n_train_steps=saved_step,
+                              every_n_epochs=0)
     class XlaCpu(XLAAccelerator):
         """Lightning's XLA accelerator counts TPU chips only; here the one XLA device is XLA:CPU's."""
 
@@ -182,7 +183,7 @@ def resume_with_lightning(case: Case, tag_dir: Path, nxd_src: Path) -> dict[str,
 
     strategy = SingleDeviceXLAStrategy(device=device, accelerator=XlaCpu(), checkpoint_io=NxdtWayIO())
     trainer = pl.Trainer(
-        strategy=strategy, devices=1, max_steps=3, max_epochs=-1, logger=False,
+        strategy=strategy, devices=1, max_steps=saved_step + 1, max_epochs=-1, logger=False,
         callbacks=[callback], enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0,
     )
@@ -224,8 +225,49 @@ def nxdt_command(case: Case) -> list[str]:
     ]
 
 
+def trained_as_nxdt(fixtures: Path, name: str, nxdtrain: list[str], ckptconv: list[str], out: Path,
+                    nxd_src: Path) -> dict[str, Any]:
+    """nxdtrain trains steps 3-4 from fixture case ``name`` and saves in NxD's format (prove.py's TRAINED run); that
+    tag rewritten with --nxd-trainer nxdt, resumed by lightning for step 5 (references: trained.py's)."""
+    import shutil
+    import subprocess
+
+    from tests.torch_rows import placeholder_paths, tag_tree
+
+    from .check import run_way
+    from .prove import NXDTRAIN_RUN, TRAINED, filled
+    from .stand_ins import install
+    from .trained import make_case
+
+    install(nxd_src)  # the references take the next step's rate from NxD's example scheduler
+    case = Case.open(fixtures / name)
+    src = out / "src" / case.manifest["tag"]
+    shutil.copytree(fixtures / name / case.manifest["checkpoint_root"] / case.manifest["tag"], src)
+    (src / "hf").mkdir()
+    shutil.copy(fixtures / name / case.manifest["hf_config_file"], src / "hf" / "config.json")
+    command = NXDTRAIN_RUN + TRAINED[name]
+    run = subprocess.run(nxdtrain + [p.format(src=src, out=out / "ckpt") for p in command], capture_output=True,
+                         text=True, cwd=out)
+    if run.returncode != 0:
+        raise SystemExit(f"nxdtrain from {name} failed (exit {run.returncode}): {(run.stdout + run.stderr)[-2000:]}")
+    make_case(fixtures / name, out / "ckpt" / "step_4", out / "case", f"nxdtrain_from_{name}")
+    tag_name = "hf_llama--step=4-consumed_samples=16.0.ckpt"  # 4 steps x --gbs 4
+    rewrite = ["reshard", "{case}/ckpt/step_4", f"{{out}}/{tag_name}", "--tp", "1", "--pp", "1", "--optimizer-format",
+               "nxd", "--zero1" if case.flags["zero1"] else "--no-zero1", "--nxd-trainer", "nxdt"]
+    written = subprocess.run(ckptconv + filled(rewrite, out, out / "nxdt"), capture_output=True, text=True)
+    if written.returncode != 0:
+        raise SystemExit(f"{name}: the writer failed: {(written.stdout + written.stderr)[-2000:]}")
+    result = run_way(out / "case", out / "nxdt" / tag_name, "lightning", nxd_src)
+    print(f"nxdtrain_from_{name:18s} lightning load {result.get('load')} step-5 max abs diff from eager AdamW "
+          f"{result.get('after_next_max_abs_diff')}{'  ' + result['error'] if result.get('error') else ''}")
+    return {"nxdtrain": ["nxdtrain", *command[:2], "{case}/ckpt/step_2 (with hf/config.json added)", *command[3:]],
+            "command": ["ckptconv", *rewrite], "tag": tag_name,
+            "lightning_resume": {k: v for k, v in result.items() if k != "way"},
+            "files": placeholder_paths(tag_tree(out / "nxdt" / tag_name), out / "nxdt")}
+
+
 def prove_lightning(fixtures: Path, ckptconv: list[str], out_root: Path, nxd_src: Path, manifest: Path,
-                    writer_repo: Path | None) -> int:
+                    writer_repo: Path | None, nxdtrain: list[str] | None = None) -> int:
     """The NxDT fixture's own tag (the harness against lightning's record) and each ``LIGHTNING_CASES`` tag
     rewritten with ``--nxd-trainer nxdt``, resumed by lightning; written into the record's
     ``resumed_by_lightning`` (the rest of the record kept; temp + rename)."""
@@ -238,7 +280,7 @@ def prove_lightning(fixtures: Path, ckptconv: list[str], out_root: Path, nxd_src
     from tests.torch_rows import placeholder_paths, tag_tree
 
     from .check import run_way
-    from .prove import _git_head, dumps, filled
+    from .prove import TRAINED, _git_head, dumps, filled
 
     if out_root.exists():
         raise SystemExit(f"--out-root {out_root}: exists; choose a new folder")
@@ -254,6 +296,11 @@ def prove_lightning(fixtures: Path, ckptconv: list[str], out_root: Path, nxd_src
         "harness_on_nxdts_own_tag": run_way(fixtures / LIGHTNING_CASES[0], own / NXDT_NAME, "lightning", nxd_src),
         "cases": {},
     }
+    if nxdtrain:
+        section["trained_by_nxdtrain"] = {
+            name: trained_as_nxdt(fixtures, name, nxdtrain, ckptconv, out_root / "trained" / name, nxd_src)
+            for name in TRAINED
+        }
     for name in LIGHTNING_CASES:
         case_dir = fixtures / name
         case = Case.open(case_dir)
