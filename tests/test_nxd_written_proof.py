@@ -140,3 +140,20 @@ def test_lightning_resumed_it_as_the_uninterrupted_run(case: str) -> None:
     callback = outcome["callback_restored"]
     if callback["class"] == "NeMoModelCheckpoint":  # ours, in the directory lightning's callback watches
         assert callback["best_model_score"] == 2.0 and callback["best_model_path"].endswith(LIGHTNING["cases"][case]["tag"])
+
+
+@pytest.mark.parametrize("case", sorted(LIGHTNING["trained_by_nxdtrain"]))
+def test_lightning_resumed_the_tags_nxdtrain_trained(case: str) -> None:
+    """nxdtrain's NxD-format save at step 4 (trained from a fixture tag), rewritten as NxDT's: lightning restored
+    step 4 (global_step, loops, scheduler, AdamW's step, the tag's exact values, our callback state), and step 5
+    matches one eager AdamW step from the tag's state within XLA:CPU's rounding (as NxD's loader did, above)."""
+    outcome = LIGHTNING["trained_by_nxdtrain"][case]["lightning_resume"]
+    assert outcome["load"] == "ok", outcome.get("error")
+    assert outcome["progress_after_load"] == {"global_step": 4, "current_epoch": 0, "optimizer_steps": 4,
+                                              "batches_completed": 3, "batches_that_stepped": 3, "scheduler_steps": 4}
+    assert outcome["scheduler_last_epoch_after_load"] == 4 and outcome["optimizer_steps_after_load"] == [4.0]
+    assert outcome["masters_equal_save_after_load"] and outcome["after_next_max_abs_diff"] < 1e-7
+    trained = RECORD["trained_by_nxdtrain"][f"nxdtrain_from_{case}"]
+    assert outcome["lr_after_load"] == [trained["reference"]["next_lr"]] * 2 == outcome["scheduler_last_lr_after_load"]
+    assert outcome["callback_restored"]["best_model_score"] == 4.0
+    assert outcome["progress_after_next"]["global_step"] == 5 and outcome["scheduler_last_epoch_after_next"] == 5
