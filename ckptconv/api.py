@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -412,19 +413,18 @@ def reshard(
         metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
                         dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
         spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
-        if training is not None:
-            with training:
+        reader: Any = ckpt
+        sinks = sink_factory(target_flavour)
+        with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
+            if training is not None:  # the optimizer files join the plan, read beside the weights
                 plan, reader = training.extend(plan, spec_, new, notes)
-                sinks = training.sinks(sink_factory(target_flavour), split=target_flavour is Flavour.XSER_SPLIT)
-                result = _convert(plan, reader, out, sinks, options, spec_,
-                                  "reshard", kv_replicas, sources=[Path(src), ckpt.root])
-            if training.written is not None and not result.skipped and result.finalized:
-                check_written(out, training.written)  # every optimizer index read back as intended
-                notes.append(f"read back with NxD's optimizer reader: every index named as written "
-                             f"({describe_rule(training.written.rule)})")
-        else:
-            result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
+                sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)
+            result = _convert(plan, reader, out, sinks, options, spec_, "reshard", kv_replicas,
                               sources=[Path(src), ckpt.root])
+        if training is not None and training.written is not None and not result.skipped and result.finalized:
+            check_written(out, training.written)  # every optimizer index read back as intended
+            notes.append(f"read back with NxD's optimizer reader: every index named as written "
+                         f"({describe_rule(training.written.rule)})")
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
