@@ -339,9 +339,17 @@ class NxdOptimizer:
             raise
 
     @classmethod
-    def open(cls, tag: str | Path, *, io: str = "mmap", check: bool = True) -> NxdOptimizer:
-        """The optimizer of the tag (or newest completed tag of a root) at ``tag``."""
-        return cls(NxdCheckpoint(tag, io=io, check=check), io=io, check=check, owns_model=True)
+    def open(cls, tag: str | Path, *, io: str = "mmap", check: bool = True, lazy: bool = False) -> NxdOptimizer:
+        """The optimizer of the tag (or newest completed tag of a root) at ``tag``, every rank's files parsed
+        (a bad file refused here); ``lazy``: each rank's when first asked for."""
+        optim = cls(NxdCheckpoint(tag, io=io, check=check), io=io, check=check, owns_model=True)
+        if not lazy:
+            try:
+                optim.load_all()
+            except BaseException:
+                optim.close()
+                raise
+        return optim
 
     # -- what it holds --------------------------------------------------------------------
 
