@@ -50,6 +50,7 @@ from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
+from ckptconv.tag_parts import TagPart
 from ckptconv.tag_reshard import NxdFormat, TrainingTag
 from ckptconv.training_state import is_training_tag
 
@@ -415,12 +416,20 @@ def reshard(
         spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
         reader: Any = ckpt
         sinks = sink_factory(target_flavour)
+        part: TagPart | None = None
         with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
             if training is not None:  # the optimizer files join the plan, read beside the weights
+                if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
+                    part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
+                    everything = _outputs(plan, spec_)
+                    plan = part.planned()
                 plan, reader = training.extend(plan, spec_, new, notes)
+                if part is not None:
+                    plan = part.narrowed(plan)
+                    part = part.declaring(everything + _outputs(plan, spec_))
                 sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)
             result = _convert(plan, reader, out, sinks, options, spec_, "reshard", kv_replicas,
-                              sources=[Path(src), ckpt.root])
+                              sources=[Path(src), ckpt.root], part_of=part)
         if training is not None and training.written is not None and not result.skipped and result.finalized:
             check_written(out, training.written)  # every optimizer index read back as intended
             notes.append(f"read back with NxD's optimizer reader: every index named as written "
@@ -451,8 +460,9 @@ def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> st
 
 
 def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
-             label: str, kv_replicas: str = "error", *, sources: list[Path]) -> Result:
-    """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish."""
+             label: str, kv_replicas: str = "error", *, sources: list[Path], part_of: TagPart | None = None) -> Result:
+    """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish.
+    ``part_of``: a training tag's part, whose ``plan`` holds its own files only (:mod:`ckptconv.tag_parts`)."""
     part = options.part
     spec.parts = part[1]
     spec.hash = options.digest
@@ -465,11 +475,11 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
                 outdir.clear_tmp(out)  # what a run killed after writing ckptconv.json left behind
                 return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
             _prepare_out(out, spec.fingerprint, options)
-            outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec))
+            outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec) if part_of is None else list(part_of.declared))
             write_spec(out, spec)
             if part[1] > 1:
                 lock.share()
-        mine = assign_files(plan, part)
+        mine = assign_files(plan, part) if part_of is None else set(part_of.mine)
         total = sum(f.nbytes for f in plan.files if f.path in mine)
         with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
             exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
@@ -479,7 +489,8 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
             reader.finish_checks(workers=options.workers)
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
-    notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {len(plan.files)} files"]
+    count = len(plan.files) if part_of is None else part_of.count
+    notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {count} files"]
     if finalized is None:
         notes.append(f"other parts are still running; the last one (or `ckptconv finalize {out}`) finishes OUT")
     return Result(out, finalized or files, total, 0.0, notes, finalized=finalized is not None)
