@@ -52,7 +52,7 @@ from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_r
 from ckptconv.progress import byte_progress, note
 from ckptconv.tag_parts import TagPart
 from ckptconv.tag_reshard import NxdFormat, TrainingTag
-from ckptconv.training_state import is_training_tag
+from ckptconv.training_state import TagOptimizer, is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
@@ -388,7 +388,8 @@ def reshard(
         training = None
         if not weights_only and is_training_tag(ckpt.root):
             training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
-                                        optim=nxdtrain_optimizer(ckpt))
+                                        optim=nxdtrain_optimizer(ckpt),  # a part: its own ranks' files added below
+                                        only={(0, 0)} if options.part[1] > 1 else None)
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
@@ -422,6 +423,8 @@ def reshard(
                 if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
                     part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
                     everything = _outputs(plan, spec_)
+                    if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
+                        training.optim.widen(part.sources())
                     plan = part.planned()
                 plan, reader = training.extend(plan, spec_, new, notes)
                 if part is not None:

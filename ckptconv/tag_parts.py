@@ -63,6 +63,13 @@ class TagPart:
         optim = [q for p in self.optimizer_files for q in (p, p + TENSORS_SUFFIX)]
         return replace(self, declared=tuple(sorted(set(paths) | set(optim))))
 
+    def sources(self) -> set[tuple[int, int]]:
+        """The (tp, pp) ranks of the tag that its shards and replica groups read."""
+        pieces = [p for s in self.shards for t in s.tensors for p in t.pieces]
+        pieces += [c for g in self.replicas for c in g.copies]
+        ranks = {parse_shard_name(Path(str(p.source.file)).name) for p in pieces}
+        return {r for r in ranks if r is not None}
+
     def planned(self) -> Plan:
         """What this part plans the optimizer state of: its shards, and the replica groups it checks."""
         return Plan(list(self.shards), list(self.replicas))

@@ -123,15 +123,18 @@ class TrainingTag:
 
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
-             dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None) -> TrainingTag:
-        """``optim``: the tag's optimizer files, where they are open already (the weights from their masters)."""
+             dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None,
+             only: set[tuple[int, int]] | None = None) -> TrainingTag:
+        """``optim``: the tag's optimizer files, where they are open already (the weights from their masters);
+        ``only``: open just the files of these (tp, pp) ranks (a part: :meth:`TagOptimizer.widen` adds its own)."""
         path = ckpt.root / USER_CONTENT_FILE
         _checked(ckpt, ckpt.root / SCHEDULER_FILE)
         content = _load(ckpt, path)
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
         optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
+                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io,
+                                      only=only)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)
 
