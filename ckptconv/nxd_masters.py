@@ -153,9 +153,14 @@ def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool,
         return None
     if not needed and is_training_tag(ckpt.root):  # nxdtrain's own files: not parsed as NxD's to be refused
         return None
+    optim = None
     try:
-        return NxdOptimizer(ckpt, io=io, check=check, first=first)
+        optim = NxdOptimizer(ckpt, io=io, check=check, first=first)
+        optim.format  # noqa: B018  (the first rank's files parsed now, the rest when read: not NxD's? told here)
+        return optim
     except ValueError:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
+        if optim is not None:
+            optim.close()
         if needed:
             raise
         return None
