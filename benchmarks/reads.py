@@ -25,8 +25,8 @@ from typing import Any
 from benchmarks.reshard_optim import make_training_tag
 from benchmarks.synth import write_model
 from ckptconv.api import RunOptions, reshard, to_nxd
-from ckptconv.layout import ParallelLayout
 from ckptconv.io.nxd import OPTIM_DIR
+from ckptconv.layout import ParallelLayout
 
 _RECORDING: list[tuple[Path, Counter[str]]] = []  # (root, opens by relative path) while a count is on
 
@@ -62,7 +62,8 @@ def build_tags(work: Path, *, tp: int, pp: int, dp: int, layers: int) -> tuple[P
     """(nxdtrain's format-2 tag, the same tag in NxD's optimizer format over ``dp`` ranks with ZeRO-1)."""
     write_model(work / "hf", "70b-tiny", layers, vocab=512)
     ours = work / "format2"
-    to_nxd(work / "hf", ours, tp=tp, pp=pp, attention="qkv_linear", fuse_qkv=True, options=RunOptions(quiet=True))
+    to_nxd(work / "hf", ours, tp=tp, pp=pp, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=max(1, tp // 8),
+           options=RunOptions(quiet=True))
     make_training_tag(ours, "CosineAnnealing")
     nxd = work / "nxd"
     reshard(ours, nxd, tp=tp, pp=pp, dp=dp, zero1=True, optimizer_format="nxd", options=RunOptions(quiet=True))

@@ -43,6 +43,7 @@ class NxdTagOptimizer:
         for tp, pp in optim.parsed_ranks():
             self._fits(tp, pp)
         groups = [g if g is not None else dict(self._ours[0] or {}) for g in self._ours]
+        self._ours = list(groups)  # settled: later ranks are compared with these
         self.hyper = Hyper(groups, optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
 
     @property
@@ -67,8 +68,8 @@ class NxdTagOptimizer:
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 for name in group["params"]:
                     mine = 0 if is_matrix(shapes[name]) else 1
-                    known = self.hyper.param_groups[mine] if hasattr(self, "hyper") else ours[mine]
-                    if known is None:
+                    known = ours[mine]
+                    if known is None:  # only before the groups settle (__init__)
                         ours[mine] = hyper
                     elif known != hyper:
                         kind = "matrices" if mine == 0 else "vectors (norm weights, biases)"
