@@ -107,3 +107,30 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
     with NxdOptimizer.open(parts) as back, NxdOptimizer.open(whole) as one:
         for a, b in zip(back.params(), one.params(), strict=True):
             assert a.name == b.name and torch.equal(a.exp_avg, b.exp_avg) and torch.equal(a.master, b.master)
+
+
+def test_a_rank_that_disagrees_with_the_first_is_refused_when_read(tags: tuple[Path, Path], tmp_path: Path) -> None:
+    """The first rank parsed says what the optimizer is (ZeRO-1 with masters here); a rank parsed later whose files
+    hold no masters is refused when its state is first read, naming its file; ranks never read are not parsed."""
+    import shutil
+
+    from ckptconv.errors import ConversionError
+    from ckptconv.io.nxd import NxdCheckpoint
+
+    _, nxd = tags
+    copy = tmp_path / "nxd"
+    shutil.copytree(nxd, copy)
+    for dp in range(DP):  # rank (3, 1) saved without use_master_weights_in_ckpt
+        path = copy / "optim" / f"dp_rank_{dp:02d}_tp_rank_03_pp_rank_01.pt"
+        state = torch.load(path, weights_only=True)
+        del state["sharded_master_weights"]
+        torch.save(state, path)
+    with NxdOptimizer(NxdCheckpoint(copy, check=False), check=False) as optim:  # its record no longer matches
+        assert optim.has_masters and optim.parsed_ranks() == [(0, 0)]
+        optim.rows(2, 1, optim.names(2, 1)[0], "master", 0, 1)
+        with pytest.raises(ConversionError, match=r"dp_rank_00_tp_rank_03_pp_rank_01\.pt: zero1 without masters; "
+                                                  r"tp rank 0 pp rank 0 holds zero1 with masters"):
+            optim.names(3, 1)
+        assert optim.parsed_ranks() == [(0, 0), (2, 1)]
+    with pytest.raises(ConversionError, match="different optimizer formats"), NxdOptimizer.open(copy, check=False):
+        pass
