@@ -202,6 +202,9 @@ def nxd_param_group(hyper: Mapping[str, Any], *, zero1: bool, lr: float | None =
 # The plan
 
 
+NXD_OPTIMIZER_KEY = "nxd_optimizer"  # ckptconv.json extra: the tag's optim/ was written here in NxD's format
+
+
 @dataclasses.dataclass(frozen=True)
 class NxdOptimizerPlan:
     """How the target's optimizer files are written, recorded in ckptconv.json (``extra.nxd_optimizer``)."""
@@ -339,7 +342,7 @@ def nxd_scheduler(record: Mapping[str, Any], step: int, groups: int) -> dict[str
     schedule = record.get("schedule")
     if schedule != COSINE:
         raise ConversionError(f"schedule {schedule!r}: NxD's examples have no such scheduler, so scheduler.pt "
-                              f"cannot be written in NxD's format; NxD's format needs --schedule {COSINE}")
+                              f"cannot be written in NxD's format; NxD's format needs a run trained with the {COSINE} schedule")
     max_steps, warmup = int(record["decay_steps"]), int(record["warmup"])
     peak, min_lr = float(record["lr"]), float(record["min_lr"] or 0.0)
     last = schedule_lr(record, step + 1)

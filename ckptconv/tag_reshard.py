@@ -27,6 +27,7 @@ from ckptconv.mapping import live_module_order, stores_lm_head
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
 from ckptconv.nxd_optimizer_write import (
+    NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,
     WindowReader,
     nxd_groups,
@@ -251,7 +252,7 @@ class TrainingTag:
         spec.markers = list(TAG_MARKERS)
         assert spec.metadata is not None
         spec.metadata["extra"] = {"nxdtrain": {"step": step, "consumed_samples": self.user_content.get("consumed_samples")},
-                                  "nxd_optimizer": written.to_json()}
+                                  NXD_OPTIMIZER_KEY: written.to_json()}
         hyper = self.optim.hyper
         was, now = (describe_zero1(on, size, off="without ZeRO-1")
                     for on, size in ((hyper.zero1, hyper.zero_size), (self.zero1, self.dp)))

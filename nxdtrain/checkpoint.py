@@ -54,6 +54,7 @@ from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, 
 from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.model_spec import ModelSpec
+from ckptconv.nxd_optimizer_write import NXD_OPTIMIZER_KEY
 from ckptconv.nxd_source import open_nxd
 from ckptconv.plan import Source
 from ckptconv.training_state import (
@@ -72,6 +73,9 @@ from nxdtrain.model import describe
 from nxdtrain.preflight import check_model_config, check_writable
 
 MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
+# The hidden siblings of a tag while --optimizer-format nxd rewrites it: the rewrite, then the replaced tag.
+NXD_REWRITE_SUFFIX = ".nxd-format"
+REPLACED_SUFFIX = ".format2"
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,15 @@ def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> 
                             f"weights only from {root} ({why}): step 0, fresh optimizer", records, flag, nxd)
     where = f"tag {root}" if root == given else f"newest completed tag {root.name} of {given}"
     return ResumeSource(path, root, ckpt.files, True, spec, layout, with_inv_freq,
-                        f"full state from {where}" + (", written by NxD's own code" if nxd else ""), records, flag, nxd)
+                        f"full state from {where}" + (_nxd_origin(ckpt.metadata) if nxd else ""), records, flag, nxd)
+
+
+def _nxd_origin(meta: Metadata | None) -> str:
+    """Who wrote a tag whose optim/ is in NxD's format: ckptconv records the NxD-format write in its
+    ckptconv.json (``--optimizer-format nxd``); NxD's own code writes no ckptconv.json."""
+    if meta is not None and isinstance((meta.extra or {}).get(NXD_OPTIMIZER_KEY), dict):
+        return ", in NxD's optimizer format written by ckptconv/nxdtrain (--optimizer-format nxd)"
+    return ", written by NxD's own code"
 
 
 def resolve_start(ckpt: CheckpointConfig) -> ResumeSource:
@@ -162,14 +174,38 @@ def resolve_start(ckpt: CheckpointConfig) -> ResumeSource:
     if ckpt.resume != AUTO:
         return resolve_resume(ckpt.resume or "", weights_only=ckpt.weights_only)
     root = Path(ckpt.checkpoint_dir or "")
+    finished = finish_interrupted_rewrites(root) if root.is_dir() else []
     if root.is_dir() and completed_tags(root):
         source = resolve_resume(str(root), weights_only=ckpt.weights_only)
-        return dataclasses.replace(source, case=f"auto: {source.case}")
+        return dataclasses.replace(source, case="; ".join(["auto: " + source.case, *finished]))
     if not ckpt.init:
         raise TrainError(f"--resume auto: {root} holds no completed tag yet, and no --init PATH says where to "
                          "start (a converted NxD directory)")
     source = resolve_resume(ckpt.init, weights_only=ckpt.weights_only, flag="--init")
     return dataclasses.replace(source, case=f"auto: no completed tag in {root} yet; {source.case}")
+
+
+def finish_interrupted_rewrites(root: Path) -> list[str]:
+    """Complete the swap of an NxD-format rewrite (``--optimizer-format nxd``) that a stop interrupted.
+
+    The rewrite replaces ``step_N`` by two renames (``step_N`` -> ``.step_N.format2``, then the complete
+    ``.step_N.nxd-format`` -> ``step_N``); a stop between them leaves no ``step_N``, and ``--resume auto`` would
+    silently go back to an older tag. Only a rewrite nxdtrain wrote (its run id in ckptconv.json) and that is
+    complete (``done``) is put in place; then what is left of the replaced tag goes. Returns what was done."""
+    said = []
+    for staging in sorted(root.glob(f".step_*{NXD_REWRITE_SUFFIX}")):
+        name = staging.name[1:-len(NXD_REWRITE_SUFFIX)]
+        tag, replaced = root / name, root / f".{name}{REPLACED_SUFFIX}"
+        if tag.exists() or not (staging / DONE_MARKER).is_file() or run_of(staging) is None:
+            continue
+        os.rename(staging, tag)
+        said.append(f"{tag}: put in place its complete NxD-format rewrite {staging.name} (a stop came between the "
+                    "two renames that replace a tag)")
+        if replaced.is_dir() and run_of(replaced) == run_of(tag):
+            outdir.remove_owned(replaced, also=MARKERS, keep=())
+            with contextlib.suppress(OSError):
+                replaced.rmdir()
+    return said
 
 
 def damaged(exc: ConversionError) -> str:
@@ -411,7 +447,7 @@ class TagWriter:
         sibling that replaces the tag when complete: until then the saved tag stays as it is, complete."""
         from ckptconv.api import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
 
-        staging = tag.with_name(f".{tag.name}.nxd-format")
+        staging = tag.with_name(f".{tag.name}{NXD_REWRITE_SUFFIX}")
         rank, world = dist.get_rank(), dist.get_world_size()
         if rank == 0 and staging.exists():  # an interrupted rewrite of this step: what ckptconv wrote there goes
             outdir.remove_owned(staging, also=MARKERS, keep=())
@@ -432,7 +468,7 @@ class TagWriter:
             extra = dict(meta.extra or {})
             extra["nxdtrain"] = {**extra.get("nxdtrain", {}), "run": self.record.get("run")}  # prune finds it
             write_metadata(staging, dataclasses.replace(meta, extra=extra))
-            replaced = tag.with_name(f".{tag.name}.format2")
+            replaced = tag.with_name(f".{tag.name}{REPLACED_SUFFIX}")
             os.rename(tag, replaced)
             os.rename(staging, tag)
             outdir.remove_owned(replaced, also=MARKERS, keep=())

@@ -11,38 +11,16 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from ckptconv.io.safe_load import TensorReference, load_small
+from ckptconv.io.safe_load import load_small
+from tests.torch_rows import rows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
-_PRIMITIVE = (int, float, bool, str, type(None))
-
-
-def rows(obj: Any, path: tuple = ()) -> list:
-    """``[path, kind, dtype, shape-or-value]`` for every leaf, in the object's own order (the manifest's form)."""
-    if isinstance(obj, torch.Tensor):
-        return [[list(path), "tensor", str(obj.dtype).removeprefix("torch."), list(obj.shape)]]
-    if isinstance(obj, TensorReference):
-        return [[list(path), "TensorReference", None, obj.tid]]
-    if isinstance(obj, dict):
-        if not obj:
-            return [[list(path), "dict", None, 0]]
-        return [r for k, v in obj.items() for r in rows(v, path + (k,))]
-    if isinstance(obj, torch.Size):
-        return [[list(path), "torch.Size", None, list(obj)]]
-    if isinstance(obj, (list, tuple)):
-        if all(isinstance(x, _PRIMITIVE) for x in obj):
-            return [[list(path), type(obj).__name__, None, list(obj)]]
-        return [r for i, v in enumerate(obj) for r in rows(v, path + (i,))]
-    if isinstance(obj, torch.dtype):
-        return [[list(path), "torch.dtype", None, str(obj)]]
-    return [[list(path), type(obj).__name__, None, obj if isinstance(obj, _PRIMITIVE) else repr(obj)]]
 
 
 def problems(case_dir: Path) -> list[str]:

@@ -10,6 +10,8 @@ of the training). The files are NxD's structures (``torch.load(weights_only=True
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ import torch
 from ckptconv.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
 from ckptconv.nxd_optimizer import NxdOptimizer
-from nxdtrain.config import TrainConfig
+from nxdtrain.checkpoint import resolve_resume, resolve_start
+from nxdtrain.config import CheckpointConfig, TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.nxdtrain.harness import run_world, train_options
@@ -87,6 +90,29 @@ def test_resumed_at_the_same_layout(straight: dict[str, Any], tmp_path: Path) ->
 
 def test_resumed_at_tp1_pp1(straight: dict[str, Any], tmp_path: Path) -> None:
     _continue(straight, tmp_path, straight["tag"], 1, straight["log"][2:], tp=1, pp=1)
+
+
+def test_resume_names_who_wrote_the_nxd_format(straight: dict[str, Any]) -> None:
+    """Our NxD-format tag is not announced as NxD's own (its ckptconv.json records the NxD-format write)."""
+    case = resolve_resume(str(straight["tag"]), weights_only=False).case
+    assert "in NxD's optimizer format written by ckptconv/nxdtrain" in case and "NxD's own code" not in case
+
+
+def test_a_stop_between_the_renames_of_a_rewrite_is_finished(straight: dict[str, Any], tmp_path: Path) -> None:
+    """A stop after step_4 was moved aside and before its complete rewrite took its place: --resume auto puts the
+    rewrite in place (and says so) instead of going back to step_2; a rewrite without 'done' is left alone."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(straight["root"] / "ckpt", root)
+    os.rename(root / "step_4", root / ".step_4.nxd-format")
+    shutil.copytree(root / ".step_4.nxd-format", root / ".step_4.format2")  # the replaced tag, same run
+    (root / ".step_4.format2" / "notes.txt").write_text("not nxdtrain's")
+    source = resolve_start(CheckpointConfig(resume="auto", checkpoint_dir=str(root)))
+    assert source.root == root / "step_4" and "put in place its complete NxD-format rewrite" in source.case
+    assert sorted(p.name for p in (root / ".step_4.format2").iterdir()) == ["notes.txt"]  # only what we wrote went
+    os.rename(root / "step_4", root / ".step_4.nxd-format")
+    (root / ".step_4.nxd-format" / "done").unlink()  # incomplete: never put in place
+    source = resolve_start(CheckpointConfig(resume="auto", checkpoint_dir=str(root)))
+    assert source.root == root / "step_2" and (root / ".step_4.nxd-format").is_dir()
 
 
 def test_bf16_zero1_dp2(nxd_model: Any, tmp_path: Path) -> None:
