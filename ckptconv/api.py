@@ -422,12 +422,13 @@ def reshard(
             if training is not None:  # the optimizer files join the plan, read beside the weights
                 if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
                     part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
-                    everything = _outputs(plan, spec_)
+                    everything, whole = _outputs(plan, spec_), plan
                     if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
                         training.optim.widen(part.sources())
                     plan = part.planned()
                 plan, reader = training.extend(plan, spec_, new, notes)
                 if part is not None:
+                    training.read_back_all(whole.files, new)  # the last part reads back every part's files
                     plan = part.narrowed(plan)
                     part = part.declaring(everything + _outputs(plan, spec_))
                 sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)

@@ -30,6 +30,7 @@ from ckptconv.nxd_optimizer_write import (
     NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,
     WindowReader,
+    index_order,
     nxd_groups,
     nxd_scheduler,
     nxd_user_content,
@@ -267,6 +268,14 @@ class TrainingTag:
         notes.extend(written_notes)
         notes.extend(self.source_notes if not from_nxd else ())
         return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
+
+    def read_back_all(self, shards: list[OutFile], new: ParallelLayout) -> None:
+        """A part planned its own shards only; the read-back after the last part (``check_written``) covers every
+        target shard's files, whose index names follow from the shards and the rule alone."""
+        fmt = self.nxd_format
+        if self.written is not None and fmt is not None:
+            names = {f.path: index_order(in_live_order(f, fmt, new), fmt.rule) for f in shards}
+            self.written = replace(self.written, names=names)
 
     @staticmethod
     def sinks(model_sinks: Any, *, split: bool = False) -> Any:

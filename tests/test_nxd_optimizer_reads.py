@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.reads import build_tags, opened_under, resume_reads
 from ckptconv.api import RunOptions, reshard
-from ckptconv.layout import parse_rank_file
+from ckptconv.layout import parse_rank_file, parse_shard_name
 from ckptconv.nxd_optimizer import NxdOptimizer
 from tests.nxdtrain.test_reshard_optimizer import tree_bytes
 
@@ -76,17 +76,30 @@ def test_a_damaged_file_a_rank_reads_is_still_refused(tags: tuple[Path, Path], t
 
 
 @pytest.mark.parametrize("which", ["nxd", "format2"])
-def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path], tmp_path: Path, which: str) -> None:
+def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path], tmp_path: Path, which: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """``reshard --optimizer-format nxd --part k/16`` (what every rank of nxdtrain's NxD-format save runs): part k
     opens the optimizer files of the (tp, pp) ranks of the files it writes, with tp rank 0 of their stage (the
     norms' first copy; a part checking the norms' replicas: every tp rank of that stage) and rank (0, 0) (which
-    says what the optimizer is); the parts together write what one process writes."""
+    says what the optimizer is); the parts together write what one process writes, and the part that finishes
+    last reads every rank's written files back (the names of every optimizer index, not only its own files')."""
+    import ckptconv.nxd_optimizer_write
+
+    read_back: list[tuple[int, int]] = []
+    real_check = ckptconv.nxd_optimizer_write.check_written
+
+    def recording(out: Path, plan: object) -> None:
+        read_back.extend(parse_shard_name(Path(p).name) for p in plan.names)  # type: ignore[attr-defined]
+        real_check(out, plan)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("ckptconv.api.check_written", recording)
     ours, nxd = tags
     tag = nxd if which == "nxd" else ours
     world = TP * PP * DP
     whole = tmp_path / "whole"
     reshard(tag, whole, tp=TP, pp=PP, dp=DP, zero1=True, optimizer_format="nxd", options=RunOptions(quiet=True))
     parts = tmp_path / "parts"
+    read_back.clear()  # the whole run's
     total, earlier = 0, set()
     for k in range(world):
         with opened_under(tag) as opened:
@@ -103,6 +116,7 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
         total += len({p for p in opened if p.startswith("optim/")})
     dps = DP if which == "nxd" else 1  # format 2 at this layout: one file per shard
     assert total < world * TP * PP * dps / 2  # before: every part opened every one of them
+    assert sorted(read_back) == [(t, p) for t in range(TP) for p in range(PP)]  # by the last part alone
     assert tree_bytes(parts) == tree_bytes(whole)
     with NxdOptimizer.open(parts) as back, NxdOptimizer.open(whole) as one:
         for a, b in zip(back.params(), one.params(), strict=True):
