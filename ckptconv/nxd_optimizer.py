@@ -328,7 +328,7 @@ class NxdOptimizer:
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: no optimizer state in this tag")
         try:
-            if (self.dir / DCP_METADATA).is_file():  # one metadata file names every rank's tensors: read at once
+            if (self.dir / DCP_METADATA).is_file():  # one metadata file names every rank's tensors
                 self.dp = 1
                 self._open_dcp(io, check)
                 self._first = (OptimFormat.ZERO1_DCP, False)
@@ -378,7 +378,7 @@ class NxdOptimizer:
         return self
 
     def _reference(self) -> tuple[OptimFormat, bool]:
-        if self._first is None:
+        if self._first is None or not self._ranks:  # the first rank parsed speaks (DCP: its keys said the format)
             ids = self.rank_ids()
             self._rank(*(self._first_rank if self._first_rank in ids else ids[0]))
         assert self._first is not None
@@ -495,7 +495,8 @@ class NxdOptimizer:
             if key not in self._ranks:
                 if key not in self._found:
                     raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}")
-                self._ranks[key] = self._parse_files(tp_rank, pp_rank)
+                self._ranks[key] = (self._parse_files(tp_rank, pp_rank) if self._dcp is None
+                                    else self._parse_dcp_rank(tp_rank, pp_rank))
             return self._ranks[key]
 
     def _check_open(self) -> None:
@@ -682,28 +683,35 @@ class NxdOptimizer:
         if set(leaves) != expected:
             raise ConversionError(f"{self.dir / DCP_METADATA}: holds tp x pp ranks {sorted(leaves)}; the model has "
                                   f"tp {self.model.tp} x pp {self.model.pp}")
-        for (tp, pp), by_name in sorted(leaves.items()):
-            declared = self.model.declared(shard_file(tp_rank=tp, pp_rank=pp))
-            names = [k for k in declared if not k.endswith("inv_freq")]
-            if set(by_name) != set(names) or len(group.get("params", [])) != len(names):
-                odd = sorted(set(by_name) ^ set(names)) or ["(param_groups.0.params)"]
-                raise ConversionError(f"{self.dir / DCP_METADATA}: optimizer state of tp rank {tp} pp rank {pp} does "
-                                      f"not match the model shard's parameters (first difference {odd[0]!r})")
-            slots = []
-            for i, name in enumerate(names):
-                state = by_name[name]
-                if set(state) != set(MOMENTS) or name not in steps:
-                    raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} lacks one of step, exp_avg, exp_avg_sq")
-                shape = declared[name][1]
-                for moment in MOMENTS:
-                    if tuple(state[moment].shape) != shape:
-                        raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {moment} has shape "
-                                              f"{list(state[moment].shape)}, the parameter {list(shape)}")
-                slots.append(_Slot(name, i, 0, shape, [steps[name]], {k: [state[k]] for k in MOMENTS}, None))
-            named = {**{k: v for k, v in group.items() if k != "params"}, "params": names}
-            self._ranks[(tp, pp)] = _Rank([named], slots, "names in the DCP keys")
+        # a rank's state is matched with its model shard (whose header names its parameters) when first asked for
+        self._dcp_ranks = (group, leaves, steps)
+        self._found = {rank: {} for rank in leaves}
         # each dp rank saved its chunk of every tensor: the most chunks any tensor has is the dp size
         self.dp = max(len(dcp.entry(k).chunks) for k in dcp.keys() if dcp.entry(k).is_tensor)
+
+    def _parse_dcp_rank(self, tp: int, pp: int) -> _Rank:
+        """One (tp, pp) rank of the DCP variant: its keys' tensors matched with its model shard's parameters."""
+        group, leaves, steps = self._dcp_ranks
+        by_name = leaves[(tp, pp)]
+        declared = self.model.declared(shard_file(tp_rank=tp, pp_rank=pp))
+        names = [k for k in declared if not k.endswith("inv_freq")]
+        if set(by_name) != set(names) or len(group.get("params", [])) != len(names):
+            odd = sorted(set(by_name) ^ set(names)) or ["(param_groups.0.params)"]
+            raise ConversionError(f"{self.dir / DCP_METADATA}: optimizer state of tp rank {tp} pp rank {pp} does "
+                                  f"not match the model shard's parameters (first difference {odd[0]!r})")
+        slots = []
+        for i, name in enumerate(names):
+            state = by_name[name]
+            if set(state) != set(MOMENTS) or name not in steps:
+                raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} lacks one of step, exp_avg, exp_avg_sq")
+            shape = declared[name][1]
+            for moment in MOMENTS:
+                if tuple(state[moment].shape) != shape:
+                    raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {moment} has shape "
+                                          f"{list(state[moment].shape)}, the parameter {list(shape)}")
+            slots.append(_Slot(name, i, 0, shape, [steps[name]], {k: [state[k]] for k in MOMENTS}, None))
+        named = {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        return _Rank([named], slots, "names in the DCP keys")
 
 
 # --------------------------------------------------------------------------------------------
