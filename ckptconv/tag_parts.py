@@ -66,6 +66,7 @@ class TagPart:
     def sources(self) -> set[tuple[int, int]]:
         """The (tp, pp) ranks of the tag that its shards and replica groups read."""
         pieces = [p for s in self.shards for t in s.tensors for p in t.pieces]
+        pieces += [a for p in pieces for a in p.alternates]  # copies averaged into a piece (--kv-replicas mean)
         pieces += [c for g in self.replicas for c in g.copies]
         ranks = {parse_shard_name(Path(str(p.source.file)).name) for p in pieces}
         return {r for r in ranks if r is not None}
