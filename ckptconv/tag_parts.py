@@ -76,7 +76,12 @@ class TagPart:
         return Plan(list(self.shards), list(self.replicas))
 
     def narrowed(self, plan: Plan) -> Plan:
-        """Of the planned (extended) plan, the files this part writes; its replica groups stay."""
+        """Of the planned (extended) plan, the files this part writes; its replica groups stay. A planned file that
+        is no unit (the optimizer's files not as :func:`optimizer_paths` names them) would be written by no part."""
+        units = {s.path for s in self.shards} | set(self.optimizer_files)
+        stray = sorted(f.path for f in plan.files if f.path not in units)
+        if stray:
+            raise RuntimeError(f"{stray[0]}: planned, but not among the files split between the parts")
         return Plan([f for f in plan.files if f.path in self.mine], plan.replicas)
 
 

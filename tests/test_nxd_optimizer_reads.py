@@ -148,3 +148,18 @@ def test_a_rank_that_disagrees_with_the_first_is_refused_when_read(tags: tuple[P
         assert optim.parsed_ranks() == [(0, 0), (2, 1)]
     with pytest.raises(ConversionError, match="different optimizer formats"), NxdOptimizer.open(copy, check=False):
         pass
+
+
+@pytest.mark.parametrize(("which", "fmt"), [("format2", "nxdtrain"), ("nxd", "nxdtrain"), ("format2", "nxd")])
+def test_parts_at_another_layout_without_zero1_write_what_one_process_writes(tags: tuple[Path, Path], tmp_path: Path,
+                                                                              which: str, fmt: str) -> None:
+    """Split by unit before planning, 3 parts of tp 4 x pp 2 -> tp 2 x pp 1 without ZeRO-1 (one optimizer file per
+    shard) write the bytes one process writes, in either optimizer format and from either source format."""
+    ours, nxd = tags
+    tag = nxd if which == "nxd" else ours
+    kwargs = {"tp": 2, "pp": 1, "dp": 2, "zero1": False, "optimizer_format": fmt,
+              **({"drop_masters": True} if fmt == "nxd" else {})}
+    reshard(tag, tmp_path / "whole", options=RunOptions(quiet=True), **kwargs)
+    for k in range(3):
+        reshard(tag, tmp_path / "parts", options=RunOptions(quiet=True, part=(k, 3)), **kwargs)
+    assert tree_bytes(tmp_path / "parts") == tree_bytes(tmp_path / "whole")
