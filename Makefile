@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-8b bench-startup bench-train bench-checked bench-dcp lint clean
+.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
 
 setup: $(STAMP)
 
@@ -96,6 +96,11 @@ bench-checked: setup
 # to-dcp (TorchTitan) of the 70B-shaped 4-layer model against cp -r, and from-dcp back (3 runs each; ~5 minutes)
 bench-dcp: setup
 	$(BIN)/python benchmarks/run.py --dcp --repeat 3
+
+# Files one rank opens (resume of an NxD tag; one --part of reshard --optimizer-format nxd, of NxD's tag and of
+# format 2) on a 70B-shaped tag with tiny tensors at tp 8 x pp 4 x dp 2: counts, not timings (~1 minute)
+bench-reads: setup
+	$(BIN)/python -m benchmarks.reads bench-out/reads $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples tools

@@ -24,6 +24,8 @@ from ckptconv.model_spec import ModelSpec
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+    # 70B's heads (64 query, 8 K/V) with tiny tensors: its file and key structure at any tp, pp (reads per rank)
+    "70b-tiny": dict(hidden_size=256, intermediate_size=512, num_attention_heads=64, num_key_value_heads=8),
 }
 COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5,
               rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16")

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptconv.errors import ConversionError, VerificationError
 
-__version__ = "0.1.0"  # the one place: pyproject.toml's version is read from here (tool.setuptools.dynamic)
+__version__ = "0.2.0"  # the one place: pyproject.toml's version is read from here (tool.setuptools.dynamic)
 
 _API = {"RunOptions": "ckptconv.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
         "reshard": "ckptconv.api", "inspect": "ckptconv.inspection",

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -49,8 +50,9 @@ from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
+from ckptconv.tag_parts import TagPart
 from ckptconv.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
-from ckptconv.training_state import is_training_tag
+from ckptconv.training_state import TagOptimizer, is_training_tag
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
@@ -389,7 +391,8 @@ def reshard(
         training = None
         if not weights_only and is_training_tag(ckpt.root):
             training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
-                                        optim=nxdtrain_optimizer(ckpt))
+                                        optim=nxdtrain_optimizer(ckpt),  # a part: its own ranks' files added below
+                                        only={(0, 0)} if options.part[1] > 1 else None)
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
@@ -415,19 +418,29 @@ def reshard(
         metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
                         dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
         spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
-        if training is not None:
-            with training:
+        reader: Any = ckpt
+        sinks = sink_factory(target_flavour)
+        part: TagPart | None = None
+        with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
+            if training is not None:  # the optimizer files join the plan, read beside the weights
+                if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
+                    part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
+                    everything, whole = _outputs(plan, spec_), plan
+                    if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
+                        training.optim.widen(part.sources())
+                    plan = part.planned()
                 plan, reader = training.extend(plan, spec_, new, notes)
-                sinks = training.sinks(sink_factory(target_flavour), split=target_flavour is Flavour.XSER_SPLIT)
-                result = _convert(plan, reader, out, sinks, options, spec_,
-                                  "reshard", kv_replicas, sources=[Path(src), ckpt.root])
-            if training.written is not None and not result.skipped and result.finalized:
-                check_written(out, training.written)  # every optimizer index read back as intended
-                notes.append(f"read back with NxD's optimizer reader: every index named as written "
-                             f"({describe_rule(training.written.rule)})")
-        else:
-            result = _convert(plan, ckpt, out, sink_factory(target_flavour), options, spec_, "reshard", kv_replicas,
-                              sources=[Path(src), ckpt.root])
+                if part is not None:
+                    training.read_back_all(whole.files, new)  # the last part reads back every part's files
+                    plan = part.narrowed(plan)
+                    part = part.declaring(everything + _outputs(plan, spec_))
+                sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)
+            result = _convert(plan, reader, out, sinks, options, spec_, "reshard", kv_replicas,
+                              sources=[Path(src), ckpt.root], part_of=part)
+        if training is not None and training.written is not None and not result.skipped and result.finalized:
+            check_written(out, training.written)  # every optimizer index read back as intended
+            notes.append(f"read back with NxD's optimizer reader: every index named as written "
+                         f"({describe_rule(training.written.rule)})")
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
@@ -454,8 +467,9 @@ def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> st
 
 
 def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
-             label: str, kv_replicas: str = "error", *, sources: list[Path]) -> Result:
-    """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish."""
+             label: str, kv_replicas: str = "error", *, sources: list[Path], part_of: TagPart | None = None) -> Result:
+    """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish.
+    ``part_of``: a training tag's part, whose ``plan`` holds its own files only (:mod:`ckptconv.tag_parts`)."""
     part = options.part
     spec.parts = part[1]
     spec.hash = options.digest
@@ -468,11 +482,11 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
                 outdir.clear_tmp(out)  # what a run killed after writing ckptconv.json left behind
                 return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
             _prepare_out(out, spec.fingerprint, options)
-            outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec))
+            outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec) if part_of is None else list(part_of.declared))
             write_spec(out, spec)
             if part[1] > 1:
                 lock.share()
-        mine = assign_files(plan, part)
+        mine = assign_files(plan, part) if part_of is None else set(part_of.mine)
         total = sum(f.nbytes for f in plan.files if f.path in mine)
         with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
             exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
@@ -482,7 +496,8 @@ def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions
             reader.finish_checks(workers=options.workers)
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
-    notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {len(plan.files)} files"]
+    count = len(plan.files) if part_of is None else part_of.count
+    notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {count} files"]
     if finalized is None:
         notes.append(f"other parts are still running; the last one (or `ckptconv finalize {out}`) finishes OUT")
     return Result(out, finalized or files, total, 0.0, notes, finalized=finalized is not None)

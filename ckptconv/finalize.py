@@ -29,14 +29,20 @@ SPEC_FILE = "finalize.json"
 
 def assign_files(plan: Plan, part: tuple[int, int]) -> set[str]:
     """Files of ``part``: largest first to the least-loaded part; the same answer in every process."""
+    return assign([(f.path, f.nbytes) for f in plan.files], part)
+
+
+def assign(sizes: list[tuple[str, int]], part: tuple[int, int]) -> set[str]:
+    """Of (path, bytes), the paths of ``part``: largest first to the least-loaded part; the same answer in
+    every process."""
     k, n = part
     loads = [0] * n
     mine: set[str] = set()
-    for index in sorted(range(len(plan.files)), key=lambda i: (-plan.files[i].nbytes, i)):
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i][1], i)):
         target = min(range(n), key=lambda p: (loads[p], p))
-        loads[target] += plan.files[index].nbytes
+        loads[target] += sizes[index][1]
         if target == k:
-            mine.add(plan.files[index].path)
+            mine.add(sizes[index][0])
     return mine
 
 

@@ -13,11 +13,13 @@ notes say which, since the masters are what training continues from.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint, ShardsWithMasters
-from ckptconv.layout import ParallelLayout, shard_file
+from ckptconv.layout import ParallelLayout, parse_shard_name
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
 from ckptconv.training_state import TagOptimizer, is_training_tag, use_masters
@@ -29,8 +31,10 @@ class MasterShard:
     def __init__(self, optim: NxdOptimizer, file: str, model_keys: list[str]) -> None:
         self.optim = optim
         self.file = file
-        tp_pp = {shard_file(tp_rank=tp, pp_rank=pp): (tp, pp) for tp, pp in optim.ranks}
-        self.tp, self.pp = tp_pp[file]
+        ranks = parse_shard_name(file.rsplit("/", 1)[-1])
+        if ranks is None or ranks not in optim.rank_ids():
+            raise ConversionError(f"{optim.dir}: no optimizer state for the model shard {file}")
+        self.tp, self.pp = ranks
         names = set(optim.names(self.tp, self.pp))
         missing = [k for k in model_keys if k not in names]
         if missing:
@@ -68,11 +72,12 @@ class MasterWeights:
             raise ConversionError(f"{optim.dir}: holds no master weights (NxD writes them only with ZeRO-1 and "
                                   "use_master_weights_in_ckpt)")
         self.optim = optim
-        model = optim.model  # its key order now, before it reads through this source
-        self._keys = {f: [k for k in model.keys(f) if not k.endswith("inv_freq")] for f in model.files}
 
     def shard(self, file: str) -> MasterShard:
-        return MasterShard(self.optim, file, self._keys[file])
+        """A shard's weights from its rank's masters (that rank's files parsed now, if not yet), in the model
+        file's key order (as declared: its header, not a read through this source)."""
+        keys = [k for k in self.optim.model.declared(file) if not k.endswith("inv_freq")]
+        return MasterShard(self.optim, file, keys)
 
     def finish_checks(self, *, workers: int = 8, only_read: bool = True) -> int:
         if not only_read:  # every master, read or not
@@ -84,14 +89,17 @@ class MasterWeights:
 
 
 def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: str, check: bool,
-                keep: bool = False) -> list[str]:
+                keep: bool = False, only: Collection[str] | None = None) -> list[str]:
     """Point ``ckpt`` at NxD's own masters in ``optim/`` when its model files hold no tensors, when asked
     (``masters``), or by default where ``prefer``; the notes say where the weights come from. Where
     ``optim/`` is not NxD's format, nothing changes (nxdtrain's own masters: :func:`nxdtrain_masters`).
     ``keep``: the NxD optimizer opened here stays open as ``ckpt.nxd_optimizer`` (closed with ``ckpt``) for a
-    caller that reads it too (inspect's summary, a resume's optimizer state), which then need not parse it again."""
-    unsaved = ckpt.unsaved_tensors()
-    total = sum(len(ckpt.keys(f)) for f in ckpt.files) if unsaved else 0
+    caller that reads it too (inspect's summary, a resume's optimizer state), which then need not parse it again.
+    ``only``: the model files the caller reads (one training rank's): only their headers are opened, and only
+    their optimizer ranks' files when read (the first of them speaks for the optimizer); the notes then name
+    no dtypes (they would need every header)."""
+    unsaved = ckpt.unsaved_tensors(only)
+    total = sum(len(ckpt.keys(f)) for f in ckpt.files if only is None or f in only) if unsaved else 0
     if unsaved and len(unsaved) != total:
         raise ConversionError(f"{ckpt.model_dir}: {len(unsaved)} of {total} model tensors were not saved "
                               f"(first: {unsaved[0]}); an incomplete tag")
@@ -100,7 +108,8 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
                               f"only as the master weights in {OPTIM_DIR}/; drop --no-masters")
     if masters is False:
         return []
-    optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved))
+    ranks = sorted(r for r in (parse_shard_name(f.rsplit("/", 1)[-1]) for f in only or ()) if r is not None)
+    optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved), first=ranks[0] if ranks else None)
     if optim is None:
         return []
 
@@ -121,6 +130,8 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
     dtype = optim.dtype_of_masters()
     if not (unsaved or masters or prefer):
         release()
+        if only is not None:
+            return [f"weights: the model files; {OPTIM_DIR}/ also holds {dtype} master weights"]
         model = sorted({str(d).removeprefix("torch.") for f in ckpt.files for d, _ in ckpt.declared(f).values()})
         return [f"weights: the model files ({', '.join(model)}); {OPTIM_DIR}/ also holds {dtype} master weights, the "
                 "state training continues from: --masters reads those"]
@@ -132,7 +143,8 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
     return [f"weights: the {dtype} master weights in {OPTIM_DIR}/ ({optim.format.value}, dp {optim.dp}; {why})"]
 
 
-def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool) -> NxdOptimizer | None:
+def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool,
+                   first: tuple[int, int] | None = None) -> NxdOptimizer | None:
     """NxD's optimizer of the tag, or None where there is none or ``optim/`` holds another format (nxdtrain's
     own tags); when ``needed`` (the masters are the only weights), why it could not be read."""
     if not (ckpt.root / OPTIM_DIR).is_dir():
@@ -141,9 +153,14 @@ def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool) -
         return None
     if not needed and is_training_tag(ckpt.root):  # nxdtrain's own files: not parsed as NxD's to be refused
         return None
+    optim = None
     try:
-        return NxdOptimizer(ckpt, io=io, check=check)
+        optim = NxdOptimizer(ckpt, io=io, check=check, first=first)
+        optim.format  # noqa: B018  (the first rank's files parsed now, the rest when read: not NxD's? told here)
+        return optim
     except ValueError:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
+        if optim is not None:
+            optim.close()
         if needed:
             raise
         return None

@@ -299,44 +299,96 @@ class NxdOptimizer:
 
     ``model`` is the tag's model shards (they give the parameter names and order); reads are checked
     (zip CRC-32s; small files whole) unless ``check`` is False.
+
+    A (tp, pp) rank's files (one per dp rank) are opened and parsed when that rank's state is first asked for,
+    not before: a training rank of a 1024-rank world reads its own files, not the world's. What the whole
+    optimizer is (format, masters, naming) is said by the first rank parsed (tp 0 pp 0 unless another was asked
+    for first); every rank parsed after it must agree, else an error naming its file. :meth:`load_all` parses
+    every rank (inspect's summary, a check of every master).
     """
 
-    def __init__(self, model: NxdCheckpoint, *, io: str = "mmap", check: bool = True, owns_model: bool = False) -> None:
+    def __init__(self, model: NxdCheckpoint, *, io: str = "mmap", check: bool = True, owns_model: bool = False,
+                 first: tuple[int, int] | None = None) -> None:
+        """``first``: the (tp, pp) rank that speaks for the whole optimizer when nothing was read yet (one the
+        caller reads anyway; default the lowest)."""
         self.model = model
+        self._first_rank = first
         self._owns_model = owns_model
         self.dir = model.root / OPTIM_DIR
         records = None if model.metadata is None else model.metadata.files  # a tag that ckptconv.json describes
         self.checks = CheckedFiles(model.root, records, enabled=check)
         self._files: list[_OptimFile] = []
         self._dcp: DcpCheckpoint | None = None
-        self.ranks: dict[tuple[int, int], _Rank] = {}
+        self._found: dict[tuple[int, int], dict[int, Path]] = {}  # (tp, pp) -> dp rank -> file, none opened yet
+        self._ranks: dict[tuple[int, int], _Rank] = {}  # the ranks parsed so far
+        self._first: tuple[OptimFormat, bool] | None = None  # format and masters of the first rank parsed
+        self._io = io
+        self._parse_lock = threading.RLock()  # the executor's workers may ask for an unparsed rank at once
         self._closed = False  # reads after close() fail: its leaves would otherwise reopen their files unseen
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: no optimizer state in this tag")
         try:
-            if (self.dir / DCP_METADATA).is_file():
-                self.format, self.dp = OptimFormat.ZERO1_DCP, 1
+            if (self.dir / DCP_METADATA).is_file():  # one metadata file names every rank's tensors
+                self.dp = 1
                 self._open_dcp(io, check)
+                self._first = (OptimFormat.ZERO1_DCP, False)
             else:
-                self._open_files(io)
+                self._find_files()
         except BaseException:
             self.close()
             raise
 
     @classmethod
-    def open(cls, tag: str | Path, *, io: str = "mmap", check: bool = True) -> NxdOptimizer:
-        """The optimizer of the tag (or newest completed tag of a root) at ``tag``."""
-        return cls(NxdCheckpoint(tag, io=io, check=check), io=io, check=check, owns_model=True)
+    def open(cls, tag: str | Path, *, io: str = "mmap", check: bool = True, lazy: bool = False) -> NxdOptimizer:
+        """The optimizer of the tag (or newest completed tag of a root) at ``tag``, every rank's files parsed
+        (a bad file refused here); ``lazy``: each rank's when first asked for."""
+        optim = cls(NxdCheckpoint(tag, io=io, check=check), io=io, check=check, owns_model=True)
+        if not lazy:
+            try:
+                optim.load_all()
+            except BaseException:
+                optim.close()
+                raise
+        return optim
 
     # -- what it holds --------------------------------------------------------------------
 
     @property
+    def format(self) -> OptimFormat:
+        return self._reference()[0]
+
+    @property
     def has_masters(self) -> bool:
-        return all(slot.master is not None for rank in self.ranks.values() for slot in rank.slots)
+        """Whether every parameter has its master (the first rank parsed says; every rank parsed must agree)."""
+        return self._reference()[1]
+
+    def rank_ids(self) -> list[tuple[int, int]]:
+        """Every (tp, pp) rank with optimizer state, from the file names (nothing is opened)."""
+        return sorted(self._found or self._ranks)
+
+    def parsed_ranks(self) -> list[tuple[int, int]]:
+        """The (tp, pp) ranks whose files were opened and parsed so far."""
+        with self._parse_lock:
+            return sorted(self._ranks)
+
+    def load_all(self) -> NxdOptimizer:
+        """Open and parse every rank's files now (what ``inspect`` describes and checks)."""
+        for tp, pp in self.rank_ids():
+            self._rank(tp, pp)
+        return self
+
+    def _reference(self) -> tuple[OptimFormat, bool]:
+        if self._first is None or not self._ranks:  # the first rank parsed speaks (DCP: its keys said the format)
+            ids = self.rank_ids()
+            self._rank(*(self._first_rank if self._first_rank in ids else ids[0]))
+        assert self._first is not None
+        return self._first
 
     def dtype_of_masters(self) -> str:
         """The masters' dtype name (the optimizer dtype: float32, or float64 under XLA_DOWNCAST_BF16)."""
-        first = next(iter(self.ranks.values())).slots[0]
+        self._reference()
+        with self._parse_lock:
+            first = next(iter(self._ranks.values())).slots[0]
         leaves = first.master if first.master is not None else first.moments["exp_avg"]
         return str(leaves[0].dtype).removeprefix("torch.")
 
@@ -349,15 +401,18 @@ class NxdOptimizer:
         return [slot.name for slot in self._rank(tp_rank, pp_rank).slots]
 
     def naming(self) -> str:
-        return next(iter(self.ranks.values())).naming
+        """How the indices were named, as the first rank parsed was."""
+        self._reference()
+        with self._parse_lock:
+            return next(iter(self._ranks.values())).naming
 
     def params(self, tp_rank: int | None = None, pp_rank: int | None = None) -> Iterator[ParamState]:
         """Every parameter's state (of one rank when given), read one parameter at a time."""
         self._check_open()
-        for (tp, pp), rank in sorted(self.ranks.items()):
+        for tp, pp in self.rank_ids():
             if tp_rank not in (None, tp) or pp_rank not in (None, pp):
                 continue
-            for slot in rank.slots:
+            for slot in self._rank(tp, pp).slots:
                 yield ParamState(slot.name, tp, pp, slot.index, slot.group, self._step(slot),
                                  self._whole(slot, slot.moments["exp_avg"]),
                                  self._whole(slot, slot.moments["exp_avg_sq"]),
@@ -396,10 +451,10 @@ class NxdOptimizer:
 
     def open_masters(self) -> None:
         """Open the file of every master (xser: one per tensor) without reading it; then
-        ``finish_checks(only_read=False)`` checks every byte of them."""
+        ``finish_checks(only_read=False)`` checks every byte of them (every rank parsed for it)."""
         self._check_open()
-        for rank in self.ranks.values():
-            for slot in rank.slots:
+        for tp, pp in self.rank_ids():
+            for slot in self._rank(tp, pp).slots:
                 for leaf in slot.master or []:
                     leaf.open()
 
@@ -433,10 +488,16 @@ class NxdOptimizer:
     # -- reading --------------------------------------------------------------------------
 
     def _rank(self, tp_rank: int, pp_rank: int) -> _Rank:
+        """A rank's parsed state; its files are opened and parsed at the first ask."""
         self._check_open()
-        if (tp_rank, pp_rank) not in self.ranks:
-            raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}")
-        return self.ranks[(tp_rank, pp_rank)]
+        key = (tp_rank, pp_rank)
+        with self._parse_lock:
+            if key not in self._ranks:
+                if key not in self._found:
+                    raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}")
+                self._ranks[key] = (self._parse_files(tp_rank, pp_rank) if self._dcp is None
+                                    else self._parse_dcp_rank(tp_rank, pp_rank))
+            return self._ranks[key]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -472,7 +533,8 @@ class NxdOptimizer:
 
     # -- opening: dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt files ---------------------------------
 
-    def _open_files(self, io: str) -> None:
+    def _find_files(self) -> None:
+        """Which file holds which (dp, tp, pp) rank, from the names in ``optim/``; none is opened."""
         found: dict[tuple[int, int], dict[int, Path]] = {}
         for entry in sorted(self.dir.iterdir()):
             ranks = parse_rank_file(entry.name)
@@ -490,18 +552,24 @@ class NxdOptimizer:
             raise ConversionError(f"{self.dir}: dp ranks of the optimizer files differ between tp/pp ranks or have gaps: "
                                   f"{sorted(dps)}")
         self.dp = len(next(iter(dps)))
-        formats = set()
-        for (tp, pp), by_dp in sorted(found.items()):
-            files = []
-            for dp in range(self.dp):
-                self._files.append(_OptimFile(by_dp[dp], io, self.checks))
-                files.append(self._files[-1])
-            fmt, rank = self._parse_rank(tp, pp, files)
-            formats.add(fmt)
-            self.ranks[(tp, pp)] = rank
-        if len(formats) != 1:
-            raise ConversionError(f"{self.dir}: ranks hold different optimizer formats: {sorted(f.value for f in formats)}")
-        self.format = formats.pop()
+        self._found = found
+
+    def _parse_files(self, tp: int, pp: int) -> _Rank:
+        """Open and parse one (tp, pp) rank's files (one per dp rank); it must agree with the first rank parsed."""
+        files = []
+        for dp in range(self.dp):
+            self._files.append(_OptimFile(self._found[(tp, pp)][dp], self._io, self.checks))
+            files.append(self._files[-1])
+        fmt, rank = self._parse_rank(tp, pp, files)
+        masters = all(slot.master is not None for slot in rank.slots)
+        if self._first is None:
+            self._first = (fmt, masters)
+        elif self._first != (fmt, masters):
+            first = sorted(self._ranks)[0]
+            said = lambda f, m: f"{f.value} {'with' if m else 'without'} masters"  # noqa: E731
+            raise ConversionError(f"{files[0].path}: {said(fmt, masters)}; tp rank {first[0]} pp rank {first[1]} "
+                                  f"holds {said(*self._first)}: the ranks hold different optimizer formats")
+        return rank
 
     def _parse_rank(self, tp: int, pp: int, files: list[_OptimFile]) -> tuple[OptimFormat, _Rank]:
         first = files[0]
@@ -615,28 +683,35 @@ class NxdOptimizer:
         if set(leaves) != expected:
             raise ConversionError(f"{self.dir / DCP_METADATA}: holds tp x pp ranks {sorted(leaves)}; the model has "
                                   f"tp {self.model.tp} x pp {self.model.pp}")
-        for (tp, pp), by_name in sorted(leaves.items()):
-            declared = self.model.declared(shard_file(tp_rank=tp, pp_rank=pp))
-            names = [k for k in declared if not k.endswith("inv_freq")]
-            if set(by_name) != set(names) or len(group.get("params", [])) != len(names):
-                odd = sorted(set(by_name) ^ set(names)) or ["(param_groups.0.params)"]
-                raise ConversionError(f"{self.dir / DCP_METADATA}: optimizer state of tp rank {tp} pp rank {pp} does "
-                                      f"not match the model shard's parameters (first difference {odd[0]!r})")
-            slots = []
-            for i, name in enumerate(names):
-                state = by_name[name]
-                if set(state) != set(MOMENTS) or name not in steps:
-                    raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} lacks one of step, exp_avg, exp_avg_sq")
-                shape = declared[name][1]
-                for moment in MOMENTS:
-                    if tuple(state[moment].shape) != shape:
-                        raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {moment} has shape "
-                                              f"{list(state[moment].shape)}, the parameter {list(shape)}")
-                slots.append(_Slot(name, i, 0, shape, [steps[name]], {k: [state[k]] for k in MOMENTS}, None))
-            named = {**{k: v for k, v in group.items() if k != "params"}, "params": names}
-            self.ranks[(tp, pp)] = _Rank([named], slots, "names in the DCP keys")
+        # a rank's state is matched with its model shard (whose header names its parameters) when first asked for
+        self._dcp_ranks = (group, leaves, steps)
+        self._found = {rank: {} for rank in leaves}
         # each dp rank saved its chunk of every tensor: the most chunks any tensor has is the dp size
         self.dp = max(len(dcp.entry(k).chunks) for k in dcp.keys() if dcp.entry(k).is_tensor)
+
+    def _parse_dcp_rank(self, tp: int, pp: int) -> _Rank:
+        """One (tp, pp) rank of the DCP variant: its keys' tensors matched with its model shard's parameters."""
+        group, leaves, steps = self._dcp_ranks
+        by_name = leaves[(tp, pp)]
+        declared = self.model.declared(shard_file(tp_rank=tp, pp_rank=pp))
+        names = [k for k in declared if not k.endswith("inv_freq")]
+        if set(by_name) != set(names) or len(group.get("params", [])) != len(names):
+            odd = sorted(set(by_name) ^ set(names)) or ["(param_groups.0.params)"]
+            raise ConversionError(f"{self.dir / DCP_METADATA}: optimizer state of tp rank {tp} pp rank {pp} does "
+                                  f"not match the model shard's parameters (first difference {odd[0]!r})")
+        slots = []
+        for i, name in enumerate(names):
+            state = by_name[name]
+            if set(state) != set(MOMENTS) or name not in steps:
+                raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} lacks one of step, exp_avg, exp_avg_sq")
+            shape = declared[name][1]
+            for moment in MOMENTS:
+                if tuple(state[moment].shape) != shape:
+                    raise ConversionError(f"{self.dir / DCP_METADATA}: {name!r} {moment} has shape "
+                                          f"{list(state[moment].shape)}, the parameter {list(shape)}")
+            slots.append(_Slot(name, i, 0, shape, [steps[name]], {k: [state[k]] for k in MOMENTS}, None))
+        named = {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+        return _Rank([named], slots, "names in the DCP keys")
 
 
 # --------------------------------------------------------------------------------------------
@@ -739,10 +814,10 @@ def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | Non
                 "masters": optim.has_masters, "param_groups": len(optim.groups()),
                 "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
 
-    if model.nxd_optimizer is not None:  # opened already (ckptconv.nxd_masters, keep=True): closed with the model
-        return summary(model.nxd_optimizer)
-    try:
+    try:  # every rank's files parsed: the summary describes (and its checks cover) all of them
+        if model.nxd_optimizer is not None:  # opened already (ckptconv.nxd_masters, keep=True): closed with the model
+            return summary(model.nxd_optimizer.load_all())
         with NxdOptimizer(model, check=check) as optim:
-            return summary(optim)
+            return summary(optim.load_all())
     except ValueError as exc:  # ConversionError, UnsafeCheckpointError, a zip the reader refuses
         return {"format": None, "not_read": str(exc)}

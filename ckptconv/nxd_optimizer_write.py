@@ -232,6 +232,12 @@ def _optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
     return torch.float32
 
 
+def index_order(shard: OutFile, rule: str) -> list[str]:
+    """A target shard's parameters in NxD's optimizer index order: the param groups of ``rule`` one after another,
+    each in the shard's order."""
+    return [n for g in nxd_groups([t.key for t in shard.tensors if not t.key.endswith("inv_freq")], rule) for n in g]
+
+
 def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool, rule: str,
                              drop_masters: bool, lr: tuple[float, float] | None,
                              notes: list[str]) -> tuple[list[OutFile], NxdOptimizerPlan]:
@@ -253,7 +259,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         weights = {t.key: t for t in shard.tensors if not t.key.endswith("inv_freq")}
         shapes = {k: t.shape for k, t in weights.items()}
         groups = nxd_groups(list(weights), rule)
-        order = [n for g in groups for n in g]
+        order = index_order(shard, rule)
         hypers = [_group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
         dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
         param_groups, start = [], 0

@@ -14,6 +14,7 @@ different hyper-parameters (they could not be continued exactly).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -34,7 +35,16 @@ class NxdTagOptimizer:
     def __init__(self, optim: NxdOptimizer) -> None:
         self.optim = optim
         self.components: tuple[str, ...] = (STEP, *MOMENTS, *((MASTER,) if optim.has_masters else ()))
-        self.hyper = Hyper(self._our_groups(), optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
+        # NxD's hyper-parameters in our groups, from the ranks parsed so far (the first one at least); a rank parsed
+        # later, when a read first reaches it, must fit them (_fits): no rank is parsed only to be compared
+        self._ours: list[dict[str, Any] | None] = [None, None]
+        self._fitted: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+        for tp, pp in optim.parsed_ranks():
+            self._fits(tp, pp)
+        groups = [g if g is not None else dict(self._ours[0] or {}) for g in self._ours]
+        self._ours = list(groups)  # settled: later ranks are compared with these
+        self.hyper = Hyper(groups, optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
 
     @property
     def precision(self) -> str:
@@ -45,30 +55,36 @@ class NxdTagOptimizer:
         dtypes = {dtype for file in model.files for dtype, _ in model.declared(file).values()}
         return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
-    def _our_groups(self) -> list[dict[str, Any]]:
-        """NxD's hyper-parameters per nxdtrain group (0: matrices, 1: vectors), the same on every rank."""
-        ours: list[dict[str, Any] | None] = [None, None]
-        for (tp, pp), rank in sorted(self.optim.ranks.items()):
-            shapes = {slot.name: slot.shape for slot in rank.slots}
-            for g, group in enumerate(rank.groups):
+    def _fits(self, tp: int, pp: int) -> None:
+        """NxD's hyper-parameters of rank (tp, pp) per nxdtrain group (0: matrices, 1: vectors) are those of every
+        rank fitted before it (after __init__: those of :attr:`hyper`); checked once per rank, at its first read."""
+        with self._lock:
+            if (tp, pp) in self._fitted:
+                return
+            ours = self._ours
+            groups = self.optim.groups(tp, pp)
+            shapes = {name: self.optim.slot_info(tp, pp, name)[1] for group in groups for name in group["params"]}
+            for g, group in enumerate(groups):
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 for name in group["params"]:
                     mine = 0 if is_matrix(shapes[name]) else 1
-                    if ours[mine] is None:
+                    known = ours[mine]
+                    if known is None:  # only before the groups settle (__init__)
                         ours[mine] = hyper
-                    elif ours[mine] != hyper:
+                    elif known != hyper:
                         kind = "matrices" if mine == 0 else "vectors (norm weights, biases)"
                         raise ConversionError(
                             f"{self.optim.dir}: NxD's param group {g} of tp rank {tp} pp rank {pp} holds {name!r} "
-                            f"with hyper-parameters {hyper}, other {kind} have {ours[mine]}; nxdtrain steps all "
+                            f"with hyper-parameters {hyper}, other {kind} have {known}; nxdtrain steps all "
                             f"{kind} with one set, so this state cannot be continued exactly")
-        return [g if g is not None else dict(ours[0] or {}) for g in ours]
+            self._fitted.add((tp, pp))
 
     def _where(self, source: Source) -> tuple[int, int, str, str]:
         component, name = split_key(source.key)
         ranks = parse_shard_name(str(source.file).rsplit("/", 1)[-1])
         if component is None or ranks is None:
             raise ConversionError(f"{self.optim.dir}: no optimizer tensor for {source.file}: {source.key}")
+        self._fits(*ranks)  # its files parsed now if not yet, and its param groups compared with ours
         return ranks[0], ranks[1], component, name
 
     def components_of(self, source: Source) -> list[str]:
@@ -79,6 +95,7 @@ class NxdTagOptimizer:
         ranks = parse_shard_name(shard.rsplit("/", 1)[-1])
         if ranks is None or component not in self.components:
             return []
+        self._fits(*ranks)
         return self.optim.names(*ranks)
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:

@@ -30,6 +30,7 @@ from ckptconv.nxd_optimizer_write import (
     NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,
     WindowReader,
+    index_order,
     nxd_groups,
     plan_nxd_optimizer_files,
 )
@@ -136,15 +137,18 @@ class TrainingTag:
 
     @classmethod
     def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
-             dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None) -> TrainingTag:
-        """``optim``: the tag's optimizer files, where they are open already (the weights from their masters)."""
+             dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None,
+             only: set[tuple[int, int]] | None = None) -> TrainingTag:
+        """``optim``: the tag's optimizer files, where they are open already (the weights from their masters);
+        ``only``: open just the files of these (tp, pp) ranks (a part: :meth:`TagOptimizer.widen` adds its own)."""
         path = ckpt.root / USER_CONTENT_FILE
         _checked(ckpt, ckpt.root / SCHEDULER_FILE)
         content = _load(ckpt, path)
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
         optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io)
+                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io,
+                                      only=only)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)
 
@@ -282,8 +286,16 @@ class TrainingTag:
         position = self.position
         present = [n for n in (SCHEDULER_FILE, USER_CONTENT_FILE) if (self.ckpt.root / n).is_file()]
         return from_nxd_tag(trainer, fmt.out, kind=position.kind, step=position.step, consumed=position.consumed,
-                            scheduler=position.scheduler, where=f"{self.ckpt.root}: {position.scheduler_from}", user=position.user,
-                            present=present)
+                            scheduler=position.scheduler, where=f"{self.ckpt.root}: {position.scheduler_from}",
+                            user=position.user, present=present)
+
+    def read_back_all(self, shards: list[OutFile], new: ParallelLayout) -> None:
+        """A part planned its own shards only; the read-back after the last part (``check_written``) covers every
+        target shard's files, whose index names follow from the shards and the rule alone."""
+        fmt = self.nxd_format
+        if self.written is not None and fmt is not None:
+            names = {f.path: index_order(in_live_order(f, fmt, new), fmt.rule) for f in shards}
+            self.written = replace(self.written, names=names)
 
     @staticmethod
     def sinks(model_sinks: Any, *, split: bool = False) -> Any:

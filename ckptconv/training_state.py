@@ -270,31 +270,45 @@ class TagOptimizer:
                                   f"{missing[0][1]} (expected a tag of layout tp {layout.tp} pp {layout.pp})")
         self._files: list[_OptimFile] = []
         self._where: dict[tuple[str, str], tuple[_OptimFile, str]] = {}  # (shard file, component:key) -> file, key
-        components: dict[str, None] = {}
-        formats: set[int] = set()
-        first: _OptimFile | None = None
+        self._found, self._shapes, self._checks, self._io = found, shapes, checks, io
+        self._opened: set[tuple[int, int]] = set()
+        self._components: dict[str, None] = {}
+        self._formats: set[int] = set()
+        for (tp, pp, _), path in sorted(found.items()):
+            if (tp, pp) not in shapes:
+                raise ConversionError(f"{path}: tp rank {tp} pp rank {pp} is outside layout tp {layout.tp} pp {layout.pp}")
         try:
-            for (tp, pp, dp), path in sorted(found.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
-                if (tp, pp) not in shapes:
-                    raise ConversionError(f"{path}: tp rank {tp} pp rank {pp} is outside layout tp {layout.tp} pp {layout.pp}")
-                if only is not None and (tp, pp) not in only:
-                    continue
-                optim = _OptimFile(path, dp, shapes[(tp, pp)], checks, io)
-                self._files.append(optim)
-                formats.add(optim.format)
-                first = first or optim
-                shard = shard_file(tp_rank=tp, pp_rank=pp)
-                for key in optim.tensor_keys():
-                    name, component = _parse_state_key(key, shapes[(tp, pp)], str(path))
-                    components.setdefault(component)
-                    self._where.setdefault((shard, f"{component}{_SEP}{name}"), (optim, key))
+            self._open(set(shapes) if only is None else set(only))
         except BaseException:
             self.close()
             raise
-        assert first is not None
+        first = self._files[0]
         self.hyper = Hyper(list(first.plain.get("param_groups", [])), bool(first.plain.get("zero1")),
-                           int(first.plain.get("zero_size", 1)), tuple(sorted(components, key=_component_order)),
-                           tuple(sorted(formats)))
+                           int(first.plain.get("zero_size", 1)), tuple(sorted(self._components, key=_component_order)),
+                           tuple(sorted(self._formats)))
+
+    def _open(self, ranks: set[tuple[int, int]]) -> None:
+        """Open the files (every dp rank's) of these (tp rank, pp rank) shards, dp rank 0's first."""
+        for (tp, pp, dp), path in sorted(self._found.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
+            if (tp, pp) not in ranks or (tp, pp) in self._opened:
+                continue
+            optim = _OptimFile(path, dp, self._shapes[(tp, pp)], self._checks, self._io)
+            self._files.append(optim)
+            self._formats.add(optim.format)
+            shard = shard_file(tp_rank=tp, pp_rank=pp)
+            for key in optim.tensor_keys():
+                name, component = _parse_state_key(key, self._shapes[(tp, pp)], str(path))
+                self._components.setdefault(component)
+                self._where.setdefault((shard, f"{component}{_SEP}{name}"), (optim, key))
+        self._opened |= ranks
+
+    def widen(self, ranks: set[tuple[int, int]]) -> None:
+        """Open the files of these (tp rank, pp rank) shards too (a reshard's part: the ranks its files read).
+        They must hold the components the first files opened said the optimizer has, and no other."""
+        self._open(ranks)
+        if tuple(sorted(self._components, key=_component_order)) != self.hyper.components:
+            raise ConversionError(f"{self.root / OPTIM_DIR}: optimizer files hold different components: "
+                                  f"{sorted(self._components)}, the first ones {list(self.hyper.components)}")
 
     @property
     def files(self) -> list[_OptimFile]:

@@ -51,7 +51,7 @@ def _ours_in_nxd_format(tag: Path, ours: dict[str, Any], step: int, gbs: int, *,
 def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple[TrainingState, list[str]]:
     """The training state of NxD's tag ``tag`` and the lines that say what is mapped and what is not."""
     try:
-        with NxdOptimizer.open(tag, io="read") as optim:
+        with NxdOptimizer.open(tag, io="read", lazy=True) as optim:  # the first rank's files say what it is
             zero1, masters, optimizer_step = optim.format is not OptimFormat.ADAMW, optim.has_masters, optim.step()
             described = f"{optim.format.value}, dp {optim.dp}"
             as_ours = NxdTagOptimizer(optim)

@@ -35,15 +35,16 @@ class StageReader:
         self.source = source
         try:
             self.shards = NxdCheckpoint(source.root, io="read")
-            if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
-                # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank)
-                nxd_masters(self.shards, None, prefer=False, io="read", check=True, keep=optimizer)
             dtypes = self._planning_dtypes()
             plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
             wanted = shard_file(tp_rank=tp_rank, pp_rank=pp_rank)
             self.tensors: dict[str, OutTensor] = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
-            read_from = {parse_shard_name(Path(str(p.source.file)).name) for t in self.tensors.values()
-                         for p in t.pieces}
+            files = {str(p.source.file) for t in self.tensors.values() for p in t.pieces}
+            read_from = {parse_shard_name(Path(f).name) for f in files}
+            if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
+                # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank,
+                # and of the files of the ranks this one reads only)
+                nxd_masters(self.shards, None, prefer=False, io="read", check=True, keep=optimizer, only=files)
             self.optim: training_state.OptimizerSource | None = None
             if optimizer and source.nxd:
                 self.optim = NxdTagOptimizer(self.shards.nxd_optimizer or NxdOptimizer(self.shards, io="read"))

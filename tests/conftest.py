@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,3 +93,20 @@ def golden_dir() -> Path:
             pytest.fail(f"golden fixtures not found at {GOLDEN}")
         pytest.skip(f"golden fixtures not found at {GOLDEN} (set CKPTCONV_GOLDEN)")
     return GOLDEN
+
+
+@pytest.fixture
+def nxd_optimizers_made(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The model root of every ``NxdOptimizer`` made while the test runs: how often NxD's optimizer files are
+    parsed (each making parses them)."""
+    from ckptconv.nxd_optimizer import NxdOptimizer
+
+    made: list[Path] = []
+    real = NxdOptimizer.__init__
+
+    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
+        made.append(model.root)
+        real(self, model, **kwargs)
+
+    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
+    return made

@@ -444,19 +444,11 @@ def test_declared_reads_a_files_headers_once(monkeypatch: pytest.MonkeyPatch, tm
 
 
 @pytest.mark.parametrize("case", ["plain_fp32", "zero1_bf16_masters", "zero1_bf16_masters_only_xser", "zero1_bf16_dcp"])
-def test_inspect_parses_nxds_optimizer_once(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inspect_parses_nxds_optimizer_once(case: str, nxd_optimizers_made: list[Path]) -> None:
     """The weights' notes (ckptconv.nxd_masters) and the optimizer summary share one opening of NxD's optimizer,
     whether the weights come from its masters or not; the summary is the same as a reader of its own gives."""
-    opened: list[Path] = []
-    real = NxdOptimizer.__init__
-
-    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
-        opened.append(model.root)
-        real(self, model, **kwargs)
-
-    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
     report = inspect(tag_of(case), config=FIXTURES / case / "hf" / "config.json")
-    assert len(opened) == 1
+    assert len(nxd_optimizers_made) == 1
     with NxdOptimizer.open(tag_of(case)) as optim:
         assert report["optimizer"]["format"] == optim.format.value
         assert report["optimizer"]["masters"] == optim.has_masters and report["optimizer"]["step"] == optim.step()

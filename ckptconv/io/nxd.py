@@ -388,13 +388,16 @@ class NxdCheckpoint:
                     reader.close()
         return dict(self._declared[file])
 
-    def unsaved_tensors(self) -> list[str]:
+    def unsaved_tensors(self, files: Collection[str] | None = None) -> list[str]:
         """``file: key`` of every model tensor whose data is absent (an xser tag saved with
-        ``avoid_saving_lower_precision_weights``: its weights exist only as the optimizer's masters)."""
+        ``avoid_saving_lower_precision_weights``: its weights exist only as the optimizer's masters); of
+        ``files`` only where given (what one rank reads)."""
         if self.flavour is not Flavour.XSER_SPLIT:
             return []
         missing = []
         for file, path in sorted(self.files.items()):
+            if files is not None and file not in files:
+                continue
             reader = _SplitShard(path, self.io)
             missing += [f"{file}: {key}" for key in reader.unsaved()]
             reader.close()

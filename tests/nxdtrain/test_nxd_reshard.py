@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -216,21 +215,10 @@ def test_the_resharded_tag_resumes_as_nxds_tag_does(case: str, tmp_path: Path) -
 
 
 @pytest.mark.parametrize("case", ["zero1_bf16_masters_only_xser", "plain_fp32"])
-def test_reshard_parses_nxds_optimizer_once(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reshard_parses_nxds_optimizer_once(case: str, tmp_path: Path, nxd_optimizers_made: list[Path]) -> None:
     """The weights' look at NxD's optimizer (its masters, or the note that they exist) and the state the reshard
     moves share one parse of NxD's optimizer files (two before); the tag still continues step 3 as NxD did."""
-    from ckptconv.nxd_optimizer import NxdOptimizer
-
-    made: list[Path] = []
-    real = NxdOptimizer.__init__
-
-    def counting(self: NxdOptimizer, model: Any, **kwargs: Any) -> None:
-        made.append(model.root)
-        real(self, model, **kwargs)
-
-    monkeypatch.setattr(NxdOptimizer, "__init__", counting)
     nxds = nxd_tag(case, tmp_path / "nxd")
     out = reshard(nxds, tmp_path / "tp2", tp=2, pp=1).out
-    assert made == [nxds]
-    monkeypatch.setattr(NxdOptimizer, "__init__", real)
+    assert nxd_optimizers_made == [nxds]
     step_3_at(case, nxds, out, TP2, tmp_path / "at_tp2")
