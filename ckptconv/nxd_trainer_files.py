@@ -108,7 +108,7 @@ def scheduler_state(record: Mapping[str, Any], step: int, groups: int, trainer: 
                               "schedule " + " or ".join(allowed))
     peak, max_steps, warmup = float(record["lr"]), int(record["decay_steps"]), int(record["warmup"])
     min_lr = float(record["min_lr"] or 0.0)
-    last = nxdt_lr(step + 1, Recorded(schedule, peak, min_lr, float(warmup)), decay_steps=max_steps)
+    last = nxdt_lr(step + 1, Recorded(str(schedule), peak, min_lr, float(warmup)), decay_steps=max_steps)
     counters = {"last_epoch": step, "_step_count": step + 1, "_is_initial": False,
                 "_get_lr_called_within_step": False}
     if schedule == LINEAR:
