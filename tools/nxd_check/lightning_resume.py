@@ -207,22 +207,9 @@ LIGHTNING_CASES = ("nxdt_zero1_bf16_masters_xser", "zero1_fp32", "zero1_bf16_mas
 
 def nxdt_command(case: Case) -> list[str]:
     """ckptconv's arguments that rewrite ``case``'s tag as NxDT's (NxDT's name and side files)."""
-    return [
-        "reshard",
-        f"{{case}}/{case.manifest['checkpoint_root']}/{case.manifest['tag']}",
-        f"{{out}}/{NXDT_NAME}",
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--optimizer-format",
-        "nxd",
-        "--zero1" if case.flags["zero1"] else "--no-zero1",
-        "--nxd-trainer",
-        "nxdt",
-        "--config",
-        f"{{case}}/{case.manifest['hf_config_file']}",
-    ]
+    from .prove import writer_command  # noqa: PLC0415 (prove imports this module's neighbours; imported when used)
+
+    return writer_command(case, name=NXDT_NAME, trainer="nxdt")
 
 
 def trained_as_nxdt(fixtures: Path, name: str, nxdtrain: list[str], ckptconv: list[str], out: Path,

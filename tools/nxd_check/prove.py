@@ -23,12 +23,13 @@ from .case import Case
 from .check import check
 
 
-def writer_command(case: Case) -> list[str]:
-    """ckptconv's arguments that rewrite ``case``'s tag in NxD's format at its own layout (tp 1, pp 1, dp 1)."""
+def writer_command(case: Case, *, name: str | None = None, trainer: str | None = None) -> list[str]:
+    """ckptconv's arguments that rewrite ``case``'s tag in NxD's format at its own layout (tp 1, pp 1, dp 1),
+    as ``name`` (default: the tag's own) with ``trainer``'s side files (default: the source's trainer)."""
     command = [
         "reshard",
         f"{{case}}/{case.manifest['checkpoint_root']}/{case.manifest['tag']}",
-        f"{{out}}/{case.manifest['tag']}",
+        f"{{out}}/{name or case.manifest['tag']}",
         "--tp",
         "1",
         "--pp",
@@ -37,6 +38,7 @@ def writer_command(case: Case) -> list[str]:
         "nxd",
         "--zero1" if case.flags["zero1"] else "--no-zero1",
     ]
+    command += ["--nxd-trainer", trainer] if trainer else []
     return command + ["--config", f"{{case}}/{case.manifest['hf_config_file']}"]
 
 
