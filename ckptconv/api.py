@@ -37,14 +37,14 @@ from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout, default_kvm
+from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout, default_kvm, shard_file
 from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule, rule_of
-from ckptconv.nxd_source import open_nxd  # also reached as ckptconv.api.open_nxd (README)
+from ckptconv.nxd_source import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
@@ -371,8 +371,9 @@ def reshard(
     check_nxd_trainer(optimizer_format, nxd_trainer)
     started = time.monotonic()
     out = Path(out)
+    parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check, masters=masters,
+                                                     check=options.check, masters=masters, stages_only=parted,
                                                      keep_nxd_optimizer=True)  # NxD's tag: its state moves too
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
@@ -387,12 +388,13 @@ def reshard(
         new.check_model(spec)
         new = _padded(new, spec, notes)
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
-        plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq, dtype_policy=dtype_policy(dtype))
+        plan = plan_reshard(spec, old, new, ckpt.dtypes(stages_only=parted), with_inv_freq=with_inv_freq,
+                            dtype_policy=dtype_policy(dtype))
         training = None
         if not weights_only and is_training_tag(ckpt.root):
             training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
                                         optim=nxdtrain_optimizer(ckpt),  # a part: its own ranks' files added below
-                                        only={(0, 0)} if options.part[1] > 1 else None)
+                                        only={(0, 0)} if parted else None)
         elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
             training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
         if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
@@ -400,6 +402,8 @@ def reshard(
             raise ConversionError(f"{ckpt.root}: {flags} optimizer state; "
                                   + ("--weights-only writes none" if weights_only else "this is not a training "
                                      "tag (no optim/)"))
+        if parted and training is None:  # the weights alone: split by _convert, so every file is checked here
+            check_files_read(ckpt, spec, old, with_inv_freq, ckpt.files)
         if training is not None and optimizer_format == "nxd":
             rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)
             saved = rule_of(training.optim.optim) if isinstance(training.optim, NxdTagOptimizer) else None
@@ -425,6 +429,8 @@ def reshard(
             if training is not None:  # the optimizer files join the plan, read beside the weights
                 if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
                     part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
+                    check_files_read(ckpt, spec, old, with_inv_freq,
+                                     [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in part.sources()])
                     everything, whole = _outputs(plan, spec_), plan
                     if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
                         training.optim.widen(part.sources())

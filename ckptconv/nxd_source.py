@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ def open_nxd(
     masters: bool | None = None,
     prefer_masters: bool = False,
     keep_nxd_optimizer: bool = False,
+    stages_only: bool = False,
 ) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
@@ -63,13 +65,19 @@ def open_nxd(
     With ``check`` (the default) reads are checked (see :class:`ckptconv.io.checked.CheckedFiles`):
     sizes at once, digests and zip CRC-32s as data is read; call ``ckpt.finish_checks()`` before
     trusting what was read.
+
+    ``stages_only`` (one ``--part`` of a conversion): of the model files, only one per pp stage
+    (``ckpt.stage_files()``) has its header opened and checked here, and the K/V replica order is not read; the
+    caller checks the files it reads with :func:`check_files_read`. Without it every file is checked.
     """
     ckpt = NxdCheckpoint(src, io=io, check=check)
     try:
         # NxD's masters before the checks (a masters-only tag has nothing else to check), nxdtrain's after
         # (ckptconv.json records the shards' dtype, not the masters')
-        weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check, keep=keep_nxd_optimizer)
-        spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints))
+        checked = ckpt.stage_files() if stages_only else sorted(ckpt.files)
+        weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check, keep=keep_nxd_optimizer,
+                              only=checked if stages_only else None)
+        spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints), checked)
         notes[1:1] = weights
         notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters, spec=spec, layout=layout,
                                   with_inv_freq=with_inv_freq)
@@ -79,15 +87,16 @@ def open_nxd(
     return ckpt, spec, layout, with_inv_freq, notes
 
 
-def _understand(ckpt: NxdCheckpoint, config: str | Path | None,
-                hints: LayoutHints) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
+def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutHints,
+                files: list[str]) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
+    """``files``: the model files checked (every file, or one per stage: open_nxd's ``stages_only``)."""
     from ckptconv.infer import check_replica_order, infer_layout
 
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
     meta = ckpt.metadata
     spec = model_spec_of(ckpt.root, meta, config,
                          missing=f"no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}; pass --config PATH/config.json")
-    spec.check_counts((k for f in sorted(ckpt.files) for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
+    spec.check_counts((k for f in files for k in ckpt.keys(f)), _spec_source(ckpt, config, meta))
     if meta is not None and meta.layout is not None:
         where = str(ckpt.root / METADATA_FILE)
         recorded, overridden = apply_to_record(meta.layout, hints, where)
@@ -95,7 +104,8 @@ def _understand(ckpt: NxdCheckpoint, config: str | Path | None,
         with_inv_freq = meta.with_inv_freq
         notes.append(f"layout from {METADATA_FILE}")
         notes.extend(overridden)
-        check_replica_order(ckpt, spec, layout, f"{where} and {OVERRIDE_FLAG}" if overridden else where)
+        if len(files) == len(ckpt.files):  # it reads a K head of every tp rank; a part's replica groups check
+            check_replica_order(ckpt, spec, layout, f"{where} and {OVERRIDE_FLAG}" if overridden else where)
     else:
         layout, inferred = infer_layout(ckpt, spec, hints)
         with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
@@ -104,8 +114,19 @@ def _understand(ckpt: NxdCheckpoint, config: str | Path | None,
         raise ConversionError(
             f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
         )
-    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None)
+    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None,
+                 files=files)
     return spec, layout, with_inv_freq, notes
+
+
+def check_files_read(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool,
+                     files: Collection[str]) -> None:
+    """What :func:`open_nxd` with ``stages_only`` left unchecked of the model files a part reads: their keys and
+    shapes (:func:`check_shards`), and that they declare their stage's keys and dtypes (``check_stages``)."""
+    meta = ckpt.metadata
+    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None,
+                 files=files)
+    ckpt.check_stages(files)
 
 
 def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> str:
@@ -115,12 +136,12 @@ def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> s
 
 
 def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
-                 recorded_dtype: str | None = None) -> None:
+                 recorded_dtype: str | None = None, files: Collection[str] | None = None) -> None:
     """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint), in the
     dtype ckptconv.json records when it records one.
 
     A tied model's last stage may hold ``lm_head.weight`` (ours) or not (the official converter's);
-    its tp-0 shard decides which, and every other last-stage shard must agree.
+    its tp-0 shard decides which, and every other last-stage shard must agree. ``files``: only these (default all).
     """
     allowed = set(recorded_dtype.split(",")) if recorded_dtype else None
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
@@ -128,6 +149,8 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
     records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
     for (tp, pp), records in records_of.items():
         file = shard_file(tp_rank=tp, pp_rank=pp)
+        if files is not None and file not in files:
+            continue
         present = set(ckpt.keys(file))
         # read from NxD's masters: ckptconv.json's dtype is the model files' (an NxD-format tag written here)
         declared = ckpt.declared(file) if allowed and ckpt.weight_source is not None else None

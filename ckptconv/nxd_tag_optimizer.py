@@ -50,9 +50,10 @@ class NxdTagOptimizer:
     def precision(self) -> str:
         """nxdtrain's precision of NxD's run: bf16 where its model files hold bf16 weights (the fp32 or fp64 masters
         are the optimizer's), else fp32; as the files declare them, since a masters-only tag saved none and its
-        weights are read from the masters. The one answer for a resume of the tag and for its reshard."""
+        weights are read from the masters. The one answer for a resume of the tag and for its reshard. One file per
+        stage speaks for its stage (``NxdCheckpoint.stage_files``; the others are checked by ``check_stages``)."""
         model = self.optim.model
-        dtypes = {dtype for file in model.files for dtype, _ in model.declared(file).values()}
+        dtypes = {dtype for file in model.stage_files() for dtype, _ in model.declared(file).values()}
         return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
     def _fits(self, tp: int, pp: int) -> None:

@@ -147,7 +147,7 @@ class TrainingTag:
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
         optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes()), checks=ckpt.checks, io=io,
+                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes(stages_only=only is not None)), checks=ckpt.checks, io=io,
                                       only=only)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)

@@ -426,14 +426,46 @@ class NxdCheckpoint:
         reader = self._reader(source.file)
         return reader.position(source.key) if isinstance(reader, TorchFileReader) else 0
 
-    def dtypes(self) -> dict[str, torch.dtype]:
-        """dtype of every key (keys repeat across tp ranks; the first shard holding a key speaks)."""
+    def stage_files(self) -> list[str]:
+        """One model file per pp stage, tp rank 0's: every key of a stage is split or copied across the stage's tp
+        ranks (nxd-format.md, "on rank r"), all saved from one model, so each of them declares the same keys in the
+        same dtypes and these files declare every key's dtype (:meth:`check_stages` checks that of any file)."""
+        return [shard_file(tp_rank=0, pp_rank=pp) for pp in range(self.pp)]
+
+    def dtypes(self, *, stages_only: bool = False) -> dict[str, torch.dtype]:
+        """dtype of every key, read from :meth:`stage_files`. Every other model file is checked to declare what its
+        stage's first file declares, unless ``stages_only`` (one ``--part`` of a conversion: it checks the files it
+        reads instead, so a part opens one model header per stage rather than all of them)."""
         out: dict[str, torch.dtype] = {}
-        for file in self.files:
+        for file in self.stage_files():
             for key in self.keys(file):
                 if key not in out:
                     out[key] = self.info(Source(file, key))[0]
+        if not stages_only:
+            self.check_stages(self.files)
         return out
+
+    def check_stages(self, files: Collection[str]) -> None:
+        """Each of ``files`` (model file names) declares the keys and dtypes its stage's first file declares
+        (what :meth:`dtypes` and a plan assume of every file); else ConversionError naming both files."""
+        for file in sorted(files):
+            ranks = parse_shard_name(Path(file).name)
+            assert ranks is not None, file
+            first = shard_file(tp_rank=0, pp_rank=ranks[1])
+            if file == first:
+                continue
+            mine = {key: dtype for key, (dtype, _) in self.declared(file).items()}
+            theirs = {key: dtype for key, (dtype, _) in self.declared(first).items()}
+            if mine == theirs:
+                continue
+            if set(mine) != set(theirs):
+                odd = sorted(set(mine) ^ set(theirs))[0]
+                raise ConversionError(
+                    f"{self.files[file]}: {'holds' if odd in mine else 'lacks'} {odd!r}, which {first} "
+                    f"{'lacks' if odd in mine else 'holds'}: the tp ranks of a pp stage must hold the same keys")
+            key = next(k for k in mine if mine[k] != theirs[k])
+            raise ConversionError(f"{self.files[file]}: {key!r} is {mine[key]}, {first} holds it as {theirs[key]}: "
+                                  "the tp ranks of a pp stage must hold the same dtypes")
 
     def _close_readers(self) -> None:
         for reader in self._readers.values():
