@@ -10,6 +10,7 @@ parts together write what one process writes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,10 @@ def tags(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def optim_files(ranks: set[tuple[int, int]], dps: int = DP) -> set[str]:
     return {f"optim/dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for t, p in ranks for d in range(dps)}
+
+
+def model_file(tp: int, pp: int) -> str:
+    return f"model/dp_rank_00_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
 def ranks_of(opened: set[str], under: str) -> set[tuple[int, int]]:
@@ -82,7 +87,9 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
     opens the optimizer files of the (tp, pp) ranks of the files it writes, with tp rank 0 of their stage (the
     norms' first copy; a part checking the norms' replicas: every tp rank of that stage) and rank (0, 0) (which
     says what the optimizer is); the parts together write what one process writes, and the part that finishes
-    last reads every rank's written files back (the names of every optimizer index, not only its own files')."""
+    last reads every rank's written files back (the names of every optimizer index, not only its own files').
+    Of the model files it opens tp rank 0's of every stage (the plan's dtypes) and those of the ranks whose
+    optimizer state it reads (the same sources), not the world's 8."""
     import ckptconv.nxd_optimizer_write
 
     read_back: list[tuple[int, int]] = []
@@ -100,7 +107,7 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
     reshard(tag, whole, tp=TP, pp=PP, dp=DP, zero1=True, optimizer_format="nxd", options=RunOptions(quiet=True))
     parts = tmp_path / "parts"
     read_back.clear()  # the whole run's
-    total, earlier = 0, set()
+    total, model_total, earlier = 0, 0, set()
     for k in range(world):
         with opened_under(tag) as opened:
             result = reshard(tag, parts, tp=TP, pp=PP, dp=DP, zero1=True, optimizer_format="nxd",
@@ -113,9 +120,13 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
         assert own | {(0, p) for p in stages} <= read, (k, written, read)
         assert read <= {(t, p) for p in stages for t in range(TP)} | {(0, 0)}, (k, written, read)
         assert len(read) <= len(own) + 2 + (TP - 1), (k, written, read)  # not the world's 8 ranks
+        model = {p for p in opened if p.startswith("model/")}
+        assert model == {model_file(t, p) for t, p in read | {(0, p) for p in range(PP)}}, (k, written, model)
         total += len({p for p in opened if p.startswith("optim/")})
+        model_total += len(model)
     dps = DP if which == "nxd" else 1  # format 2 at this layout: one file per shard
     assert total < world * TP * PP * dps / 2  # before: every part opened every one of them
+    assert model_total < world * TP * PP / 2  # before: every part opened every model file's header
     assert sorted(read_back) == [(t, p) for t in range(TP) for p in range(PP)]  # by the last part alone
     assert tree_bytes(parts) == tree_bytes(whole)
     with NxdOptimizer.open(parts) as back, NxdOptimizer.open(whole) as one:
@@ -163,3 +174,50 @@ def test_parts_at_another_layout_without_zero1_write_what_one_process_writes(tag
     for k in range(3):
         reshard(tag, tmp_path / "parts", options=RunOptions(quiet=True, part=(k, 3)), **kwargs)
     assert tree_bytes(tmp_path / "parts") == tree_bytes(tmp_path / "whole")
+
+
+def test_a_model_file_that_disagrees_with_its_stage_is_refused_by_whoever_reads_it(tags: tuple[Path, Path],
+                                                                                   tmp_path: Path) -> None:
+    """A part takes the plan's dtypes from tp rank 0 of each stage: a model file of another tp rank holding a norm
+    in another dtype is refused, naming the file, by the one-process reshard and by verify (both check every
+    header) and by exactly the parts that open that file (they read it); the other parts no longer check it."""
+    import shutil
+
+    from ckptconv.errors import ConversionError
+    from ckptconv.io.nxd import NxdCheckpoint
+    from ckptconv.verify import verify
+
+    ours, _ = tags
+    copy = tmp_path / "format2"
+    shutil.copytree(ours, copy)
+    victim = model_file(3, 1)
+    state = torch.load(copy / victim, weights_only=True)
+    norm = next(k for k in state if k.endswith("post_attention_layernorm.weight"))
+    stage_dtype = str(state[norm].dtype).removeprefix("torch.")
+    assert stage_dtype != "float64"
+    state[norm] = state[norm].double()
+    torch.save(state, copy / victim)
+    with NxdCheckpoint(copy, check=False) as ckpt:  # the assumption itself, without ckptconv.json's dtype
+        ckpt.dtypes(stages_only=True)  # one file per stage: the victim is not read
+        with pytest.raises(ConversionError, match=rf"{Path(victim).name}: {norm!r} is float64, "
+                                                  rf"{model_file(0, 1)} holds it as {stage_dtype}: "):
+            ckpt.dtypes()
+        ckpt.check_stages([model_file(2, 1), model_file(3, 0)])
+    unchecked = RunOptions(quiet=True, check=False)  # its recorded digest no longer matches: dtypes must refuse it
+    message = rf"{Path(victim).name}: {norm!r} is float64"
+    with pytest.raises(ConversionError, match=message):
+        reshard(copy, tmp_path / "whole", tp=TP, pp=PP, dp=DP, zero1=True, optimizer_format="nxd", options=unchecked)
+    with pytest.raises(ConversionError, match=message):
+        verify(ours.parent / "hf", copy, check=False)
+    world, refused, opening = TP * PP * DP, [], []
+    for k in range(world):
+        with opened_under(copy) as opened:
+            try:
+                reshard(copy, tmp_path / f"part{k}", tp=TP, pp=PP, dp=DP, zero1=True, optimizer_format="nxd",
+                        options=RunOptions(quiet=True, check=False, part=(k, world), workers=1))
+            except ConversionError as exc:
+                assert re.search(message, str(exc)), (k, exc)
+                refused.append(k)
+        if victim in opened:
+            opening.append(k)
+    assert refused == opening and 0 < len(refused) < world

@@ -464,8 +464,9 @@ class NxdCheckpoint:
                     f"{self.files[file]}: {'holds' if odd in mine else 'lacks'} {odd!r}, which {first} "
                     f"{'lacks' if odd in mine else 'holds'}: the tp ranks of a pp stage must hold the same keys")
             key = next(k for k in mine if mine[k] != theirs[k])
-            raise ConversionError(f"{self.files[file]}: {key!r} is {mine[key]}, {first} holds it as {theirs[key]}: "
-                                  "the tp ranks of a pp stage must hold the same dtypes")
+            raise ConversionError(f"{self.files[file]}: {key!r} is {str(mine[key]).removeprefix('torch.')}, "
+                                  f"{first} holds it as {str(theirs[key]).removeprefix('torch.')}: the tp ranks of "
+                                  "a pp stage must hold the same dtypes")
 
     def _close_readers(self) -> None:
         for reader in self._readers.values():
