@@ -26,7 +26,7 @@ from benchmarks.reshard_optim import make_training_tag
 from benchmarks.synth import write_model
 from ckptconv.api import RunOptions, reshard, to_nxd
 from ckptconv.io.nxd import OPTIM_DIR
-from ckptconv.layout import ParallelLayout
+from ckptconv.layout import MODEL_DIR, ParallelLayout
 
 _RECORDING: list[tuple[Path, Counter[str]]] = []  # (root, opens by relative path) while a count is on
 
@@ -98,11 +98,16 @@ def part_reads(tag: Path, out: Path, *, part: tuple[int, int], layout: ParallelL
 
 
 def summary(opened: Counter[str], tag: Path) -> str:
-    optim = [p for p in opened if p.startswith(OPTIM_DIR + "/")]
-    total = sum(1 for p in (tag / OPTIM_DIR).rglob("*") if p.is_file())
     size = sum((tag / p).stat().st_size for p in opened)
     return (f"{len(opened)} files ({sum(opened.values())} opens, {size / 1e6:.2f} MB of files), "
-            f"{len(optim)} of the {total} in {OPTIM_DIR}/")
+            + ", ".join(f"{_among(opened, tag, d)} in {d}/" for d in (OPTIM_DIR, MODEL_DIR)))
+
+
+def _among(opened: Counter[str], tag: Path, directory: str) -> str:
+    """How many of the files in ``tag/directory`` were opened: "k of the n"."""
+    mine = [p for p in opened if p.startswith(directory + "/")]
+    total = sum(1 for p in (tag / directory).rglob("*") if p.is_file())
+    return f"{len(mine)} of the {total}"
 
 
 def main() -> None:
