@@ -428,8 +428,8 @@ class NxdCheckpoint:
 
     def stage_files(self) -> list[str]:
         """One model file per pp stage, tp rank 0's: every key of a stage is split or copied across the stage's tp
-        ranks (nxd-format.md, "on rank r"), all saved from one model, so each of them declares the same keys in the
-        same dtypes and these files declare every key's dtype (:meth:`check_stages` checks that of any file)."""
+        ranks (docs/nxd-format.md §3, "Per-key slices"), all saved from one model, so each of them declares the same
+        keys in the same dtypes and these files declare every key's dtype (:meth:`check_stages` checks any file)."""
         return [shard_file(tp_rank=0, pp_rank=pp) for pp in range(self.pp)]
 
     def dtypes(self, *, stages_only: bool = False) -> dict[str, torch.dtype]:
