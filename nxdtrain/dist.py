@@ -183,6 +183,42 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
     return dev
 
 
+def from_rank0(compute: Callable[[], Any]) -> Any:
+    """``compute()`` run on rank 0 only; its result on every rank of the (already joined) world, or, when it
+    raised, its exception raised on every rank: a refusal on rank 0 stops the others with the same message
+    instead of leaving them waiting in their first collective. Every rank must call it (a collective).
+
+    The result travels pickled over a gloo group on the host (the xla backend broadcasts no Python objects,
+    and nccl's would go through the GPU): it must pickle, and it is read only by this job's own processes."""
+    import pickle
+
+    import torch.distributed as dist
+
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    failure: BaseException | None = None
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", compute())
+        except Exception as exc:  # every kind the CLI describes in one line (OSError, ConversionError, ...)
+            failure = exc
+            try:  # the others raise the same exception; one that does not survive pickling, as its message
+                payload[0] = ("error", pickle.loads(pickle.dumps(exc)))
+            except Exception:
+                payload[0] = ("error", TrainError(f"rank 0: {type(exc).__name__}: {exc}"))
+    try:
+        dist.broadcast_object_list(payload, src=0, group=group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    kind, value = payload[0]
+    if failure is not None:
+        raise failure  # rank 0: its own exception, with its traceback
+    if kind == "error":
+        raise value
+    return value
+
+
 # --------------------------------------------------------------------------------------------
 # Process groups of one run
 
@@ -369,7 +405,11 @@ def _wait(context: Any, forwarding: _Forwarding, deadline: float | None) -> list
 def _first_error(context: Any, failed: list[int], errors: str) -> str:
     """The message written first (the others are usually copies of it, or peers' lost connections);
     a process that died without one is described by its exit status."""
-    written = [os.path.join(errors, name) for name in os.listdir(errors)]
+    import fnmatch
+
+    # Only the processes' messages: the directory also holds the process group's rendezvous file (RENDEZVOUS_ENV)
+    # once a world has started, which a failure after the start would otherwise find first.
+    written = [os.path.join(errors, name) for name in fnmatch.filter(os.listdir(errors), ERROR_FILE.format("*"))]
     if written:
         first = min(written, key=lambda path: (os.stat(path).st_mtime_ns, path))
         with open(first) as fh:
