@@ -183,40 +183,61 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
     return dev
 
 
-def from_rank0(compute: Callable[[], Any]) -> Any:
-    """``compute()`` run on rank 0 only; its result on every rank of the (already joined) world, or, when it
-    raised, its exception raised on every rank: a refusal on rank 0 stops the others with the same message
-    instead of leaving them waiting in their first collective. Every rank must call it (a collective).
-
-    The result travels pickled over a gloo group on the host (the xla backend broadcasts no Python objects,
-    and nccl's would go through the GPU): it must pickle, and it is read only by this job's own processes."""
-    import pickle
-
+def host_group() -> Any:
+    """A gloo group of the whole world, for Python objects on the host (None: the default group is gloo already):
+    the xla backend broadcasts no Python objects, and nccl's would go through the GPU. Collective; the caller
+    destroys it (``dist.destroy_process_group(group)``) when it is not None."""
     import torch.distributed as dist
 
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    failure: BaseException | None = None
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` as another process can raise it: itself if it survives pickling, else its message."""
+    import pickle
+
+    try:
+        return pickle.loads(pickle.dumps(exc))  # type: ignore[no-any-return]
+    except Exception:
+        return TrainError(f"{type(exc).__name__}: {exc}")
+
+
+def from_rank0(compute: Callable[[], Any], group: Any = None) -> Any:
+    """``compute()`` run on rank 0 only; its result on every rank of ``group`` (:func:`host_group`), or, when it
+    raised, its exception raised on every rank: a refusal on rank 0 stops the others with the same message instead
+    of leaving them waiting in their next collective. Collective. The result travels pickled: it must pickle, and it
+    is read only by this job's own processes."""
+    import torch.distributed as dist
+
+    failure: Exception | None = None
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             payload[0] = ("ok", compute())
         except Exception as exc:  # every kind the CLI describes in one line (OSError, ConversionError, ...)
             failure = exc
-            try:  # the others raise the same exception; one that does not survive pickling, as its message
-                payload[0] = ("error", pickle.loads(pickle.dumps(exc)))
-            except Exception:
-                payload[0] = ("error", TrainError(f"rank 0: {type(exc).__name__}: {exc}"))
-    try:
-        dist.broadcast_object_list(payload, src=0, group=group)
-    finally:
-        if group is not None:
-            dist.destroy_process_group(group)
-    kind, value = payload[0]
+            payload[0] = ("error", _portable(exc))
+    dist.broadcast_object_list(payload, src=0, group=group)
     if failure is not None:
         raise failure  # rank 0: its own exception, with its traceback
+    kind, value = payload[0]
     if kind == "error":
         raise value
     return value
+
+
+def stop_together(failure: Exception | None, group: Any = None) -> None:
+    """Collective: if any rank of ``group`` failed, every rank raises (a failed rank its own exception, the others the
+    lowest failed rank's), so that no rank goes on to wait for one that stopped."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, None if failure is None else _portable(failure), group=group)
+    if failure is not None:
+        raise failure
+    first = next((f for f in gathered if f is not None), None)
+    if first is not None:
+        raise first
 
 
 # --------------------------------------------------------------------------------------------
