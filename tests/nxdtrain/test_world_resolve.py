@@ -106,3 +106,28 @@ def test_a_refusal_on_rank0_stops_every_rank(tmp_path: Path, capsys: pytest.Capt
     assert spawn(run_worker, (config,), 2, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 1
     printed = capsys.readouterr().err.splitlines()[-1]
     assert printed == f"nxdtrain: error: {ranks[0]['error']}"
+
+
+def failing_rank(fail_on: int, out: str) -> None:
+    """Joins a torchrun-style world; rank ``fail_on`` alone fails; every rank records what stop_together raised."""
+    from nxdtrain.dist import detect_env, host_group, init_world, stop_together
+    from nxdtrain.errors import TrainError
+
+    env = detect_env()
+    init_world(env, DIST_TIMEOUT, "cpu")
+    failure = TrainError(f"rank {env.rank}: only this rank's refusal") if env.rank == fail_on else None
+    raised = None
+    try:
+        stop_together(failure, host_group())
+    except TrainError as exc:
+        raised = str(exc)
+    Path(out, f"rank-{env.rank}.json").write_text(json.dumps(raised))
+
+
+def test_a_refusal_on_another_rank_stops_every_rank(tmp_path: Path) -> None:
+    """A rank's own prepare refusing after rank 0's succeeded: every rank raises that rank's message (rank 0 does not
+    go on to wait in its first collective for a rank that stopped)."""
+    code = spawn(failing_rank, (2, str(tmp_path)), 3, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
+    assert code == 0
+    raised = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert raised == ["rank 2: only this rank's refusal"] * 3
