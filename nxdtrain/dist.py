@@ -183,6 +183,63 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
     return dev
 
 
+def host_group() -> Any:
+    """A gloo group of the whole world, for Python objects on the host (None: the default group is gloo already):
+    the xla backend broadcasts no Python objects, and nccl's would go through the GPU. Collective; the caller
+    destroys it (``dist.destroy_process_group(group)``) when it is not None."""
+    import torch.distributed as dist
+
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` as another process can raise it: itself if it survives pickling, else its message."""
+    import pickle
+
+    try:
+        return pickle.loads(pickle.dumps(exc))  # type: ignore[no-any-return]
+    except Exception:
+        return TrainError(f"{type(exc).__name__}: {exc}")
+
+
+def from_rank0(compute: Callable[[], Any], group: Any = None) -> Any:
+    """``compute()`` run on rank 0 only; its result on every rank of ``group`` (:func:`host_group`), or, when it
+    raised, its exception raised on every rank: a refusal on rank 0 stops the others with the same message instead
+    of leaving them waiting in their next collective. Collective. The result travels pickled: it must pickle, and it
+    is read only by this job's own processes."""
+    import torch.distributed as dist
+
+    failure: Exception | None = None
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", compute())
+        except Exception as exc:  # every kind the CLI describes in one line (OSError, ConversionError, ...)
+            failure = exc
+            payload[0] = ("error", _portable(exc))
+    dist.broadcast_object_list(payload, src=0, group=group)
+    if failure is not None:
+        raise failure  # rank 0: its own exception, with its traceback
+    kind, value = payload[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def stop_together(failure: Exception | None, group: Any = None) -> None:
+    """Collective: if any rank of ``group`` failed, every rank raises (a failed rank its own exception, the others the
+    lowest failed rank's), so that no rank goes on to wait for one that stopped."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, None if failure is None else _portable(failure), group=group)
+    if failure is not None:
+        raise failure
+    first = next((f for f in gathered if f is not None), None)
+    if first is not None:
+        raise first
+
+
 # --------------------------------------------------------------------------------------------
 # Process groups of one run
 
@@ -369,7 +426,11 @@ def _wait(context: Any, forwarding: _Forwarding, deadline: float | None) -> list
 def _first_error(context: Any, failed: list[int], errors: str) -> str:
     """The message written first (the others are usually copies of it, or peers' lost connections);
     a process that died without one is described by its exit status."""
-    written = [os.path.join(errors, name) for name in os.listdir(errors)]
+    import fnmatch
+
+    # Only the processes' messages: the directory also holds the process group's rendezvous file (RENDEZVOUS_ENV)
+    # once a world has started, which a failure after the start would otherwise find first.
+    written = [os.path.join(errors, name) for name in fnmatch.filter(os.listdir(errors), ERROR_FILE.format("*"))]
     if written:
         first = min(written, key=lambda path: (os.stat(path).st_mtime_ns, path))
         with open(first) as fh:

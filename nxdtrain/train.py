@@ -52,7 +52,16 @@ from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
 from nxdtrain.data_check import CheckedData, checked_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
-from nxdtrain.dist import LAUNCHER_ENV, Mesh, detect_env, init_world, local_world_size
+from nxdtrain.dist import (
+    LAUNCHER_ENV,
+    Mesh,
+    detect_env,
+    from_rank0,
+    host_group,
+    init_world,
+    local_world_size,
+    stop_together,
+)
 from nxdtrain.epochs import data_parallel
 from nxdtrain.epochs import resolve as resolve_length
 from nxdtrain.errors import TrainError
@@ -200,6 +209,37 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         check_export_target(config.export_hf, "--export-hf")
     return RunPlan(config, source, layout, world_size, dp, microbatches, rows, resume_state, device, precision_note,
                    eval_rows, eval_count, tuple(notes), record, (train_check, eval_check), resolved)
+
+
+def prepare_in_world(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None) -> RunPlan:
+    """:func:`prepare` in a world started by torchrun or srun (its process group joined): rank 0 does what the
+    launcher of --nproc does (resolves --resume, reads every shard's header and the training state, checks the
+    data) and hands ``RunPlan.resolved`` and ``data_checks`` to the others, which plan with them and open no file
+    of the tag here (each checks its own shards as it reads them). One rank for the whole world, not one per host:
+    the answer is a few KB to MB of pickled state, while every further reader multiplies the shared file system's
+    header reads. A refusal on rank 0 (or on any rank's own prepare) is raised on every rank."""
+    first: list[RunPlan] = []
+
+    def as_launcher() -> tuple[DataChecks | None, Resolved | None]:
+        first.append(prepare(config, world_size, data_checks))
+        return first[0].data_checks, first[0].resolved
+
+    group = host_group()
+    try:
+        checks, resolved = from_rank0(as_launcher, group)
+        failure = None
+        if not first:
+            try:
+                first.append(prepare(config, world_size, checks, resolved))
+            except Exception as exc:  # a refusal only this rank meets (a file its host lacks): every rank stops
+                failure = exc
+        # Also the barrier that keeps rank 0 from claiming --checkpoint-dir (train) while another rank's prepare
+        # still checks that no live run holds it.
+        stop_together(failure, group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    return first[0]
 
 
 def read_state(source: ResumeSource, *, gbs: int) -> tuple[TrainingState | None, tuple[str, ...]]:
@@ -468,9 +508,13 @@ def train(config: TrainConfig, data_checks: DataChecks | None = None,
     """Train in this process as one rank of the launcher's world (or alone); export at the end if asked.
     ``data_checks``, ``resolved``: what the launcher's checks of the data and of --resume found (:func:`prepare`)."""
     env = detect_env()
-    plan = prepare(config, env.world_size, data_checks, resolved)
+    if env.world_size > 1 and resolved is None:  # torchrun/srun: no launcher read the tag before the world started
+        device = init_world(env, config.dist_timeout, resolve_kind(config.device))
+        plan = prepare_in_world(config, env.world_size, data_checks)
+    else:
+        plan = prepare(config, env.world_size, data_checks, resolved)
+        device = init_world(env, config.dist_timeout, plan.device)
     torch.set_num_threads(max(1, usable_cpus() // local_world_size()))  # the cores we may use, shared
-    device = init_world(env, config.dist_timeout, plan.device)
     directory = config.checkpoint.checkpoint_dir
     lock = None
     try:
