@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,6 +87,16 @@ def test_the_position_is_carried_and_said(tmp_path: Path) -> None:
     assert any("the data loader position (the tag records no consumed samples" in n for n in titan.notes)
 
 
+def _resumed_run(tag: Path, log: Path, *layout: str) -> tuple[str, list[dict[str, Any]]]:
+    """``nxdtrain run --resume TAG`` for steps 3-4 over 2 processes at ``layout``: what it said, and its log rows."""
+    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "4", "--data",
+            "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--log-jsonl", str(log),
+            "--no-checkpoint", *SCHEDULE, "--precision", "fp32", *layout, "--nproc", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stderr, [json.loads(line) for line in log.read_text().splitlines()]
+
+
 def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
     """``nxdtrain run --resume`` of the resharded tag at its tp 2: steps 3 and 4 with the losses of a direct
     resume of NxD's tag at tp 2 (the same state read two ways)."""
@@ -93,15 +104,10 @@ def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
     out = reshard(nxds, tmp_path / "tp2", tp=2, pp=1).out
     logs = []
     for k, tag in enumerate((nxds, out)):
-        log = tmp_path / f"run{k}.jsonl"
-        argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "4", "--data",
-                "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--log-jsonl", str(log),
-                "--no-checkpoint", *SCHEDULE, "--precision", "fp32", "--tp", "2", "--nproc", "2"]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-2000:]
+        said, log = _resumed_run(tag, tmp_path / f"run{k}.jsonl", "--tp", "2")
         if k == 1:
-            assert "the data continues at sample 8 = step 2 x --gbs 4" in done.stderr
-        logs.append([json.loads(line) for line in log.read_text().splitlines()])
+            assert "the data continues at sample 8 = step 2 x --gbs 4" in said
+        logs.append(log)
     assert [r["step"] for r in logs[1]] == [3, 4]
     for one, two in zip(*logs, strict=True):
         assert one["loss"] == pytest.approx(two["loss"], abs=1e-5)
@@ -170,15 +176,10 @@ def test_run_resumes_pipeline_tags(tmp_path: Path) -> None:
                      for name, (layout, _) in zip(("tp2pp2", "vpp2"), PIPELINES, strict=True)]
     logs = []
     for k, tag in enumerate(tags):
-        log = tmp_path / f"run{k}.jsonl"
-        argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(tag), "--steps", "4", "--data",
-                "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1", "--log-jsonl", str(log),
-                "--no-checkpoint", *SCHEDULE, "--precision", "fp32", "--pp", "2", "--nproc", "2"]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-2000:]
+        said, log = _resumed_run(tag, tmp_path / f"run{k}.jsonl", "--pp", "2")
         if k == 2:
-            assert "resharding on load" in done.stderr and "vpp 2" in done.stderr
-        logs.append([json.loads(line) for line in log.read_text().splitlines()])
+            assert "resharding on load" in said and "vpp 2" in said
+        logs.append(log)
     assert [r["step"] for r in logs[0]] == [3, 4]
     for other in logs[1:]:
         for one, two in zip(logs[0], other, strict=True):
