@@ -42,10 +42,11 @@ def make_training_tag(tag: Path, schedule: str = "cosine") -> int:
         weights = load_shard(shard)
         names = [k for k in weights if not k.endswith("inv_freq")]
         groups = stage_groups(names, {n: tuple(weights[n].shape) for n in names})
+        owned = [n for g in groups for n, _ in g]
         flat: dict[str, object] = {"format": FORMAT, "names": names, "zero1": False, "zero_size": 1, "dp_rank": 0,
-                                   "owned": [n for g in groups for n, _ in g],
+                                   "owned": owned,
                                    "param_groups": [{**ADAMW, "weight_decay": 0.1}, {**ADAMW, "weight_decay": 0.0}]}
-        for name in flat["owned"]:  # type: ignore[union-attr]
+        for name in owned:
             w = weights[name].float()
             flat[state_key(name, "step")] = torch.tensor(100.0)
             flat[state_key(name, "exp_avg")] = w * 1e-3
