@@ -202,9 +202,7 @@ def finish_interrupted_rewrites(root: Path) -> list[str]:
         said.append(f"{tag}: put in place its complete NxD-format rewrite {staging.name} (a stop came between the "
                     "two renames that replace a tag)")
         if replaced.is_dir() and run_of(replaced) == run_of(tag):
-            outdir.remove_owned(replaced, also=MARKERS, keep=())
-            with contextlib.suppress(OSError):
-                replaced.rmdir()
+            remove_tag(replaced)
     return said
 
 
@@ -471,9 +469,7 @@ class TagWriter:
             replaced = tag.with_name(f".{tag.name}{REPLACED_SUFFIX}")
             os.rename(tag, replaced)
             os.rename(staging, tag)
-            outdir.remove_owned(replaced, also=MARKERS, keep=())
-            with contextlib.suppress(OSError):
-                replaced.rmdir()
+            remove_tag(replaced)
         dist.barrier(group=self.host_group)
 
     def _claim(self, tag: Path, step: int) -> outdir.OutLock:
@@ -544,6 +540,14 @@ def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None
     return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}
 
 
+def remove_tag(tag: Path) -> None:
+    """Delete what nxdtrain wrote in ``tag`` (what its ckptconv.json lists, and the markers; ``done`` first, so a
+    crash halfway leaves a tag that is never resumed), and the directory when nothing foreign is left in it."""
+    outdir.remove_owned(tag, also=MARKERS, keep=())
+    with contextlib.suppress(OSError):
+        tag.rmdir()
+
+
 def run_of(tag: Path) -> str | None:
     """The id of the run that wrote ``tag`` (ckptconv.json ``extra.nxdtrain.run``); None: unknown (an older
     nxdtrain, another tool, no readable metadata)."""
@@ -569,9 +573,7 @@ def prune(root: Path, keep: int, *, run: str) -> list[Path]:
             if t.name.startswith("step_") and tag_step(t.name) is not None and run_of(t) == run]
     doomed = ours[:-keep] if len(ours) > keep else []
     for tag in doomed:
-        outdir.remove_owned(tag, also=MARKERS, keep=())
-        with contextlib.suppress(OSError):
-            tag.rmdir()  # only when nothing foreign is left in it
+        remove_tag(tag)
     return doomed
 
 
