@@ -183,13 +183,14 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
     return dev
 
 
-def host_group() -> Any:
+def host_group(timeout_s: float) -> Any:
     """A gloo group of the whole world, for Python objects on the host (None: the default group is gloo already):
-    the xla backend broadcasts no Python objects, and nccl's would go through the GPU. Collective; the caller
-    destroys it (``dist.destroy_process_group(group)``) when it is not None."""
+    the xla backend broadcasts no Python objects, and nccl's would go through the GPU. Its collectives wait up to
+    ``timeout_s`` (--dist-timeout, as the run's other groups; torch's default would be 30 minutes). Collective; the
+    caller destroys it (``dist.destroy_process_group(group)``) when it is not None."""
     import torch.distributed as dist
 
-    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def _portable(exc: Exception) -> Exception:

@@ -211,7 +211,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
                    eval_rows, eval_count, tuple(notes), record, (train_check, eval_check), resolved)
 
 
-def prepare_in_world(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None) -> RunPlan:
+def prepare_in_world(config: TrainConfig, world_size: int) -> RunPlan:
     """:func:`prepare` in a world started by torchrun or srun (its process group joined): rank 0 does what the
     launcher of --nproc does (resolves --resume, reads every shard's header and the training state, checks the
     data) and hands ``RunPlan.resolved`` and ``data_checks`` to the others, which plan with them and open no file
@@ -221,10 +221,10 @@ def prepare_in_world(config: TrainConfig, world_size: int, data_checks: DataChec
     first: list[RunPlan] = []
 
     def as_launcher() -> tuple[DataChecks | None, Resolved | None]:
-        first.append(prepare(config, world_size, data_checks))
+        first.append(prepare(config, world_size))
         return first[0].data_checks, first[0].resolved
 
-    group = host_group()
+    group = host_group(config.dist_timeout)
     try:
         checks, resolved = from_rank0(as_launcher, group)
         failure = None
@@ -510,7 +510,7 @@ def train(config: TrainConfig, data_checks: DataChecks | None = None,
     env = detect_env()
     if env.world_size > 1 and resolved is None:  # torchrun/srun: no launcher read the tag before the world started
         device = init_world(env, config.dist_timeout, resolve_kind(config.device))
-        plan = prepare_in_world(config, env.world_size, data_checks)
+        plan = prepare_in_world(config, env.world_size)
     else:
         plan = prepare(config, env.world_size, data_checks, resolved)
         device = init_world(env, config.dist_timeout, plan.device)

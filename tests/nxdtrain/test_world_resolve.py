@@ -118,7 +118,7 @@ def failing_rank(fail_on: int, out: str) -> None:
     failure = TrainError(f"rank {env.rank}: only this rank's refusal") if env.rank == fail_on else None
     raised = None
     try:
-        stop_together(failure, host_group())
+        stop_together(failure, host_group(DIST_TIMEOUT))
     except TrainError as exc:
         raised = str(exc)
     Path(out, f"rank-{env.rank}.json").write_text(json.dumps(raised))
