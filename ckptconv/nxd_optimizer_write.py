@@ -117,12 +117,15 @@ class WindowReader:
         if not isinstance(source, RowWindow):
             return self.inner.read_rows(source, start, stop, out)  # type: ignore[no-any-return]
         dtype, shape, _ = self.inner.info(source.inner)
-        rows = self.inner.read_rows(source.inner, min(source.start + start, shape[0]),
-                                    min(source.start + stop, shape[0]))
+        lo, hi = min(source.start + start, shape[0]), min(source.start + stop, shape[0])
         target = out if out is not None else torch.empty((stop - start, *shape[1:]), dtype=dtype)
         target = target.view(stop - start, *shape[1:])
-        target[:rows.shape[0]].copy_(rows)
-        target[rows.shape[0]:].zero_()
+        if hi > lo:  # the source's rows straight into the target's (the executor's reused buffer), where the
+            head = target[:hi - lo]  # reader honours ``out``; copied where it hands back a tensor of its own
+            rows = self.inner.read_rows(source.inner, lo, hi, head)
+            if rows.data_ptr() != head.data_ptr():
+                head.copy_(rows)
+        target[hi - lo:].zero_()
         return target
 
     def position(self, source: Source) -> int:
