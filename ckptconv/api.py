@@ -43,7 +43,7 @@ from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
-from ckptconv.nxd_optimizer_write import DEFAULT_RULE, RULE_CHOICES, check_written, describe_rule, rule_of
+from ckptconv.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
 from ckptconv.nxd_source import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.options import DTYPES as DTYPE_NAMES
@@ -462,10 +462,7 @@ def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> st
         if rule is not None or drop_masters:
             raise ConversionError("--nxd-param-groups and --drop-masters apply to --optimizer-format nxd only")
         return None
-    rule = DEFAULT_RULE if rule is None else rule
-    if rule not in RULE_CHOICES:
-        raise ConversionError(f"--nxd-param-groups must be one of {', '.join(RULE_CHOICES)}, got {rule!r}")
-    return rule
+    return check_rule(DEFAULT_RULE if rule is None else rule)
 
 
 # --------------------------------------------------------------------------------------------

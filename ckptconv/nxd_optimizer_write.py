@@ -34,6 +34,7 @@ from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
 from ckptconv.layout import parse_shard_name
 from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
+from ckptconv.nxd_tag_optimizer import STEP
 from ckptconv.options import NXD_PARAM_GROUPS
 from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.training_state import (
@@ -48,7 +49,6 @@ from ckptconv.training_state import (
 DEFAULT_RULE = "bias-norm"
 RULE_CHOICES = (*PARAM_GROUP_RULES, "one")
 assert RULE_CHOICES == NXD_PARAM_GROUPS, "ckptconv.options names the same rules for the CLI"
-STEP = "step"
 # The key order of a param group in NxD 2.28's files: torch AdamW's own (initial_lr added by the scheduler),
 # and NeuronZero1Optimizer's (its wrapper groups take initial_lr before the base optimizer's defaults).
 _ADAMW_GROUP = ("weight_decay", "lr", "betas", "eps", "amsgrad", "maximize", "foreach", "capturable",
@@ -61,12 +61,17 @@ _ADAMW_DEFAULTS = {"amsgrad": False, "maximize": False, "foreach": None, "captur
 NXDTRAIN_KEY = "nxdtrain"  # user_content.pt: nxdtrain's own record beside NxD's example keys
 
 
+def check_rule(rule: str) -> str:
+    """``rule`` if it names a param-group rule (``--nxd-param-groups``), else the one-line refusal."""
+    if rule not in RULE_CHOICES:
+        raise ConversionError(f"--nxd-param-groups must be one of {', '.join(RULE_CHOICES)}, got {rule!r}")
+    return rule
+
+
 def nxd_groups(names: Sequence[str], rule: str) -> list[list[str]]:
     """The param groups NxD's example builds over ``names`` (a shard's parameters in key order)."""
-    if rule == "one":
+    if check_rule(rule) == "one":
         return [list(names)]
-    if rule not in PARAM_GROUP_RULES:
-        raise ConversionError(f"--nxd-param-groups must be one of {', '.join(RULE_CHOICES)}, got {rule!r}")
     no_decay = PARAM_GROUP_RULES[rule][1]
     return [[n for n in names if not no_decay(n)], [n for n in names if no_decay(n)]]
 
