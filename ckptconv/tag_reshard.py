@@ -23,7 +23,7 @@ from ckptconv.io.checked import check_whole_file
 from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
 from ckptconv.layout import ParallelLayout, parse_shard_name
-from ckptconv.mapping import live_module_order, stores_lm_head
+from ckptconv.mapping import live_module_order
 from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
 from ckptconv.nxd_optimizer_write import (
@@ -47,6 +47,7 @@ from ckptconv.training_state import (
     TagOptimizer,
     TagReader,
     describe_zero1,
+    lm_head_copy_of,
     plan_optimizer_files,
     resharded_user_content,
     state_replicas,
@@ -147,7 +148,7 @@ class TrainingTag:
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
         optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                                      lm_head_copy=stores_lm_head(spec, ckpt.dtypes(stages_only=only is not None)), checks=ckpt.checks, io=io,
+                                      lm_head_copy=lm_head_copy_of(ckpt, spec, old), checks=ckpt.checks, io=io,
                                       only=only)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)

@@ -513,13 +513,19 @@ class _ShardMasters:
         pass
 
 
+def lm_head_copy_of(ckpt: Any, spec: ModelSpec, layout: ParallelLayout) -> bool:
+    """Whether ``ckpt``'s shards carry ``lm_head.weight`` (a tied model's copy, or untied): the last stage's tp-0
+    file says it for every file (one header read, not every file's)."""
+    return stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1)))
+
+
 def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
                    with_inv_freq: bool) -> tuple[TagOptimizer | None, str]:
     """The TagOptimizer of ``ckpt``'s ``optim/``, or None and why where its files are not nxdtrain's (NxD's
     format, say); a damaged file of ours still raises IntegrityError."""
     try:
         return TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
-                            lm_head_copy=stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+                            lm_head_copy=lm_head_copy_of(ckpt, spec, layout),
                             checks=ckpt.checks, io=ckpt.io), ""
     except IntegrityError:
         raise
