@@ -367,7 +367,7 @@ def reshard(
     the source's own, else ``nxd-example``) whose side files to write (:mod:`ckptconv.nxd_trainer_files`).
     """
     options = options or RunOptions()
-    _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything is opened
+    rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything opens
     check_nxd_trainer(optimizer_format, nxd_trainer)
     started = time.monotonic()
     out = Path(out)
@@ -405,7 +405,6 @@ def reshard(
         if parted and training is None:  # the weights alone: split by _convert, so every file is checked here
             check_files_read(ckpt, spec, old, with_inv_freq, ckpt.files)
         if training is not None and optimizer_format == "nxd":
-            rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)
             saved = rule_of(training.optim.optim) if isinstance(training.optim, NxdTagOptimizer) else None
             if nxd_param_groups is None and saved is not None:  # NxD's tag: its own groups, which its run rebuilds
                 rule = saved
@@ -427,13 +426,14 @@ def reshard(
         part: TagPart | None = None
         with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
             if training is not None:  # the optimizer files join the plan, read beside the weights
-                if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
+                if parted:  # one of several parts: the optimizer state of its own files only
                     part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
+                    sources = part.sources()
                     check_files_read(ckpt, spec, old, with_inv_freq,
-                                     [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in part.sources()])
+                                     [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in sources])
                     everything, whole = _outputs(plan, spec_), plan
                     if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
-                        training.optim.widen(part.sources())
+                        training.optim.widen(sources)
                     plan = part.planned()
                 plan, reader = training.extend(plan, spec_, new, notes)
                 if part is not None:

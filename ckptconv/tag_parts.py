@@ -51,7 +51,8 @@ class TagPart:
                 owner[path] = shard
                 units.append((path, shard.nbytes))
         mine = assign(units, part)
-        shards = tuple(s for s in plan.files if any(owner[p] is s for p in mine))
+        owned = {owner[p].path for p in mine}  # the shards whose model or optimizer files this part writes
+        shards = tuple(s for s in plan.files if s.path in owned)
         model = {s.path for s in plan.files}
         # a part without files still plans one shard: the finalize spec it may write describes the optimizer
         return cls(frozenset(mine), shards or tuple(plan.files[:1]), tuple(p for p, _ in units if p not in model),
