@@ -25,8 +25,8 @@ from typing import Any
 from benchmarks.reshard_optim import make_training_tag
 from benchmarks.synth import write_model
 from ckptconv.api import RunOptions, reshard, to_nxd
+from ckptconv.core.layout import MODEL_DIR, ParallelLayout
 from ckptconv.io.nxd import OPTIM_DIR
-from ckptconv.layout import MODEL_DIR, ParallelLayout
 
 _RECORDING: list[tuple[Path, Counter[str]]] = []  # (root, opens by relative path) while a count is on
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ckptconv.core.mapping import hf_shapes
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.hf import SAFETENSORS_INDEX
 from ckptconv.io.safetensors_io import SafetensorsWriter, plan_safetensors
-from ckptconv.mapping import hf_shapes
-from ckptconv.model_spec import ModelSpec
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),

@@ -2,7 +2,7 @@
 
 The public API is a handful of verbs; everything the CLI does is one of these calls:
 ``to_nxd``, ``to_hf``, ``reshard``, ``inspect``, ``to_dcp``, ``from_dcp`` (imported lazily, so that importing a submodule
-such as ``ckptconv.mapping`` stays cheap).
+such as ``ckptconv.core.mapping`` stays cheap).
 """
 
 from __future__ import annotations

@@ -21,6 +21,18 @@ from typing import Any
 import torch
 
 from ckptconv import outdir
+from ckptconv.core.layout import (
+    HF_FILES_DIR,
+    Attention,
+    Hardware,
+    ParallelLayout,
+    Trn2KvLayout,
+    default_kvm,
+    shard_file,
+)
+from ckptconv.core.mapping import check_source_shapes
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.execute import ExecOptions, run_plan
@@ -37,10 +49,7 @@ from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import HF_FILES_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout, default_kvm, shard_file
-from ckptconv.mapping import check_source_shapes
 from ckptconv.metadata import read_metadata, tool_version
-from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
@@ -48,7 +57,6 @@ from ckptconv.nxd_source import check_files_read, open_nxd  # open_nxd also reac
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.options import DTYPES as DTYPE_NAMES
 from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
-from ckptconv.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.progress import byte_progress, note
 from ckptconv.tag_parts import TagPart
 from ckptconv.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptconv.core.layout import Attention
+from ckptconv.core.layout_flags import LayoutHints
 from ckptconv.errors import ConversionError
-from ckptconv.layout import Attention
-from ckptconv.layout_flags import LayoutHints
 from ckptconv.options import RunOptions
 
 if TYPE_CHECKING:
@@ -111,10 +111,10 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
                   options: RunOptions) -> Result:
     """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
     from ckptconv.api import _convert, _fingerprint
+    from ckptconv.core.plan import plan_to_full_state
     from ckptconv.finalize import FinalizeSpec
     from ckptconv.io.nxd import Flavour, sink_factory
     from ckptconv.nxd_source import open_nxd
-    from ckptconv.plan import plan_to_full_state
 
     started = time.monotonic()
     out = Path(out)

@@ -36,6 +36,10 @@ from ckptconv.api import (
     dtype_policy,
     target_layout,
 )
+from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
+from ckptconv.core.mapping import check_source_shapes, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import OutTensor, Plan, hf_sources
 from ckptconv.errors import ConversionError, choice
 from ckptconv.execute import replica_bands
 from ckptconv.finalize import FinalizeSpec
@@ -46,12 +50,8 @@ from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import TAG_MARKERS, Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
-from ckptconv.mapping import check_source_shapes, stores_lm_head
-from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_masters import nxdtrain_optimizer
 from ckptconv.nxd_source import model_spec_of, open_nxd
-from ckptconv.plan import OutTensor, Plan, hf_sources
 from ckptconv.plan_dcp import (
     DEFAULT_FILE_SIZE,
     hf_dtypes_of,

@@ -1,4 +1,4 @@
-"""Run a :class:`~ckptconv.plan.Plan`: bounded memory, parallel workers, atomic and resumable writes.
+"""Run a :class:`~ckptconv.core.plan.Plan`: bounded memory, parallel workers, atomic and resumable writes.
 
 Every output tensor is produced in *bands* of rows and written straight to its place in a
 preallocated output file, so memory is bounded by the band size, not by tensor, file or model
@@ -23,12 +23,12 @@ from typing import Protocol
 
 import torch
 
+from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 from ckptconv.digest import DEFAULT, FileRecord, record_files
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.options import default_workers
 from ckptconv.outdir import TMP_DIR
-from ckptconv.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 
 STATE_FILE = "state.json"
 

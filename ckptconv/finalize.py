@@ -22,7 +22,7 @@ from ckptconv.metadata import Metadata, write_metadata
 from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
 
 if TYPE_CHECKING:
-    from ckptconv.plan import Plan
+    from ckptconv.core.plan import Plan
 
 SPEC_FILE = "finalize.json"
 

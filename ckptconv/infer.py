@@ -14,14 +14,14 @@ from dataclasses import replace
 
 import torch
 
+from ckptconv.core.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
+from ckptconv.core.layout_flags import LayoutHints
+from ckptconv.core.mapping import EMBED
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
-from ckptconv.layout_flags import LayoutHints
-from ckptconv.mapping import EMBED
 from ckptconv.metadata import METADATA_FILE
-from ckptconv.model_spec import ModelSpec
-from ckptconv.plan import Source
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -6,16 +6,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.layout import shard_file
+from ckptconv.core.mapping import stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import DONE_MARKER
-from ckptconv.layout import shard_file
-from ckptconv.mapping import stores_lm_head
 from ckptconv.metadata import METADATA_FILE, read_metadata
-from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, optimizer_summary
-from ckptconv.plan import Source
 from ckptconv.training_state import optimizer_summary as nxdtrain_optimizer_summary
 
 

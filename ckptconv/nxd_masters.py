@@ -17,10 +17,10 @@ from collections.abc import Collection
 
 import torch
 
+from ckptconv.core.layout import ParallelLayout, parse_shard_name
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint, ShardsWithMasters
-from ckptconv.layout import ParallelLayout, parse_shard_name
-from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer import OPTIM_DIR, NxdOptimizer
 from ckptconv.training_state import TagOptimizer, is_training_tag, use_masters
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.layout import parse_rank_file, shard_file
+from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.dcp import METADATA as DCP_METADATA
@@ -41,8 +43,6 @@ from ckptconv.io.dcp import DcpCheckpoint
 from ckptconv.io.nxd import INFO_SUFFIX, OPTIM_DIR, TENSORS_SUFFIX, NxdCheckpoint
 from ckptconv.io.safe_load import PickledTensor, TensorReference, is_torch_zip, load_small
 from ckptconv.io.torchzip import StoredTensor, TorchZipReader
-from ckptconv.layout import parse_rank_file, shard_file
-from ckptconv.plan import Source
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _ADAMW_KEYS = ("step", *MOMENTS)

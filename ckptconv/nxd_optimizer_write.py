@@ -12,7 +12,7 @@ What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the stru
 Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
 key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
 :func:`ckptconv.nxd_optimizer.index_names` reads with). The files are planned like shards (every tensor a
-list of row ranges of the source, :mod:`ckptconv.plan`) and written by the executor in bands, nested
+list of row ranges of the source, :mod:`ckptconv.core.plan`) and written by the executor in bands, nested
 structures through :class:`ckptconv.io.torchzip.TensorAt`.
 
     >>> nxd_groups(["w", "model.norm.weight", "b.bias"], "bias-norm")
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.layout import parse_shard_name
+from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
-from ckptconv.layout import parse_shard_name
 from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
 from ckptconv.nxd_tag_optimizer import STEP
 from ckptconv.options import NXD_PARAM_GROUPS
-from ckptconv.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.training_state import (
     MASTER,
     OptimizerSource,

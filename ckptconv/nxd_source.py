@@ -14,16 +14,16 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.layout import HF_FILES_DIR, ParallelLayout, shard_file
+from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
+from ckptconv.core.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import HF_FILES_DIR, ParallelLayout, shard_file
-from ckptconv.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
-from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
-from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_masters import nxd_masters, nxdtrain_masters
-from ckptconv.plan import Source
 
 
 def model_spec_of(root: Path, meta: Any, config: str | Path | None, *, missing: str) -> ModelSpec:
@@ -53,7 +53,7 @@ def open_nxd(
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
     ``hints`` are the layout flags the user gave (``None``: not given; a
-    :class:`ckptconv.layout_flags.LayoutHints` also says how to name them and whether they may
+    :class:`ckptconv.core.layout_flags.LayoutHints` also says how to name them and whether they may
     override): what ``ckptconv.json`` records wins, and a given value that contradicts it is refused.
 
     ``masters`` (the fp32 master weights in a training tag's ``optim/``, see :mod:`ckptconv.nxd_masters`):

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.layout import parse_shard_name
+from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
-from ckptconv.layout import parse_shard_name
 from ckptconv.nxd_optimizer import MOMENTS, NxdOptimizer, OptimFormat
-from ckptconv.plan import Source
 from ckptconv.training_state import MASTER, Hyper, is_matrix, split_key
 
 STEP = "step"

@@ -19,13 +19,10 @@ from typing import Any
 
 import torch
 
-from ckptconv.errors import ConversionError
-from ckptconv.io.dcp import distcp_name
-from ckptconv.layout import ParallelLayout
-from ckptconv.mapping import EMBED, hf_shapes
-from ckptconv.model_spec import ModelSpec
-from ckptconv.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
-from ckptconv.plan import (
+from ckptconv.core.layout import ParallelLayout
+from ckptconv.core.mapping import EMBED, hf_shapes
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import (
     DtypePolicy,
     OutFile,
     OutTensor,
@@ -39,6 +36,9 @@ from ckptconv.plan import (
     keep_dtype,
     plan_to_nxd,
 )
+from ckptconv.errors import ConversionError
+from ckptconv.io.dcp import distcp_name
+from ckptconv.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
 from ckptconv.titan_names import (
     OPTIMIZER_STATE_FIELDS,
     TitanParam,
@@ -75,7 +75,7 @@ def plan_to_dcp(
     """TorchTitan's model keys (then ``state``: optimizer tensors) in ``.distcp`` files of at most
     ``max_file_size`` bytes.
 
-    ``source_dtypes`` is keyed by HF name; with ``tiles`` (:func:`ckptconv.plan.hf_sources` of NxD
+    ``source_dtypes`` is keyed by HF name; with ``tiles`` (:func:`ckptconv.core.plan.hf_sources` of NxD
     shards) each HF range is read from the shards holding it, and ``replicas`` are checked.
     """
     tensors = []
@@ -129,7 +129,7 @@ def hf_dtypes_of(tiles: Tiles, shard_dtypes: dict[str, torch.dtype]) -> dict[str
 def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
                 source_of: Callable[[str], Source] = lambda key: Source(None, key)) -> Tiles:
     """Where each HF row range lies in TorchTitan tensors (the rule table read backwards), in the form
-    :func:`ckptconv.plan.hf_sources` gives for shards, so any HF-keyed plan composes with it.
+    :func:`ckptconv.core.plan.hf_sources` gives for shards, so any HF-keyed plan composes with it.
 
     ``source_of(titan_key)`` names the tensor to read (a moment's key, say). A whole, unpermuted tensor
     is a tile of dim ``None`` (any range, along any dim); a range held twice (a tied ``lm_head``) is

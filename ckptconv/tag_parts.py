@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ckptconv.core.layout import parse_shard_name
+from ckptconv.core.plan import OutFile, Plan, ReplicaGroup
 from ckptconv.finalize import assign
 from ckptconv.io.nxd import TENSORS_SUFFIX
-from ckptconv.layout import parse_shard_name
-from ckptconv.plan import OutFile, Plan, ReplicaGroup
 from ckptconv.training_state import optimizer_file
 
 

@@ -21,9 +21,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cache
 
+from ckptconv.core.mapping import EMBED, LM_HEAD, hf_shapes
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.mapping import EMBED, LM_HEAD, hf_shapes
-from ckptconv.model_spec import ModelSpec
 
 TITAN_VERSION = "0.3.0"
 TITAN_MODEL = "llama3"

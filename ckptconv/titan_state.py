@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.lr_schedule import Recorded, lr_at
-from ckptconv.model_spec import ModelSpec
 from ckptconv.titan_names import PARAM_GROUP_FIELDS, param_group_key, trained_params
 from ckptconv.training_state import is_matrix
 

@@ -33,16 +33,16 @@ from typing import Any, Protocol
 
 import torch
 
+from ckptconv.core.layout import ParallelLayout, parse_rank_file, parse_shard_name, shard_file, shard_name
+from ckptconv.core.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
-from ckptconv.layout import ParallelLayout, parse_rank_file, parse_shard_name, shard_file, shard_name
-from ckptconv.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.metadata import METADATA_FILE
-from ckptconv.model_spec import ModelSpec
-from ckptconv.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 
 FORMAT = 2
 MASTER = "master"

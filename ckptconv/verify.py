@@ -23,16 +23,11 @@ from typing import Any
 
 import torch
 
-from ckptconv.digest import FileRecord
-from ckptconv.errors import ConversionError
-from ckptconv.io.hf import HfCheckpoint
-from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
-from ckptconv.mapping import EMBED, FINAL_NORM, LM_HEAD, kv_heads, q_heads, stores_lm_head
-from ckptconv.model_spec import ModelSpec
-from ckptconv.nxd_source import open_nxd
-from ckptconv.plan import Source
-from ckptconv.reference import (
+from ckptconv.core.layout import Attention, ParallelLayout, layer_pp_ranks, shard_file
+from ckptconv.core.mapping import EMBED, FINAL_NORM, LM_HEAD, kv_heads, q_heads, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import Source
+from ckptconv.core.reference import (
     attention_heads,
     dense_layer,
     layer_attention_extras,
@@ -41,6 +36,11 @@ from ckptconv.reference import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from ckptconv.digest import FileRecord
+from ckptconv.errors import ConversionError
+from ckptconv.io.hf import HfCheckpoint
+from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.nxd_source import open_nxd
 
 DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32
 # When the shards were cast (e.g. fp32 HF -> bf16 shards) the weights themselves differ by the cast.

@@ -34,6 +34,10 @@ import torch
 import torch.distributed as dist
 
 from ckptconv import outdir
+from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, default_kvm, shard_file
+from ckptconv.core.mapping import EMBED, LM_HEAD, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import Source
 from ckptconv.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError, IntegrityError
@@ -50,13 +54,9 @@ from ckptconv.io.nxd import (
     tag_step,
     write_markers,
 )
-from ckptconv.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, default_kvm, shard_file
-from ckptconv.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.metadata import Metadata, read_metadata, write_metadata
-from ckptconv.model_spec import ModelSpec
 from ckptconv.nxd_optimizer_write import NXD_OPTIMIZER_KEY
 from ckptconv.nxd_source import open_nxd
-from ckptconv.plan import Source
 from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
@@ -108,7 +108,7 @@ class ResumeSource:
         A tied model's shards written by the official converter hold no ``lm_head.weight``; the
         output projection is then the embedding: this tp rank's vocabulary rows, read from the pp
         rank 0 shard of the same tp rank (with pp > 1 the last stage's own file has no copy).
-        Checkpoints of the run then carry our copy (see :func:`ckptconv.mapping.stores_lm_head`).
+        Checkpoints of the run then carry our copy (see :func:`ckptconv.core.mapping.stores_lm_head`).
         """
         try:
             state = load_shard(self.shard(tp_rank, pp_rank), checks=self.checks())

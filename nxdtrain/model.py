@@ -1,14 +1,14 @@
-"""One pipeline stage of a tensor-parallel decoder (any family of ``ckptconv.families``) whose ``state_dict()`` is exactly one NxD shard.
+"""One pipeline stage of a tensor-parallel decoder (any family of ``ckptconv.core.families``) whose ``state_dict()`` is exactly one NxD shard.
 
-Which heads, rows and layers a (tp, pp) rank holds is asked from ``ckptconv.mapping`` (the single
+Which heads, rows and layers a (tp, pp) rank holds is asked from ``ckptconv.core.mapping`` (the single
 source of truth for the GQA head order); this module only builds layers of those sizes. Each
 rank computes attention with its own Q heads against the K/V heads it holds, so any layout in
 which every local Q head finds its K/V head locally can be trained.
 
 Example (offline, no process group: building, loading and saving need none):
 
-    >>> from ckptconv.model_spec import ModelSpec
-    >>> from ckptconv.layout import ParallelLayout
+    >>> from ckptconv.core.model_spec import ModelSpec
+    >>> from ckptconv.core.layout import ParallelLayout
     >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96, vocab=128,
     ...                  layers=4, tied=False, config={"hidden_size": 64, "num_attention_heads": 8})
     >>> layout = ParallelLayout(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True)
@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckptconv.layout import Attention as AttentionMode
-from ckptconv.layout import ParallelLayout, layer_pp_ranks
-from ckptconv.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
-from ckptconv.model_spec import ModelSpec
-from ckptconv.reference import causal_attention, rms_norm
+from ckptconv.core.layout import Attention as AttentionMode
+from ckptconv.core.layout import ParallelLayout, layer_pp_ranks
+from ckptconv.core.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.reference import causal_attention, rms_norm
 from nxdtrain.context_parallel import CpGroup, zigzag_positions
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel import (

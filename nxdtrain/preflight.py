@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ckptconv.core.layout import HF_FILES_DIR
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
-from ckptconv.layout import HF_FILES_DIR
 from ckptconv.metadata import METADATA_FILE, Metadata, read_metadata
 from ckptconv.outdir import TMP_DIR
 from nxdtrain.config import TrainConfig

@@ -15,15 +15,15 @@ from typing import Any
 import torch
 
 from ckptconv import training_state
+from ckptconv.core.layout import ParallelLayout, parse_shard_name, shard_file
+from ckptconv.core.mapping import all_shard_records, stores_lm_head
+from ckptconv.core.plan import OutTensor, plan_reshard
 from ckptconv.errors import ConversionError
 from ckptconv.execute import read_tensor
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.layout import ParallelLayout, parse_shard_name, shard_file
-from ckptconv.mapping import all_shard_records, stores_lm_head
 from ckptconv.nxd_masters import nxd_masters
 from ckptconv.nxd_optimizer import NxdOptimizer
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.plan import OutTensor, plan_reshard
 from nxdtrain.checkpoint import damaged
 from nxdtrain.errors import TrainError
 

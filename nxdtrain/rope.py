@@ -1,4 +1,4 @@
-"""Rotary position embedding for the trainer: ckptconv's reference math (:mod:`ckptconv.reference`) in the shapes
+"""Rotary position embedding for the trainer: ckptconv's reference math (:mod:`ckptconv.core.reference`) in the shapes
 the stages use.
 
 Supported ``rope_type``: ``default``, ``linear`` and ``llama3`` (Llama 3.1+), read from
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ckptconv import reference
-from ckptconv.reference import ROPE_TYPES, rope_parameters
+from ckptconv.core import reference
+from ckptconv.core.reference import ROPE_TYPES, rope_parameters
 
 __all__ = ["ROPE_TYPES", "apply_rope", "cos_sin", "inv_freq", "rope_parameters"]
 

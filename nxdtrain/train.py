@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptconv.core.layout import ParallelLayout
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
-from ckptconv.layout import ParallelLayout
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE
 from ckptconv.options import usable_cpus
 from nxdtrain.checkpoint import (

@@ -17,10 +17,10 @@ import torch
 import ckptconv
 from ckptconv.api import RunOptions
 from ckptconv.cli import main
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import OutFile, OutTensor, Piece, Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.dcp import DcpCheckpoint, distcp_name, encode_metadata, layout_items, sink_factory
-from ckptconv.model_spec import ModelSpec
-from ckptconv.plan import OutFile, OutTensor, Piece, Source
 from ckptconv.titan_names import (
     fused_qkv_param,
     inverse_rows,
@@ -440,10 +440,10 @@ def test_parts_write_what_one_process_writes(models, tmp_path):
 def test_fused_qkv_rows_go_into_dcp_and_back_through_the_same_tables(models, tmp_path):
     """What phase 2 does with AdamW moments (keyed by TorchTitan's fused wqkv): any tensor of the fused
     parameter's rows is written from HF-keyed rows and read back through ``titan_tiles``."""
+    from ckptconv.core.plan import Plan, compose
     from ckptconv.execute import ExecOptions, run_plan
     from ckptconv.io.hf import HfCheckpoint
     from ckptconv.io.safetensors_sink import safetensors_sink
-    from ckptconv.plan import Plan, compose
     from ckptconv.plan_dcp import titan_tensor, titan_tiles
 
     hf = models["gqa"]

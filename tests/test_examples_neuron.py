@@ -101,4 +101,4 @@ def test_possibly_empty_arrays_are_expanded_safely_for_bash_before_4_4():
             unguarded = re.findall(rf'(?<!{name}\[@\]\+)"\$\{{{name}\[@\]', code)
             assert not unguarded, f"{script.name}: {name} expanded without the guard"
             checked += 1
-    assert checked >= 5  # convert's ckptconv/layout/revision, export's ckptconv/push
+    assert checked >= 5  # convert's ckptconv/core/layout/revision, export's ckptconv/push

@@ -12,10 +12,10 @@ import torch
 
 import ckptconv
 from ckptconv.cli import main
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.reference import dense_layer, window_mask
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import load_shard
-from ckptconv.model_spec import ModelSpec
-from ckptconv.reference import dense_layer, window_mask
 from ckptconv.verify import verify
 from tests.conftest import hf_state
 from tests.test_roundtrip import assert_same_state
@@ -137,7 +137,7 @@ def test_reshard_equals_a_direct_conversion(family_models, tmp_path: Path, famil
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_layer_matches_the_family_decoder_layer(family_models, family: str):
-    """ckptconv.reference (verify's and the trainer's math) against transformers' own layer, 32 positions (more
+    """ckptconv.core.reference (verify's and the trainer's math) against transformers' own layer, 32 positions (more
     than Mistral's window of 16)."""
     from transformers import AutoModelForCausalLM
 
@@ -262,7 +262,7 @@ def test_hub_ids_of_each_family(family_models, tmp_path: Path, family: str, monk
 def test_the_window_mask_is_built_once_per_shape_and_device():
     """causal_attention (nxdtrain's Mistral layers call it for every layer and step) builds its mask once per
     (length, window, device), and attends as with a mask built afresh."""
-    from ckptconv.reference import causal_attention
+    from ckptconv.core.reference import causal_attention
 
     window_mask.cache_clear()
     q, k, v = (torch.randn(1, 2, 12, 4, generator=torch.Generator().manual_seed(s)) for s in range(3))

@@ -73,7 +73,7 @@ def test_a_name_reexported_by_a_package_init_is_an_edge_to_the_init(tmp_path):
 # What io/ may build on: errors, and the pure description modules (names, plan records, metadata
 # records, model numbers, digests), none of which reads or writes a checkpoint. Never the executor,
 # the owner of OUT, or a verb.
-IO_MAY_IMPORT = {"ckptconv.errors", "ckptconv.layout", "ckptconv.plan", "ckptconv.metadata", "ckptconv.model_spec",
+IO_MAY_IMPORT = {"ckptconv.errors", "ckptconv.core.layout", "ckptconv.core.plan", "ckptconv.metadata", "ckptconv.core.model_spec",
                  "ckptconv.digest"}
 
 

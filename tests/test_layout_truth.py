@@ -18,7 +18,7 @@ import torch
 
 import ckptconv
 from ckptconv.cli import main
-from ckptconv.layout_flags import LayoutHints
+from ckptconv.core.layout_flags import LayoutHints
 from tests.conftest import GOLDEN, hf_state
 
 # 8 query heads, 2 KV heads: tp 4 needs kv_size_multiplier 2, where trn1 and trn2 place heads differently

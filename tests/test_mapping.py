@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import ckptconv
+from ckptconv.core.layout import ParallelLayout, layer_pp_ranks, parse_shard_name, shard_name, stage_layer_counts
+from ckptconv.core.mapping import hf_key_order, hf_shapes, kv_heads, q_heads, shard_records, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.layout import ParallelLayout, layer_pp_ranks, parse_shard_name, shard_name, stage_layer_counts
-from ckptconv.mapping import hf_key_order, hf_shapes, kv_heads, q_heads, shard_records, stores_lm_head
-from ckptconv.model_spec import ModelSpec
 
 
 def spec(heads: int = 8, kv: int = 2, layers: int = 4) -> ModelSpec:

@@ -26,8 +26,8 @@ TINY = CONFIG | dict(hidden_size=64, head_dim=8, intermediate_size=96, vocab_siz
 
 def synthetic_hf(path: Path, config: dict) -> int:
     """A random fp32 HF checkpoint in 4 safetensors files (~330 MB for CONFIG)."""
-    from ckptconv.mapping import hf_shapes
-    from ckptconv.model_spec import ModelSpec
+    from ckptconv.core.mapping import hf_shapes
+    from ckptconv.core.model_spec import ModelSpec
 
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))

@@ -459,9 +459,9 @@ def test_a_kept_optimizer_lives_until_its_checkpoint_closes(tmp_path: Path) -> N
     to its masters (the switch closed everything the checkpoint held, the kept optimizer too, whose files then
     reopened unseen: nxd_masters had to keep it after the switch); once the checkpoint closes it, a read fails
     loudly instead of reopening its files. A second weight source or kept optimizer is refused."""
+    from ckptconv.core.plan import Source
     from ckptconv.io.nxd import NxdCheckpoint
     from ckptconv.nxd_masters import MasterWeights
-    from ckptconv.plan import Source
 
     case = "zero1_bf16_masters_only_xser"
     ckpt = NxdCheckpoint(copy_tag(case, tmp_path), io="read")

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.reads import build_tags, opened_under, resume_reads
 from ckptconv.api import RunOptions, reshard
-from ckptconv.layout import parse_rank_file, parse_shard_name
+from ckptconv.core.layout import parse_rank_file, parse_shard_name
 from ckptconv.nxd_optimizer import NxdOptimizer
 from tests.nxdtrain.test_reshard_optimizer import tree_bytes
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from ckptconv.cli import main
+from ckptconv.core.layout import ParallelLayout
+from ckptconv.core.mapping import hf_shapes
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import plan_to_nxd
 from ckptconv.finalize import assign_files, detect_part
-from ckptconv.layout import ParallelLayout
-from ckptconv.mapping import hf_shapes
-from ckptconv.model_spec import ModelSpec
-from ckptconv.plan import plan_to_nxd
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
 

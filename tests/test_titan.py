@@ -41,8 +41,8 @@ from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: 
 
 import ckptconv  # noqa: E402
 from ckptconv.api import RunOptions  # noqa: E402
+from ckptconv.core.model_spec import ModelSpec  # noqa: E402
 from ckptconv.io.dcp import DcpCheckpoint  # noqa: E402
-from ckptconv.model_spec import ModelSpec  # noqa: E402
 from ckptconv.titan_names import (  # noqa: E402
     OPTIMIZER_STATE_FIELDS,
     PARAM_GROUP_FIELDS,

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import ckptconv
+from ckptconv.core.layout_flags import LayoutHints
+from ckptconv.core.reference import dense_layer
 from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError, IntegrityError, VerificationError
 from ckptconv.io.nxd import load_shard, save_shard
-from ckptconv.layout_flags import LayoutHints
-from ckptconv.reference import dense_layer
 from ckptconv.verify import verify
 from tests.conftest import hf_state
 from tests.test_golden import CASES, load_case

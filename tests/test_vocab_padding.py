@@ -97,9 +97,9 @@ def test_shards_padded_by_another_tool_are_read_with_the_real_vocab(vocab1003, t
 
 
 def test_a_padding_tp_does_not_divide_is_refused():
+    from ckptconv.core.layout import ParallelLayout
+    from ckptconv.core.model_spec import ModelSpec
     from ckptconv.errors import ConversionError
-    from ckptconv.layout import ParallelLayout
-    from ckptconv.model_spec import ModelSpec
 
     spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96, vocab=1003, layers=2, tied=False)
     with pytest.raises(ConversionError, match=r"padded vocabulary of 1006 rows: must be a multiple of --tp 4 and at "

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.model_spec import ModelSpec
+from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.readers import FileReader, open_tensor_file
-from ckptconv.model_spec import ModelSpec
-from ckptconv.plan import OutFile, Source
 
 CONFIG = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

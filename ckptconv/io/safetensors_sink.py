@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from ckptconv.core.plan import OutFile
 from ckptconv.io.safetensors_io import SafetensorsWriter, plan_safetensors
-from ckptconv.plan import OutFile
 
 HF_METADATA = {"format": "pt"}
 

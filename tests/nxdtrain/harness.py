@@ -23,11 +23,11 @@ MODELS: dict[str, dict[str, Any]] = {
     "gqa2-4": dict(heads=8, kv_heads=2, layers=4),       # pp 2 x vpp 2: one layer per virtual stage
     "mha": dict(heads=8, kv_heads=8, layers=3),
     "tied": dict(heads=8, kv_heads=2, layers=3, tied=True),
-    # The other families (ckptconv.families): head_dim 16 != 64 / 8, Mistral's window 16 < rows of 32.
+    # The other families (ckptconv.core.families): head_dim 16 != 64 / 8, Mistral's window 16 < rows of 32.
     "mistral": dict(model_type="mistral", heads=8, kv_heads=2, layers=3, head_dim=16, sliding_window=16),
     "qwen2": dict(model_type="qwen2", heads=8, kv_heads=2, layers=3),
     "qwen3": dict(model_type="qwen3", heads=8, kv_heads=2, layers=3, head_dim=16, tied=True),
-    # A vocabulary no tp > 1 divides: the shards pad it (ckptconv.layout.ParallelLayout.padded_vocab).
+    # A vocabulary no tp > 1 divides: the shards pad it (ckptconv.core.layout.ParallelLayout.padded_vocab).
     "vocab1003": dict(heads=8, kv_heads=2, layers=3, vocab=1003, tied=True),
 }
 

@@ -9,8 +9,8 @@ import sys
 import torch
 
 from ckptconv.api import open_nxd
+from ckptconv.core.layout import shard_name
 from ckptconv.io.nxd import load_shard
-from ckptconv.layout import shard_name
 from nxdtrain.cli import main
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel import TpGroup

@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
+from ckptconv.core.layout import ParallelLayout
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd import Flavour, save_shard
-from ckptconv.layout import ParallelLayout
-from ckptconv.model_spec import ModelSpec
 from nxdtrain import cli
 from nxdtrain.device import resolve_kind, to_host, torch_xla_api
 from nxdtrain.errors import TrainError

@@ -79,9 +79,9 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     """nxdtrain's masters are served as NxD's are (NxdCheckpoint.read_weights_from; they were a second mechanism
     with fields, closing and reports of its own): the weights read are the fp32 masters of the optimizer file
     (torch.load as the reference), inspect names the source by its label, and a second source is refused."""
+    from ckptconv.core.plan import Source
     from ckptconv.inspection import inspect
     from ckptconv.nxd_source import open_nxd
-    from ckptconv.plan import Source
     from ckptconv.training_state import use_masters
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"

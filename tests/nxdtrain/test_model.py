@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from ckptconv.api import open_nxd
+from ckptconv.core.layout import ParallelLayout, shard_name
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd import load_shard, save_shard
-from ckptconv.layout import ParallelLayout, shard_name
-from ckptconv.model_spec import ModelSpec
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel import TpGroup, vocab_parallel_cross_entropy

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ckptconv.api import reshard, to_hf
+from ckptconv.core.layout import ParallelLayout
 from ckptconv.dcp_convert import to_dcp
-from ckptconv.layout import ParallelLayout
 from ckptconv.training_state import is_training_tag
 from nxdtrain.checkpoint import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig

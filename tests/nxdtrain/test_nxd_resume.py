@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptconv.layout import ParallelLayout
+from ckptconv.core.layout import ParallelLayout
 from ckptconv.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint import resolve_resume
 from nxdtrain.config import OptimConfig

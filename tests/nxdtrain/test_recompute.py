@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.api import open_nxd
+from ckptconv.core.layout import ParallelLayout, shard_name
+from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd import load_shard
-from ckptconv.layout import ParallelLayout, shard_name
-from ckptconv.model_spec import ModelSpec
 from nxdtrain.model import LlamaStage, SelfAttention, rank_heads
 from nxdtrain.parallel import TpGroup
 from nxdtrain.pipeline import PipelineStep, stage_shapes

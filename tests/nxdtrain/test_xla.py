@@ -22,8 +22,8 @@ import torch.distributed as dist  # noqa: E402
 import torch_xla  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 
+from ckptconv.core.layout import shard_file  # noqa: E402
 from ckptconv.io.nxd import load_shard  # noqa: E402
-from ckptconv.layout import shard_file  # noqa: E402
 from nxdtrain.checkpoint import optim_file  # noqa: E402
 from nxdtrain.config import TrainConfig  # noqa: E402
 from nxdtrain.dist import detect_env, init_world  # noqa: E402

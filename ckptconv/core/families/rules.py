@@ -1,12 +1,12 @@
 """Per-parameter rule objects: how one kind of decoder-layer parameter is split over tp ranks.
 
-A family (:mod:`ckptconv.families`) lists one rule per kind of parameter in HF module order; the rules
-turn (spec, layout, rank) into the shard records of :mod:`ckptconv.mapping`, which holds the head order
+A family (:mod:`ckptconv.core.families`) lists one rule per kind of parameter in HF module order; the rules
+turn (spec, layout, rank) into the shard records of :mod:`ckptconv.core.mapping`, which holds the head order
 they all ask. Names are relative to ``model.layers.N.``. Each rule's ``hf_names`` are its HF tensors in HF
 module order, and ``shapes`` gives their full shapes: the HF key order and the source checks derive from them.
 
-    >>> from ckptconv.model_spec import ModelSpec
-    >>> from ckptconv.layout import ParallelLayout
+    >>> from ckptconv.core.model_spec import ModelSpec
+    >>> from ckptconv.core.layout import ParallelLayout
     >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96, vocab=128, layers=1,
     ...                  tied=False)
     >>> rule = QkvRule(bias=True)
@@ -20,11 +20,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckptconv.heads import Segment, ShardRecord, chunk, head_segments, kv_heads, merge_segments, q_heads
-from ckptconv.layout import Attention, ParallelLayout
+from ckptconv.core.heads import Segment, ShardRecord, chunk, head_segments, kv_heads, merge_segments, q_heads
+from ckptconv.core.layout import Attention, ParallelLayout
 
 if TYPE_CHECKING:
-    from ckptconv.model_spec import ModelSpec
+    from ckptconv.core.model_spec import ModelSpec
 
 Size = Callable[["ModelSpec"], int]
 Shapes = dict[str, tuple[int, ...]]

@@ -1,7 +1,7 @@
 """What a model family is: data the converter, verify and the trainer all read.
 
-A :class:`Family` is registered by its HF ``model_type`` (:mod:`ckptconv.families`). It names the
-decoder-layer parameters in HF module order, one rule object each (:mod:`ckptconv.families.rules`), the
+A :class:`Family` is registered by its HF ``model_type`` (:mod:`ckptconv.core.families`). It names the
+decoder-layer parameters in HF module order, one rule object each (:mod:`ckptconv.core.families.rules`), the
 features its layer computes (q/k/v biases, per-head q/k norms, a sliding attention window) and the config
 keys whose features are not supported (refused in one line naming the key).
 """
@@ -12,17 +12,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptconv.core.families.rules import QkvRule, ReplicatedRule, Shapes
 from ckptconv.errors import ConversionError
-from ckptconv.families.rules import QkvRule, ReplicatedRule, Shapes
 
 if TYPE_CHECKING:
-    from ckptconv.heads import ShardRecord
-    from ckptconv.layout import ParallelLayout
-    from ckptconv.model_spec import ModelSpec
+    from ckptconv.core.heads import ShardRecord
+    from ckptconv.core.layout import ParallelLayout
+    from ckptconv.core.model_spec import ModelSpec
 
 
 class LayerRule(Protocol):
-    """One kind of decoder-layer parameter (see :mod:`ckptconv.families.rules`)."""
+    """One kind of decoder-layer parameter (see :mod:`ckptconv.core.families.rules`)."""
 
     @property
     def hf_names(self) -> tuple[str, ...]: ...

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckptconv.errors import ConversionError, choice
 
 if TYPE_CHECKING:
-    from ckptconv.model_spec import ModelSpec
+    from ckptconv.core.model_spec import ModelSpec
 
 
 class Attention(str, Enum):

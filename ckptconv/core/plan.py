@@ -1,12 +1,12 @@
 """Conversion plans: for every output file, its tensors in order and where each comes from.
 
-A plan is pure index arithmetic over :mod:`ckptconv.mapping`; it does no I/O, so it can be
+A plan is pure index arithmetic over :mod:`ckptconv.core.mapping`; it does no I/O, so it can be
 validated completely before a byte is written, and tested on shapes alone. HF->NxD, NxD->HF
 and NxD->NxD are three plans run by the one executor (:mod:`ckptconv.execute`).
 
 Example:
-    >>> from ckptconv.model_spec import ModelSpec
-    >>> from ckptconv.layout import ParallelLayout
+    >>> from ckptconv.core.model_spec import ModelSpec
+    >>> from ckptconv.core.layout import ParallelLayout
     >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96,
     ...                  vocab=128, layers=2, tied=False)
     >>> plan = plan_to_nxd(spec, ParallelLayout(tp=2), {k: torch.float32 for k in hf_shapes(spec, with_inv_freq=False)})
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ckptconv.layout import Attention, ParallelLayout, shard_file
-from ckptconv.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
-from ckptconv.model_spec import ModelSpec
+from ckptconv.core.layout import Attention, ParallelLayout, shard_file
+from ckptconv.core.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.core.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def hf_sources(
     """For each HF key: (dim, pieces that tile it, first copy of each range); plus all replica groups.
 
     ``lm_head_copy``: whether a tied model's shards hold ``lm_head.weight`` (see
-    :func:`ckptconv.mapping.stores_lm_head`); ignored when untied. Raises if the shards do not
+    :func:`ckptconv.core.mapping.stores_lm_head`); ignored when untied. Raises if the shards do not
     cover some HF range exactly once (an internal inconsistency).
     """
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
@@ -298,7 +298,7 @@ def plan_to_full_state(
     """The official ``--convert_to_full_state`` output: one torch file with HF keys.
 
     Its key order is the official one: shards read tp rank 0 first, pp ascending, each NxD key
-    (in the shard order of :func:`ckptconv.mapping.shard_records`) expanded in place into its HF
+    (in the shard order of :func:`ckptconv.core.mapping.shard_records`) expanded in place into its HF
     keys. A tied model gets no ``lm_head.weight``, with or without a copy in the shards.
     """
     tensors = {t.key: t for t in _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, keep_dtype,

@@ -1,15 +1,15 @@
 """Head order and shard-record primitives: which slice of which HF tensor sits where in an NxD shard.
 
 This is the one place that knows the GQA head order (docs/nxd-format.md §3). The family rules
-(:mod:`ckptconv.families.rules`) build records from these; every other module asks
-:func:`q_heads` / :func:`kv_heads` or :func:`ckptconv.mapping.shard_records`.
+(:mod:`ckptconv.core.families.rules`) build records from these; every other module asks
+:func:`q_heads` / :func:`kv_heads` or :func:`ckptconv.core.mapping.shard_records`.
 
 A shard tensor ("record") is the concatenation along ``dim`` of *segments*, each a range of an
 HF tensor along the same dim. Example: on the qkv_linear path with tp 2, kv 2, rank 1 holds
 ``weight_k = k_proj[8:16]`` (head 1 of head_dim 8), a record with one segment.
 
-    >>> from ckptconv.model_spec import ModelSpec
-    >>> from ckptconv.layout import ParallelLayout
+    >>> from ckptconv.core.model_spec import ModelSpec
+    >>> from ckptconv.core.layout import ParallelLayout
     >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96,
     ...                  vocab=128, layers=1, tied=False)
     >>> layout = ParallelLayout(tp=4, kvm=2, attention="qkv_linear")
@@ -25,10 +25,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckptconv.layout import Hardware, ParallelLayout, Trn2KvLayout
+from ckptconv.core.layout import Hardware, ParallelLayout, Trn2KvLayout
 
 if TYPE_CHECKING:
-    from ckptconv.model_spec import ModelSpec
+    from ckptconv.core.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

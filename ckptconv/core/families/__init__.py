@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptconv.core.families.base import Family, Refusal
+from ckptconv.core.families.llama import LLAMA
+from ckptconv.core.families.mistral import MISTRAL
+from ckptconv.core.families.qwen import QWEN2, QWEN3
 from ckptconv.errors import ConversionError
-from ckptconv.families.base import Family, Refusal
-from ckptconv.families.llama import LLAMA
-from ckptconv.families.mistral import MISTRAL
-from ckptconv.families.qwen import QWEN2, QWEN3
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 # Known model types with a feature the seam has no rule for yet (docs/architecture.md, "Adding an MoE family").

@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-from ckptconv.families.base import Family
-from ckptconv.families.llama import decoder_rules
-from ckptconv.families.rules import QkvRule
+from ckptconv.core.families.base import Family
+from ckptconv.core.families.llama import decoder_rules
+from ckptconv.core.families.rules import QkvRule
 
 MISTRAL = Family(model_type="mistral", name="Mistral", hf_class="MistralForCausalLM",
                  layer_rules=decoder_rules(qkv=QkvRule()), window_key="sliding_window")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.families import FAMILIES, Family, family_for
 from ckptconv.errors import ConversionError
-from ckptconv.families import FAMILIES, Family, family_for
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # HF and NxD keys alike
 
@@ -68,7 +68,7 @@ class ModelSpec:
 
     @property
     def family(self) -> Family:
-        """The family entry every converter path and the trainer read (:mod:`ckptconv.families`)."""
+        """The family entry every converter path and the trainer read (:mod:`ckptconv.core.families`)."""
         return FAMILIES[self.model_type]
 
     @property

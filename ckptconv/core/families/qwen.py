@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptconv.families.base import Family, Refusal
-from ckptconv.families.llama import decoder_rules
-from ckptconv.families.rules import QkvRule, ReplicatedRule, head_dim
+from ckptconv.core.families.base import Family, Refusal
+from ckptconv.core.families.llama import decoder_rules
+from ckptconv.core.families.rules import QkvRule, ReplicatedRule, head_dim
 
 
 def _has_sliding_layers(layer_types: Any) -> bool:

@@ -1,12 +1,12 @@
 """Which slice of which HF tensor sits where in which NxD shard: the tables of docs/nxd-format.md §3.
 
-The decoder layer's parameters come from the model's family (:mod:`ckptconv.families`: one rule object per
+The decoder layer's parameters come from the model's family (:mod:`ckptconv.core.families`: one rule object per
 kind of parameter); this module adds the model-level tensors (embedding, final norm, lm_head), orders a
 shard's records and checks a source against the family's shapes. The head order lives in
-:mod:`ckptconv.heads` (re-exported here).
+:mod:`ckptconv.core.heads` (re-exported here).
 
-    >>> from ckptconv.model_spec import ModelSpec
-    >>> from ckptconv.layout import ParallelLayout
+    >>> from ckptconv.core.model_spec import ModelSpec
+    >>> from ckptconv.core.layout import ParallelLayout
     >>> spec = ModelSpec(hidden=64, heads=8, kv_heads=2, head_dim=8, intermediate=96,
     ...                  vocab=128, layers=1, tied=False)
     >>> [r.key for r in shard_records(spec, ParallelLayout(tp=2), tp_rank=0, pp_rank=0)][:3]
@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ckptconv.core.families import LLAMA, Family
+from ckptconv.core.heads import Segment, ShardRecord, kv_heads, merge_segments, q_heads, vocab_segments
+from ckptconv.core.layout import ParallelLayout, layer_pp_ranks
 from ckptconv.errors import ConversionError
-from ckptconv.families import LLAMA, Family
-from ckptconv.heads import Segment, ShardRecord, kv_heads, merge_segments, q_heads, vocab_segments
-from ckptconv.layout import ParallelLayout, layer_pp_ranks
 
 if TYPE_CHECKING:
-    from ckptconv.model_spec import ModelSpec
+    from ckptconv.core.model_spec import ModelSpec
 
 __all__ = ["EMBED", "FINAL_NORM", "LM_HEAD", "Segment", "ShardRecord", "kv_heads", "merge_segments", "q_heads"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ckptconv.families.base import Family, LayerRule
-from ckptconv.families.rules import (
+from ckptconv.core.families.base import Family, LayerRule
+from ckptconv.core.families.rules import (
     GateUpRule,
     OutProjRule,
     QkvRule,
