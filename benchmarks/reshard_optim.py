@@ -24,9 +24,9 @@ import torch
 
 from benchmarks.synth import write_model
 from ckptconv.api import RunOptions, to_nxd
-from ckptconv.digest import record_files
+from ckptconv.io.digest import record_files
+from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd import load_shard, write_markers
-from ckptconv.metadata import read_metadata, write_metadata
 from ckptconv.training_state import FORMAT, MASTER, SCHEDULER_FILE, USER_CONTENT_FILE, stage_groups, state_key
 
 # torch AdamW's param-group fields, as nxdtrain's optimizer files record them

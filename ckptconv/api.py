@@ -33,7 +33,6 @@ from ckptconv.core.layout import (
 from ckptconv.core.mapping import check_source_shapes
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
-from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.execute import ExecOptions, run_plan
 from ckptconv.finalize import (
@@ -46,10 +45,11 @@ from ckptconv.finalize import (
     write_spec,
 )
 from ckptconv.hub import resolve_hf
+from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
+from ckptconv.io.metadata import read_metadata, tool_version
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.metadata import read_metadata, tool_version
 from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of

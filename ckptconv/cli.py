@@ -15,15 +15,15 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptconv import digest
 from ckptconv.cli_errors import DEBUG_HELP, run_guarded
 from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.core.layout import Attention
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.errors import ConversionError
+from ckptconv.io import digest
+from ckptconv.io.metadata import add_version_flag
 from ckptconv.launcher import detect_part, parse_part
-from ckptconv.metadata import add_version_flag
 from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
 
 if TYPE_CHECKING:

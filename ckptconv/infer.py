@@ -20,8 +20,8 @@ from ckptconv.core.mapping import EMBED
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError
+from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.metadata import METADATA_FILE
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -13,8 +13,8 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
+from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.nxd import DONE_MARKER
-from ckptconv.metadata import METADATA_FILE, read_metadata
 from ckptconv.nxd_optimizer import OPTIM_DIR, optimizer_summary
 from ckptconv.training_state import optimizer_summary as nxdtrain_optimizer_summary
 

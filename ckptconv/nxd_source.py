@@ -21,8 +21,8 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
+from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.metadata import METADATA_FILE
 from ckptconv.nxd_masters import nxd_masters, nxdtrain_masters
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ckptconv.digest import DEFAULT as DEFAULT_HASH
-from ckptconv.digest import check_algorithm
 from ckptconv.errors import ConversionError
+from ckptconv.io.digest import DEFAULT as DEFAULT_HASH
+from ckptconv.io.digest import check_algorithm
 
 MIN_DEFAULT_WORKERS = 8
 # to-dcp's default --max-file-size. Many files rather than few: writers of one file share its inode lock, and

@@ -46,7 +46,7 @@ from ckptconv.io.atomic import (  # noqa: F401
     write_text,
 )
 from ckptconv.io.atomic import remove_path as _remove
-from ckptconv.metadata import METADATA_FILE
+from ckptconv.io.metadata import METADATA_FILE
 
 TMP_DIR = ".ckptconv-tmp"
 LOCK_FILE = "lock"

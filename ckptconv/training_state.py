@@ -39,10 +39,10 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles
+from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
-from ckptconv.metadata import METADATA_FILE
 
 FORMAT = 2
 MASTER = "master"

@@ -36,8 +36,8 @@ from ckptconv.core.reference import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError
+from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.nxd_source import open_nxd

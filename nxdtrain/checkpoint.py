@@ -38,10 +38,11 @@ from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLay
 from ckptconv.core.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
-from ckptconv.digest import DEFAULT as DEFAULT_HASH
-from ckptconv.digest import record_files
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
+from ckptconv.io.digest import DEFAULT as DEFAULT_HASH
+from ckptconv.io.digest import record_files
+from ckptconv.io.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.io.nxd import (
     CHECKPOINT_MARKER,
     DONE_MARKER,
@@ -54,7 +55,6 @@ from ckptconv.io.nxd import (
     tag_step,
     write_markers,
 )
-from ckptconv.metadata import Metadata, read_metadata, write_metadata
 from ckptconv.nxd_optimizer_write import NXD_OPTIMIZER_KEY
 from ckptconv.nxd_source import open_nxd
 from ckptconv.training_state import (

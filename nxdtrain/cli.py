@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptconv.cli_errors import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
-from ckptconv.metadata import add_version_flag
+from ckptconv.io.metadata import add_version_flag
 from nxdtrain.commands import add_commands
 from nxdtrain.config import TrainConfig, explain, flag_of, leaf_fields
 from nxdtrain.errors import TrainError

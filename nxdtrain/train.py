@@ -542,8 +542,8 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
     An earlier HF export in OUT (a ckptconv.json of kind "hf") is replaced; anything else there is an error.
     """
     from ckptconv.api import RunOptions, to_hf
+    from ckptconv.io.metadata import read_metadata
     from ckptconv.io.nxd import resolve_checkpoint
-    from ckptconv.metadata import read_metadata
 
     check_export_target(out, label)  # in nxdtrain's words (ckptconv's would suggest its --overwrite)
     check_model_config(resolve_checkpoint(src)[0])

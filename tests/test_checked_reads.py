@@ -17,11 +17,11 @@ import torch
 
 import ckptconv
 from ckptconv.cli import main
-from ckptconv.digest import FileRecord
 from ckptconv.errors import IntegrityError
 from ckptconv.inspection import inspect
 from ckptconv.io.checked import SMALL_GAP, StreamCheck, ZipCrc
 from ckptconv.io.crc import crc32
+from ckptconv.io.digest import FileRecord
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip_read import TorchZipReader
 from tests.conftest import hf_state

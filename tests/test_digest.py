@@ -8,8 +8,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from ckptconv.digest import FileRecord, file_digest
 from ckptconv.errors import ConversionError
+from ckptconv.io.digest import FileRecord, file_digest
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import torch
 import ckptconv
 from ckptconv.core.layout_flags import LayoutHints
 from ckptconv.core.reference import dense_layer
-from ckptconv.digest import FileRecord
 from ckptconv.errors import ConversionError, IntegrityError, VerificationError
+from ckptconv.io.digest import FileRecord
 from ckptconv.io.nxd import load_shard, save_shard
 from ckptconv.verify import verify
 from tests.conftest import hf_state

@@ -29,10 +29,10 @@ from typing import Any
 
 import blake3
 
-from ckptconv.digest import FileRecord
 from ckptconv.errors import IntegrityError
 from ckptconv.io.crc import crc32
-from ckptconv.metadata import METADATA_FILE
+from ckptconv.io.digest import FileRecord
+from ckptconv.io.metadata import METADATA_FILE
 
 # Gaps of unread bytes the check reads itself rather than leave for later: zip headers, pickles,
 # alignment, small tensors nobody asked for. Larger unread gaps wait for the workers or finish().

@@ -37,10 +37,10 @@ import torch
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles, ZipCrc, check_whole_file
+from ckptconv.io.metadata import read_metadata
 from ckptconv.io.positional import FileWindow, PositionalFile
 from ckptconv.io.safe_load import DcpRecord, load_dcp_metadata, load_small_bytes
 from ckptconv.io.torchzip import TensorMeta, TorchZipReader, TorchZipWriter, ZipLayout, plan_zip
-from ckptconv.metadata import read_metadata
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"

@@ -31,12 +31,12 @@ from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.atomic import move_into_place, write_text
 from ckptconv.io.checked import CheckedFiles, check_whole_file
+from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import TensorReference, load_small
 from ckptconv.io.torchzip import StoredTensor, TensorMeta, TorchZipReader, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.io.torchzip_pickle import map_tensor_at
 from ckptconv.io.torchzip_read import is_row_major
-from ckptconv.metadata import METADATA_FILE, read_metadata
 
 DONE_MARKER = "done"
 CHECKPOINT_MARKER = "checkpoint"

@@ -63,7 +63,7 @@ def looks_complete(out: Path) -> bool:
 def consistent(out: Path) -> bool:
     """OUT's ckptconv.json lists exactly the files present besides itself (and the temporary
     directory a run killed after writing it leaves), each of the recorded size and digest."""
-    from ckptconv.digest import FileRecord
+    from ckptconv.io.digest import FileRecord
 
     listed = json.loads((out / "ckptconv.json").read_text())["files"]
     present = {rel for rel in tree(out) if rel != "ckptconv.json" and not rel.startswith(".ckptconv-tmp/")}

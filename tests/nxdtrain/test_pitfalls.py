@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from ckptconv.digest import record_files
+from ckptconv.io.digest import record_files
+from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd import write_markers
-from ckptconv.metadata import read_metadata, write_metadata
 from nxdtrain import preflight
 from nxdtrain.cli import main
 from nxdtrain.config import TrainConfig

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.digest import DEFAULT, record_files
+from ckptconv.io.digest import DEFAULT, record_files
 from tests.conftest import make_tiny_llama
 
 VOCAB = 128
