@@ -132,7 +132,7 @@ class Probe:
 def _threads(nproc: int) -> None:
     import torch
 
-    from ckptconv.options import usable_cpus
+    from ckptconv.engine.options import usable_cpus
 
     torch.set_num_threads(max(1, usable_cpus() // nproc))  # what nxdtrain.train does
 
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is None:
         cleanup = tempfile.TemporaryDirectory(prefix="bench-train-")
         args.workdir = cleanup.name
-    from ckptconv.options import usable_cpus
+    from ckptconv.engine.options import usable_cpus
 
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     machine = (f"{platform.machine()}, {usable_cpus()} usable cores{gpu}, "

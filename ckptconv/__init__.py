@@ -13,7 +13,7 @@ from ckptconv.errors import ConversionError, VerificationError
 
 __version__ = "0.2.0"  # the one place: pyproject.toml's version is read from here (tool.setuptools.dynamic)
 
-_API = {"RunOptions": "ckptconv.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
+_API = {"RunOptions": "ckptconv.engine.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
         "reshard": "ckptconv.api", "inspect": "ckptconv.inspection",
         "to_dcp": "ckptconv.dcp_convert", "from_dcp": "ckptconv.dcp_convert"}
 

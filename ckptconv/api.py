@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ckptconv import outdir
 from ckptconv.core.layout import (
     HF_FILES_DIR,
     Attention,
@@ -33,9 +32,9 @@ from ckptconv.core.layout import (
 from ckptconv.core.mapping import check_source_shapes
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
-from ckptconv.errors import ConversionError, VerificationError, choice
-from ckptconv.execute import ExecOptions, run_plan
-from ckptconv.finalize import (
+from ckptconv.engine import outdir
+from ckptconv.engine.execute import ExecOptions, run_plan
+from ckptconv.engine.finalize import (
     FinalizeSpec,
     assign_files,
     pending_fingerprint,
@@ -44,6 +43,10 @@ from ckptconv.finalize import (
     try_finalize,
     write_spec,
 )
+from ckptconv.engine.options import DTYPES as DTYPE_NAMES
+from ckptconv.engine.options import RunOptions  # also reached as ckptconv.api.RunOptions
+from ckptconv.engine.progress import byte_progress, note
+from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.hub import resolve_hf
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
@@ -55,9 +58,6 @@ from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
 from ckptconv.nxd_source import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.options import DTYPES as DTYPE_NAMES
-from ckptconv.options import RunOptions  # also reached as ckptconv.api.RunOptions
-from ckptconv.progress import byte_progress, note
 from ckptconv.tag_parts import TagPart
 from ckptconv.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 from ckptconv.training_state import TagOptimizer, is_training_tag

@@ -20,11 +20,11 @@ from ckptconv.compat import build_parser as build_compat_parser
 from ckptconv.compat import run_compat
 from ckptconv.core.layout import Attention
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints
+from ckptconv.engine.launcher import detect_part, parse_part
+from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io import digest
 from ckptconv.io.metadata import add_version_flag
-from ckptconv.launcher import detect_part, parse_part
-from ckptconv.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
 
 if TYPE_CHECKING:
     from ckptconv.api import Result
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> Any:
         return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
                        masters=args.masters)
     if args.command == "finalize":
-        from ckptconv.finalize import finalize
+        from ckptconv.engine.finalize import finalize
 
         files = finalize(args.out)
         return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}

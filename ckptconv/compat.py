@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from ckptconv.core.layout import Attention
 from ckptconv.core.layout_flags import LayoutHints
+from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
-from ckptconv.options import RunOptions
 
 if TYPE_CHECKING:
     from ckptconv.api import Result
@@ -112,7 +112,7 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
     from ckptconv.api import _convert, _fingerprint
     from ckptconv.core.plan import plan_to_full_state
-    from ckptconv.finalize import FinalizeSpec
+    from ckptconv.engine.finalize import FinalizeSpec
     from ckptconv.io.nxd import Flavour, sink_factory
     from ckptconv.nxd_source import open_nxd
 

@@ -40,9 +40,10 @@ from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, T
 from ckptconv.core.mapping import check_source_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutTensor, Plan, hf_sources
+from ckptconv.engine.execute import replica_bands
+from ckptconv.engine.finalize import FinalizeSpec
+from ckptconv.engine.progress import note
 from ckptconv.errors import ConversionError, choice
-from ckptconv.execute import replica_bands
-from ckptconv.finalize import FinalizeSpec
 from ckptconv.hub import resolve_hf
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
@@ -62,7 +63,6 @@ from ckptconv.plan_dcp import (
     plan_to_dcp,
     tied_copies,
 )
-from ckptconv.progress import note
 from ckptconv.tag_reshard import TrainingTag, torch_blob
 from ckptconv.titan_names import (
     LR_SCHEDULER_KEYS,

@@ -31,12 +31,12 @@ import torch
 
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
+from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
 from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
 from ckptconv.nxd_tag_optimizer import STEP
-from ckptconv.options import NXD_PARAM_GROUPS
 from ckptconv.training_state import (
     MASTER,
     OptimizerSource,
@@ -48,7 +48,7 @@ from ckptconv.training_state import (
 
 DEFAULT_RULE = "bias-norm"
 RULE_CHOICES = (*PARAM_GROUP_RULES, "one")
-assert RULE_CHOICES == NXD_PARAM_GROUPS, "ckptconv.options names the same rules for the CLI"
+assert RULE_CHOICES == NXD_PARAM_GROUPS, "ckptconv.engine.options names the same rules for the CLI"
 # The key order of a param group in NxD 2.28's files: torch AdamW's own (initial_lr added by the scheduler),
 # and NeuronZero1Optimizer's (its wrapper groups take initial_lr before the base optimizer's defaults).
 _ADAMW_GROUP = ("weight_decay", "lr", "betas", "eps", "amsgrad", "maximize", "foreach", "capturable",

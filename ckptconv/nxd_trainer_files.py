@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
+from ckptconv.engine.options import NXD_TRAINERS
 from ckptconv.errors import ConversionError
 from ckptconv.lr_schedule import NXDT_SCHEDULES, Recorded, nxdt_lr
 from ckptconv.nxd_optimizer_write import NXDTRAIN_KEY
-from ckptconv.options import NXD_TRAINERS
 from ckptconv.training_state import SCHEDULER_FILE, USER_CONTENT_FILE
 
 NXD_EXAMPLE, NXDT = NXD_TRAINERS

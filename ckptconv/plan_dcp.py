@@ -36,9 +36,9 @@ from ckptconv.core.plan import (
     keep_dtype,
     plan_to_nxd,
 )
+from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
 from ckptconv.errors import ConversionError
 from ckptconv.io.dcp import distcp_name
-from ckptconv.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
 from ckptconv.titan_names import (
     OPTIMIZER_STATE_FIELDS,
     TitanParam,

@@ -5,7 +5,7 @@ them), so a part that planned every file would read every (dp, tp, pp) optimizer
 part per rank (``nxdtrain run --optimizer-format nxd`` saves so) the reads grow with the square of the world.
 Here the files are split between the parts before the optimizer is planned: each target shard's model file
 and each of its optimizer files is one unit (the optimizer files weighed as their shard's file: their size is
-not known before the state is read), assigned as :func:`ckptconv.finalize.assign` assigns files. A part plans
+not known before the state is read), assigned as :func:`ckptconv.engine.finalize.assign` assigns files. A part plans
 the optimizer state of the shards whose units it holds and writes its units. Each replica group (K/V heads,
 norms, and their optimizer state: copies that must agree) is checked by exactly one part, the one writing the
 first file that reads it: every group is still checked, once in all rather than once per part.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import OutFile, Plan, ReplicaGroup
-from ckptconv.finalize import assign
+from ckptconv.engine.finalize import assign
 from ckptconv.io.nxd import TENSORS_SUFFIX
 from ckptconv.training_state import optimizer_file
 

@@ -21,8 +21,9 @@ from ckptconv.core.layout import ParallelLayout, parse_shard_name
 from ckptconv.core.mapping import live_module_order
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import NESTED_TORCH, OutFile, Plan
+from ckptconv.engine.finalize import FinalizeSpec
+from ckptconv.engine.options import NXD_TRAINERS
 from ckptconv.errors import ConversionError
-from ckptconv.finalize import FinalizeSpec
 from ckptconv.io.checked import check_whole_file
 from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
@@ -38,7 +39,6 @@ from ckptconv.nxd_optimizer_write import (
 from ckptconv.nxd_position import NxdPosition, nxd_position
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.nxd_trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
-from ckptconv.options import NXD_TRAINERS
 from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv import outdir
 from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, ParallelLayout, default_kvm, shard_file
 from ckptconv.core.mapping import EMBED, LM_HEAD, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
+from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.digest import DEFAULT as DEFAULT_HASH

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.lr_schedule import NXDT_SCHEDULES
-from ckptconv.options import NXD_PARAM_GROUPS
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 

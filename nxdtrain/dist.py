@@ -36,7 +36,7 @@ from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from ckptconv.launcher import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
+from ckptconv.engine.launcher import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
 from nxdtrain.errors import TrainError
 from nxdtrain.lifeline import die_with, start_time
 
@@ -115,7 +115,7 @@ def first_slurm_host(nodelist: str) -> str:
 
 
 def detect_env(environ: Mapping[str, str] | None = None) -> WorldEnv:
-    """The launcher's place for this process (:func:`ckptconv.launcher.detect_launch`: torchrun over Slurm) and
+    """The launcher's place for this process (:func:`ckptconv.engine.launcher.detect_launch`: torchrun over Slurm) and
     how to reach rank 0."""
     env = os.environ if environ is None else environ
     rank, world, local, launcher = astuple(detect_launch(env))

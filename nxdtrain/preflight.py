@@ -16,10 +16,10 @@ import os
 from pathlib import Path
 
 from ckptconv.core.layout import HF_FILES_DIR
+from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.metadata import METADATA_FILE, Metadata, read_metadata
-from ckptconv.outdir import TMP_DIR
 from nxdtrain.config import TrainConfig
 from nxdtrain.errors import TrainError
 

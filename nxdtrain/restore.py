@@ -18,8 +18,8 @@ from ckptconv import training_state
 from ckptconv.core.layout import ParallelLayout, parse_shard_name, shard_file
 from ckptconv.core.mapping import all_shard_records, stores_lm_head
 from ckptconv.core.plan import OutTensor, plan_reshard
+from ckptconv.engine.execute import read_tensor
 from ckptconv.errors import ConversionError
-from ckptconv.execute import read_tensor
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.nxd_masters import nxd_masters
 from ckptconv.nxd_optimizer import NxdOptimizer

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ckptconv.core.layout import ParallelLayout
+from ckptconv.engine.options import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE
-from ckptconv.options import usable_cpus
 from nxdtrain.checkpoint import (
     ResumeSource,
     TagWriter,

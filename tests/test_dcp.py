@@ -441,7 +441,7 @@ def test_fused_qkv_rows_go_into_dcp_and_back_through_the_same_tables(models, tmp
     """What phase 2 does with AdamW moments (keyed by TorchTitan's fused wqkv): any tensor of the fused
     parameter's rows is written from HF-keyed rows and read back through ``titan_tiles``."""
     from ckptconv.core.plan import Plan, compose
-    from ckptconv.execute import ExecOptions, run_plan
+    from ckptconv.engine.execute import ExecOptions, run_plan
     from ckptconv.io.hf import HfCheckpoint
     from ckptconv.io.safetensors_sink import safetensors_sink
     from ckptconv.plan_dcp import titan_tensor, titan_tiles

@@ -1,11 +1,11 @@
-"""One launcher detection for ckptconv's --part and nxdtrain's world (ckptconv.launcher): torchrun over Slurm."""
+"""One launcher detection for ckptconv's --part and nxdtrain's world (ckptconv.engine.launcher): torchrun over Slurm."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckptconv.finalize import detect_part
-from ckptconv.launcher import Launch, detect_launch, local_world_size
+from ckptconv.engine.finalize import detect_part
+from ckptconv.engine.launcher import Launch, detect_launch, local_world_size
 from nxdtrain.dist import detect_env
 
 # What each worker of `srun --nodes 2 --ntasks-per-node 1 torchrun --nproc-per-node 4 ...` sees on the

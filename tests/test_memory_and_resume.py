@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import ckptconv
-from ckptconv import execute
+from ckptconv.engine import execute
 from tests.conftest import hf_state
 
 CONFIG = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=1536,

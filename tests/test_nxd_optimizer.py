@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptconv.api import reshard, to_hf
+from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
 from ckptconv.inspection import inspect
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
-from ckptconv.options import RunOptions
 from ckptconv.verify import verify
 from tests.conftest import hf_state
 

@@ -16,7 +16,7 @@ from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.mapping import hf_shapes
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import plan_to_nxd
-from ckptconv.finalize import assign_files, detect_part
+from ckptconv.engine.finalize import assign_files, detect_part
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
 
@@ -48,7 +48,7 @@ def test_part_comes_from_torchrun_or_srun(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "3")
     assert detect_part() == (1, 3)
-    # torchrun inside an srun task: the worker's own RANK/WORLD_SIZE, not the task's (ckptconv.launcher)
+    # torchrun inside an srun task: the worker's own RANK/WORLD_SIZE, not the task's (ckptconv.engine.launcher)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert detect_part() == (2, 4)

@@ -15,8 +15,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from ckptconv.api import RunOptions, reshard, to_nxd
 from ckptconv.core.layout import Attention, ParallelLayout, parse_shard_name
 from ckptconv.core.plan import Plan, plan_reshard, plan_to_hf
+from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.io.nxd import TorchZipSink, load_shard
 from ckptconv.nxd_source import open_nxd
 from ckptconv.tag_reshard import TrainingTag

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ckptconv import options
+from ckptconv.engine import options
 
 
 @pytest.mark.parametrize("cpu_max,expected", [

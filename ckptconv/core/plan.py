@@ -2,7 +2,7 @@
 
 A plan is pure index arithmetic over :mod:`ckptconv.core.mapping`; it does no I/O, so it can be
 validated completely before a byte is written, and tested on shapes alone. HF->NxD, NxD->HF
-and NxD->NxD are three plans run by the one executor (:mod:`ckptconv.execute`).
+and NxD->NxD are three plans run by the one executor (:mod:`ckptconv.engine.execute`).
 
 Example:
     >>> from ckptconv.core.model_spec import ModelSpec

@@ -4,7 +4,7 @@
 through a planted symbolic link; :func:`write_text`, :func:`copy_file` and :func:`move_into_place`
 (the executor's and a training save's finished temp files) are built on it or on :func:`place`.
 Imports nothing from ckptconv but ``errors``, so every reader and writer under ``io/`` may use it;
-``ckptconv.outdir`` (what in OUT is ours, one writer at a time) re-exports it.
+``ckptconv.engine.outdir`` (what in OUT is ours, one writer at a time) re-exports it.
 
 Example:
     >>> with atomic_target(Path("out/config.json")) as partial:     # doctest: +SKIP

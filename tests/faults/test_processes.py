@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptconv.cli import main
-from ckptconv.outdir import LOCK_FILE, TMP_DIR
+from ckptconv.engine.outdir import LOCK_FILE, TMP_DIR
 from tests.faults.helpers import command, consistent, env, looks_complete, one_line_error, run, tree
 
 SLOW_FLAGS = ["--workers", "1", "--max-memory", "1MiB", "--hash", "sha256"]  # a longer window to kill in
@@ -95,7 +95,7 @@ def test_second_writer_is_refused_and_a_killed_holder_releases(fault_hf: Path, t
                                                                capsys: pytest.CaptureFixture[str]):
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from ckptconv.outdir import acquire; "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from ckptconv.engine.outdir import acquire; "
          "lock = acquire(Path(sys.argv[1]), fingerprint='other', command='holder'); print('ready', flush=True); "
          "time.sleep(600)", str(out)], env=env(), stdout=subprocess.PIPE, text=True)
     try:

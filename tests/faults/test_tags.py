@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ckptconv import outdir
+from ckptconv.engine import outdir
 from nxdtrain.checkpoint import TagWriter, prune
 from nxdtrain.errors import TrainError
 

@@ -158,7 +158,7 @@ KILL_BOUND_S = 15.0  # the workers' watchdog polls every 0.5 s; slack for a busy
 def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(tmp_path, nxd_model):
     """What the OOM killer does to `nxdtrain run --nproc 2`: no worker goes on training and saving alone; while
     the run lives, a second run into its --checkpoint-dir is refused naming it; once it is gone, the dir is free."""
-    from ckptconv import outdir
+    from ckptconv.engine import outdir
 
     src = nxd_model("mha", tp=1, pp=1, attention="separate")
     root, log = tmp_path / "ckpt", tmp_path / "log.jsonl"

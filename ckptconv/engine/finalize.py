@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckptconv.engine.launcher import detect_part, parse_part  # noqa: F401  (re-exported: where --part lived)
+from ckptconv.engine.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import DEFAULT, FileRecord
 from ckptconv.io.metadata import Metadata, write_metadata
-from ckptconv.launcher import detect_part, parse_part  # noqa: F401  (re-exported: where --part lived)
-from ckptconv.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
 
 if TYPE_CHECKING:
     from ckptconv.core.plan import Plan

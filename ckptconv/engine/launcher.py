@@ -70,7 +70,7 @@ def parse_part(text: str) -> tuple[int, int]:
 
 def detect_part(explicit: tuple[int, int] | None = None) -> tuple[int, int]:
     """This process's part: explicit, else from torchrun or srun (torchrun's variables win, see
-    :mod:`ckptconv.launcher`), else the whole job."""
+    :mod:`ckptconv.engine.launcher`), else the whole job."""
     if explicit is not None:
         return explicit
     launch = detect_launch()

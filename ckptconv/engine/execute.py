@@ -24,11 +24,11 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
+from ckptconv.engine.options import default_workers
+from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
-from ckptconv.options import default_workers
-from ckptconv.outdir import TMP_DIR
 
 STATE_FILE = "state.json"
 
