@@ -47,17 +47,17 @@ from ckptconv.engine.options import DTYPES as DTYPE_NAMES
 from ckptconv.engine.options import RunOptions  # also reached as ckptconv.api.RunOptions
 from ckptconv.engine.progress import byte_progress, note
 from ckptconv.errors import ConversionError, VerificationError, choice
-from ckptconv.hub import resolve_hf
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.metadata import read_metadata, tool_version
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.nxd_masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.nxd_optimizer import OPTIM_DIR
 from ckptconv.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
-from ckptconv.nxd_source import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.sources.hub import resolve_hf
+from ckptconv.sources.masters import MasterWeights, nxdtrain_optimizer
+from ckptconv.sources.nxd import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
 from ckptconv.tag_parts import TagPart
 from ckptconv.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 from ckptconv.training_state import TagOptimizer, is_training_tag
@@ -150,7 +150,7 @@ def to_nxd(
     ``tokenizer``: a directory whose tokenizer (and generation) files are kept in ``out/hf/`` instead of
     those beside ``src`` (a single ``.pt``/``.bin`` file usually has none), so that exports carry them.
 
-    A hub id is resolved by :func:`ckptconv.hub.resolve_hf` (the local cache first; ``revision``: branch, tag
+    A hub id is resolved by :func:`ckptconv.sources.hub.resolve_hf` (the local cache first; ``revision``: branch, tag
     or commit). With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
     layers (plus embedding and lm_head) numerically and raises ``VerificationError`` on a mismatch.
     """
@@ -277,7 +277,7 @@ def to_hf(
     """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
 
     ``masters``: read the weights from the fp32 master weights in the tag's ``optim/``: those an nxdtrain
-    bf16 run keeps, or NxD's own (ZeRO-1 ``sharded_master_weights``, see :mod:`ckptconv.nxd_masters`).
+    bf16 run keeps, or NxD's own (ZeRO-1 ``sharded_master_weights``, see :mod:`ckptconv.sources.masters`).
     None, the default: when present (and always for an NxD tag whose model files hold no tensors);
     True: required; False: the shards.
 

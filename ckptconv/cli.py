@@ -376,7 +376,7 @@ def _push(result: Result, args: argparse.Namespace) -> dict[str, Any]:
         data["pushed"] = None
         data["notes"].append(f"not pushed to {args.push_to_hub}: OUT is not complete yet; the part that finishes it pushes")
         return data
-    from ckptconv.hub import push
+    from ckptconv.sources.hub import push
 
     pushed = push(result.out, args.push_to_hub, private=args.private)
     data["pushed"] = pushed

@@ -114,7 +114,7 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     from ckptconv.core.plan import plan_to_full_state
     from ckptconv.engine.finalize import FinalizeSpec
     from ckptconv.io.nxd import Flavour, sink_factory
-    from ckptconv.nxd_source import open_nxd
+    from ckptconv.sources.nxd import open_nxd
 
     started = time.monotonic()
     out = Path(out)

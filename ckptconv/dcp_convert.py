@@ -44,15 +44,12 @@ from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.progress import note
 from ckptconv.errors import ConversionError, choice
-from ckptconv.hub import resolve_hf
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import TAG_MARKERS, Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.nxd_masters import nxdtrain_optimizer
-from ckptconv.nxd_source import model_spec_of, open_nxd
 from ckptconv.plan_dcp import (
     DEFAULT_FILE_SIZE,
     hf_dtypes_of,
@@ -63,6 +60,9 @@ from ckptconv.plan_dcp import (
     plan_to_dcp,
     tied_copies,
 )
+from ckptconv.sources.hub import resolve_hf
+from ckptconv.sources.masters import nxdtrain_optimizer
+from ckptconv.sources.nxd import model_spec_of, open_nxd
 from ckptconv.tag_reshard import TrainingTag, torch_blob
 from ckptconv.titan_names import (
     LR_SCHEDULER_KEYS,

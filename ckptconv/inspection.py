@@ -11,11 +11,11 @@ from ckptconv.core.mapping import stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
-from ckptconv.hub import resolve_hf
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.nxd import DONE_MARKER
 from ckptconv.nxd_optimizer import OPTIM_DIR, optimizer_summary
+from ckptconv.sources.hub import resolve_hf
 from ckptconv.training_state import optimizer_summary as nxdtrain_optimizer_summary
 
 
@@ -72,7 +72,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
 
 
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:
-    from ckptconv.nxd_source import open_nxd
+    from ckptconv.sources.nxd import open_nxd
 
     try:
         ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, masters=masters,

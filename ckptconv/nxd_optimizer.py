@@ -815,7 +815,7 @@ def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | Non
                 "parameters_per_rank": len(optim.names()), "step": optim.step(), "naming": optim.naming()}
 
     try:  # every rank's files parsed: the summary describes (and its checks cover) all of them
-        if model.nxd_optimizer is not None:  # opened already (ckptconv.nxd_masters, keep=True): closed with the model
+        if model.nxd_optimizer is not None:  # opened already (ckptconv.sources.masters, keep=True): closed with the model
             return summary(model.nxd_optimizer.load_all())
         with NxdOptimizer(model, check=check) as optim:
             return summary(optim.load_all())

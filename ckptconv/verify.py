@@ -40,7 +40,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.nxd_source import open_nxd
+from ckptconv.sources.nxd import open_nxd
 
 DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32
 # When the shards were cast (e.g. fp32 HF -> bf16 shards) the weights themselves differ by the cast.
@@ -281,15 +281,15 @@ def verify(
     """Compare the sharded computation with the dense HF one; see the module docstring.
 
     ``masters=True``: check the fp32 master weights in the tag's ``optim/`` instead of the shards (see
-    :func:`ckptconv.nxd_source.open_nxd`; NxD's are read without asking when the model files hold none).
+    :func:`ckptconv.sources.nxd.open_nxd`; NxD's are read without asking when the model files hold none).
 
-    ``hf_dir`` may be a hub id ``org/name`` (``revision``: branch, tag or commit), see :mod:`ckptconv.hub`.
+    ``hf_dir`` may be a hub id ``org/name`` (``revision``: branch, tag or commit), see :mod:`ckptconv.sources.hub`.
 
     ``tol`` defaults to 1e-4 relative, looser when the shards hold a lower precision than the HF
     weights (a cast, e.g. ``--dtype bf16``). With ``check`` every shard read from is checked
     against its record (size, digest, zip CRC-32s; IntegrityError on a mismatch).
     """
-    from ckptconv.hub import resolve_hf
+    from ckptconv.sources.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
     ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)

@@ -56,7 +56,7 @@ from ckptconv.io.nxd import (
     write_markers,
 )
 from ckptconv.nxd_optimizer_write import NXD_OPTIMIZER_KEY
-from ckptconv.nxd_source import open_nxd
+from ckptconv.sources.nxd import open_nxd
 from ckptconv.training_state import (
     OPTIM_DIR,
     SCHEDULER_FILE,

@@ -21,9 +21,9 @@ from ckptconv.core.plan import OutTensor, plan_reshard
 from ckptconv.engine.execute import read_tensor
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.nxd_masters import nxd_masters
 from ckptconv.nxd_optimizer import NxdOptimizer
 from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.sources.masters import nxd_masters
 from nxdtrain.checkpoint import damaged
 from nxdtrain.errors import TrainError
 

@@ -16,7 +16,7 @@ from huggingface_hub import constants, scan_cache_dir
 
 from ckptconv.cli import main
 from ckptconv.errors import ConversionError
-from ckptconv.hub import is_hub_id, resolve_hf
+from ckptconv.sources.hub import is_hub_id, resolve_hf
 
 REPO_ID = "acme/tiny-llama"
 MAIN, V1 = "a" * 40, "b" * 40  # commit hashes of the two cached revisions
@@ -76,9 +76,9 @@ def assert_same_conversion(a: Path, b: Path) -> None:
 def test_docstring_examples():
     import doctest
 
-    import ckptconv.hub
+    import ckptconv.sources.hub
 
-    result = doctest.testmod(ckptconv.hub)
+    result = doctest.testmod(ckptconv.sources.hub)
     assert result.attempted > 0 and result.failed == 0
 
 

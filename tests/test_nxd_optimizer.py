@@ -445,7 +445,7 @@ def test_declared_reads_a_files_headers_once(monkeypatch: pytest.MonkeyPatch, tm
 
 @pytest.mark.parametrize("case", ["plain_fp32", "zero1_bf16_masters", "zero1_bf16_masters_only_xser", "zero1_bf16_dcp"])
 def test_inspect_parses_nxds_optimizer_once(case: str, nxd_optimizers_made: list[Path]) -> None:
-    """The weights' notes (ckptconv.nxd_masters) and the optimizer summary share one opening of NxD's optimizer,
+    """The weights' notes (ckptconv.sources.masters) and the optimizer summary share one opening of NxD's optimizer,
     whether the weights come from its masters or not; the summary is the same as a reader of its own gives."""
     report = inspect(tag_of(case), config=FIXTURES / case / "hf" / "config.json")
     assert len(nxd_optimizers_made) == 1
@@ -461,7 +461,7 @@ def test_a_kept_optimizer_lives_until_its_checkpoint_closes(tmp_path: Path) -> N
     loudly instead of reopening its files. A second weight source or kept optimizer is refused."""
     from ckptconv.core.plan import Source
     from ckptconv.io.nxd import NxdCheckpoint
-    from ckptconv.nxd_masters import MasterWeights
+    from ckptconv.sources.masters import MasterWeights
 
     case = "zero1_bf16_masters_only_xser"
     ckpt = NxdCheckpoint(copy_tag(case, tmp_path), io="read")

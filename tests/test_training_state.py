@@ -18,7 +18,7 @@ from ckptconv.core.plan import Plan, plan_reshard, plan_to_hf
 from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.nxd import TorchZipSink, load_shard
-from ckptconv.nxd_source import open_nxd
+from ckptconv.sources.nxd import open_nxd
 from ckptconv.tag_reshard import TrainingTag
 from ckptconv.training_state import (
     FORMAT,

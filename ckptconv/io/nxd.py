@@ -251,7 +251,7 @@ class _WithMasters:
 
 class WeightSource(Protocol):
     """Where an :class:`NxdCheckpoint` reads its tensors when not from the model files alone: NxD's masters
-    (:class:`ckptconv.nxd_masters.MasterWeights`, in place of the model files) or nxdtrain's
+    (:class:`ckptconv.sources.masters.MasterWeights`, in place of the model files) or nxdtrain's
     (:class:`ShardsWithMasters`, over them)."""
 
     label: str  # where the weights come from, in a report's words
@@ -354,7 +354,7 @@ class NxdCheckpoint:
 
     def keep_nxd_optimizer(self, optim: Any) -> None:
         """Keep NxD's optimizer of this tag open for the callers that read it too (inspect's summary, a resume's
-        optimizer state; see :func:`ckptconv.nxd_masters.nxd_masters`): it is closed with this checkpoint, and
+        optimizer state; see :func:`ckptconv.sources.masters.nxd_masters`): it is closed with this checkpoint, and
         not before (after that its reads fail, :class:`ckptconv.nxd_optimizer.NxdOptimizer`)."""
         if self._nxd_optimizer is not None and self._nxd_optimizer is not optim:
             raise RuntimeError(f"{self.root}: keeps another NxD optimizer open already")

@@ -81,7 +81,7 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     (torch.load as the reference), inspect names the source by its label, and a second source is refused."""
     from ckptconv.core.plan import Source
     from ckptconv.inspection import inspect
-    from ckptconv.nxd_source import open_nxd
+    from ckptconv.sources.nxd import open_nxd
     from ckptconv.training_state import use_masters
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"

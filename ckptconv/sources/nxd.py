@@ -23,7 +23,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.nxd_masters import nxd_masters, nxdtrain_masters
+from ckptconv.sources.masters import nxd_masters, nxdtrain_masters
 
 
 def model_spec_of(root: Path, meta: Any, config: str | Path | None, *, missing: str) -> ModelSpec:
@@ -56,7 +56,7 @@ def open_nxd(
     :class:`ckptconv.core.layout_flags.LayoutHints` also says how to name them and whether they may
     override): what ``ckptconv.json`` records wins, and a given value that contradicts it is refused.
 
-    ``masters`` (the fp32 master weights in a training tag's ``optim/``, see :mod:`ckptconv.nxd_masters`):
+    ``masters`` (the fp32 master weights in a training tag's ``optim/``, see :mod:`ckptconv.sources.masters`):
     True reads them (an error where there are none), False the shards; None the shards, or the
     masters where ``prefer_masters`` and they exist. An NxD tag whose model files hold no tensors
     (``avoid_saving_lower_precision_weights``) is read from its masters unless ``masters`` is False.
@@ -90,7 +90,7 @@ def open_nxd(
 def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutHints,
                 files: list[str]) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
     """``files``: the model files checked (every file, or one per stage: open_nxd's ``stages_only``)."""
-    from ckptconv.infer import check_replica_order, infer_layout
+    from ckptconv.sources.infer import check_replica_order, infer_layout
 
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
     meta = ckpt.metadata
