@@ -52,15 +52,15 @@ from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, ind
 from ckptconv.io.metadata import read_metadata, tool_version
 from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.nxd_optimizer import OPTIM_DIR
-from ckptconv.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
-from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import MasterWeights, nxdtrain_optimizer
 from ckptconv.sources.nxd import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
-from ckptconv.tag_parts import TagPart
-from ckptconv.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
-from ckptconv.training_state import TagOptimizer, is_training_tag
+from ckptconv.training.nxd_optimizer import OPTIM_DIR
+from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
+from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.training.state import TagOptimizer, is_training_tag
+from ckptconv.training.tag_parts import TagPart
+from ckptconv.training.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
 
@@ -362,17 +362,17 @@ def reshard(
     for :func:`to_hf`, but by default the shards.
 
     A training tag (nxdtrain's: ``optim/`` and ``user_content.pt`` beside the shards) gives a training tag
-    at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training_state`), over
+    at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training.state`), over
     ``dp`` ranks with ZeRO-1 (``zero1``; both default to the tag's) or in one file per shard without;
     step, consumed samples, schedule and options come along. A tag of NxD's own code (``optim/`` in NxD's
-    format, :mod:`ckptconv.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
-    mapped by :mod:`ckptconv.nxd_position`. ``weights_only``: the shards alone.
+    format, :mod:`ckptconv.training.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
+    mapped by :mod:`ckptconv.training.position`. ``weights_only``: the shards alone.
 
     ``optimizer_format="nxd"`` writes the optimizer state in NxD's own format instead
-    (:mod:`ckptconv.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
+    (:mod:`ckptconv.training.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
     NxD's Llama example; ``bias-LayerNorm``; ``one``), checked by reading the files back; ``drop_masters``
     accepts losing a bf16 model's fp32 state without ZeRO-1; ``nxd_trainer`` (``nxd-example``, ``nxdt``; default:
-    the source's own, else ``nxd-example``) whose side files to write (:mod:`ckptconv.nxd_trainer_files`).
+    the source's own, else ``nxd-example``) whose side files to write (:mod:`ckptconv.training.trainer_files`).
     """
     options = options or RunOptions()
     rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything opens
@@ -480,7 +480,7 @@ def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> st
 def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
              label: str, kv_replicas: str = "error", *, sources: list[Path], part_of: TagPart | None = None) -> Result:
     """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish.
-    ``part_of``: a training tag's part, whose ``plan`` holds its own files only (:mod:`ckptconv.tag_parts`)."""
+    ``part_of``: a training tag's part, whose ``plan`` holds its own files only (:mod:`ckptconv.training.tag_parts`)."""
     part = options.part
     spec.parts = part[1]
     spec.hash = options.digest

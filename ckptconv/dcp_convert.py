@@ -63,7 +63,6 @@ from ckptconv.plan_dcp import (
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import nxdtrain_optimizer
 from ckptconv.sources.nxd import model_spec_of, open_nxd
-from ckptconv.tag_reshard import TrainingTag, torch_blob
 from ckptconv.titan_names import (
     LR_SCHEDULER_KEYS,
     OPTIMIZER_STATE_FIELDS,
@@ -82,7 +81,7 @@ from ckptconv.titan_names import (
     trained_params,
 )
 from ckptconv.titan_state import tag_state, titan_values
-from ckptconv.training_state import (
+from ckptconv.training.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
@@ -91,6 +90,7 @@ from ckptconv.training_state import (
     is_training_tag,
     state_replicas,
 )
+from ckptconv.training.tag_reshard import TrainingTag, torch_blob
 
 TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
 

@@ -49,7 +49,7 @@ from ckptconv.titan_names import (
     titan_params,
     trained_params,
 )
-from ckptconv.training_state import TagOptimizer, optimizer_files, state_key, state_tensors
+from ckptconv.training.state import TagOptimizer, optimizer_files, state_key, state_tensors
 
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 

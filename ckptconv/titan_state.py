@@ -29,9 +29,9 @@ from typing import Any
 
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.lr_schedule import Recorded, lr_at
 from ckptconv.titan_names import PARAM_GROUP_FIELDS, param_group_key, trained_params
-from ckptconv.training_state import is_matrix
+from ckptconv.training.schedules import Recorded, lr_at
+from ckptconv.training.state import is_matrix
 
 # The fields that choose torch's implementation, not the math: TorchTitan picks its own on its device.
 IMPLEMENTATION = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptconv.engine.options import NXD_PARAM_GROUPS
-from ckptconv.lr_schedule import NXDT_SCHEDULES
+from ckptconv.training.schedules import NXDT_SCHEDULES
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 
-OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.nxd_optimizer_write: nxd)
+OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_optimizer_write: nxd)
 NXD_SCHEDULE = NXDT_SCHEDULES[0]  # CosineAnnealing: the schedule NxD's scheduler.pt can hold (nxd_trainer_files.COSINE)
 OPTIMIZERS = ("adamw", "sgd")
 # Ours, then NxDT's by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp; nxdtrain.schedules)

@@ -1,8 +1,8 @@
 """The training position of a tag written by NxD's own code (NxD's examples, NxDT), in nxdtrain's terms.
 
-NxD's optimizer files are read through :class:`ckptconv.nxd_tag_optimizer.NxdTagOptimizer`; this module
+NxD's optimizer files are read through :class:`ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer`; this module
 maps the side files (``torch.load(weights_only=True)``, checked against the tag's records where it has them):
-step, schedule and data position as :mod:`ckptconv.nxd_position` maps them (shared with ``ckptconv reshard``
+step, schedule and data position as :mod:`ckptconv.training.position` maps them (shared with ``ckptconv reshard``
 of NxD's tag); NxD's examples record no consumed samples, so the data continues at step x ``--gbs`` (said so).
 
 The RNG states and NxD's data order are never carried (said in one line).
@@ -16,11 +16,11 @@ from typing import Any
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
-from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
-from ckptconv.nxd_optimizer_write import NXDTRAIN_KEY
-from ckptconv.nxd_position import nxd_position
-from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.training_state import USER_CONTENT_FILE
+from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.training.nxd_optimizer_write import NXDTRAIN_KEY
+from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.training.position import nxd_position
+from ckptconv.training.state import USER_CONTENT_FILE
 from nxdtrain.checkpoint import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.continuity import LABELS
 from nxdtrain.errors import TrainError

@@ -2,7 +2,7 @@
 
 A resume at another tp/pp/vpp/kvm/dp/ZeRO-1 needs no offline step: each rank plans the reshard of the
 tag to the run's layout (index arithmetic only), keeps the plan of its own shard, and reads just those
-slices of the tag's shards and optimizer files (:class:`ckptconv.training_state.TagOptimizer`: the
+slices of the tag's shards and optimizer files (:class:`ckptconv.training.state.TagOptimizer`: the
 moments and fp32 masters of a parameter move exactly like its rows). The optimizer files may be of
 any dp size, with ZeRO-1 or without: state is looked up by parameter, wherever it was saved.
 """
@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from ckptconv import training_state
 from ckptconv.core.layout import ParallelLayout, parse_shard_name, shard_file
 from ckptconv.core.mapping import all_shard_records, stores_lm_head
 from ckptconv.core.plan import OutTensor, plan_reshard
 from ckptconv.engine.execute import read_tensor
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
-from ckptconv.nxd_optimizer import NxdOptimizer
-from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.sources.masters import nxd_masters
+from ckptconv.training import state as training_state
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
 from nxdtrain.checkpoint import damaged
 from nxdtrain.errors import TrainError
 

@@ -30,7 +30,7 @@ from ckptconv.core.layout import ParallelLayout
 from ckptconv.engine.options import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
-from ckptconv.nxd_optimizer_write import DEFAULT_RULE
+from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE
 from nxdtrain.checkpoint import (
     ResumeSource,
     TagWriter,

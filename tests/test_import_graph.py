@@ -101,7 +101,7 @@ ROOMS_MAY_IMPORT = {
     "io": {"core"},
     "engine": {"core", "io"},
     "training": {"core", "io", "engine"},
-    "sources": {"core", "io", "engine"},
+    "sources": {"core", "io", "engine", "training"},  # a training tag is a source: its masters can be its weights
     "titan": {"core", "io", "engine", "training", "sources"},
     "commands": {"core", "io", "engine", "training", "sources", "titan"},
     "cli": {"core", "io", "engine", "training", "sources", "titan", "commands"},

@@ -24,7 +24,7 @@ from ckptconv.api import reshard, to_hf
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
 from ckptconv.inspection import inspect
-from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
+from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
 from ckptconv.verify import verify
 from tests.conftest import hf_state
 

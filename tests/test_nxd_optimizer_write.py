@@ -23,7 +23,7 @@ from ckptconv.cli import main as ckptconv_main
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io.safe_load import load_small
-from ckptconv.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer import NxdOptimizer
 from tests.conftest import hf_state
 from tests.test_nxd_optimizer import FIXTURES, reference, tag_of
 

@@ -14,7 +14,7 @@ import torch
 
 from ckptconv.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
-from ckptconv.nxd_trainer_files import (
+from ckptconv.training.trainer_files import (
     CHECKPOINT_CALLBACK,
     LINEAR,
     NXD_EXAMPLE,

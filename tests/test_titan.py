@@ -390,7 +390,7 @@ def test_titan_continues_an_nxdtrain_run(nxd_run, tmp_path):
 def test_titans_schedule_as_configured_gives_nxdtrains_lr(name, warmup, step):
     """TorchTitan's own LRSchedulersContainer, configured as to-dcp says and loaded with its last_epoch, computes
     nxdtrain's lr at every later step (a tag still in warmup: through warmup)."""
-    from ckptconv.lr_schedule import Recorded, lr_at
+    from ckptconv.training.schedules import Recorded, lr_at
 
     record = {"schedule": name, "lr": 2e-3, "min_lr": 2e-4, "warmup": warmup, "decay_steps": 10}
     cfg, decay, schedule = titan_schedule(record, "scheduler.pt")

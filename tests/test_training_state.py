@@ -19,8 +19,7 @@ from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.nxd import TorchZipSink, load_shard
 from ckptconv.sources.nxd import open_nxd
-from ckptconv.tag_reshard import TrainingTag
-from ckptconv.training_state import (
+from ckptconv.training.state import (
     FORMAT,
     TagOptimizer,
     TagReader,
@@ -32,6 +31,7 @@ from ckptconv.training_state import (
     state_tensors,
     zero1_partition,
 )
+from ckptconv.training.tag_reshard import TrainingTag
 from tests.conftest import hf_state, make_tiny_llama
 
 

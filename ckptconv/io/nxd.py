@@ -222,7 +222,7 @@ def detect_flavour(path: Path) -> Flavour:
     return Flavour.PLAIN
 
 
-OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training_state; NxD's: nxd_optimizer)
+OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training.state; NxD's: nxd_optimizer)
 
 
 class _WithMasters:
@@ -265,7 +265,7 @@ class WeightSource(Protocol):
 
 class ShardsWithMasters:
     """A :class:`WeightSource`: each model file with the fp32 masters an nxdtrain bf16 run keeps over it
-    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training_state.use_masters`); keys they
+    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.state.use_masters`); keys they
     lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
     conversion's fingerprint; ``owner`` (what reads them) is closed with the checkpoint."""
 
@@ -355,7 +355,7 @@ class NxdCheckpoint:
     def keep_nxd_optimizer(self, optim: Any) -> None:
         """Keep NxD's optimizer of this tag open for the callers that read it too (inspect's summary, a resume's
         optimizer state; see :func:`ckptconv.sources.masters.nxd_masters`): it is closed with this checkpoint, and
-        not before (after that its reads fail, :class:`ckptconv.nxd_optimizer.NxdOptimizer`)."""
+        not before (after that its reads fail, :class:`ckptconv.training.nxd_optimizer.NxdOptimizer`)."""
         if self._nxd_optimizer is not None and self._nxd_optimizer is not optim:
             raise RuntimeError(f"{self.root}: keeps another NxD optimizer open already")
         self._nxd_optimizer = optim

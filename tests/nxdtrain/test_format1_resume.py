@@ -82,7 +82,7 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     from ckptconv.core.plan import Source
     from ckptconv.inspection import inspect
     from ckptconv.sources.nxd import open_nxd
-    from ckptconv.training_state import use_masters
+    from ckptconv.training.state import use_masters
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
@@ -104,9 +104,9 @@ def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monk
     """reshard --masters and to-dcp of a bf16 tag read the weights from its masters and carry its optimizer state:
     one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's
     weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
-    from ckptconv import training_state
     from ckptconv.dcp_convert import to_dcp
     from ckptconv.io.nxd import load_shard
+    from ckptconv.training import state as training_state
 
     made = []
     real = training_state.TagOptimizer.__init__

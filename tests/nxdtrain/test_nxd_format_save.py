@@ -20,7 +20,7 @@ import torch
 
 from ckptconv.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
-from ckptconv.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer import NxdOptimizer
 from nxdtrain.checkpoint import resolve_resume, resolve_start
 from nxdtrain.config import CheckpointConfig, TrainConfig
 from nxdtrain.errors import TrainError

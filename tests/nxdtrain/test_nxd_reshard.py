@@ -17,7 +17,7 @@ import torch
 from ckptconv.api import reshard, to_hf
 from ckptconv.core.layout import ParallelLayout
 from ckptconv.dcp_convert import to_dcp
-from ckptconv.training_state import is_training_tag
+from ckptconv.training.state import is_training_tag
 from nxdtrain.checkpoint import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.optim import lr_at
@@ -115,12 +115,12 @@ def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
 
 
 def test_the_position_module_examples() -> None:
-    """ckptconv.nxd_position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
+    """ckptconv.training.position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
     import doctest
 
-    import ckptconv.nxd_position
+    import ckptconv.training.position
 
-    result = doctest.testmod(ckptconv.nxd_position)
+    result = doctest.testmod(ckptconv.training.position)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.nxd_optimizer import read_optimizer_state
+from ckptconv.training.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint import resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError

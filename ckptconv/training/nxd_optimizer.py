@@ -229,7 +229,7 @@ class _OptimFile:
 
 # How NxD's and NxDT's examples split parameters into (decay, no-decay) groups; each keeps model order.
 # NxD's Llama example (the fixtures) tests names for "bias"/"norm"; other examples for "bias"/"LayerNorm".
-# One table for both directions: the reader tries each, the writer (ckptconv.nxd_optimizer_write) is told one.
+# One table for both directions: the reader tries each, the writer (ckptconv.training.nxd_optimizer_write) is told one.
 PARAM_GROUP_RULES: dict[str, tuple[str, Callable[[str], bool]]] = {
     "bias-norm": ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
     "bias-LayerNorm": ("names containing 'bias' or 'LayerNorm' in the no-decay group",

@@ -1,7 +1,7 @@
 """``ckptconv reshard`` of a training tag: the optimizer files and side files beside the resharded shards.
 
 The shards' plan is extended by one format-2 optimizer file per target (tp, pp, dp) rank
-(:func:`ckptconv.training_state.plan_optimizer_files`), written by the same executor in bands: memory stays
+(:func:`ckptconv.training.state.plan_optimizer_files`), written by the same executor in bands: memory stays
 within ``--max-memory`` however large the state. The replicas the weights must agree on (K/V heads under
 kv_size_multiplier, norms, a tied head) are checked for every moment too. ``scheduler.pt`` is copied,
 ``user_content.pt`` rewritten for the new layout, and the ``checkpoint``/``done`` markers written last.
@@ -27,8 +27,8 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.checked import check_whole_file
 from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
-from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat
-from ckptconv.nxd_optimizer_write import (
+from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.training.nxd_optimizer_write import (
     NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,
     WindowReader,
@@ -36,10 +36,9 @@ from ckptconv.nxd_optimizer_write import (
     nxd_groups,
     plan_nxd_optimizer_files,
 )
-from ckptconv.nxd_position import NxdPosition, nxd_position
-from ckptconv.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.nxd_trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
-from ckptconv.training_state import (
+from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.training.position import NxdPosition, nxd_position
+from ckptconv.training.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
@@ -52,6 +51,7 @@ from ckptconv.training_state import (
     resharded_user_content,
     state_replicas,
 )
+from ckptconv.training.trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
 
 
 def _checked(ckpt: NxdCheckpoint, path: Path) -> bytes:
@@ -156,8 +156,8 @@ class TrainingTag:
     @classmethod
     def open_nxd(cls, ckpt: NxdCheckpoint, *, dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
         """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
-        :class:`~ckptconv.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
-        :mod:`ckptconv.nxd_position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
+        :class:`~ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
+        :mod:`ckptconv.training.position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
         nxd = ckpt.nxd_optimizer or NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)  # parsed for the weights?
         try:
             optim = NxdTagOptimizer(nxd)
@@ -241,7 +241,7 @@ class TrainingTag:
 
     def _extend_nxd(self, plan: Plan, spec: FinalizeSpec, new: ParallelLayout, notes: list[str],
                     fmt: NxdFormat) -> tuple[Plan, Any]:
-        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.nxd_optimizer_write`): NxD's tag keeps its own
+        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.training.nxd_optimizer_write`): NxD's tag keeps its own
         ``scheduler.pt``/``user_content.pt`` (copied as they are) and param groups' lrs; nxdtrain's tag gets NxD's
         ``CosineAnnealing`` state and NxD's example keys, its own position kept under ``nxdtrain``."""
         from_nxd = self.scheduler_record is not None
@@ -279,7 +279,7 @@ class TrainingTag:
         return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
 
     def _side_files(self, trainer: str, groups: int, fmt: NxdFormat, new: ParallelLayout) -> SideFiles:
-        """The side files for ``trainer`` (:mod:`ckptconv.nxd_trainer_files`), refused before a byte is written."""
+        """The side files for ``trainer`` (:mod:`ckptconv.training.trainer_files`), refused before a byte is written."""
         assert fmt.out is not None
         if self.position is None:  # nxdtrain's tag: its record at the new layout
             content = resharded_user_content(self.user_content, new, zero1=self.zero1)

@@ -1,8 +1,8 @@
-"""NxD's own optimizer files seen as :class:`ckptconv.training_state.TagOptimizer` sees nxdtrain's.
+"""NxD's own optimizer files seen as :class:`ckptconv.training.state.TagOptimizer` sees nxdtrain's.
 
 A resume reads a parameter's optimizer tensors through the reshard plan by ``Source(model shard file,
-"<component>:<key>")`` (:func:`ckptconv.training_state.component_source`), whatever wrote them. This
-adapter answers those reads from :class:`ckptconv.nxd_optimizer.NxdOptimizer` (plain AdamW, ZeRO-1 with or
+"<component>:<key>")`` (:func:`ckptconv.training.state.component_source`), whatever wrote them. This
+adapter answers those reads from :class:`ckptconv.training.nxd_optimizer.NxdOptimizer` (plain AdamW, ZeRO-1 with or
 without masters, xser, the DCP variant): AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` and, where NxD saved
 them, the fp32 (fp64) ``master`` weights, each row slice read only from the dp chunks that hold it.
 
@@ -22,14 +22,14 @@ import torch
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
-from ckptconv.nxd_optimizer import MOMENTS, NxdOptimizer, OptimFormat
-from ckptconv.training_state import MASTER, Hyper, is_matrix, split_key
+from ckptconv.training.nxd_optimizer import MOMENTS, NxdOptimizer, OptimFormat
+from ckptconv.training.state import MASTER, Hyper, is_matrix, split_key
 
 STEP = "step"
 
 
 class NxdTagOptimizer:
-    """The reader interface of :class:`~ckptconv.training_state.TagOptimizer` over an :class:`NxdOptimizer`
+    """The reader interface of :class:`~ckptconv.training.state.TagOptimizer` over an :class:`NxdOptimizer`
     (closed with this object)."""
 
     def __init__(self, optim: NxdOptimizer) -> None:

@@ -1,7 +1,7 @@
 """The training position NxD's own code records beside its optimizer files, in nxdtrain's terms.
 
 One mapping for both users: ``nxdtrain --resume`` of NxD's tag (:mod:`nxdtrain.nxd_resume`) and
-``ckptconv reshard`` of it into an nxdtrain training tag (:mod:`ckptconv.tag_reshard`):
+``ckptconv reshard`` of it into an nxdtrain training tag (:mod:`ckptconv.training.tag_reshard`):
 
 * the step: ``user_content.pt`` ``global_step`` (NxDT) or ``total_steps`` (NxD's ``run_llama_nxd.py``),
   checked against AdamW's step and the scheduler's ``last_epoch`` (``scheduler.pt``, or NxDT's
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
-from ckptconv.training_state import SCHEDULER_FILE, USER_CONTENT_FILE
+from ckptconv.training.state import SCHEDULER_FILE, USER_CONTENT_FILE
 
 COSINE_KEYS = ("max_steps", "warmup_steps", "constant_steps", "min_lr", "base_lrs")
 

@@ -11,7 +11,7 @@ What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the stru
 
 Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
 key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
-:func:`ckptconv.nxd_optimizer.index_names` reads with). The files are planned like shards (every tensor a
+:func:`ckptconv.training.nxd_optimizer.index_names` reads with). The files are planned like shards (every tensor a
 list of row ranges of the source, :mod:`ckptconv.core.plan`) and written by the executor in bands, nested
 structures through :class:`ckptconv.io.torchzip.TensorAt`.
 
@@ -35,9 +35,9 @@ from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
-from ckptconv.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
-from ckptconv.nxd_tag_optimizer import STEP
-from ckptconv.training_state import (
+from ckptconv.training.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
+from ckptconv.training.nxd_tag_optimizer import STEP
+from ckptconv.training.state import (
     MASTER,
     OptimizerSource,
     component_source,
@@ -349,7 +349,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
 
 
 def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
-    """Read what was written back with NxD's reader (:class:`ckptconv.nxd_optimizer.NxdOptimizer`): every
+    """Read what was written back with NxD's reader (:class:`ckptconv.training.nxd_optimizer.NxdOptimizer`): every
     optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
     with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
         for path, names in plan.names.items():
