@@ -50,20 +50,10 @@ from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import TAG_MARKERS, Flavour
 from ckptconv.io.nxd import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
-from ckptconv.plan_dcp import (
-    DEFAULT_FILE_SIZE,
-    hf_dtypes_of,
-    plan_dcp_to_hf,
-    plan_dcp_to_nxd,
-    plan_dcp_to_tag,
-    plan_titan_optimizer,
-    plan_to_dcp,
-    tied_copies,
-)
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import nxdtrain_optimizer
 from ckptconv.sources.nxd import model_spec_of, open_nxd
-from ckptconv.titan_names import (
+from ckptconv.titan.names import (
     LR_SCHEDULER_KEYS,
     OPTIMIZER_STATE_FIELDS,
     PARAM_GROUP_FIELDS,
@@ -80,7 +70,17 @@ from ckptconv.titan_names import (
     titan_params,
     trained_params,
 )
-from ckptconv.titan_state import tag_state, titan_values
+from ckptconv.titan.plans import (
+    DEFAULT_FILE_SIZE,
+    hf_dtypes_of,
+    plan_dcp_to_hf,
+    plan_dcp_to_nxd,
+    plan_dcp_to_tag,
+    plan_titan_optimizer,
+    plan_to_dcp,
+    tied_copies,
+)
+from ckptconv.titan.state import tag_state, titan_values
 from ckptconv.training.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,

@@ -21,7 +21,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.dcp import DcpCheckpoint, distcp_name, encode_metadata, layout_items, sink_factory
-from ckptconv.titan_names import (
+from ckptconv.titan.names import (
     fused_qkv_param,
     inverse_rows,
     optimizer_params,
@@ -444,7 +444,7 @@ def test_fused_qkv_rows_go_into_dcp_and_back_through_the_same_tables(models, tmp
     from ckptconv.engine.execute import ExecOptions, run_plan
     from ckptconv.io.hf import HfCheckpoint
     from ckptconv.io.safetensors_sink import safetensors_sink
-    from ckptconv.plan_dcp import titan_tensor, titan_tiles
+    from ckptconv.titan.plans import titan_tensor, titan_tiles
 
     hf = models["gqa"]
     spec = ModelSpec.from_file(hf / "config.json")

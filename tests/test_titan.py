@@ -43,7 +43,7 @@ import ckptconv  # noqa: E402
 from ckptconv.api import RunOptions  # noqa: E402
 from ckptconv.core.model_spec import ModelSpec  # noqa: E402
 from ckptconv.io.dcp import DcpCheckpoint  # noqa: E402
-from ckptconv.titan_names import (  # noqa: E402
+from ckptconv.titan.names import (  # noqa: E402
     OPTIMIZER_STATE_FIELDS,
     PARAM_GROUP_FIELDS,
     TITAN_VERSION,
@@ -52,7 +52,7 @@ from ckptconv.titan_names import (  # noqa: E402
     rope_rows,
     titan_params,
 )
-from ckptconv.titan_state import TitanSchedule, titan_last_epoch, titan_schedule  # noqa: E402
+from ckptconv.titan.state import TitanSchedule, titan_last_epoch, titan_schedule  # noqa: E402
 from tests.conftest import hf_state  # noqa: E402
 
 QUIET = RunOptions(quiet=True)

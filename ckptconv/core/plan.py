@@ -386,7 +386,7 @@ def plan_reshard(
 
 def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece, ...]]]) -> OutTensor:
     """``tensor`` read from where its HF sources lie (``tiles``: see :func:`hf_sources` for shards,
-    :func:`ckptconv.plan_dcp.titan_tiles` for TorchTitan tensors).
+    :func:`ckptconv.titan.plans.titan_tiles` for TorchTitan tensors).
 
     A tile of dim ``None`` is the whole HF tensor under another name: any range of it, along any dim,
     is the same range there. Rows permuted in periods (``row_perm``, on the piece or on the tile) are

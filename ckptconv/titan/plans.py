@@ -1,4 +1,4 @@
-"""Plans into and out of TorchTitan's DCP layout: the rule table of :mod:`ckptconv.titan_names` as plans.
+"""Plans into and out of TorchTitan's DCP layout: the rule table of :mod:`ckptconv.titan.names` as plans.
 
 Into DCP, every TorchTitan tensor is a list of HF row ranges (q/k rows permuted head by head); from
 NxD shards the same plan is composed with where those HF ranges lie in the shards. Out of DCP, the
@@ -39,7 +39,7 @@ from ckptconv.core.plan import (
 from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE as DEFAULT_FILE_SIZE  # re-exported: dcp_convert
 from ckptconv.errors import ConversionError
 from ckptconv.io.dcp import distcp_name
-from ckptconv.titan_names import (
+from ckptconv.titan.names import (
     OPTIMIZER_STATE_FIELDS,
     TitanParam,
     inverse_rows,

@@ -1,6 +1,6 @@
 """A training tag's optimizer hyper-parameters, schedule position and step as TorchTitan's DCP values, and back.
 
-TorchTitan (pinned: :data:`~ckptconv.titan_names.TITAN_VERSION`) saves beside its model and AdamW tensors:
+TorchTitan (pinned: :data:`~ckptconv.titan.names.TITAN_VERSION`) saves beside its model and AdamW tensors:
 
 * ``optimizer.param_groups.<param>.<field>`` for every trained parameter: the values of its param group (torch's
   loader refuses a group whose parameters disagree, so nxdtrain's two groups, matrices and norm weights, need two
@@ -29,7 +29,7 @@ from typing import Any
 
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.titan_names import PARAM_GROUP_FIELDS, param_group_key, trained_params
+from ckptconv.titan.names import PARAM_GROUP_FIELDS, param_group_key, trained_params
 from ckptconv.training.schedules import Recorded, lr_at
 from ckptconv.training.state import is_matrix
 
