@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.reshard_optim import make_training_tag
 from benchmarks.synth import write_model
-from ckptconv.api import RunOptions, reshard, to_nxd
+from ckptconv.commands.api import RunOptions, reshard, to_nxd
 from ckptconv.core.layout import MODEL_DIR, ParallelLayout
 from ckptconv.io.nxd import OPTIM_DIR
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.synth import write_model
-from ckptconv.api import RunOptions, to_nxd
+from ckptconv.commands.api import RunOptions, to_nxd
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd import load_shard, write_markers

@@ -225,7 +225,7 @@ def build_model(root: Path, shape: Shape, seed: int = 0) -> Path:
 
 
 def converted(hf: Path, root: Path, tp: int, pp: int) -> Path:
-    from ckptconv.api import RunOptions, to_nxd
+    from ckptconv.commands.api import RunOptions, to_nxd
 
     out = root / f"nxd-tp{tp}-pp{pp}"
     if not (out / "ckptconv.json").exists():

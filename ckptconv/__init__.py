@@ -13,9 +13,9 @@ from ckptconv.errors import ConversionError, VerificationError
 
 __version__ = "0.2.0"  # the one place: pyproject.toml's version is read from here (tool.setuptools.dynamic)
 
-_API = {"RunOptions": "ckptconv.engine.options", "to_nxd": "ckptconv.api", "to_hf": "ckptconv.api",
-        "reshard": "ckptconv.api", "inspect": "ckptconv.inspection",
-        "to_dcp": "ckptconv.dcp_convert", "from_dcp": "ckptconv.dcp_convert"}
+_API = {"RunOptions": "ckptconv.engine.options", "to_nxd": "ckptconv.commands.api", "to_hf": "ckptconv.commands.api",
+        "reshard": "ckptconv.commands.api", "inspect": "ckptconv.commands.inspect",
+        "to_dcp": "ckptconv.commands.dcp", "from_dcp": "ckptconv.commands.dcp"}
 
 __all__ = ["ConversionError", "VerificationError", "__version__", *_API]
 

@@ -27,7 +27,7 @@ from ckptconv.io import digest
 from ckptconv.io.metadata import add_version_flag
 
 if TYPE_CHECKING:
-    from ckptconv.api import Result
+    from ckptconv.commands.api import Result
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -284,7 +284,7 @@ def _hints(args: argparse.Namespace) -> LayoutHints:
 def run(args: argparse.Namespace) -> Any:
     if args.command == "to-nxd":
         attention, options = _attention(args) or Attention.SEPARATE, _options(args)  # bad options fail first
-        from ckptconv.api import to_nxd
+        from ckptconv.commands.api import to_nxd
 
         return to_nxd(
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm or 1,
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> Any:
         if args.private and not args.push_to_hub:
             raise ConversionError("--private needs --push-to-hub ORG/NAME")
         hints, options = _hints(args), _options(args)
-        from ckptconv.api import to_hf
+        from ckptconv.commands.api import to_hf
 
         result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
                        dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> Any:
         return _push(result, args) if args.push_to_hub else result
     if args.command == "reshard":
         kept, options = _attention(args), _options(args)  # None: the source's attention mode
-        from ckptconv.api import reshard
+        from ckptconv.commands.api import reshard
 
         return reshard(
             args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> Any:
         )
     if args.command == "to-dcp":
         hints, options = _hints(args), _options(args)
-        from ckptconv.dcp_convert import to_dcp
+        from ckptconv.commands.dcp import to_dcp
 
         return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
                       dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
@@ -336,7 +336,7 @@ def run(args: argparse.Namespace) -> Any:
             if given:
                 raise ConversionError(f"{given[0]} is a layout flag; pass --to nxd to write NxD shards of that layout")
         attention, options = _attention(args) or Attention.SEPARATE, _options(args)
-        from ckptconv.dcp_convert import from_dcp
+        from ckptconv.commands.dcp import from_dcp
 
         return from_dcp(
             args.src, args.out, to=args.to, config=args.config, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -349,13 +349,13 @@ def run(args: argparse.Namespace) -> Any:
     if args.command == "verify":
         layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
         hints = _hints(args)
-        from ckptconv.verify import verify
+        from ckptconv.commands.verify import verify
 
         return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
                       hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
                       masters=args.masters)
     if args.command == "inspect":
-        from ckptconv.inspection import inspect
+        from ckptconv.commands.inspect import inspect
 
         return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
                        masters=args.masters)

@@ -22,7 +22,7 @@ from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 
 if TYPE_CHECKING:
-    from ckptconv.api import Result
+    from ckptconv.commands.api import Result
 
 # The conversions (and torch) are imported when one runs: the parser is built by every `ckptconv` call.
 
@@ -90,7 +90,7 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
         raise ConversionError("--qkv_linear and --coalesce_qkv exclude each other; choose one")
     attention = Attention.QKV_LINEAR if args.qkv_linear else (Attention.COALESCED if args.coalesce_qkv else Attention.SEPARATE)
     if args.convert_from_full_state:
-        from ckptconv.api import to_nxd
+        from ckptconv.commands.api import to_nxd
 
         return to_nxd(
             args.input_dir, args.output_dir, tp=args.tp_size or 1, pp=args.pp_size or 1, vpp=args.virtual_pp_size or 1,
@@ -110,7 +110,7 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
 def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints: dict[str, object],
                   options: RunOptions) -> Result:
     """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
-    from ckptconv.api import _convert, _fingerprint
+    from ckptconv.commands.api import _convert, _fingerprint
     from ckptconv.core.plan import plan_to_full_state
     from ckptconv.engine.finalize import FinalizeSpec
     from ckptconv.io.nxd import Flavour, sink_factory

@@ -443,7 +443,7 @@ class TagWriter:
         """The tag just saved rewritten in NxD's own optimizer format (``ckptconv reshard --optimizer-format nxd``
         at the same layout), every rank writing its share of the files (``--part rank/world``) into a hidden
         sibling that replaces the tag when complete: until then the saved tag stays as it is, complete."""
-        from ckptconv.api import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
+        from ckptconv.commands.api import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
 
         staging = tag.with_name(f".{tag.name}{NXD_REWRITE_SUFFIX}")
         rank, world = dist.get_rank(), dist.get_world_size()

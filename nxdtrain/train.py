@@ -541,7 +541,7 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
 
     An earlier HF export in OUT (a ckptconv.json of kind "hf") is replaced; anything else there is an error.
     """
-    from ckptconv.api import RunOptions, to_hf
+    from ckptconv.commands.api import RunOptions, to_hf
     from ckptconv.io.metadata import read_metadata
     from ckptconv.io.nxd import resolve_checkpoint
 

@@ -17,8 +17,8 @@ import torch
 
 import ckptconv
 from ckptconv.cli import main
+from ckptconv.commands.inspect import inspect
 from ckptconv.errors import IntegrityError
-from ckptconv.inspection import inspect
 from ckptconv.io.checked import SMALL_GAP, StreamCheck, ZipCrc
 from ckptconv.io.crc import crc32
 from ckptconv.io.digest import FileRecord

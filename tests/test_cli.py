@@ -128,7 +128,7 @@ def test_package_verbs_stay_callable_after_the_cli_is_imported(tmp_path):
     a submodule of the same name would shadow the package's lazy attribute."""
     import ckptconv
     import ckptconv.cli  # noqa: F401
-    from ckptconv.inspection import inspect
+    from ckptconv.commands.inspect import inspect
 
     assert ckptconv.inspect is inspect and callable(ckptconv.inspect)
-    assert ckptconv.to_nxd is ckptconv.api.to_nxd and ckptconv.to_hf is ckptconv.api.to_hf
+    assert ckptconv.to_nxd is ckptconv.commands.api.to_nxd and ckptconv.to_hf is ckptconv.commands.api.to_hf

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.api import RunOptions
 from ckptconv.cli import main
+from ckptconv.commands.api import RunOptions
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Source
 from ckptconv.errors import ConversionError, IntegrityError

@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptconv.api import reshard, to_hf
+from ckptconv.commands.api import reshard, to_hf
+from ckptconv.commands.inspect import inspect
+from ckptconv.commands.verify import verify
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
-from ckptconv.inspection import inspect
 from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
-from ckptconv.verify import verify
 from tests.conftest import hf_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.reads import build_tags, opened_under, resume_reads
-from ckptconv.api import RunOptions, reshard
+from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.core.layout import parse_rank_file, parse_shard_name
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from tests.nxdtrain.test_reshard_optimizer import tree_bytes
@@ -99,7 +99,7 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
         read_back.extend(parse_shard_name(Path(p).name) for p in plan.names)  # type: ignore[attr-defined]
         real_check(out, plan)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("ckptconv.api.check_written", recording)
+    monkeypatch.setattr("ckptconv.commands.api.check_written", recording)
     ours, nxd = tags
     tag = nxd if which == "nxd" else ours
     world = TP * PP * DP
@@ -183,9 +183,9 @@ def test_a_model_file_that_disagrees_with_its_stage_is_refused_by_whoever_reads_
     header) and by exactly the parts that open that file (they read it); the other parts no longer check it."""
     import shutil
 
+    from ckptconv.commands.verify import verify
     from ckptconv.errors import ConversionError
     from ckptconv.io.nxd import NxdCheckpoint
-    from ckptconv.verify import verify
 
     ours, _ = tags
     copy = tmp_path / "format2"

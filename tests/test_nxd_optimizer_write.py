@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.api import reshard, to_hf
 from ckptconv.cli import main as ckptconv_main
+from ckptconv.commands.api import reshard, to_hf
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io.safe_load import load_small

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.api import RunOptions, reshard
+from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
 from ckptconv.training.trainer_files import (
     CHECKPOINT_CALLBACK,

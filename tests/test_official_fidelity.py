@@ -20,9 +20,9 @@ import torch
 
 import ckptconv
 from ckptconv.cli import main
-from ckptconv.inspection import inspect
+from ckptconv.commands.inspect import inspect
+from ckptconv.commands.verify import verify
 from ckptconv.io.nxd import load_shard
-from ckptconv.verify import verify
 from tests.conftest import hf_state, make_tiny_llama
 from tests.official_style import official_tied_shards, old_transformers_llama
 

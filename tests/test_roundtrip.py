@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.verify import verify
+from ckptconv.commands.verify import verify
 from tests.conftest import hf_state
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)

@@ -174,7 +174,7 @@ def test_convert_over_two_tasks_writes_what_one_process_writes(tiny_models, tmp_
 @pytest.mark.slow  # two 2-process training runs
 def test_train_requeued_resumes_from_the_checkpoint_root(tiny_models, tmp_path):
     """LAUNCHER=srun, 2 tasks: the first start trains from INIT; the same job started again continues at step 3."""
-    from ckptconv.api import RunOptions, to_nxd
+    from ckptconv.commands.api import RunOptions, to_nxd
 
     init = tmp_path / "nxd"
     to_nxd(tiny_models("slurm", heads=8, kv_heads=2, head_dim=8, layers=4), init, options=RunOptions(quiet=True))

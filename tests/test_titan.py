@@ -40,7 +40,7 @@ from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
 
 import ckptconv  # noqa: E402
-from ckptconv.api import RunOptions  # noqa: E402
+from ckptconv.commands.api import RunOptions  # noqa: E402
 from ckptconv.core.model_spec import ModelSpec  # noqa: E402
 from ckptconv.io.dcp import DcpCheckpoint  # noqa: E402
 from ckptconv.titan.names import (  # noqa: E402

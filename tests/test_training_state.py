@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ckptconv.api import RunOptions, reshard, to_nxd
+from ckptconv.commands.api import RunOptions, reshard, to_nxd
 from ckptconv.core.layout import Attention, ParallelLayout, parse_shard_name
 from ckptconv.core.plan import Plan, plan_reshard, plan_to_hf
 from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan

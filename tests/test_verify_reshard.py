@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import ckptconv
+from ckptconv.commands.verify import verify
 from ckptconv.core.layout_flags import LayoutHints
 from ckptconv.core.reference import dense_layer
 from ckptconv.errors import ConversionError, IntegrityError, VerificationError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.nxd import load_shard, save_shard
-from ckptconv.verify import verify
 from tests.conftest import hf_state
 from tests.test_golden import CASES, load_case
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckptconv
+from ckptconv.commands.verify import verify
 from ckptconv.io.nxd import load_shard, save_shard
-from ckptconv.verify import verify
 from tests.conftest import hf_state
 from tests.test_roundtrip import assert_same_state
 from tests.test_verify_reshard import SHARD

@@ -1,6 +1,6 @@
 """How to run a conversion (not what to convert): :class:`RunOptions` and its defaults.
 
-Kept apart from :mod:`ckptconv.api` and without torch, so the CLI can build its parser, and
+Kept apart from :mod:`ckptconv.commands.api` and without torch, so the CLI can build its parser, and
 refuse bad options, before anything heavy is imported.
 
 Example:

@@ -23,7 +23,7 @@ def fault_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def fault_nxd(tmp_path_factory: pytest.TempPathFactory, fault_hf: Path) -> Path:
     """``fault_hf`` converted to tp 2 x pp 1 NxD shards."""
-    from ckptconv.api import RunOptions, to_nxd
+    from ckptconv.commands.api import RunOptions, to_nxd
 
     out = tmp_path_factory.mktemp("fault-nxd") / "nxd"
     to_nxd(fault_hf, out, tp=2, options=RunOptions(quiet=True, workers=2))

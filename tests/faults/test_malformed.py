@@ -172,7 +172,7 @@ def _with_layers(src: Path, layers: int) -> dict:
 def _tiled_unrecorded(src: Path) -> None:
     """SRC resharded to tp 4 with kv_size_multiplier 2 (trn1: tiled K/V replicas), then without
     ckptconv.json: what the official converter writes for trn1 and for trn2 alike."""
-    from ckptconv.api import RunOptions, reshard
+    from ckptconv.commands.api import RunOptions, reshard
 
     tiled = src.parent / "tiled"
     reshard(src, tiled, tp=4, pp=1, attention="qkv_linear", kv_size_multiplier=2,

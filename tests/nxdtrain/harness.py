@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ckptconv.api import RunOptions, to_nxd
+from ckptconv.commands.api import RunOptions, to_nxd
 from nxdtrain.cli import PRELOAD
 from nxdtrain.config import TrainConfig
 from nxdtrain.dist import spawn

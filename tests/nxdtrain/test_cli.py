@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ckptconv.api import open_nxd
+from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import shard_name
 from ckptconv.io.nxd import load_shard
 from nxdtrain.cli import main

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptconv.api import RunOptions, reshard, to_hf
+from ckptconv.commands.api import RunOptions, reshard, to_hf
 from tests.conftest import REPO
 from tests.nxdtrain.harness import DIST_TIMEOUT, run_world
 
@@ -64,7 +64,7 @@ def test_masters_export_from_zero1_tags_of_both_formats(tag, tmp_path):
 def test_inspect_describes_nxdtrain_optimizer_files_of_both_formats(tag, tmp_path):
     """inspect names nxdtrain's own optimizer format (not as an NxD file it failed to read), before and after a
     reshard that moves the ZeRO-1 partition to another dp."""
-    from ckptconv.inspection import inspect
+    from ckptconv.commands.inspect import inspect
 
     old = inspect(tag)["optimizer"]
     assert old == {"format": "nxdtrain 1", "zero1": True, "dp": 2, "files": 4, "masters": True, "param_groups": 2,
@@ -79,8 +79,8 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     """nxdtrain's masters are served as NxD's are (NxdCheckpoint.read_weights_from; they were a second mechanism
     with fields, closing and reports of its own): the weights read are the fp32 masters of the optimizer file
     (torch.load as the reference), inspect names the source by its label, and a second source is refused."""
+    from ckptconv.commands.inspect import inspect
     from ckptconv.core.plan import Source
-    from ckptconv.inspection import inspect
     from ckptconv.sources.nxd import open_nxd
     from ckptconv.training.state import use_masters
 
@@ -104,7 +104,7 @@ def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monk
     """reshard --masters and to-dcp of a bf16 tag read the weights from its masters and carry its optimizer state:
     one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's
     weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
-    from ckptconv.dcp_convert import to_dcp
+    from ckptconv.commands.dcp import to_dcp
     from ckptconv.io.nxd import load_shard
     from ckptconv.training import state as training_state
 

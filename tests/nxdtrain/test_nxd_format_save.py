@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.api import RunOptions, reshard
+from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from nxdtrain.checkpoint import resolve_resume, resolve_start

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.api import reshard, to_hf
+from ckptconv.commands.api import reshard, to_hf
+from ckptconv.commands.dcp import to_dcp
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.dcp_convert import to_dcp
 from ckptconv.training.state import is_training_tag
 from nxdtrain.checkpoint import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig

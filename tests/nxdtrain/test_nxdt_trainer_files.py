@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.api import RunOptions, reshard
+from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
 from tests.nxdtrain.harness import run_world, train_options
 from tests.test_nxdt_side_files import NXDT_TAG, _as_ours

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckptconv.api import open_nxd
+from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd import load_shard

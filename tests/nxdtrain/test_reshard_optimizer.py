@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptconv.api import RunOptions, reshard
 from ckptconv.cli import main as ckptconv_main
+from ckptconv.commands.api import RunOptions, reshard
 from nxdtrain.config import TrainConfig
 from nxdtrain.train import export, prepare
 from tests.nxdtrain.harness import run_world, train_options

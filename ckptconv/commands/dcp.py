@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.api import (
+from ckptconv.commands.api import (
     Result,
     RunOptions,
     _convert,

@@ -44,7 +44,7 @@ from ckptconv.engine.finalize import (
     write_spec,
 )
 from ckptconv.engine.options import DTYPES as DTYPE_NAMES
-from ckptconv.engine.options import RunOptions  # also reached as ckptconv.api.RunOptions
+from ckptconv.engine.options import RunOptions  # also reached as ckptconv.commands.api.RunOptions
 from ckptconv.engine.progress import byte_progress, note
 from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.io.digest import FileRecord
@@ -54,7 +54,10 @@ from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import MasterWeights, nxdtrain_optimizer
-from ckptconv.sources.nxd import check_files_read, open_nxd  # open_nxd also reached as ckptconv.api.open_nxd (README)
+from ckptconv.sources.nxd import (  # open_nxd also reached as ckptconv.commands.api.open_nxd (README)
+    check_files_read,
+    open_nxd,
+)
 from ckptconv.training.nxd_optimizer import OPTIM_DIR
 from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
@@ -151,7 +154,7 @@ def to_nxd(
     those beside ``src`` (a single ``.pt``/``.bin`` file usually has none), so that exports carry them.
 
     A hub id is resolved by :func:`ckptconv.sources.hub.resolve_hf` (the local cache first; ``revision``: branch, tag
-    or commit). With ``verify_layers`` > 0, :func:`ckptconv.verify.verify` then checks that many sampled
+    or commit). With ``verify_layers`` > 0, :func:`ckptconv.commands.verify.verify` then checks that many sampled
     layers (plus embedding and lm_head) numerically and raises ``VerificationError`` on a mismatch.
     """
     options = options or RunOptions()
@@ -214,7 +217,7 @@ def target_layout(*, tp: int, pp: int, vpp: int, kv_size_multiplier: int, attent
 
 
 def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers: int, notes: list[str]) -> None:
-    from ckptconv.verify import verify
+    from ckptconv.commands.verify import verify
 
     report = verify(src, out, layers=layers, config=config)
     if not report["ok"]:
