@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 OUT = Path("bench-out")
-CKPTCONV = "import sys; from ckptconv.cli import main; sys.exit(main())"  # what the console script runs
+CKPTCONV = "import sys; from ckptconv.cli.main import main; sys.exit(main())"  # what the console script runs
 NXDTRAIN = "import sys; from nxdtrain.cli import main; sys.exit(main())"
 
 

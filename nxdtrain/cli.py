@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli_errors import DEBUG_ENV, DEBUG_HELP, run_guarded
+from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.io.metadata import add_version_flag
 from nxdtrain.commands import add_commands

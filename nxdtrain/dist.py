@@ -347,7 +347,7 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world
     except Exception as exc:
         # Not printed here: every rank often fails alike (a bad row, a missing file), or because a peer
         # failed (a lost connection); the launcher prints the first message written, once.
-        from ckptconv.cli_errors import debug_requested, describe
+        from ckptconv.cli.errors import debug_requested, describe
 
         if debug_requested():
             import traceback

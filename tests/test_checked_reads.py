@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.commands.inspect import inspect
 from ckptconv.errors import IntegrityError
 from ckptconv.io.checked import SMALL_GAP, StreamCheck, ZipCrc

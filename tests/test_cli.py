@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cli import build_parser, main, parse_size
-from ckptconv.compat import parse_bool
+from ckptconv.cli.compat import parse_bool
+from ckptconv.cli.main import build_parser, main, parse_size
 
 RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite", "--part", "--hash"}
 LAYOUT_FLAGS = {"--tp", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicator", "--qkv-linear", "--no-qkv-linear",
@@ -127,7 +127,7 @@ def test_package_verbs_stay_callable_after_the_cli_is_imported(tmp_path):
     """``ckptconv.inspect`` is the function even once the CLI (which imports its module) is loaded:
     a submodule of the same name would shadow the package's lazy attribute."""
     import ckptconv
-    import ckptconv.cli  # noqa: F401
+    import ckptconv.cli.main  # noqa: F401
     from ckptconv.commands.inspect import inspect
 
     assert ckptconv.inspect is inspect and callable(ckptconv.inspect)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.commands.api import RunOptions
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Source

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.commands.verify import verify
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.reference import dense_layer, window_mask

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from tests.conftest import GOLDEN, hf_state
 
 CASES = sorted(p.name for p in GOLDEN.glob("*") if (p / "case.json").is_file()) if GOLDEN.is_dir() else []

@@ -14,7 +14,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants, scan_cache_dir
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.errors import ConversionError
 from ckptconv.sources.hub import is_hub_id, resolve_hf
 

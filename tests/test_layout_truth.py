@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.core.layout_flags import LayoutHints
 from tests.conftest import GOLDEN, hf_state
 

@@ -49,7 +49,7 @@ def synthetic_hf(path: Path, config: dict) -> int:
 PROBE = textwrap.dedent(
     """
     import json, os, sys, threading, time
-    from ckptconv.cli import main
+    from ckptconv.cli.main import main
     PAGE = os.sysconf("SC_PAGE_SIZE")
 
     def rss():

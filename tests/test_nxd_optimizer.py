@@ -378,7 +378,7 @@ def test_inspect_verify_and_reshard_take_every_case(case: str, tmp_path: Path) -
 
 
 def test_cli_masters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptconv.cli import main
+    from ckptconv.cli.main import main
 
     case = "zero1_bf16_masters_xser"
     args = [str(tag_of(case)), str(tmp_path / "hf"), "--config", str(FIXTURES / case / "hf" / "config.json")]

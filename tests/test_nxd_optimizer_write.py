@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.cli import main as ckptconv_main
+from ckptconv.cli.main import main as ckptconv_main
 from ckptconv.commands.api import reshard, to_hf
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError

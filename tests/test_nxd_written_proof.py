@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.cli import main as ckptconv
+from ckptconv.cli.main import main as ckptconv
 from ckptconv.io.safe_load import load_small
 from tests.torch_rows import first_difference, placeholder_paths, tag_tree
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckptconv
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.commands.inspect import inspect
 from ckptconv.commands.verify import verify
 from ckptconv.io.nxd import load_shard

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.mapping import hf_shapes
 from ckptconv.core.model_spec import ModelSpec

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from ckptconv.report import key_values, render
+from ckptconv.cli.report import key_values, render
 
 LONG = "/fsx/" + "/".join(f"very-long-directory-name-{i}" for i in range(6)) + "/llama-3-70b-nxd"
 

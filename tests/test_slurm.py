@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cli import build_parser as ckptconv_parser
-from ckptconv.cli import main as ckptconv_main
+from ckptconv.cli.main import build_parser as ckptconv_parser
+from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.cli import build_parser as nxdtrain_parser
 
 SLURM = Path(__file__).resolve().parents[1] / "examples" / "slurm"

@@ -47,7 +47,7 @@ def probe(module: str, argv: list[str], cwd: Path) -> dict:
     (["from-dcp", "src", "out", "--to", "hf", "--tp", "2"], 1),  # a layout flag without --to nxd
 ])
 def test_ckptconv_answers_without_torch(tmp_path, argv, status):
-    result = probe("ckptconv.cli", argv, tmp_path)
+    result = probe("ckptconv.cli.main", argv, tmp_path)
     assert result == {"status": status, "loaded": []}
 
 
@@ -69,5 +69,5 @@ def test_nxdtrain_answers_without_torch(tmp_path, argv, status):
 
 def test_the_probe_sees_torch_when_a_command_computes(tmp_path):
     """The check above can fail: a command that reaches the library does import torch."""
-    result = probe("ckptconv.cli", ["to-nxd", str(tmp_path / "missing"), str(tmp_path / "out")], tmp_path)
+    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "missing"), str(tmp_path / "out")], tmp_path)
     assert result["status"] == 1 and "torch" in result["loaded"]

@@ -190,7 +190,7 @@ def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Pa
 def test_to_hf_infers_trn2_from_replicas_and_refuses_to_guess_trn1(gqa: Path, tmp_path: Path, hw: str,
                                                                    capsys: pytest.CaptureFixture[str]):
     """Adjacent replicas can only be trn2; tiled ones fit trn1 and the official trn2 alike: refused without --hw-backend."""
-    from ckptconv.cli import main
+    from ckptconv.cli.main import main
 
     out = convert(gqa, tmp_path / "nxd", tp=4, pp=2, attention="qkv_linear", kv_size_multiplier=2, fuse_qkv=True,
                   hw_backend=hw)

@@ -1,7 +1,7 @@
 """A corpus of malformed inputs: each gives exactly one line ``ckptconv: error: <where>: <what>``,
 exit status 1, no traceback, and nothing in OUT that looks complete.
 
-Runs in-process through ``ckptconv.cli.main`` (the same handler a shell gets; one case also runs as
+Runs in-process through ``ckptconv.cli.main.main`` (the same handler a shell gets; one case also runs as
 a real process). Damaged shards (a flipped byte, swapped rank files) are caught by the checked
 reads (ckptconv.io.checked).
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from tests.faults.helpers import looks_complete, one_line_error, run
 
 INDEX = "model.safetensors.index.json"
@@ -239,7 +239,7 @@ def test_os_errors_are_one_line():
     """EROFS/EACCES/ENOSPC as the handler words them (a read-only mount needs privileges a test lacks)."""
     import errno
 
-    from ckptconv.cli_errors import describe
+    from ckptconv.cli.errors import describe
 
     assert describe(OSError(errno.EROFS, "Read-only file system", "/ro/out/model")) == (
         "/ro/out/model: read-only file system", "os")

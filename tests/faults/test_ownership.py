@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from tests.faults.helpers import consistent, one_line_error, tree
 
 

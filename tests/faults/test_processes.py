@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cli import main
+from ckptconv.cli.main import main
 from ckptconv.engine.outdir import LOCK_FILE, TMP_DIR
 from tests.faults.helpers import command, consistent, env, looks_complete, one_line_error, run, tree
 

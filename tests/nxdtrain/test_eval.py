@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ckptconv.cli import main as ckptconv_main
+from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.checkpoint import resolve_start
 from nxdtrain.config import CheckpointConfig
 from nxdtrain.errors import TrainError

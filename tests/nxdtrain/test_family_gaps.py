@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptconv.cli import main as ckptconv_main
+from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.train import export
 from tests.conftest import hf_state
 from tests.nxdtrain.harness import run_world, train_options

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckptconv.cli import main as ckptconv_main
+from ckptconv.cli.main import main as ckptconv_main
 from ckptconv.commands.api import RunOptions, reshard
 from nxdtrain.config import TrainConfig
 from nxdtrain.train import export, prepare

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptconv.cli import main as ckptconv_main
+from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.checkpoint import resolve_resume
 from nxdtrain.config import TrainConfig
 from nxdtrain.errors import TrainError

@@ -29,7 +29,7 @@ def recording_worker(config: TrainConfig, tag: str, out: str) -> None:
     the files under ``tag`` that this rank's ``prepare`` opened, and the error it stopped with, written to
     ``out/rank-N.json`` (an error is recorded there instead of raised)."""
     import nxdtrain.train as train_module
-    from ckptconv.cli_errors import describe
+    from ckptconv.cli.errors import describe
 
     rank = os.environ["RANK"]
     opened: list[str] = []

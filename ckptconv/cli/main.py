@@ -15,9 +15,9 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptconv.cli_errors import DEBUG_HELP, run_guarded
-from ckptconv.compat import build_parser as build_compat_parser
-from ckptconv.compat import run_compat
+from ckptconv.cli.compat import build_parser as build_compat_parser
+from ckptconv.cli.compat import run_compat
+from ckptconv.cli.errors import DEBUG_HELP, run_guarded
 from ckptconv.core.layout import Attention
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints
 from ckptconv.engine.launcher import detect_part, parse_part
@@ -399,7 +399,7 @@ def _print(result: Any, as_json: bool) -> None:
     if as_json:
         print(json.dumps(data, indent=1))
         return
-    from ckptconv.report import render
+    from ckptconv.cli.report import render
 
     render(data)
 
