@@ -142,7 +142,7 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
     import torch.distributed as dist
 
     from nxdtrain.config import TrainConfig
-    from nxdtrain.dist import detect_env, init_world, local_world_size
+    from nxdtrain.parallel.dist import detect_env, init_world, local_world_size
     from nxdtrain.train import Trainer, prepare
 
     config = TrainConfig.from_flat(options)
@@ -255,7 +255,7 @@ def flops_per_token(shape: Shape) -> float:
 
 def run_all(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     from nxdtrain.cli import PRELOAD
-    from nxdtrain.dist import spawn
+    from nxdtrain.parallel.dist import spawn
 
     shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
     root = Path(args.workdir)

@@ -24,7 +24,7 @@ from nxdtrain.config import TrainConfig, explain, flag_of, leaf_fields
 from nxdtrain.errors import TrainError
 from nxdtrain.yaml_config import read_yaml
 
-PRELOAD = ("nxdtrain.train", "nxdtrain.pipeline")  # what the processes of --nproc need, imported once
+PRELOAD = ("nxdtrain.train", "nxdtrain.parallel.pipeline")  # what the processes of --nproc need, imported once
 
 
 def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train(config: TrainConfig, *, debug: bool) -> int:
-    from nxdtrain.dist import spawn
+    from nxdtrain.parallel.dist import spawn
     from nxdtrain.train import prepare, run_worker, train
 
     if not config.nproc:

@@ -31,9 +31,9 @@ from ckptconv.core.layout import ParallelLayout, layer_pp_ranks
 from ckptconv.core.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.reference import causal_attention, rms_norm
-from nxdtrain.context_parallel import CpGroup, zigzag_positions
 from nxdtrain.errors import TrainError
-from nxdtrain.parallel import (
+from nxdtrain.parallel.context import CpGroup, zigzag_positions
+from nxdtrain.parallel.layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
     ParallelEmbedding,
@@ -41,9 +41,9 @@ from nxdtrain.parallel import (
     TpGroup,
     enter_tp,
 )
-from nxdtrain.recompute import MODES as RECOMPUTE_MODES
-from nxdtrain.recompute import maybe_checkpoint
-from nxdtrain.ring_attention import ring_attention
+from nxdtrain.parallel.recompute import MODES as RECOMPUTE_MODES
+from nxdtrain.parallel.recompute import maybe_checkpoint
+from nxdtrain.parallel.ring_attention import ring_attention
 from nxdtrain.rope import apply_rope, cos_sin, inv_freq
 
 
@@ -234,7 +234,7 @@ class LlamaStage(nn.Module):
     ``tp.sequence_parallel`` the hidden states in and out are this tp rank's sequence slice
     ``[batch, seq/tp, hidden]``; ``recompute`` is the activation checkpointing mode. With context
     parallelism (``cp.size > 1``) the sequence is this cp rank's zigzag chunks
-    (:mod:`nxdtrain.context_parallel`): RoPE takes their global positions, attention is the ring.
+    (:mod:`nxdtrain.parallel.context`): RoPE takes their global positions, attention is the ring.
     """
 
     rope_inv_freq: torch.Tensor

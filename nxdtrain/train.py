@@ -46,13 +46,21 @@ from nxdtrain.checkpoint import (
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
-from nxdtrain.context_parallel import CpGroup
-from nxdtrain.context_parallel import check_seq_len as check_cp_seq_len
 from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data import Batches, RowSource, open_rows
 from nxdtrain.data_check import CheckedData, checked_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
-from nxdtrain.dist import (
+from nxdtrain.epochs import data_parallel
+from nxdtrain.epochs import resolve as resolve_length
+from nxdtrain.errors import TrainError
+from nxdtrain.loss_check import refusal, verdict
+from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
+from nxdtrain.model import LlamaStage, rank_heads
+from nxdtrain.nxd_resume import read_nxd_state
+from nxdtrain.optim import Optimizer, lr_at
+from nxdtrain.parallel.context import CpGroup
+from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
+from nxdtrain.parallel.dist import (
     LAUNCHER_ENV,
     Mesh,
     detect_env,
@@ -62,19 +70,11 @@ from nxdtrain.dist import (
     local_world_size,
     stop_together,
 )
-from nxdtrain.epochs import data_parallel
-from nxdtrain.epochs import resolve as resolve_length
-from nxdtrain.errors import TrainError
-from nxdtrain.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
-from nxdtrain.loss_check import refusal, verdict
-from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
-from nxdtrain.model import LlamaStage, rank_heads
-from nxdtrain.nxd_resume import read_nxd_state
-from nxdtrain.optim import Optimizer, lr_at
-from nxdtrain.parallel import TpGroup
+from nxdtrain.parallel.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
+from nxdtrain.parallel.layers import TpGroup
+from nxdtrain.parallel.sequence import check_seq_len
 from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
 from nxdtrain.restore import StageReader
-from nxdtrain.sequence_parallel import check_seq_len
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -275,7 +275,7 @@ def open_eval(config: TrainConfig, vocab: int,
 
 
 def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
-    """Who sums which gradients with whom (see nxdtrain.grads); collective: every rank calls it."""
+    """Who sums which gradients with whom (see nxdtrain.parallel.grads); collective: every rank calls it."""
     spec, layout, tp_rank = plan.source.spec, plan.layout, mesh.coords.tp
     # Gradients are summed over dp x cp: the cp ranks of a replica each hold their chunks' share.
     out = GradPlan(dp_group=mesh.dpcp_group, mp_group=mesh.mp_group)
@@ -347,7 +347,7 @@ class Trainer:
             if stage is not None:
                 stage.close()
         self.grad_plan = grad_plan(self.model, mesh, plan)
-        from nxdtrain.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
+        from nxdtrain.parallel.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
         data = cfg.data
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,
@@ -555,6 +555,6 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
 
 
 def run_worker(config: TrainConfig, data_checks: DataChecks | None = None, resolved: Resolved | None = None) -> None:
-    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.dist.spawn` reports its error once); the
+    """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.parallel.dist.spawn` reports its error once); the
     data was checked and --resume resolved by the launcher (``data_checks``, ``resolved``)."""
     train(config, data_checks, resolved)

@@ -6,7 +6,7 @@ import pytest
 
 from ckptconv.engine.finalize import detect_part
 from ckptconv.engine.launcher import Launch, detect_launch, local_world_size
-from nxdtrain.dist import detect_env
+from nxdtrain.parallel.dist import detect_env
 
 # What each worker of `srun --nodes 2 --ntasks-per-node 1 torchrun --nproc-per-node 4 ...` sees on the
 # second node: Slurm's variables describe the torchrun agent (task 1 of 2), torchrun's the worker.

@@ -9,7 +9,7 @@ from typing import Any
 from ckptconv.commands.api import RunOptions, to_nxd
 from nxdtrain.cli import PRELOAD
 from nxdtrain.config import TrainConfig
-from nxdtrain.dist import spawn
+from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 
 # A hung collective fails the test (gloo timeout) instead of hanging the suite; the spawn timeout backs it up.

@@ -13,7 +13,7 @@ from ckptconv.core.layout import shard_name
 from ckptconv.io.nxd import load_shard
 from nxdtrain.cli import main
 from nxdtrain.model import LlamaStage
-from nxdtrain.parallel import TpGroup
+from nxdtrain.parallel.layers import TpGroup
 
 NXDTRAIN = [sys.executable, "-m", "nxdtrain.cli"]
 

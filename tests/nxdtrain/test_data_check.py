@@ -9,11 +9,11 @@ import json
 import datasets
 import pytest
 
-from nxdtrain import dist
 from nxdtrain.cli import main
 from nxdtrain.data import PAD, Batches, open_rows
 from nxdtrain.data_check import PARSE_ALL, check_rows
 from nxdtrain.errors import TrainError
+from nxdtrain.parallel import dist
 
 
 def write_parts(directory, parts):

@@ -15,7 +15,7 @@ from nxdtrain import cli
 from nxdtrain.device import resolve_kind, to_host, torch_xla_api
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
-from nxdtrain.parallel import TpGroup
+from nxdtrain.parallel.layers import TpGroup
 
 PP_REFUSAL = ("nxdtrain: error: --pp 2 with --device xla: torch.distributed.pipelining sends activations with "
               "point-to-point send/recv, which torch-xla's 'xla' process-group backend runs as one compiled graph "
@@ -34,7 +34,7 @@ def _no_spawn(*args: object, **kwargs: object) -> int:
 ])
 def test_unsupported_xla_runs_fail_before_starting(tmp_path, monkeypatch, capsys, argv, expected):
     """Refused in the config validation: no torch_xla, no checkpoint and no process needed to say no."""
-    monkeypatch.setattr("nxdtrain.dist.spawn", _no_spawn)
+    monkeypatch.setattr("nxdtrain.parallel.dist.spawn", _no_spawn)
     monkeypatch.setattr("nxdtrain.train.train", _no_spawn)
     code = cli.main(["run", "--resume", str(tmp_path / "missing"), "--device", "xla", *argv])
     assert code == 1

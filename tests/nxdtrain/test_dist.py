@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nxdtrain.dist import Coords, coords, detect_env, first_slurm_host, group_ranks, rank_of
 from nxdtrain.errors import TrainError
+from nxdtrain.parallel.dist import Coords, coords, detect_env, first_slurm_host, group_ranks, rank_of
 
 
 def test_rank_order_is_nxds():

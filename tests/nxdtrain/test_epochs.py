@@ -12,9 +12,9 @@ import torch
 
 from nxdtrain.cli import PRELOAD, build_parser, load_config, main
 from nxdtrain.config import TrainConfig
-from nxdtrain.dist import spawn
 from nxdtrain.epochs import resolve, run_length
 from nxdtrain.errors import TrainError
+from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, read_log
 

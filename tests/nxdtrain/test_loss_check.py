@@ -11,8 +11,8 @@ import pytest
 
 from nxdtrain.cli import PRELOAD
 from nxdtrain.config import TrainConfig
-from nxdtrain.dist import spawn
 from nxdtrain.loss_check import ABOVE_GUESSING, ABOVE_RECORDED, verdict
+from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import WORLD_TIMEOUT, convert, run_world, train_options
 from tests.nxdtrain.wrong_loads import VOCAB, pair_kv_wrongly, pattern_rows, trained_llama, write_rows

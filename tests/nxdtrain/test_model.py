@@ -15,7 +15,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd import load_shard, save_shard
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
-from nxdtrain.parallel import TpGroup, vocab_parallel_cross_entropy
+from nxdtrain.parallel.layers import TpGroup, vocab_parallel_cross_entropy
 from nxdtrain.rope import inv_freq
 from tests.conftest import hf_state
 from tests.nxdtrain.harness import convert

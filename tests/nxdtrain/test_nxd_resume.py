@@ -28,8 +28,8 @@ from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.nxd_resume import read_nxd_state
 from nxdtrain.optim import Optimizer, lr_at
+from nxdtrain.parallel.tp_group import TpGroup
 from nxdtrain.restore import StageReader
-from nxdtrain.tp_group import TpGroup
 from tests.test_nxd_optimizer import tag_of
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nxdt-official"
@@ -379,13 +379,13 @@ def test_the_workers_take_the_launchers_resume(tmp_path: Path, monkeypatch: pyte
     import os
     import pickle
 
-    import nxdtrain.dist
+    import nxdtrain.parallel.dist
     from nxdtrain.cli import main
     from nxdtrain.train import prepare
 
     tag = nxd_tag("zero1_bf16_masters_only_xser", tmp_path)
     passed: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(nxdtrain.dist, "spawn", lambda fn, args, nprocs, **kw: passed.append(args) or 0)
+    monkeypatch.setattr(nxdtrain.parallel.dist, "spawn", lambda fn, args, nprocs, **kw: passed.append(args) or 0)
     argv = ["run", "--resume", str(tag), "--steps", "4", "--data", "synthetic", "--seq-len", "16", "--gbs", "4",
             "--mbs", "1", "--no-checkpoint", "--precision", "fp32", "--nproc", "2", *SCHEDULE]
     assert main(argv) == 0

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from nxdtrain.config import OptimConfig
-from nxdtrain.grads import GradPlan, global_norm
 from nxdtrain.optim import lr_at
+from nxdtrain.parallel.grads import GradPlan, global_norm
 
 
 @pytest.mark.parametrize("schedule,expected", [

@@ -13,8 +13,8 @@ from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd import load_shard
 from nxdtrain.model import LlamaStage, SelfAttention, rank_heads
-from nxdtrain.parallel import TpGroup
-from nxdtrain.pipeline import PipelineStep, stage_shapes
+from nxdtrain.parallel.layers import TpGroup
+from nxdtrain.parallel.pipeline import PipelineStep, stage_shapes
 from tests.nxdtrain.harness import convert
 
 

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nxdtrain.context_parallel import CpGroup, split_sequence, zigzag_positions
-from nxdtrain.dist import spawn
-from nxdtrain.ring_attention import ring_attention
+from nxdtrain.parallel.context import CpGroup, split_sequence, zigzag_positions
+from nxdtrain.parallel.dist import spawn
+from nxdtrain.parallel.ring_attention import ring_attention
 
 TOL = 1e-5
 

@@ -116,7 +116,7 @@ def count_stage_forwards(config: TrainConfig, out: Path) -> None:
 def test_pipeline_stages_get_their_shapes(tmp_path, nxd_model):
     """pp 2 with SP: 2 steps of 2 microbatches run each stage's forward 4 times (no shape-inference forward)."""
     from nxdtrain.cli import PRELOAD
-    from nxdtrain.dist import spawn
+    from nxdtrain.parallel.dist import spawn
     from tests.nxdtrain.harness import WORLD_TIMEOUT
 
     src = nxd_model("gqa", tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=2)

@@ -14,7 +14,7 @@ import pytest
 
 from nxdtrain.cli import PRELOAD
 from nxdtrain.config import TrainConfig
-from nxdtrain.dist import spawn
+from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT
 from tests.nxdtrain.test_nxd_resume import nxd_tag
@@ -110,8 +110,8 @@ def test_a_refusal_on_rank0_stops_every_rank(tmp_path: Path, capsys: pytest.Capt
 
 def failing_rank(fail_on: int, out: str) -> None:
     """Joins a torchrun-style world; rank ``fail_on`` alone fails; every rank records what stop_together raised."""
-    from nxdtrain.dist import detect_env, host_group, init_world, stop_together
     from nxdtrain.errors import TrainError
+    from nxdtrain.parallel.dist import detect_env, host_group, init_world, stop_together
 
     env = detect_env()
     init_world(env, DIST_TIMEOUT, "cpu")

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nxdtrain.context_parallel import split_sequence
 from nxdtrain.data import PAD
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
-from nxdtrain.parallel import vocab_parallel_cross_entropy
+from nxdtrain.parallel.context import split_sequence
+from nxdtrain.parallel.layers import vocab_parallel_cross_entropy
 
 IGNORE = -100
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}

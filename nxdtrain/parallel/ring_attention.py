@@ -1,7 +1,7 @@
 """Ring attention: causal softmax attention over a sequence split across the context-parallel ranks.
 
 Each cp rank holds the queries, keys and values of its two zigzag chunks
-(:mod:`nxdtrain.context_parallel`). The forward makes ``cp`` steps: at step ``t`` a rank holds the
+(:mod:`nxdtrain.parallel.context`). The forward makes ``cp`` steps: at step ``t`` a rank holds the
 K/V of cp rank ``rank - t`` (its own first) and attends its query chunks to those key chunks that
 are not in their future (a key chunk before the query chunk: every key; the same chunk: causal;
 a later chunk: skipped), while the K/V block travels on to the next rank (``batch_isend_irecv``,
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nxdtrain.context_parallel import CpGroup
+from nxdtrain.parallel.context import CpGroup
 
 KV_TAG, GRAD_TAG = 0, 1  # point-to-point tags: a step's K/V and dK/dV never match each other's receives
 

@@ -5,7 +5,7 @@ A row of ``seq_len`` tokens is cut into ``2·cp`` equal chunks; cp rank ``r`` ho
 amount of work (a contiguous split would give the last rank ``2·cp-1`` times the first one's).
 Everything per token is split the same way: the input ids, the targets (shifted on the whole
 row first, so a chunk's last token still predicts the next chunk's first) and the RoPE positions,
-which stay the global ones. Attention across chunks is :mod:`nxdtrain.ring_attention`. Each rank's
+which stay the global ones. Attention across chunks is :mod:`nxdtrain.parallel.ring_attention`. Each rank's
 loss is its tokens' sum over the global token count; summed over cp (and dp) it is the unsplit loss.
 
     >>> zigzag_positions(8, CpGroup(size=2, rank=0)).tolist()

@@ -1,6 +1,6 @@
 """The tensor-parallel group a layer computes in: the one type the tp layers and sequence parallelism share.
 
-Its own module so that :mod:`nxdtrain.parallel` (the layers) and :mod:`nxdtrain.sequence_parallel`
+Its own module so that :mod:`nxdtrain.parallel.layers` (the layers) and :mod:`nxdtrain.parallel.sequence`
 (the collectives they call) both depend on it and not on each other.
 
 Example:

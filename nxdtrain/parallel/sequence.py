@@ -5,7 +5,7 @@ stages) each tp rank holds ``seq/tp`` consecutive positions of every row, ``[bat
 hidden]``. Entering a column-parallel layer gathers the sequence (backward: reduce-scatter of the
 gradient); leaving a row-parallel layer (or the vocab-parallel embedding) reduce-scatters the
 partial sums over the sequence instead of all-reducing them (backward: all-gather). Norm weights
-then see only their slice: their gradients are summed over tp (nxdtrain.grads).
+then see only their slice: their gradients are summed over tp (nxdtrain.parallel.grads).
 
 Only an all-gather and a reduce-scatter into one tensor and ``all_reduce`` are used: the
 collectives gloo, NCCL and torch-xla all provide. They work on dimension 0, so the sequence
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from nxdtrain.tp_group import TpGroup
+    from nxdtrain.parallel.tp_group import TpGroup
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn, once per
 # rank); the torch that torch-xla 2.9 needs has only the old names.

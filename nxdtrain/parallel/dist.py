@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 from ckptconv.engine.launcher import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
 from nxdtrain.errors import TrainError
-from nxdtrain.lifeline import die_with, start_time
+from nxdtrain.parallel.lifeline import die_with, start_time
 
 DEFAULT_PORT = 29500
 # Set in the processes spawn() starts: the file their process group meets in (a free port found first could
@@ -369,7 +369,7 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     SIGINT to this process is forwarded to every worker, and the launcher waits for them all
     (killing those still alive after :data:`STOP_GRACE_S`) before it returns 128 + the signal: a
     supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind. A
-    launcher killed by SIGKILL takes them along too (:mod:`nxdtrain.lifeline`).
+    launcher killed by SIGKILL takes them along too (:mod:`nxdtrain.parallel.lifeline`).
     """
     import multiprocessing
     import tempfile

@@ -7,7 +7,7 @@ two classic conjugate operators: ``copy_to_tp`` (identity forward, all-reduce ba
 of a column-parallel layer, ``reduce_from_tp`` (all-reduce forward, identity backward) behind a
 row-parallel one. They are no-ops when tp is 1 (``group`` is None). With sequence parallelism
 (``TpGroup.sequence_parallel``) they become a sequence all-gather and a reduce-scatter
-(:mod:`nxdtrain.sequence_parallel`); :func:`enter_tp` and :func:`leave_tp` pick the pair.
+(:mod:`nxdtrain.parallel.sequence`); :func:`enter_tp` and :func:`leave_tp` pick the pair.
 
 These layers run on any torch device; the real NxD layers (Trainium, XLA) are never required.
 """
@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nxdtrain.sequence_parallel import gather_seq, reduce_scatter_seq
-from nxdtrain.tp_group import TpGroup  # also reached as nxdtrain.parallel.TpGroup
+from nxdtrain.parallel.sequence import gather_seq, reduce_scatter_seq
+from nxdtrain.parallel.tp_group import TpGroup  # also reached as nxdtrain.parallel.layers.TpGroup
 
 
 def _all_reduce(t: torch.Tensor, tp: TpGroup, op: Any = None) -> torch.Tensor:
