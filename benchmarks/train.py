@@ -170,7 +170,7 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     from transformers import LlamaForCausalLM
 
     from nxdtrain.config import TrainConfig
-    from nxdtrain.data import global_batches
+    from nxdtrain.data.rows import global_batches
     from nxdtrain.optim import make_torch_optimizer, param_groups
 
     _threads(1)

@@ -64,7 +64,7 @@ def add_commands(sub: Any) -> None:
 
 
 def _pack(args: argparse.Namespace) -> int:
-    from nxdtrain.pack import pack, summary_json, summary_lines
+    from nxdtrain.data.pack import pack, summary_json, summary_lines
 
     summary = pack(args.inputs, args.out, tokenizer=args.tokenizer, seq_len=args.seq_len, pad=args.pad,
                    workers=args.workers, text_field=args.text_field, txt_docs=args.txt_docs, eos_id=args.eos_id,
@@ -78,9 +78,9 @@ def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1,
                  long_rows: str = "cut") -> dict[str, Any]:
     """Everything ``nxdtrain steps`` prints; the numbers come from the functions ``run`` uses."""
     from nxdtrain.config import OptimConfig
-    from nxdtrain.data import open_rows
-    from nxdtrain.data_check import check_rows
-    from nxdtrain.epochs import data_parallel, run_length
+    from nxdtrain.data.check import check_rows
+    from nxdtrain.data.epochs import data_parallel, run_length
+    from nxdtrain.data.rows import open_rows
 
     OptimConfig(warmup=warmup)  # the same check (and message) as run's --warmup
     for flag, value in (("--gbs", gbs), ("--mbs", mbs), ("--tp", tp), ("--pp", pp), ("--context-parallel", cp),

@@ -33,7 +33,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.parallel.recompute)
-LONG_ROWS = ("cut", "split", "error")  # rows longer than --seq-len (nxdtrain.data_check)
+LONG_ROWS = ("cut", "split", "error")  # rows longer than --seq-len (nxdtrain.data.check)
 AUTO = "auto"  # --resume auto
 
 

@@ -36,7 +36,7 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     defaults to 0.1·lr (:class:`~nxdtrain.config.OptimConfig`), so the last step runs at lr 0 only when asked.
     """
     if 0 < cfg.warmup < 1:
-        raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.epochs.resolve)")
+        raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.data.epochs.resolve)")
     return lr_schedule.lr_at(step, cfg, decay_steps=decay_steps)
 
 

@@ -47,11 +47,11 @@ from nxdtrain.checkpoint import (
 )
 from nxdtrain.config import TrainConfig
 from nxdtrain.continuity import check_resume, new_run_id, run_record
-from nxdtrain.data import Batches, RowSource, open_rows
-from nxdtrain.data_check import CheckedData, checked_rows
+from nxdtrain.data.check import CheckedData, checked_rows
+from nxdtrain.data.epochs import data_parallel
+from nxdtrain.data.epochs import resolve as resolve_length
+from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
-from nxdtrain.epochs import data_parallel
-from nxdtrain.epochs import resolve as resolve_length
 from nxdtrain.errors import TrainError
 from nxdtrain.loss_check import refusal, verdict
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard

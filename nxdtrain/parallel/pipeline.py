@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from nxdtrain.data import PAD
+from nxdtrain.data.rows import PAD
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel.context import split_sequence
@@ -36,7 +36,7 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 def shifted_targets(ids: torch.Tensor) -> torch.Tensor:
     """Position t predicts token t+1; the last position predicts nothing (-100), as transformers pads labels;
-    nor does a position followed by padding (``--pad``: :data:`nxdtrain.data.PAD`)."""
+    nor does a position followed by padding (``--pad``: :data:`nxdtrain.data.rows.PAD`)."""
     target = torch.full_like(ids, IGNORE)
     target[:, :-1] = ids[:, 1:]
     return target.masked_fill(target == PAD, IGNORE)

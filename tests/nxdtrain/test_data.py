@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from nxdtrain.data import Batches, open_rows
+from nxdtrain.data.rows import Batches, open_rows
 from nxdtrain.errors import TrainError
 
 ROWS = [[10 * r + t for t in range(6)] for r in range(10)]  # row r: r0 r1 .. r5, all distinct

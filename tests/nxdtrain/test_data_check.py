@@ -10,8 +10,8 @@ import datasets
 import pytest
 
 from nxdtrain.cli import main
-from nxdtrain.data import PAD, Batches, open_rows
-from nxdtrain.data_check import PARSE_ALL, check_rows
+from nxdtrain.data.check import PARSE_ALL, check_rows
+from nxdtrain.data.rows import PAD, Batches, open_rows
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel import dist
 
@@ -66,7 +66,7 @@ def test_split_pieces_are_found_without_a_list_of_them(tmp_path):
     import random
     import tracemalloc
 
-    from nxdtrain.data_check import ListRows, SplitRows
+    from nxdtrain.data.check import ListRows, SplitRows
 
     rng = random.Random(0)
     lengths = [rng.choice([3, 8, 9, 17, 40]) for _ in range(200)]
@@ -99,8 +99,8 @@ def test_a_datasets_dir_is_checked_from_its_offsets(tmp_path):
 
 
 def test_a_large_file_is_sampled_and_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr("nxdtrain.data_check.PARSE_ALL", 10)
-    monkeypatch.setattr("nxdtrain.data_check.SAMPLE", 4)
+    monkeypatch.setattr("nxdtrain.data.check.PARSE_ALL", 10)
+    monkeypatch.setattr("nxdtrain.data.check.SAMPLE", 4)
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"input_ids": [1] * 8}) + "\n" for _ in range(30)))
     plan = check_rows(open_rows(str(path), vocab=32, seq_len=8, seed=0), seq_len=8, long_rows="cut")
@@ -181,7 +181,7 @@ def test_the_workers_use_the_launchers_check(tmp_path, nxd_model, monkeypatch):
         raise AssertionError("the data was checked again")
 
     with monkeypatch.context() as patch:
-        patch.setattr("nxdtrain.data_check.check_rows", checked_again)
+        patch.setattr("nxdtrain.data.check.check_rows", checked_again)
         worker = prepare(config, 2, launcher.data_checks)
     assert [worker.rows.row(i) for i in range(worker.rows.size)] == [
         launcher.rows.row(i) for i in range(launcher.rows.size)]

@@ -12,7 +12,7 @@ import torch
 
 from nxdtrain.cli import PRELOAD, build_parser, load_config, main
 from nxdtrain.config import TrainConfig
-from nxdtrain.epochs import resolve, run_length
+from nxdtrain.data.epochs import resolve, run_length
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from nxdtrain.cli import main
+from nxdtrain.data.pack import pack
 from nxdtrain.errors import TrainError
-from nxdtrain.pack import pack
 from tests.nxdtrain.harness import run_world, train_options
 
 CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "corpus"
@@ -150,7 +150,7 @@ def test_train_two_steps_from_the_packed_directory(tmp_path, nxd_model, referenc
 
 
 def test_a_failing_worker_is_an_error_not_a_hang(docs):
-    from nxdtrain.pack import LoadedTokenizer, pack_rows
+    from nxdtrain.data.pack import LoadedTokenizer, pack_rows
 
     broken = LoadedTokenizer(backend_json="not a tokenizer", eos_id=EOS, pad_id=EOS, bos_id=None, name="broken")
     with pytest.raises(TrainError, match="a tokenizing worker process died"):

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from nxdtrain.data import load_column
+from nxdtrain.data.rows import load_column
 from nxdtrain.errors import TrainError
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
@@ -150,7 +150,7 @@ def _text_docs(path: Path, how: str) -> Iterator[str]:
 
 
 def _json_docs(path: Path, field: str) -> Iterator[str]:
-    from nxdtrain.data import JsonRows
+    from nxdtrain.data.rows import JsonRows
 
     rows = JsonRows(path, column=field)
     for index in range(rows.size):
@@ -177,7 +177,7 @@ def _dataset_docs(path: Path, field: str) -> Iterator[str]:
 
 def input_files(inputs: Iterable[str | Path]) -> list[Path]:
     """Each INPUT as given; a directory that is not a datasets dir stands for its text files, sorted."""
-    from nxdtrain.data import DATASET_MARKERS
+    from nxdtrain.data.rows import DATASET_MARKERS
 
     suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
     out: list[Path] = []

@@ -23,7 +23,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from nxdtrain.data import ConcatRows, DatasetRows, RowSource, row_where
+from nxdtrain.data.rows import ConcatRows, DatasetRows, RowSource, row_where
 from nxdtrain.errors import TrainError
 
 PARSE_ALL = 50_000  # rows of one JSON file parsed whole; beyond that, sampled

@@ -2,7 +2,7 @@
 
 Sample ``i`` (counting every row ever consumed, across epochs) is row ``order(i)``: file order
 with ``--no-shuffle``, else a seeded permutation drawn afresh for each epoch. With ``gbs`` given,
-an epoch is ``rows // gbs`` whole global batches (see :mod:`nxdtrain.epochs`). Global batch ``s``
+an epoch is ``rows // gbs`` whole global batches (see :mod:`nxdtrain.data.epochs`). Global batch ``s``
 is samples ``[s·gbs, (s+1)·gbs)``; data-parallel rank ``d`` takes the ``d``-th of ``dp`` equal
 slices of it. A resumed run continues at its ``consumed_samples``.
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from nxdtrain.epochs import epoch_samples
+from nxdtrain.data.epochs import epoch_samples
 from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:
