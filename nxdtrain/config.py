@@ -199,7 +199,7 @@ class CheckpointConfig:
                                             "tag recorded (peak/min lr, warmup, decay steps, schedule, seed, "
                                             "shuffle, epochs); without it such a resume is refused")
     allow_high_loss: bool = option(False, "start even when the first batch's loss of a resumed or converted start "
-                                          "says the weights were loaded wrong (nxdtrain.loss_check)")
+                                          "says the weights were loaded wrong (nxdtrain.checkpoint.loss_check)")
 
     def __post_init__(self) -> None:
         _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, "

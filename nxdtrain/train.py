@@ -31,7 +31,11 @@ from ckptconv.engine.options import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd import Flavour
 from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE
-from nxdtrain.checkpoint import (
+from nxdtrain.checkpoint.continuity import check_resume, new_run_id, run_record
+from nxdtrain.checkpoint.loss_check import refusal, verdict
+from nxdtrain.checkpoint.nxd_resume import read_nxd_state
+from nxdtrain.checkpoint.restore import StageReader
+from nxdtrain.checkpoint.tags import (
     ResumeSource,
     TagWriter,
     TrainingState,
@@ -46,17 +50,14 @@ from nxdtrain.checkpoint import (
     set_rng_state,
 )
 from nxdtrain.config import TrainConfig
-from nxdtrain.continuity import check_resume, new_run_id, run_record
 from nxdtrain.data.check import CheckedData, checked_rows
 from nxdtrain.data.epochs import data_parallel
 from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.errors import TrainError
-from nxdtrain.loss_check import refusal, verdict
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
-from nxdtrain.nxd_resume import read_nxd_state
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.context import CpGroup
 from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
@@ -74,7 +75,6 @@ from nxdtrain.parallel.grads import GradPlan, clip_gradients, global_norm, reduc
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.sequence import check_seq_len
 from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
-from nxdtrain.restore import StageReader
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -113,7 +113,7 @@ class RunPlan:
     eval_count: int = 0                 # global batches per evaluation
     resume_notes: tuple[str, ...] = ()  # what the resume reshards on load, what it cannot carry, what the data check
                                         # found, what an override changed (rank 0 prints)
-    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.checkpoint.continuity)
     data_checks: DataChecks | None = None  # what the checks of --data and --eval-data found (for the workers)
     resolved: Resolved | None = None       # --resume resolved and its state read (for the workers)
 
@@ -244,7 +244,7 @@ def prepare_in_world(config: TrainConfig, world_size: int) -> RunPlan:
 
 def read_state(source: ResumeSource, *, gbs: int) -> tuple[TrainingState | None, tuple[str, ...]]:
     """The training state of a full resume's tag (None: weights only) and the lines that say how it was read."""
-    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.nxd_resume)
+    if source.full and source.nxd:  # a tag of NxD's own code: its side files mapped (nxdtrain.checkpoint.nxd_resume)
         state, lines = read_nxd_state(source.root, source.checks(), gbs=gbs)
         return state, tuple(lines)
     if source.full:
@@ -337,7 +337,7 @@ class Trainer:
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None
-            self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.loss_check)
+            self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.checkpoint.loss_check)
             if source.full:
                 assert stage is not None
                 self._restore(stage)
@@ -431,7 +431,7 @@ class Trainer:
 
     def check_first_loss(self) -> None:
         """One forward of the first batch before step 1; stop when it says the weights were loaded wrong
-        (:mod:`nxdtrain.loss_check`). Collective: every rank sees the same loss and stops alike."""
+        (:mod:`nxdtrain.checkpoint.loss_check`). Collective: every rank sees the same loss and stops alike."""
         cfg, mesh = self.cfg, self.mesh
         if cfg.checkpoint.allow_high_loss or cfg.data.data == SYNTHETIC:
             return

@@ -1,6 +1,6 @@
 """The training position NxD's own code records beside its optimizer files, in nxdtrain's terms.
 
-One mapping for both users: ``nxdtrain --resume`` of NxD's tag (:mod:`nxdtrain.nxd_resume`) and
+One mapping for both users: ``nxdtrain --resume`` of NxD's tag (:mod:`nxdtrain.checkpoint.nxd_resume`) and
 ``ckptconv reshard`` of it into an nxdtrain training tag (:mod:`ckptconv.training.tag_reshard`):
 
 * the step: ``user_content.pt`` ``global_step`` (NxDT) or ``total_steps`` (NxD's ``run_llama_nxd.py``),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from ckptconv.engine import outdir
-from nxdtrain.checkpoint import TagWriter, prune
+from nxdtrain.checkpoint.tags import TagWriter, prune
 from nxdtrain.errors import TrainError
 
 

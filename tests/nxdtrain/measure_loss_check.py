@@ -1,4 +1,4 @@
-"""Measurements behind nxdtrain.loss_check's margins: the first-batch loss of a tiny Llama loaded right and wrong.
+"""Measurements behind nxdtrain.checkpoint.loss_check's margins: the first-batch loss of a tiny Llama loaded right and wrong.
 
 A random tiny model sits at ln(vocab) however its shards are read, so the source is first trained (HF, AdamW)
 on arithmetic rows whose stride only attention can read, until its loss is far below ln(vocab). It is then

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from nxdtrain.checkpoint import resolve_resume
+from nxdtrain.checkpoint.continuity import check_resume, recorded_run
+from nxdtrain.checkpoint.tags import resolve_resume
 from nxdtrain.config import TrainConfig
-from nxdtrain.continuity import check_resume, recorded_run
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.nxdtrain.harness import run_world, train_options

@@ -176,7 +176,7 @@ def test_masters_export_of_a_padded_bf16_run(tmp_path, nxd_model):
     from ckptconv.commands.api import RunOptions, to_hf
     from ckptconv.io.nxd import load_shard
     from ckptconv.training.state import MASTER, state_key
-    from nxdtrain.checkpoint import optim_file
+    from nxdtrain.checkpoint.tags import optim_file
 
     src = nxd_model("vocab1003", tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
     run_world(4, resume=str(src), tp=2, zero1=True, checkpoint_dir=str(tmp_path / "ckpt"),

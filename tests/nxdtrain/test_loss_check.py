@@ -1,5 +1,5 @@
 """A wrong load is caught before it costs compute (issue 20, item 4): the first batch's loss of a resumed or
-converted start, against ln(vocab) and against the loss the resumed tag recorded (nxdtrain.loss_check)."""
+converted start, against ln(vocab) and against the loss the resumed tag recorded (nxdtrain.checkpoint.loss_check)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
+from nxdtrain.checkpoint.loss_check import ABOVE_GUESSING, ABOVE_RECORDED, verdict
 from nxdtrain.cli import PRELOAD
 from nxdtrain.config import TrainConfig
-from nxdtrain.loss_check import ABOVE_GUESSING, ABOVE_RECORDED, verdict
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import WORLD_TIMEOUT, convert, run_world, train_options

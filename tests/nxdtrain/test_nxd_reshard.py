@@ -18,7 +18,7 @@ from ckptconv.commands.api import reshard, to_hf
 from ckptconv.commands.dcp import to_dcp
 from ckptconv.core.layout import ParallelLayout
 from ckptconv.training.state import is_training_tag
-from nxdtrain.checkpoint import read_training_state, resolve_resume
+from nxdtrain.checkpoint.tags import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.optim import lr_at
 from tests.conftest import hf_state
@@ -193,7 +193,7 @@ def test_the_resharded_tag_resumes_as_nxds_tag_does(case: str, tmp_path: Path) -
     and after ``ckptconv reshard`` at the same layout: each path in the precision it records (bf16: NxD's model
     files declare bf16 weights; every reshard of NxD's tag recorded fp32, so its run trained in fp32), then step 3
     with the recorded gradients: the same model dtype and the same fp32 masters, bit for bit."""
-    from nxdtrain.nxd_resume import read_nxd_state
+    from nxdtrain.checkpoint.nxd_resume import read_nxd_state
     from tests.nxdtrain.test_nxd_resume import restored
 
     nxds = nxd_tag(case, tmp_path / "nxd")

@@ -1,6 +1,6 @@
 """nxdtrain resumes NxD's own training tags (fixtures/nxdt-official/, written by NxD 2.28's save_checkpoint)
 with the full optimizer state: checked by continuing step 3 with the recorded gradients in nxdtrain's own
-optimizer (:class:`nxdtrain.optim.Optimizer`, restored through :class:`nxdtrain.restore.StageReader` as a
+optimizer (:class:`nxdtrain.optim.Optimizer`, restored through :class:`nxdtrain.checkpoint.restore.StageReader` as a
 run's rank restores it) and comparing with what NxD itself held after its step 3.
 
 The gradient is set directly on the optimizer's fp32 weights (the recorded gradients are not those of a
@@ -22,14 +22,14 @@ from safetensors.torch import load_file
 
 from ckptconv.core.layout import ParallelLayout
 from ckptconv.training.nxd_optimizer import read_optimizer_state
-from nxdtrain.checkpoint import resolve_resume
+from nxdtrain.checkpoint.nxd_resume import read_nxd_state
+from nxdtrain.checkpoint.restore import StageReader
+from nxdtrain.checkpoint.tags import resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
-from nxdtrain.nxd_resume import read_nxd_state
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.tp_group import TpGroup
-from nxdtrain.restore import StageReader
 from tests.test_nxd_optimizer import tag_of
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nxdt-official"

@@ -1,4 +1,4 @@
-"""Tiny Llamas that have learnt something, and shards read with the wrong layout (nxdtrain.loss_check).
+"""Tiny Llamas that have learnt something, and shards read with the wrong layout (nxdtrain.checkpoint.loss_check).
 
 A random-init tiny model sits at ln(vocab) on any data, loaded right or wrong: it cannot tell the two
 apart. :func:`trained_llama` first trains one (HF, AdamW) on :func:`pattern_rows` (arithmetic sequences

@@ -21,8 +21,8 @@ from ckptconv.training.nxd_optimizer_write import NXDTRAIN_KEY
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.training.position import nxd_position
 from ckptconv.training.state import USER_CONTENT_FILE
-from nxdtrain.checkpoint import TrainingState, damaged, load_small, training_state_of
-from nxdtrain.continuity import LABELS
+from nxdtrain.checkpoint.continuity import LABELS
+from nxdtrain.checkpoint.tags import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.errors import TrainError
 
 

@@ -14,7 +14,7 @@ Resume rules (``--resume PATH``): a directory with ``model/`` but no ``optim/`` 
 to-nxd`` writes) gives weights only, step 0 and a fresh optimizer; a checkpoint root gives its
 newest completed tag, full state; a tag directory gives that tag, full state; ``--weights-only``
 forces the first. A missing PATH, or a tag without ``done``, is an error. Shards (and optimizer state) of
-another layout, dp size or ZeRO-1 setting are resharded on load (:mod:`nxdtrain.restore`). ``--resume auto`` (what a
+another layout, dp size or ZeRO-1 setting are resharded on load (:mod:`nxdtrain.checkpoint.restore`). ``--resume auto`` (what a
 requeued job passes every time) takes the newest completed tag in ``--checkpoint-dir`` when there is one,
 else ``--init PATH`` by the same rules (:func:`resolve_start`).
 """
@@ -65,8 +65,8 @@ from ckptconv.training.state import (
     is_training_tag,
     optimizer_file,
 )
+from nxdtrain.checkpoint.continuity import recorded_run
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
-from nxdtrain.continuity import recorded_run
 from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 from nxdtrain.model import describe
@@ -92,7 +92,7 @@ class ResumeSource:
     case: str                  # one line for the log
     records: dict[str, Any] | None = None  # ckptconv.json's size + digest per file; None: no metadata
     flag: str = "--resume"     # the option that named it (--init: where --resume auto starts)
-    nxd: bool = False          # optim/ written by NxD's own code (nxdtrain.nxd_resume), not by nxdtrain
+    nxd: bool = False          # optim/ written by NxD's own code (nxdtrain.checkpoint.nxd_resume), not by nxdtrain
 
     def shard(self, tp_rank: int, pp_rank: int) -> Path:
         return self.files[shard_file(tp_rank=tp_rank, pp_rank=pp_rank)]
@@ -325,9 +325,9 @@ class TrainingState:
     consumed_samples: int
     rng: list[dict[str, torch.Tensor]]
     options: dict[str, Any]  # the saving run's flat options (TrainConfig.to_flat)
-    run: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.continuity)
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.checkpoint.continuity)
     missing: list[str] = dataclasses.field(default_factory=list)   # what an older tag's record lacks
-    loss: float | None = None  # the loss logged at the tag's step (nxdtrain.loss_check); None: not recorded
+    loss: float | None = None  # the loss logged at the tag's step (nxdtrain.checkpoint.loss_check); None: not recorded
     notes: list[str] = dataclasses.field(default_factory=list)     # how the position was read, where not recorded
 
 
@@ -403,7 +403,7 @@ class TagWriter:
     flavour: Flavour
     keep: int
     options: dict[str, Any]
-    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.continuity)
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.checkpoint.continuity)
     host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
     zero_rank: int = 0
     zero_size: int = 1           # the ranks a ZeRO-1 state is partitioned over (dp x cp)
