@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Where each CLI's parser is built: the one place to change when the modules move (module path, function name).
 PARSERS: dict[str, tuple[str, str]] = {
-    "ckptconv": ("ckptconv.cli", "build_parser"),
+    "ckptconv": ("ckptconv.cli.main", "build_parser"),
     "nxdtrain": ("nxdtrain.cli", "build_parser"),
 }
 
