@@ -6,8 +6,19 @@ STAMP  := $(VENV)/.installed-stamp
 # pytest workers: the suite is CPU-bound and the machine small; override with `make test JOBS=1`.
 JOBS   ?= 2
 
-.PHONY: setup test setup-xla test-xla setup-titan test-titan demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
+default: help
 
+.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
+
+# this list: every target with the first line of the comment above it
+help:
+	@awk '/^# /{if (c=="") c=substr($$0,3)} /^[a-z][a-z0-9-]*:/{split($$1,t,":"); if (c!="") printf "  make %-14s %s\n", t[1], c; c=""} !/^# /{if (!/^[a-z][a-z0-9-]*:/) c=""}' $(MAKEFILE_LIST)
+
+# docs/cli.md, the reference of every flag, regenerated from the parsers (a test fails when it is stale)
+docs: setup
+	$(BIN)/python tools/cli_reference.py
+
+# .venv with torch 2.13.0 (CPU) and the project, editable, with its dev tools
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -18,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# the main test lane (JOBS=1 for one worker)
 test: setup
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup
 
@@ -28,6 +40,7 @@ XLA_BIN   := $(XLA_VENV)/bin
 XLA_STAMP := $(XLA_VENV)/.installed-stamp
 XLA_TORCH := 2.9.0
 
+# .venv-xla: torch 2.9.0 + torch-xla 2.9.0 for the XLA lane
 setup-xla: $(XLA_STAMP)
 
 $(XLA_STAMP): pyproject.toml Makefile
@@ -41,6 +54,7 @@ $(XLA_STAMP): pyproject.toml Makefile
 
 # PJRT_DEVICE=CPU: XLA:CPU, the only XLA device this CI has. The main lane collects test_xla.py and skips it.
 XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py
+# the XLA lane: nxdtrain on XLA:CPU
 test-xla: setup-xla
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
 
@@ -53,6 +67,7 @@ TITAN_STAMP   := $(TITAN_VENV)/.installed-stamp
 TITAN_TORCH   := 2.13.0
 TITAN_VERSION := 0.3.0
 
+# .venv-titan: torchtitan 0.3.0 beside the main lane's torch
 setup-titan: $(TITAN_STAMP)
 
 $(TITAN_STAMP): pyproject.toml Makefile
@@ -67,12 +82,15 @@ $(TITAN_STAMP): pyproject.toml Makefile
 
 # The main lane collects test_titan.py and skips it (no torchtitan there).
 TITAN_TESTS := tests/test_titan.py
+# the TorchTitan lane: TorchTitan's own code loads what to-dcp writes
 test-titan: setup-titan
 	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)
 
+# tiny Llama -> NxD -> HF bit-exact, inspect, 5 training steps, export (into demo-out/)
 demo: setup
 	$(BIN)/python examples/demo.py demo-out
 
+# conversion throughput against cp, CPU s/GB and peak memory (70B and 8B shapes)
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
@@ -102,10 +120,12 @@ bench-dcp: setup
 bench-reads: setup
 	$(BIN)/python -m benchmarks.reads bench-out/reads $(BENCH_ARGS)
 
+# ruff, the import-circle check and mypy
 lint: setup
 	$(BIN)/ruff check ckptconv nxdtrain tests benchmarks examples tools
 	$(BIN)/python tools/import_cycles.py
 	$(BIN)/mypy ckptconv nxdtrain
 
+# remove demo, benchmark and pytest outputs
 clean:
 	rm -rf demo-out bench-out .pytest_cache
