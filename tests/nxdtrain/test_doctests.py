@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "context_parallel", "data", "device", "dist", "epochs", "model", "optim", "preflight", "rope",
-           "tp_group"]
+MODULES = ["config", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model", "optim",
+           "preflight", "rope", "parallel.tp_group"]
 
 
 @pytest.mark.parametrize("name", MODULES)
