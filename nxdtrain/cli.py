@@ -20,14 +20,14 @@ from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.io.metadata import add_version_flag
 from nxdtrain.commands import add_commands
-from nxdtrain.config import TrainConfig, explain, flag_of, leaf_fields
+from nxdtrain.config import GROUPS, REQUIRED_USAGE, TrainConfig, explain, flag_of, leaf_fields
 from nxdtrain.errors import TrainError
 from nxdtrain.yaml_config import read_yaml
 
 PRELOAD = ("nxdtrain.train", "nxdtrain.parallel.pipeline")  # what the processes of --nproc need, imported once
 
 
-def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
+def _add_option(parser: Any, f: Any) -> None:
     meta, kind = f.metadata, str(f.type)
     default = "" if f.default is None else f" (default: {f.default})"
     kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": meta["help"] + default}
@@ -42,17 +42,34 @@ def _add_option(parser: argparse.ArgumentParser, f: Any) -> None:
     parser.add_argument(flag_of(f), *meta["aliases"], **kwargs)
 
 
+RUN_DESCRIPTION = ("Continue training an NxD checkpoint. Every run needs a weights source (--resume) and a place for "
+                   "its tags (--checkpoint-dir, or --no-checkpoint to save nothing); each may come from --config "
+                   "FILE.yaml instead of a flag.")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per config leaf, in the ``--help`` section its field names (``GROUPS`` order; required flags
+    first in their section, then declaration order)."""
+    sections = {title: parser.add_argument_group(title, description) for title, description in GROUPS.items()}
+    order = list(GROUPS)
+    fields = sorted((f for _, f in leaf_fields()),
+                    key=lambda f: (order.index(f.metadata["group"]), not f.metadata["required"]))
+    for f in fields:
+        _add_option(sections[f.metadata["group"]], f)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
     add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do (COMMAND --help for its flags)")
-    run = sub.add_parser("run", help="train from --resume PATH (NxD shards), write NxD checkpoints")
+    run = sub.add_parser("run", help="train from --resume PATH (NxD shards), write NxD checkpoints",
+                         usage=f"%(prog)s {REQUIRED_USAGE}\n{' ' * 20}[--config FILE.yaml] [OPTION ...]",
+                         description=RUN_DESCRIPTION)
     run.add_argument("--config", dest="config_file", metavar="FILE.yaml",
                      help="YAML with the same options as the flags (or NxDT-shaped keys); flags override it")
-    for _, f in leaf_fields():
-        _add_option(run, f)
+    add_run_options(run)
     export = sub.add_parser("export", help="a checkpoint tag (or a root's newest completed tag) -> HF directory")
     export.add_argument("src", metavar="TAG_OR_ROOT",
                         help="a step_<N> tag, or a checkpoint root (its newest completed tag)")

@@ -1,8 +1,8 @@
 """One typed config tree for a training run; YAML (ours or NxDT-shaped) and CLI flags fill it.
 
 Every leaf field is one CLI flag and one flat YAML key of the same name (``seq_len`` is
-``--seq-len`` and ``seq_len:``). A field's ``help`` metadata is its ``--help``. Precedence:
-defaults < YAML < flags.
+``--seq-len`` and ``seq_len:``). A field's ``help`` metadata is its ``--help``, its ``group`` the section of
+``nxdtrain run --help`` it is listed in (:data:`GROUPS`). Precedence: defaults < YAML < flags.
 
 Example:
     >>> cfg = TrainConfig.from_flat({"resume": "/fsx/llama-nxd", "tp": 2, "lr": 3e-4})
@@ -37,13 +37,35 @@ LONG_ROWS = ("cut", "split", "error")  # rows longer than --seq-len (nxdtrain.da
 AUTO = "auto"  # --resume auto
 
 
-def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None,
-           path: bool = False) -> Any:
+# The sections of ``nxdtrain run --help``, in order: title -> what the section is for and what in it is required.
+# Each field names its section (``option(group=...)``); the flags are grouped by job, not by config class.
+GROUPS: dict[str, str] = {
+    "model and layout": "where the weights come from and how this run splits them. Required: --resume (with "
+                        "--resume auto also --checkpoint-dir, and --init while that holds no completed tag). A "
+                        "source saved at another tp/pp/kv layout is resharded on load",
+    "data": "the rows and their batches",
+    "optimizer and schedule": "how long to train, the optimizer, the learning-rate schedule and clipping",
+    "parallelism": "the splits beyond --tp/--pp (world = dp x tp x pp x context parallel) and memory savers",
+    "checkpoints": "what the run saves. Required: --checkpoint-dir DIR, or --no-checkpoint to save nothing",
+    "logging": "what the run reports while it trains",
+    "device and launch": "where the run trains, in what precision, and how its processes start",
+}
+# What every run needs, as the usage line of nxdtrain run says it (the fields with required=True).
+REQUIRED_USAGE = "--resume PATH|auto (--checkpoint-dir DIR | --no-checkpoint)"
+
+
+def option(default: Any, help: str, *, group: str, aliases: tuple[str, ...] = (),
+           choices: tuple[str, ...] | None = None, path: bool = False, required: bool = False) -> Any:
     """A config field that is also a CLI flag ``--name-with-dashes`` (booleans also get ``--no-name``).
 
-    ``path``: a file or directory; ``~`` and ``$VARS`` in its value are expanded (YAML and flags alike).
+    ``group``: its section of ``nxdtrain run --help`` (a key of :data:`GROUPS`). ``path``: a file or directory;
+    ``~`` and ``$VARS`` in its value are expanded (YAML and flags alike). ``required``: a run needs it (checked
+    in ``__post_init__``, where the message says what to give); listed first in its section.
     """
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "path": path})
+    if group not in GROUPS:
+        raise ValueError(f"option group {group!r} is none of {', '.join(GROUPS)}")
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "path": path,
+                                            "group": group, "required": required})
 
 
 def _check(ok: bool, message: str) -> None:
@@ -53,27 +75,33 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the model is split: tp x pp (must match the shards), context parallel, and dp = world / (tp·pp·cp)."""
+    """How the model is split: tp x pp (a source of another layout is resharded on load), context parallel, and
+    dp = world / (tp·pp·cp)."""
 
-    tp: int = option(1, "tensor-parallel degree (must equal the shards' tp)")
-    pp: int = option(1, "pipeline-parallel degree (must equal the shards' pp)")
+    tp: int = option(1, "tensor-parallel degree of this run (not read from the shards); a --resume saved at another "
+                        "tp is resharded on load, each rank reading its slices", group="model and layout")
+    pp: int = option(1, "pipeline-parallel degree of this run (not read from the shards); a --resume saved at "
+                        "another pp is resharded on load, each rank reading its slices", group="model and layout")
     kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards' at "
                                        "their tp, else tp / kv heads",
-                                       aliases=("--kv-size-multiplier",))
-    qkv_linear: bool | None = option(None, "GQA QKV layer (weight_q/k/v or weight_qkv); default: the shards'")
-    fuse_qkv: bool | None = option(None, "fused weight_qkv (needs qkv_linear); default: the shards'")
-    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
-    zero1: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
+                                       aliases=("--kv-size-multiplier",), group="model and layout")
+    qkv_linear: bool | None = option(None, "GQA QKV layer (weight_q/k/v or weight_qkv); default: the shards'",
+                                     group="model and layout")
+    fuse_qkv: bool | None = option(None, "fused weight_qkv (needs qkv_linear); default: the shards'",
+                                   group="model and layout")
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES, group="parallelism")
+    zero1: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)", group="parallelism")
     sequence_parallel: bool = option(False, "split activations between tp regions along the sequence over the "
-                                            "tp ranks (needs --seq-len divisible by --tp)")
+                                            "tp ranks (needs --seq-len divisible by --tp)", group="parallelism")
     activation_checkpointing: str = option("none", "recompute activations in the backward: the attention core "
                                                    "(selective) or each decoder layer (full)", choices=RECOMPUTE,
-                                           aliases=("--activations-checkpoint-granularity",))
+                                           aliases=("--activations-checkpoint-granularity",), group="parallelism")
     context_parallel: int = option(1, "split every row's sequence over this many ranks (zigzag chunks, ring "
-                                      "attention); needs --seq-len divisible by 2 x N", aliases=("--context-parallel-size",))
+                                      "attention); needs --seq-len divisible by 2 x N",
+                                    aliases=("--context-parallel-size",), group="parallelism")
     ring_attention: bool = option(True, "attention across context-parallel ranks is ring attention (NxDT's "
                                         "model.fusions.ring_attention); nxdtrain has no other, so --context-parallel "
-                                        "> 1 needs it")
+                                        "> 1 needs it", group="parallelism")
 
     def __post_init__(self) -> None:
         _check(_is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
@@ -94,22 +122,27 @@ class ParallelConfig:
 class OptimConfig:
     """Optimizer, learning-rate schedule and clipping."""
 
-    optimizer: str = option("adamw", "optimizer (sgd is plain SGD: no momentum)", choices=OPTIMIZERS)
-    lr: float = option(3e-4, "peak learning rate")
+    optimizer: str = option("adamw", "optimizer (sgd is plain SGD: no momentum)", choices=OPTIMIZERS,
+                            group="optimizer and schedule")
+    lr: float = option(3e-4, "peak learning rate", group="optimizer and schedule")
     min_lr: float | None = option(None, f"learning rate at the end of the decay (default: {MIN_LR_FRACTION} x --lr; "
-                                        "0 for NxDT's schedules; --min-lr 0 ends the decay at 0)")
+                                        "0 for NxDT's schedules; --min-lr 0 ends the decay at 0)",
+                                  group="optimizer and schedule")
     warmup: float = option(0, "linear warmup: a step count (an integer >= 1, 1.0 included) or a fraction of the "
-                              "run's steps (0 < x < 1, rounded up)")
+                              "run's steps (0 < x < 1, rounded up)", group="optimizer and schedule")
     schedule: str = option("cosine", "decay after warmup: ours (warmup lr x step/warmup, then to --min-lr at "
                                      "--decay-steps), or NxDT's CosineAnnealing / LinearAnnealingWithWarmUp with "
                                      "their own step counting (what an NxDT YAML's model.optim.sched.name selects)",
-                           choices=SCHEDULES)
-    decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)")
-    weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (never on norm weights)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
-    eps: float = option(1e-8, "AdamW epsilon")
-    clip_grad: float = option(1.0, "clip the global gradient norm to this value (0 disables)")
+                           choices=SCHEDULES, group="optimizer and schedule")
+    decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)",
+                                     group="optimizer and schedule")
+    weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (never on norm weights)",
+                                 group="optimizer and schedule")
+    beta1: float = option(0.9, "AdamW beta1", group="optimizer and schedule")
+    beta2: float = option(0.95, "AdamW beta2", group="optimizer and schedule")
+    eps: float = option(1e-8, "AdamW epsilon", group="optimizer and schedule")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this value (0 disables)",
+                              group="optimizer and schedule")
 
     def __post_init__(self) -> None:
         _choice("--optimizer", self.optimizer, OPTIMIZERS)
@@ -140,21 +173,25 @@ class DataConfig:
     """Where rows come from and how they are batched."""
 
     data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.json(.gz) file (input_ids per row), a "
-                                    "directory or glob of those (sorted), or 'synthetic'", path=True)
+                                    "directory or glob of those (sorted), or 'synthetic'", path=True, group="data")
     seq_len: int = option(1024, "tokens per row (shorter rows are an error, checked before the run starts; "
-                                "longer rows: --long-rows)")
+                                "longer rows: --long-rows)", group="data")
     long_rows: str = option("cut", "rows longer than --seq-len: cut (their tail is not trained; the start says how "
                                    "many tokens that drops), split (into rows of --seq-len; a remainder shorter "
-                                   "than --seq-len is dropped) or error", choices=LONG_ROWS)
+                                   "than --seq-len is dropped) or error", choices=LONG_ROWS, group="data")
     pad: bool = option(False, "pad rows shorter than --seq-len after their last token; padded positions are not "
-                              "trained (no target), and the step's loss still divides by gbs x (seq_len - 1)")
-    gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)")
-    mbs: int = option(1, "microbatch size in rows")
-    shuffle: bool = option(True, "visit rows in a seeded random order per epoch (--no-shuffle: file order)")
-    eval_data: str | None = option(None, "held-out rows (what --data takes) for the evaluation loss", path=True)
-    eval_every: int = option(0, "compute the loss on --eval-data every N steps (0: never); every rank takes part")
+                              "trained (no target), and the step's loss still divides by gbs x (seq_len - 1)",
+                       group="data")
+    gbs: int = option(8, "global batch size in rows (all microbatches of all data-parallel ranks)", group="data")
+    mbs: int = option(1, "microbatch size in rows", group="data")
+    shuffle: bool = option(True, "visit rows in a seeded random order per epoch (--no-shuffle: file order)",
+                           group="data")
+    eval_data: str | None = option(None, "held-out rows (what --data takes) for the evaluation loss", path=True,
+                                   group="data")
+    eval_every: int = option(0, "compute the loss on --eval-data every N steps (0: never); every rank takes part",
+                             group="data")
     eval_batches: int | None = option(None, "global batches of --gbs rows per evaluation, from the start of "
-                                            "--eval-data in file order (default: all its full batches)")
+                                            "--eval-data in file order (default: all its full batches)", group="data")
 
     def __post_init__(self) -> None:
         _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
@@ -175,31 +212,37 @@ class DataConfig:
 class CheckpointConfig:
     """Where training starts from and where its tags go."""
 
-    resume: str | None = option(None, "converted NxD dir (weights only), checkpoint root (newest tag), tag dir, or "
-                                      "'auto': the newest completed tag in --checkpoint-dir, else --init", path=True)
+    resume: str | None = option(None, "required: a converted NxD dir (weights only), a checkpoint root (its newest "
+                                      "tag), a tag dir, or 'auto': the newest completed tag in --checkpoint-dir, else "
+                                      "--init", path=True, group="model and layout", required=True)
     init: str | None = option(None, "with --resume auto: where to start while --checkpoint-dir holds no completed "
-                                    "tag (read as --resume reads a path)", path=True)
-    weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer")
-    checkpoint_dir: str | None = option(None, "where step_<N> tags are written (required, unless --no-checkpoint)",
-                                        path=True)
-    checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir")
-    keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)")
-    xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)")
+                                    "tag (read as --resume reads a path)", path=True, group="model and layout")
+    weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer",
+                                group="model and layout")
+    checkpoint_dir: str | None = option(None, "required unless --no-checkpoint: where step_<N> tags are written",
+                                        path=True, group="checkpoints", required=True)
+    checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir",
+                                  group="checkpoints")
+    keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)", group="checkpoints")
+    xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)",
+                        group="checkpoints")
     no_checkpoint: bool = option(False, "train without --checkpoint-dir on purpose: nothing is saved and the "
-                                        "trained weights are lost when the run ends")
+                                        "trained weights are lost when the run ends", group="checkpoints")
     optimizer_format: str = option("nxdtrain", "format of the optimizer state each save writes: nxdtrain's own "
                                    "(format 2), or nxd: NxD's (NeuronZero1Optimizer with --zero1, else torch "
                                    "AdamW state dicts; NxD's scheduler.pt and user_content.pt), which NxD 2.28 "
                                    "reads; needs --optimizer adamw and --schedule CosineAnnealing",
-                                   choices=OPTIMIZER_FORMATS)
+                                   choices=OPTIMIZER_FORMATS, group="checkpoints")
     nxd_param_groups: str | None = option(None, "with --optimizer-format nxd: the param groups of the NxD run that "
                                                 "will load the tags: bias-norm (NxD's Llama example, the default), "
-                                                "bias-LayerNorm, or one", choices=NXD_PARAM_GROUPS)
+                                                "bias-LayerNorm, or one", choices=NXD_PARAM_GROUPS, group="checkpoints")
     override_schedule: bool = option(False, "resume with another learning-rate schedule or data order than the "
                                             "tag recorded (peak/min lr, warmup, decay steps, schedule, seed, "
-                                            "shuffle, epochs); without it such a resume is refused")
+                                            "shuffle, epochs); without it such a resume is refused",
+                                       group="model and layout")
     allow_high_loss: bool = option(False, "start even when the first batch's loss of a resumed or converted start "
-                                          "says the weights were loaded wrong (nxdtrain.checkpoint.loss_check)")
+                                          "says the weights were loaded wrong (nxdtrain.checkpoint.loss_check)",
+                                     group="model and layout")
 
     def __post_init__(self) -> None:
         _check(bool(self.resume), "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, "
@@ -226,25 +269,28 @@ class CheckpointConfig:
 class TrainConfig:
     """A whole training run. ``nxdtrain run`` flags and YAML keys are the leaf field names."""
 
-    steps: int = option(1000, "train until this global step (a resumed run continues from its step)")
+    steps: int = option(1000, "train until this global step (a resumed run continues from its step)",
+                        group="optimizer and schedule")
     epochs: int | None = option(None, "train this many passes over --data instead of --steps (last partial global "
-                                      "batch of each epoch dropped)")
-    seed: int = option(1234, "seed of the data order and of torch's RNG")
+                                      "batch of each epoch dropped)", group="optimizer and schedule")
+    seed: int = option(1234, "seed of the data order and of torch's RNG", group="data")
     precision: str = option("auto", "fp32, or bf16 parameters with fp32 master weights and optimizer state; auto: "
                                     "what a resumed checkpoint was trained in, else bf16 on an accelerator (cuda, "
-                                    "Trainium) and fp32 on cpu", choices=PRECISIONS)
-    nproc: int | None = option(None, "start this many local processes (without it: join torchrun/srun or run alone)")
-    log_jsonl: str | None = option(None, "append one JSON line per step to this file", path=True)
+                                    "Trainium) and fp32 on cpu", choices=PRECISIONS, group="device and launch")
+    nproc: int | None = option(None, "start this many local processes (without it: join torchrun/srun or run "
+                                     "alone)", group="device and launch")
+    log_jsonl: str | None = option(None, "append one JSON line per step to this file", path=True, group="logging")
     tensorboard: str | None = option(None, "write loss, lr, grad and parameter norms, tokens/s, consumed samples and "
                                            "the evaluation loss to TensorBoard event files in this directory (our "
-                                           "tags and NxDT's)", path=True)
+                                           "tags and NxDT's)", path=True, group="logging")
     export_hf: str | None = option(None, "export the final checkpoint to this HF directory (ckptconv to-hf)",
-                                   path=True)
-    dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails")
+                                   path=True, group="checkpoints")
+    dist_timeout: float = option(1800.0, "seconds a collective may wait before the run fails", group="device and launch")
     device: str = option("auto", "where to train; auto: xla when torch-xla imports and its PJRT device is an "
-                         "accelerator (Trainium: NEURON), else cuda when available, else cpu", choices=DEVICES)
+                         "accelerator (Trainium: NEURON), else cuda when available, else cpu", choices=DEVICES,
+                         group="device and launch")
     log_every: int = option(1, "read loss, grad norm and tokens/s back from the device every N steps (each read "
-                            "waits for the device)")
+                            "waits for the device)", group="logging")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -70,7 +70,7 @@ def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
 def test_yaml_nxdt_checkpoint_granularity(tmp_path, granularity, expected):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(f"model: {{activations_checkpoint_granularity: {granularity}}}\n")
-    args = build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x"])
+    args = build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x", "--data", "synthetic"])
     assert load_config(args).parallel.activation_checkpointing == expected
 
 
@@ -78,19 +78,19 @@ def test_yaml_nxdt_recompute_other_modules_is_an_error(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("model: {activations_checkpoint_recompute: [CoreAttention, MLP]}\n")
     with pytest.raises(TrainError) as err:
-        load_config(build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x"]))
+        load_config(build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x", "--data", "synthetic"]))
     assert str(err.value) == (f"--config {yaml_file}: model.activations_checkpoint_recompute ['CoreAttention', 'MLP']: "
                               "MLP is none of NxDT's CoreAttention, LlamaMLP")
 
 
 def test_activation_checkpointing_flag_checks_its_value():
     with pytest.raises(TrainError) as err:
-        TrainConfig.from_flat({"resume": "x", "activation_checkpointing": "layers"})
+        TrainConfig.from_flat({"resume": "x", "data": "synthetic", "activation_checkpointing": "layers"})
     assert str(err.value) == "--activation-checkpointing must be one of none, selective, full, got 'layers'"
 
 
 @pytest.mark.parametrize("options,message", [
-    ({}, "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, or auto"),
+    ({"resume": None}, "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, or auto"),
     ({"gbs": 6, "mbs": 4}, "--gbs 6 must be a multiple of --mbs 4"),
     ({"fuse_qkv": True, "qkv_linear": False}, "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear"),
     ({"optimizer": "adam"}, "--optimizer must be one of adamw, sgd, got 'adam'"),
@@ -100,8 +100,69 @@ def test_activation_checkpointing_flag_checks_its_value():
     ({"learning_rate": 1.0}, "test: unknown option 'learning_rate' (valid: "),
 ])
 def test_errors_name_the_flag(options, message):
-    base = {} if not options or "resume" in options else {"resume": "/ckpt"}
     with pytest.raises(TrainError) as info:
-        TrainConfig.from_flat({**base, **options}, source="test")
+        TrainConfig.from_flat({"resume": "/ckpt", "data": "synthetic", **options}, source="test")
     assert str(info.value).startswith(message)
     assert "\n" not in str(info.value)
+
+
+# Every leaf's default, as scripts rely on it.
+DEFAULTS = {
+    "steps": 1000, "epochs": None, "seed": 1234, "precision": "auto", "nproc": None, "log_jsonl": None,
+    "tensorboard": None, "export_hf": None, "dist_timeout": 1800.0, "device": "auto", "log_every": 1, "tp": 1, "pp": 1,
+    "kv_replicator": None, "qkv_linear": None, "fuse_qkv": None, "pp_schedule": "1f1b", "zero1": False,
+    "sequence_parallel": False, "activation_checkpointing": "none", "context_parallel": 1, "ring_attention": True,
+    "optimizer": "adamw", "lr": 0.0003, "min_lr": None, "warmup": 0, "schedule": "cosine", "decay_steps": None,
+    "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": "synthetic", "seq_len": 1024,
+    "long_rows": "cut", "pad": False, "gbs": 8, "mbs": 1, "shuffle": True, "eval_data": None, "eval_every": 0,
+    "eval_batches": None, "resume": None, "init": None, "weights_only": False, "checkpoint_dir": None,
+    "checkpoint_freq": 0, "keep": 2, "xser": False, "no_checkpoint": False, "optimizer_format": "nxdtrain",
+    "nxd_param_groups": None, "override_schedule": False, "allow_high_loss": False,
+}
+# Where a newcomer looks for each job's flags in `nxdtrain run --help`.
+SECTION_OF = {
+    "--resume": "model and layout", "--tp": "model and layout", "--pp": "model and layout",
+    "--init": "model and layout", "--data": "data", "--seq-len": "data", "--gbs": "data", "--eval-data": "data",
+    "--steps": "optimizer and schedule", "--lr": "optimizer and schedule", "--schedule": "optimizer and schedule",
+    "--zero1": "parallelism", "--context-parallel": "parallelism", "--activation-checkpointing": "parallelism",
+    "--checkpoint-dir": "checkpoints", "--no-checkpoint": "checkpoints", "--keep": "checkpoints",
+    "--export-hf": "checkpoints", "--log-jsonl": "logging", "--tensorboard": "logging",
+    "--nproc": "device and launch", "--device": "device and launch", "--precision": "device and launch",
+}
+
+
+def test_defaults_are_pinned():
+    from nxdtrain.config import leaf_fields
+
+    assert {f.name: f.default for _, f in leaf_fields()} == DEFAULTS
+
+
+def test_help_groups_every_flag_by_job_and_says_what_is_required():
+    from nxdtrain.config import GROUPS, REQUIRED_USAGE, flag_of, leaf_fields
+
+    run = subparser("run")
+    sections = {g.title: {s for a in g._group_actions for s in a.option_strings}
+                for g in run._action_groups if g.title in GROUPS}
+    assert list(sections) == list(GROUPS)  # one section per job, in that order
+    assert set().union(*sections.values()) == RUN_FLAGS - {"--config"}
+    assert sum(len(flags) for flags in sections.values()) == len(RUN_FLAGS) - 1  # each flag in exactly one
+    for flag, title in SECTION_OF.items():
+        assert flag in sections[title], flag
+    text = run.format_help()
+    assert text.startswith(f"usage: nxdtrain run {REQUIRED_USAGE}\n")
+    assert REQUIRED_USAGE == "--resume PATH|auto (--checkpoint-dir DIR | --no-checkpoint)"
+    required = [flag_of(f) for _, f in leaf_fields() if f.metadata["required"]]
+    assert sorted(required) == ["--checkpoint-dir", "--resume"]
+    assert all(flag in REQUIRED_USAGE for flag in required)
+    for title, flag in (("model and layout", "--resume"), ("checkpoints", "--checkpoint-dir")):
+        group = next(g for g in run._action_groups if g.title == title)
+        assert group._group_actions[0].option_strings[0] == flag  # the required flag first in its section
+        assert "Required: " + flag in group.description
+
+
+def test_tp_pp_help_says_another_layout_is_resharded():
+    actions = {a.dest: a for a in subparser("run")._actions}
+    for name in ("tp", "pp"):
+        help_ = actions[name].help
+        assert "must equal" not in help_
+        assert f"a --resume saved at another {name} is resharded on load" in help_
