@@ -42,9 +42,9 @@ def _add_option(parser: Any, f: Any) -> None:
     parser.add_argument(flag_of(f), *meta["aliases"], **kwargs)
 
 
-RUN_DESCRIPTION = ("Continue training an NxD checkpoint. Every run needs a weights source (--resume) and a place for "
-                   "its tags (--checkpoint-dir, or --no-checkpoint to save nothing); each may come from --config "
-                   "FILE.yaml instead of a flag.")
+RUN_DESCRIPTION = ("Continue training an NxD checkpoint. Every run needs a weights source (--resume), rows (--data, "
+                   "or --data synthetic for random tokens) and a place for its tags (--checkpoint-dir, or "
+                   "--no-checkpoint to save nothing); each may come from --config FILE.yaml instead of a flag.")
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="what to do (COMMAND --help for its flags)")
-    run = sub.add_parser("run", help="train from --resume PATH (NxD shards), write NxD checkpoints",
+    run = sub.add_parser("run", help="train from --resume PATH (NxD shards) on --data, write NxD checkpoints",
                          usage=f"%(prog)s {REQUIRED_USAGE}\n{' ' * 20}[--config FILE.yaml] [OPTION ...]",
                          description=RUN_DESCRIPTION)
     run.add_argument("--config", dest="config_file", metavar="FILE.yaml",

@@ -2,10 +2,11 @@
 
 Every leaf field is one CLI flag and one flat YAML key of the same name (``seq_len`` is
 ``--seq-len`` and ``seq_len:``). A field's ``help`` metadata is its ``--help``, its ``group`` the section of
-``nxdtrain run --help`` it is listed in (:data:`GROUPS`). Precedence: defaults < YAML < flags.
+``nxdtrain run --help`` it is listed in (:data:`GROUPS`). Precedence: defaults < YAML < flags. ``--resume`` and
+``--data`` have no default (random tokens are ``--data synthetic``, never the absence of ``--data``).
 
 Example:
-    >>> cfg = TrainConfig.from_flat({"resume": "/fsx/llama-nxd", "tp": 2, "lr": 3e-4})
+    >>> cfg = TrainConfig.from_flat({"resume": "/fsx/llama-nxd", "data": "synthetic", "tp": 2, "lr": 3e-4})
     >>> cfg.parallel.tp, cfg.optim.lr, cfg.data.gbs
     (2, 0.0003, 8)
 """
@@ -35,6 +36,9 @@ MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's example
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.parallel.recompute)
 LONG_ROWS = ("cut", "split", "error")  # rows longer than --seq-len (nxdtrain.data.check)
 AUTO = "auto"  # --resume auto
+SYNTHETIC = "synthetic"  # --data synthetic: random tokens
+DATA_SPEC = ("a save_to_disk dataset dir, a .jsonl/.json(.gz) file, or a directory or glob of those (an NxDT YAML's "
+             "data.train_dir)")
 
 
 # The sections of ``nxdtrain run --help``, in order: title -> what the section is for and what in it is required.
@@ -43,7 +47,7 @@ GROUPS: dict[str, str] = {
     "model and layout": "where the weights come from and how this run splits them. Required: --resume (with "
                         "--resume auto also --checkpoint-dir, and --init while that holds no completed tag). A "
                         "source saved at another tp/pp/kv layout is resharded on load",
-    "data": "the rows and their batches",
+    "data": "the rows and their batches. Required: --data PATH, or --data synthetic for random tokens",
     "optimizer and schedule": "how long to train, the optimizer, the learning-rate schedule and clipping",
     "parallelism": "the splits beyond --tp/--pp (world = dp x tp x pp x context parallel) and memory savers",
     "checkpoints": "what the run saves. Required: --checkpoint-dir DIR, or --no-checkpoint to save nothing",
@@ -51,7 +55,7 @@ GROUPS: dict[str, str] = {
     "device and launch": "where the run trains, in what precision, and how its processes start",
 }
 # What every run needs, as the usage line of nxdtrain run says it (the fields with required=True).
-REQUIRED_USAGE = "--resume PATH|auto (--checkpoint-dir DIR | --no-checkpoint)"
+REQUIRED_USAGE = "--resume PATH|auto --data PATH|synthetic (--checkpoint-dir DIR | --no-checkpoint)"
 
 
 def option(default: Any, help: str, *, group: str, aliases: tuple[str, ...] = (),
@@ -172,8 +176,10 @@ class OptimConfig:
 class DataConfig:
     """Where rows come from and how they are batched."""
 
-    data: str = option("synthetic", "save_to_disk dataset dir, .jsonl/.json(.gz) file (input_ids per row), a "
-                                    "directory or glob of those (sorted), or 'synthetic'", path=True, group="data")
+    # No default (None is refused below), so a valid config always holds a str here.
+    data: str = option(None, "required: a save_to_disk dataset dir, a .jsonl/.json(.gz) file (input_ids per row), a "
+                             "directory or glob of those (sorted), or 'synthetic': random tokens from --seed, on "
+                             "purpose", path=True, group="data", required=True)
     seq_len: int = option(1024, "tokens per row (shorter rows are an error, checked before the run starts; "
                                 "longer rows: --long-rows)", group="data")
     long_rows: str = option("cut", "rows longer than --seq-len: cut (their tail is not trained; the start says how "
@@ -194,6 +200,8 @@ class DataConfig:
                                             "--eval-data in file order (default: all its full batches)", group="data")
 
     def __post_init__(self) -> None:
+        # No silent default: a run without --data used to train on random tokens, which looked like a real run.
+        _check(bool(self.data), f"--data is required: {DATA_SPEC}; --data synthetic trains on random tokens")
         _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
         _choice("--long-rows", self.long_rows, LONG_ROWS)
         _check(_is_int(self.gbs) and self.gbs >= 1, f"--gbs must be an integer >= 1, got {self.gbs!r}")

@@ -5,8 +5,9 @@ are cheap): a run that would save nothing, an ``--export-hf`` target that the ex
 refuse, directories this user cannot write.
 
     >>> from nxdtrain.config import TrainConfig
-    >>> check_saves(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))  # allowed: asked for
-    >>> synthetic_notice(TrainConfig.from_flat({"resume": "llama-nxd", "no_checkpoint": True}))[:29]
+    >>> config = TrainConfig.from_flat({"resume": "llama-nxd", "data": "synthetic", "no_checkpoint": True})
+    >>> check_saves(config)  # allowed: asked for
+    >>> synthetic_notice(config)[:29]
     'training on synthetic data: -'
 """
 
@@ -20,10 +21,8 @@ from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.metadata import METADATA_FILE, Metadata, read_metadata
-from nxdtrain.config import TrainConfig
+from nxdtrain.config import SYNTHETIC, TrainConfig
 from nxdtrain.errors import TrainError
-
-SYNTHETIC = "synthetic"
 
 
 def check_saves(config: TrainConfig) -> None:
@@ -38,8 +37,8 @@ def synthetic_notice(config: TrainConfig) -> str | None:
     """What rank 0 says when the rows are random tokens rather than a corpus (None: real data)."""
     if config.data.data != SYNTHETIC:
         return None
-    return ("training on synthetic data: --data is 'synthetic' (the default), so the rows are random tokens "
-            "from --seed, not a corpus; pass --data PATH to train on your data")
+    return ("training on synthetic data: --data synthetic, so the rows are random tokens from --seed, not a "
+            "corpus; pass --data PATH to train on your data")
 
 
 def check_writable(path: str | Path, label: str) -> None:

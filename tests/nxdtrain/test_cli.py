@@ -71,6 +71,17 @@ def test_run_then_export_gives_the_trained_logits(tmp_path, nxd_model, hf_model)
 
 
 def test_missing_resume_path_exits_nonzero(tmp_path):
-    result = nxdtrain("run", "--resume", str(tmp_path / "missing"), "--nproc", "2", "--steps", "1")
+    result = nxdtrain("run", "--resume", str(tmp_path / "missing"), "--data", "synthetic", "--nproc", "2",
+                      "--steps", "1")
     assert result.returncode == 1
     assert result.stderr == f"nxdtrain: error: --resume {tmp_path / 'missing'}: no such directory\n"
+
+
+def test_a_run_without_data_is_refused_in_one_line(tmp_path):
+    """No silent random tokens: without --data nothing starts; --data synthetic is how to ask for them."""
+    result = nxdtrain("run", "--resume", str(tmp_path / "missing"), "--nproc", "2", "--no-checkpoint")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == ("nxdtrain: error: --data is required: a save_to_disk dataset dir, a .jsonl/.json(.gz) "
+                             "file, or a directory or glob of those (an NxDT YAML's data.train_dir); --data synthetic "
+                             "trains on random tokens\n")
+    assert not (tmp_path / "missing").exists()

@@ -91,6 +91,8 @@ def test_activation_checkpointing_flag_checks_its_value():
 
 @pytest.mark.parametrize("options,message", [
     ({"resume": None}, "--resume PATH is required: a converted NxD directory, a checkpoint root, a tag, or auto"),
+    ({"data": None}, "--data is required: a save_to_disk dataset dir, a .jsonl/.json(.gz) file, or a directory or "
+                     "glob of those (an NxDT YAML's data.train_dir); --data synthetic trains on random tokens"),
     ({"gbs": 6, "mbs": 4}, "--gbs 6 must be a multiple of --mbs 4"),
     ({"fuse_qkv": True, "qkv_linear": False}, "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear"),
     ({"optimizer": "adam"}, "--optimizer must be one of adamw, sgd, got 'adam'"),
@@ -106,14 +108,14 @@ def test_errors_name_the_flag(options, message):
     assert "\n" not in str(info.value)
 
 
-# Every leaf's default, as scripts rely on it.
+# Every leaf's default, as scripts rely on it (data: none since --data synthetic must be asked for).
 DEFAULTS = {
     "steps": 1000, "epochs": None, "seed": 1234, "precision": "auto", "nproc": None, "log_jsonl": None,
     "tensorboard": None, "export_hf": None, "dist_timeout": 1800.0, "device": "auto", "log_every": 1, "tp": 1, "pp": 1,
     "kv_replicator": None, "qkv_linear": None, "fuse_qkv": None, "pp_schedule": "1f1b", "zero1": False,
     "sequence_parallel": False, "activation_checkpointing": "none", "context_parallel": 1, "ring_attention": True,
     "optimizer": "adamw", "lr": 0.0003, "min_lr": None, "warmup": 0, "schedule": "cosine", "decay_steps": None,
-    "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": "synthetic", "seq_len": 1024,
+    "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": None, "seq_len": 1024,
     "long_rows": "cut", "pad": False, "gbs": 8, "mbs": 1, "shuffle": True, "eval_data": None, "eval_every": 0,
     "eval_batches": None, "resume": None, "init": None, "weights_only": False, "checkpoint_dir": None,
     "checkpoint_freq": 0, "keep": 2, "xser": False, "no_checkpoint": False, "optimizer_format": "nxdtrain",
@@ -150,14 +152,15 @@ def test_help_groups_every_flag_by_job_and_says_what_is_required():
         assert flag in sections[title], flag
     text = run.format_help()
     assert text.startswith(f"usage: nxdtrain run {REQUIRED_USAGE}\n")
-    assert REQUIRED_USAGE == "--resume PATH|auto (--checkpoint-dir DIR | --no-checkpoint)"
+    assert REQUIRED_USAGE == "--resume PATH|auto --data PATH|synthetic (--checkpoint-dir DIR | --no-checkpoint)"
     required = [flag_of(f) for _, f in leaf_fields() if f.metadata["required"]]
-    assert sorted(required) == ["--checkpoint-dir", "--resume"]
+    assert sorted(required) == ["--checkpoint-dir", "--data", "--resume"]
     assert all(flag in REQUIRED_USAGE for flag in required)
-    for title, flag in (("model and layout", "--resume"), ("checkpoints", "--checkpoint-dir")):
+    for title, flag in (("model and layout", "--resume"), ("data", "--data"), ("checkpoints", "--checkpoint-dir")):
         group = next(g for g in run._action_groups if g.title == title)
         assert group._group_actions[0].option_strings[0] == flag  # the required flag first in its section
         assert "Required: " + flag in group.description
+    assert "Required: --data PATH, or --data synthetic for random tokens" in " ".join(text.split())
 
 
 def test_tp_pp_help_says_another_layout_is_resharded():

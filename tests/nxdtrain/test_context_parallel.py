@@ -190,10 +190,10 @@ def test_yaml_context_parallel_size_and_ring_attention(tmp_path):
 
     path = tmp_path / "run.yaml"
     path.write_text("distributed_strategy: {context_parallel_size: 2}\nmodel: {fusions: {ring_attention: true}}\n")
-    cfg = load_config(build_parser().parse_args(["run", "--config", str(path), "--resume", "x", "--no-checkpoint"]))
+    cfg = load_config(build_parser().parse_args(["run", "--config", str(path), "--resume", "x", "--data", "synthetic", "--no-checkpoint"]))
     assert (cfg.parallel.context_parallel, cfg.parallel.ring_attention) == (2, True)
-    args = ["run", "--config", str(path), "--resume", "x", "--no-checkpoint", "--context-parallel", "4"]
+    args = ["run", "--config", str(path), "--resume", "x", "--data", "synthetic", "--no-checkpoint", "--context-parallel", "4"]
     assert load_config(build_parser().parse_args(args)).parallel.context_parallel == 4  # the flag wins
     path.write_text("distributed_strategy: {context_parallel_size: 2}\nmodel: {fusions: {ring_attention: false}}\n")
     with pytest.raises(TrainError, match="needs ring attention"):
-        load_config(build_parser().parse_args(["run", "--config", str(path), "--resume", "x", "--no-checkpoint"]))
+        load_config(build_parser().parse_args(["run", "--config", str(path), "--resume", "x", "--data", "synthetic", "--no-checkpoint"]))

@@ -36,7 +36,7 @@ def test_unsupported_xla_runs_fail_before_starting(tmp_path, monkeypatch, capsys
     """Refused in the config validation: no torch_xla, no checkpoint and no process needed to say no."""
     monkeypatch.setattr("nxdtrain.parallel.dist.spawn", _no_spawn)
     monkeypatch.setattr("nxdtrain.train.train", _no_spawn)
-    code = cli.main(["run", "--resume", str(tmp_path / "missing"), "--device", "xla", *argv])
+    code = cli.main(["run", "--resume", str(tmp_path / "missing"), "--data", "synthetic", "--device", "xla", *argv])
     assert code == 1
     assert capsys.readouterr().err == expected
 

@@ -65,7 +65,7 @@ def test_run_length_and_warmup_reading():
     assert run_length(rows=None, gbs=4, steps=10, warmup=1.0).warmup == 1  # 1.0 is one step, not 100 %
     with pytest.raises(TrainError, match="--epochs: --data has 3 rows, fewer than one global batch \\(--gbs 4\\)"):
         run_length(rows=3, gbs=4, epochs=1)
-    cfg = TrainConfig.from_flat({"resume": "x", "epochs": 2, "gbs": 4, "warmup": 0.25})
+    cfg = TrainConfig.from_flat({"resume": "x", "data": "synthetic", "epochs": 2, "gbs": 4, "warmup": 0.25})
     resolved = resolve(cfg, 38)
     assert (resolved.steps, resolved.optim.warmup, resolved.epochs) == (18, 5, None)
     assert resolve(resolved, 38) == resolved
@@ -73,7 +73,7 @@ def test_run_length_and_warmup_reading():
         resolve(cfg, None)
     with pytest.raises(TrainError, match="--warmup must be a step count \\(integer >= 0\\) or a fraction in \\(0, 1\\), "
                                          "got 2.5"):
-        TrainConfig.from_flat({"resume": "x", "warmup": 2.5})
+        TrainConfig.from_flat({"resume": "x", "data": "synthetic", "warmup": 2.5})
 
 
 def test_fraction_must_be_resolved_and_missing_extras_say_what_to_install(monkeypatch, tmp_path):
@@ -93,7 +93,7 @@ def test_fraction_must_be_resolved_and_missing_extras_say_what_to_install(monkey
 
 
 def test_epochs_and_steps_are_exclusive(capsys):
-    assert main(["run", "--resume", "x", "--epochs", "1", "--steps", "3"]) == 1
+    assert main(["run", "--resume", "x", "--data", "synthetic", "--epochs", "1", "--steps", "3"]) == 1
     assert capsys.readouterr().err == ("nxdtrain: error: flags: --epochs and --steps are exclusive (give one: epochs "
                                        "size the run from --data)\n")
 

@@ -52,11 +52,12 @@ def test_a_run_that_saves_nothing_needs_no_checkpoint(src, tmp_path):
 def test_synthetic_notice_once_and_steps_1_trains_at_nonzero_lr(src, tmp_path):
     """Two ranks, one notice (rank 0's); one step at the default min lr, 0.1 x lr, not 0."""
     log = tmp_path / "log.jsonl"
-    run = nxdtrain("run", "--nproc", "2", "--resume", str(src), "--steps", "1", "--seq-len", "16", "--gbs", "2",
+    run = nxdtrain("run", "--nproc", "2", "--resume", str(src), "--data", "synthetic", "--steps", "1", "--seq-len", "16",
+                   "--gbs", "2",
                    "--precision", "fp32", "--no-checkpoint", "--log-jsonl", str(log), "--lr", "1e-3")
     assert run.returncode == 0, run.stderr
-    notice = ("nxdtrain: training on synthetic data: --data is 'synthetic' (the default), so the rows are random "
-              "tokens from --seed, not a corpus; pass --data PATH to train on your data")
+    notice = ("nxdtrain: training on synthetic data: --data synthetic, so the rows are random tokens from --seed, "
+              "not a corpus; pass --data PATH to train on your data")
     assert run.stderr.splitlines().count(notice) == 1
     assert preflight.synthetic_notice(config(resume=str(src), data=str(tmp_path / "rows.jsonl"))) is None
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
@@ -64,20 +65,20 @@ def test_synthetic_notice_once_and_steps_1_trains_at_nonzero_lr(src, tmp_path):
 
 
 def test_min_lr_default_and_schedule_table():
-    cfg = TrainConfig.from_flat({"resume": "x", "lr": 1.0, "warmup": 1, "steps": 4, "schedule": "cosine"})
+    cfg = TrainConfig.from_flat({"resume": "x", "data": "synthetic", "lr": 1.0, "warmup": 1, "steps": 4, "schedule": "cosine"})
     assert cfg.optim.min_lr == 0.1
     # warmup 1, then cosine from 1.0 to 0.1 over steps 2..4: 0.1 + 0.9 * (1 + cos(pi * k / 3)) / 2, k = 1, 2, 3
     assert [lr_at(s, cfg.optim, decay_steps=cfg.decay_steps) for s in range(1, 5)] == pytest.approx(
         [1.0, 0.775, 0.325, 0.1], abs=1e-12)
-    one = TrainConfig.from_flat({"resume": "x", "lr": 3e-4, "steps": 1})
+    one = TrainConfig.from_flat({"resume": "x", "data": "synthetic", "lr": 3e-4, "steps": 1})
     assert lr_at(1, one.optim, decay_steps=one.decay_steps) == pytest.approx(3e-5, rel=1e-12)
-    linear = TrainConfig.from_flat({"resume": "x", "lr": 2.0, "steps": 4, "schedule": "linear"})
+    linear = TrainConfig.from_flat({"resume": "x", "data": "synthetic", "lr": 2.0, "steps": 4, "schedule": "linear"})
     assert [lr_at(s, linear.optim, decay_steps=4) for s in range(1, 5)] == pytest.approx([1.55, 1.1, 0.65, 0.2])
     # Asked for: --min-lr 0 ends at 0; an explicit value is kept; YAML (NxDT min_lr) the same way.
-    zero = TrainConfig.from_flat({"resume": "x", "lr": 1.0, "min_lr": 0.0, "steps": 2, "schedule": "linear"})
+    zero = TrainConfig.from_flat({"resume": "x", "data": "synthetic", "lr": 1.0, "min_lr": 0.0, "steps": 2, "schedule": "linear"})
     assert [lr_at(s, zero.optim, decay_steps=2) for s in (1, 2)] == [0.5, 0.0]
-    assert TrainConfig.from_flat({"resume": "x", "lr": 1.0, "min_lr": 0.3}).optim.min_lr == 0.3
-    assert math.isclose(TrainConfig.from_flat({"resume": "x", "lr": 5e-4}).to_flat()["min_lr"], 5e-5)
+    assert TrainConfig.from_flat({"resume": "x", "data": "synthetic", "lr": 1.0, "min_lr": 0.3}).optim.min_lr == 0.3
+    assert math.isclose(TrainConfig.from_flat({"resume": "x", "data": "synthetic", "lr": 5e-4}).to_flat()["min_lr"], 5e-5)
 
 
 def test_export_target_checked_before_the_first_step(src, tmp_path, capsys):
@@ -85,7 +86,8 @@ def test_export_target_checked_before_the_first_step(src, tmp_path, capsys):
     foreign.mkdir()
     (foreign / "todo.txt").write_text("mine")
     ckpt = tmp_path / "ckpt"
-    argv = ["run", "--resume", str(src), "--steps", "2", "--seq-len", "16", "--gbs", "2", "--checkpoint-dir", str(ckpt)]
+    argv = ["run", "--resume", str(src), "--data", "synthetic", "--steps", "2", "--seq-len", "16", "--gbs", "2",
+            "--checkpoint-dir", str(ckpt)]
     assert main([*argv, "--export-hf", str(foreign)]) == 1
     err = capsys.readouterr().err
     assert err == (f"nxdtrain: error: --export-hf {foreign}: not empty and not an earlier HF export (holds todo.txt); "
@@ -152,7 +154,7 @@ def test_zero1_layout_change_is_said_and_a_bad_optimizer_file_refused_once(src, 
     assert plan.resume_notes[0] == ("resharding on load (weights and optimizer state, each rank reads its slices of "
                                     "the tag): tp 1 pp 1 kvm 1 separate, ZeRO-1 over 2 dp ranks -> tp 1 pp 1 kvm 1 "
                                     "separate, no ZeRO-1")
-    assert main(["run", "--nproc", "4", "--resume", str(tag), "--zero1", "--steps", "3", "--seq-len", "16",
+    assert main(["run", "--nproc", "4", "--resume", str(tag), "--data", "synthetic", "--zero1", "--steps", "3", "--seq-len", "16",
                  "--gbs", "4", "--no-checkpoint"]) == 1
     lines = capsys.readouterr().err.splitlines()
     errors = [line for line in lines if line.startswith("nxdtrain: error:")]

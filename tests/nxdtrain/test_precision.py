@@ -10,7 +10,7 @@ from nxdtrain.config import TrainConfig
 
 
 def config(**values) -> TrainConfig:
-    return TrainConfig.from_flat({"resume": "x", **values})
+    return TrainConfig.from_flat({"resume": "x", "data": "synthetic", **values})
 
 
 @pytest.mark.parametrize("kind,accelerator,expected", [

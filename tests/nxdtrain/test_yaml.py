@@ -79,12 +79,13 @@ def test_home_and_variables_in_paths(tmp_path, monkeypatch):
 
 def test_messages_name_the_yaml_key_the_value_came_from(tmp_path):
     assert error(tmp_path, "resume: /x\nmodel: {optim: {lr: -1}}\n") == "model.optim.lr (run.yaml) must be > 0, got -1.0"
-    message = error(tmp_path, "resume: /x\nexp_manager: {create_checkpoint_callback: false, "
+    message = error(tmp_path, "resume: /x\ndata: synthetic\nexp_manager: {create_checkpoint_callback: false, "
                               "checkpoint_callback_params: {every_n_train_steps: 10}}\n")
     assert message == ("exp_manager.checkpoint_callback_params.every_n_train_steps (run.yaml) needs --checkpoint-dir")
     # the same problem from flags names the flags
     with pytest.raises(TrainError, match=r"^--checkpoint-freq needs --checkpoint-dir$"):
-        load_config(build_parser().parse_args(["run", "--resume", "/x", "--checkpoint-freq", "10"]))
+        load_config(build_parser().parse_args(["run", "--resume", "/x", "--data", "synthetic", "--checkpoint-freq",
+                                               "10"]))
     assert error(tmp_path, "resume: /x\nseq_len: 512\ndata: {seq_length: 1024}\n") == (
         f"--config {tmp_path / 'run.yaml'}: data.seq_length 1024 and seq_len (run.yaml) 512 set the same option "
         "differently; keep one")
@@ -94,27 +95,28 @@ def test_exp_manager_directories_and_resume(tmp_path, capsys):
     text = ("exp_manager: {exp_dir: /fsx/exp, name: llama, create_tensorboard_logger: true, resume_if_exists: true,"
             " resume_from_checkpoint: /fsx/llama-nxd, checkpoint_callback_params: {save_top_k: 3,"
             " every_n_train_steps: 50}}\n")
-    cfg = config(tmp_path, text)
+    cfg = config(tmp_path, text, "--data", "synthetic")
     ckpt = cfg.checkpoint
     assert (ckpt.resume, ckpt.init, ckpt.checkpoint_dir) == ("auto", "/fsx/llama-nxd", "/fsx/exp/llama/checkpoints")
     assert (ckpt.keep, ckpt.checkpoint_freq, cfg.tensorboard) == (3, 50, "/fsx/exp/llama")
     assert "nxdtrain: checkpoints in /fsx/exp/llama/checkpoints, TensorBoard in /fsx/exp/llama" in capsys.readouterr().err
     # flags win, and replace what the file derived for the same purpose
-    cfg = config(tmp_path, text, "--resume", "/fsx/other", "--checkpoint-dir", "/fsx/ck")
+    cfg = config(tmp_path, text, "--resume", "/fsx/other", "--checkpoint-dir", "/fsx/ck", "--data", "synthetic")
     assert (cfg.checkpoint.resume, cfg.checkpoint.init, cfg.checkpoint.checkpoint_dir) == ("/fsx/other", None, "/fsx/ck")
-    cfg = config(tmp_path, "exp_manager: {explicit_log_dir: /fsx/logs, resume_from_checkpoint: /fsx/nxd}\n")
+    cfg = config(tmp_path, "exp_manager: {explicit_log_dir: /fsx/logs, resume_from_checkpoint: /fsx/nxd}\n"
+                           "data: {train_dir: /fsx/rows.jsonl}\n")
     assert (cfg.checkpoint.resume, cfg.checkpoint.checkpoint_dir, cfg.tensorboard) == ("/fsx/nxd", "/fsx/logs/checkpoints",
                                                                                       None)
-    cfg = config(tmp_path, "resume: /x\nexp_manager: {create_checkpoint_callback: false}\n")
+    cfg = config(tmp_path, "resume: /x\ndata: synthetic\nexp_manager: {create_checkpoint_callback: false}\n")
     assert (cfg.checkpoint.no_checkpoint, cfg.checkpoint.checkpoint_dir) == (True, None)
 
 
 def test_validation_keys(tmp_path):
-    cfg = config(tmp_path, "resume: /x\ndata: {val_dir: /fsx/held}\n"
+    cfg = config(tmp_path, "resume: /x\ndata: {train_dir: /fsx/rows, val_dir: /fsx/held}\n"
                            "trainer: {val_check_interval: 100, limit_val_batches: 4}\n")
     assert (cfg.data.eval_data, cfg.data.eval_every, cfg.data.eval_batches) == ("/fsx/held", 100, 4)
-    cfg = config(tmp_path, "resume: /x\ndata: {val_dir: /fsx/held}\ntrainer: {val_check_interval: 100, "
-                           "limit_val_batches: 0.0}\n")  # NxDT's recipes switch validation off this way
+    cfg = config(tmp_path, "resume: /x\ndata: {train_dir: /fsx/rows, val_dir: /fsx/held}\n"
+                           "trainer: {val_check_interval: 100, limit_val_batches: 0.0}\n")  # NxDT's recipes: off
     assert (cfg.data.eval_data, cfg.data.eval_every) == (None, 0)
 
 
@@ -132,6 +134,25 @@ def test_the_stock_70b_file_reads_as_nxdt_means_it(tmp_path):
     assert (ckpt.checkpoint_dir, cfg.tensorboard) == ("/fsx/experiments/llama3_70b_cpt/checkpoints",
                                                       "/fsx/experiments/llama3_70b_cpt")
     assert (data.eval_data, data.eval_every) == (None, 0)
+
+
+NO_DATA = ("--data is required: a save_to_disk dataset dir, a .jsonl/.json(.gz) file, or a directory or glob of those "
+           "(an NxDT YAML's data.train_dir); --data synthetic trains on random tokens")
+
+
+def test_a_file_without_data_is_refused_like_the_flags(tmp_path):
+    """No silent random tokens: an NxDT file without data.train_dir is refused as a run without --data is; synthetic
+    rows are asked for by name (our key or NxDT's), or by the flag."""
+    stock = STOCK.read_text()
+    no_train_dir, count = re.subn(r"^\s*train_dir: .*\n", "", stock, flags=re.M)
+    assert count == 1
+    assert error(tmp_path, no_train_dir) == NO_DATA
+    assert error(tmp_path, "resume: /x\n") == NO_DATA
+    with pytest.raises(TrainError, match=f"^{re.escape(NO_DATA)}$"):
+        load_config(build_parser().parse_args(["run", "--resume", "/x"]))
+    assert config(tmp_path, no_train_dir, "--data", "synthetic").data.data == "synthetic"
+    assert config(tmp_path, "resume: /x\ndata: synthetic\n").data.data == "synthetic"
+    assert config(tmp_path, "resume: /x\ndata: {train_dir: synthetic}\n").data.data == "synthetic"
 
 
 def test_the_stock_70b_file_trains_a_tiny_model_with_only_its_paths_changed(tmp_path, nxd_model, hf_model):
