@@ -118,6 +118,10 @@ def test_train_one_node_and_srun_launcher():
         "srun --nodes=4 --ntasks-per-node=32 --ntasks=128 python -m nxdtrain.cli run --resume auto --init /fsx/nxd "
         "--tp 8 --pp 1 --checkpoint-dir /fsx/ckpt --checkpoint-freq 100",
     ]
+    # DATA is the run's --data (without it, CONFIG or the extra arguments must give the rows: nxdtrain refuses none)
+    (line,) = dry_run("train.sbatch", 1, DATA="/fsx/tokenized", **env)
+    assert line.endswith(" --checkpoint-dir /fsx/ckpt --checkpoint-freq 100 --data /fsx/tokenized")
+    assert nxdtrain_parser().parse_args(tool_args(line, "nxdtrain.cli")).data == "/fsx/tokenized"
     # Outside Slurm (no SLURM_* at all): one node, job 0, the local host.
     assert dry_run("train.sbatch", None, **env)[0].startswith(
         "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=32 "
@@ -179,7 +183,7 @@ def test_train_requeued_resumes_from_the_checkpoint_root(tiny_models, tmp_path):
     init = tmp_path / "nxd"
     to_nxd(tiny_models("slurm", heads=8, kv_heads=2, head_dim=8, layers=4), init, options=RunOptions(quiet=True))
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    env = dict(INIT=str(init), CKPT=str(ckpt), TP="1", PP="1", LAUNCHER="srun", PROCS_PER_NODE="2",
+    env = dict(INIT=str(init), CKPT=str(ckpt), DATA="synthetic", TP="1", PP="1", LAUNCHER="srun", PROCS_PER_NODE="2",
                PYTHON=sys.executable, CHECKPOINT_FREQ="1", SLURM_JOB_ID=str(20000 + os.getpid() % 10000))
     flags = ("--seq-len", "16", "--gbs", "4", "--precision", "fp32", "--log-jsonl", str(log))
     first = run_for_real("train.sbatch", 1, "--steps", "2", *flags, **env)

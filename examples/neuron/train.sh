@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # nxdtrain on one trn1/trn2 instance (or one node of slurm.sbatch): one process per NeuronCore, started by torchrun.
-#   examples/neuron/train.sh /fsx/llama-nxd-tp8 /fsx/ckpt [more nxdtrain run flags]
+#   examples/neuron/train.sh /fsx/llama-nxd-tp8 /fsx/ckpt --data /fsx/tokenized [more nxdtrain run flags]
+#   (--data is required: a dataset, or --data synthetic for random tokens)
 #   INSTANCE=trn2 TP=16 examples/neuron/train.sh ...      # trn2.48xlarge: 64 processes
 #   DRY_RUN=1 examples/neuron/train.sh ...                # check and print the command only
 # Every start runs `--resume auto --init INIT`: the newest completed tag in CKPT when there is one (a restarted
