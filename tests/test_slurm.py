@@ -185,7 +185,8 @@ def test_train_requeued_resumes_from_the_checkpoint_root(tiny_models, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     env = dict(INIT=str(init), CKPT=str(ckpt), DATA="synthetic", TP="1", PP="1", LAUNCHER="srun", PROCS_PER_NODE="2",
                PYTHON=sys.executable, CHECKPOINT_FREQ="1", SLURM_JOB_ID=str(20000 + os.getpid() % 10000))
-    flags = ("--seq-len", "16", "--gbs", "4", "--precision", "fp32", "--log-jsonl", str(log))
+    # one schedule for both starts (a resume that moves the decay end is refused): --decay-steps, not --steps
+    flags = ("--seq-len", "16", "--gbs", "4", "--decay-steps", "3", "--precision", "fp32", "--log-jsonl", str(log))
     first = run_for_real("train.sbatch", 1, "--steps", "2", *flags, **env)
     assert first.returncode == 0, first.stderr
     assert f"nxdtrain: resume: auto: no completed tag in {ckpt} yet; weights only from {init}" in first.stderr
