@@ -17,7 +17,8 @@ from ckptconv.core.layout import Attention, ParallelLayout, parse_shard_name
 from ckptconv.core.plan import Plan, plan_reshard, plan_to_hf
 from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.io.nxd import TorchZipSink, load_shard
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import TorchZipSink
 from ckptconv.sources.nxd import open_nxd
 from ckptconv.training.state import (
     FORMAT,

@@ -113,7 +113,8 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     from ckptconv.commands.api import _convert, _fingerprint
     from ckptconv.core.plan import plan_to_full_state
     from ckptconv.engine.finalize import FinalizeSpec
-    from ckptconv.io.nxd import Flavour, sink_factory
+    from ckptconv.io.nxd import Flavour
+    from ckptconv.io.nxd_write import sink_factory
     from ckptconv.sources.nxd import open_nxd
 
     started = time.monotonic()

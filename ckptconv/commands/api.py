@@ -50,7 +50,8 @@ from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.metadata import read_metadata, tool_version
-from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
+from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour
+from ckptconv.io.nxd_write import sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import MasterWeights, nxdtrain_optimizer

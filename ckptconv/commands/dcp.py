@@ -48,7 +48,7 @@ from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import TAG_MARKERS, Flavour
-from ckptconv.io.nxd import sink_factory as nxd_sink_factory
+from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import nxdtrain_optimizer

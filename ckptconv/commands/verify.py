@@ -39,7 +39,7 @@ from ckptconv.core.reference import (
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import HfCheckpoint
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.nxd import open_nxd
 
 DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32

@@ -22,7 +22,7 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.metadata import METADATA_FILE
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.masters import nxd_masters, nxdtrain_masters
 
 

@@ -40,7 +40,8 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint
-from ckptconv.io.nxd import INFO_SUFFIX, OPTIM_DIR, TENSORS_SUFFIX, NxdCheckpoint
+from ckptconv.io.nxd import INFO_SUFFIX, OPTIM_DIR, TENSORS_SUFFIX
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.safe_load import PickledTensor, TensorReference, is_torch_zip, load_small
 from ckptconv.io.torchzip import StoredTensor, TorchZipReader
 

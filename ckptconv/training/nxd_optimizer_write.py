@@ -33,7 +33,7 @@ from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
 from ckptconv.training.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
 from ckptconv.training.nxd_tag_optimizer import STEP

@@ -2,13 +2,13 @@
 
 A tag ``<checkpoint_dir>/step_<N>/`` holds::
 
-    model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   one shard per (tp, pp), written by ckptconv.io.nxd.save_shard
+    model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   one shard per (tp, pp), written by ckptconv.io.nxd_write.save_shard
     optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state by parameter name (+ fp32 masters with bf16; the
                                                 format of ckptconv.training.state); DD > 0 only with ZeRO-1
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
     ckptconv.json                               layout, flavour, dtype, size + digest of every file
-    checkpoint, done                            markers, written last (ckptconv.io.nxd.write_markers)
+    checkpoint, done                            markers, written last (ckptconv.io.nxd_write.write_markers)
 
 Resume rules (``--resume PATH``): a directory with ``model/`` but no ``optim/`` (what ``ckptconv
 to-nxd`` writes) gives weights only, step 0 and a fresh optimizer; a checkpoint root gives its
@@ -43,18 +43,9 @@ from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import Metadata, read_metadata, write_metadata
-from ckptconv.io.nxd import (
-    CHECKPOINT_MARKER,
-    DONE_MARKER,
-    Flavour,
-    NxdCheckpoint,
-    completed_tags,
-    load_shard,
-    resolve_checkpoint,
-    save_shard,
-    tag_step,
-    write_markers,
-)
+from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, Flavour, completed_tags, resolve_checkpoint, tag_step
+from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
+from ckptconv.io.nxd_write import save_shard, write_markers
 from ckptconv.sources.nxd import open_nxd
 from ckptconv.training.nxd_optimizer_write import NXD_OPTIMIZER_KEY
 from ckptconv.training.state import (

@@ -10,7 +10,7 @@ import torch
 
 from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import shard_name
-from ckptconv.io.nxd import load_shard
+from ckptconv.io.nxd_read import load_shard
 from nxdtrain.cli import main
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel.layers import TpGroup

@@ -105,7 +105,7 @@ def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monk
     one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's
     weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
     from ckptconv.commands.dcp import to_dcp
-    from ckptconv.io.nxd import load_shard
+    from ckptconv.io.nxd_read import load_shard
     from ckptconv.training import state as training_state
 
     made = []

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.io.nxd import load_shard, save_shard
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import save_shard
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel.layers import TpGroup, vocab_parallel_cross_entropy

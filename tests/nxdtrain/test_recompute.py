@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.io.nxd import load_shard
+from ckptconv.io.nxd_read import load_shard
 from nxdtrain.model import LlamaStage, SelfAttention, rank_heads
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.pipeline import PipelineStep, stage_shapes
