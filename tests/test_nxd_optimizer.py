@@ -25,7 +25,8 @@ from ckptconv.commands.inspect import inspect
 from ckptconv.commands.verify import verify
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
-from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
+from ckptconv.training.nxd_optimizer import NxdOptimizer, read_optimizer_state
+from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from tests.conftest import hf_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none

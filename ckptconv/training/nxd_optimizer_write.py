@@ -11,7 +11,7 @@ What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the stru
 
 Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
 key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
-:func:`ckptconv.training.nxd_optimizer.index_names` reads with). The files are planned like shards (every tensor a
+:func:`ckptconv.training.nxd_optimizer_ranks.index_names` reads with). The files are planned like shards (every tensor a
 list of row ranges of the source, :mod:`ckptconv.core.plan`) and written by the executor in bands, nested
 structures through :class:`ckptconv.io.torchzip.TensorAt`.
 
@@ -35,7 +35,9 @@ from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
-from ckptconv.training.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_files import MOMENTS
+from ckptconv.training.nxd_optimizer_ranks import PARAM_GROUP_RULES
 from ckptconv.training.nxd_tag_optimizer import STEP
 from ckptconv.training.state import (
     MASTER,

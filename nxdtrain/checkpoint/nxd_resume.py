@@ -16,7 +16,8 @@ from typing import Any
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
-from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from ckptconv.training.nxd_optimizer_write import NXDTRAIN_KEY
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.training.position import nxd_position
