@@ -23,7 +23,7 @@ from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.training.position import nxd_position
 from ckptconv.training.state import USER_CONTENT_FILE
 from nxdtrain.checkpoint.continuity import LABELS
-from nxdtrain.checkpoint.tags import TrainingState, damaged, load_small, training_state_of
+from nxdtrain.checkpoint.resume import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.errors import TrainError
 
 

@@ -24,7 +24,7 @@ from ckptconv.sources.masters import nxd_masters
 from ckptconv.training import state as training_state
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-from nxdtrain.checkpoint.tags import damaged
+from nxdtrain.checkpoint.resume import damaged
 from nxdtrain.errors import TrainError
 
 

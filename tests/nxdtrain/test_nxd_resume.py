@@ -24,7 +24,7 @@ from ckptconv.core.layout import ParallelLayout
 from ckptconv.training.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
-from nxdtrain.checkpoint.tags import resolve_resume
+from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptconv.io.nxd_read import load_shard
-from nxdtrain.checkpoint.tags import resolve_resume
+from nxdtrain.checkpoint.resume import resolve_resume
 from tests.nxdtrain.harness import run_world, train_options
 from tests.official_style import official_tied_shards
 
