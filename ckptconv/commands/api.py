@@ -293,8 +293,9 @@ def to_hf(
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
-    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                        check=options.check, masters=masters, prefer_masters=True)
+    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                      prefer_masters=True)
+    ckpt, spec, layout, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
     with ckpt:
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
@@ -384,9 +385,9 @@ def reshard(
     started = time.monotonic()
     out = Path(out)
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
-    ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check, masters=masters, stages_only=parted,
-                                                     keep_nxd_optimizer=True)  # NxD's tag: its state moves too
+    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                      stages_only=parted, keep_nxd_optimizer=True)  # NxD's tag: its state moves too
+    ckpt, spec, old, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:

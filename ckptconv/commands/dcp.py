@@ -149,9 +149,10 @@ def to_dcp(
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
         # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
-        ckpt, spec, layout, with_inv_freq, read_notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                                  check=options.check, masters=masters,
-                                                                  prefer_masters=True)
+        opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                          prefer_masters=True)
+        ckpt, spec, layout, with_inv_freq, read_notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                         opened.notes)
         with ckpt, contextlib.ExitStack() as stack:
             training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
                 TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,

@@ -106,8 +106,9 @@ def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> 
     try:
         root, _, _ = resolve_checkpoint(given)
         check_model_config(root)
-        ckpt, spec, layout, with_inv_freq, _ = open_nxd(root)  # checks sizes, headers and rank names
-        ckpt.close()
+        opened = open_nxd(root)  # checks sizes, headers and rank names
+        opened.ckpt.close()
+        ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
         records = None if ckpt.metadata is None else ckpt.metadata.files
     except ConversionError as exc:
         raise TrainError(f"{flag} {path}: {damaged(exc)}") from None

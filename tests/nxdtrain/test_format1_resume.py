@@ -86,7 +86,8 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
-    ckpt, spec, layout, with_inv_freq, _ = open_nxd(tag, prefer_masters=True)
+    opened = open_nxd(tag, prefer_masters=True)
+    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     with ckpt:
         assert ckpt.weight_source is not None and ckpt.weight_source.label == "nxdtrain's master weights"
         for key in ("model.norm.weight", "model.layers.0.self_attn.qkv_proj.weight_qkv"):
