@@ -120,7 +120,8 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     started = time.monotonic()
     out = Path(out)
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check)
-    ckpt, spec, layout, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
+    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                opened.notes)
     with ckpt:
         plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
         fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))

@@ -295,7 +295,8 @@ def to_hf(
     out = Path(out)
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       prefer_masters=True)
-    ckpt, spec, layout, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
+    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                opened.notes)
     with ckpt:
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:

@@ -81,7 +81,8 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
         opened = open_nxd(path, config=config, check=check, hints={"hw": "trn1"}, masters=masters,
                           keep_nxd_optimizer=True)
         undecided = str(exc)
-    ckpt, spec, layout, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
+    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                opened.notes)
     if undecided is not None:
         notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:

@@ -63,7 +63,8 @@ class MasterShard:
 
 
 class MasterWeights:
-    """An :class:`~ckptconv.io.nxd_read.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model files."""
+    """An :class:`~ckptconv.io.nxd_read.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model
+    files."""
 
     label = "NxD's master weights"
 

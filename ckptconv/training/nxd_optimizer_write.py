@@ -254,7 +254,7 @@ class _Written:
 
     masters_kind: str = "none"  # "saved", "weights" (ZeRO-1 masters made from the weights) or "none"
     dtypes: set[str] = dataclasses.field(default_factory=set)  # the optimizer dtypes of ZeRO-1 files
-    narrowed: list[str] = dataclasses.field(default_factory=list)  # parameters whose fp32 state a file without ZeRO-1 rounds
+    narrowed: list[str] = dataclasses.field(default_factory=list)  # fp32 state rounded (files without ZeRO-1)
     dropped: set[str] = dataclasses.field(default_factory=set)  # param-group fields NxD's AdamW has not
 
 
