@@ -73,7 +73,7 @@ def build_tags(work: Path, *, tp: int, pp: int, dp: int, layers: int) -> tuple[P
 def resume_reads(tag: Path, *, tp_rank: int, pp_rank: int) -> Counter[str]:
     """What one training rank of the tag's own layout opens to restore its weights and optimizer state."""
     from nxdtrain.checkpoint.restore import StageReader  # noqa: PLC0415
-    from nxdtrain.checkpoint.tags import resolve_resume  # noqa: PLC0415 (nxdtrain only for this count)
+    from nxdtrain.checkpoint.resume import resolve_resume  # noqa: PLC0415 (nxdtrain only for this count)
 
     source = resolve_resume(str(tag), weights_only=False)  # the launcher's, once (nxdtrain run --nproc)
     with opened_under(tag) as opened:

@@ -26,7 +26,8 @@ from benchmarks.synth import write_model
 from ckptconv.commands.api import RunOptions, to_nxd
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
-from ckptconv.io.nxd import load_shard, write_markers
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import write_markers
 from ckptconv.training.state import FORMAT, MASTER, SCHEDULER_FILE, USER_CONTENT_FILE, stage_groups, state_key
 
 # torch AdamW's param-group fields, as nxdtrain's optimizer files record them

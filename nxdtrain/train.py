@@ -35,20 +35,17 @@ from nxdtrain.checkpoint.continuity import check_resume, new_run_id, run_record
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
-from nxdtrain.checkpoint.tags import (
+from nxdtrain.checkpoint.resume import (
     ResumeSource,
-    TagWriter,
     TrainingState,
-    check_checkpoint_dir,
-    check_one_writer,
-    claim_checkpoint_dir,
     read_training_state,
     resolve_start,
     resume_notes,
     run_layout,
     same_layout,
-    set_rng_state,
 )
+from nxdtrain.checkpoint.save import TagWriter, set_rng_state
+from nxdtrain.checkpoint.tags import check_checkpoint_dir, check_one_writer, claim_checkpoint_dir
 from nxdtrain.config import TrainConfig
 from nxdtrain.data.check import CheckedData, checked_rows
 from nxdtrain.data.epochs import data_parallel

@@ -22,7 +22,7 @@ from ckptconv.errors import IntegrityError
 from ckptconv.io.checked import SMALL_GAP, StreamCheck, ZipCrc
 from ckptconv.io.crc import crc32
 from ckptconv.io.digest import FileRecord
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip_read import TorchZipReader
 from tests.conftest import hf_state
 

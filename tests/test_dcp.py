@@ -614,7 +614,7 @@ def test_to_dcp_of_a_training_tag_weights_only_and_refusals(models, tmp_path):
 def test_from_dcp_of_a_full_checkpoint_writes_an_nxdtrain_tag(models, tmp_path, name, there, back):
     """Into TorchTitan's keys and back at another layout: every moment is still the same function of its
     weight, the step and hyper-parameters come along, and the tag is complete (side files, markers)."""
-    from ckptconv.io.nxd import load_shard
+    from ckptconv.io.nxd_read import load_shard
 
     hf = models[name]
     tag = fake_training_tag(hf, tmp_path / "tag", **there)
@@ -659,7 +659,7 @@ def test_from_dcp_of_a_full_checkpoint_writes_an_nxdtrain_tag(models, tmp_path, 
 
 def test_to_dcp_of_a_bf16_tag_writes_its_fp32_masters(models, tmp_path):
     """A bf16 nxdtrain run keeps fp32 masters with its optimizer state: TorchTitan gets those, not the bf16 copy."""
-    from ckptconv.io.nxd import load_shard
+    from ckptconv.io.nxd_read import load_shard
 
     hf = models["gqa"]
     spec = ModelSpec.from_file(hf / "config.json")

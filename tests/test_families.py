@@ -16,7 +16,7 @@ from ckptconv.commands.verify import verify
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.reference import dense_layer, window_mask
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import load_shard
+from ckptconv.io.nxd_read import load_shard
 from tests.conftest import hf_state
 from tests.test_roundtrip import assert_same_state
 from tests.test_verify_reshard import SHARD, edit_shard, problems, shard_hashes

@@ -25,7 +25,8 @@ from ckptconv.commands.inspect import inspect
 from ckptconv.commands.verify import verify
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
-from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
+from ckptconv.training.nxd_optimizer import NxdOptimizer, read_optimizer_state
+from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from tests.conftest import hf_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
@@ -426,7 +427,7 @@ def test_a_tag_missing_some_model_tensors_is_refused(tmp_path: Path) -> None:
 def test_declared_reads_a_files_headers_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """NxdCheckpoint.declared: the dtypes and shapes the masters-only tag's .info.pt records (bf16, the shapes
     of NxD's parameters, though no tensor was saved), read once per file however often it is asked."""
-    import ckptconv.io.nxd as nxd_io
+    import ckptconv.io.nxd_read as nxd_io
 
     case = "zero1_bf16_masters_only_xser"
     opened: list[Path] = []
@@ -460,7 +461,7 @@ def test_a_kept_optimizer_lives_until_its_checkpoint_closes(tmp_path: Path) -> N
     reopened unseen: nxd_masters had to keep it after the switch); once the checkpoint closes it, a read fails
     loudly instead of reopening its files. A second weight source or kept optimizer is refused."""
     from ckptconv.core.plan import Source
-    from ckptconv.io.nxd import NxdCheckpoint
+    from ckptconv.io.nxd_read import NxdCheckpoint
     from ckptconv.sources.masters import MasterWeights
 
     case = "zero1_bf16_masters_only_xser"

@@ -140,7 +140,7 @@ def test_a_rank_that_disagrees_with_the_first_is_refused_when_read(tags: tuple[P
     import shutil
 
     from ckptconv.errors import ConversionError
-    from ckptconv.io.nxd import NxdCheckpoint
+    from ckptconv.io.nxd_read import NxdCheckpoint
 
     _, nxd = tags
     copy = tmp_path / "nxd"
@@ -185,7 +185,7 @@ def test_a_model_file_that_disagrees_with_its_stage_is_refused_by_whoever_reads_
 
     from ckptconv.commands.verify import verify
     from ckptconv.errors import ConversionError
-    from ckptconv.io.nxd import NxdCheckpoint
+    from ckptconv.io.nxd_read import NxdCheckpoint
 
     ours, _ = tags
     copy = tmp_path / "format2"

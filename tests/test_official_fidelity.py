@@ -22,7 +22,7 @@ import ckptconv
 from ckptconv.cli.main import main
 from ckptconv.commands.inspect import inspect
 from ckptconv.commands.verify import verify
-from ckptconv.io.nxd import load_shard
+from ckptconv.io.nxd_read import load_shard
 from tests.conftest import hf_state, make_tiny_llama
 from tests.official_style import official_tied_shards, old_transformers_llama
 

@@ -17,7 +17,8 @@ from ckptconv.core.layout import Attention, ParallelLayout, parse_shard_name
 from ckptconv.core.plan import Plan, plan_reshard, plan_to_hf
 from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.io.nxd import TorchZipSink, load_shard
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import TorchZipSink
 from ckptconv.sources.nxd import open_nxd
 from ckptconv.training.state import (
     FORMAT,
@@ -69,7 +70,8 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(source: Path, out: Path, new: ParallelLayout, *, dp: int, zero1: bool) -> Plan:
-    ckpt, spec, old, with_inv_freq, _ = open_nxd(source)
+    opened = open_nxd(source)
+    ckpt, spec, old, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     with ckpt:
         optim = TagOptimizer(source, spec, old, with_inv_freq=with_inv_freq)
         plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq)
@@ -167,7 +169,8 @@ def test_optimizer_file_of_unknown_format_is_refused(source, tmp_path):
     shutil.copytree(source, copy)
     path = copy / "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     torch.save({"format": 7}, path)
-    _, spec, layout, _, _ = open_nxd(copy)
+    opened = open_nxd(copy)
+    spec, layout = opened.spec, opened.layout
     with pytest.raises(ConversionError, match=r"dp_rank_00_tp_rank_00_pp_rank_00.pt: optimizer state format 7; this "
                                               r"ckptconv reads formats 1 and 2"):
         TagOptimizer(copy, spec, layout, with_inv_freq=False)
@@ -175,7 +178,7 @@ def test_optimizer_file_of_unknown_format_is_refused(source, tmp_path):
 
 def _as_format1(root: Path) -> None:
     """Rewrite the fake tag's files as nxdtrain wrote them before format 2: a torch state_dict by position."""
-    _, spec, layout, with_inv_freq, _ = open_nxd(root)
+    open_nxd(root)
     for path in sorted((root / "optim").iterdir()):
         flat = torch.load(path, weights_only=True)
         names = flat["names"]
@@ -202,7 +205,8 @@ def test_format1_tag_reshards_like_format2(source, tmp_path):
 
 def test_moments_by_hf_name(source):
     """The same records give every HF tensor's moments whole (what a TorchTitan export with optimizer state reads)."""
-    ckpt, spec, layout, with_inv_freq, _ = open_nxd(source)
+    opened = open_nxd(source)
+    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     with ckpt:
         optim = TagOptimizer(source, spec, layout, with_inv_freq=with_inv_freq)
         reader = TagReader(ckpt, optim)
@@ -239,7 +243,8 @@ def test_moments_of_a_padded_vocabulary(tmp_path):
     assert sorted(tensors) == sorted(k for k, v in got.items() if isinstance(v, torch.Tensor))
     assert all(torch.equal(want[k], got[k]) for k in tensors)
     # What a training rank reads on its own (read_tensor, nxdtrain's resume at tp 4): the same rows.
-    ckpt, spec, old, with_inv_freq, _ = open_nxd(src, check=False)
+    opened = open_nxd(src, check=False)
+    ckpt, spec, old, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     with ckpt:
         optim = TagOptimizer(src, spec, old, with_inv_freq=with_inv_freq)
         new = ParallelLayout.from_json(json.loads((tmp_path / "tp4/ckptconv.json").read_text())["layout"])

@@ -17,7 +17,8 @@ from ckptconv.core.layout_flags import LayoutHints
 from ckptconv.core.reference import dense_layer
 from ckptconv.errors import ConversionError, IntegrityError, VerificationError
 from ckptconv.io.digest import FileRecord
-from ckptconv.io.nxd import load_shard, save_shard
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import save_shard
 from tests.conftest import hf_state
 from tests.test_golden import CASES, load_case
 

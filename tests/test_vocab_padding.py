@@ -12,7 +12,8 @@ import torch
 
 import ckptconv
 from ckptconv.commands.verify import verify
-from ckptconv.io.nxd import load_shard, save_shard
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import save_shard
 from tests.conftest import hf_state
 from tests.test_roundtrip import assert_same_state
 from tests.test_verify_reshard import SHARD

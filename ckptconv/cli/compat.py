@@ -113,13 +113,15 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     from ckptconv.commands.api import _convert, _fingerprint
     from ckptconv.core.plan import plan_to_full_state
     from ckptconv.engine.finalize import FinalizeSpec
-    from ckptconv.io.nxd import Flavour, sink_factory
+    from ckptconv.io.nxd import Flavour
+    from ckptconv.io.nxd_write import sink_factory
     from ckptconv.sources.nxd import open_nxd
 
     started = time.monotonic()
     out = Path(out)
-    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                        check=options.check)
+    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check)
+    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                opened.notes)
     with ckpt:
         plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
         fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))

@@ -50,7 +50,8 @@ from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.metadata import read_metadata, tool_version
-from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour, sink_factory
+from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour
+from ckptconv.io.nxd_write import sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import MasterWeights, nxdtrain_optimizer
@@ -292,8 +293,10 @@ def to_hf(
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
-    ckpt, spec, layout, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                        check=options.check, masters=masters, prefer_masters=True)
+    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                      prefer_masters=True)
+    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                opened.notes)
     with ckpt:
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
@@ -383,9 +386,9 @@ def reshard(
     started = time.monotonic()
     out = Path(out)
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
-    ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                     check=options.check, masters=masters, stages_only=parted,
-                                                     keep_nxd_optimizer=True)  # NxD's tag: its state moves too
+    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                      stages_only=parted, keep_nxd_optimizer=True)  # NxD's tag: its state moves too
+    ckpt, spec, old, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
     with ckpt:
         attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
         if kv_size_multiplier is None:

@@ -48,7 +48,7 @@ from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
 from ckptconv.io.nxd import TAG_MARKERS, Flavour
-from ckptconv.io.nxd import sink_factory as nxd_sink_factory
+from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import nxdtrain_optimizer
@@ -149,9 +149,10 @@ def to_dcp(
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
         # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
-        ckpt, spec, layout, with_inv_freq, read_notes = open_nxd(src, config=config, hints=hints, io=options.io,
-                                                                  check=options.check, masters=masters,
-                                                                  prefer_masters=True)
+        opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                          prefer_masters=True)
+        ckpt, spec, layout, with_inv_freq, read_notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                         opened.notes)
         with ckpt, contextlib.ExitStack() as stack:
             training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
                 TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,

@@ -75,13 +75,15 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
     from ckptconv.sources.nxd import open_nxd
 
     try:
-        ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, masters=masters,
-                                                            keep_nxd_optimizer=True)
+        opened = open_nxd(path, config=config, check=check, masters=masters, keep_nxd_optimizer=True)
         undecided = None
     except AmbiguousLayout as exc:  # describe what is known; the layout's hardware stays open
-        ckpt, spec, layout, with_inv_freq, notes = open_nxd(path, config=config, check=check, hints={"hw": "trn1"},
-                                                            masters=masters, keep_nxd_optimizer=True)
+        opened = open_nxd(path, config=config, check=check, hints={"hw": "trn1"}, masters=masters,
+                          keep_nxd_optimizer=True)
         undecided = str(exc)
+    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                opened.notes)
+    if undecided is not None:
         notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:
         dtypes: Counter[str] = Counter()

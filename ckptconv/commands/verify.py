@@ -39,7 +39,7 @@ from ckptconv.core.reference import (
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import HfCheckpoint
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.nxd import open_nxd
 
 DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32
@@ -292,7 +292,8 @@ def verify(
     from ckptconv.sources.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
-    ckpt, spec, layout, _, notes = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
+    opened = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
+    ckpt, spec, layout, notes = opened.ckpt, opened.spec, opened.layout, opened.notes
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []

@@ -127,18 +127,33 @@ def run_plan(
     if not todo:
         return _flatten(done, plan, wanted)
 
-    sinks = {}
-    for i in todo:
-        with _naming(plan.files[i], tmp):  # preallocation can find the disk full already
-            sinks[i] = sink_factory(plan.files[i], tmp)
-    lock = threading.Lock()
-    budget = _ByteBudget(options.max_memory)
+    sinks = _open_sinks(plan, todo, sink_factory, tmp)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
     units = _units(plan, todo, reader, band_bytes)
     # Bands are the tasks, not units: the bands of one large tensor (an embedding, say) run on
     # several workers at once instead of one after another on one.
     tasks = [(unit, start, stop) for unit in units for start, stop in _bands(unit)]
-    pending = dict.fromkeys(todo, 0)  # per file: (tensor, band) pairs still to write
+    completed = _write_bands(plan, reader, out_dir, tmp, tmp / state_file, state, options, sinks, tasks, band_bytes)
+    return _flatten(done | completed, plan, wanted)
+
+
+def _open_sinks(plan: Plan, todo: list[int], sink_factory: SinkFactory, tmp: Path) -> dict[int, Sink]:
+    """A sink for every file to write, preallocated under ``tmp``, by file index."""
+    sinks: dict[int, Sink] = {}
+    for i in todo:
+        with _naming(plan.files[i], tmp):  # preallocation can find the disk full already
+            sinks[i] = sink_factory(plan.files[i], tmp)
+    return sinks
+
+
+def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, state_path: Path,
+                 state: dict[str, dict[str, FileRecord]], options: ExecOptions, sinks: dict[int, Sink],
+                 tasks: list[tuple[_Unit, int, int]], band_bytes: int) -> dict[str, dict[str, FileRecord]]:
+    """Run every band on ``options.workers`` threads within the memory budget; each file is moved into place when
+    its last band is written, then hashed in another pool and recorded in the state file. Returns the records."""
+    lock = threading.Lock()
+    budget = _ByteBudget(options.max_memory)
+    pending = dict.fromkeys(sinks, 0)  # per file: (tensor, band) pairs still to write
     for unit, _, _ in tasks:
         for file_index, _ in unit.tensors:
             pending[file_index] += 1
@@ -151,7 +166,7 @@ def run_plan(
         with lock:
             completed[plan.files[file_index].path] = records
             state[plan.files[file_index].path] = records
-            _save_state(tmp / state_file, options.fingerprint, state)
+            _save_state(state_path, options.fingerprint, state)
 
     def finish_band(file_index: int) -> None:
         with lock:
@@ -186,7 +201,7 @@ def run_plan(
         futures = [pool.submit(run_band, *task) for task in tasks]
         _raise_first_error(futures)
         _raise_first_error(list(hashing))
-    return _flatten(done | completed, plan, wanted)
+    return completed
 
 
 def _raise_first_error(futures: list[Future[None]]) -> None:

@@ -146,7 +146,7 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
     if spec.metadata is not None:
         meta = Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})
         write_metadata(out, meta)  # its presence means the directory is complete (markers aside)
-    for rel in spec.markers:  # not listed in ckptconv.json: known names, written last (ckptconv.io.nxd.write_markers)
+    for rel in spec.markers:  # not in ckptconv.json: known names, written last (ckptconv.io.nxd_write.write_markers)
         write_text(out / rel, "1")
     clear_tmp(out)  # the lock goes when its holder releases it
     return files

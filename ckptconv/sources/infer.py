@@ -21,7 +21,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError
 from ckptconv.io.metadata import METADATA_FILE
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 

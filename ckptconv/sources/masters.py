@@ -20,7 +20,7 @@ import torch
 from ckptconv.core.layout import ParallelLayout, parse_shard_name
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint, ShardsWithMasters
+from ckptconv.io.nxd_read import NxdCheckpoint, ShardsWithMasters
 from ckptconv.training.nxd_optimizer import OPTIM_DIR, NxdOptimizer
 from ckptconv.training.state import TagOptimizer, is_training_tag, use_masters
 
@@ -63,7 +63,8 @@ class MasterShard:
 
 
 class MasterWeights:
-    """An :class:`~ckptconv.io.nxd.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model files."""
+    """An :class:`~ckptconv.io.nxd_read.WeightSource` over :class:`NxdOptimizer`'s masters, in place of the model
+    files."""
 
     label = "NxD's master weights"
 

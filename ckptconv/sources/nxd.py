@@ -5,12 +5,15 @@ nxdtrain's resume) opens them through :func:`open_nxd`, so a shard set is unders
 the same way everywhere.
 
 Example:
-    >>> ckpt, spec, layout, with_inv_freq, notes = open_nxd("llama-nxd")   # doctest: +SKIP
+    >>> opened = open_nxd("llama-nxd")                                      # doctest: +SKIP
+    >>> with opened.ckpt:                                                   # doctest: +SKIP
+    ...     opened.layout.tp, opened.spec.hidden, opened.notes[0]
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.metadata import METADATA_FILE
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.masters import nxd_masters, nxdtrain_masters
 
 
@@ -38,6 +41,18 @@ def model_spec_of(root: Path, meta: Any, config: str | Path | None, *, missing: 
     raise ConversionError(f"{root}: {missing}")
 
 
+@dataclass(frozen=True)
+class OpenedNxd:
+    """NxD shards opened by :func:`open_nxd`: the checkpoint (open until ``ckpt.close()``) and what it was
+    understood to hold."""
+
+    ckpt: NxdCheckpoint  # the shards, opened lazily, reads checked unless check=False
+    spec: ModelSpec  # the model (--config, ckptconv.json's HF config, or hf/config.json)
+    layout: ParallelLayout  # as ckptconv.json records it, else inferred from the shards
+    with_inv_freq: bool  # whether the shards hold rotary_emb.inv_freq
+    notes: list[str]  # how the checkpoint was read and understood, one line each, for the report
+
+
 def open_nxd(
     src: str | Path,
     *,
@@ -49,7 +64,7 @@ def open_nxd(
     prefer_masters: bool = False,
     keep_nxd_optimizer: bool = False,
     stages_only: bool = False,
-) -> tuple[NxdCheckpoint, ModelSpec, ParallelLayout, bool, list[str]]:
+) -> OpenedNxd:
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
     ``hints`` are the layout flags the user gave (``None``: not given; a
@@ -84,7 +99,7 @@ def open_nxd(
     except BaseException:
         ckpt.close()  # refused: no file stays open
         raise
-    return ckpt, spec, layout, with_inv_freq, notes
+    return OpenedNxd(ckpt, spec, layout, with_inv_freq, notes)
 
 
 def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutHints,

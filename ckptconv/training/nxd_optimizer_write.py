@@ -11,7 +11,7 @@ What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the stru
 
 Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
 key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
-:func:`ckptconv.training.nxd_optimizer.index_names` reads with). The files are planned like shards (every tensor a
+:func:`ckptconv.training.nxd_optimizer_ranks.index_names` reads with). The files are planned like shards (every tensor a
 list of row ranges of the source, :mod:`ckptconv.core.plan`) and written by the executor in bands, nested
 structures through :class:`ckptconv.io.torchzip.TensorAt`.
 
@@ -33,9 +33,11 @@ from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
-from ckptconv.training.nxd_optimizer import MOMENTS, PARAM_GROUP_RULES, NxdOptimizer
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_files import MOMENTS
+from ckptconv.training.nxd_optimizer_ranks import PARAM_GROUP_RULES
 from ckptconv.training.nxd_tag_optimizer import STEP
 from ckptconv.training.state import (
     MASTER,
@@ -246,6 +248,16 @@ def index_order(shard: OutFile, rule: str) -> list[str]:
     return [n for g in nxd_groups([t.key for t in shard.tensors if not t.key.endswith("inv_freq")], rule) for n in g]
 
 
+@dataclasses.dataclass
+class _Written:
+    """What the planned files hold, for the notes and the :class:`NxdOptimizerPlan`."""
+
+    masters_kind: str = "none"  # "saved", "weights" (ZeRO-1 masters made from the weights) or "none"
+    dtypes: set[str] = dataclasses.field(default_factory=set)  # the optimizer dtypes of ZeRO-1 files
+    narrowed: list[str] = dataclasses.field(default_factory=list)  # fp32 state rounded (files without ZeRO-1)
+    dropped: set[str] = dataclasses.field(default_factory=set)  # param-group fields NxD's AdamW has not
+
+
 def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool, rule: str,
                              drop_masters: bool, lr: tuple[float, float] | None,
                              notes: list[str]) -> tuple[list[OutFile], NxdOptimizerPlan]:
@@ -258,8 +270,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
     out: list[OutFile] = []
     ours = optim.hyper.param_groups
     next_lr, peak = lr if lr is not None else (None, None)
-    masters_kind, dtypes, narrowed, names_of = "none", set(), [], {}
-    dropped: set[str] = set()
+    written, names_of = _Written(), {}
     for shard in shards:
         ranks = parse_shard_name(Path(shard.path).name)
         assert ranks is not None, shard.path
@@ -269,7 +280,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         groups = nxd_groups(list(weights), rule)
         order = index_order(shard, rule)
         hypers = [_group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
-        dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
+        written.dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
         param_groups, start = [], 0
         for hyper, group in zip(hypers, groups, strict=True):
             param_groups.append({**nxd_param_group(hyper, zero1=zero1, lr=next_lr, initial_lr=peak),
@@ -282,66 +293,82 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
                 raise ConversionError(f"{shard.path}: {n!r} has optimizer state {sorted(state[n])}; NxD's files "
                                       "hold AdamW's step, exp_avg and exp_avg_sq")
         for dp_rank in range(dp if zero1 else 1):
-            path = optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank)
-            tensors: list[OutTensor] = []
-            by_index: dict[int, dict[str, TensorAt]] = {}
-            shape_info: dict[int, list[int]] = {}
-            masters: dict[int, TensorAt] = {}
-            for i, name in enumerate(order):
-                weight, parts = weights[name], state[name]
-                where = "base_state" if zero1 else "state"
-                step = dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)
-                entry = {STEP: step}
-                if zero1:
-                    if not weight.shape:
-                        raise ConversionError(f"{shard.path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
-                    dtype = _optimizer_dtype(optim, weight)
-                    dtypes.add(str(dtype).removeprefix("torch."))
-                    rows = math.ceil(weight.shape[0] / dp)
-                    first = dp_rank * rows
-                    for m in MOMENTS:
-                        entry[m] = row_chunk(parts[m], first, rows, f"{where}.{i}.{m}", dtype)
-                    master = parts.get(MASTER, weight)
-                    masters_kind = "saved" if MASTER in parts else "weights"
-                    chunk = row_chunk(master, first, rows, f"sharded_master_weights.{i}", dtype)
-                    masters[i] = _meta(chunk)
-                    tensors += [*entry.values(), chunk]
-                    shape_info[i] = list(weight.shape)
-                else:
-                    for m in MOMENTS:
-                        if parts[m].dtype.itemsize > weight.dtype.itemsize:
-                            narrowed.append(name)
-                        entry[m] = dataclasses.replace(parts[m], key=f"{where}.{i}.{m}", dtype=weight.dtype)
-                    if MASTER in parts:
-                        narrowed.append(name)
-                    tensors += entry.values()
-                by_index[i] = {k: _meta(t) for k, t in entry.items()}
-            plain: tuple[tuple[str, Any], ...]
-            if zero1:
-                plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
-                         ("shape_info", shape_info), ("sharded_master_weights", masters))
-            else:
-                plain = (("state", by_index), ("param_groups", param_groups))
-            out.append(OutFile(path, NESTED_TORCH, tuple(tensors), plain))
-    if narrowed and not drop_masters:
-        raise ConversionError(f"{narrowed[0]!r}: a bf16 model's fp32 optimizer state (masters, moments) fits NxD's "
-                              "files only with ZeRO-1 (NxD keeps no fp32 copy without it): pass --zero1, or "
+            out.append(_optimizer_file(shard.path, optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), order,
+                                       weights, state, param_groups, optim, dp=dp, dp_rank=dp_rank, zero1=zero1,
+                                       written=written))
+    _refuse_or_note(written, shards, drop_masters=drop_masters, zero1=zero1, notes=notes)
+    plan = NxdOptimizerPlan(rule, zero1, dp if zero1 else 1, written.masters_kind,
+                            "/".join(sorted(written.dtypes)) if zero1 else "parameter", names_of)
+    return out, plan
+
+
+def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[str, OutTensor],
+                    state: dict[str, dict[str, OutTensor]], param_groups: list[dict[str, Any]], optim: OptimizerSource,
+                    *, dp: int, dp_rank: int, zero1: bool, written: _Written) -> OutFile:
+    """One dp rank's optimizer file of one (tp, pp) rank: torch AdamW's state dict, or with ``zero1``
+    NeuronZero1Optimizer's (this dp rank's dim-0 chunk of every tensor, and its masters)."""
+    tensors: list[OutTensor] = []
+    by_index: dict[int, dict[str, TensorAt]] = {}
+    shape_info: dict[int, list[int]] = {}
+    masters: dict[int, TensorAt] = {}
+    for i, name in enumerate(order):
+        weight, parts = weights[name], state[name]
+        where = "base_state" if zero1 else "state"
+        step = dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)
+        entry = {STEP: step}
+        if zero1:
+            if not weight.shape:
+                raise ConversionError(f"{shard_path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
+            dtype = _optimizer_dtype(optim, weight)
+            written.dtypes.add(str(dtype).removeprefix("torch."))
+            rows = math.ceil(weight.shape[0] / dp)
+            first = dp_rank * rows
+            for m in MOMENTS:
+                entry[m] = row_chunk(parts[m], first, rows, f"{where}.{i}.{m}", dtype)
+            master = parts.get(MASTER, weight)
+            written.masters_kind = "saved" if MASTER in parts else "weights"
+            chunk = row_chunk(master, first, rows, f"sharded_master_weights.{i}", dtype)
+            masters[i] = _meta(chunk)
+            tensors += [*entry.values(), chunk]
+            shape_info[i] = list(weight.shape)
+        else:
+            for m in MOMENTS:
+                if parts[m].dtype.itemsize > weight.dtype.itemsize:
+                    written.narrowed.append(name)
+                entry[m] = dataclasses.replace(parts[m], key=f"{where}.{i}.{m}", dtype=weight.dtype)
+            if MASTER in parts:
+                written.narrowed.append(name)
+            tensors += entry.values()
+        by_index[i] = {k: _meta(t) for k, t in entry.items()}
+    plain: tuple[tuple[str, Any], ...]
+    if zero1:
+        plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
+                 ("shape_info", shape_info), ("sharded_master_weights", masters))
+    else:
+        plain = (("state", by_index), ("param_groups", param_groups))
+    return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
+
+
+def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_masters: bool, zero1: bool,
+                    notes: list[str]) -> None:
+    """Refuse fp32 state that NxD's files without ZeRO-1 cannot hold (unless ``drop_masters``); else say what
+    was dropped, rounded or made."""
+    if written.narrowed and not drop_masters:
+        raise ConversionError(f"{written.narrowed[0]!r}: a bf16 model's fp32 optimizer state (masters, moments) fits "
+                              "NxD's files only with ZeRO-1 (NxD keeps no fp32 copy without it): pass --zero1, or "
                               "--drop-masters to drop the masters and round the moments to the parameter dtype")
     if drop_masters and zero1:
         notes.append("--drop-masters: nothing dropped (NxD's ZeRO-1 files keep the masters and fp32 moments)")
-    if narrowed:
+    if written.narrowed:
         notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
                      "dropped and the moments rounded to the parameters' dtype (a resume continues from the "
                      "bf16 weights)")
-    if dropped:
-        notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(dropped))}")
-    if masters_kind == "weights":
+    if written.dropped:
+        notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(written.dropped))}")
+    if written.masters_kind == "weights":
         notes.append("sharded_master_weights written from the weights (the source saved no masters)"
                      + ("; a bf16 model's masters are its weights widened, as NxD's own resume rebuilds them"
                         if any(t.dtype == torch.bfloat16 for f in shards for t in f.tensors) else ""))
-    plan = NxdOptimizerPlan(rule, zero1, dp if zero1 else 1, masters_kind,
-                            "/".join(sorted(dtypes)) if zero1 else "parameter", names_of)
-    return out, plan
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ import torch
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer import MOMENTS, NxdOptimizer, OptimFormat
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_files import MOMENTS
+from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from ckptconv.training.state import MASTER, Hyper, is_matrix, split_key
 
 STEP = "step"

@@ -25,9 +25,12 @@ from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import NXD_TRAINERS
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import check_whole_file
-from ckptconv.io.nxd import TAG_MARKERS, NxdCheckpoint, TorchZipSink, XserSplitSink
+from ckptconv.io.nxd import TAG_MARKERS
+from ckptconv.io.nxd_read import NxdCheckpoint
+from ckptconv.io.nxd_write import TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
-from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from ckptconv.training.nxd_optimizer_write import (
     NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,

@@ -16,13 +16,14 @@ from typing import Any
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
-from ckptconv.training.nxd_optimizer import NxdOptimizer, OptimFormat
+from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from ckptconv.training.nxd_optimizer_write import NXDTRAIN_KEY
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
 from ckptconv.training.position import nxd_position
 from ckptconv.training.state import USER_CONTENT_FILE
 from nxdtrain.checkpoint.continuity import LABELS
-from nxdtrain.checkpoint.tags import TrainingState, damaged, load_small, training_state_of
+from nxdtrain.checkpoint.resume import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.errors import TrainError
 
 

@@ -19,12 +19,12 @@ from ckptconv.core.mapping import all_shard_records, stores_lm_head
 from ckptconv.core.plan import OutTensor, plan_reshard
 from ckptconv.engine.execute import read_tensor
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import NxdCheckpoint
+from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.masters import nxd_masters
 from ckptconv.training import state as training_state
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-from nxdtrain.checkpoint.tags import damaged
+from nxdtrain.checkpoint.resume import damaged
 from nxdtrain.errors import TrainError
 
 

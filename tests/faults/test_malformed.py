@@ -158,7 +158,8 @@ def _legacy_pickle(src: Path) -> None:
 
 def _to_half(shard: Path) -> None:
     """Rewrite one rank's shard in float16 (the others, and ckptconv.json, say float32)."""
-    from ckptconv.io.nxd import load_shard, save_shard
+    from ckptconv.io.nxd_read import load_shard
+    from ckptconv.io.nxd_write import save_shard
 
     save_shard(shard, {k: v.half() for k, v in load_shard(shard).items()})
 

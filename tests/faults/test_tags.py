@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from ckptconv.engine import outdir
-from nxdtrain.checkpoint.tags import TagWriter, prune
+from nxdtrain.checkpoint.save import TagWriter
+from nxdtrain.checkpoint.tags import prune
 from nxdtrain.errors import TrainError
 
 

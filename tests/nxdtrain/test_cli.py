@@ -10,7 +10,7 @@ import torch
 
 from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import shard_name
-from ckptconv.io.nxd import load_shard
+from ckptconv.io.nxd_read import load_shard
 from nxdtrain.cli import main
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel.layers import TpGroup
@@ -24,7 +24,8 @@ def nxdtrain(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess[st
 
 def stage_logits(tag, ids):
     """Logits of the trained tp 1 x pp 2 checkpoint, its two stages chained in this process."""
-    ckpt, spec, layout, inv, _ = open_nxd(tag)
+    opened = open_nxd(tag)
+    ckpt, spec, layout, inv = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     ckpt.close()
     h = ids
     for pp in range(layout.pp):

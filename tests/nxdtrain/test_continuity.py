@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from nxdtrain.checkpoint.continuity import check_resume, recorded_run
-from nxdtrain.checkpoint.tags import resolve_resume
+from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.config import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare

@@ -10,7 +10,8 @@ import torch
 
 from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.io.nxd import Flavour, save_shard
+from ckptconv.io.nxd import Flavour
+from ckptconv.io.nxd_write import save_shard
 from nxdtrain import cli
 from nxdtrain.device import resolve_kind, to_host, torch_xla_api
 from nxdtrain.errors import TrainError

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckptconv.cli.main import main as ckptconv_main
-from nxdtrain.checkpoint.tags import resolve_start
+from nxdtrain.checkpoint.resume import resolve_start
 from nxdtrain.config import CheckpointConfig
 from nxdtrain.errors import TrainError
 

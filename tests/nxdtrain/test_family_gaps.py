@@ -174,7 +174,7 @@ def test_masters_export_of_a_padded_bf16_run(tmp_path, nxd_model):
     """1003 tokens at tp 2 (1004 rows), bf16 with fp32 masters, ZeRO-1 over dp 2: `to-hf --masters --dtype keep`
     gives the masters' 1003 real rows in fp32, `--no-masters` their bf16 rounding (the shards)."""
     from ckptconv.commands.api import RunOptions, to_hf
-    from ckptconv.io.nxd import load_shard
+    from ckptconv.io.nxd_read import load_shard
     from ckptconv.training.state import MASTER, state_key
     from nxdtrain.checkpoint.tags import optim_file
 

@@ -86,7 +86,8 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
-    ckpt, spec, layout, with_inv_freq, _ = open_nxd(tag, prefer_masters=True)
+    opened = open_nxd(tag, prefer_masters=True)
+    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     with ckpt:
         assert ckpt.weight_source is not None and ckpt.weight_source.label == "nxdtrain's master weights"
         for key in ("model.norm.weight", "model.layers.0.self_attn.qkv_proj.weight_qkv"):
@@ -105,7 +106,7 @@ def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monk
     one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's
     weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
     from ckptconv.commands.dcp import to_dcp
-    from ckptconv.io.nxd import load_shard
+    from ckptconv.io.nxd_read import load_shard
     from ckptconv.training import state as training_state
 
     made = []

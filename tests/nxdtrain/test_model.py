@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.io.nxd import load_shard, save_shard
+from ckptconv.io.nxd_read import load_shard
+from ckptconv.io.nxd_write import save_shard
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.parallel.layers import TpGroup, vocab_parallel_cross_entropy
@@ -58,7 +59,8 @@ def test_stage_state_is_the_shard_byte_for_byte(tmp_path, hf_model, case):
     hf = with_inv_freq(hf_model("gqa"), tmp_path / "hf") if name == "inv_freq" else hf_model(name)
     src = convert(hf / "model.safetensors" if name == "inv_freq" else hf, tmp_path / "nxd", flavour=flavour,
                   **({"config": hf / "config.json"} if name == "inv_freq" else {}), **layout)
-    ckpt, spec, parsed, inv, _ = open_nxd(src)
+    opened = open_nxd(src)
+    ckpt, spec, parsed, inv = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     ckpt.close()
     assert inv == (name == "inv_freq")
     for pp in range(parsed.pp):
@@ -88,7 +90,8 @@ def test_stages_compute_transformers_logits(tmp_path, hf_model, model, layout):
 
     hf = llama3_model(tmp_path / "hf", hf_model("gqa2")) if model == "llama3" else hf_model(model)
     src = convert(hf, tmp_path / "nxd", pp=2, **layout)
-    ckpt, spec, parsed, inv, _ = open_nxd(src)
+    opened = open_nxd(src)
+    ckpt, spec, parsed = opened.ckpt, opened.spec, opened.layout
     ckpt.close()
     stages = [LlamaStage(spec, parsed, tp=TpGroup(), pp_rank=pp) for pp in range(2)]
     for pp, stage in enumerate(stages):

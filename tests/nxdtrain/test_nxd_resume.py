@@ -24,7 +24,7 @@ from ckptconv.core.layout import ParallelLayout
 from ckptconv.training.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
-from nxdtrain.checkpoint.tags import resolve_resume
+from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
@@ -349,7 +349,7 @@ def test_a_rank_parses_nxds_optimizer_once(case: str, tmp_path: Path, monkeypatc
     """A rank's restore reads the weights' source (NxD's masters, or the model files) and the optimizer state
     through one parse of NxD's optimizer files (it parsed them twice: for the weights' notes, then the state),
     and opens the model file once (its headers were read by a reader of their own, then again to read it)."""
-    import ckptconv.io.nxd as nxd_io
+    import ckptconv.io.nxd_read as nxd_io
 
     tag = nxd_tag(case, tmp_path)
     shards: list[Path] = []

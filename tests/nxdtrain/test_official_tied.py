@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.io.nxd import load_shard
-from nxdtrain.checkpoint.tags import resolve_resume
+from ckptconv.io.nxd_read import load_shard
+from nxdtrain.checkpoint.resume import resolve_resume
 from tests.nxdtrain.harness import run_world, train_options
 from tests.official_style import official_tied_shards
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.io.nxd import load_shard
+from ckptconv.io.nxd_read import load_shard
 from nxdtrain.model import LlamaStage, SelfAttention, rank_heads
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.pipeline import PipelineStep, stage_shapes
@@ -20,7 +20,8 @@ from tests.nxdtrain.harness import convert
 
 def loaded_stage(tmp_path, hf_model, recompute: str) -> LlamaStage:
     src = convert(hf_model("gqa2"), tmp_path / "nxd", attention="qkv_linear", fuse_qkv=True)
-    ckpt, spec, parsed, _, _ = open_nxd(src)
+    opened = open_nxd(src)
+    ckpt, spec, parsed = opened.ckpt, opened.spec, opened.layout
     ckpt.close()
     stage = LlamaStage(spec, parsed, tp=TpGroup(), pp_rank=0, recompute=recompute)
     shard = src / "model" / shard_name(tp_rank=0, pp_rank=0)

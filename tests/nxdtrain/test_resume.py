@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptconv.cli.main import main as ckptconv_main
-from nxdtrain.checkpoint.tags import resolve_resume
+from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.config import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ckptconv.cli.main import main as ckptconv_main
-from nxdtrain.checkpoint.tags import resolve_resume
+from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.errors import TrainError
 
 TRAIN_FLAGS = ["--steps", "100000", "--data", "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1",
@@ -115,7 +115,7 @@ def test_sigterm_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_mo
     root, flag = tmp_path / "ckpt", tmp_path / "saving"
     script = textwrap.dedent(f"""
         import pathlib, sys, time
-        import nxdtrain.checkpoint.tags as checkpoint
+        import nxdtrain.checkpoint.save as checkpoint
         original = checkpoint.save_shard
         def held(*args, **kwargs):
             written = original(*args, **kwargs)

@@ -1,0 +1,205 @@
+"""Writing a ``step_<N>`` tag: every rank's shard and optimizer state, then rank 0's side files, ``ckptconv.json`` and
+markers, then retention; optionally the tag rewritten in NxD's own optimizer format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, ParallelLayout, shard_file
+from ckptconv.engine import outdir
+from ckptconv.errors import ConversionError
+from ckptconv.io.digest import DEFAULT as DEFAULT_HASH
+from ckptconv.io.digest import record_files
+from ckptconv.io.metadata import Metadata, read_metadata, write_metadata
+from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, Flavour
+from ckptconv.io.nxd_write import save_shard, write_markers
+from ckptconv.training.state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
+from nxdtrain.checkpoint.resume import ResumeSource
+from nxdtrain.checkpoint.tags import MARKERS, NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune, remove_tag
+from nxdtrain.device import to_host
+from nxdtrain.errors import TrainError
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _save_torch(obj: Any, path: Path) -> Path:
+    """torch.save to a temporary name in the same directory, then rename: never a half-written file."""
+    with outdir.atomic_target(path) as partial:
+        torch.save(obj, partial)
+    return path
+
+
+def _file_records(paths: list[Path], tag: Path) -> dict[str, dict[str, Any]]:
+    return {rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT_HASH).items()}
+
+
+# Bands of each rank's share of a rewrite in NxD's format: every rank of a node rewrites at once, beside the model
+REWRITE_MEMORY = 256 << 20
+
+
+@dataclass
+class TagWriter:
+    """Writes ``step_<N>`` tags for one rank; every rank calls :meth:`save` (it is collective)."""
+
+    root: Path
+    source: ResumeSource
+    layout: ParallelLayout
+    coords: Any                  # dist.Coords of this rank
+    zero1: bool                  # with zero_rank: this rank's ZeRO-1 shard (its index in the dp x cp group)
+    flavour: Flavour
+    keep: int
+    options: dict[str, Any]
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run record (nxdtrain.checkpoint.continuity)
+    host_group: Any = None       # barriers and object gathers (a gloo group when training on xla)
+    zero_rank: int = 0
+    zero_size: int = 1           # the ranks a ZeRO-1 state is partitioned over (dp x cp)
+    nxd_zero1: bool = False      # --zero1 as asked (at dp 1 there is no ZeRO-1 group, NxD's format has ZeRO-1 files)
+    nxd_param_groups: str | None = None  # --optimizer-format nxd: each tag rewritten in NxD's format by this rule
+
+    def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
+             loss: float | None = None) -> Path:
+        tag = self.root / f"step_{step}"
+        rank = dist.get_rank()
+        lock = self._claim(tag, step) if rank == 0 else None
+        dist.barrier(group=self.host_group)
+        tp, pp = self.coords.tp, self.coords.pp
+        # The ranks of one (tp, pp) hold the same shard: the first of its dp x cp replicas writes it, as at cp 1.
+        first = self.coords.dp == 0 and self.coords.cp == 0
+        written: list[Path] = []
+        if first:
+            tensors, column_major = _shard_to_save(model)
+            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), tensors, self.flavour,
+                                  column_major=column_major)
+        if first or self.zero1:
+            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else 0)
+            written.append(_save_torch(to_host(optimizer.state_dict()), path))
+        mine = (_file_records(written, tag), rng_state())
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine, group=self.host_group)
+        if rank == 0:
+            assert lock is not None
+            with lock:
+                self._finish(tag, step, consumed, model, scheduler, gathered, loss)
+        dist.barrier(group=self.host_group)
+        if self.nxd_param_groups is not None:
+            self._in_nxd_format(tag)
+        return tag
+
+    def _in_nxd_format(self, tag: Path) -> None:
+        """The tag just saved rewritten in NxD's own optimizer format (``ckptconv reshard --optimizer-format nxd``
+        at the same layout), every rank writing its share of the files (``--part rank/world``) into a hidden
+        sibling that replaces the tag when complete: until then the saved tag stays as it is, complete."""
+        from ckptconv.commands.api import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
+
+        staging = tag.with_name(f".{tag.name}{NXD_REWRITE_SUFFIX}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank == 0 and staging.exists():  # an interrupted rewrite of this step: what ckptconv wrote there goes
+            outdir.remove_owned(staging, also=MARKERS, keep=())
+        dist.barrier(group=self.host_group)
+        layout = self.layout
+        try:
+            reshard(tag, staging, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, kv_size_multiplier=layout.kvm,
+                    attention=layout.attention, fuse_qkv=layout.fuse_qkv, hw_backend=layout.hw,
+                    trn2_kv_layout=layout.trn2_kv_layout, dp=self.zero_size, zero1=self.nxd_zero1,
+                    optimizer_format="nxd", nxd_param_groups=self.nxd_param_groups,
+                    options=RunOptions(quiet=True, part=(rank, world), workers=1, max_memory=REWRITE_MEMORY))
+        except ConversionError as exc:
+            raise TrainError(f"{tag}: saved, but not rewritten in NxD's format (--optimizer-format nxd): {exc}") from None
+        dist.barrier(group=self.host_group)
+        if rank == 0:
+            meta = read_metadata(staging)
+            assert meta is not None
+            extra = dict(meta.extra or {})
+            extra["nxdtrain"] = {**extra.get("nxdtrain", {}), "run": self.record.get("run")}  # prune finds it
+            write_metadata(staging, dataclasses.replace(meta, extra=extra))
+            replaced = tag.with_name(f".{tag.name}{REPLACED_SUFFIX}")
+            os.rename(tag, replaced)
+            os.rename(staging, tag)
+            remove_tag(replaced)
+        dist.barrier(group=self.host_group)
+
+    def _claim(self, tag: Path, step: int) -> outdir.OutLock:
+        """Rank 0: lock the tag, clear what an earlier save of this step left (only what nxdtrain
+        wrote there), declare what this save writes, before any rank writes a byte."""
+        if tag.exists() and os.path.realpath(tag) == os.path.realpath(self.source.root):
+            raise TrainError(f"{tag}: is the checkpoint this run resumed from; it is not saved over")
+        lock = outdir.acquire(tag, fingerprint=f"nxdtrain-step-{step}")
+        try:
+            strangers = outdir.foreign(tag, MARKERS)
+            if strangers:
+                raise TrainError(f"{tag}: holds {strangers[0]!r}, which nxdtrain did not write; move it away "
+                                 "or use another --checkpoint-dir")
+            outdir.remove_owned(tag, also=MARKERS)  # an interrupted save of this same step, or a rerun: start it over
+            outdir.declare(tag, "tag", [MODEL_DIR, OPTIM_DIR, HF_FILES_DIR, SCHEDULER_FILE, USER_CONTENT_FILE,
+                                        CHECKPOINT_MARKER, DONE_MARKER])
+            outdir.ensure_dir(tag, MODEL_DIR)
+            outdir.ensure_dir(tag, OPTIM_DIR)
+            # The 'checkpoint' marker first: until 'done' follows, every reader sees an interrupted
+            # save (refused), never a directory of shards that looks complete.
+            outdir.write_text(tag / CHECKPOINT_MARKER, "1")
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
+    def _finish(self, tag: Path, step: int, consumed: int, model: Any, scheduler: dict[str, Any],
+                gathered: list[Any], loss: float | None) -> None:
+        """Rank 0: side files, metadata, then the markers, then retention."""
+        files: dict[str, dict[str, Any]] = {}
+        for records, _ in gathered:
+            files.update(records)
+        side: list[Path] = [
+            _save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
+            _save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
+                         "options": self.options, "layout": self.layout.to_json(), "run": self.record,
+                         "loss": loss},
+                        tag / USER_CONTENT_FILE),
+        ]
+        hf_src = self.source.root / HF_FILES_DIR
+        if hf_src.is_dir() and not hf_src.is_symlink():
+            names = sorted(p.name for p in hf_src.iterdir() if not p.is_dir())
+            for name, real in outdir.confined_files(self.source.root, HF_FILES_DIR, names, []):
+                side.append(outdir.copy_file(Path(real), outdir.ensure_dir(tag, HF_FILES_DIR) / name))
+        files.update(_file_records(side, tag))
+        dtype = next(iter(model.state_dict().values())).dtype
+        write_metadata(tag, Metadata(
+            kind="nxd", hf_config=self.source.spec.config, files=files, layout=self.layout.to_json(),
+            flavour=self.flavour.value, dtype=str(dtype).removeprefix("torch."),
+            with_inv_freq=self.source.with_inv_freq,
+            extra={"nxdtrain": {"step": step, "consumed_samples": consumed, "run": self.record.get("run")}},
+        ))
+        write_markers(tag)
+        outdir.clear_tmp(tag)  # complete: ckptconv.json lists the files, the markers are known names
+        prune(self.root, self.keep, run=str(self.record.get("run")))
+
+
+def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:
+    """The shard's tensors and, for a device tensor (whose strides say nothing), the column-major keys.
+
+    On a device the parameters are handed over as they are: save_shard copies each to the CPU when
+    it writes it, so the host never holds the whole shard and no relayout is traced on the device.
+    """
+    params = model.state_dict()
+    if all(t.device.type == "cpu" for t in params.values()):
+        return model.shard_state(), None
+    records = model.records()
+    return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}
