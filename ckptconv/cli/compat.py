@@ -6,7 +6,9 @@ by head counts, not in thirds; ``tp < kv heads`` works; trn2 with ``kv_size_mult
 gets the runtime-correct K/V layout unless ``--trn2_kv_layout official``; a tied model's shards
 get a copy of the embedding as ``lm_head.weight`` (the official tool writes none; both are read);
 when merging, the layout ``ckptconv.json`` records wins over the official defaults (``--hw_backend``
-defaults to trn1 only when sharding), and a flag given that contradicts it is refused.
+defaults to trn1 only when sharding), and a flag given that contradicts it is refused; when sharding,
+``--kv_size_multiplier`` not given is what tp needs (the official tool's default 1 is invalid for tp > kv
+heads). The layout flags are generated from :class:`ckptconv.core.layout_flags.LayoutOverrides`.
 """
 
 from __future__ import annotations

@@ -347,26 +347,19 @@ def reshard(
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
 
-    The new layout: the keywords (``tp``, ``pp``, ..., None: not given) or ``layout`` (a
-    :class:`ckptconv.core.layout_flags.LayoutOverrides`) over the source's; values not given keep the
-    source's, ``kv_size_multiplier`` defaults to what the new tp needs (tp / kv heads when tp > kv heads,
-    else 1) on the qkv_linear path, ``trn2_kv_layout`` to runtime. A reshard that would change nothing
-    (no layout given, same flavour, dtype, weights and optimizer state) is refused. ``hints``: the
-    layout of an unrecorded source (reshard's ``--source-hw-backend``...). ``masters``: as for
-    :func:`to_hf`, but by default the shards.
+    The new layout: the keywords (None: not given) or ``layout`` (a ``LayoutOverrides``) over the source's;
+    the kv multiplier not given is what the new tp needs, ``trn2_kv_layout`` runtime. A reshard that would
+    change nothing is refused. ``hints``: the layout of an unrecorded source (``--source-hw-backend``...).
+    ``masters``: as for :func:`to_hf`, but by default the shards.
 
-    A training tag (nxdtrain's: ``optim/`` and ``user_content.pt`` beside the shards) gives a training tag
-    at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training.state`), over
-    ``dp`` ranks with ZeRO-1 (``zero1``; both default to the tag's) or in one file per shard without;
-    step, consumed samples, schedule and options come along. A tag of NxD's own code (``optim/`` in NxD's
-    format, :mod:`ckptconv.training.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
-    mapped by :mod:`ckptconv.training.position`. ``weights_only``: the shards alone.
+    A training tag (nxdtrain's, or NxD's own: :mod:`ckptconv.training.nxd_tag_optimizer`) gives an nxdtrain
+    training tag at the new layout: optimizer state (:mod:`ckptconv.training.state`) over ``dp`` ranks with ZeRO-1
+    (``zero1``; both default to the tag's) or one file per shard, step, consumed samples, schedule and options
+    (NxD's mapped by :mod:`ckptconv.training.position`). ``weights_only``: the shards alone.
 
-    ``optimizer_format="nxd"`` writes the optimizer state in NxD's own format instead
-    (:mod:`ckptconv.training.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
-    NxD's Llama example; ``bias-LayerNorm``; ``one``), checked by reading the files back; ``drop_masters``
-    accepts losing a bf16 model's fp32 state without ZeRO-1; ``nxd_trainer`` (``nxd-example``, ``nxdt``; default:
-    the source's own, else ``nxd-example``) whose side files to write (:mod:`ckptconv.training.trainer_files`).
+    ``optimizer_format="nxd"`` writes NxD's own format (:mod:`ckptconv.training.nxd_optimizer_write`), param groups
+    by ``nxd_param_groups`` (default ``bias-norm``), read back; ``drop_masters`` accepts losing a bf16 model's fp32
+    state without ZeRO-1; ``nxd_trainer``: whose side files (:mod:`ckptconv.training.trainer_files`).
     """
     options = options or RunOptions()
     rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything opens
@@ -374,8 +367,7 @@ def reshard(
     flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
                             trn2_kv_layout=trn2_kv_layout)
-    started = time.monotonic()
-    out = Path(out)
+    started, out = time.monotonic(), Path(out)
     refuse_hf_source(src, "reshard")
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
     ckpt, spec, old, with_inv_freq, notes = open_nxd(src, config=config, hints=hints, io=options.io,
@@ -398,20 +390,26 @@ def reshard(
         if training is not None and optimizer_format == "nxd":
             training.nxd_format = NxdFormat(_param_groups(training, rule, nxd_param_groups, notes), drop_masters,
                                             spec, with_inv_freq, nxd_trainer, out)
-        fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                                   _identity(_input_files(ckpt)),
-                                   None if training is None else training.identity())
-        hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
-                                                      _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
-        metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
-                        dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
-        spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
+        spec_ = _reshard_spec(ckpt, spec, old, new, plan, training, dtype, target_flavour, with_inv_freq, notes)
         result = _write_reshard(plan, ckpt, training, spec, old, new, with_inv_freq, out, options, spec_,
                                 target_flavour, kv_replicas, [Path(src), ckpt.root], notes)
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
     return result
+
+
+def _reshard_spec(ckpt: Any, spec: ModelSpec, old: ParallelLayout, new: ParallelLayout, plan: Plan,
+                  training: TrainingTag | None, dtype: str, target_flavour: Flavour, with_inv_freq: bool,
+                  notes: list[str]) -> FinalizeSpec:
+    """What completes a reshard's OUT: its fingerprint, ``ckptconv.json`` and the HF files kept under ``hf/``."""
+    fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
+                               _identity(_input_files(ckpt)), None if training is None else training.identity())
+    hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
+                                                  _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
+    metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
+                    dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
+    return FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
 
 
 def _refuse_no_change(ckpt: Any, old: ParallelLayout, new: ParallelLayout, flags: LayoutOverrides, *,

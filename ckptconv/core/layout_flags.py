@@ -97,12 +97,12 @@ class LayoutOverrides(dict[str, Any]):
     """
 
     tp: int | None = field(default=None, metadata=_meta(
-        native="--tp", compat="--tp_size", kind="int", api="tp", what="tp", help="tensor-parallel degree"))
+        native="--tp", compat="--tp_size", kind="int", api="tp", what="tp", help="tensor-parallel degree (not given: the source's, else 1)"))
     pp: int | None = field(default=None, metadata=_meta(
-        native="--pp", compat="--pp_size", kind="int", api="pp", what="pp", help="pipeline-parallel degree"))
+        native="--pp", compat="--pp_size", kind="int", api="pp", what="pp", help="pipeline-parallel degree (not given: the source's, else 1)"))
     vpp: int | None = field(default=None, metadata=_meta(
         native="--vpp", compat="--virtual_pp_size", kind="int", api="vpp", what="vpp",
-        help="virtual pipeline stages per pp rank"))
+        help="virtual pipeline stages per pp rank (not given: the source's, else 1)"))
     kvm: int | None = field(default=None, metadata=_meta(
         native="--kv-size-multiplier", compat="--kv_size_multiplier", kind="int", api="kv_size_multiplier",
         aliases=("--kv-replicator",), what="kv multiplier",
