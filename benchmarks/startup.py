@@ -42,7 +42,7 @@ def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
         ("ckptconv to-nxd --help", [*ck, "to-nxd", "--help"], 0),
         ("ckptconv to-nxd (missing SRC OUT: usage error)", [*ck, "to-nxd"], 2),
         ("ckptconv to-nxd SRC OUT --workers 0 (config error)", [*ck, "to-nxd", str(tmp / "src"), str(tmp / "out"),
-                                                                 "--workers", "0"], 1),
+                                                                 "--tp", "1", "--workers", "0"], 1),
         ("nxdtrain --version", [*nt, "--version"], 0),
         ("nxdtrain --help", [*nt, "--help"], 0),
         ("nxdtrain run --help", [*nt, "run", "--help"], 0),

@@ -76,7 +76,7 @@ def test_sizes():
 
 
 def test_missing_source_is_one_line_error_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    assert main(["to-nxd", str(tmp_path / "nope"), str(tmp_path / "out"), "--quiet"]) == 1
+    assert main(["to-nxd", str(tmp_path / "nope"), str(tmp_path / "out"), "--tp", "1", "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"ckptconv: error: {tmp_path / 'nope'}: no such file or directory"
 

@@ -13,13 +13,7 @@ MAX_FUNCTION_LINES = 80
 
 # Functions being split on another branch right now (the CLI and the verbs' owner); this list empties when it is
 # merged. Nothing may be added to it: a new long function is split where it is written.
-BEING_SPLIT = {
-    "ckptconv/cli/main.py::build_parser",
-    "ckptconv/cli/main.py::run",
-    "ckptconv/commands/api.py::reshard",
-    "ckptconv/commands/dcp.py::to_dcp",
-    "ckptconv/commands/dcp.py::from_dcp",
-}
+BEING_SPLIT: set[str] = set()  # functions allowed over the limit while a split is under way: none now
 
 
 def _modules() -> list[Path]:

@@ -139,13 +139,13 @@ def test_verify_and_inspect_take_hub_ids(hub_cache, tmp_path, capsys):
 
 def test_missing_hub_id_and_misused_revision_are_one_line_errors(hub_cache, tmp_path, tiny_models, capsys):
     cache, model_a, _ = hub_cache
-    assert main(["to-nxd", "acme/missing", str(tmp_path / "out"), "--quiet"]) == 1
+    assert main(["to-nxd", "acme/missing", str(tmp_path / "out"), "--tp", "1", "--quiet"]) == 1
     assert capsys.readouterr().err == (
         f"ckptconv: error: SRC acme/missing: no such local path, and hub model 'acme/missing' (revision main) is not "
         f"in the Hugging Face cache {cache}; HF_HUB_OFFLINE is set, so nothing was downloaded\n")
-    assert main(["to-nxd", REPO_ID, str(tmp_path / "out"), "--revision", "v2", "--quiet"]) == 1
+    assert main(["to-nxd", REPO_ID, str(tmp_path / "out"), "--tp", "1", "--revision", "v2", "--quiet"]) == 1
     assert "hub model 'acme/tiny-llama' (revision v2) is not in the Hugging Face cache" in capsys.readouterr().err
-    assert main(["to-nxd", str(model_a), str(tmp_path / "out"), "--revision", "v1", "--quiet"]) == 1
+    assert main(["to-nxd", str(model_a), str(tmp_path / "out"), "--tp", "1", "--revision", "v1", "--quiet"]) == 1
     assert capsys.readouterr().err == (f"ckptconv: error: --revision v1: SRC {model_a} is a local path; "
                                        "--revision is for hub ids (org/name)\n")
     assert not (tmp_path / "out").exists()

@@ -188,13 +188,13 @@ def test_pt_source_with_tokenizer_exports_a_loadable_tokenizer(gqa: Path, merged
     assert cli("to-hf", tmp_path / "nxd", tmp_path / "hf", "--quiet") == 0
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")("a tiny test")["input_ids"] == expected["input_ids"]
     # to-hf --tokenizer adds one to an export whose source kept none
-    assert cli("to-nxd", merged, tmp_path / "bare", "--config", gqa / "config.json", "--quiet") == 0
+    assert cli("to-nxd", merged, tmp_path / "bare", "--config", gqa / "config.json", "--tp", 1, "--quiet") == 0
     assert cli("to-hf", tmp_path / "bare", tmp_path / "hf2", "--tokenizer", tokenizer_dir, "--quiet") == 0
     assert AutoTokenizer.from_pretrained(tmp_path / "hf2")("a tiny test")["input_ids"] == expected["input_ids"]
 
 
 def test_export_without_tokenizer_warns(gqa: Path, merged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    assert cli("to-nxd", merged, tmp_path / "nxd", "--config", gqa / "config.json") == 0
+    assert cli("to-nxd", merged, tmp_path / "nxd", "--config", gqa / "config.json", "--tp", 1) == 0
     assert "no tokenizer beside" in capsys.readouterr().out  # a note in the result
     with pytest.warns(UserWarning, match=r"will have no tokenizer .* to-hf --tokenizer DIR"):
         ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)

@@ -39,7 +39,8 @@ def probe(module: str, argv: list[str], cwd: Path) -> dict:
     (["nxd-compat", "--help"], 0),
     (["to-nxd"], 2),                                         # missing SRC OUT
     (["to-nxd", "src", "out", "--tp", "two"], 2),            # not an integer
-    (["to-nxd", "src", "out", "--workers", "0"], 1),         # RunOptions refuses it
+    (["to-nxd", "src", "out", "--tp", "1", "--workers", "0"], 1),  # RunOptions refuses it
+    (["to-nxd", "src", "out"], 2),                           # no layout: --tp and --pp needed
     (["to-hf", "src", "out", "--private"], 1),               # --private without --push-to-hub
     (["reshard", "src", "out", "--qkv-linear", "--coalesce-qkv"], 1),
     (["verify", "hf", "nxd", "--layers", "many"], 1),
@@ -69,5 +70,5 @@ def test_nxdtrain_answers_without_torch(tmp_path, argv, status):
 
 def test_the_probe_sees_torch_when_a_command_computes(tmp_path):
     """The check above can fail: a command that reaches the library does import torch."""
-    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "missing"), str(tmp_path / "out")], tmp_path)
+    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "missing"), str(tmp_path / "out"), "--tp", "1"], tmp_path)
     assert result["status"] == 1 and "torch" in result["loaded"]

@@ -6,7 +6,9 @@ by head counts, not in thirds; ``tp < kv heads`` works; trn2 with ``kv_size_mult
 gets the runtime-correct K/V layout unless ``--trn2_kv_layout official``; a tied model's shards
 get a copy of the embedding as ``lm_head.weight`` (the official tool writes none; both are read);
 when merging, the layout ``ckptconv.json`` records wins over the official defaults (``--hw_backend``
-defaults to trn1 only when sharding), and a flag given that contradicts it is refused.
+defaults to trn1 only when sharding), and a flag given that contradicts it is refused; when sharding,
+``--kv_size_multiplier`` not given is what tp needs (the official tool's default 1 is invalid for tp > kv
+heads). The layout flags are generated from :class:`ckptconv.core.layout_flags.LayoutOverrides`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckptconv.core.layout import Attention
-from ckptconv.core.layout_flags import LayoutHints
+from ckptconv.cli.layout_args import add_layout_flags, overrides_from, parse_bool
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 
@@ -26,27 +27,12 @@ if TYPE_CHECKING:
 
 # The conversions (and torch) are imported when one runs: the parser is built by every `ckptconv` call.
 
-TRUE_WORDS = {"true", "1", "yes", "y", "on"}
-FALSE_WORDS = {"false", "0", "no", "n", "off"}
+__all__ = ["build_parser", "parse_bool", "run_compat", "to_full_state"]
 
-
-BOOL_FLAGS = {
-    "--qkv_linear": "GQAQKVColumnParallelLinear layout (weight_q/k/v)",
-    "--fuse_qkv": "one fused weight_qkv per layer (with --qkv_linear)",
-    "--coalesce_qkv": "coalesced qkv_proj.weight (multi-head attention only)",
+XSER_FLAGS = {
     "--save_xser": "write shards in the xser format",
     "--load_xser": "ignored: xser shards are recognised from their files",
 }
-
-
-def parse_bool(text: str) -> bool:
-    """``True/False/1/0/yes/no`` as written (the official parser would make ``False`` True)."""
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(f"expected True/False/1/0/yes/no, got {text!r}")
 
 
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -56,22 +42,13 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--input_dir", required=True, help="a state-dict file (from_full_state) or the model/ dir")
     parser.add_argument("--output_dir", required=True, help="output directory (shards under model/, or checkpoint.pt)")
     parser.add_argument("--config", required=True, help="HF config.json")
-    # Layout defaults are None: 1/trn1 when sharding; when merging, what ckptconv.json records (or the shards show)
-    # wins, and only a flag actually given is checked against it.
-    parser.add_argument("--tp_size", type=int, default=None, help="tensor-parallel degree (default 1 when sharding)")
-    parser.add_argument("--pp_size", type=int, default=None, help="pipeline-parallel degree (default 1 when sharding)")
-    # None: 1 when sharding; read from the shards when merging (the official merge needs neither).
-    parser.add_argument("--virtual_pp_size", type=int, default=None,
-                        help="virtual pipeline stages per pp rank (default 1 when sharding; read from the shards when merging)")
-    parser.add_argument("--kv_size_multiplier", type=int, default=None, help="K/V head replication (default 1)")
-    for flag, what in BOOL_FLAGS.items():
-        parser.add_argument(flag, type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL",
-                            help=f"{what} (True/False as written; the flag alone means True)"
-                            if flag != "--load_xser" else what)
-    parser.add_argument("--hw_backend", choices=("trn1", "trn2"), default=None,
-                        help="head order (default trn1 when sharding; when merging, the recorded or observed one)")
-    parser.add_argument("--trn2_kv_layout", choices=("runtime", "official"), default=None,
-                        help="ckptconv extension: K/V replica order on trn2 (default: what the runtime expects)")
+    # Layout defaults are None: tp 1 x pp 1 when sharding (the kv multiplier: what tp needs); when merging, what
+    # ckptconv.json records (or the shards show) wins, and only a flag actually given is checked against it.
+    add_layout_flags(parser, style="compat")
+    parser.add_argument("--save_xser", type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                        help=XSER_FLAGS["--save_xser"] + " (True/False as written; the flag alone means True)")
+    parser.add_argument("--load_xser", type=parse_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                        help=XSER_FLAGS["--load_xser"])
     parser.add_argument("--n_layers", type=int, default=None, help="ignored (as in the official tool)")
     parser.add_argument("--model_style", choices=("hf", "megatron"), default="hf",
                         help="source key style: hf (megatron is not supported)")
@@ -86,25 +63,14 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
     if args.hf_model_name:
         raise ConversionError("--hf_model_name is not supported by nxd-compat; pass --input_dir FILE and --config, "
                               "or convert a hub model with: ckptconv to-nxd ORG/NAME OUT --revision REV")
-    if args.qkv_linear and args.coalesce_qkv:
-        raise ConversionError("--qkv_linear and --coalesce_qkv exclude each other; choose one")
-    attention = Attention.QKV_LINEAR if args.qkv_linear else (Attention.COALESCED if args.coalesce_qkv else Attention.SEPARATE)
+    # The official merge reads coalesced and fused keys by their names; so do we (flags only add facts).
+    flags = overrides_from(args, style="compat", override=args.override_recorded_layout)
     if args.convert_from_full_state:
         from ckptconv.commands.api import to_nxd
 
-        return to_nxd(
-            args.input_dir, args.output_dir, tp=args.tp_size or 1, pp=args.pp_size or 1, vpp=args.virtual_pp_size or 1,
-            kv_size_multiplier=args.kv_size_multiplier or 1, attention=attention, fuse_qkv=args.fuse_qkv,
-            hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
-            flavour="xser-inline" if args.save_xser else "plain", config=args.config, options=options,
-        )
-    # The official merge reads coalesced and fused keys by their names; so do we (flags only add facts).
-    explicit = args.qkv_linear or args.coalesce_qkv
-    hints = LayoutHints(dict(tp=args.tp_size, pp=args.pp_size, vpp=args.virtual_pp_size, kvm=args.kv_size_multiplier,
-                             attention=attention if explicit else None, fuse_qkv=args.fuse_qkv or None,
-                             hw=args.hw_backend, trn2_kv_layout=args.trn2_kv_layout),
-                        override=args.override_recorded_layout, style="compat")
-    return to_full_state(args.input_dir, args.output_dir, config=args.config, hints=hints, options=options)
+        return to_nxd(args.input_dir, args.output_dir, layout=flags,
+                      flavour="xser-inline" if args.save_xser else "plain", config=args.config, options=options)
+    return to_full_state(args.input_dir, args.output_dir, config=args.config, hints=flags, options=options)
 
 
 def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints: dict[str, object],

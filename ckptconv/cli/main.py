@@ -12,14 +12,14 @@ import json
 import re
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
 from ckptconv.cli.errors import DEBUG_HELP, run_guarded
-from ckptconv.core.layout import Attention
-from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints
+from ckptconv.cli.layout_args import add_layout_flags, add_source_flags, did_you_mean, overrides_from, source_overrides
+from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
 from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
 from ckptconv.errors import ConversionError
@@ -81,48 +81,47 @@ def _revision_flag(p: argparse.ArgumentParser) -> None:
                    help="for a hub id: branch, tag or commit (default main); looked up in the HF cache first")
 
 
-def _layout_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
-    """Layout flags; without defaults (to-hf) they only override what metadata/inference found."""
-    p.add_argument("--tp", type=int, default=1 if defaults else None, help="tensor-parallel degree")
-    p.add_argument("--pp", type=int, default=1 if defaults else None, help="pipeline-parallel degree")
-    p.add_argument("--vpp", type=int, default=1 if defaults else None, help="virtual pipeline stages per pp rank")
-    p.add_argument("--kv-size-multiplier", "--kv-replicator", dest="kvm", type=int,
-                   default=None, help="K/V head replication (kv_replicator in NxDT YAML)")
-    p.add_argument("--qkv-linear", action=argparse.BooleanOptionalAction, default=None,
-                   help="GQAQKVColumnParallelLinear layout: weight_q/weight_k/weight_v")
-    p.add_argument("--fuse-qkv", action=argparse.BooleanOptionalAction, default=None,
-                   help="one fused weight_qkv per layer (needs --qkv-linear; NxDT's default)")
-    p.add_argument("--coalesce-qkv", action=argparse.BooleanOptionalAction, default=None,
-                   help="coalesced qkv_proj.weight (multi-head attention only)")
-    p.add_argument("--hw-backend", choices=("trn1", "trn2"), default=None, help="head order (default trn1)")
-    p.add_argument("--trn2-kv-layout", choices=("runtime", "official"), default=None,
-                   help="trn2 K/V replica order: runtime (correct, default) or official (the official converter's)")
+class Parser(argparse.ArgumentParser):
+    """argparse, with a hint for a layout flag spelled the official way (``--tp-size``: did you mean --tp?)."""
 
-
-def _attention(args: argparse.Namespace) -> Attention | None:
-    if args.qkv_linear and args.coalesce_qkv:
-        raise ConversionError("--qkv-linear and --coalesce-qkv exclude each other; choose one")
-    if args.qkv_linear:
-        return Attention.QKV_LINEAR
-    if args.coalesce_qkv:
-        return Attention.COALESCED
-    if args.qkv_linear is False or args.coalesce_qkv is False:
-        return Attention.SEPARATE
-    return None
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            hints = [f"{token}: did you mean {native}?" for token in message.split(":", 1)[1].split()
+                     if (native := did_you_mean(token)) is not None]
+            if hints:
+                message += "; " + "; ".join(hints)
+        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion, and TorchTitan DCP")
+    parser = Parser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion, and TorchTitan DCP")
     add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
+    for add in (_to_nxd_parser, _to_hf_parser, _reshard_parser, _to_dcp_parser, _from_dcp_parser, _verify_parser,
+                _inspect_parser, _finalize_parser, _compat_parser):
+        add(sub)
+    for command in sub.choices.values():  # --debug also after the subcommand
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for name in ("to-hf", "verify", "nxd-compat", "to-dcp", "reshard"):  # flags that describe an NxD source
+        sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
+    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
+        sub.choices[name].add_argument(
+            "--no-check", action="store_true",
+            help="do not check input files against ckptconv.json (size, digest) and their zip CRC-32s (forensics)")
+    return parser
 
+
+Subparsers = Any  # argparse's _SubParsersAction (private)
+
+
+def _to_nxd_parser(sub: Subparsers) -> None:
     p = sub.add_parser("to-nxd", help="HF checkpoint -> NxD tp x pp shards")
     p.add_argument("src", help="HF model directory, hub id org/name (see --revision), or one state-dict file "
                                "(.safetensors/.pt/.bin) with --config")
     p.add_argument("out", help="output directory (the shards go to OUT/model/)")
     _revision_flag(p)
-    _layout_flags(p, defaults=True)
+    add_layout_flags(p)
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
@@ -132,11 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after converting, check the shards numerically on LAYERS sampled layers (default 2)")
     _run_flags(p)
 
+
+def _to_hf_parser(sub: Subparsers) -> None:
     p = sub.add_parser("to-hf", help="NxD shards -> HF safetensors directory")
     p.add_argument("src", help="dir holding model/, a model/ dir, a training tag, or a checkpoint root")
     p.add_argument("out", help="output HF directory (safetensors, config.json, tokenizer files)")
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
-    _layout_flags(p, defaults=False)
+    add_layout_flags(p)
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, help="per safetensors file (default 5GB)")
     p.add_argument("--dtype", choices=("source", *DTYPES), default="source",
                    help="source (default): the dtype the source model had (its config.json), else the shards'; "
@@ -151,22 +152,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     _run_flags(p)
 
+
+def _reshard_parser(sub: Subparsers) -> None:
     p = sub.add_parser("reshard", help="NxD shards -> NxD shards of another layout")
     p.add_argument("src", help="NxD shards: a dir holding model/, a model/ dir, a training tag, or a checkpoint root")
     p.add_argument("out", help="output directory (the shards go to OUT/model/)")
-    _layout_flags(p, defaults=True)
+    add_layout_flags(p)
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split", "plain"), default=None,
                    help="output flavour: inline, split (xser) or plain (default: the source's)")
     p.add_argument("--config", help="HF config.json (when SRC has no ckptconv.json)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="when copies of a K/V head (or norm) drifted apart: fail (default) or keep the first")
-    p.add_argument("--source-hw-backend", choices=("trn1", "trn2"), default=None,
-                   help="the hardware SRC was written for, where it has no ckptconv.json and its K/V replicas "
-                        "cannot tell (tiled: trn1, or trn2 by the official converter)")
-    p.add_argument("--source-trn2-kv-layout", choices=("runtime", "official"), default=None,
-                   help="with --source-hw-backend trn2: SRC's K/V replica order")
+    add_source_flags(p)
     _masters_flag(p, "the shards")
+    _training_flags(p)
+    _run_flags(p)
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    """reshard's flags for a training tag's optimizer state."""
     p.add_argument("--dp", type=int, default=None,
                    help="training tag: data-parallel ranks the ZeRO-1 optimizer state is partitioned over "
                         "(default: the tag's)")
@@ -190,15 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "X.ckpt); default: the source's own, else nxd-example")
     p.add_argument("--weights-only", action="store_true",
                    help="training tag: write the shards only (no optimizer state, step or schedule)")
-    _run_flags(p)
 
+
+def _to_dcp_parser(sub: Subparsers) -> None:
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model; a training tag's AdamW state too)")
     p.add_argument("src", help="HF model directory or hub id org/name, a converted NxD dir, a training tag, "
                                "or a checkpoint root")
     p.add_argument("out", help="output DCP directory (load it in TorchTitan with checkpoint.initial_load_path=OUT)")
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (a state-dict file, or NxD shards without ckptconv.json)")
-    _layout_flags(p, defaults=False)
+    add_layout_flags(p)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_DCP_FILE_SIZE,
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
@@ -209,12 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     _masters_flag(p, "when present")
     _run_flags(p)
 
+
+def _from_dcp_parser(sub: Subparsers) -> None:
     p = sub.add_parser("from-dcp", help="TorchTitan DCP -> HF safetensors, NxD shards, or an nxdtrain tag")
     p.add_argument("src", help="a TorchTitan checkpoint: a step-N directory, or its checkpoint folder (newest step)")
     p.add_argument("out", help="output directory (HF files, or NxD shards under OUT/model/)")
     p.add_argument("--to", choices=("hf", "nxd"), default="hf", help="what to write (default hf)")
     p.add_argument("--config", help="the model's HF config.json (TorchTitan checkpoints record none)")
-    _layout_flags(p, defaults=True)
+    add_layout_flags(p)
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="--to nxd: xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
@@ -227,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 0: TorchTitan's data loader position is not carried)")
     _run_flags(p)
 
+
+def _verify_parser(sub: Subparsers) -> None:
     p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
     p.add_argument("hf_dir", help="the HF model directory, or hub id org/name (see --revision)")
     p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root)")
@@ -236,10 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random test inputs (default 0)")
     p.add_argument("--files", action="store_true", help="also check every file's size and digest against ckptconv.json")
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
-    _layout_flags(p, defaults=False)
+    add_layout_flags(p)
     _masters_flag(p, "the shards")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
+
+def _inspect_parser(sub: Subparsers) -> None:
     p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
     p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
     _revision_flag(p)
@@ -247,22 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     _masters_flag(p, "the shards")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
+
+def _finalize_parser(sub: Subparsers) -> None:
     p = sub.add_parser("finalize", help="finish a conversion split over several processes (--part)")
     p.add_argument("out", help="the OUT directory the parts wrote to")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
+
+def _compat_parser(sub: Subparsers) -> None:
     p = sub.add_parser("nxd-compat", help="the official checkpoint_converter.py flags (drop-in)")
     build_compat_parser(p)
     _run_flags(p)
-    for command in sub.choices.values():  # --debug also after the subcommand
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
-    for name in ("to-hf", "verify", "nxd-compat", "to-dcp", "reshard"):  # flags that describe an NxD source
-        sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
-    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
-        sub.choices[name].add_argument(
-            "--no-check", action="store_true",
-            help="do not check input files against ckptconv.json (size, digest) and their zip CRC-32s (forensics)")
-    return parser
 
 
 def _options(args: argparse.Namespace) -> RunOptions:
@@ -275,98 +282,107 @@ def _flavour(value: str | None) -> str:
     return {None: "plain", "plain": "plain", "inline": "xser-inline", "split": "xser-split"}[value]
 
 
-def _hints(args: argparse.Namespace) -> LayoutHints:
-    return LayoutHints({"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "kvm": args.kvm, "attention": _attention(args),
-                        "fuse_qkv": args.fuse_qkv, "hw": args.hw_backend, "trn2_kv_layout": args.trn2_kv_layout},
-                       override=args.override_recorded_layout)
+def _flags(args: argparse.Namespace) -> LayoutOverrides:
+    """The layout flags given, describing the source where the command reads NxD shards."""
+    return overrides_from(args, override=getattr(args, "override_recorded_layout", False))
 
 
 def run(args: argparse.Namespace) -> Any:
-    if args.command == "to-nxd":
-        attention, options = _attention(args) or Attention.SEPARATE, _options(args)  # bad options fail first
-        from ckptconv.commands.api import to_nxd
+    return COMMANDS[args.command](args)
 
-        return to_nxd(
-            args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm or 1,
-            attention=attention, fuse_qkv=bool(args.fuse_qkv),
-            hw_backend=args.hw_backend or "trn1", trn2_kv_layout=args.trn2_kv_layout or "runtime",
-            flavour=_flavour(args.xser), config=args.config, dtype=args.dtype, verify_layers=args.verify,
-            revision=args.revision, tokenizer=args.tokenizer, options=options,
-        )
-    if args.command == "to-hf":
-        if args.private and not args.push_to_hub:
-            raise ConversionError("--private needs --push-to-hub ORG/NAME")
-        hints, options = _hints(args), _options(args)
-        from ckptconv.commands.api import to_hf
 
-        result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
-                       dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
-                       masters=args.masters, options=options)
-        return _push(result, args) if args.push_to_hub else result
-    if args.command == "reshard":
-        kept, options = _attention(args), _options(args)  # None: the source's attention mode
-        from ckptconv.commands.api import reshard
+def _run_to_nxd(args: argparse.Namespace) -> Any:
+    layout, options = _flags(args), _options(args)  # bad options fail first
+    from ckptconv.commands.api import to_nxd
 
-        return reshard(
-            args.src, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, kv_size_multiplier=args.kvm,
-            attention=kept, fuse_qkv=args.fuse_qkv, hw_backend=args.hw_backend,
-            trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=None if args.xser is None else _flavour(args.xser),
-            config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
-            dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, optimizer_format=args.optimizer_format,
-            nxd_param_groups=args.nxd_param_groups, drop_masters=args.drop_masters, nxd_trainer=args.nxd_trainer,
-            options=options,
-            hints=LayoutHints({"hw": args.source_hw_backend, "trn2_kv_layout": args.source_trn2_kv_layout},
-                              override=args.override_recorded_layout, style="reshard"),
-        )
-    if args.command == "to-dcp":
-        hints, options = _hints(args), _options(args)
-        from ckptconv.commands.dcp import to_dcp
+    return to_nxd(args.src, args.out, layout=layout, flavour=_flavour(args.xser), config=args.config,
+                  dtype=args.dtype, verify_layers=args.verify, revision=args.revision, tokenizer=args.tokenizer,
+                  options=options)
 
-        return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
-                      dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                      weights_only=args.weights_only, masters=args.masters, options=options)
-    if args.command == "from-dcp":
-        if args.to == "hf":
-            given = [flag for flag, value, default in (
-                ("--tp", args.tp, 1), ("--pp", args.pp, 1), ("--vpp", args.vpp, 1), ("--xser", args.xser, None),
-                ("--kv-size-multiplier", args.kvm, None), ("--qkv-linear", args.qkv_linear, None),
-                ("--fuse-qkv", args.fuse_qkv, None), ("--coalesce-qkv", args.coalesce_qkv, None),
-                ("--hw-backend", args.hw_backend, None), ("--trn2-kv-layout", args.trn2_kv_layout, None))
-                if value != default]
-            if given:
-                raise ConversionError(f"{given[0]} is a layout flag; pass --to nxd to write NxD shards of that layout")
-        attention, options = _attention(args) or Attention.SEPARATE, _options(args)
-        from ckptconv.commands.dcp import from_dcp
 
-        return from_dcp(
-            args.src, args.out, to=args.to, config=args.config, tp=args.tp, pp=args.pp, vpp=args.vpp,
-            kv_size_multiplier=args.kvm or 1, attention=attention,
-            fuse_qkv=bool(args.fuse_qkv), hw_backend=args.hw_backend or "trn1",
-            trn2_kv_layout=args.trn2_kv_layout or "runtime", flavour=_flavour(args.xser), dtype=args.dtype,
-            max_shard_size=args.max_shard_size, weights_only=args.weights_only,
-            consumed_samples=args.consumed_samples, options=options,
-        )
-    if args.command == "verify":
-        layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
-        hints = _hints(args)
-        from ckptconv.commands.verify import verify
+def _run_to_hf(args: argparse.Namespace) -> Any:
+    if args.private and not args.push_to_hub:
+        raise ConversionError("--private needs --push-to-hub ORG/NAME")
+    hints, options = _flags(args), _options(args)
+    from ckptconv.commands.api import to_hf
 
-        return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
-                      hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
-                      masters=args.masters)
-    if args.command == "inspect":
-        from ckptconv.commands.inspect import inspect
+    result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
+                   dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
+                   masters=args.masters, options=options)
+    return _push(result, args) if args.push_to_hub else result
 
-        return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
-                       masters=args.masters)
-    if args.command == "finalize":
-        from ckptconv.engine.finalize import finalize
 
-        files = finalize(args.out)
-        return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}
-    if args.command == "nxd-compat":
-        return run_compat(args, _options(args))
-    raise AssertionError(args.command)
+def _run_reshard(args: argparse.Namespace) -> Any:
+    layout, options = overrides_from(args), _options(args)  # not given: the source's
+    from ckptconv.commands.api import reshard
+
+    return reshard(
+        args.src, args.out, layout=layout, flavour=None if args.xser is None else _flavour(args.xser),
+        config=args.config, dtype=args.dtype, kv_replicas=args.kv_replicas, masters=args.masters,
+        dp=args.dp, zero1=args.zero1, weights_only=args.weights_only, optimizer_format=args.optimizer_format,
+        nxd_param_groups=args.nxd_param_groups, drop_masters=args.drop_masters, nxd_trainer=args.nxd_trainer,
+        options=options, hints=source_overrides(args, override=args.override_recorded_layout),
+    )
+
+
+def _run_to_dcp(args: argparse.Namespace) -> Any:
+    hints, options = _flags(args), _options(args)
+    from ckptconv.commands.dcp import to_dcp
+
+    return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
+                  dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
+                  weights_only=args.weights_only, masters=args.masters, options=options)
+
+
+def _run_from_dcp(args: argparse.Namespace) -> Any:
+    layout, options = overrides_from(args), _options(args)
+    if args.to == "hf":  # refused before torch is imported (from_dcp says the same)
+        layout.refuse_given("pass --to nxd to write NxD shards of that layout")
+    from ckptconv.commands.dcp import from_dcp
+
+    return from_dcp(args.src, args.out, to=args.to, config=args.config, layout=layout,
+                    flavour=None if args.xser is None else _flavour(args.xser), dtype=args.dtype,
+                    max_shard_size=args.max_shard_size, weights_only=args.weights_only,
+                    consumed_samples=args.consumed_samples, options=options)
+
+
+def _run_verify(args: argparse.Namespace) -> Any:
+    layers = args.layers if args.layers == "all" else _positive_int("--layers", args.layers)
+    hints = _flags(args)
+    from ckptconv.commands.verify import verify
+
+    return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
+                  hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
+                  masters=args.masters)
+
+
+def _run_inspect(args: argparse.Namespace) -> Any:
+    from ckptconv.commands.inspect import inspect
+
+    return inspect(args.path, config=args.config, revision=args.revision, check=not args.no_check,
+                   masters=args.masters)
+
+
+def _run_finalize(args: argparse.Namespace) -> Any:
+    from ckptconv.engine.finalize import finalize
+
+    files = finalize(args.out)
+    return {"out": args.out, "files": len(files), "bytes": sum(r.size for r in files.values()), "complete": True}
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "to-nxd": _run_to_nxd, "to-hf": _run_to_hf, "reshard": _run_reshard, "to-dcp": _run_to_dcp,
+    "from-dcp": _run_from_dcp, "verify": _run_verify, "inspect": _run_inspect, "finalize": _run_finalize,
+    "nxd-compat": lambda args: run_compat(args, _options(args)),
+}
+
+
+def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot say alone, as a usage error (exit 2): to-nxd without a layout writes one unsharded
+    file, most likely by mistake, so it needs --tp or --pp."""
+    if args.command == "to-nxd" and args.tp is None and args.pp is None:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices["to-nxd"].error("to-nxd needs the layout to write: give --tp and --pp (--tp 1 --pp 1 for one unsharded file)")
 
 
 def _push(result: Result, args: argparse.Namespace) -> dict[str, Any]:
@@ -407,6 +423,7 @@ def _print(result: Any, as_json: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_usage(parser, args)
     as_json = getattr(args, "json", False)
     return run_guarded("ckptconv", lambda: _main(args), as_json=as_json, debug=args.debug)
 

@@ -10,51 +10,50 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckptconv.commands.src_kind import open_hf, refuse_hf_source, refuse_nxd_source
+from ckptconv.commands.steps import (  # also reached as ckptconv.commands.api.* (dcp.py, tests)
+    Result,
+    _config_as_written,
+    _convert,
+    _dtype_name,
+    _fingerprint,
+    _identity,
+    _input_files,
+    _outputs,
+)
 from ckptconv.core.layout import (
     HF_FILES_DIR,
     Attention,
     Hardware,
     ParallelLayout,
     Trn2KvLayout,
-    default_kvm,
     shard_file,
 )
+from ckptconv.core.layout_flags import LayoutOverrides, apply_layout, with_api_kwargs
 from ckptconv.core.mapping import check_source_shapes
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.plan import NESTED_TORCH, Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
+from ckptconv.core.plan import Plan, cast_floats_to, keep_dtype, plan_reshard, plan_to_hf, plan_to_nxd
 from ckptconv.engine import outdir
-from ckptconv.engine.execute import ExecOptions, run_plan
 from ckptconv.engine.finalize import (
     FinalizeSpec,
-    assign_files,
-    pending_fingerprint,
-    record_part,
-    state_name,
-    try_finalize,
-    write_spec,
 )
 from ckptconv.engine.options import DTYPES as DTYPE_NAMES
 from ckptconv.engine.options import RunOptions  # also reached as ckptconv.commands.api.RunOptions
-from ckptconv.engine.progress import byte_progress, note
+from ckptconv.engine.progress import note
 from ckptconv.errors import ConversionError, VerificationError, choice
-from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
-from ckptconv.io.metadata import read_metadata, tool_version
-from ckptconv.io.nxd import TENSORS_SUFFIX, Flavour
+from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
-from ckptconv.sources.masters import MasterWeights, nxdtrain_optimizer
+from ckptconv.sources.masters import nxdtrain_optimizer
 from ckptconv.sources.nxd import (  # open_nxd also reached as ckptconv.commands.api.open_nxd (README)
     check_files_read,
     open_nxd,
@@ -67,30 +66,6 @@ from ckptconv.training.tag_parts import TagPart
 from ckptconv.training.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 
 DTYPES = {name: None if attr is None else getattr(torch, attr) for name, attr in DTYPE_NAMES.items()}
-
-
-@dataclass
-class Result:
-    out: Path
-    files: dict[str, FileRecord]
-    bytes_written: int
-    seconds: float
-    notes: list[str]
-    layout: dict[str, Any] | None = None
-    skipped: bool = False
-    finalized: bool = True
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "out": str(self.out),
-            "files": len(self.files),
-            "bytes_written": self.bytes_written,
-            "seconds": round(self.seconds, 3),
-            "layout": self.layout,
-            "notes": self.notes,
-            "up_to_date": self.skipped,
-            "complete": self.finalized,
-        }
 
 
 def dtype_policy(dtype: str):  # type: ignore[no-untyped-def]
@@ -133,14 +108,15 @@ def to_nxd(
     src: str | Path,
     out: str | Path,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int = 1,
-    kv_size_multiplier: int = 1,
-    attention: str | Attention = Attention.SEPARATE,
-    fuse_qkv: bool = False,
-    hw_backend: str | Hardware = Hardware.TRN1,
-    trn2_kv_layout: str | Trn2KvLayout = Trn2KvLayout.RUNTIME,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    kv_size_multiplier: int | None = None,
+    attention: str | Attention | None = None,
+    fuse_qkv: bool | None = None,
+    hw_backend: str | Hardware | None = None,
+    trn2_kv_layout: str | Trn2KvLayout | None = None,
+    layout: LayoutOverrides | None = None,
     flavour: str | Flavour = Flavour.PLAIN,
     config: str | Path | None = None,
     dtype: str = "keep",
@@ -151,6 +127,10 @@ def to_nxd(
 ) -> Result:
     """Convert an HF Llama checkpoint (directory, single file, or hub id ``org/name``) into NxD shards under ``out/model``.
 
+    The layout: the keywords (``tp``, ``pp``, ..., None: not given) or ``layout`` (a
+    :class:`ckptconv.core.layout_flags.LayoutOverrides`, what the CLI passes), over tp 1 x pp 1; the kv
+    multiplier not given is what tp needs (``default_kvm``). Neither tp nor pp given: the notes say so.
+
     ``tokenizer``: a directory whose tokenizer (and generation) files are kept in ``out/hf/`` instead of
     those beside ``src`` (a single ``.pt``/``.bin`` file usually has none), so that exports carry them.
 
@@ -160,42 +140,57 @@ def to_nxd(
     """
     options = options or RunOptions()
     started = time.monotonic()
-    src = resolve_hf(src, revision=revision, quiet=options.quiet)
-    layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
-                           fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
+    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
+                            attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
+                            trn2_kv_layout=trn2_kv_layout)
     flavour = choice(Flavour, flavour, "flavour")
+    src = resolve_hf(src, revision=revision, quiet=options.quiet)
+    refuse_nxd_source(src)
     notes: list[str] = []
     out = Path(out)
-    with HfCheckpoint(src, config=config, io=options.io) as hf:
-        layout.check_model(hf.spec)
-        layout = _padded(layout, hf.spec, notes)
+    with open_hf(src, config=config, io=options.io) as hf:
+        target = new_layout(flags, hf.spec, notes)
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(src))
-        if layout.hw is Hardware.TRN2 and layout.kvm > 1 and layout.trn2_kv_layout is Trn2KvLayout.OFFICIAL:
-            message = ("--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs "
-                       "query heads with the wrong K/V head on the NxD trn2 runtime")
-            warnings.warn(message, stacklevel=2)
-            notes.append(message)
-        plan = plan_to_nxd(hf.spec, layout, hf.dtypes(), dtype_policy(dtype))
-        fingerprint = _fingerprint("nxd", layout.to_json(), dtype, flavour.value, _identity(hf.weight_files()),
+        plan = plan_to_nxd(hf.spec, target, hf.dtypes(), dtype_policy(dtype))
+        fingerprint = _fingerprint("nxd", target.to_json(), dtype, flavour.value, _identity(hf.weight_files()),
                                    _tokenizer_identity(tokenizer))
         copies = _with_tokenizer(_hf_side_copies(hf, notes), tokenizer, f"{HF_FILES_DIR}/", notes)
-        if not has_tokenizer([Path(target).name for _, target in copies]):
+        if not has_tokenizer([Path(path).name for _, path in copies]):
             notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
                          "pass --tokenizer DIR")
         hf_config, copies, texts = _config_as_written(hf.spec.config, dtype, plan, copies)
         spec = FinalizeSpec(
             fingerprint,
-            metadata=dict(kind="nxd", hf_config=hf_config, layout=layout.to_json(), flavour=flavour.value,
+            metadata=dict(kind="nxd", hf_config=hf_config, layout=target.to_json(), flavour=flavour.value,
                           dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
             texts=texts, copies=copies,
         )
         result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd", sources=[Path(src)])
     result.notes[:0] = notes
-    result.layout = layout.to_json()
+    result.layout = target.to_json()
     if verify_layers and result.finalized:
         _verify_after(src, out, config, verify_layers, result.notes)
     result.seconds = time.monotonic() - started
     return result
+
+
+def new_layout(flags: LayoutOverrides, spec: ModelSpec, notes: list[str],
+               base: ParallelLayout | None = None) -> ParallelLayout:
+    """The layout a command writes from HF or DCP weights: ``flags`` over ``base`` (a recorded layout), else
+    over tp 1 x pp 1 (the kv multiplier: what tp needs), checked against the model; padding and an
+    unstated tp and pp said in ``notes``."""
+    resolved = apply_layout(base or ParallelLayout(), flags, base_is="default" if base is None else "source",
+                            kv_heads=spec.kv_heads)
+    resolved.check_model(spec)
+    if base is None and flags.tp is None and flags.pp is None:
+        notes.append("writing tp 1 x pp 1 (one unsharded file): no tp or pp was given")
+    layout = _padded(resolved.layout, spec, notes)
+    if layout.hw is Hardware.TRN2 and layout.kvm > 1 and layout.trn2_kv_layout is Trn2KvLayout.OFFICIAL:
+        message = ("--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs "
+                   "query heads with the wrong K/V head on the NxD trn2 runtime")
+        warnings.warn(message, stacklevel=3)
+        notes.append(message)
+    return layout
 
 
 def _padded(layout: ParallelLayout, spec: ModelSpec, notes: list[str]) -> ParallelLayout:
@@ -205,16 +200,6 @@ def _padded(layout: ParallelLayout, spec: ModelSpec, notes: list[str]) -> Parall
         notes.append(f"vocab_size {spec.vocab} is padded to {layout.padded_vocab} rows (a multiple of tp {layout.tp}) "
                      "with zero rows in the embedding and lm_head shards; recorded in ckptconv.json, stripped by to-hf")
     return layout
-
-
-def target_layout(*, tp: int, pp: int, vpp: int, kv_size_multiplier: int, attention: str | Attention, fuse_qkv: bool,
-                  hw_backend: str | Hardware, trn2_kv_layout: str | Trn2KvLayout) -> ParallelLayout:
-    """The layout an API call names with its keyword arguments (to_nxd's, from_dcp's), values checked."""
-    return ParallelLayout(
-        tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=choice(Attention, attention, "attention"),
-        fuse_qkv=fuse_qkv, hw=choice(Hardware, hw_backend, "--hw-backend"),
-        trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
-    )
 
 
 def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers: int, notes: list[str]) -> None:
@@ -270,7 +255,7 @@ def to_hf(
     out: str | Path,
     *,
     config: str | Path | None = None,
-    hints: dict[str, Any] | None = None,
+    hints: dict[str, Any] | LayoutOverrides | None = None,
     max_shard_size: int = 5 * 10**9,
     dtype: str = SOURCE_DTYPE,
     kv_replicas: str = "error",
@@ -293,6 +278,7 @@ def to_hf(
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
+    refuse_hf_source(src, "to-hf")
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       prefer_masters=True)
     ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
@@ -338,17 +324,18 @@ def reshard(
     src: str | Path,
     out: str | Path,
     *,
-    tp: int,
-    pp: int,
-    vpp: int = 1,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
     kv_size_multiplier: int | None = None,
     attention: str | Attention | None = None,
     fuse_qkv: bool | None = None,
     hw_backend: str | Hardware | None = None,
-    trn2_kv_layout: str | Trn2KvLayout = Trn2KvLayout.RUNTIME,
+    trn2_kv_layout: str | Trn2KvLayout | None = None,
+    layout: LayoutOverrides | None = None,
     flavour: str | Flavour | None = None,
     config: str | Path | None = None,
-    hints: dict[str, Any] | None = None,
+    hints: dict[str, Any] | LayoutOverrides | None = None,
     dtype: str = "keep",
     kv_replicas: str = "error",
     masters: bool | None = None,
@@ -363,107 +350,148 @@ def reshard(
 ) -> Result:
     """NxD -> NxD for a new layout, streaming, without writing HF to disk.
 
-    Unset layout options keep the source's values; ``kv_size_multiplier`` defaults to what the
-    new tp needs (tp / kv heads when tp > kv heads, else 1) on the qkv_linear path. ``masters``: as
-    for :func:`to_hf`, but by default the shards.
+    The new layout: the keywords (None: not given) or ``layout`` (a ``LayoutOverrides``) over the source's;
+    the kv multiplier not given is what the new tp needs, ``trn2_kv_layout`` runtime. A reshard that would
+    change nothing is refused. ``hints``: the layout of an unrecorded source (``--source-hw-backend``...).
+    ``masters``: as for :func:`to_hf`, but by default the shards.
 
-    A training tag (nxdtrain's: ``optim/`` and ``user_content.pt`` beside the shards) gives a training tag
-    at the new layout: the optimizer state moves with the weights (:mod:`ckptconv.training.state`), over
-    ``dp`` ranks with ZeRO-1 (``zero1``; both default to the tag's) or in one file per shard without;
-    step, consumed samples, schedule and options come along. A tag of NxD's own code (``optim/`` in NxD's
-    format, :mod:`ckptconv.training.nxd_tag_optimizer`) gives the same: an nxdtrain training tag, its step and schedule
-    mapped by :mod:`ckptconv.training.position`. ``weights_only``: the shards alone.
+    A training tag (nxdtrain's, or NxD's own: :mod:`ckptconv.training.nxd_tag_optimizer`) gives an nxdtrain
+    training tag at the new layout: optimizer state (:mod:`ckptconv.training.state`) over ``dp`` ranks with ZeRO-1
+    (``zero1``; both default to the tag's) or one file per shard, step, consumed samples, schedule and options
+    (NxD's mapped by :mod:`ckptconv.training.position`). ``weights_only``: the shards alone.
 
-    ``optimizer_format="nxd"`` writes the optimizer state in NxD's own format instead
-    (:mod:`ckptconv.training.nxd_optimizer_write`): its param groups by ``nxd_param_groups`` (default ``bias-norm``,
-    NxD's Llama example; ``bias-LayerNorm``; ``one``), checked by reading the files back; ``drop_masters``
-    accepts losing a bf16 model's fp32 state without ZeRO-1; ``nxd_trainer`` (``nxd-example``, ``nxdt``; default:
-    the source's own, else ``nxd-example``) whose side files to write (:mod:`ckptconv.training.trainer_files`).
+    ``optimizer_format="nxd"`` writes NxD's own format (:mod:`ckptconv.training.nxd_optimizer_write`), param groups
+    by ``nxd_param_groups`` (default ``bias-norm``), read back; ``drop_masters`` accepts losing a bf16 model's fp32
+    state without ZeRO-1; ``nxd_trainer``: whose side files (:mod:`ckptconv.training.trainer_files`).
     """
     options = options or RunOptions()
     rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything opens
     check_nxd_trainer(optimizer_format, nxd_trainer)
-    started = time.monotonic()
-    out = Path(out)
+    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
+                            attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
+                            trn2_kv_layout=trn2_kv_layout)
+    started, out = time.monotonic(), Path(out)
+    refuse_hf_source(src, "reshard")
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       stages_only=parted, keep_nxd_optimizer=True)  # NxD's tag: its state moves too
     ckpt, spec, old, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
     with ckpt:
-        attention_mode = choice(Attention, attention, "attention") if attention is not None else old.attention
-        if kv_size_multiplier is None:
-            kv_size_multiplier = default_kvm(tp, spec.kv_heads, attention_mode)
-        new = ParallelLayout(
-            tp=tp, pp=pp, vpp=vpp, kvm=kv_size_multiplier, attention=attention_mode,
-            fuse_qkv=old.fuse_qkv if fuse_qkv is None else fuse_qkv,
-            hw=old.hw if hw_backend is None else choice(Hardware, hw_backend, "--hw-backend"),
-            trn2_kv_layout=choice(Trn2KvLayout, trn2_kv_layout, "--trn2-kv-layout"),
-        )
-        new.check_model(spec)
-        new = _padded(new, spec, notes)
+        resolved = apply_layout(old, flags, kv_heads=spec.kv_heads)
+        resolved.check_model(spec)
+        new = _padded(resolved.layout, spec, notes)
         target_flavour = ckpt.flavour if flavour is None else choice(Flavour, flavour, "flavour")
+        _refuse_no_change(ckpt, old, new, flags, changes=[
+            target_flavour is not ckpt.flavour, dtype != "keep", masters is True, kv_replicas != "error",
+            dp is not None, zero1 is not None, optimizer_format != "nxdtrain", weights_only])
         plan = plan_reshard(spec, old, new, ckpt.dtypes(stages_only=parted), with_inv_freq=with_inv_freq,
                             dtype_policy=dtype_policy(dtype))
-        training = None
-        if not weights_only and is_training_tag(ckpt.root):
-            training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
-                                        optim=nxdtrain_optimizer(ckpt),  # a part: its own ranks' files added below
-                                        only={(0, 0)} if parted else None)
-        elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
-            training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
-        if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
-            flags = "--dp and --zero1 place" if dp is not None or zero1 is not None else "--optimizer-format nxd writes"
-            raise ConversionError(f"{ckpt.root}: {flags} optimizer state; "
-                                  + ("--weights-only writes none" if weights_only else "this is not a training "
-                                     "tag (no optim/)"))
+        training = _reshard_training(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, weights_only=weights_only,
+                                     optimizer_format=optimizer_format, options=options)
         if parted and training is None:  # the weights alone: split by _convert, so every file is checked here
             check_files_read(ckpt, spec, old, with_inv_freq, ckpt.files)
         if training is not None and optimizer_format == "nxd":
-            saved = rule_of(training.optim.optim) if isinstance(training.optim, NxdTagOptimizer) else None
-            if nxd_param_groups is None and saved is not None:  # NxD's tag: its own groups, which its run rebuilds
-                rule = saved
-                notes.append(f"param groups as NxD's tag has them ({describe_rule(saved)})")
-            elif saved is not None and rule != saved:
-                notes.append(f"param groups regrouped by --nxd-param-groups {rule}: NxD's tag had "
-                             f"{describe_rule(saved)}; the NxD run that loads it must build the new groups")
-            training.nxd_format = NxdFormat(rule or DEFAULT_RULE, drop_masters, spec, with_inv_freq, nxd_trainer, out)
-        fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                                   _identity(_input_files(ckpt)),
-                                   None if training is None else training.identity())
-        hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
-                                                      _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
-        metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
-                        dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
-        spec_ = FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
-        reader: Any = ckpt
-        sinks = sink_factory(target_flavour)
-        part: TagPart | None = None
-        with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
-            if training is not None:  # the optimizer files join the plan, read beside the weights
-                if parted:  # one of several parts: the optimizer state of its own files only
-                    part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
-                    sources = part.sources()
-                    check_files_read(ckpt, spec, old, with_inv_freq,
-                                     [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in sources])
-                    everything, whole = _outputs(plan, spec_), plan
-                    if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
-                        training.optim.widen(sources)
-                    plan = part.planned()
-                plan, reader = training.extend(plan, spec_, new, notes)
-                if part is not None:
-                    training.read_back_all(whole.files, new)  # the last part reads back every part's files
-                    plan = part.narrowed(plan)
-                    part = part.declaring(everything + _outputs(plan, spec_))
-                sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)
-            result = _convert(plan, reader, out, sinks, options, spec_, "reshard", kv_replicas,
-                              sources=[Path(src), ckpt.root], part_of=part)
-        if training is not None and training.written is not None and not result.skipped and result.finalized:
-            check_written(out, training.written)  # every optimizer index read back as intended
-            notes.append(f"read back with NxD's optimizer reader: every index named as written "
-                         f"({describe_rule(training.written.rule)})")
+            training.nxd_format = NxdFormat(_param_groups(training, rule, nxd_param_groups, notes), drop_masters,
+                                            spec, with_inv_freq, nxd_trainer, out)
+        spec_ = _reshard_spec(ckpt, spec, old, new, plan, training, dtype, target_flavour, with_inv_freq, notes)
+        result = _write_reshard(plan, ckpt, training, spec, old, new, with_inv_freq, out, options, spec_,
+                                target_flavour, kv_replicas, [Path(src), ckpt.root], notes)
     result.notes[:0] = notes
     result.layout = new.to_json()
     result.seconds = time.monotonic() - started
+    return result
+
+
+def _reshard_spec(ckpt: Any, spec: ModelSpec, old: ParallelLayout, new: ParallelLayout, plan: Plan,
+                  training: TrainingTag | None, dtype: str, target_flavour: Flavour, with_inv_freq: bool,
+                  notes: list[str]) -> FinalizeSpec:
+    """What completes a reshard's OUT: its fingerprint, ``ckptconv.json`` and the HF files kept under ``hf/``."""
+    fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
+                               _identity(_input_files(ckpt)), None if training is None else training.identity())
+    hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
+                                                  _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
+    metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
+                    dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
+    return FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
+
+
+def _refuse_no_change(ckpt: Any, old: ParallelLayout, new: ParallelLayout, flags: LayoutOverrides, *,
+                      changes: list[bool]) -> None:
+    """A reshard with no layout given that would write what SRC holds (same layout, flavour, dtype,
+    weights and optimizer state) is a mistake: refused in one line. An NxD tag becomes nxdtrain's format."""
+    nxd_tag = (ckpt.root / OPTIM_DIR).is_dir() and not is_training_tag(ckpt.root)
+    if flags.given() or new != old or nxd_tag or any(changes):
+        return
+    raise ConversionError(
+        f"reshard to the same layout (tp {new.tp} x pp {new.pp}, vpp {new.vpp}, {new.attention.value}, as "
+        f"{ckpt.root} has): give --tp/--pp/--vpp/--qkv-linear/... for the new layout (or --xser, --dtype, "
+        "--optimizer-format, --dp, --zero1 to change something else)")
+
+
+def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *, dp: int | None,
+                      zero1: bool | None, weights_only: bool, optimizer_format: str,
+                      options: RunOptions) -> TrainingTag | None:
+    """The training state that moves with the weights (nxdtrain's tag, or NxD's own into nxdtrain's format), or
+    None; flags that place optimizer state are refused where there is none."""
+    training = None
+    parted = options.part[1] > 1
+    if not weights_only and is_training_tag(ckpt.root):
+        training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
+                                    optim=nxdtrain_optimizer(ckpt),  # a part: its own ranks' files added below
+                                    only={(0, 0)} if parted else None)
+    elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
+        training = TrainingTag.open_nxd(ckpt, dp=dp, zero1=zero1, io=options.io)
+    if training is None and (dp is not None or zero1 is not None or optimizer_format != "nxdtrain"):
+        flags = "--dp and --zero1 place" if dp is not None or zero1 is not None else "--optimizer-format nxd writes"
+        raise ConversionError(f"{ckpt.root}: {flags} optimizer state; "
+                              + ("--weights-only writes none" if weights_only else "this is not a training "
+                                 "tag (no optim/)"))
+    return training
+
+
+def _param_groups(training: TrainingTag, rule: str | None, asked: str | None, notes: list[str]) -> str:
+    """The param-group rule of an NxD-format tag: NxD's tag keeps its own groups unless ``--nxd-param-groups``
+    regroups them (said in the notes)."""
+    saved = rule_of(training.optim.optim) if isinstance(training.optim, NxdTagOptimizer) else None
+    if asked is None and saved is not None:  # NxD's tag: its own groups, which its run rebuilds
+        notes.append(f"param groups as NxD's tag has them ({describe_rule(saved)})")
+        return saved
+    if saved is not None and rule != saved:
+        notes.append(f"param groups regrouped by --nxd-param-groups {rule}: NxD's tag had "
+                     f"{describe_rule(saved)}; the NxD run that loads it must build the new groups")
+    return rule or DEFAULT_RULE
+
+
+def _write_reshard(plan: Plan, ckpt: Any, training: TrainingTag | None, spec: ModelSpec, old: ParallelLayout,
+                   new: ParallelLayout, with_inv_freq: bool, out: Path, options: RunOptions, spec_: FinalizeSpec,
+                   target_flavour: Flavour, kv_replicas: str, sources: list[Path], notes: list[str]) -> Result:
+    """Write the resharded weights and, of a training tag, its optimizer files read beside them (a part: its own
+    files only); an NxD-format tag's indices read back as written."""
+    reader: Any = ckpt
+    sinks = sink_factory(target_flavour)
+    part: TagPart | None = None
+    with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
+        if training is not None:  # the optimizer files join the plan, read beside the weights
+            if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
+                part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
+                check_files_read(ckpt, spec, old, with_inv_freq,
+                                 [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in part.sources()])
+                everything, whole = _outputs(plan, spec_), plan
+                if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
+                    training.optim.widen(part.sources())
+                plan = part.planned()
+            plan, reader = training.extend(plan, spec_, new, notes)
+            if part is not None:
+                training.read_back_all(whole.files, new)  # the last part reads back every part's files
+                plan = part.narrowed(plan)
+                part = part.declaring(everything + _outputs(plan, spec_))
+            sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)
+        result = _convert(plan, reader, out, sinks, options, spec_, "reshard", kv_replicas,
+                          sources=sources, part_of=part)
+    if training is not None and training.written is not None and not result.skipped and result.finalized:
+        check_written(out, training.written)  # every optimizer index read back as intended
+        notes.append(f"read back with NxD's optimizer reader: every index named as written "
+                     f"({describe_rule(training.written.rule)})")
     return result
 
 
@@ -477,123 +505,3 @@ def _nxd_rule(optimizer_format: str, rule: str | None, drop_masters: bool) -> st
             raise ConversionError("--nxd-param-groups and --drop-masters apply to --optimizer-format nxd only")
         return None
     return check_rule(DEFAULT_RULE if rule is None else rule)
-
-
-# --------------------------------------------------------------------------------------------
-# Shared steps
-
-
-def _convert(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptions, spec: FinalizeSpec,
-             label: str, kv_replicas: str = "error", *, sources: list[Path], part_of: TagPart | None = None) -> Result:
-    """Write this process's part of ``plan`` under OUT's lock; finalize when it is the last part to finish.
-    ``part_of``: a training tag's part, whose ``plan`` holds its own files only (:mod:`ckptconv.training.tag_parts`)."""
-    part = options.part
-    spec.parts = part[1]
-    spec.hash = options.digest
-    if part[1] > 1 and options.overwrite:
-        raise ConversionError("--overwrite cannot be combined with several parts; run without --part first")
-    outdir.check_separate(sources, out)
-    with outdir.acquire(out, fingerprint=spec.fingerprint, parts=part[1]) as lock:
-        if not lock.shared:  # the first (or only) process: check OUT and set it up
-            if _up_to_date(out, spec.fingerprint, options):
-                outdir.clear_tmp(out)  # what a run killed after writing ckptconv.json left behind
-                return Result(out, _recorded(out), 0, 0.0, ["output is up to date"], skipped=True)
-            _prepare_out(out, spec.fingerprint, options)
-            outdir.declare(out, spec.fingerprint[:16], _outputs(plan, spec) if part_of is None else list(part_of.declared))
-            write_spec(out, spec)
-            if part[1] > 1:
-                lock.share()
-        mine = assign_files(plan, part) if part_of is None else set(part_of.mine)
-        total = sum(f.nbytes for f in plan.files if f.path in mine)
-        with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
-            exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
-                                       fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
-            files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
-        if hasattr(reader, "finish_checks"):  # every input file read from matches its record, before OUT is complete
-            reader.finish_checks(workers=options.workers)
-        record_part(out, part, files)
-        finalized = try_finalize(out, lock)
-    count = len(plan.files) if part_of is None else part_of.count
-    notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {count} files"]
-    if finalized is None:
-        notes.append(f"other parts are still running; the last one (or `ckptconv finalize {out}`) finishes OUT")
-    return Result(out, finalized or files, total, 0.0, notes, finalized=finalized is not None)
-
-
-def _outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
-    """Every path this conversion may create in OUT (declared before the first byte is written)."""
-    paths = [f.path for f in plan.files] + [f.path + TENSORS_SUFFIX for f in plan.files
-                                            if f.format in ("torch", NESTED_TORCH)]
-    return paths + list(spec.texts) + list(spec.blobs) + [rel for _, rel in spec.copies] + spec.markers
-
-
-def _input_files(ckpt: Any) -> list[Path]:
-    """The files a conversion of ``ckpt`` reads: its model shards, and the optimizer files when the
-    weights are NxD's masters (so that an output is never "up to date" with other inputs)."""
-    files = sorted(ckpt.files.values())
-    if isinstance(ckpt.weight_source, MasterWeights):  # nxdtrain's masters: named apart (ckpt.masters_identity)
-        files += sorted(p for p in (ckpt.root / OPTIM_DIR).rglob("*") if p.is_file())
-    return files
-
-
-def _identity(files: list[Path]) -> list[tuple[str, int, int]]:
-    """What identifies the inputs cheaply: names, sizes, modification times."""
-    return [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-
-
-def _fingerprint(*parts: Any) -> str:
-    payload = json.dumps([tool_version(), *parts], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def _up_to_date(out: Path, fingerprint: str, options: RunOptions) -> bool:
-    meta = read_metadata(out) if out.is_dir() else None
-    if meta is None or meta.fingerprint != fingerprint or options.overwrite:
-        return False
-    return all(FileRecord.from_json(rec).matches(out / rel) for rel, rec in meta.files.items())
-
-
-def _recorded(out: Path) -> dict[str, FileRecord]:
-    meta = read_metadata(out)
-    assert meta is not None
-    return {rel: FileRecord.from_json(rec) for rel, rec in meta.files.items()}
-
-
-def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
-    """Under OUT's lock: resume this conversion, or start it in an empty OUT, or (``--overwrite``)
-    replace an earlier ckptconv conversion. Never removes what no ckptconv writer recorded."""
-    meta = read_metadata(out) if out.is_dir() else None
-    if meta is not None and meta.fingerprint == fingerprint:
-        return  # same conversion, some files damaged or missing: redo those
-    if meta is None and pending_fingerprint(out) == fingerprint:
-        return  # an interrupted run of this same conversion (or another part of it): resume
-    strangers, ours = outdir.foreign(out), outdir.present(out)
-    if strangers and options.overwrite:
-        raise ConversionError(
-            f"{out}: --overwrite only replaces files a ckptconv conversion recorded; {strangers[0]!r} is not one of "
-            "them; choose another OUT (or move that file away yourself)"
-        )
-    if (strangers or ours) and not options.overwrite:
-        what = (f"another conversion ({meta.kind}, fingerprint {meta.fingerprint[:12]})" if meta is not None
-                else "files of an unfinished conversion" if ours else f"files ckptconv did not write ({strangers[0]!r})")
-        raise ConversionError(f"{out}: not empty; holds {what}; choose another OUT")
-    outdir.remove_owned(out)  # only ours: listed in ckptconv.json or declared in the temporary directory
-
-
-def _config_as_written(config: dict[str, Any], dtype: str, plan: Plan, copies: list[tuple[str, str]]
-                       ) -> tuple[dict[str, Any], list[tuple[str, str]], dict[str, str]]:
-    """(HF config to record, side-file copies, texts) of a converted checkpoint: after a deliberate
-    ``--dtype`` cast the written dtype becomes the model's, in ckptconv.json and in the kept
-    ``hf/config.json`` (so ``to-hf --dtype source`` keeps it); otherwise all as they were."""
-    name = _dtype_name(plan)
-    if dtype == "keep" or "," in name:
-        return config, copies, {}
-    config = {**config, "torch_dtype": name, "dtype": name}
-    kept = f"{HF_FILES_DIR}/{CONFIG}"
-    return config, [c for c in copies if c[1] != kept], {kept: config_text(config, plan.files[0].tensors[0].dtype)}
-
-
-def _dtype_name(plan: Plan) -> str:
-    names = sorted({str(t.dtype).removeprefix("torch.") for f in plan.files for t in f.tensors
-                    if not t.key.endswith("inv_freq")})
-    return names[0] if len(names) == 1 else ",".join(names)

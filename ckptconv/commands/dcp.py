@@ -34,9 +34,11 @@ from ckptconv.commands.api import (
     _input_files,
     _kept_hf_files,
     dtype_policy,
-    target_layout,
+    new_layout,
 )
-from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, Trn2KvLayout
+from ckptconv.commands.src_kind import open_hf
+from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
+from ckptconv.core.layout_flags import LayoutOverrides, as_hints, with_api_kwargs
 from ckptconv.core.mapping import check_source_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutTensor, Plan, hf_sources
@@ -46,7 +48,7 @@ from ckptconv.engine.progress import note
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
-from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
+from ckptconv.io.hf import CONFIG, config_text, index_text
 from ckptconv.io.nxd import TAG_MARKERS, Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
@@ -93,6 +95,7 @@ from ckptconv.training.state import (
 from ckptconv.training.tag_reshard import TrainingTag, torch_blob
 
 TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
+NEEDS_TO_NXD = "pass --to nxd to write NxD shards of that layout"
 
 
 def _is_hf_source(src: str | Path) -> bool:
@@ -108,7 +111,7 @@ def to_dcp(
     out: str | Path,
     *,
     config: str | Path | None = None,
-    hints: dict[str, Any] | None = None,
+    hints: dict[str, Any] | LayoutOverrides | None = None,
     revision: str | None = None,
     dtype: str = "keep",
     max_file_size: int = DEFAULT_FILE_SIZE,
@@ -124,75 +127,90 @@ def to_dcp(
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
-    notes: list[str] = []
     if kv_replicas not in ("error", "first"):
         raise ConversionError(f"--kv-replicas must be 'error' or 'first' for to-dcp, got {kv_replicas!r}")
     if _is_hf_source(src):
-        given = sorted(k for k, v in (hints or {}).items() if v is not None)
+        given = sorted(as_hints(hints).given())
         if masters is not None:
             raise ConversionError(f"--masters/--no-masters choose a training tag's weights; {src} is an HF model")
         if given:
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
-        hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
-        with HfCheckpoint(hf_src, config=config, io=options.io) as hf:
-            with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
-            if with_inv_freq:
-                notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
-            plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
-            fingerprint = _fingerprint("dcp", TITAN, dtype, max_file_size, _identity(hf.weight_files()))
-            spec_ = _dcp_finalize(plan, hf.spec, fingerprint, _hf_side_copies(hf, notes), None)
-            result = _convert(plan, hf, out, sink_factory(layout_items(plan.files)), options, spec_, "to-dcp",
-                              sources=[Path(hf_src)])
-        layout_json = None
+        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, options), None
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
-        # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
-        opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
-                          prefer_masters=True)
-        ckpt, spec, layout, with_inv_freq, read_notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
-                                                         opened.notes)
-        with ckpt, contextlib.ExitStack() as stack:
-            training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
-                TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,
-                                 optim=nxdtrain_optimizer(ckpt)))
-            if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
-                read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
-                                  "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")
-            shard_dtypes = ckpt.dtypes()
-            tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
-                                         lm_head_copy=stores_lm_head(spec, shard_dtypes))
-            state: list[OutTensor] = []
-            values: dict[str, Any] = {}
-            if training is not None:
-                assert isinstance(training.optim, TagOptimizer)  # nxdtrain's tag (TrainingTag.open)
-                state = plan_titan_optimizer(spec, tiles, training.optim)
-                replicas = replicas + state_replicas(replicas, training.optim)
-                values, state_notes = titan_values(spec, training.optim.hyper.param_groups, training.scheduler(),
-                                                   training.user_content, str(ckpt.root))
-                read_notes += [f"training tag at step {training.user_content['step']}: AdamW state, lr schedule "
-                               "and step carried (TorchTitan loads it with initial_load_model_only=false)",
-                               *state_notes]
-            notes += read_notes
-            for line in read_notes:
-                note(line, quiet=options.quiet)
-            plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
-                               max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
-            placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
-            fingerprint = _fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
-                                       _identity(_input_files(ckpt)), ckpt.masters_identity(),
-                                       None if training is None else training.identity())
-            copies = _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/")
-            spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json(), placed)
-            reader = ckpt if training is None else TagReader(ckpt, training.optim)
-            result = _convert(plan, reader, out, sink_factory(layout_items(plan.files, placed)), options, spec_,
-                              "to-dcp", kv_replicas, sources=[Path(src), ckpt.root])
-        layout_json = layout.to_json()
-    result.notes[:0] = notes
+        result, layout_json = _nxd_to_dcp(src, out, config=config, hints=hints, dtype=dtype,
+                                          max_file_size=max_file_size, kv_replicas=kv_replicas,
+                                          weights_only=weights_only, masters=masters, options=options)
     result.layout = layout_json
     result.seconds = time.monotonic() - started
     return result
+
+
+def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: str | None, dtype: str,
+               max_file_size: int, options: RunOptions) -> Result:
+    """An HF model as a TorchTitan DCP checkpoint (the model only)."""
+    notes: list[str] = []
+    hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
+    with open_hf(hf_src, config=config, io=options.io) as hf:
+        with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
+        if with_inv_freq:
+            notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
+        plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
+        fingerprint = _fingerprint("dcp", TITAN, dtype, max_file_size, _identity(hf.weight_files()))
+        spec_ = _dcp_finalize(plan, hf.spec, fingerprint, _hf_side_copies(hf, notes), None)
+        result = _convert(plan, hf, out, sink_factory(layout_items(plan.files)), options, spec_, "to-dcp",
+                          sources=[Path(hf_src)])
+    result.notes[:0] = notes
+    return result
+
+
+def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints: Any, dtype: str,
+                max_file_size: int, kv_replicas: str, weights_only: bool, masters: bool | None,
+                options: RunOptions) -> tuple[Result, dict[str, Any]]:
+    """NxD shards (of a training tag: with its AdamW state, schedule and step) as a TorchTitan DCP checkpoint."""
+    # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
+    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
+                      prefer_masters=True)
+    ckpt, spec, layout, with_inv_freq, read_notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
+                                                     opened.notes)
+    with ckpt, contextlib.ExitStack() as stack:
+        training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
+            TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,
+                             optim=nxdtrain_optimizer(ckpt)))
+        if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
+            read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
+                              "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")
+        shard_dtypes = ckpt.dtypes()
+        tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
+                                     lm_head_copy=stores_lm_head(spec, shard_dtypes))
+        state: list[OutTensor] = []
+        values: dict[str, Any] = {}
+        if training is not None:
+            assert isinstance(training.optim, TagOptimizer)  # nxdtrain's tag (TrainingTag.open)
+            state = plan_titan_optimizer(spec, tiles, training.optim)
+            replicas = replicas + state_replicas(replicas, training.optim)
+            values, state_notes = titan_values(spec, training.optim.hyper.param_groups, training.scheduler(),
+                                               training.user_content, str(ckpt.root))
+            read_notes += [f"training tag at step {training.user_content['step']}: AdamW state, lr schedule "
+                           "and step carried (TorchTitan loads it with initial_load_model_only=false)",
+                           *state_notes]
+        for line in read_notes:
+            note(line, quiet=options.quiet)
+        plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
+                           max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
+        placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
+        fingerprint = _fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
+                                   _identity(_input_files(ckpt)), ckpt.masters_identity(),
+                                   None if training is None else training.identity())
+        copies = _kept_hf_files(ckpt.root, read_notes, into=f"{HF_FILES_DIR}/")
+        spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json(), placed)
+        reader = ckpt if training is None else TagReader(ckpt, training.optim)
+        result = _convert(plan, reader, out, sink_factory(layout_items(plan.files, placed)), options, spec_,
+                          "to-dcp", kv_replicas, sources=[Path(src), ckpt.root])
+    result.notes[:0] = read_notes
+    return result, layout.to_json()
 
 
 def _dcp_finalize(plan: Plan, spec: ModelSpec, fingerprint: str, copies: list[tuple[str, str]],
@@ -295,15 +313,16 @@ def from_dcp(
     *,
     to: str = "hf",
     config: str | Path | None = None,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int = 1,
-    kv_size_multiplier: int = 1,
-    attention: str | Attention = Attention.SEPARATE,
-    fuse_qkv: bool = False,
-    hw_backend: str | Hardware = Hardware.TRN1,
-    trn2_kv_layout: str | Trn2KvLayout = Trn2KvLayout.RUNTIME,
-    flavour: str | Flavour = Flavour.PLAIN,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    kv_size_multiplier: int | None = None,
+    attention: str | Attention | None = None,
+    fuse_qkv: bool | None = None,
+    hw_backend: str | Hardware | None = None,
+    trn2_kv_layout: str | Trn2KvLayout | None = None,
+    layout: LayoutOverrides | None = None,
+    flavour: str | Flavour | None = None,
     dtype: str = "keep",
     max_shard_size: int = 5 * 10**9,
     weights_only: bool = False,
@@ -313,81 +332,107 @@ def from_dcp(
     """A TorchTitan DCP checkpoint's model (``src``: a step directory, or a checkpoint folder: its
     newest ``step-N``) as HF safetensors (``to="hf"``) or NxD shards of the given layout (``to="nxd"``).
 
+    The layout (``to="nxd"``): the keywords (None: not given) or ``layout`` over the layout the DCP
+    records (``ckptconv.json``'s ``from_layout``, written by ``to_dcp`` of NxD shards), else over tp 1 x
+    pp 1; the kv multiplier not given is what tp needs.
+
     To NxD, a full checkpoint (with TorchTitan's AdamW state) becomes an nxdtrain training tag (unless
     ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position."""
     options = options or RunOptions()
     started = time.monotonic()
     out = Path(out)
-    if to not in ("hf", "nxd"):
-        raise ConversionError(f"--to must be hf or nxd, got {to!r}")
-    if consumed_samples is not None and (to != "nxd" or weights_only or consumed_samples < 0):
-        raise ConversionError(f"--consumed-samples {consumed_samples}: the data position of an nxdtrain tag "
-                              "(from-dcp --to nxd of a full checkpoint), an integer >= 0")
+    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
+                            attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
+                            trn2_kv_layout=trn2_kv_layout)
+    _check_from_dcp(to, flags, flavour, weights_only, consumed_samples)
     carried = ("optimizer", "lr_scheduler", "train_state") if to == "nxd" and not weights_only else ()
     ckpt, spec, notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     with ckpt:
         for line in notes:
             note(line, quiet=options.quiet)
-        policy = dtype_policy(dtype)
-        identity = _identity([ckpt.root / DCP_METADATA, *ckpt.data_files()])
         kept = _kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
                               skip=CONFIG if to == "hf" else "")
         if to == "hf":
-            plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=policy)
-            fingerprint = _fingerprint("from-dcp-hf", dtype, max_shard_size, identity)
-            spec_ = FinalizeSpec(
-                fingerprint,
-                metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=False,
-                              fingerprint=fingerprint, extra={"from": TITAN}),
-                texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
-                copies=kept,
-            )
-            result = _convert(plan, ckpt, out, safetensors_sink, options, spec_, "from-dcp",
-                              sources=[Path(src), ckpt.root])
-            layout_json = None
+            result = _dcp_to_hf(ckpt, spec, out, kept, dtype, max_shard_size, options, [Path(src), ckpt.root])
         else:
-            layout = target_layout(tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier, attention=attention,
-                                   fuse_qkv=fuse_qkv, hw_backend=hw_backend, trn2_kv_layout=trn2_kv_layout)
-            layout.check_model(spec)
-            layout = layout.padded_for(spec)
-            target = choice(Flavour, flavour, "flavour")
-            full = bool(carried) and any(family(k) == "optimizer" for k in ckpt.keys())
-            if full:
-                check_titan_state(ckpt, spec)
-            state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
-                                                    consumed_samples=consumed_samples, where=str(ckpt.root))
-            if state is None:
-                if consumed_samples is not None:
-                    raise ConversionError(f"{ckpt.root}: holds no optimizer state (a model-only checkpoint), so no "
-                                          "training tag is written; drop --consumed-samples")
-                plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
-            else:
-                plan = plan_dcp_to_tag(spec, layout, ckpt.dtypes(), state.param_groups, dtype_policy=policy)
-                notes += state.notes
-                for line in state.notes:
-                    note(line, quiet=options.quiet)
-            fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity,
-                                       None if state is None else consumed_samples)
             if config is not None and not any(rel == f"{HF_FILES_DIR}/{CONFIG}" for _, rel in kept):
                 kept.append((str(Path(config).resolve()), f"{HF_FILES_DIR}/{CONFIG}"))
-            extra: dict[str, Any] = {"from": TITAN}
-            if state is not None:
-                extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
-            spec_ = FinalizeSpec(
-                fingerprint,
-                metadata=dict(kind="nxd", hf_config=spec.config, layout=layout.to_json(), flavour=target.value,
-                              dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint, extra=extra),
-                copies=kept,
-            )
-            sinks = nxd_sink_factory(target)
-            if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
-                spec_.blobs[USER_CONTENT_FILE] = torch_blob({**state.user_content, "layout": layout.to_json()})
-                spec_.blobs[SCHEDULER_FILE] = torch_blob(state.scheduler)
-                spec_.markers = list(TAG_MARKERS)
-                sinks = TrainingTag.sinks(sinks)
-            result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=[Path(src), ckpt.root])
-            layout_json = layout.to_json()
+            result = _dcp_to_nxd(ckpt, spec, out, kept, flags, choice(Flavour, flavour or Flavour.PLAIN, "flavour"),
+                                 dtype, bool(carried), consumed_samples, options, [Path(src), ckpt.root], notes)
     result.notes[:0] = notes
-    result.layout = layout_json
     result.seconds = time.monotonic() - started
+    return result
+
+
+def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | None, weights_only: bool,
+                    consumed_samples: int | None) -> None:
+    """from_dcp's options that do not fit together, refused before anything opens."""
+    if to not in ("hf", "nxd"):
+        raise ConversionError(f"--to must be hf or nxd, got {to!r}")
+    if to == "hf":
+        flags.refuse_given(NEEDS_TO_NXD, ("--xser",) if flavour is not None else ())
+    if consumed_samples is not None and (to != "nxd" or weights_only or consumed_samples < 0):
+        raise ConversionError(f"--consumed-samples {consumed_samples}: the data position of an nxdtrain tag "
+                              "(from-dcp --to nxd of a full checkpoint), an integer >= 0")
+
+
+def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]], dtype: str,
+               max_shard_size: int, options: RunOptions, sources: list[Path]) -> Result:
+    """A DCP checkpoint's model as HF safetensors."""
+    plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype))
+    identity = _identity([ckpt.root / DCP_METADATA, *ckpt.data_files()])
+    fingerprint = _fingerprint("from-dcp-hf", dtype, max_shard_size, identity)
+    spec_ = FinalizeSpec(
+        fingerprint,
+        metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=False,
+                      fingerprint=fingerprint, extra={"from": TITAN}),
+        texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
+        copies=kept,
+    )
+    return _convert(plan, ckpt, out, safetensors_sink, options, spec_, "from-dcp", sources=sources)
+
+
+def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]],
+                flags: LayoutOverrides, target: Flavour, dtype: str, carry_state: bool,
+                consumed_samples: int | None, options: RunOptions, sources: list[Path], notes: list[str]) -> Result:
+    """A DCP checkpoint's model as NxD shards; a full checkpoint's state (unless ``carry_state`` is False) as an
+    nxdtrain training tag."""
+    recorded = (ckpt.metadata.extra.get("from_layout") if ckpt.metadata is not None else None)
+    layout = new_layout(flags, spec, notes, None if recorded is None else ParallelLayout.from_json(recorded))
+    policy = dtype_policy(dtype)
+    full = carry_state and any(family(k) == "optimizer" for k in ckpt.keys())
+    if full:
+        check_titan_state(ckpt, spec)
+    state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
+                                            consumed_samples=consumed_samples, where=str(ckpt.root))
+    if state is None:
+        if consumed_samples is not None:
+            raise ConversionError(f"{ckpt.root}: holds no optimizer state (a model-only checkpoint), so no "
+                                  "training tag is written; drop --consumed-samples")
+        plan = plan_dcp_to_nxd(spec, layout, ckpt.dtypes(), dtype_policy=policy)
+    else:
+        plan = plan_dcp_to_tag(spec, layout, ckpt.dtypes(), state.param_groups, dtype_policy=policy)
+        notes += state.notes
+        for line in state.notes:
+            note(line, quiet=options.quiet)
+    identity = _identity([ckpt.root / DCP_METADATA, *ckpt.data_files()])
+    fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity,
+                               None if state is None else consumed_samples)
+    extra: dict[str, Any] = {"from": TITAN}
+    if state is not None:
+        extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
+    spec_ = FinalizeSpec(
+        fingerprint,
+        metadata=dict(kind="nxd", hf_config=spec.config, layout=layout.to_json(), flavour=target.value,
+                      dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint, extra=extra),
+        copies=kept,
+    )
+    sinks = nxd_sink_factory(target)
+    if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
+        spec_.blobs[USER_CONTENT_FILE] = torch_blob({**state.user_content, "layout": layout.to_json()})
+        spec_.blobs[SCHEDULER_FILE] = torch_blob(state.scheduler)
+        spec_.markers = list(TAG_MARKERS)
+        sinks = TrainingTag.sinks(sinks)
+    result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=sources)
+    result.layout = layout.to_json()
     return result

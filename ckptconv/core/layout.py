@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,10 @@ from ckptconv.errors import ConversionError, choice
 
 if TYPE_CHECKING:
     from ckptconv.core.model_spec import ModelSpec
+
+
+_FLAG_OF = {"tp": "--tp", "pp": "--pp", "vpp": "--vpp", "kvm": "--kv-size-multiplier", "fuse_qkv": "--fuse-qkv",
+            "hw": "--hw-backend", "trn2_kv_layout": "--trn2-kv-layout"}  # check_model's default names
 
 
 class Attention(str, Enum):
@@ -79,38 +84,49 @@ class ParallelLayout:
     def stages(self) -> int:
         return self.pp * self.vpp
 
-    def check_model(self, spec: ModelSpec) -> None:
-        """Reject every combination the shards cannot represent, naming the valid values."""
+    def check_model(self, spec: ModelSpec, *, name: Callable[[str], str] | None = None) -> None:
+        """Reject every combination the shards cannot represent, naming the valid values.
+
+        ``name(field)``: how an error names a value (default: as a flag, ``--tp 4``); a caller that knows
+        which values the user did not give names them otherwise (``the source's tp 2``)."""
+        n = name or self._as_flag
         divisible = [
             ("num_attention_heads", spec.heads),
             ("intermediate_size", spec.intermediate),
         ]
-        for name, value in divisible:
+        for what, value in divisible:
             if value % self.tp:
-                raise ConversionError(f"--tp {self.tp} must divide {name} ({value})")
+                raise ConversionError(f"{n('tp')} must divide {what} ({value})")
         rows = self.vocab_rows(spec)
         if rows % self.tp or rows < spec.vocab:
-            raise ConversionError(f"padded vocabulary of {rows} rows: must be a multiple of --tp {self.tp} and at "
+            raise ConversionError(f"padded vocabulary of {rows} rows: must be a multiple of {n('tp')} and at "
                                   f"least vocab_size ({spec.vocab})")
         if spec.layers < self.stages:
             raise ConversionError(
-                f"--pp {self.pp} x --vpp {self.vpp} = {self.stages} stages, but the model has only {spec.layers} layers"
+                f"{n('pp')} x {n('vpp')} = {self.stages} stages, but the model has only {spec.layers} layers"
             )
         if self.attention is Attention.SEPARATE:
             # Each rank must hold whole K/V heads, or its attention cannot be computed locally.
             if spec.kv_heads % self.tp:
                 raise ConversionError(
-                    f"--tp {self.tp} must divide num_key_value_heads ({spec.kv_heads}) for separate q/k/v; "
+                    f"{n('tp')} must divide num_key_value_heads ({spec.kv_heads}) for separate q/k/v; "
                     f"use --qkv-linear --kv-size-multiplier {max(1, self.tp // spec.kv_heads)} for tp > kv heads"
                 )
         elif self.attention is Attention.COALESCED:
             if spec.kv_heads != spec.heads:
                 raise ConversionError(
-                    f"--coalesce-qkv needs multi-head attention (num_key_value_heads == num_attention_heads), "
+                    f"{n('attention')} needs multi-head attention (num_key_value_heads == num_attention_heads), "
                     f"got {spec.kv_heads} != {spec.heads}; use --qkv-linear for GQA"
                 )
         else:
-            self._check_kv_replication(spec)
+            self._check_kv_replication(spec, n)
+
+    def _as_flag(self, key: str) -> str:
+        value = getattr(self, key)
+        if key == "attention":
+            return {Attention.COALESCED: "--coalesce-qkv", Attention.QKV_LINEAR: "--qkv-linear"}.get(
+                value, "--no-qkv-linear")
+        return f"{_FLAG_OF.get(key, '--' + key)} {getattr(value, 'value', value)}"
 
     def vocab_rows(self, spec: ModelSpec) -> int:
         """Rows of the embedding (and lm_head) over all tp ranks: vocab_size, padded to a multiple of tp."""
@@ -123,21 +139,21 @@ class ParallelLayout:
         rows = self.vocab_rows(spec)
         return replace(self, padded_vocab=rows if rows != spec.vocab else None)
 
-    def _check_kv_replication(self, spec: ModelSpec) -> None:
+    def _check_kv_replication(self, spec: ModelSpec, n: Callable[[str], str]) -> None:
         kv, tp, kvm = spec.kv_heads, self.tp, self.kvm
         if tp <= kv:
             if kv % tp:
-                raise ConversionError(f"--tp {tp} must divide num_key_value_heads ({kv})")
+                raise ConversionError(f"{n('tp')} must divide num_key_value_heads ({kv})")
             if kvm != 1:
                 raise ConversionError(
-                    f"--kv-size-multiplier {kvm} is invalid for tp {tp} <= {kv} KV heads; the valid value is 1"
+                    f"{n('kvm')} is invalid for tp {tp} <= {kv} KV heads; the valid value is 1"
                 )
             return
         if tp % kv:
-            raise ConversionError(f"--tp {tp} must be a multiple of num_key_value_heads ({kv}) when tp > kv heads")
+            raise ConversionError(f"{n('tp')} must be a multiple of num_key_value_heads ({kv}) when tp > kv heads")
         if kv * kvm != tp:
             raise ConversionError(
-                f"--kv-size-multiplier {kvm} is invalid for tp {tp} with {kv} KV heads: "
+                f"{n('kvm')} is invalid for tp {tp} with {kv} KV heads: "
                 f"the valid value is {tp // kv} (tp / kv heads)"
             )
 

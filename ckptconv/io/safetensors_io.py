@@ -56,6 +56,10 @@ class SafetensorsFormatError(ValueError):
     """A safetensors file is malformed; the message names the file (and key, if any)."""
 
 
+class NotSafetensorsError(SafetensorsFormatError):
+    """The file's first 8 bytes cannot be a safetensors header length (a JSON or text file, say)."""
+
+
 class SafetensorsWriteError(ValueError):
     """A write does not fit the layout (bad range, overlap, missing bytes)."""
 
@@ -229,7 +233,8 @@ class SafetensorsReader:
             raise _fail(path, f"file is {size} bytes, expected at least 8 for the header length")
         (n,) = struct.unpack("<Q", self._pread(0, 8))
         if n > size - 8 or n > _MAX_HEADER:
-            raise _fail(path, f"header length {n} exceeds {min(size - 8, _MAX_HEADER)} available bytes")
+            raise NotSafetensorsError(f"{path}: not a safetensors file (header length {n} exceeds "
+                                      f"{min(size - 8, _MAX_HEADER)} available bytes)")
         try:
             header = json.loads(self._pread(8, n).decode("utf-8"), object_pairs_hook=_unique_object)
         except (ValueError, RecursionError) as e:

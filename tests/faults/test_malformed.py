@@ -209,7 +209,7 @@ def test_malformed_input_is_one_line_error(name: str, kind: str, breaks: Callabl
 def test_dangling_out_symlink(hf_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     out = tmp_path / "out"
     out.symlink_to(tmp_path / "nowhere")
-    assert main(["to-nxd", str(hf_copy), str(out), "--quiet"]) == 1
+    assert main(["to-nxd", str(hf_copy), str(out), "--tp", "1", "--quiet"]) == 1
     assert one_line_error(capsys.readouterr().err) == (
         f"ckptconv: error: {out}: is a dangling symbolic link (to {tmp_path / 'nowhere'}); "
         "remove it or create its target first")
@@ -218,7 +218,7 @@ def test_dangling_out_symlink(hf_copy: Path, tmp_path: Path, capsys: pytest.Capt
 def test_out_is_a_file(hf_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     out = tmp_path / "out"
     out.write_text("mine")
-    assert main(["to-nxd", str(hf_copy), str(out), "--quiet"]) == 1
+    assert main(["to-nxd", str(hf_copy), str(out), "--tp", "1", "--quiet"]) == 1
     assert one_line_error(capsys.readouterr().err) == f"ckptconv: error: {out}: exists and is not a directory"
     assert out.read_text() == "mine"
 
@@ -229,7 +229,7 @@ def test_read_only_out(hf_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     out.mkdir()
     out.chmod(0o555)
     try:
-        assert main(["to-nxd", str(hf_copy), str(out), "--quiet"]) == 1
+        assert main(["to-nxd", str(hf_copy), str(out), "--tp", "1", "--quiet"]) == 1
     finally:
         out.chmod(0o755)
     assert "permission denied" in one_line_error(capsys.readouterr().err)
@@ -253,10 +253,10 @@ def test_os_errors_are_one_line():
 def test_json_error_object_and_debug_traceback(hf_copy: Path, tmp_path: Path):
     """A real process: --json prints an error object on stdout; --debug (or CKPTCONV_DEBUG=1) the traceback."""
     _config(hf_copy, num_hidden_layers=1_000_000_000)
-    proc = run("ckptconv", "to-nxd", hf_copy, tmp_path / "out", "--json")
+    proc = run("ckptconv", "to-nxd", hf_copy, tmp_path / "out", "--tp", "1", "--json")
     assert proc.returncode == 1
     line = one_line_error(proc.stderr)
     assert json.loads(proc.stdout) == {"error": line.removeprefix("ckptconv: error: "), "kind": "input", "exit": 1}
-    proc = run("ckptconv", "--debug", "to-nxd", hf_copy, tmp_path / "out")
+    proc = run("ckptconv", "--debug", "to-nxd", hf_copy, tmp_path / "out", "--tp", "1")
     assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1] == line

@@ -23,7 +23,7 @@ def _convert(*argv: str | Path) -> int:
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
 def test_src_equal_to_out_is_refused(hf_copy: Path, overwrite: list[str], capsys: pytest.CaptureFixture[str]):
     before = tree(hf_copy)
-    assert _convert("to-nxd", hf_copy, hf_copy, *overwrite) == 1
+    assert _convert("to-nxd", hf_copy, hf_copy, "--tp", "1", *overwrite) == 1
     assert one_line_error(capsys.readouterr().err) == f"ckptconv: error: {hf_copy}: is the source {hf_copy} itself; choose another OUT"
     assert tree(hf_copy) == before
 
@@ -32,7 +32,7 @@ def test_out_symlink_to_src_is_refused(hf_copy: Path, tmp_path: Path, capsys: py
     link = tmp_path / "link"
     link.symlink_to(hf_copy)
     before = tree(hf_copy)
-    assert _convert("to-nxd", hf_copy, link, "--overwrite") == 1
+    assert _convert("to-nxd", hf_copy, link, "--tp", "1", "--overwrite") == 1
     assert "is the source" in one_line_error(capsys.readouterr().err)
     assert tree(hf_copy) == before
 
