@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, run_guarded
+from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
-from ckptconv.io.metadata import add_version_flag
+from ckptconv.io import add_version_flag
 from nxdtrain.commands import add_commands
 from nxdtrain.config import GROUPS, REQUIRED_USAGE, TrainConfig, explain, flag_of, leaf_fields
 from nxdtrain.errors import TrainError

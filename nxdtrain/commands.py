@@ -125,7 +125,7 @@ def _steps(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    from ckptconv.cli.report import key_values
+    from ckptconv.cli import key_values
 
     key_values([(label, f"{report[key]:,}") for key, label in STEPS_LABELS.items()], right=True,
                title=f"{report['data']}: gbs {report['gbs']}, mbs {report['mbs']}, tp {report['tp']} x pp {report['pp']}"

@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptconv.engine.options import NXD_PARAM_GROUPS
-from ckptconv.training.schedules import NXDT_SCHEDULES
+from ckptconv.engine import NXD_PARAM_GROUPS
+from ckptconv.training import NXDT_SCHEDULES
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 

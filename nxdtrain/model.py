@@ -26,11 +26,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckptconv.core.layout import Attention as AttentionMode
-from ckptconv.core.layout import ParallelLayout, layer_pp_ranks
-from ckptconv.core.mapping import ShardRecord, hf_record_shape, hf_shapes, kv_heads, q_heads, shard_records
-from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.reference import causal_attention, rms_norm
+from ckptconv.core import Attention as AttentionMode
+from ckptconv.core import (
+    ModelSpec,
+    ParallelLayout,
+    ShardRecord,
+    causal_attention,
+    hf_record_shape,
+    hf_shapes,
+    kv_heads,
+    layer_pp_ranks,
+    q_heads,
+    rms_norm,
+    shard_records,
+)
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
 from nxdtrain.parallel.layers import (

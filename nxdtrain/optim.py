@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptconv.training import schedules as lr_schedule
-from ckptconv.training import state as training_state
+from ckptconv.training import MASTER, OPTIMIZER_FORMAT, plain_group, state_key
+from ckptconv.training import lr_at as schedule_lr_at
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
 
@@ -37,7 +37,7 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     """
     if 0 < cfg.warmup < 1:
         raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.data.epochs.resolve)")
-    return lr_schedule.lr_at(step, cfg, decay_steps=decay_steps)
+    return schedule_lr_at(step, cfg, decay_steps=decay_steps)
 
 
 def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
@@ -145,17 +145,17 @@ class Optimizer:
         local = self._local().state_dict()
         owned = [n for group in self._owned() for n in group]
         state: dict[str, Any] = {
-            "format": training_state.FORMAT, "names": list(self.names), "zero1": self.zero,
+            "format": OPTIMIZER_FORMAT, "names": list(self.names), "zero1": self.zero,
             "zero_size": self.zero_size, "dp_rank": dist.get_rank(self.zero_group) if self.zero else 0,
             "owned": owned,
-            "param_groups": [training_state.plain_group(g) for g in local["param_groups"]],
+            "param_groups": [plain_group(g) for g in local["param_groups"]],
         }
         for index, name in enumerate(owned):  # torch numbers parameters in group order
             for component, value in local["state"].get(index, {}).items():
-                state[training_state.state_key(name, component)] = value
+                state[state_key(name, component)] = value
         if self.mixed:
             for name in owned:
-                state[training_state.state_key(name, training_state.MASTER)] = self.master[name].detach().clone()
+                state[state_key(name, MASTER)] = self.master[name].detach().clone()
         return state
 
     def load_state(self, read: Callable[[str, str | None], dict[str, torch.Tensor]],
@@ -175,9 +175,9 @@ class Optimizer:
                 hyper["capturable"] = self.capturable
             ids = []
             for name in names:
-                found = read(name, None) if same_optimizer else read(name, training_state.MASTER)
-                if training_state.MASTER in found:
-                    masters[name] = found.pop(training_state.MASTER)
+                found = read(name, None) if same_optimizer else read(name, MASTER)
+                if MASTER in found:
+                    masters[name] = found.pop(MASTER)
                 if found:  # in the parameter's memory layout, as torch's own zeros_like state would be
                     state[index] = {c: torch.empty_like(self.master[name], dtype=t.dtype).copy_(t)
                                     if t.shape == self.master[name].shape else t for c, t in found.items()}
@@ -188,8 +188,8 @@ class Optimizer:
             local.load_state_dict({"state": state, "param_groups": groups})
         with torch.no_grad():
             for name in self.names:
-                master = masters.pop(name) if name in masters else read(name, training_state.MASTER).get(
-                    training_state.MASTER)
+                master = masters.pop(name) if name in masters else read(name, MASTER).get(
+                    MASTER)
                 if master is not None:
                     self.master[name].copy_(master)
                     if self.mixed:

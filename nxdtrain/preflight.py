@@ -16,11 +16,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckptconv.core.layout import HF_FILES_DIR
-from ckptconv.engine.outdir import TMP_DIR
+from ckptconv.core import HF_FILES_DIR
+from ckptconv.engine import TMP_DIR
 from ckptconv.errors import ConversionError
-from ckptconv.io.hf import CONFIG
-from ckptconv.io.metadata import METADATA_FILE, Metadata, read_metadata
+from ckptconv.io import CONFIG, METADATA_FILE, Metadata, read_metadata
 from nxdtrain.config import SYNTHETIC, TrainConfig
 from nxdtrain.errors import TrainError
 

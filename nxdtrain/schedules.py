@@ -19,6 +19,6 @@ Ours (``cosine``, ``linear``, ``constant``) are :func:`nxdtrain.optim.lr_at`'s.
 
 from __future__ import annotations
 
-from ckptconv.training.schedules import nxdt_lr
+from ckptconv.training import nxdt_lr
 
 __all__ = ["nxdt_lr"]  # the formula lives in ckptconv (one place: training and the TorchTitan export)

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.core.layout import ParallelLayout
-from ckptconv.engine.options import usable_cpus
+from ckptconv.core import ParallelLayout
+from ckptconv.engine import usable_cpus
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import Flavour
-from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE
+from ckptconv.io import Flavour
+from ckptconv.training import DEFAULT_RULE
 from nxdtrain.checkpoint.continuity import check_resume, new_run_id, run_record
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
@@ -538,9 +538,8 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
 
     An earlier HF export in OUT (a ckptconv.json of kind "hf") is replaced; anything else there is an error.
     """
-    from ckptconv.commands.api import RunOptions, to_hf
-    from ckptconv.io.metadata import read_metadata
-    from ckptconv.io.nxd import resolve_checkpoint
+    from ckptconv import RunOptions, to_hf
+    from ckptconv.io import read_metadata, resolve_checkpoint
 
     check_export_target(out, label)  # in nxdtrain's words (ckptconv's would suggest its --overwrite)
     check_model_config(resolve_checkpoint(src)[0])

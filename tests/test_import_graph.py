@@ -150,3 +150,70 @@ def test_ckptconv_never_imports_nxdtrain():
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in names if m.split(".")[0] == "nxdtrain"], path
+
+
+# nxdtrain enters ckptconv through the package root (the verbs), the hall, and each room's ``__init__``: the names a
+# room exports under ``if TYPE_CHECKING:`` (ckptconv.lazy_exports). Never through a room's inner modules.
+ENTRY_POINTS = {"ckptconv", "ckptconv.errors", "ckptconv.core", "ckptconv.io", "ckptconv.engine", "ckptconv.sources",
+                "ckptconv.training", "ckptconv.cli"}
+
+
+def _ckptconv_imports_of(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every ckptconv import in a file (name "" for ``import M``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ckptconv":
+            out += [(node.module or "", a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, "") for a in node.names if a.name.split(".")[0] == "ckptconv"]
+    return out
+
+
+def test_nxdtrain_enters_ckptconv_through_the_entry_points_only():
+    inner = [f"{path.relative_to(REPO)}: {module}" for path in sorted((REPO / "nxdtrain").rglob("*.py"))
+             for module, _ in _ckptconv_imports_of(path) if module not in ENTRY_POINTS]
+    assert inner == []
+
+
+@pytest.mark.parametrize("room", sorted(ENTRY_POINTS - {"ckptconv", "ckptconv.errors"}))
+def test_every_export_of_a_room_is_its_module_s_object(room):
+    import importlib
+
+    from ckptconv import type_checking_imports
+
+    package = importlib.import_module(room)
+    exports = type_checking_imports(Path(package.__file__))
+    assert exports, f"{room} exports nothing"
+    for name, (module, attr) in exports.items():
+        expected = importlib.import_module(f"{room}.{attr}") if module == room else getattr(
+            importlib.import_module(module), attr)
+        assert getattr(package, name) is expected, (room, name)
+
+
+def test_nxdtrain_uses_only_names_the_rooms_export():
+    import importlib
+
+    from ckptconv import type_checking_imports
+
+    exported = {room: set(type_checking_imports(Path(importlib.import_module(room).__file__)))
+                for room in ENTRY_POINTS - {"ckptconv", "ckptconv.errors"}}
+    used = {(module, name) for path in (REPO / "nxdtrain").rglob("*.py") for module, name in _ckptconv_imports_of(path)
+            if module in exported}
+    assert {f"{module}.{name}" for module, name in used if name not in exported[module]} == set()
+
+
+def test_an_unknown_name_of_a_room_is_an_attribute_error():
+    import ckptconv.core
+
+    with pytest.raises(AttributeError, match="module 'ckptconv.core' has no attribute 'plan_everything'"):
+        ckptconv.core.plan_everything  # noqa: B018
+
+
+def test_a_room_package_imports_none_of_its_modules_until_asked(tmp_path):
+    import subprocess
+    import sys
+
+    probe = ("import sys, ckptconv.core, ckptconv.training, ckptconv.io; "
+             "print(sorted(m for m in sys.modules if m.startswith('ckptconv.') and m.count('.') > 1), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.strip() == "[] False"

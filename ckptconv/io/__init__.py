@@ -1,0 +1,29 @@
+"""Every on-disk format, read and written: HF safetensors/.bin, NxD's torch zip and xser, DCP, ckptconv.json,
+digests, checked reads, atomic writes. A leaf over the pure core.
+
+The names below are what the trainer (nxdtrain) uses of this room: its entry point.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckptconv import lazy_exports
+
+if TYPE_CHECKING:
+    from ckptconv.io.checked import CheckedFiles, check_whole_file
+    from ckptconv.io.digest import DEFAULT, record_files
+    from ckptconv.io.hf import CONFIG
+    from ckptconv.io.metadata import METADATA_FILE, Metadata, add_version_flag, read_metadata, write_metadata
+    from ckptconv.io.nxd import (
+        CHECKPOINT_MARKER,
+        DONE_MARKER,
+        Flavour,
+        completed_tags,
+        resolve_checkpoint,
+        tag_step,
+    )
+    from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
+    from ckptconv.io.nxd_write import save_shard, write_markers
+
+__getattr__ = lazy_exports(__name__, __file__)

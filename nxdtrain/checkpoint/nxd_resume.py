@@ -15,13 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
-from ckptconv.io.checked import CheckedFiles
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from ckptconv.training.nxd_optimizer_write import NXDTRAIN_KEY
-from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.training.position import nxd_position
-from ckptconv.training.state import USER_CONTENT_FILE
+from ckptconv.io import CheckedFiles
+from ckptconv.training import NXDTRAIN_KEY, USER_CONTENT_FILE, NxdOptimizer, NxdTagOptimizer, OptimFormat, nxd_position
 from nxdtrain.checkpoint.continuity import LABELS
 from nxdtrain.checkpoint.resume import TrainingState, damaged, load_small, training_state_of
 from nxdtrain.errors import TrainError

@@ -14,16 +14,28 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import ParallelLayout, parse_shard_name, shard_file
-from ckptconv.core.mapping import all_shard_records, stores_lm_head
-from ckptconv.core.plan import OutTensor, plan_reshard
-from ckptconv.engine.execute import read_tensor
+from ckptconv.core import (
+    OutTensor,
+    ParallelLayout,
+    all_shard_records,
+    parse_shard_name,
+    plan_reshard,
+    shard_file,
+    stores_lm_head,
+)
+from ckptconv.engine import read_tensor
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd_read import NxdCheckpoint
-from ckptconv.sources.masters import nxd_masters
-from ckptconv.training import state as training_state
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.io import NxdCheckpoint
+from ckptconv.sources import nxd_masters
+from ckptconv.training import (
+    Hyper,
+    NxdOptimizer,
+    NxdTagOptimizer,
+    OptimizerSource,
+    TagOptimizer,
+    TagReader,
+    state_tensors,
+)
 from nxdtrain.checkpoint.resume import damaged
 from nxdtrain.errors import TrainError
 
@@ -45,18 +57,18 @@ class StageReader:
                 # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank,
                 # and of the files of the ranks this one reads only)
                 nxd_masters(self.shards, None, prefer=False, io="read", check=True, keep=optimizer, only=files)
-            self.optim: training_state.OptimizerSource | None = None
+            self.optim: OptimizerSource | None = None
             if optimizer and source.nxd:
                 self.optim = NxdTagOptimizer(self.shards.nxd_optimizer or NxdOptimizer(self.shards, io="read"))
             elif optimizer:
-                self.optim = training_state.TagOptimizer(
+                self.optim = TagOptimizer(
                     source.root, source.spec, source.layout, with_inv_freq=source.with_inv_freq,
                     lm_head_copy=stores_lm_head(source.spec, dtypes), checks=self.shards.checks, io="read",
                     only={r for r in read_from if r is not None})
         except ConversionError as exc:
             self.close()
             raise self.error(exc) from None
-        self.reader = training_state.TagReader(self.shards, self.optim) if self.optim is not None else self.shards
+        self.reader = TagReader(self.shards, self.optim) if self.optim is not None else self.shards
 
     def _planning_dtypes(self) -> dict[str, torch.dtype]:
         """Every source key, for the plan's arithmetic: the pieces depend on keys, not dtypes (the model casts what
@@ -83,13 +95,13 @@ class StageReader:
         """Parameter ``name``'s optimizer tensors by component, in this rank's layout."""
         assert self.optim is not None
         try:
-            planned = training_state.state_tensors(self.tensors[name], self.optim)
+            planned = state_tensors(self.tensors[name], self.optim)
             return {c: read_tensor(t, self.reader) for c, t in planned.items() if only is None or c == only}
         except ConversionError as exc:
             raise self.error(exc) from None
 
     @property
-    def hyper(self) -> training_state.Hyper:
+    def hyper(self) -> Hyper:
         assert self.optim is not None
         return self.optim.hyper
 

@@ -23,18 +23,38 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import MODEL_DIR, Attention, ParallelLayout, default_kvm, shard_file
-from ckptconv.core.mapping import EMBED, LM_HEAD, stores_lm_head
-from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.plan import Source
+from ckptconv.core import (
+    EMBED,
+    LM_HEAD,
+    MODEL_DIR,
+    Attention,
+    ModelSpec,
+    ParallelLayout,
+    Source,
+    default_kvm,
+    shard_file,
+    stores_lm_head,
+)
 from ckptconv.errors import ConversionError, IntegrityError
-from ckptconv.io.checked import CheckedFiles, check_whole_file
-from ckptconv.io.metadata import Metadata
-from ckptconv.io.nxd import DONE_MARKER, completed_tags, resolve_checkpoint
-from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
-from ckptconv.sources.nxd import open_nxd
-from ckptconv.training.nxd_optimizer_write import NXD_OPTIMIZER_KEY
-from ckptconv.training.state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE, describe_zero1, is_training_tag
+from ckptconv.io import (
+    DONE_MARKER,
+    CheckedFiles,
+    Metadata,
+    NxdCheckpoint,
+    check_whole_file,
+    completed_tags,
+    load_shard,
+    resolve_checkpoint,
+)
+from ckptconv.sources import open_nxd
+from ckptconv.training import (
+    NXD_OPTIMIZER_KEY,
+    OPTIM_DIR,
+    SCHEDULER_FILE,
+    USER_CONTENT_FILE,
+    describe_zero1,
+    is_training_tag,
+)
 from nxdtrain.checkpoint.continuity import recorded_run
 from nxdtrain.checkpoint.tags import finish_interrupted_rewrites, optim_file
 from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig

@@ -13,15 +13,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, ParallelLayout, shard_file
+from ckptconv.core import HF_FILES_DIR, MODEL_DIR, ParallelLayout, shard_file
 from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError
-from ckptconv.io.digest import DEFAULT as DEFAULT_HASH
-from ckptconv.io.digest import record_files
-from ckptconv.io.metadata import Metadata, read_metadata, write_metadata
-from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, Flavour
-from ckptconv.io.nxd_write import save_shard, write_markers
-from ckptconv.training.state import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
+from ckptconv.io import (
+    CHECKPOINT_MARKER,
+    DONE_MARKER,
+    Flavour,
+    Metadata,
+    read_metadata,
+    record_files,
+    save_shard,
+    write_markers,
+    write_metadata,
+)
+from ckptconv.io import DEFAULT as DEFAULT_HASH
+from ckptconv.training import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
 from nxdtrain.checkpoint.resume import ResumeSource
 from nxdtrain.checkpoint.tags import MARKERS, NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune, remove_tag
 from nxdtrain.device import to_host
@@ -108,7 +115,7 @@ class TagWriter:
         """The tag just saved rewritten in NxD's own optimizer format (``ckptconv reshard --optimizer-format nxd``
         at the same layout), every rank writing its share of the files (``--part rank/world``) into a hidden
         sibling that replaces the tag when complete: until then the saved tag stays as it is, complete."""
-        from ckptconv.commands.api import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
+        from ckptconv import RunOptions, reshard  # noqa: PLC0415 (only runs that ask for NxD's format)
 
         staging = tag.with_name(f".{tag.name}{NXD_REWRITE_SUFFIX}")
         rank, world = dist.get_rank(), dist.get_world_size()

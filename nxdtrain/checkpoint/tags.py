@@ -20,12 +20,11 @@ import contextlib
 import os
 from pathlib import Path
 
-from ckptconv.core.layout import MODEL_DIR
+from ckptconv.core import MODEL_DIR
 from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError
-from ckptconv.io.metadata import read_metadata
-from ckptconv.io.nxd import CHECKPOINT_MARKER, DONE_MARKER, completed_tags, tag_step
-from ckptconv.training.state import optimizer_file
+from ckptconv.io import CHECKPOINT_MARKER, DONE_MARKER, completed_tags, read_metadata, tag_step
+from ckptconv.training import optimizer_file
 from nxdtrain.errors import TrainError
 from nxdtrain.preflight import check_writable
 

@@ -61,7 +61,7 @@ class LoadedTokenizer:
 
 def tokenizer_dir(path: Path) -> Path:
     """The directory holding the tokenizer: an HF model dir, or a converted dir's ``hf/`` side files."""
-    from ckptconv.core.layout import HF_FILES_DIR
+    from ckptconv.core import HF_FILES_DIR
 
     side = path / HF_FILES_DIR
     if not any((path / f).exists() for f in TOKENIZER_FILES) and side.is_dir():

@@ -36,7 +36,7 @@ from dataclasses import astuple, dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from ckptconv.engine.launcher import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
+from ckptconv.engine import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.lifeline import die_with, start_time
 
@@ -347,7 +347,7 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world
     except Exception as exc:
         # Not printed here: every rank often fails alike (a bad row, a missing file), or because a peer
         # failed (a lost connection); the launcher prints the first message written, once.
-        from ckptconv.cli.errors import debug_requested, describe
+        from ckptconv.cli import debug_requested, describe
 
         if debug_requested():
             import traceback
