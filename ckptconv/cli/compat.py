@@ -14,8 +14,6 @@ heads). The layout flags are generated from :class:`ckptconv.core.layout_flags.L
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptconv.cli.layout_args import add_layout_flags, overrides_from, parse_bool
@@ -23,11 +21,11 @@ from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 
 if TYPE_CHECKING:
-    from ckptconv.commands.api import Result
+    from ckptconv.engine.run import Result
 
 # The conversions (and torch) are imported when one runs: the parser is built by every `ckptconv` call.
 
-__all__ = ["build_parser", "parse_bool", "run_compat", "to_full_state"]
+__all__ = ["build_parser", "parse_bool", "run_compat"]
 
 XSER_FLAGS = {
     "--save_xser": "write shards in the xser format",
@@ -70,31 +68,6 @@ def run_compat(args: argparse.Namespace, options: RunOptions) -> Result:
 
         return to_nxd(args.input_dir, args.output_dir, layout=flags,
                       flavour="xser-inline" if args.save_xser else "plain", config=args.config, options=options)
+    from ckptconv.commands.full_state import to_full_state
+
     return to_full_state(args.input_dir, args.output_dir, config=args.config, hints=flags, options=options)
-
-
-def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints: dict[str, object],
-                  options: RunOptions) -> Result:
-    """What the official ``--convert_to_full_state`` writes: ``<out>/checkpoint.pt`` with HF keys."""
-    from ckptconv.commands.api import _convert, _fingerprint
-    from ckptconv.core.plan import plan_to_full_state
-    from ckptconv.engine.finalize import FinalizeSpec
-    from ckptconv.io.nxd import Flavour
-    from ckptconv.io.nxd_write import sink_factory
-    from ckptconv.sources.nxd import open_nxd
-
-    started = time.monotonic()
-    out = Path(out)
-    opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check)
-    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
-                                                opened.notes)
-    with ckpt:
-        plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
-        fingerprint = _fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))
-        # The official tool writes checkpoint.pt and nothing else; so do we (no ckptconv.json).
-        result = _convert(plan, ckpt, out, sink_factory(Flavour.PLAIN), options, FinalizeSpec(fingerprint), "to-full-state",
-                          sources=[Path(src), ckpt.root])
-    result.notes[:0] = notes
-    result.layout = layout.to_json()
-    result.seconds = time.monotonic() - started
-    return result

@@ -27,7 +27,7 @@ from ckptconv.io import digest
 from ckptconv.io.metadata import add_version_flag
 
 if TYPE_CHECKING:
-    from ckptconv.commands.api import Result
+    from ckptconv.engine.run import Result
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

@@ -10,7 +10,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,16 +17,7 @@ from typing import Any
 import torch
 
 from ckptconv.commands.src_kind import open_hf, refuse_hf_source, refuse_nxd_source
-from ckptconv.commands.steps import (  # also reached as ckptconv.commands.api.* (dcp.py, tests)
-    Result,
-    _config_as_written,
-    _convert,
-    _dtype_name,
-    _fingerprint,
-    _identity,
-    _input_files,
-    _outputs,
-)
+from ckptconv.commands.steps import config_as_written, dtype_name, input_files
 from ckptconv.core.layout import (
     HF_FILES_DIR,
     Attention,
@@ -47,6 +37,7 @@ from ckptconv.engine.finalize import (
 from ckptconv.engine.options import DTYPES as DTYPE_NAMES
 from ckptconv.engine.options import RunOptions  # also reached as ckptconv.commands.api.RunOptions
 from ckptconv.engine.progress import note
+from ckptconv.engine.run import Result, Run, file_identity, fingerprint, planned_outputs
 from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import Flavour
@@ -138,40 +129,36 @@ def to_nxd(
     or commit). With ``verify_layers`` > 0, :func:`ckptconv.commands.verify.verify` then checks that many sampled
     layers (plus embedding and lm_head) numerically and raises ``VerificationError`` on a mismatch.
     """
-    options = options or RunOptions()
-    started = time.monotonic()
+    run = Run("to-nxd", options)
+    options, notes = run.options, run.notes
     flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
                             trn2_kv_layout=trn2_kv_layout)
     flavour = choice(Flavour, flavour, "flavour")
     src = resolve_hf(src, revision=revision, quiet=options.quiet)
     refuse_nxd_source(src)
-    notes: list[str] = []
     out = Path(out)
     with open_hf(src, config=config, io=options.io) as hf:
         target = new_layout(flags, hf.spec, notes)
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(src))
         plan = plan_to_nxd(hf.spec, target, hf.dtypes(), dtype_policy(dtype))
-        fingerprint = _fingerprint("nxd", target.to_json(), dtype, flavour.value, _identity(hf.weight_files()),
-                                   _tokenizer_identity(tokenizer))
-        copies = _with_tokenizer(_hf_side_copies(hf, notes), tokenizer, f"{HF_FILES_DIR}/", notes)
+        identity = fingerprint("nxd", target.to_json(), dtype, flavour.value, file_identity(hf.weight_files()),
+                               _tokenizer_identity(tokenizer))
+        copies = _with_tokenizer(hf_side_copies(hf, notes), tokenizer, f"{HF_FILES_DIR}/", notes)
         if not has_tokenizer([Path(path).name for _, path in copies]):
             notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
                          "pass --tokenizer DIR")
-        hf_config, copies, texts = _config_as_written(hf.spec.config, dtype, plan, copies)
+        hf_config, copies, texts = config_as_written(hf.spec.config, dtype, plan, copies)
         spec = FinalizeSpec(
-            fingerprint,
+            identity,
             metadata=dict(kind="nxd", hf_config=hf_config, layout=target.to_json(), flavour=flavour.value,
-                          dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint),
+                          dtype=dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=identity),
             texts=texts, copies=copies,
         )
-        result = _convert(plan, hf, out, sink_factory(flavour), options, spec, "to-nxd", sources=[Path(src)])
-    result.notes[:0] = notes
-    result.layout = target.to_json()
+        result = run.write(plan, hf, out, sink_factory(flavour), spec, sources=[Path(src)])
     if verify_layers and result.finalized:
         _verify_after(src, out, config, verify_layers, result.notes)
-    result.seconds = time.monotonic() - started
-    return result
+    return run.finish(result, target.to_json())
 
 
 def new_layout(flags: LayoutOverrides, spec: ModelSpec, notes: list[str],
@@ -212,7 +199,7 @@ def _verify_after(src: str | Path, out: Path, config: str | Path | None, layers:
     notes.append(f"verified {len(report['layers'])} layers, embedding and lm_head: max relative error {worst:.2g}")
 
 
-def _kept_hf_files(root: Path, notes: list[str], *, into: str, skip: str = "") -> list[tuple[str, str]]:
+def kept_hf_files(root: Path, notes: list[str], *, into: str, skip: str = "") -> list[tuple[str, str]]:
     """(source, target) for the files ``to-nxd`` kept under ``root/hf/``, targets prefixed by ``into``."""
     side = root / HF_FILES_DIR
     if not side.is_dir() or side.is_symlink():
@@ -236,10 +223,10 @@ def _with_tokenizer(copies: list[tuple[str, str]], tokenizer: str | Path | None,
 def _tokenizer_identity(tokenizer: str | Path | None) -> list[tuple[str, int, int]] | None:
     if tokenizer is None:
         return None
-    return _identity(sorted(p for p in Path(tokenizer).iterdir() if p.is_file()))
+    return file_identity(sorted(p for p in Path(tokenizer).iterdir() if p.is_file()))
 
 
-def _hf_side_copies(hf: HfCheckpoint, notes: list[str]) -> list[tuple[str, str]]:
+def hf_side_copies(hf: HfCheckpoint, notes: list[str]) -> list[tuple[str, str]]:
     """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
     copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
     found = outdir.confined_files(hf.directory, "", [p.name for p in hf.side_files()], notes)
@@ -275,14 +262,14 @@ def to_hf(
     The tokenizer and generation files kept in the source's ``hf/`` come along; ``tokenizer`` (a
     directory) replaces them. An export that would have no tokenizer warns.
     """
-    options = options or RunOptions()
-    started = time.monotonic()
+    run = Run("to-hf", options)
+    options, notes = run.options, run.notes
     out = Path(out)
     refuse_hf_source(src, "to-hf")
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       prefer_masters=True)
-    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
-                                                opened.notes)
+    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    notes += opened.notes
     with ckpt:
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
@@ -290,11 +277,11 @@ def to_hf(
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean")
-        fingerprint = _fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
-                                   _identity(_input_files(ckpt)), _tokenizer_identity(tokenizer),
-                                   ckpt.masters_identity())
+        identity = fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
+                               file_identity(input_files(ckpt)), _tokenizer_identity(tokenizer),
+                               ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
-        copies = _with_tokenizer(_kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
+        copies = _with_tokenizer(kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
         if not has_tokenizer([target for _, target in copies]):
             message = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
                        "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
@@ -302,18 +289,14 @@ def to_hf(
             warnings.warn(message, stacklevel=2)
             notes.append(message)
         spec_ = FinalizeSpec(
-            fingerprint,
-            metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=with_inv_freq,
-                          fingerprint=fingerprint, extra={"from_layout": layout.to_json()}),
+            identity,
+            metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=with_inv_freq,
+                          fingerprint=identity, extra={"from_layout": layout.to_json()}),
             texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
             copies=copies,
         )
-        result = _convert(plan, ckpt, out, safetensors_sink, options, spec_, "to-hf", kv_replicas,
-                          sources=[Path(src), ckpt.root])
-    result.notes[:0] = notes
-    result.layout = layout.to_json()
-    result.seconds = time.monotonic() - started
-    return result
+        result = run.write(plan, ckpt, out, safetensors_sink, spec_, kv_replicas, sources=[Path(src), ckpt.root])
+    return run.finish(result, layout.to_json())
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,18 +347,20 @@ def reshard(
     by ``nxd_param_groups`` (default ``bias-norm``), read back; ``drop_masters`` accepts losing a bf16 model's fp32
     state without ZeRO-1; ``nxd_trainer``: whose side files (:mod:`ckptconv.training.trainer_files`).
     """
-    options = options or RunOptions()
+    run = Run("reshard", options)
+    options, notes = run.options, run.notes
     rule = _nxd_rule(optimizer_format, nxd_param_groups, drop_masters)  # bad flags refused before anything opens
     check_nxd_trainer(optimizer_format, nxd_trainer)
     flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
                             trn2_kv_layout=trn2_kv_layout)
-    started, out = time.monotonic(), Path(out)
+    out = Path(out)
     refuse_hf_source(src, "reshard")
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       stages_only=parted, keep_nxd_optimizer=True)  # NxD's tag: its state moves too
-    ckpt, spec, old, with_inv_freq, notes = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq, opened.notes
+    ckpt, spec, old, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    notes += opened.notes
     with ckpt:
         resolved = apply_layout(old, flags, kv_heads=spec.kv_heads)
         resolved.check_model(spec)
@@ -388,31 +373,28 @@ def reshard(
                             dtype_policy=dtype_policy(dtype))
         training = _reshard_training(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, weights_only=weights_only,
                                      optimizer_format=optimizer_format, options=options)
-        if parted and training is None:  # the weights alone: split by _convert, so every file is checked here
+        if parted and training is None:  # the weights alone: split by the run's write, so every file is checked here
             check_files_read(ckpt, spec, old, with_inv_freq, ckpt.files)
         if training is not None and optimizer_format == "nxd":
             training.nxd_format = NxdFormat(_param_groups(training, rule, nxd_param_groups, notes), drop_masters,
                                             spec, with_inv_freq, nxd_trainer, out)
         spec_ = _reshard_spec(ckpt, spec, old, new, plan, training, dtype, target_flavour, with_inv_freq, notes)
-        result = _write_reshard(plan, ckpt, training, spec, old, new, with_inv_freq, out, options, spec_,
-                                target_flavour, kv_replicas, [Path(src), ckpt.root], notes)
-    result.notes[:0] = notes
-    result.layout = new.to_json()
-    result.seconds = time.monotonic() - started
-    return result
+        result = _write_reshard(plan, ckpt, training, spec, old, new, with_inv_freq, out, run, spec_,
+                                target_flavour, kv_replicas, [Path(src), ckpt.root])
+    return run.finish(result, new.to_json())
 
 
 def _reshard_spec(ckpt: Any, spec: ModelSpec, old: ParallelLayout, new: ParallelLayout, plan: Plan,
                   training: TrainingTag | None, dtype: str, target_flavour: Flavour, with_inv_freq: bool,
                   notes: list[str]) -> FinalizeSpec:
     """What completes a reshard's OUT: its fingerprint, ``ckptconv.json`` and the HF files kept under ``hf/``."""
-    fingerprint = _fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
-                               _identity(_input_files(ckpt)), None if training is None else training.identity())
-    hf_config, copies, texts = _config_as_written(spec.config, dtype, plan,
-                                                  _kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
+    identity = fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
+                           file_identity(input_files(ckpt)), None if training is None else training.identity())
+    hf_config, copies, texts = config_as_written(spec.config, dtype, plan,
+                                                 kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
     metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
-                    dtype=_dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=fingerprint)
-    return FinalizeSpec(fingerprint, metadata=metadata, texts=texts, copies=copies)
+                    dtype=dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=identity)
+    return FinalizeSpec(identity, metadata=metadata, texts=texts, copies=copies)
 
 
 def _refuse_no_change(ckpt: Any, old: ParallelLayout, new: ParallelLayout, flags: LayoutOverrides, *,
@@ -463,20 +445,21 @@ def _param_groups(training: TrainingTag, rule: str | None, asked: str | None, no
 
 
 def _write_reshard(plan: Plan, ckpt: Any, training: TrainingTag | None, spec: ModelSpec, old: ParallelLayout,
-                   new: ParallelLayout, with_inv_freq: bool, out: Path, options: RunOptions, spec_: FinalizeSpec,
-                   target_flavour: Flavour, kv_replicas: str, sources: list[Path], notes: list[str]) -> Result:
+                   new: ParallelLayout, with_inv_freq: bool, out: Path, run: Run, spec_: FinalizeSpec,
+                   target_flavour: Flavour, kv_replicas: str, sources: list[Path]) -> Result:
     """Write the resharded weights and, of a training tag, its optimizer files read beside them (a part: its own
     files only); an NxD-format tag's indices read back as written."""
     reader: Any = ckpt
     sinks = sink_factory(target_flavour)
     part: TagPart | None = None
+    options, notes = run.options, run.notes
     with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
         if training is not None:  # the optimizer files join the plan, read beside the weights
             if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
                 part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
                 check_files_read(ckpt, spec, old, with_inv_freq,
                                  [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in part.sources()])
-                everything, whole = _outputs(plan, spec_), plan
+                everything, whole = planned_outputs(plan, spec_), plan
                 if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads
                     training.optim.widen(part.sources())
                 plan = part.planned()
@@ -484,10 +467,9 @@ def _write_reshard(plan: Plan, ckpt: Any, training: TrainingTag | None, spec: Mo
             if part is not None:
                 training.read_back_all(whole.files, new)  # the last part reads back every part's files
                 plan = part.narrowed(plan)
-                part = part.declaring(everything + _outputs(plan, spec_))
+                part = part.declaring(everything + planned_outputs(plan, spec_))
             sinks = training.sinks(sinks, split=target_flavour is Flavour.XSER_SPLIT)
-        result = _convert(plan, reader, out, sinks, options, spec_, "reshard", kv_replicas,
-                          sources=sources, part_of=part)
+        result = run.write(plan, reader, out, sinks, spec_, kv_replicas, sources=sources, part_of=part)
     if training is not None and training.written is not None and not result.skipped and result.finalized:
         check_written(out, training.written)  # every optimizer index read back as intended
         notes.append(f"read back with NxD's optimizer reader: every index named as written "

@@ -17,26 +17,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckptconv.commands.api import (
-    Result,
-    RunOptions,
-    _convert,
-    _dtype_name,
-    _fingerprint,
-    _hf_side_copies,
-    _identity,
-    _input_files,
-    _kept_hf_files,
-    dtype_policy,
-    new_layout,
-)
+from ckptconv.commands.api import dtype_policy, hf_side_copies, kept_hf_files, new_layout
 from ckptconv.commands.src_kind import open_hf
+from ckptconv.commands.steps import dtype_name, input_files
 from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.core.layout_flags import LayoutOverrides, as_hints, with_api_kwargs
 from ckptconv.core.mapping import check_source_shapes, stores_lm_head
@@ -44,7 +32,9 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutTensor, Plan, hf_sources
 from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
+from ckptconv.engine.options import RunOptions
 from ckptconv.engine.progress import note
+from ckptconv.engine.run import Result, Run, file_identity, fingerprint
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
@@ -124,8 +114,7 @@ def to_dcp(
     checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``; of a training tag (unless
     ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's own keys.
     ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``."""
-    options = options or RunOptions()
-    started = time.monotonic()
+    run = Run("to-dcp", options)
     out = Path(out)
     if kv_replicas not in ("error", "first"):
         raise ConversionError(f"--kv-replicas must be 'error' or 'first' for to-dcp, got {kv_replicas!r}")
@@ -136,45 +125,41 @@ def to_dcp(
         if given:
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
-        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, options), None
+        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, run), None
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
         result, layout_json = _nxd_to_dcp(src, out, config=config, hints=hints, dtype=dtype,
                                           max_file_size=max_file_size, kv_replicas=kv_replicas,
-                                          weights_only=weights_only, masters=masters, options=options)
-    result.layout = layout_json
-    result.seconds = time.monotonic() - started
-    return result
+                                          weights_only=weights_only, masters=masters, run=run)
+    return run.finish(result, layout_json)
 
 
 def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: str | None, dtype: str,
-               max_file_size: int, options: RunOptions) -> Result:
+               max_file_size: int, run: Run) -> Result:
     """An HF model as a TorchTitan DCP checkpoint (the model only)."""
-    notes: list[str] = []
+    options, notes = run.options, run.notes
     hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
     with open_hf(hf_src, config=config, io=options.io) as hf:
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
         plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
-        fingerprint = _fingerprint("dcp", TITAN, dtype, max_file_size, _identity(hf.weight_files()))
-        spec_ = _dcp_finalize(plan, hf.spec, fingerprint, _hf_side_copies(hf, notes), None)
-        result = _convert(plan, hf, out, sink_factory(layout_items(plan.files)), options, spec_, "to-dcp",
-                          sources=[Path(hf_src)])
-    result.notes[:0] = notes
-    return result
+        identity = fingerprint("dcp", TITAN, dtype, max_file_size, file_identity(hf.weight_files()))
+        spec_ = _dcp_finalize(plan, hf.spec, identity, hf_side_copies(hf, notes), None)
+        return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
 
 def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints: Any, dtype: str,
                 max_file_size: int, kv_replicas: str, weights_only: bool, masters: bool | None,
-                options: RunOptions) -> tuple[Result, dict[str, Any]]:
+                run: Run) -> tuple[Result, dict[str, Any]]:
     """NxD shards (of a training tag: with its AdamW state, schedule and step) as a TorchTitan DCP checkpoint."""
+    options, read_notes = run.options, run.notes
     # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       prefer_masters=True)
-    ckpt, spec, layout, with_inv_freq, read_notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
-                                                     opened.notes)
+    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    read_notes += opened.notes
     with ckpt, contextlib.ExitStack() as stack:
         training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
             TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,
@@ -201,31 +186,30 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
         plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
                            max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
         placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
-        fingerprint = _fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
-                                   _identity(_input_files(ckpt)), ckpt.masters_identity(),
-                                   None if training is None else training.identity())
-        copies = _kept_hf_files(ckpt.root, read_notes, into=f"{HF_FILES_DIR}/")
-        spec_ = _dcp_finalize(plan, spec, fingerprint, copies, layout.to_json(), placed)
+        identity = fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
+                               file_identity(input_files(ckpt)), ckpt.masters_identity(),
+                               None if training is None else training.identity())
+        copies = kept_hf_files(ckpt.root, read_notes, into=f"{HF_FILES_DIR}/")
+        spec_ = _dcp_finalize(plan, spec, identity, copies, layout.to_json(), placed)
         reader = ckpt if training is None else TagReader(ckpt, training.optim)
-        result = _convert(plan, reader, out, sink_factory(layout_items(plan.files, placed)), options, spec_,
-                          "to-dcp", kv_replicas, sources=[Path(src), ckpt.root])
-    result.notes[:0] = read_notes
+        result = run.write(plan, reader, out, sink_factory(layout_items(plan.files, placed)), spec_, kv_replicas,
+                           sources=[Path(src), ckpt.root])
     return result, layout.to_json()
 
 
-def _dcp_finalize(plan: Plan, spec: ModelSpec, fingerprint: str, copies: list[tuple[str, str]],
+def _dcp_finalize(plan: Plan, spec: ModelSpec, identity: str, copies: list[tuple[str, str]],
                   source_layout: dict[str, Any] | None,
                   values: dict[str, dict[str, Any]] | None = None) -> FinalizeSpec:
     """What completes a DCP output once its data files exist: ``.metadata`` (what makes it loadable),
     the HF files kept under ``hf/``, then ``ckptconv.json``."""
-    metadata = encode_metadata(layout_items(plan.files, values), planner_path, save_id_of(fingerprint))
+    metadata = encode_metadata(layout_items(plan.files, values), planner_path, save_id_of(identity))
     extra: dict[str, Any] = dict(TITAN)
     if source_layout is not None:
         extra["from_layout"] = source_layout
     return FinalizeSpec(
-        fingerprint,
-        metadata=dict(kind="dcp", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=False,
-                      fingerprint=fingerprint, extra=extra),
+        identity,
+        metadata=dict(kind="dcp", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=False,
+                      fingerprint=identity, extra=extra),
         blobs={DCP_METADATA: base64.b64encode(metadata).decode()},
         copies=copies,
     )
@@ -338,30 +322,29 @@ def from_dcp(
 
     To NxD, a full checkpoint (with TorchTitan's AdamW state) becomes an nxdtrain training tag (unless
     ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position."""
-    options = options or RunOptions()
-    started = time.monotonic()
+    run = Run("from-dcp", options)
+    options, notes = run.options, run.notes
     out = Path(out)
     flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
                             trn2_kv_layout=trn2_kv_layout)
     _check_from_dcp(to, flags, flavour, weights_only, consumed_samples)
     carried = ("optimizer", "lr_scheduler", "train_state") if to == "nxd" and not weights_only else ()
-    ckpt, spec, notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
+    ckpt, spec, dcp_notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
+    notes += dcp_notes
     with ckpt:
         for line in notes:
             note(line, quiet=options.quiet)
-        kept = _kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
+        kept = kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
                               skip=CONFIG if to == "hf" else "")
         if to == "hf":
-            result = _dcp_to_hf(ckpt, spec, out, kept, dtype, max_shard_size, options, [Path(src), ckpt.root])
+            result = _dcp_to_hf(ckpt, spec, out, kept, dtype, max_shard_size, run, [Path(src), ckpt.root])
         else:
             if config is not None and not any(rel == f"{HF_FILES_DIR}/{CONFIG}" for _, rel in kept):
                 kept.append((str(Path(config).resolve()), f"{HF_FILES_DIR}/{CONFIG}"))
             result = _dcp_to_nxd(ckpt, spec, out, kept, flags, choice(Flavour, flavour or Flavour.PLAIN, "flavour"),
-                                 dtype, bool(carried), consumed_samples, options, [Path(src), ckpt.root], notes)
-    result.notes[:0] = notes
-    result.seconds = time.monotonic() - started
-    return result
+                                 dtype, bool(carried), consumed_samples, run, [Path(src), ckpt.root])
+    return run.finish(result)
 
 
 def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | None, weights_only: bool,
@@ -377,26 +360,27 @@ def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | No
 
 
 def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]], dtype: str,
-               max_shard_size: int, options: RunOptions, sources: list[Path]) -> Result:
+               max_shard_size: int, run: Run, sources: list[Path]) -> Result:
     """A DCP checkpoint's model as HF safetensors."""
     plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype))
-    identity = _identity([ckpt.root / DCP_METADATA, *ckpt.data_files()])
-    fingerprint = _fingerprint("from-dcp-hf", dtype, max_shard_size, identity)
+    identity = fingerprint("from-dcp-hf", dtype, max_shard_size,
+                           file_identity([ckpt.root / DCP_METADATA, *ckpt.data_files()]))
     spec_ = FinalizeSpec(
-        fingerprint,
-        metadata=dict(kind="hf", hf_config=spec.config, dtype=_dtype_name(plan), with_inv_freq=False,
-                      fingerprint=fingerprint, extra={"from": TITAN}),
+        identity,
+        metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=False,
+                      fingerprint=identity, extra={"from": TITAN}),
         texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
         copies=kept,
     )
-    return _convert(plan, ckpt, out, safetensors_sink, options, spec_, "from-dcp", sources=sources)
+    return run.write(plan, ckpt, out, safetensors_sink, spec_, sources=sources)
 
 
 def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]],
                 flags: LayoutOverrides, target: Flavour, dtype: str, carry_state: bool,
-                consumed_samples: int | None, options: RunOptions, sources: list[Path], notes: list[str]) -> Result:
+                consumed_samples: int | None, run: Run, sources: list[Path]) -> Result:
     """A DCP checkpoint's model as NxD shards; a full checkpoint's state (unless ``carry_state`` is False) as an
     nxdtrain training tag."""
+    options, notes = run.options, run.notes
     recorded = (ckpt.metadata.extra.get("from_layout") if ckpt.metadata is not None else None)
     layout = new_layout(flags, spec, notes, None if recorded is None else ParallelLayout.from_json(recorded))
     policy = dtype_policy(dtype)
@@ -415,16 +399,16 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
         notes += state.notes
         for line in state.notes:
             note(line, quiet=options.quiet)
-    identity = _identity([ckpt.root / DCP_METADATA, *ckpt.data_files()])
-    fingerprint = _fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value, identity,
-                               None if state is None else consumed_samples)
+    identity = fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value,
+                           file_identity([ckpt.root / DCP_METADATA, *ckpt.data_files()]),
+                           None if state is None else consumed_samples)
     extra: dict[str, Any] = {"from": TITAN}
     if state is not None:
         extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
     spec_ = FinalizeSpec(
-        fingerprint,
+        identity,
         metadata=dict(kind="nxd", hf_config=spec.config, layout=layout.to_json(), flavour=target.value,
-                      dtype=_dtype_name(plan), with_inv_freq=False, fingerprint=fingerprint, extra=extra),
+                      dtype=dtype_name(plan), with_inv_freq=False, fingerprint=identity, extra=extra),
         copies=kept,
     )
     sinks = nxd_sink_factory(target)
@@ -433,6 +417,4 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
         spec_.blobs[SCHEDULER_FILE] = torch_blob(state.scheduler)
         spec_.markers = list(TAG_MARKERS)
         sinks = TrainingTag.sinks(sinks)
-    result = _convert(plan, ckpt, out, sinks, options, spec_, "from-dcp", sources=sources)
-    result.layout = layout.to_json()
-    return result
+    return run.finish(run.write(plan, ckpt, out, sinks, spec_, sources=sources), layout.to_json())

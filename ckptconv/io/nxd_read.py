@@ -218,7 +218,7 @@ class NxdCheckpoint:
 
     def masters_identity(self) -> list[tuple[str, int, int]] | None:
         """nxdtrain's optimizer files read for its master weights (names, sizes, mtimes), or None (NxD's optimizer
-        files are among a conversion's input files instead: ``ckptconv.commands.api._input_files``)."""
+        files are among a conversion's input files instead: ``ckptconv.commands.steps.input_files``)."""
         return self._weights.identity if isinstance(self._weights, ShardsWithMasters) else None
 
     def read_weights_from(self, source: WeightSource) -> None:
