@@ -4,9 +4,9 @@ Top-level keys are our option names (``seq_len: 2048``, the flags' names with ``
 (``trainer``, ``exp_manager``, ``distributed_strategy``, ``data``, ``model``, ``precision``, ...) and top-level
 keys (``name``, ``seed``, ``compiler_flags``, ...). The file is read as NxDT reads it:
 
-* ``${a.b.c}`` is the value of another key of the file and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` an
-  environment variable (OmegaConf's interpolations, as in NxDT's ``max_steps: ${trainer.max_steps}``); in
-  paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of the file) are expanded as a shell would;
+* with OmegaConf (:mod:`nxdtrain.yaml_load`): ``${a.b.c}``, ``${.sibling}``, ``${multiply:...}`` and
+  ``${oc.env:VAR[,default]}`` mean what they mean in NxDT; in paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of
+  the file) are expanded as a shell would; every key of NxDT's example configs: docs/nxdt-configs.md;
 * NxDT keys that mean something here become options (:data:`NXDT_KEYS`, and ``exp_manager`` below); NxDT keys
   that do not apply (the model's shape comes from the checkpoint's config.json, compiler settings, ...) are
   listed once on stderr; any other key is an error: all of them in one line, each with the nearest known key;
