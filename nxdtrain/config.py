@@ -34,6 +34,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.parallel.recompute)
+# What --activation-checkpointing selective recomputes, by NxDT's module names (nxdtrain.parallel.recompute)
+RECOMPUTE_MODULES = ("CoreAttention", "LlamaMLP", "ActivationMultiplyMLP", "LlamaRMSNorm", "LlamaDecoderLayer")
 LONG_ROWS = ("cut", "split", "error")  # rows longer than --seq-len (nxdtrain.data.check)
 AUTO = "auto"  # --resume auto
 SYNTHETIC = "synthetic"  # --data synthetic: random tokens
@@ -100,6 +102,12 @@ class ParallelConfig:
     activation_checkpointing: str = option("none", "recompute activations in the backward: the attention core "
                                                    "(selective) or each decoder layer (full)", choices=RECOMPUTE,
                                            aliases=("--activations-checkpoint-granularity",), group="parallelism")
+    recompute_modules: str | None = option(None, "with --activation-checkpointing selective: what it recomputes, "
+                                                 "NxDT's module names comma-separated: CoreAttention (the attention "
+                                                 "core, the default), LlamaMLP (the whole MLP), ActivationMultiplyMLP "
+                                                 "(act(gate) x up), LlamaRMSNorm (every RMSNorm), LlamaDecoderLayer "
+                                                 "(whole layers)", aliases=("--activations-checkpoint-recompute",),
+                                           group="parallelism")
     context_parallel: int = option(1, "split every row's sequence over this many ranks (zigzag chunks, ring "
                                       "attention); needs --seq-len divisible by 2 x N",
                                     aliases=("--context-parallel-size",), group="parallelism")
@@ -120,6 +128,20 @@ class ParallelConfig:
         _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
         _choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("--activation-checkpointing", self.activation_checkpointing, RECOMPUTE)
+        if self.recompute_modules is not None:
+            unknown = [m for m in self.modules() if m not in RECOMPUTE_MODULES]
+            _check(not unknown, f"--recompute-modules {self.recompute_modules}: {', '.join(unknown)} is none of "
+                                f"{', '.join(RECOMPUTE_MODULES)}")
+            _check(self.activation_checkpointing == "selective", f"--recompute-modules {self.recompute_modules} "
+                   f"needs --activation-checkpointing selective, got {self.activation_checkpointing}")
+
+    def modules(self) -> tuple[str, ...]:
+        """What selective checkpointing recomputes (NxDT's module names); () without it."""
+        if self.activation_checkpointing != "selective":
+            return ()
+        if self.recompute_modules is None:
+            return ("CoreAttention",)
+        return tuple(m.strip() for m in self.recompute_modules.split(",") if m.strip())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,8 +162,11 @@ class OptimConfig:
                            choices=SCHEDULES, group="optimizer and schedule")
     decay_steps: int | None = option(None, "step at which the decay reaches min_lr (default: --steps)",
                                      group="optimizer and schedule")
-    weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (never on norm weights)",
-                                 group="optimizer and schedule")
+    weight_decay: float = option(0.0, "AdamW/SGD weight decay on matrices (on norm weights too with "
+                                      "--norm-weight-decay)", group="optimizer and schedule")
+    norm_weight_decay: bool = option(False, "apply --weight-decay to the norm weights too (NxDT's hf models do with "
+                                            "model.do_layer_norm_weight_decay: false); a resume keeps what the tag "
+                                            "recorded", group="optimizer and schedule")
     beta1: float = option(0.9, "AdamW beta1", group="optimizer and schedule")
     beta2: float = option(0.95, "AdamW beta2", group="optimizer and schedule")
     eps: float = option(1e-8, "AdamW epsilon", group="optimizer and schedule")
@@ -243,7 +268,8 @@ class CheckpointConfig:
                                    choices=OPTIMIZER_FORMATS, group="checkpoints")
     nxd_param_groups: str | None = option(None, "with --optimizer-format nxd: the param groups of the NxD run that "
                                                 "will load the tags: bias-norm (NxD's Llama example, the default), "
-                                                "bias-LayerNorm, or one", choices=NXD_PARAM_GROUPS, group="checkpoints")
+                                                "bias-LayerNorm, bias (NxDT's with do_layer_norm_weight_decay: "
+                                                "false, the default with --norm-weight-decay), or one", choices=NXD_PARAM_GROUPS, group="checkpoints")
     override_schedule: bool = option(False, "resume with another learning-rate schedule or data order than the "
                                             "tag recorded (peak/min lr, warmup, decay steps, schedule, seed, "
                                             "shuffle, epochs); without it such a resume is refused",

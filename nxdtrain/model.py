@@ -83,8 +83,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
+    recompute = False  # selective checkpointing of LlamaRMSNorm (set by LlamaStage)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return maybe_checkpoint(self.recompute, rms_norm, x, self.weight, self.eps)
 
 
 class _InvFreq(nn.Module):
@@ -198,9 +200,19 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(spec.hidden, 2 * local, tp, dtype=dtype)
         self.down_proj = RowParallelLinear(local, spec.hidden, tp, dtype=dtype)
 
+    recompute = False  # selective checkpointing of NxDT's LlamaMLP: the whole MLP (set by LlamaStage)
+    recompute_act = False  # of NxDT's ActivationMultiplyMLP: act(gate) x up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return maybe_checkpoint(self.recompute, self._mlp, x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(maybe_checkpoint(self.recompute_act, _act_multiply, self.gate_up_proj(x)))
+
+
+def _act_multiply(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -252,7 +264,7 @@ class LlamaStage(nn.Module):
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
                  with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none",
-                 cp: CpGroup | None = None) -> None:
+                 cp: CpGroup | None = None, recompute_modules: tuple[str, ...] = ("CoreAttention",)) -> None:
         super().__init__()
         self.cp = cp = cp or CpGroup()
         assert recompute in RECOMPUTE_MODES, recompute
@@ -283,8 +295,19 @@ class LlamaStage(nn.Module):
             padding = torch.arange(tp.rank * vocab_local, (tp.rank + 1) * vocab_local) >= spec.vocab
             self.register_buffer("vocab_padding", padding if bool(padding.any()) else None, persistent=False)
         self._check_matches_shard()
-        for attn in self.attention_layers():
-            attn.recompute_core = recompute == "selective"
+        self._set_recompute(recompute_modules if recompute == "selective" else ())
+
+    def _set_recompute(self, modules: tuple[str, ...]) -> None:
+        """Selective checkpointing of NxDT's modules (nxdtrain.parallel.recompute) on this stage's modules."""
+        if "LlamaDecoderLayer" in modules:
+            self.recompute = "full"
+        for module in self.modules():
+            if isinstance(module, SelfAttention):
+                module.recompute_core = "CoreAttention" in modules
+            elif isinstance(module, MLP):
+                module.recompute, module.recompute_act = "LlamaMLP" in modules, "ActivationMultiplyMLP" in modules
+            elif isinstance(module, RMSNorm):
+                module.recompute = "LlamaRMSNorm" in modules
 
     def records(self) -> list[ShardRecord]:
         return shard_records(self.spec, self.layout, tp_rank=self.tp.rank, pp_rank=self.pp_rank,

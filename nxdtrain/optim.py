@@ -3,8 +3,8 @@
 The optimizer always steps fp32 tensors: the parameters themselves with ``--precision fp32``,
 fp32 master copies with ``bf16`` (the bf16 parameters' gradients are accumulated into the
 masters' fp32 gradients as each microbatch's backward produces them, and the masters are
-copied back into the parameters after each step). Weight decay applies to matrices only, never
-to norm weights. With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
+copied back into the parameters after each step). Weight decay applies to matrices only, and to the
+norm weights as well with ``--norm-weight-decay`` (their group takes the matrices' decay). With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
 torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 
     >>> from nxdtrain.config import OptimConfig
@@ -40,11 +40,21 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
     return schedule_lr_at(step, cfg, decay_steps=decay_steps)
 
 
-def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
-    """Decay on matrices, none on vectors (norm weights); the same grouping the HF reference uses."""
+def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float, *,
+                 norm_weight_decay: bool = False) -> list[dict[str, Any]]:
+    """Group 0 the matrices, group 1 the vectors (norm weights), decayed only with ``norm_weight_decay``.
+
+    Decayed, the norm weights keep a group of their own with the matrices' hyper-parameters: AdamW's update of a
+    tensor depends on its group's values only, so this is exactly the norms in the decayed group, and every reader
+    of the state (reshard, NxD's format, TorchTitan) keeps its matrices/vectors groups.
+    """
+    biases = [n for n, p in named if p.dim() < 2 and "bias" in n]
+    if norm_weight_decay and biases:
+        raise TrainError(f"--norm-weight-decay: the model has biases ({biases[0]}, ...), which NxDT never decays; "
+                         "nxdtrain steps them in the norm weights' group, so it cannot decay one without the other")
     return [
         {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": weight_decay if norm_weight_decay else 0.0},
     ]
 
 
@@ -83,7 +93,8 @@ class Optimizer:
                 p.register_post_accumulate_grad_hook(self._accumulator(self.master[name]))
         else:
             self.master = self.params
-        groups = param_groups([(n, self.master[n]) for n in self.names], cfg.weight_decay)
+        groups = param_groups([(n, self.master[n]) for n in self.names], cfg.weight_decay,
+                              norm_weight_decay=cfg.norm_weight_decay)
         self.zero = zero_group is not None
         self.zero_group = zero_group
         self.zero_size = dist.get_world_size(zero_group) if self.zero else 1

@@ -318,7 +318,8 @@ class Trainer:
         tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
         cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
-                                dtype=dtype, recompute=par.activation_checkpointing, cp=cp).to(self.device)
+                                dtype=dtype, recompute=par.activation_checkpointing, cp=cp,
+                                recompute_modules=par.modules()).to(self.device)
         resharding = not same_layout(source.layout, plan.layout)
         stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp,
                             optimizer=source.full) if resharding or source.full or source.nxd else None
@@ -361,7 +362,8 @@ class Trainer:
             flavour=Flavour.XSER_SPLIT if ckpt.xser else Flavour.PLAIN, keep=ckpt.keep, options=cfg.to_flat(),
             record=plan.record, host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
             zero_size=mesh.dp * mesh.cp, nxd_zero1=cfg.parallel.zero1,
-            nxd_param_groups=(ckpt.nxd_param_groups or DEFAULT_RULE) if ckpt.optimizer_format == "nxd" else None,
+            nxd_param_groups=(ckpt.nxd_param_groups or ("bias" if cfg.optim.norm_weight_decay else DEFAULT_RULE))
+            if ckpt.optimizer_format == "nxd" else None,
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:

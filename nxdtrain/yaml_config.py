@@ -4,9 +4,9 @@ Top-level keys are our option names (``seq_len: 2048``, the flags' names with ``
 (``trainer``, ``exp_manager``, ``distributed_strategy``, ``data``, ``model``, ``precision``, ...) and top-level
 keys (``name``, ``seed``, ``compiler_flags``, ...). The file is read as NxDT reads it:
 
-* ``${a.b.c}`` is the value of another key of the file and ``${oc.env:VAR}`` / ``${oc.env:VAR,default}`` an
-  environment variable (OmegaConf's interpolations, as in NxDT's ``max_steps: ${trainer.max_steps}``); in
-  paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of the file) are expanded as a shell would;
+* with OmegaConf (:mod:`nxdtrain.yaml_load`): ``${a.b.c}``, ``${.sibling}``, ``${multiply:...}`` and
+  ``${oc.env:VAR[,default]}`` mean what they mean in NxDT; in paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of
+  the file) are expanded as a shell would; every key of NxDT's example configs: docs/nxdt-configs.md;
 * NxDT keys that mean something here become options (:data:`NXDT_KEYS`, and ``exp_manager`` below); NxDT keys
   that do not apply (the model's shape comes from the checkpoint's config.json, compiler settings, ...) are
   listed once on stderr; any other key is an error: all of them in one line, each with the nearest known key;
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nxdtrain.config import AUTO, NXDT_SCHEDULES, leaf_owners
+from nxdtrain.config import AUTO, NXDT_SCHEDULES, RECOMPUTE_MODULES, leaf_owners
 from nxdtrain.errors import TrainError
+from nxdtrain.yaml_load import load_tree
 
 # NxDT's nested keys -> our flat names (translated by _nxdt_value where the value differs).
 NXDT_KEYS: dict[tuple[str, ...], str] = {
@@ -57,8 +57,6 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("model", "qkv_linear"): "qkv_linear",
     ("model", "fuse_qkv"): "fuse_qkv",
     ("model", "weight_init_only"): "weights_only",
-    ("model", "activations_checkpoint_granularity"): "activation_checkpointing",
-    ("model", "activations_checkpoint_recompute"): "activations_checkpoint_recompute",
     ("model", "optim", "name"): "optimizer",
     ("model", "optim", "lr"): "lr",
     ("model", "optim", "weight_decay"): "weight_decay",
@@ -79,13 +77,18 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
 EXP_MANAGER = ("exp_dir", "explicit_log_dir", "name", "create_tensorboard_logger", "create_checkpoint_callback",
                "resume_if_exists", "resume_ignore_no_checkpoint", "resume_from_checkpoint")
 EVALUATION = {("data", "val_dir"), ("trainer", "val_check_interval"), ("trainer", "limit_val_batches")}
+# What NxDT recomputes is decided by these together (_Reader.recompute; llama_model.py of NxDT).
+RECOMPUTE_KEYS = {("model", "activations_checkpoint_granularity"), ("model", "activations_checkpoint_recompute"),
+                  ("model", "activations_checkpoint_recompute_mlp"), ("model", "fusions", "flash_attention")}
+# Alignment (NxDT's SFT, DPO, ORPO, LoRA): a different loss and data; refused in one line.
+ALIGNMENT_TREES = (("model_alignment_strategy",), ("data", "alignment_strategy"))
 
 # NxDT keys that do not apply to nxdtrain (noted, not errors). The model's shape is the checkpoint's.
 NXDT_IGNORED: dict[str, tuple[str, ...]] = {
     "": ("name", "model_source", "compiler_flags", "compiler_cache_url", "aync_exec_max_inflight_requests",
          "bucket_size_collectives", "neuron_rt_exec_timeout", "neuron_experimental_compress_rg"),
     "trainer": ("devices", "num_nodes", "check_val_every_n_epoch", "num_sanity_val_steps", "limit_test_batches",
-                "lnc", "sequential_move_factor"),
+                "lnc", "sequential_move_factor", "vnc"),
     "exp_manager": ("log_local_rank_0_only", "log_parameter_norm", "log_gradient_norm", "load_xser", "save_bf16",
                     "async_checkpointing", "enable_recovery_time_instrumentation", "ckpt_ptl_version"),
     "exp_manager.checkpoint_callback_params": ("monitor", "mode", "save_last", "filename", "model_parallel_size",
@@ -107,9 +110,12 @@ NXDT_IGNORED: dict[str, tuple[str, ...]] = {
                   "neuron_rt_stochastic_rounding_en", "parallel_layers_reduce_dtype"),
 }
 # Subtrees of NxDT features nxdtrain does not have: every key under them is noted, none is an error.
-NXDT_IGNORED_TREES = {("model", "fusions"), ("model", "moe"), ("data", "tokenizer"), ("model_alignment_strategy",)}
+NXDT_IGNORED_TREES = {("model", "fusions"), ("model", "moe"), ("data", "tokenizer")}
 NXDT_SECTIONS = frozenset(path[0] for path in NXDT_KEYS) | {"model_alignment_strategy"}
-RECOMPUTE_MODULES = ("CoreAttention", "LlamaMLP")  # NxDT's names for what selective checkpointing recomputes
+NXDT_OPTIMIZERS = {"adamw": "adamw", "adamw_fp32optstate": "adamw", "sgd": "sgd"}  # nxdtrain steps fp32 state
+# NxDT's precision.type (its base.py): fp32; or bf16 weights with fp32 masters and fp32 gradient accumulation, which
+# NxD turns on with ZeRO-1 only. Stochastic rounding (…SR) and manual have no nxdtrain equivalent.
+NXDT_PRECISIONS = {"fp32": "fp32", "mixed_precision": "bf16", "autocast": "bf16"}
 
 # A flag replaces what the file derived for the same purpose: (flag's option, file's options it drops).
 REPLACES: dict[str, tuple[str, ...]] = {"resume": ("init",), "checkpoint_dir": ("no_checkpoint",),
@@ -145,67 +151,13 @@ class YamlOptions:
 
 def read_yaml(path: str | Path) -> YamlOptions:
     """Read ``path`` (see the module docstring); raise TrainError naming the file and key."""
-    import yaml
-
     path = Path(path)
-    try:
-        tree = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise TrainError(f"--config {path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise TrainError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    tree = load_tree(path)
     if tree is None:
         return YamlOptions()
     if not isinstance(tree, dict):
         raise TrainError(f"--config {path}: expected a mapping of options, got {type(tree).__name__}")
-    tree = _resolve(tree, tree, path)
     return _Reader(path, tree).read()
-
-
-# --------------------------------------------------------------------------------------------
-# Interpolation
-
-
-_REF = re.compile(r"\$\{([^${}]+)\}")
-
-
-def _resolve(value: Any, root: dict[str, Any], path: Path, depth: int = 0) -> Any:
-    """OmegaConf's ``${a.b}`` and ``${oc.env:VAR[,default]}`` in every string of ``value``."""
-    if isinstance(value, dict):
-        return {k: _resolve(v, root, path, depth) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_resolve(v, root, path, depth) for v in value]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-    if depth > 20:
-        raise TrainError(f"--config {path}: interpolation loop at {value!r}")
-    def value_of(ref: str) -> Any:
-        found = _lookup(ref, root, path, value)
-        return found if found == "${" + ref + "}" else _resolve(found, root, path, depth + 1)  # kept as written
-
-    whole = _REF.fullmatch(value.strip())
-    if whole is not None:  # the whole value: keep the referenced value's type (a number stays a number)
-        return value_of(whole.group(1))
-    return _REF.sub(lambda m: str(value_of(m.group(1))), value)
-
-
-def _lookup(ref: str, root: dict[str, Any], path: Path, text: str) -> Any:
-    if ref.startswith("oc.env:"):
-        name, _, default = ref.removeprefix("oc.env:").partition(",")
-        found = os.environ.get(name.strip())
-        if found is None and not default:
-            raise TrainError(f"--config {path}: {text!r}: environment variable {name.strip()} is not set")
-        return found if found is not None else default.strip().strip("'\"")
-    if ":" in ref:  # another resolver (${multiply:...}): left as written, only ignored keys use them
-        return "${" + ref + "}"
-    if "." not in ref and ref.strip() not in root:  # a shell-style ${VAR}: expanded where paths are (config)
-        return "${" + ref + "}"
-    node: Any = root
-    for part in ref.strip().split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise TrainError(f"--config {path}: {text!r} refers to {ref.strip()}, which the file does not have")
-        node = node[part]
-    return node
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,12 +195,15 @@ class _Reader:
         self.ignored: list[str] = []
         self.unknown: list[str] = []
         self.found_evaluation: dict[tuple[str, ...], Any] = {}
+        self.found_recompute: dict[str, Any] = {}
 
     def read(self) -> YamlOptions:
+        self.refuse_alignment()
         owners = leaf_owners()
         for key, value in self.tree.items():
             if key in NXDT_SECTIONS and isinstance(value, dict):  # `data:`/`precision:` are options of ours too
                 self.section(key, value)
+
             elif key in owners:
                 self.set(key, value, str(key))
             elif key in NXDT_IGNORED[""]:
@@ -256,6 +211,8 @@ class _Reader:
             else:
                 self.unknown.append(_nearest(str(key), [*owners, *_known("")]))
         self.evaluation(self.found_evaluation)
+        self.recompute(self.found_recompute)
+        self.nxdt_checks()
         if self.unknown:
             raise TrainError(f"--config {self.path}: unknown keys {'; '.join(self.unknown)} (top-level keys are "
                              f"nxdtrain run's option names, or NxDT's: {', '.join(_known(''))})")
@@ -263,6 +220,22 @@ class _Reader:
             self.out.notes.insert(0, f"{self.path}: NxDT keys that do not apply to nxdtrain, ignored: "
                                      f"{', '.join(self.ignored)}")
         return self.out
+
+    def refuse_alignment(self) -> None:
+        """NxDT's SFT/DPO/ORPO/LoRA configs, before anything else in them is looked at."""
+        for tree in ALIGNMENT_TREES:
+            node: Any = self.tree
+            for part in tree:
+                node = node.get(part) if isinstance(node, dict) else None
+            found = [p for p, _ in _leaves(node, tree)] if isinstance(node, dict) else []
+            if found or (node is not None and not isinstance(node, dict)):
+                key = ".".join(found[0] if found else tree)
+                raise TrainError(f"--config {self.path}: {key}: NxDT's alignment training (SFT, DPO, ORPO, LoRA) is "
+                                 "not supported; nxdtrain continues causal-LM pretraining only")
+        if ((self.tree.get("data") or {}) if isinstance(self.tree.get("data"), dict) else {}).get(
+                "use_sft_style_data_module"):
+            raise TrainError(f"--config {self.path}: data.use_sft_style_data_module: NxDT's alignment training (SFT, "
+                             "DPO, ORPO, LoRA) is not supported; nxdtrain continues causal-LM pretraining only")
 
     def set(self, name: str, value: Any, key: str) -> None:
         origin = f"{key} ({self.path.name})"
@@ -283,6 +256,8 @@ class _Reader:
                 exp[path[1]] = value
             elif path in EVALUATION:
                 self.found_evaluation[path] = value
+            elif path in RECOMPUTE_KEYS:
+                self.found_recompute[path[-1]] = value
             elif any(path[:len(t)] == t for t in NXDT_IGNORED_TREES) or path[-1] in NXDT_IGNORED.get(
                     ".".join(path[:-1]), ()):
                 self.ignored.append(dotted)
@@ -300,8 +275,10 @@ class _Reader:
                 raise TrainError(f"{where} must be a list of two numbers, got {value!r}")
             return {"beta1": float(value[0]), "beta2": float(value[1])}
         if option == "optimizer":
-            name = str(value).lower()
-            return {"optimizer": "adamw" if name.startswith("adamw") else name}
+            if str(value).lower() not in NXDT_OPTIMIZERS:
+                raise TrainError(f"{where} {value!r}: nxdtrain has NxDT's adamw and adamw_fp32OptState (both: AdamW "
+                                 "with fp32 state and fp32 master weights), and sgd")
+            return {"optimizer": NXDT_OPTIMIZERS[str(value).lower()]}
         if option == "schedule":
             if value not in NXDT_SCHEDULES:
                 raise TrainError(f"{where} {value!r}: nxdtrain has NxDT's {' and '.join(NXDT_SCHEDULES)} (or its own "
@@ -315,28 +292,66 @@ class _Reader:
             if value not in (1, None):
                 raise TrainError(f"{where} {value!r}: nxdtrain trains with one model chunk per pipeline stage; set 1")
             return {}
-        if option == "do_layer_norm_weight_decay":
-            if value:
-                self.out.notes.append(f"{self.path}: {key}: nxdtrain never applies weight decay to norm weights "
-                                      "(NxDT does with this key true): losses differ slightly from NxDT's")
-            return {}
+        if option == "do_layer_norm_weight_decay":  # NxDT's hf models: true puts names with "norm" in the
+            return {"norm_weight_decay": not value}  # no-decay group (hf_models/base_model.py), false decays them
         if option == "epochs":
             return {} if value in (None, -1) else {"epochs": value}  # -1: PyTorch Lightning's "until max_steps"
-        if option == "activation_checkpointing":  # NxDT: selective, full, or null for none
-            return {option: "none" if value is None else str(value).lower()}
-        if option == "activations_checkpoint_recompute":
-            names = [value] if isinstance(value, str) else list(value or [])
-            unknown = [n for n in names if n not in RECOMPUTE_MODULES]
-            if unknown:
-                raise TrainError(f"{where} {value!r}: {', '.join(map(str, unknown))} is none of NxDT's "
-                                 f"{', '.join(RECOMPUTE_MODULES)}")
-            if "LlamaMLP" in names:
-                self.out.notes.append(f"{self.path}: {key}: nxdtrain's selective checkpointing recomputes "
-                                      "CoreAttention only; the MLP's activations are kept (more memory, same results)")
-            return {}
         if option == "precision":
-            return {"precision": "fp32" if str(value).lower() == "fp32" else "bf16"}
+            if value not in NXDT_PRECISIONS:
+                raise TrainError(f"{where} {value!r}: nxdtrain has NxDT's {', '.join(NXDT_PRECISIONS)} (bf16 weights "
+                                 "with fp32 master weights), not stochastic rounding or manual precision")
+            return {"precision": NXDT_PRECISIONS[value]}
         return {option: value}
+
+    def recompute(self, found: dict[str, Any]) -> None:
+        """What NxDT's llama_model.py recomputes: ``selective`` the modules of the list (NxDT 2.20, before the list:
+        CoreAttention, and LlamaMLP too with ``activations_checkpoint_recompute_mlp`` from ``encoder_seq_length``
+        8192), ``full`` every layer, no granularity: CoreAttention where ``fusions.flash_attention`` is false."""
+        if not found:
+            return
+        granularity = found.get("activations_checkpoint_granularity")
+        granularity, key = granularity and str(granularity).lower(), "model.activations_checkpoint_granularity"
+        mlp = "activations_checkpoint_recompute_mlp"
+        if "activations_checkpoint_recompute" in found:
+            names, names_key = found["activations_checkpoint_recompute"], "model.activations_checkpoint_recompute"
+            listed = [names] if isinstance(names, str) else list(names or [])
+            unknown = [str(n) for n in listed if n not in RECOMPUTE_MODULES]
+            if unknown:
+                raise TrainError(f"--config {self.path}: {names_key} {names!r}: {', '.join(unknown)} is none of NxDT's "
+                                 f"modules nxdtrain recomputes: {', '.join(RECOMPUTE_MODULES)}")
+            if mlp in found:
+                self.ignored.append(f"model.{mlp}")  # NxDT reads the list instead since 2.21
+        else:
+            seq = (self.tree.get("model") or {}).get("encoder_seq_length") or 0
+            names = ["CoreAttention", "LlamaMLP"] if found.get(mlp) and seq >= 8192 else ["CoreAttention"]
+            names_key = f"model.{mlp}" if mlp in found else key
+        if granularity is None and found.get("flash_attention") is False:
+            granularity, names, key = "selective", ["CoreAttention"], "model.fusions.flash_attention"
+            names_key = key
+        elif "flash_attention" in found:
+            self.ignored.append("model.fusions.flash_attention")
+        names = [names] if isinstance(names, str) else list(names or [])
+        if granularity is None or (granularity == "selective" and not names):  # NxDT wraps no module
+            self.set("activation_checkpointing", "none", key)
+            return
+        self.set("activation_checkpointing", granularity, key)
+        if granularity == "selective":
+            self.set("recompute_modules", ",".join(map(str, names)), names_key)
+
+    def nxdt_checks(self) -> None:
+        """Keys NxDT reads together, where nxdtrain cannot do what NxDT does with their combination."""
+        sections: dict[str, dict[str, Any]] = {k: v if isinstance(v := self.tree.get(k), dict) else {} for k in
+                                               ("trainer", "model", "precision", "distributed_strategy")}
+        sched = (sections["model"].get("optim") or {}).get("sched") or {}
+        steps = sections["trainer"].get("max_steps")
+        if "max_steps" in sched and steps is not None and sched["max_steps"] != steps:
+            raise TrainError(f"--config {self.path}: model.optim.sched.max_steps {sched['max_steps']!r}: NxDT decays "
+                             f"over trainer.max_steps ({steps!r}) whatever this says; set it to ${{trainer.max_steps}}")
+        kind = sections["precision"].get("type")
+        if kind in ("mixed_precision", "autocast") and not sections["distributed_strategy"].get("zero1", True):
+            raise TrainError(f"--config {self.path}: precision.type {kind} with distributed_strategy.zero1 false: NxD "
+                             "keeps fp32 master weights only with ZeRO-1, so NxDT steps the bf16 weights themselves, "
+                             "which nxdtrain does not; set zero1: true (or precision.type fp32)")
 
     def exp_manager(self, exp: dict[str, Any]) -> None:
         """NeMo's exp_manager directories and resume rule as options (module docstring)."""
@@ -400,5 +415,7 @@ def _nearest(key: str, candidates: list[str]) -> str:
     pool = {c: c for c in candidates}
     if "." not in key:
         pool.update({".".join(p): p[-1] for p in (*NXDT_KEYS, *EVALUATION)})
+    if not pool:
+        return f"{key} (no near key)"
     score, best = max((difflib.SequenceMatcher(None, key, compared).ratio(), name) for name, compared in pool.items())
     return f"{key} (nearest: {best})" if score >= 0.6 else f"{key} (no near key)"

@@ -184,7 +184,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                         "so that NxD resumes it")
     p.add_argument("--nxd-param-groups", choices=NXD_PARAM_GROUPS, default=None,
                    help="with --optimizer-format nxd: the param groups of the NxD run that loads the tag: bias-norm "
-                        "(NxD's Llama example, default), bias-LayerNorm (other NxD/NxDT examples) or one")
+                        "(NxD's Llama example, default), bias-LayerNorm (other NxD/NxDT examples), bias (NxDT's "
+                        "hf models with do_layer_norm_weight_decay false: norms decayed) or one")
     p.add_argument("--drop-masters", action="store_true",
                    help="with --optimizer-format nxd --no-zero1: accept dropping a bf16 model's fp32 masters and "
                         "rounding its moments (NxD keeps no fp32 state without ZeRO-1)")

@@ -47,6 +47,8 @@ PARAM_GROUP_RULES: dict[str, tuple[str, Callable[[str], bool]]] = {
     "bias-norm": ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
     "bias-LayerNorm": ("names containing 'bias' or 'LayerNorm' in the no-decay group",
                        lambda n: "bias" in n or "LayerNorm" in n),
+    # NxDT's hf models with do_layer_norm_weight_decay false: only biases undecayed (none in Llama: group 1 empty)
+    "bias": ("names containing 'bias' in the no-decay group", lambda n: "bias" in n),
 }
 _GROUP_RULES = tuple(PARAM_GROUP_RULES.values())
 

@@ -21,12 +21,15 @@ from typing import Any
 from nxdtrain.config import TrainConfig
 from nxdtrain.errors import TrainError
 
-SCHEDULE_KEYS = ("schedule", "lr", "min_lr", "warmup", "decay_steps")
+SCHEDULE_KEYS = ("schedule", "lr", "min_lr", "warmup", "decay_steps", "norm_weight_decay")
 ORDER_KEYS = ("seed", "shuffle")
+NORMS_BEFORE = False  # a tag that records no norm_weight_decay: nxdtrain never decayed norm weights before it
 LABELS = {"schedule": "schedule", "lr": "peak lr", "min_lr": "min lr", "warmup": "warmup steps",
-          "decay_steps": "decay steps", "seed": "seed", "shuffle": "shuffle", "epochs": "epochs"}
+          "decay_steps": "decay steps", "norm_weight_decay": "weight decay on norm weights", "seed": "seed", "shuffle": "shuffle", "epochs": "epochs"}
 FLAGS = {"schedule": "--schedule", "lr": "--lr", "min_lr": "--min-lr", "warmup": "--warmup",
-         "decay_steps": "--decay-steps (default: --steps)", "seed": "--seed", "shuffle": "--shuffle/--no-shuffle",
+         "decay_steps": "--decay-steps (default: --steps)",
+         "norm_weight_decay": "--norm-weight-decay/--no-norm-weight-decay (NxDT: model.do_layer_norm_weight_decay)",
+         "seed": "--seed", "shuffle": "--shuffle/--no-shuffle",
          "epochs": "--epochs"}
 
 
@@ -38,7 +41,7 @@ def run_record(config: TrainConfig, *, epochs: int | None, run: str) -> dict[str
     """What a tag records of the run (``config`` resolved: warmup and decay steps are step counts)."""
     optim = config.optim
     return {"schedule": optim.schedule, "lr": optim.lr, "min_lr": optim.min_lr, "warmup": int(optim.warmup),
-            "decay_steps": config.decay_steps, "seed": config.seed, "shuffle": config.data.shuffle, "epochs": epochs,
+            "decay_steps": config.decay_steps, "norm_weight_decay": optim.norm_weight_decay, "seed": config.seed, "shuffle": config.data.shuffle, "epochs": epochs,
             "run": run}
 
 
@@ -47,9 +50,9 @@ def recorded_run(user: dict[str, Any], scheduler: dict[str, Any]) -> tuple[dict[
     from ``scheduler.pt`` and the saved options)."""
     record = user.get("run")
     if isinstance(record, dict):
-        return dict(record), []
+        return {"norm_weight_decay": NORMS_BEFORE, **record}, []
     options = user.get("options") or {}
-    pieced: dict[str, Any] = {}
+    pieced: dict[str, Any] = {"norm_weight_decay": NORMS_BEFORE}
     for key in SCHEDULE_KEYS:
         if key in scheduler:
             pieced[key] = scheduler[key]
@@ -68,7 +71,7 @@ def _same(a: Any, b: Any) -> bool:
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The recorded values this run changes (epochs only where both runs gave it)."""
     return [key for key in (*SCHEDULE_KEYS, *ORDER_KEYS, "epochs")
-            if key in old and not (key == "epochs" and (old[key] is None or new[key] is None))
+            if key in old and key in new and not (key == "epochs" and (old[key] is None or new[key] is None))
             and not _same(old[key], new[key])]
 
 

@@ -13,9 +13,11 @@ RUN_FLAGS = {
     "--device", "--log-every",
     "--tp", "--pp", "--kv-replicator", "--kv-size-multiplier", "--qkv-linear", "--no-qkv-linear", "--fuse-qkv",
     "--no-fuse-qkv", "--pp-schedule", "--zero1", "--no-zero1", "--sequence-parallel", "--no-sequence-parallel",
-    "--activation-checkpointing", "--activations-checkpoint-granularity", "--context-parallel",
+    "--activation-checkpointing", "--activations-checkpoint-granularity", "--recompute-modules",
+    "--activations-checkpoint-recompute", "--context-parallel",
     "--context-parallel-size", "--ring-attention", "--no-ring-attention",
-    "--optimizer", "--lr", "--min-lr", "--warmup", "--schedule", "--decay-steps", "--weight-decay", "--beta1",
+    "--optimizer", "--lr", "--min-lr", "--warmup", "--schedule", "--decay-steps", "--weight-decay", "--norm-weight-decay",
+    "--no-norm-weight-decay", "--beta1",
     "--beta2", "--eps", "--clip-grad",
     "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
     "--resume", "--weights-only", "--no-weights-only", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
@@ -45,7 +47,7 @@ def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
         "model:\n  fuse_qkv: true\n  weight_init_only: true\n"
         "  activations_checkpoint_granularity: selective\n  activations_checkpoint_recompute: [CoreAttention]\n"
         "  optim: {name: adamw_fp32OptState, weight_decay: 0.01, betas: [0.9, 0.98],"
-        " sched: {name: LinearAnnealingWithWarmUp, warmup_steps: 10, max_steps: 100}}\n"
+        " sched: {name: LinearAnnealingWithWarmUp, warmup_steps: 10, max_steps: 40}}\n"
         "exp_manager: {resume_from_checkpoint: /fsx/llama-nxd, checkpoint_callback_params: {every_n_train_steps: 25,"
         " save_top_k: 3}}\n"
         "precision: {type: mixed_precision, master_weights: true}\n"
@@ -58,7 +60,7 @@ def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
     assert (cfg.parallel.fuse_qkv, cfg.checkpoint.weights_only, cfg.checkpoint.resume) == (True, True, "/fsx/llama-nxd")
     assert (cfg.data.mbs, cfg.data.gbs, cfg.data.seq_len, cfg.data.data) == (2, 16, 512, "/data/train.jsonl")
     assert (cfg.optim.optimizer, cfg.optim.schedule, cfg.optim.warmup, cfg.optim.decay_steps) == (
-        "adamw", "LinearAnnealingWithWarmUp", 10, 100)  # NxDT's schedule, as the file names it
+        "adamw", "LinearAnnealingWithWarmUp", 10, 40)  # NxDT's schedule, as the file names it
     assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay) == (0.9, 0.98, 0.01)
     assert (cfg.checkpoint.checkpoint_freq, cfg.checkpoint.keep, cfg.precision) == (25, 3, "bf16")
     assert (cfg.parallel.sequence_parallel, cfg.parallel.activation_checkpointing) == (True, "selective")
@@ -80,7 +82,8 @@ def test_yaml_nxdt_recompute_other_modules_is_an_error(tmp_path):
     with pytest.raises(TrainError) as err:
         load_config(build_parser().parse_args(["run", "--config", str(yaml_file), "--resume", "x", "--data", "synthetic"]))
     assert str(err.value) == (f"--config {yaml_file}: model.activations_checkpoint_recompute ['CoreAttention', 'MLP']: "
-                              "MLP is none of NxDT's CoreAttention, LlamaMLP")
+                              "MLP is none of NxDT's modules nxdtrain recomputes: CoreAttention, LlamaMLP, "
+                              "ActivationMultiplyMLP, LlamaRMSNorm, LlamaDecoderLayer")
 
 
 def test_activation_checkpointing_flag_checks_its_value():
@@ -113,9 +116,10 @@ DEFAULTS = {
     "steps": 1000, "epochs": None, "seed": 1234, "precision": "auto", "nproc": None, "log_jsonl": None,
     "tensorboard": None, "export_hf": None, "dist_timeout": 1800.0, "device": "auto", "log_every": 1, "tp": 1, "pp": 1,
     "kv_replicator": None, "qkv_linear": None, "fuse_qkv": None, "pp_schedule": "1f1b", "zero1": False,
-    "sequence_parallel": False, "activation_checkpointing": "none", "context_parallel": 1, "ring_attention": True,
+    "sequence_parallel": False, "activation_checkpointing": "none", "recompute_modules": None,
+    "context_parallel": 1, "ring_attention": True,
     "optimizer": "adamw", "lr": 0.0003, "min_lr": None, "warmup": 0, "schedule": "cosine", "decay_steps": None,
-    "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": None, "seq_len": 1024,
+    "weight_decay": 0.0, "norm_weight_decay": False, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": None, "seq_len": 1024,
     "long_rows": "cut", "pad": False, "gbs": 8, "mbs": 1, "shuffle": True, "eval_data": None, "eval_every": 0,
     "eval_batches": None, "resume": None, "init": None, "weights_only": False, "checkpoint_dir": None,
     "checkpoint_freq": 0, "keep": 2, "xser": False, "no_checkpoint": False, "optimizer_format": "nxdtrain",
