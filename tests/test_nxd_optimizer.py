@@ -26,12 +26,12 @@ from ckptconv.inspection import inspect
 from ckptconv.nxd_optimizer import NxdOptimizer, OptimFormat, read_optimizer_state
 from ckptconv.options import RunOptions
 from ckptconv.verify import verify
-from tests.conftest import hf_state
+from tests.conftest import fixture_cases, hf_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
-CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
+CASES = fixture_cases(FIXTURES)
 MASTER_CASES = [c for c in CASES if "masters" in c]
 QUIET = RunOptions(quiet=True, workers=1)
 
