@@ -34,6 +34,24 @@ def require(path: Path) -> Path:
     return path
 
 
+# What ckptconv warns, on purpose, when a to-hf (or nxdtrain export) writes an HF directory without tokenizer
+# files: the tiny models made here carry none, so every such test asserts the warning (``warns_no_tokenizer``).
+NO_TOKENIZER = r"will have no tokenizer \(.+ holds none\), so AutoTokenizer cannot load it; ckptconv to-hf --tokenizer DIR"
+# What ckptconv warns when asked for the official converter's trn2 K/V order (kvm > 1).
+OFFICIAL_TRN2_KV = r"--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs query heads"
+
+
+def warns_no_tokenizer() -> pytest.WarningsRecorder:
+    """``with warns_no_tokenizer(): to_hf(...)``: the HF output of a checkpoint without tokenizer files is warned
+    about (and the test fails if it is not)."""
+    return pytest.warns(UserWarning, match=NO_TOKENIZER)
+
+
+def warns_official_trn2_kv() -> pytest.WarningsRecorder:
+    """``with warns_official_trn2_kv(): to_nxd(..., trn2_kv_layout="official")`` (kvm > 1): the warning is given."""
+    return pytest.warns(UserWarning, match=OFFICIAL_TRN2_KV)
+
+
 FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
