@@ -14,7 +14,42 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
-GOLDEN = Path(os.environ.get("CKPTCONV_GOLDEN", REPO.parent / "shared" / "fixtures" / "nxd-official"))
+# The official converter's golden outputs (fixtures/nxd-official/README.md): every test reads them from here.
+GOLDEN = REPO / "fixtures" / "nxd-official"
+
+
+def fixture_cases(root: Path) -> list[str]:
+    """The case folders (those holding a ``case.json``) of the in-repo fixture folder ``root``, sorted. A missing or
+    caseless folder is a broken checkout: it fails (at collection, where a module calls this), never skips."""
+    cases = sorted(p.name for p in root.iterdir() if (p / "case.json").is_file()) if root.is_dir() else []
+    if not cases:
+        pytest.fail(f"fixture folder missing or without any case.json: {root}", pytrace=False)
+    return cases
+
+
+def require(path: Path) -> Path:
+    """``path``, which a fixture folder must hold; a failure naming it if it is absent."""
+    if not path.exists():
+        pytest.fail(f"fixture missing: {path}", pytrace=False)
+    return path
+
+
+# What ckptconv warns, on purpose, when a to-hf (or nxdtrain export) writes an HF directory without tokenizer
+# files: the tiny models made here carry none, so every such test asserts the warning (``warns_no_tokenizer``).
+NO_TOKENIZER = r"will have no tokenizer \(.+ holds none\), so AutoTokenizer cannot load it; ckptconv to-hf --tokenizer DIR"
+# What ckptconv warns when asked for the official converter's trn2 K/V order (kvm > 1).
+OFFICIAL_TRN2_KV = r"--trn2-kv-layout official writes the official converter's trn2 K/V order, which pairs query heads"
+
+
+def warns_no_tokenizer() -> pytest.WarningsRecorder:
+    """``with warns_no_tokenizer(): to_hf(...)``: the HF output of a checkpoint without tokenizer files is warned
+    about (and the test fails if it is not)."""
+    return pytest.warns(UserWarning, match=NO_TOKENIZER)
+
+
+def warns_official_trn2_kv() -> pytest.WarningsRecorder:
+    """``with warns_official_trn2_kv(): to_nxd(..., trn2_kv_layout="official")`` (kvm > 1): the warning is given."""
+    return pytest.warns(UserWarning, match=OFFICIAL_TRN2_KV)
 
 
 FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -88,10 +123,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
-    if not GOLDEN.is_dir():
-        if os.environ.get("CI"):
-            pytest.fail(f"golden fixtures not found at {GOLDEN}")
-        pytest.skip(f"golden fixtures not found at {GOLDEN} (set CKPTCONV_GOLDEN)")
+    """``GOLDEN``; a test using it fails (never skips) when the folder is missing."""
+    fixture_cases(GOLDEN)
     return GOLDEN
 
 

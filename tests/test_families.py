@@ -17,7 +17,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.reference import dense_layer, window_mask
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import load_shard
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.test_roundtrip import assert_same_state
 from tests.test_verify_reshard import SHARD, edit_shard, problems, shard_hashes
 
@@ -58,7 +58,8 @@ def test_round_trip_is_bit_exact_and_verifies(family_models, tmp_path: Path, fam
     out = convert(src, tmp_path / "nxd", **LAYOUTS[layout])
     report = verify(src, out)
     assert report["ok"], report["problems"]
-    ckptconv.to_hf(out, tmp_path / "hf", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(out, tmp_path / "hf", options=QUIET)
     assert_same_state(hf_state(tmp_path / "hf"), hf_state(src))
     assert ckptconv.inspect(out)["model"]["family"] == family
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ckptconv.cli.main import main
-from tests.conftest import GOLDEN, hf_state
+from tests.conftest import GOLDEN, fixture_cases, hf_state, require
 
-CASES = sorted(p.name for p in GOLDEN.glob("*") if (p / "case.json").is_file()) if GOLDEN.is_dir() else []
+CASES = fixture_cases(GOLDEN)
 
 
 def sha256(path: Path) -> str:
@@ -21,7 +21,7 @@ def sha256(path: Path) -> str:
 
 
 def load_case(golden_dir: Path, name: str) -> dict:
-    return json.loads((golden_dir / name / "case.json").read_text())
+    return json.loads(require(golden_dir / name / "case.json").read_text())
 
 
 def stage(golden_dir: Path, name: str, tmp_path: Path) -> Path:

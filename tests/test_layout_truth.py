@@ -19,7 +19,7 @@ import torch
 import ckptconv
 from ckptconv.cli.main import main
 from ckptconv.core.layout_flags import LayoutHints
-from tests.conftest import GOLDEN, hf_state
+from tests.conftest import GOLDEN, hf_state, warns_no_tokenizer, warns_official_trn2_kv
 
 # 8 query heads, 2 KV heads: tp 4 needs kv_size_multiplier 2, where trn1 and trn2 place heads differently
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=4)
@@ -107,10 +107,12 @@ def test_override_says_what_it_overrides_and_never_recommends_kv_replicas(
     assert "--kv-replicas" not in line
     # An override the shards do not contradict goes through, and the notes say what it overrode.
     official = tmp_path / "official"
-    ckptconv.to_nxd(gqa, official, tp=4, kv_size_multiplier=2, attention="qkv_linear", hw_backend="trn2",
-                    trn2_kv_layout="official", options=QUIET)
-    result = ckptconv.to_hf(official, tmp_path / "b", options=QUIET,
-                            hints=LayoutHints({"hw": "trn1"}, override=True))
+    with warns_official_trn2_kv():
+        ckptconv.to_nxd(gqa, official, tp=4, kv_size_multiplier=2, attention="qkv_linear", hw_backend="trn2",
+                        trn2_kv_layout="official", options=QUIET)
+    with warns_no_tokenizer():
+        result = ckptconv.to_hf(official, tmp_path / "b", options=QUIET,
+                                hints=LayoutHints({"hw": "trn1"}, override=True))
     assert any("--override-recorded-layout: reading with --hw-backend trn1 instead of the recorded hw trn2" in n
                for n in result.notes)
 
@@ -119,9 +121,10 @@ def test_official_trn2_shards_are_refused_without_flags_and_exact_with_them(
         gqa: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """The official converter's trn2 kvm>1 shards tile K/V like trn1 and differ only in query-head
     order: without a record they are refused naming the flags, never read as trn1."""
-    shards = unrecorded(ckptconv.to_nxd(gqa, tmp_path / "nxd", tp=4, pp=2, kv_size_multiplier=2,
-                                        attention="qkv_linear", fuse_qkv=True, hw_backend="trn2",
-                                        trn2_kv_layout="official", options=QUIET).out)
+    with warns_official_trn2_kv():
+        shards = unrecorded(ckptconv.to_nxd(gqa, tmp_path / "nxd", tp=4, pp=2, kv_size_multiplier=2,
+                                            attention="qkv_linear", fuse_qkv=True, hw_backend="trn2",
+                                            trn2_kv_layout="official", options=QUIET).out)
     config = gqa / "config.json"
     assert cli("to-hf", shards, tmp_path / "a", "--config", config, "--quiet") == 1
     line = error_line(capsys)
@@ -225,10 +228,12 @@ def test_fp32_source_trained_in_bf16_exports_fp32(gqa: Path, tmp_path: Path):
     assert config["dtype"] == config["torch_dtype"] == "float32"
     masters = load_file(tmp_path / "hf" / "model.safetensors")
     assert {t.dtype for t in masters.values()} == {torch.float32}
-    ckptconv.to_hf(tag, tmp_path / "kept", dtype="keep", masters=False, options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tag, tmp_path / "kept", dtype="keep", masters=False, options=QUIET)
     kept = load_file(tmp_path / "kept" / "model.safetensors")
     assert {t.dtype for t in kept.values()} == {torch.bfloat16}
-    widened = ckptconv.to_hf(tag, tmp_path / "widened", masters=False, options=QUIET)
+    with warns_no_tokenizer():
+        widened = ckptconv.to_hf(tag, tmp_path / "widened", masters=False, options=QUIET)
     assert any("writing float32" in n and "widened" in n for n in widened.notes)
     for key, tensor in load_file(tmp_path / "widened" / "model.safetensors").items():
         assert torch.equal(tensor, kept[key].float()), key

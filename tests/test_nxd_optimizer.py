@@ -27,12 +27,10 @@ from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
 from ckptconv.training.nxd_optimizer import NxdOptimizer, read_optimizer_state
 from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from tests.conftest import hf_state
-
-pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
+from tests.conftest import fixture_cases, hf_state, warns_no_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
-CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
+CASES = fixture_cases(FIXTURES)
 MASTER_CASES = [c for c in CASES if "masters" in c]
 QUIET = RunOptions(quiet=True, workers=1)
 
@@ -181,7 +179,8 @@ def export(case: str, out: Path, **kwargs: Any) -> tuple[dict[str, torch.Tensor]
 
 @pytest.mark.parametrize("case", [c for c in CASES if not masters_only(c)])
 def test_to_hf_of_the_shards_gives_the_weights_nxd_saved(case: str, tmp_path: Path) -> None:
-    got, says = export(case, tmp_path / "hf", masters=False, dtype="keep")
+    with warns_no_tokenizer():
+        got, says = export(case, tmp_path / "hf", masters=False, dtype="keep")
     held = reference(case, "params_at_save.hf")
     assert sorted(got) == sorted(held)
     for name, value in got.items():
@@ -194,7 +193,8 @@ def test_to_hf_of_the_shards_gives_the_weights_nxd_saved(case: str, tmp_path: Pa
 def test_to_hf_takes_the_masters_when_present(case: str, tmp_path: Path) -> None:
     """to-hf's default (as for nxdtrain's masters): NxD's masters where the tag holds them, bit for bit
     with ``--dtype keep``; the shards where it does not."""
-    got, says = export(case, tmp_path / "hf", dtype="keep")
+    with warns_no_tokenizer():
+        got, says = export(case, tmp_path / "hf", dtype="keep")
     held = reference(case, "params_at_save.hf")
     assert sorted(got) == sorted(held)
     for name, value in got.items():
@@ -211,7 +211,8 @@ def test_to_hf_default_dtype_of_a_masters_only_tag() -> None:
     masters rounded, which is what NxD's model files would have held."""
     case = "zero1_bf16_masters_only_xser"
     with tempfile.TemporaryDirectory() as out:
-        got, says = export(case, Path(out) / "hf")
+        with warns_no_tokenizer():
+            got, says = export(case, Path(out) / "hf")
     for name, value in got.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, expected_model_weights(case, value, name)), name
     assert "writing bfloat16, the dtype of the source model" in says
@@ -252,7 +253,8 @@ def test_verify_and_reshard_of_a_masters_only_tag(tmp_path: Path) -> None:
 
     out = reshard(tag_of(case), tmp_path / "tp2", tp=2, pp=1, config=config, options=QUIET)
     assert any("master weights in optim/" in n for n in out.notes)
-    to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", options=QUIET)
+    with warns_no_tokenizer():
+        to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", options=QUIET)
     back, held = hf_state(tmp_path / "back"), reference(case, "params_at_save.hf")
     assert all(torch.equal(back[k], held[k]) for k in held)
 
@@ -299,8 +301,9 @@ def test_zero1_chunks_of_three_dp_ranks_are_put_back_together(tmp_path: Path) ->
             ref = before[p.name]
             assert all(torch.equal(getattr(p, k), getattr(ref, k)) for k in ("exp_avg", "exp_avg_sq", "master")), p.name
             assert p.step == ref.step
-    to_hf(tag, tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", masters=True, dtype="keep",
-          options=QUIET)
+    with warns_no_tokenizer():
+        to_hf(tag, tmp_path / "hf", config=FIXTURES / case / "hf" / "config.json", masters=True, dtype="keep",
+              options=QUIET)
     held = reference(case, "params_at_save.hf")
     assert all(torch.equal(v, held[k]) for k, v in hf_state(tmp_path / "hf").items())
 
@@ -362,18 +365,22 @@ def test_inspect_verify_and_reshard_take_every_case(case: str, tmp_path: Path) -
     report = inspect(tag_of(case), config=config)
     assert report["complete"] and report["optimizer"]["format"] == NxdOptimizer.open(tag_of(case)).format.value
     assert report["weights_from"] == ("optim/ (NxD's master weights)" if masters_only(case) else "model files")
-    direct, _ = export(case, tmp_path / "hf", masters=None if masters_only(case) else False, dtype="keep")
+    with warns_no_tokenizer():
+        direct, _ = export(case, tmp_path / "hf", masters=None if masters_only(case) else False, dtype="keep")
     assert verify(tmp_path / "hf", tag_of(case), config=config)["ok"]
     reshard(tag_of(case), tmp_path / "tp2", tp=2, pp=1, config=config, options=QUIET)
-    to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", masters=None if masters_only(case) else False,
-          options=QUIET)
+    with warns_no_tokenizer():
+        to_hf(tmp_path / "tp2", tmp_path / "back", dtype="keep", masters=None if masters_only(case) else False,
+              options=QUIET)
     back = hf_state(tmp_path / "back")
     assert sorted(direct) == sorted(back) and all(torch.equal(direct[k], back[k]) for k in direct)
     with NxdOptimizer.open(tag_of(case)) as optim:
         saved_masters = optim.has_masters
     if saved_masters and not masters_only(case):
-        nxds, _ = export(case, tmp_path / "hf-masters", masters=True, dtype="keep")
-        to_hf(tmp_path / "tp2", tmp_path / "back-masters", dtype="keep", masters=True, options=QUIET)
+        with warns_no_tokenizer():
+            nxds, _ = export(case, tmp_path / "hf-masters", masters=True, dtype="keep")
+        with warns_no_tokenizer():
+            to_hf(tmp_path / "tp2", tmp_path / "back-masters", dtype="keep", masters=True, options=QUIET)
         ours = hf_state(tmp_path / "back-masters")
         assert sorted(nxds) == sorted(ours) and all(torch.equal(nxds[k], ours[k]) for k in nxds)
 

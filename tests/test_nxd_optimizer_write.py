@@ -24,10 +24,8 @@ from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io.safe_load import load_small
 from ckptconv.training.nxd_optimizer import NxdOptimizer
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.test_nxd_optimizer import FIXTURES, reference, tag_of
-
-pytestmark = pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
 
 QUIET = RunOptions(quiet=True, workers=1)
 OPTIM = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"
@@ -196,7 +194,8 @@ def test_to_hf_of_a_written_tag_takes_its_masters(tmp_path: Path) -> None:
     NxD's own values at the save (the case's reference), exactly."""
     case = "zero1_bf16_masters"
     wide = _nxd(tag_of(case), tmp_path / "wide", tp=2, pp=2, dp=2, zero1=True, config=_config(case))
-    to_hf(wide, tmp_path / "hf", dtype="keep", options=QUIET)
+    with warns_no_tokenizer():
+        to_hf(wide, tmp_path / "hf", dtype="keep", options=QUIET)
     back, held = hf_state(tmp_path / "hf"), reference(case, "params_at_save.hf")
     assert sorted(back) == sorted(held)
     for key, value in held.items():

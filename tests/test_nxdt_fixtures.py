@@ -17,10 +17,11 @@ import torch
 from safetensors import safe_open
 
 from ckptconv.io.safe_load import load_small
+from tests.conftest import fixture_cases
 from tests.torch_rows import rows
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
-CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
+CASES = fixture_cases(FIXTURES)
 
 
 def problems(case_dir: Path) -> list[str]:

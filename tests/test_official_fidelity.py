@@ -23,7 +23,7 @@ from ckptconv.cli.main import main
 from ckptconv.commands.inspect import inspect
 from ckptconv.commands.verify import verify
 from ckptconv.io.nxd_read import load_shard
-from tests.conftest import hf_state, make_tiny_llama
+from tests.conftest import hf_state, make_tiny_llama, warns_no_tokenizer
 from tests.official_style import official_tied_shards, old_transformers_llama
 
 QUIET = ckptconv.RunOptions(quiet=True, workers=2)
@@ -280,7 +280,8 @@ def test_inv_freq_follows_o_proj_in_every_shard(old_models: dict[str, Path], tmp
         assert shard.read_bytes() == (tmp_path / "native" / "model" / shard.name).read_bytes(), shard.name
     # HF -> NxD -> HF is bit-exact, inv_freq (fp32) included.
     for out in outputs:
-        ckptconv.to_hf(tmp_path / out, tmp_path / f"back-{out}", config=src / "hf/config.json", options=QUIET)
+        with warns_no_tokenizer():
+            ckptconv.to_hf(tmp_path / out, tmp_path / f"back-{out}", config=src / "hf/config.json", options=QUIET)
         assert_equal_states(hf_state(tmp_path / f"back-{out}"), hf_state(src / "hf"))
 
 
@@ -326,7 +327,8 @@ def test_reshard_keeps_inv_freq_after_o_proj(old_models: dict[str, Path], tmp_pa
         "model.norm.weight",
         "lm_head.weight",
     ]
-    ckptconv.to_hf(tmp_path / "one", tmp_path / "back", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "one", tmp_path / "back", options=QUIET)
     assert_equal_states(hf_state(tmp_path / "back"), hf_state(src / "hf"))
 
 
@@ -402,7 +404,8 @@ def test_reshard_of_official_tied_shards_writes_our_copy(tied: dict[str, Path], 
     shard = torch.load(tmp_path / "one/model/dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     assert list(shard)[-1] == "lm_head.weight"
     assert torch.equal(shard["lm_head.weight"], hf_state(tied["hf"])["model.embed_tokens.weight"])
-    ckptconv.to_hf(tmp_path / "one", tmp_path / "back", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "one", tmp_path / "back", options=QUIET)
     assert_equal_states(hf_state(tmp_path / "back"), hf_state(tied["hf"]))
 
 

@@ -11,7 +11,7 @@ import torch
 
 import ckptconv
 from ckptconv.commands.verify import verify
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
 MHA = dict(heads=8, kv_heads=8, head_dim=8, layers=4)
@@ -94,7 +94,8 @@ def test_round_trip_is_bit_exact(models: dict[str, Path], tmp_path: Path, case: 
         assert any(tensors_dir.glob("tensor_*.pt")) == (case.flavour == "xser-split")
     report = verify(src, tmp_path / "nxd")
     assert report["ok"], report["problems"]
-    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=QUIET)
     original = hf_state(src)
     assert_same_state(hf_state(tmp_path / "back"), original)
     config_in = json.loads((src / "config.json").read_text())
@@ -110,7 +111,8 @@ def test_export_loads_in_transformers_with_identical_logits(models: dict[str, Pa
 
     ckptconv.to_nxd(models[name], tmp_path / "nxd", tp=4, pp=2, attention="qkv_linear", kv_size_multiplier=2,
                     fuse_qkv=True, hw_backend="trn2", options=QUIET)
-    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", max_shard_size=60_000, options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", max_shard_size=60_000, options=QUIET)
     assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
     ids = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -129,7 +131,8 @@ def test_single_file_inputs_with_config(models: dict[str, Path], tmp_path: Path)
     for i, path in enumerate((single, merged)):
         out = tmp_path / f"nxd{i}"
         ckptconv.to_nxd(path, out, tp=2, attention="qkv_linear", config=src / "config.json", options=QUIET)
-        ckptconv.to_hf(out, tmp_path / f"back{i}", options=QUIET)
+        with warns_no_tokenizer():
+            ckptconv.to_hf(out, tmp_path / f"back{i}", options=QUIET)
         assert_same_state(hf_state(tmp_path / f"back{i}"), hf_state(src))
 
 
@@ -137,7 +140,8 @@ def test_dtype_cast_then_round_trip(models: dict[str, Path], tmp_path: Path):
     ckptconv.to_nxd(models["gqa"], tmp_path / "nxd", tp=2, attention="qkv_linear", dtype="bf16", options=QUIET)
     shard = torch.load(tmp_path / "nxd" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     assert {t.dtype for t in shard.values()} == {torch.bfloat16}
-    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back", options=QUIET)
     expected = {k: v.to(torch.bfloat16) for k, v in hf_state(models["gqa"]).items()}
     assert_same_state(hf_state(tmp_path / "back"), expected)
     assert json.loads((tmp_path / "back" / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -19,7 +19,7 @@ from ckptconv.errors import ConversionError, IntegrityError, VerificationError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.io.nxd_write import save_shard
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer, warns_official_trn2_kv
 from tests.test_golden import CASES, load_case
 
 GQA = dict(heads=8, kv_heads=2, head_dim=8, layers=6)
@@ -91,14 +91,16 @@ def test_verify_passes_on_every_golden_case(golden_dir: Path, tmp_path: Path, na
 
 
 def test_verify_fails_on_official_trn2_layout(gqa: Path, tmp_path: Path):
-    out = convert(gqa, tmp_path / "nxd", tp=8, attention="qkv_linear", kv_size_multiplier=4, hw_backend="trn2",
-                  trn2_kv_layout="official")
+    with warns_official_trn2_kv():
+        out = convert(gqa, tmp_path / "nxd", tp=8, attention="qkv_linear", kv_size_multiplier=4, hw_backend="trn2",
+                      trn2_kv_layout="official")
     text = problems(verify(gqa, out, layers=1))
     # q 8, kv 2, tp 8: official tiles K (rank r has K_{r mod 2}) but Q head r needs K_{r div 4}
     assert "layer 0 attention" in text and "Q/K/V heads differ on rank(s) 1, 3, 4, 6" in text
     with pytest.raises(VerificationError, match="does not compute what"):
-        convert(gqa, tmp_path / "again", tp=8, attention="qkv_linear", kv_size_multiplier=4, hw_backend="trn2",
-                trn2_kv_layout="official", verify_layers=1)
+        with warns_official_trn2_kv():
+            convert(gqa, tmp_path / "again", tp=8, attention="qkv_linear", kv_size_multiplier=4, hw_backend="trn2",
+                    trn2_kv_layout="official", verify_layers=1)
 
 
 def test_verify_fails_on_two_swapped_q_heads(gqa: Path, tmp_path: Path):
@@ -176,14 +178,17 @@ def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Pa
     original = load_shard(out / "model" / SHARD.format(2, 0))[key]
     edit_shard(out, 2, 0, lambda s: s.__setitem__(key, s[key] + 0.5))
     with pytest.raises(VerificationError) as err:
-        ckptconv.to_hf(out, tmp_path / "back", options=QUIET)
+        with warns_no_tokenizer():
+            ckptconv.to_hf(out, tmp_path / "back", options=QUIET)
     message = str(err.value)
     assert "model.layers.3.self_attn.k_proj.weight[0:8]" in message
     assert "tp_rank_02" in message and "tp_rank_00" in message and "max abs difference 0.5" in message
     assert "drifted apart" in message  # the replica order fits the layout: not a layout-flag mistake
-    ckptconv.to_hf(out, tmp_path / "first", kv_replicas="first", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(out, tmp_path / "first", kv_replicas="first", options=QUIET)
     assert torch.equal(hf_state(tmp_path / "first")["model.layers.3.self_attn.k_proj.weight"][:8], original)
-    ckptconv.to_hf(out, tmp_path / "mean", kv_replicas="mean", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(out, tmp_path / "mean", kv_replicas="mean", options=QUIET)
     assert torch.allclose(hf_state(tmp_path / "mean")["model.layers.3.self_attn.k_proj.weight"][:8], original + 0.25)
 
 
@@ -202,7 +207,8 @@ def test_to_hf_infers_trn2_from_replicas_and_refuses_to_guess_trn1(gqa: Path, tm
         assert main(argv) == 1
         assert "pass --hw-backend trn1, or --hw-backend trn2 --trn2-kv-layout official" in capsys.readouterr().err
         argv += ["--hw-backend", "trn1"]
-    assert main(argv) == 0
+    with warns_no_tokenizer():
+        assert main(argv) == 0
     err = capsys.readouterr().err
     assert "kv_size_multiplier 2 from K/V rows" in err
     assert ("inferred trn2 from K/V replicas on adjacent ranks" if hw == "trn2"
@@ -234,7 +240,8 @@ def test_reshard_equals_to_hf_then_to_nxd_across_modes(gqa: Path, tmp_path: Path
     src = convert(gqa, tmp_path / "src", tp=2, pp=2, vpp=1, attention="qkv_linear", hw_backend="trn1", flavour="xser-split")
     ckptconv.reshard(src, tmp_path / "resharded", tp=4, pp=3, hw_backend="trn2", fuse_qkv=True, flavour="plain",
                      options=QUIET)
-    ckptconv.to_hf(src, tmp_path / "hf", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(src, tmp_path / "hf", options=QUIET)
     via_hf = convert(tmp_path / "hf", tmp_path / "via-hf", tp=4, pp=3, attention="qkv_linear", kv_size_multiplier=2,
                      hw_backend="trn2", fuse_qkv=True)
     assert shard_hashes(tmp_path / "resharded") == shard_hashes(via_hf)

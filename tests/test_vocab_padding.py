@@ -14,7 +14,7 @@ import ckptconv
 from ckptconv.commands.verify import verify
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.io.nxd_write import save_shard
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.test_roundtrip import assert_same_state
 from tests.test_verify_reshard import SHARD
 
@@ -45,7 +45,8 @@ def test_tp4_pp2_pads_with_zero_rows_and_to_hf_strips_them(vocab1003, tmp_path: 
         assert torch.equal(last[LM_HEAD][:real], head[rank * 251:rank * 251 + real])
         assert not first[EMBED][real:].any() and not last[LM_HEAD][real:].any()
     assert verify(src, tmp_path / "nxd")["ok"]
-    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)
     assert_same_state(hf_state(tmp_path / "hf"), hf)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 1003
 
@@ -89,7 +90,8 @@ def test_shards_padded_by_another_tool_are_read_with_the_real_vocab(vocab1003, t
     info = ckptconv.inspect(tmp_path / "nxdt")
     assert info["model"]["vocab"] == 1003
     assert verify(src, tmp_path / "nxdt")["ok"]
-    result = ckptconv.to_hf(tmp_path / "nxdt", tmp_path / "hf", options=QUIET)
+    with warns_no_tokenizer():
+        result = ckptconv.to_hf(tmp_path / "nxdt", tmp_path / "hf", options=QUIET)
     assert any("embedding padded to 1024 rows (vocab_size 1003)" in n for n in result.notes)
     assert_same_state(hf_state(tmp_path / "hf"), hf_state(src))
     ckptconv.reshard(tmp_path / "nxdt", tmp_path / "re", tp=2, pp=1, options=QUIET)  # our own padding: 1004

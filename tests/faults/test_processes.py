@@ -47,13 +47,14 @@ def sources(medium_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 def _kill_during(argv: list[str], out: Path, delay: float) -> int | None:
     """Start the CLI, wait until it has begun writing OUT, kill -9 it ``delay`` seconds later."""
-    proc = subprocess.Popen(command("ckptconv", *argv), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not (out / ".ckptconv-tmp").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    with subprocess.Popen(command("ckptconv", *argv), env=env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE) as proc:  # the with closes the stderr pipe
+        deadline = time.monotonic() + 120
+        while not (out / ".ckptconv-tmp").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     return proc.returncode
 
 
@@ -107,6 +108,8 @@ def test_second_writer_is_refused_and_a_killed_holder_releases(fault_hf: Path, t
     finally:
         holder.kill()  # kill -9: the kernel releases its lock
         holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
     assert main(["to-nxd", str(fault_hf), str(out), "--tp", "2", "--quiet"]) == 0
     assert consistent(out)
 

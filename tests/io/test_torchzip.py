@@ -33,9 +33,9 @@ from ckptconv.io.torchzip import (
     pwrite_extent,
     save_state_dict,
 )
+from tests.conftest import GOLDEN, fixture_cases
 
 IO_MODES = ("mmap", "read")
-FIXTURES = Path("/work/shared/fixtures/nxd-official")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.uint16, torch.uint32, torch.uint64]
@@ -510,14 +510,17 @@ def test_reader_plain_value_is_not_a_tensor(tmp_path: Path) -> None:
 
 
 def _fixture_files() -> list[str]:
-    return sorted(glob.glob(str(FIXTURES / "*" / "out" / "model" / "*.pt")) + glob.glob(str(FIXTURES / "*" / "*.pt")))
+    fixture_cases(GOLDEN)  # fails, naming the folder, when it is missing
+    return sorted(glob.glob(str(GOLDEN / "*" / "out" / "model" / "*.pt")) + glob.glob(str(GOLDEN / "*" / "*.pt")))
 
 
-@pytest.mark.skipif(not _fixture_files(), reason="golden fixtures not present")
 @pytest.mark.parametrize("io", IO_MODES)
 def test_golden_files_rewrite_to_the_same_sha256(tmp_path: Path, io: str) -> None:
     """Official converter outputs (and the inputs torch.save wrote) re-written under their archive name."""
-    for src in _fixture_files():
+    files = _fixture_files()
+    # 6 merged.pt, 3 expected_full.pt, 20 official shards
+    assert len(files) == 29, files
+    for src in files:
         with TorchZipReader(src, io=io) as r:
             sd = r.container_type((k, r.read(k)) for k in r.keys())
             if r.attributes:  # e.g. an nn.Module state_dict's _metadata

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nxdtrain.train import export
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options
 from tests.nxdtrain.test_parity import assert_matches_reference
 
@@ -43,7 +43,8 @@ CASES = {
 def _run(tmp: Path, src: Path, *, tp: int, pp: int, dp: int, cp: int, **options: Any) -> tuple[list[dict], dict]:
     log = run_world(tp * pp * dp * cp, resume=str(src), tp=tp, pp=pp, context_parallel=cp,
                     checkpoint_dir=str(tmp / "ckpt"), log_jsonl=str(tmp / "log.jsonl"), **options)
-    export(tmp / "ckpt", tmp / "hf")
+    with warns_no_tokenizer():
+        export(tmp / "ckpt", tmp / "hf")
     return log, hf_state(tmp / "hf")
 
 
@@ -105,8 +106,10 @@ def test_resume_cp2_cp1_cp2_continues_the_curve(tmp_path, nxd_model):
     # The same files as a cp-1 run: one model shard, one optimizer file (no cp index anywhere).
     assert sorted(p.name for p in (ckpt / "step_6/model").iterdir()) == ["dp_rank_00_tp_rank_00_pp_rank_00.pt"]
     assert sorted(p.name for p in (ckpt / "step_6/optim").iterdir()) == ["dp_rank_00_tp_rank_00_pp_rank_00.pt"]
-    export(ckpt, tmp_path / "hf")
-    export(tmp_path / "whole", tmp_path / "hf-whole")
+    with warns_no_tokenizer():
+        export(ckpt, tmp_path / "hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "whole", tmp_path / "hf-whole")
     assert _max_diff(hf_state(tmp_path / "hf"), hf_state(tmp_path / "hf-whole"))[1] <= TOL
 
 

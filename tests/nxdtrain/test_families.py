@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from nxdtrain.train import export
+from tests.conftest import warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options
 from tests.nxdtrain.test_parity import assert_matches_reference
 
@@ -44,7 +45,8 @@ def test_family_trains_like_transformers(tmp_path, nxd_model, reference, name):
     src = nxd_model(model, tp=tp, pp=pp, **layout)
     log = run_world(tp * pp, resume=str(src), tp=tp, pp=pp, checkpoint_dir=str(tmp_path / "ckpt"),
                     log_jsonl=str(tmp_path / "log.jsonl"), **options, **extra)
-    export(tmp_path / "ckpt", tmp_path / "hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "ckpt", tmp_path / "hf")
     assert_matches_reference(log, tmp_path / "hf", reference(model, **options), optimizer)
 
 

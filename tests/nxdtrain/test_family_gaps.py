@@ -20,7 +20,7 @@ import torch
 
 from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.train import export
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options
 from tests.nxdtrain.test_context_parallel import ADAMW
 from tests.nxdtrain.test_parity import assert_matches_reference, train_with_and_without_zero1
@@ -75,7 +75,8 @@ def straight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                             seq_len=seq_len(family), checkpoint_freq=2, keep=2)
     log = run_world(4, resume=str(nxd_model(family, **SOURCE)), checkpoint_dir=str(root / "ckpt"),
                     log_jsonl=str(root / "log.jsonl"), tp=2, pp=2, **options)
-    export(root / "ckpt/step_4", root / "hf")
+    with warns_no_tokenizer():
+        export(root / "ckpt/step_4", root / "hf")
     return {"family": family, "log": log, "root": root, "options": options, "weights": hf_state(root / "hf")}
 
 
@@ -90,7 +91,8 @@ def _assert_continues_within_tol(straight: dict, tmp: Path, log: list[dict]) -> 
     for mine, theirs in zip(log, straight["log"][2:], strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=TOL), (mine, theirs)
         assert mine["lr"] == theirs["lr"]
-    export(tmp / "ckpt/step_4", tmp / "hf")
+    with warns_no_tokenizer():
+        export(tmp / "ckpt/step_4", tmp / "hf")
     key, worst = _max_diff(hf_state(tmp / "hf"), straight["weights"])
     assert worst <= TOL, f"{straight['family']}: {key} differs from the uninterrupted run by {worst}"
 
@@ -157,7 +159,8 @@ def test_cp2_equals_cp1(tmp_path, hf_model, nxd_model, name):
         run = tmp_path / f"cp{cp}"
         logs.append(run_world(tp * cp, resume=str(src), tp=tp, context_parallel=cp, checkpoint_dir=str(run / "ckpt"),
                               log_jsonl=str(run / "log.jsonl"), **options))
-        export(run / "ckpt", run / "hf")
+        with warns_no_tokenizer():
+            export(run / "ckpt", run / "hf")
         states.append(hf_state(run / "hf"))
     losses = [(a["loss"], b["loss"]) for a, b in zip(*logs, strict=True)]
     assert len(losses) == 3 and max(abs(a - b) for a, b in losses) <= CP_TOL, losses
@@ -183,8 +186,10 @@ def test_masters_export_of_a_padded_bf16_run(tmp_path, nxd_model):
               log_jsonl=str(tmp_path / "log.jsonl"), **train_options(optimizer="adamw", steps=2, precision="bf16"))
     tag = tmp_path / "ckpt/step_2"
     quiet = RunOptions(quiet=True)
-    to_hf(tag, tmp_path / "masters", masters=True, dtype="keep", options=quiet)
-    to_hf(tag, tmp_path / "shards", masters=False, dtype="keep", options=quiet)
+    with warns_no_tokenizer():
+        to_hf(tag, tmp_path / "masters", masters=True, dtype="keep", options=quiet)
+    with warns_no_tokenizer():
+        to_hf(tag, tmp_path / "shards", masters=False, dtype="keep", options=quiet)
     masters, shards = hf_state(tmp_path / "masters"), hf_state(tmp_path / "shards")
     embed = "model.embed_tokens.weight"
     assert masters[embed].shape == shards[embed].shape == (1003, 64)

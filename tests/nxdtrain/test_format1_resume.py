@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.commands.api import RunOptions, reshard, to_hf
-from tests.conftest import REPO
+from tests.conftest import REPO, warns_no_tokenizer
 from tests.nxdtrain.harness import DIST_TIMEOUT, run_world
 
 FIXTURE = REPO / "fixtures" / "nxdtrain-format1"
@@ -44,15 +44,17 @@ def test_format1_zero1_tag_resumes_at_dp1_without_zero1(tag, tmp_path):
     assert [r["loss"] for r in log] == losses[2:]  # dp 1 sums the same microbatch gradients: equal here
 
 
-@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixture's model has none
 def test_masters_export_from_zero1_tags_of_both_formats(tag, tmp_path):
     """to-hf --masters finds every parameter's fp32 master whichever dp rank's file holds it: in the format-1 tag
     (every file has all masters) and after a reshard to format 2 (each dp rank has its own parameters')."""
     quiet = RunOptions(quiet=True, part=(0, 1))
-    to_hf(tag, tmp_path / "hf1", masters=True, dtype="keep", options=quiet)
+    with warns_no_tokenizer():
+        to_hf(tag, tmp_path / "hf1", masters=True, dtype="keep", options=quiet)
     moved = reshard(tag, tmp_path / "f2", tp=2, pp=1, dp=2, zero1=True, options=quiet).out
-    to_hf(moved, tmp_path / "hf2", masters=True, dtype="keep", options=quiet)
-    to_hf(tag, tmp_path / "shards", masters=False, dtype="keep", options=quiet)
+    with warns_no_tokenizer():
+        to_hf(moved, tmp_path / "hf2", masters=True, dtype="keep", options=quiet)
+    with warns_no_tokenizer():
+        to_hf(tag, tmp_path / "shards", masters=False, dtype="keep", options=quiet)
     one, two = load_file(tmp_path / "hf1/model.safetensors"), load_file(tmp_path / "hf2/model.safetensors")
     shards = load_file(tmp_path / "shards/model.safetensors")
     assert one.keys() == two.keys() == shards.keys()
@@ -100,7 +102,6 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     assert inspect(tag, masters=True)["weights_from"] == "optim/ (nxdtrain's master weights)"
 
 
-@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixture's model has none
 def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monkeypatch):
     """reshard --masters and to-dcp of a bf16 tag read the weights from its masters and carry its optimizer state:
     one TagOptimizer (one parse of every optimizer file's header) serves both (two before); the resharded tag's

@@ -21,7 +21,7 @@ from ckptconv.training.state import is_training_tag
 from nxdtrain.checkpoint.resume import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.optim import lr_at
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.test_nxd_resume import (
     CASES,
     FP32_STATE,
@@ -143,7 +143,6 @@ PIPELINES = [(dict(tp=2, pp=2), ParallelLayout(tp=2, pp=2, attention="qkv_linear
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize(("layout", "run"), PIPELINES, ids=["tp2-pp2", "vpp2"])
-@pytest.mark.filterwarnings("ignore:.*will have no tokenizer")  # the fixtures carry none
 def test_reshard_to_pipeline_stages_exports_and_continues_as_nxd(case: str, layout: dict[str, int],
                                                                  run: ParallelLayout, tmp_path: Path) -> None:
     """The resharded tag's to-hf gives exactly the weights NxD saved (its model files' values; with
@@ -154,14 +153,16 @@ def test_reshard_to_pipeline_stages_exports_and_continues_as_nxd(case: str, layo
     assert is_training_tag(out)
     held = reference(case, "params_at_save.hf")
     shards = not masters_only(case)
-    to_hf(out, tmp_path / "hf", dtype="keep", masters=None if masters_only(case) else False, options=QUIET)
+    with warns_no_tokenizer():
+        to_hf(out, tmp_path / "hf", dtype="keep", masters=None if masters_only(case) else False, options=QUIET)
     got = hf_state(tmp_path / "hf")
     assert sorted(got) == sorted(held)
     for name, value in got.items():
         want = expected_model_weights(case, value, name) if shards else held[name]
         assert value.dtype == want.dtype and torch.equal(value, want), name
     if case in MASTER_CASES:
-        to_hf(out, tmp_path / "hf-masters", dtype="keep", masters=True, options=QUIET)
+        with warns_no_tokenizer():
+            to_hf(out, tmp_path / "hf-masters", dtype="keep", masters=True, options=QUIET)
         got = hf_state(tmp_path / "hf-masters")
         assert sorted(got) == sorted(held)
         assert all(v.dtype == held[k].dtype and torch.equal(v, held[k]) for k, v in got.items())

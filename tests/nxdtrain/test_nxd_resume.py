@@ -30,10 +30,11 @@ from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.tp_group import TpGroup
+from tests.conftest import fixture_cases
 from tests.test_nxd_optimizer import tag_of
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nxdt-official"
-CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "case.json").is_file()) if FIXTURES.is_dir() else []
+CASES = fixture_cases(FIXTURES)
 
 
 def manifest(case: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 
 from ckptconv.training.state import MASTER, state_key
 from nxdtrain.train import export
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options
 
 COMBOS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2)]
@@ -51,7 +51,8 @@ def test_matches_transformers(tmp_path, nxd_model, reference, tp, pp, dp, model,
     src = nxd_model(model, tp=tp, pp=pp, attention="qkv_linear", fuse_qkv=fused, kv_size_multiplier=kvm(model, tp))
     log = run_world(tp * pp * dp, resume=str(src), tp=tp, pp=pp, pp_schedule="1f1b" if fused else "gpipe",
                     checkpoint_dir=str(tmp_path / "ckpt"), log_jsonl=str(tmp_path / "log.jsonl"), **options)
-    export(tmp_path / "ckpt", tmp_path / "hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "ckpt", tmp_path / "hf")
     assert_matches_reference(log, tmp_path / "hf", reference(model, **options), optimizer)
 
 
@@ -77,7 +78,8 @@ def test_other_layouts_match_transformers(tmp_path, nxd_model, reference, name):
     src = nxd_model(model, tp=tp, pp=pp, **layout)
     log = run_world(tp * pp * dp, resume=str(src), tp=tp, pp=pp, checkpoint_dir=str(tmp_path / "ckpt"),
                     log_jsonl=str(tmp_path / "log.jsonl"), **options)
-    export(tmp_path / "ckpt", tmp_path / "hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "ckpt", tmp_path / "hf")
     assert_matches_reference(log, tmp_path / "hf", reference(model, **options), optimizer)
     if model == "tied":  # the last stage's lm_head copy stayed equal to the first stage's embedding
         for t in range(tp):
@@ -95,7 +97,8 @@ def train_with_and_without_zero1(tmp_path: Path, src: Path, options: dict) -> di
         run = tmp_path / f"zero{int(zero1)}"
         log = run_world(4, resume=str(src), tp=2, zero1=zero1, checkpoint_dir=str(run / "ckpt"),
                         log_jsonl=str(run / "log.jsonl"), **options)
-        export(run / "ckpt", run / "hf")
+        with warns_no_tokenizer():
+            export(run / "ckpt", run / "hf")
         runs[zero1] = (log, hf_state(run / "hf"))
     return runs
 

@@ -106,6 +106,8 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, nxd_model):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        launcher.stdout.close()  # its pipes: never read when the test passes
+        launcher.stderr.close()
         kill_leftovers(workers | descendants(launcher.pid))
 
 
@@ -185,4 +187,6 @@ def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(t
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+        launcher.stdout.close()  # its pipes: never read when the test passes
+        launcher.stderr.close()
         kill_leftovers(workers | descendants(launcher.pid))
