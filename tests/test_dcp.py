@@ -820,3 +820,37 @@ def test_a_real_bf16_zero1_tag_through_titans_format_continues(tmp_path):
                     log_jsonl=str(tmp_path / "log.jsonl"), **{**run["options"], "dist_timeout": DIST_TIMEOUT})
     assert [r["step"] for r in log] == [3, 4]
     assert [r["loss"] for r in log] == pytest.approx(run["losses"][2:], rel=1e-5)
+
+
+def test_qwen3_goes_to_titans_qwen3_and_back_bit_exact_and_other_families_are_refused(tiny_models, tmp_path):
+    """Qwen3 (head_dim, q/k norms) into TorchTitan's qwen3: its cos/sin RoPE rotates halves as HF does, so no q/k
+    rows move; the q/k norms are TorchTitan's attention.q_norm/k_norm. A family TorchTitan has no model for is refused
+    naming those it has."""
+    hf = tiny_models("dcp-qwen3", model_type="qwen3", head_dim=16, layers=2, seed=11)
+    ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
+    state = hf_state(hf)
+    with DcpCheckpoint(tmp_path / "dcp") as ckpt:
+        shapes = {k: tuple(ckpt.entry(k).size) for k in ckpt.keys()}
+    loaded = dcp_load(tmp_path / "dcp", shapes)
+    assert torch.equal(loaded["layers.1.attention.qkv_linear.wq.weight"], state["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(loaded["layers.0.attention.q_norm.weight"], state["model.layers.0.self_attn.q_norm.weight"])
+    assert torch.equal(loaded["layers.0.attention.k_norm.weight"], state["model.layers.0.self_attn.k_norm.weight"])
+    assert len(loaded) == len(state) and "torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers" in (
+        tmp_path / "dcp" / "torchtitan_config.py").read_text()
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", options=QUIET)
+    back = hf_state(tmp_path / "back")
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    mistral = tiny_models("dcp-mistral", model_type="mistral", layers=1, seed=12)
+    with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mistral \(model_type 'mistral'\); "
+                                              r"the families it has: llama \(llama3\), qwen3 \(qwen3\)"):
+        ckptconv.to_dcp(mistral, tmp_path / "mistral", options=QUIET)
+    assert not (tmp_path / "mistral").exists()
+
+
+def test_a_rope_scaling_torchtitan_does_not_compute_is_refused(tiny_models, tmp_path):
+    hf = tiny_models("dcp-yarn", layers=1, seed=13, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 10000.0})
+    with pytest.raises(ConversionError, match=r"rope scaling 'linear': TorchTitan 0.3.0's complex RoPE \(llama3\) "
+                                              r"does not compute it"):
+        ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
+    assert not (tmp_path / "dcp").exists()
