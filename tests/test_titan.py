@@ -344,6 +344,9 @@ def test_titan_continues_an_nxdtrain_run(nxd_run, tmp_path):
         warnings.simplefilter("ignore")
         assert ck.load() is True
     assert ck.states["train_state"].step == 2
+    # the loaded param groups hold the saved weight decay per group: the norm weights' 0, the matrices' the run's
+    loaded = [(p.dim(), g["weight_decay"]) for opt in optimizers.optimizers for g in opt.param_groups for p in g["params"]]
+    assert sorted(set(loaded)) == [(1, 0.0), (2, RUN["weight_decay"])] and RUN["weight_decay"] > 0
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tokenizer in a test tag
