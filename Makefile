@@ -59,15 +59,17 @@ test-xla: setup-xla
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
 
 # The TorchTitan lane: torchtitan from PyPI in its own environment, to check our DCP output against the real
-# thing. torch stays the main lane's CPU 2.13.0 (the constraints file keeps torchtitan's and .[dev]'s
-# requirements from moving it); torchtitan imports triton unconditionally, so it is installed too.
+# thing, its own trainer (torchtitan.train) included. TorchTitan 0.3.0's trainer calls
+# torch.distributed.set_timeout after its first step, which torch 2.13 lacks: the lane runs torch 2.14.1, the
+# public index's default build (CUDA libraries; it runs on CPU, as the xla lane's torch does). The constraints
+# file keeps torchtitan's and .[dev]'s requirements from moving it; torchtitan imports triton unconditionally.
 TITAN_VENV    := .venv-titan
 TITAN_BIN     := $(TITAN_VENV)/bin
 TITAN_STAMP   := $(TITAN_VENV)/.installed-stamp
-TITAN_TORCH   := 2.13.0
+TITAN_TORCH   := 2.14.1
 TITAN_VERSION := 0.3.0
 
-# .venv-titan: torchtitan 0.3.0 beside the main lane's torch
+# .venv-titan: torchtitan 0.3.0 on torch 2.14.1 (the main lane keeps its CPU 2.13.0)
 setup-titan: $(TITAN_STAMP)
 
 $(TITAN_STAMP): pyproject.toml Makefile
@@ -81,7 +83,7 @@ $(TITAN_STAMP): pyproject.toml Makefile
 	touch $(TITAN_STAMP)
 
 # The main lane collects test_titan.py and skips it (no torchtitan there).
-TITAN_TESTS := tests/test_titan.py
+TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py
 # the TorchTitan lane: TorchTitan's own code loads what to-dcp writes
 test-titan: setup-titan
 	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)

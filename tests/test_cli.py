@@ -45,7 +45,8 @@ def test_flag_sets_are_pinned():
                                                              "--nxd-trainer"}
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout",
-                                                            "--weights-only", "--masters", "--no-masters"}
+                                                            "--weights-only", "--masters", "--no-masters", "--schedule", "--lr",
+                                                            "--min-lr", "--warmup", "--decay-steps"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check", "--weights-only",
                                                               "--consumed-samples"}

@@ -29,6 +29,7 @@ from ckptconv.titan.names import (
     rope_rows,
     titan_params,
 )
+from ckptconv.titan.state import ScheduleFlags
 from tests.conftest import hf_state
 
 QUIET = RunOptions(quiet=True)
@@ -380,10 +381,12 @@ def test_cli_json_quiet_and_layout_flags_need_to_nxd(models, tmp_path, capsys):
     hf = models["mha"]
     assert main(["to-dcp", str(hf), str(tmp_path / "dcp"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["complete"] and out["files"] == 4  # .metadata, one .distcp, hf/config.json, hf/generation_config.json
+    # .metadata, one .distcp, torchtitan_config.py, hf/config.json, hf/generation_config.json
+    assert out["complete"] and out["files"] == 5
     meta = json.loads((tmp_path / "dcp" / "ckptconv.json").read_text())
     assert meta["kind"] == "dcp" and meta["extra"]["torchtitan"] == "0.3.0"
-    assert set(meta["files"]) == {".metadata", distcp_name(0), "hf/config.json", "hf/generation_config.json"}
+    assert set(meta["files"]) == {".metadata", distcp_name(0), "torchtitan_config.py", "hf/config.json",
+                                 "hf/generation_config.json"}
     assert main(["from-dcp", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--tp", "2"]) == 1
     assert "--to nxd" in capsys.readouterr().err
     assert main(["from-dcp", str(tmp_path / "dcp"), str(tmp_path / "nxd"), "--to", "nxd", "--tp", "2", "--quiet"]) == 0
@@ -584,19 +587,47 @@ def test_to_dcp_of_a_training_tag_writes_titans_adamw_state(models, tmp_path, na
         assert {f: values[f"optimizer.param_groups.{p}.{f}"] for f in fields} == want, p
     # past warmup: one more than the step (TorchTitan's schedule runs its decay one step later; see titan_state)
     assert (values["lr_scheduler.last_epoch"], values["train_state.step"], values["train_state.ntokens_seen"]) == (6, 5, 320)
-    assert any("lr_scheduler.warmup_steps=2" in n and "decay_type=cosine" in n and "min_lr_factor=0.1" in n
+    assert any("warmup_steps=2" in n and "decay_type=cosine" in n and "min_lr_factor=0.1" in n
                and "total_steps=10" in n for n in result.notes)
     assert any("data loader position" in n for n in result.notes)
-    assert any("norm weights have their own AdamW group (weight_decay 0.0; matrices weight_decay 0.1)" in n
-               and r"'norm\.weight$'" in n for n in result.notes)
+    calls = config_calls(tmp_path / "dcp" / "torchtitan_config.py")
+    assert calls["ParamGroupConfig"] == [  # the norm weights' group (nxdtrain's, no weight decay) first
+        {"pattern": r"norm\.weight$", "optimizer_name": "AdamW",
+         "optimizer_kwargs": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}},
+        {"pattern": ".*", "optimizer_name": "AdamW",
+         "optimizer_kwargs": {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}}]
+    assert calls["LRSchedulersContainer.Config"] == [dict(warmup_steps=2, total_steps=10, decay_ratio=None,
+                                                         decay_type="cosine", min_lr_factor=pytest.approx(0.1))]
+    assert calls["CheckpointManager.Config"][0]["initial_load_model_only"] is False
+    assert calls["CheckpointManager.Config"][0]["exclude_from_loading"] == ["dataloader"]
+
+
+def config_calls(path: Path) -> dict[str, list[dict]]:
+    """The literal keyword arguments of every call in a generated torchtitan_config.py, by callee (its text
+    parsed, not run: TorchTitan is the TorchTitan lane's)."""
+    import ast
+
+    out: dict[str, list[dict]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            kwargs = {}
+            for kw in node.keywords:
+                try:
+                    kwargs[kw.arg] = ast.literal_eval(kw.value)
+                except ValueError:
+                    kwargs[kw.arg] = ast.unparse(kw.value)
+            out.setdefault(name, []).append(kwargs)
+    return out
 
 
 def test_to_dcp_of_a_training_tag_weights_only_and_refusals(models, tmp_path):
     hf = models["gqa"]
     tag = fake_training_tag(hf, tmp_path / "tag", weight_decay_norms=0.1)
     options = RunOptions(quiet=True, check=False)
-    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=options)
-    assert not any("own AdamW group" in n for n in result.notes)  # one group's values: TorchTitan's default fits
+    ckptconv.to_dcp(tag, tmp_path / "dcp", options=options)
+    groups = config_calls(tmp_path / "dcp" / "torchtitan_config.py")["ParamGroupConfig"]
+    assert [g["optimizer_kwargs"]["weight_decay"] for g in groups] == [0.1, 0.1]  # as the tag's groups hold them
     assert main(["to-dcp", str(tag), str(tmp_path / "model"), "--weights-only", "--no-check", "--quiet"]) == 0
     with DcpCheckpoint(tmp_path / "model") as ckpt:
         assert all(not k.startswith(("optimizer", "lr_scheduler", "train_state")) for k in ckpt.keys())
@@ -685,21 +716,88 @@ def test_to_dcp_of_a_bf16_tag_writes_its_fp32_masters(models, tmp_path):
         assert "optimizer.state.norm.weight.exp_avg" in ckpt.keys()
 
 
-def test_to_dcp_of_nxds_own_tag_takes_its_masters_and_says_its_optimizer_files_stay(tmp_path):
-    """A tag NxD itself saved (ZeRO-1, bf16, fp32 masters): the weights are its masters (as to-hf's), its optimizer
-    files are not nxdtrain's and are said to stay behind."""
+NXD_CASES = ["zero1_bf16_masters", "zero1_fp32", "plain_fp32", "plain_bf16", "zero1_bf16", "zero1_bf16_dcp",
+             "zero1_bf16_masters_xser", "zero1_downcast_fp64_masters", "nxdt_zero1_bf16_masters_xser"]
+NXDT_FLAGS = dict(schedule="LinearAnnealingWithWarmUp", warmup=2, decay_steps=10)  # how the NxDT case was run
+
+
+def nxd_case(name: str) -> tuple[Path, Path]:
     from tests.conftest import REPO
 
-    case = REPO / "fixtures" / "nxdt-official" / "zero1_bf16_masters"
-    config = case / "hf" / "config.json"
-    result = ckptconv.to_dcp(case / "ckpt" / "step_2", tmp_path / "dcp", config=config, options=QUIET)
-    assert any("not carried: the optimizer files" in n for n in result.notes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no tokenizer in the fixture
-        ckptconv.to_hf(case / "ckpt" / "step_2", tmp_path / "hf", config=config, dtype="keep", options=QUIET)
-    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", config=config, options=QUIET)
-    a, b = hf_state(tmp_path / "hf"), hf_state(tmp_path / "back")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == torch.float32 for k in a)
+    case = REPO / "fixtures" / "nxdt-official" / name
+    return next((case / "ckpt").iterdir()), case / "hf" / "config.json"
+
+
+def dcp_everything(path: Path) -> dict[str, object]:
+    """Every entry of a DCP, tensors and values, as torch's own reader loads it."""
+    with DcpCheckpoint(path) as ckpt:
+        shapes = {k: tuple(ckpt.entry(k).size) for k in ckpt.keys() if ckpt.entry(k).is_tensor}
+        dtypes = ckpt.dtypes()
+        values = {k: ckpt.read_value(k) for k in ckpt.keys() if not ckpt.entry(k).is_tensor}
+    state = {k: torch.empty(shape, dtype=dtypes[k]) for k, shape in shapes.items()}
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=str(path))
+    return {**state, **values}
+
+
+@pytest.mark.parametrize("name", NXD_CASES)
+def test_to_dcp_of_nxds_own_tags_carries_what_reshard_carries(tmp_path, name):
+    """A tag NxD's own code saved (its examples' and NxDT's; ZeRO-1 with/without masters, xser, DCP optimizer):
+    to-dcp carries its AdamW state, schedule and step directly, every value equal to what it carries of the
+    nxdtrain tag `reshard` makes of it (the route that worked before, checked against NxD's own loader)."""
+    tag, config = nxd_case(name)
+    flags = ScheduleFlags(**NXDT_FLAGS) if name.startswith("nxdt") else None
+    result = ckptconv.to_dcp(tag, tmp_path / "direct", config=config, schedule=flags, options=QUIET)
+    assert not any("not carried: the optimizer" in n for n in result.notes)
+    ckptconv.reshard(tag, tmp_path / "tag", tp=1, pp=1, config=config, options=QUIET)
+    ckptconv.to_dcp(tmp_path / "tag", tmp_path / "via", schedule=flags, options=QUIET)
+    direct, via = dcp_everything(tmp_path / "direct"), dcp_everything(tmp_path / "via")
+    assert sorted(direct) == sorted(via)
+    assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in direct)
+    for key, value in direct.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == via[key].dtype and torch.equal(value, via[key]), key
+        else:
+            assert value == via[key], key
+    # the next step's lr is the one NxD's scheduler set (CosineAnnealing / LinearAnnealingWithWarmUp at step 3)
+    assert direct["train_state.step"] == 2 and direct["lr_scheduler.last_epoch"] == 2
+    assert direct["optimizer.param_groups.norm.weight.lr"] == pytest.approx(0.01, rel=1e-12)
+    assert direct["optimizer.param_groups.norm.weight.initial_lr"] == 0.01
+    calls = config_calls(tmp_path / "direct" / "torchtitan_config.py")
+    scheduler = calls["LRSchedulersContainer.Config"][0]
+    want = (dict(decay_type="linear", min_lr_factor=0.0) if name.startswith("nxdt")
+            else dict(decay_type="cosine", min_lr_factor=pytest.approx(0.1)))
+    assert scheduler == dict(warmup_steps=2, total_steps=10, decay_ratio=None, **want)
+
+
+def test_to_dcp_of_an_nxdt_tag_without_its_schedule_is_refused_naming_what_is_missing(tmp_path):
+    tag, config = nxd_case("nxdt_zero1_bf16_masters_xser")
+    with pytest.raises(ConversionError, match=r"records no schedule, min_lr, warmup, decay_steps .*--schedule "
+                                              r"SCHEDULE --min-lr MIN_LR \(none for LinearAnnealingWithWarmUp, which "
+                                              r"decays to 0\) --warmup WARMUP --decay-steps DECAY_STEPS"):
+        ckptconv.to_dcp(tag, tmp_path / "dcp", config=config, options=QUIET)
+    assert not (tmp_path / "dcp").exists()
+    with pytest.raises(ConversionError, match=r"scheduler set lr 0.01 for step 3; the schedule .* gives"):
+        ckptconv.to_dcp(tag, tmp_path / "dcp", config=config, options=QUIET,
+                        schedule=ScheduleFlags(schedule="LinearAnnealingWithWarmUp", warmup=4, decay_steps=10))
+    with pytest.raises(ConversionError, match=r"--lr 0.02: the tag records lr 0.01"):
+        ckptconv.to_dcp(tag, tmp_path / "dcp", config=config, options=QUIET, schedule=ScheduleFlags(lr=0.02, **NXDT_FLAGS))
+    result = ckptconv.to_dcp(tag, tmp_path / "model", config=config, weights_only=True, options=QUIET)
+    assert not any("optimizer" in k for k in dcp_everything(tmp_path / "model"))
+    with pytest.raises(ConversionError, match=r"--warmup: the schedule of a training tag's state; --weights-only"):
+        ckptconv.to_dcp(tag, tmp_path / "m2", config=config, weights_only=True, options=QUIET,
+                        schedule=ScheduleFlags(warmup=2))
+    assert "initial_load_model_only=True" in (tmp_path / "model" / "torchtitan_config.py").read_text()
+    assert any("torchtitan.train --module torchtitan_config --config continue_run" in n for n in result.notes)
+
+
+def test_to_dcp_of_an_nxd_dir_without_state_says_it_is_model_only(models, tmp_path):
+    ckptconv.to_nxd(models["gqa"], tmp_path / "nxd", tp=2, options=QUIET)
+    result = ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp", options=QUIET)
+    assert any(n.startswith("model-only DCP") and "initial_load_model_only=true" in n for n in result.notes)
+    calls = config_calls(tmp_path / "dcp" / "torchtitan_config.py")
+    assert calls["CheckpointManager.Config"][0]["initial_load_model_only"] is True
 
 
 def test_a_real_bf16_zero1_tag_through_titans_format_continues(tmp_path):
@@ -722,3 +820,37 @@ def test_a_real_bf16_zero1_tag_through_titans_format_continues(tmp_path):
                     log_jsonl=str(tmp_path / "log.jsonl"), **{**run["options"], "dist_timeout": DIST_TIMEOUT})
     assert [r["step"] for r in log] == [3, 4]
     assert [r["loss"] for r in log] == pytest.approx(run["losses"][2:], rel=1e-5)
+
+
+def test_qwen3_goes_to_titans_qwen3_and_back_bit_exact_and_other_families_are_refused(tiny_models, tmp_path):
+    """Qwen3 (head_dim, q/k norms) into TorchTitan's qwen3: its cos/sin RoPE rotates halves as HF does, so no q/k
+    rows move; the q/k norms are TorchTitan's attention.q_norm/k_norm. A family TorchTitan has no model for is refused
+    naming those it has."""
+    hf = tiny_models("dcp-qwen3", model_type="qwen3", head_dim=16, layers=2, seed=11)
+    ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
+    state = hf_state(hf)
+    with DcpCheckpoint(tmp_path / "dcp") as ckpt:
+        shapes = {k: tuple(ckpt.entry(k).size) for k in ckpt.keys()}
+    loaded = dcp_load(tmp_path / "dcp", shapes)
+    assert torch.equal(loaded["layers.1.attention.qkv_linear.wq.weight"], state["model.layers.1.self_attn.q_proj.weight"])
+    assert torch.equal(loaded["layers.0.attention.q_norm.weight"], state["model.layers.0.self_attn.q_norm.weight"])
+    assert torch.equal(loaded["layers.0.attention.k_norm.weight"], state["model.layers.0.self_attn.k_norm.weight"])
+    assert len(loaded) == len(state) and "torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers" in (
+        tmp_path / "dcp" / "torchtitan_config.py").read_text()
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", options=QUIET)
+    back = hf_state(tmp_path / "back")
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    mistral = tiny_models("dcp-mistral", model_type="mistral", layers=1, seed=12)
+    with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mistral \(model_type 'mistral'\); "
+                                              r"the families it has: llama \(llama3\), qwen3 \(qwen3\)"):
+        ckptconv.to_dcp(mistral, tmp_path / "mistral", options=QUIET)
+    assert not (tmp_path / "mistral").exists()
+
+
+def test_a_rope_scaling_torchtitan_does_not_compute_is_refused(tiny_models, tmp_path):
+    hf = tiny_models("dcp-yarn", layers=1, seed=13, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 10000.0})
+    with pytest.raises(ConversionError, match=r"rope scaling 'linear': TorchTitan 0.3.0's complex RoPE \(llama3\) "
+                                              r"does not compute it"):
+        ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
+    assert not (tmp_path / "dcp").exists()

@@ -1,13 +1,13 @@
 """The TorchTitan lane: TorchTitan itself loads what to-dcp writes, and from-dcp reads what it saves.
 
-Runs in ``.venv-titan`` (``make setup-titan test-titan``: torchtitan 0.3.0 from PyPI on CPU torch
-2.13); the main lane collects this module and skips it. The model is TorchTitan's own llama3
+Runs in ``.venv-titan`` (``make setup-titan test-titan``: torchtitan 0.3.0 from PyPI on torch 2.14.1, the
+public index's default build, run on CPU); the main lane collects this module and skips it. The model is TorchTitan's own llama3
 (``Llama3Model`` with its fused ``wqkv`` and split-on-save hooks) built from the tiny HF config;
 its inner attention is TorchTitan's ``ScaledDotProductAttention`` module (its default FlexAttention
 compiles for ~40 s per shape on CPU and has no CPU backward; the layer math around it is the same).
-TorchTitan's ``Trainer`` is not used (it needs ``torch.distributed.set_timeout``, absent in torch
-2.13, and a tokenizer and data set): its ``CheckpointManager``, ``OptimizersContainer`` and
-``LRSchedulersContainer`` are, as the trainer wires them.
+TorchTitan's ``Trainer`` is not used here (it needs a tokenizer and a data set): its ``CheckpointManager``,
+``OptimizersContainer`` and ``LRSchedulersContainer`` are, as the trainer wires them, with the optimizer and
+schedule of the ``torchtitan_config.py`` to-dcp writes.
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ def process_group():
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def generated_config(out: Path):
+    """``OUT/torchtitan_config.py`` imported as TorchTitan's ``--module`` would import it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"torchtitan_config_{abs(hash(str(out)))}", out / "torchtitan_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def titan_model(hf: Path, *, fused: bool = True) -> Llama3Model:
@@ -317,21 +327,26 @@ def test_titan_continues_an_nxdtrain_run(nxd_run, tmp_path):
     hf, log = nxd_run["hf"], nxd_run["log"]
     tag2, tag4 = nxd_run["root"] / "ckpt" / "step_2", nxd_run["root"] / "ckpt" / "step_4"
     result = ckptconv.to_dcp(tag2, tmp_path / "dcp", options=QUIET)
-    (schedule_note,) = [n for n in result.notes if n.startswith("continue in TorchTitan with")]
+    generated = generated_config(tmp_path / "dcp")  # the optimizer and schedule of OUT/torchtitan_config.py
     with DcpCheckpoint(tmp_path / "dcp") as ckpt:
         assert ckpt.read_value("train_state.step") == 2 and ckpt.read_value("lr_scheduler.last_epoch") == 3
     recorded = torch.load(tag2 / "scheduler.pt", weights_only=True)
     _, _, schedule = titan_schedule(recorded, "scheduler.pt")
-    assert schedule is not None and schedule.describe() in schedule_note
+    assert any(schedule.describe() in n for n in result.notes)
+    assert generated.lr_scheduler() == titan_schedule_config(schedule)
+    assert generated.optimizer() == titan_adamw(RUN["lr"], RUN["weight_decay"])  # the run's two groups
     model = titan_model(hf)
-    ck, optimizers, schedulers = manager(model, tmp_path / "ck", optimizer=titan_adamw(RUN["lr"], RUN["weight_decay"]),
-                                         schedule=titan_schedule_config(schedule), training_steps=RUN["steps"],
+    ck, optimizers, schedulers = manager(model, tmp_path / "ck", optimizer=generated.optimizer(),
+                                         schedule=generated.lr_scheduler(), training_steps=RUN["steps"],
                                          initial_load_path=str(tmp_path / "dcp"), initial_load_model_only=False,
                                          exclude_from_loading=["dataloader"], interval=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert ck.load() is True
     assert ck.states["train_state"].step == 2
+    # the loaded param groups hold the saved weight decay per group: the norm weights' 0, the matrices' the run's
+    loaded = [(p.dim(), g["weight_decay"]) for opt in optimizers.optimizers for g in opt.param_groups for p in g["params"]]
+    assert sorted(set(loaded)) == [(1, 0.0), (2, RUN["weight_decay"])] and RUN["weight_decay"] > 0
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tokenizer in a test tag

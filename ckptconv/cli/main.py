@@ -25,6 +25,7 @@ from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GRO
 from ckptconv.errors import ConversionError
 from ckptconv.io import digest
 from ckptconv.io.metadata import add_version_flag
+from ckptconv.training.schedules import NXDT_SCHEDULES
 
 if TYPE_CHECKING:
     from ckptconv.engine.run import Result
@@ -198,6 +199,9 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                    help="training tag: write the shards only (no optimizer state, step or schedule)")
 
 
+TAG_SCHEDULES = ("linear", "cosine", "constant", *NXDT_SCHEDULES)  # nxdtrain's --schedule choices
+
+
 def _to_dcp_parser(sub: Subparsers) -> None:
     p = sub.add_parser("to-dcp", help="HF or NxD checkpoint -> TorchTitan DCP (model; a training tag's AdamW state too)")
     p.add_argument("src", help="HF model directory or hub id org/name, a converted NxD dir, a training tag, "
@@ -214,6 +218,13 @@ def _to_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--weights-only", action="store_true",
                    help="training tag: write the model only (no AdamW state, lr schedule or step)")
     _masters_flag(p, "when present")
+    g = p.add_argument_group("a schedule the tag does not record (NxDT's LinearAnnealingWithWarmUp saves only its "
+                             "peak lr; nxdtrain's names; one that differs from what the tag records is refused)")
+    g.add_argument("--schedule", choices=TAG_SCHEDULES, default=None, help="the run's learning-rate schedule")
+    g.add_argument("--lr", type=float, default=None, help="the run's peak learning rate")
+    g.add_argument("--min-lr", type=float, default=None, help="the learning rate at the end of the decay")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps")
+    g.add_argument("--decay-steps", type=int, default=None, help="the step at which the decay ends (NxDT: max_steps)")
     _run_flags(p)
 
 
@@ -329,8 +340,10 @@ def _run_reshard(args: argparse.Namespace) -> Any:
 def _run_to_dcp(args: argparse.Namespace) -> Any:
     hints, options = _flags(args), _options(args)
     from ckptconv.commands.dcp import to_dcp
+    from ckptconv.titan.state import ScheduleFlags
 
-    return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision,
+    schedule = ScheduleFlags(args.schedule, args.lr, args.min_lr, args.warmup, args.decay_steps)
+    return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision, schedule=schedule,
                   dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
                   weights_only=args.weights_only, masters=args.masters, options=options)
 

@@ -29,11 +29,10 @@ from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, P
 from ckptconv.core.layout_flags import LayoutOverrides, as_hints, with_api_kwargs
 from ckptconv.core.mapping import check_source_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.plan import OutTensor, Plan, hf_sources
+from ckptconv.core.plan import Plan, hf_sources
 from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import RunOptions
-from ckptconv.engine.progress import note
 from ckptconv.engine.run import Result, Run, file_identity, fingerprint
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
@@ -43,14 +42,14 @@ from ckptconv.io.nxd import TAG_MARKERS, Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
-from ckptconv.sources.masters import nxdtrain_optimizer
 from ckptconv.sources.nxd import model_spec_of, open_nxd
+from ckptconv.titan.config_file import CONFIG_FILE, TitanRun, config_module, run_command
+from ckptconv.titan.export import TitanState, open_training, refuse_flags_without_state, titan_state
 from ckptconv.titan.names import (
     LR_SCHEDULER_KEYS,
     OPTIMIZER_STATE_FIELDS,
     PARAM_GROUP_FIELDS,
     STATE_FAMILIES,
-    TITAN_MODEL,
     TITAN_VERSION,
     TRAIN_STATE_KEYS,
     family,
@@ -59,6 +58,7 @@ from ckptconv.titan.names import (
     optimizer_params,
     param_group_key,
     planner_path,
+    titan_model,
     titan_params,
     trained_params,
 )
@@ -68,23 +68,21 @@ from ckptconv.titan.plans import (
     plan_dcp_to_hf,
     plan_dcp_to_nxd,
     plan_dcp_to_tag,
-    plan_titan_optimizer,
     plan_to_dcp,
     tied_copies,
 )
-from ckptconv.titan.state import tag_state, titan_values
+from ckptconv.titan.state import ScheduleFlags, tag_state
 from ckptconv.training.state import (
-    OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
-    TagOptimizer,
     TagReader,
-    is_training_tag,
-    state_replicas,
 )
 from ckptconv.training.tag_reshard import TrainingTag, torch_blob
 
-TITAN = {"torchtitan": TITAN_VERSION, "model": TITAN_MODEL}
+
+def titan_record(spec: ModelSpec) -> dict[str, str]:
+    """What ``ckptconv.json`` records of the TorchTitan side (the version, its model for this family)."""
+    return {"torchtitan": TITAN_VERSION, "model": titan_model(spec).name}
 NEEDS_TO_NXD = "pass --to nxd to write NxD shards of that layout"
 
 
@@ -108,14 +106,18 @@ def to_dcp(
     kv_replicas: str = "error",
     weights_only: bool = False,
     masters: bool | None = None,
+    schedule: ScheduleFlags | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Write the model of ``src`` (an HF dir/file or hub id, a converted NxD dir, a training tag or a
-    checkpoint root) as a TorchTitan llama3 DCP checkpoint in ``out``; of a training tag (unless
-    ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's own keys.
+    checkpoint root) as a TorchTitan DCP checkpoint in ``out`` (TorchTitan's llama3 or qwen3), with
+    ``out/torchtitan_config.py``, the TorchTitan run that continues it; of a training tag (nxdtrain's, NxD's
+    examples', NxDT's; unless ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's
+    own keys. ``schedule``: a schedule the tag does not record (nxdtrain's flag names).
     ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``."""
     run = Run("to-dcp", options)
     out = Path(out)
+    flags = schedule or ScheduleFlags()
     if kv_replicas not in ("error", "first"):
         raise ConversionError(f"--kv-replicas must be 'error' or 'first' for to-dcp, got {kv_replicas!r}")
     if _is_hf_source(src):
@@ -125,14 +127,27 @@ def to_dcp(
         if given:
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
+        refuse_flags_without_state(flags, str(src), weights_only)
         result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, run), None
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
         result, layout_json = _nxd_to_dcp(src, out, config=config, hints=hints, dtype=dtype,
                                           max_file_size=max_file_size, kv_replicas=kv_replicas,
-                                          weights_only=weights_only, masters=masters, run=run)
+                                          weights_only=weights_only, masters=masters, flags=flags, run=run)
+    run.notes.append(f"continue in TorchTitan (set the SET names in {out / CONFIG_FILE} first: data, tokenizer, "
+                     f"batch, parallelism): {run_command(str(out.resolve()))}")
     return run.finish(result, layout_json)
+
+
+def _config_text(spec: ModelSpec, titan_run: TitanRun | None, what: str) -> dict[str, str]:
+    """``torchtitan_config.py`` (refused here, before anything is written, where TorchTitan cannot run the model)."""
+    return {CONFIG_FILE: config_module(spec, titan_run, what=what)}
+
+
+def _model_only(notes: list[str], out: Path, why: str) -> None:
+    notes.append(f"model-only DCP ({why}): TorchTitan loads it with checkpoint.initial_load_model_only=true "
+                 f"(as {out / CONFIG_FILE} does) and starts its optimizer and schedule afresh")
 
 
 def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: str | None, dtype: str,
@@ -141,56 +156,52 @@ def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: 
     options, notes = run.options, run.notes
     hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
     with open_hf(hf_src, config=config, io=options.io) as hf:
+        texts = _config_text(hf.spec, None, f"training from the HF model {src}")
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
+        _model_only(notes, out, "an HF model holds no optimizer state")
         plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
-        identity = fingerprint("dcp", TITAN, dtype, max_file_size, file_identity(hf.weight_files()))
-        spec_ = _dcp_finalize(plan, hf.spec, identity, hf_side_copies(hf, notes), None)
+        identity = fingerprint("dcp", titan_record(hf.spec), dtype, max_file_size, file_identity(hf.weight_files()))
+        spec_ = _dcp_finalize(plan, hf.spec, identity, hf_side_copies(hf, notes), None, texts=texts)
         return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
 
 def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints: Any, dtype: str,
                 max_file_size: int, kv_replicas: str, weights_only: bool, masters: bool | None,
-                run: Run) -> tuple[Result, dict[str, Any]]:
+                flags: ScheduleFlags, run: Run) -> tuple[Result, dict[str, Any]]:
     """NxD shards (of a training tag: with its AdamW state, schedule and step) as a TorchTitan DCP checkpoint."""
     options, read_notes = run.options, run.notes
-    # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf
+    # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf; NxD's optimizer stays open
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
-                      prefer_masters=True)
+                      prefer_masters=True, keep_nxd_optimizer=True)
     ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     read_notes += opened.notes
     with ckpt, contextlib.ExitStack() as stack:
-        training = None if weights_only or not is_training_tag(ckpt.root) else stack.enter_context(
-            TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=options.io,
-                             optim=nxdtrain_optimizer(ckpt)))
-        if training is None and not weights_only and (ckpt.root / OPTIM_DIR).is_dir():
-            read_notes.append(f"not carried: the optimizer files in {ckpt.root / OPTIM_DIR} (to-dcp carries "
-                              "nxdtrain's AdamW state; these are not nxdtrain's): the model alone is written")
+        titan_model(spec)  # a family TorchTitan has no model for: refused before the tag's state is opened
+        training = None if weights_only else open_training(ckpt, spec, layout, with_inv_freq, io=options.io)
+        if training is not None:
+            stack.enter_context(training)
+        else:
+            refuse_flags_without_state(flags, str(src), weights_only)
+            if not weights_only:
+                _model_only(read_notes, out, f"{ckpt.root} is not a training tag")
         shard_dtypes = ckpt.dtypes()
         tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
                                      lm_head_copy=stores_lm_head(spec, shard_dtypes))
-        state: list[OutTensor] = []
-        values: dict[str, Any] = {}
-        if training is not None:
-            assert isinstance(training.optim, TagOptimizer)  # nxdtrain's tag (TrainingTag.open)
-            state = plan_titan_optimizer(spec, tiles, training.optim)
-            replicas = replicas + state_replicas(replicas, training.optim)
-            values, state_notes = titan_values(spec, training.optim.hyper.param_groups, training.scheduler(),
-                                               training.user_content, str(ckpt.root))
-            read_notes += [f"training tag at step {training.user_content['step']}: AdamW state, lr schedule "
-                           "and step carried (TorchTitan loads it with initial_load_model_only=false)",
-                           *state_notes]
-        for line in read_notes:
-            note(line, quiet=options.quiet)
+        state = (TitanState() if training is None else
+                 titan_state(spec, tiles, replicas, training, flags, str(ckpt.root)))
+        read_notes += state.notes
+        texts = _config_text(spec, state.run, f"the run of {src}")
         plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
-                           max_file_size=max_file_size, tiles=tiles, replicas=replicas, state=state)
-        placed = {plan.files[0].path: values}  # the small values lead the first file, as DCP's writer puts them
-        identity = fingerprint("dcp", TITAN, layout.to_json(), dtype, max_file_size, kv_replicas,
+                           max_file_size=max_file_size, tiles=tiles, replicas=replicas + state.replicas,
+                           state=state.tensors)
+        placed = {plan.files[0].path: state.values}  # the small values lead the first file, as DCP's writer puts them
+        identity = fingerprint("dcp", titan_record(spec), layout.to_json(), dtype, max_file_size, kv_replicas,
                                file_identity(input_files(ckpt)), ckpt.masters_identity(),
-                               None if training is None else training.identity())
+                               None if training is None else training.identity(), flags.given())
         copies = kept_hf_files(ckpt.root, read_notes, into=f"{HF_FILES_DIR}/")
-        spec_ = _dcp_finalize(plan, spec, identity, copies, layout.to_json(), placed)
+        spec_ = _dcp_finalize(plan, spec, identity, copies, layout.to_json(), placed, texts=texts)
         reader = ckpt if training is None else TagReader(ckpt, training.optim)
         result = run.write(plan, reader, out, sink_factory(layout_items(plan.files, placed)), spec_, kv_replicas,
                            sources=[Path(src), ckpt.root])
@@ -199,11 +210,11 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
 
 def _dcp_finalize(plan: Plan, spec: ModelSpec, identity: str, copies: list[tuple[str, str]],
                   source_layout: dict[str, Any] | None,
-                  values: dict[str, dict[str, Any]] | None = None) -> FinalizeSpec:
+                  values: dict[str, dict[str, Any]] | None = None, *, texts: dict[str, str]) -> FinalizeSpec:
     """What completes a DCP output once its data files exist: ``.metadata`` (what makes it loadable),
     the HF files kept under ``hf/``, then ``ckptconv.json``."""
     metadata = encode_metadata(layout_items(plan.files, values), planner_path, save_id_of(identity))
-    extra: dict[str, Any] = dict(TITAN)
+    extra: dict[str, Any] = titan_record(spec)
     if source_layout is not None:
         extra["from_layout"] = source_layout
     return FinalizeSpec(
@@ -211,6 +222,7 @@ def _dcp_finalize(plan: Plan, spec: ModelSpec, identity: str, copies: list[tuple
         metadata=dict(kind="dcp", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=False,
                       fingerprint=identity, extra=extra),
         blobs={DCP_METADATA: base64.b64encode(metadata).decode()},
+        texts=texts,
         copies=copies,
     )
 
@@ -247,11 +259,11 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, .
         if family(key) != "model":
             if not is_known_state_key(key, trained):
                 raise ConversionError(f"{where}: unknown key {key!r}: not in TorchTitan {TITAN_VERSION}'s "
-                                      f"{TITAN_MODEL} layout for this config (first unknown key)")
+                                      f"{titan_model(spec).name} layout for this config (first unknown key)")
             left[family(key)] = left.get(family(key), 0) + 1
             continue
         if key not in expected:
-            raise ConversionError(f"{where}: unknown key {key!r}: not a TorchTitan {TITAN_VERSION} {TITAN_MODEL} "
+            raise ConversionError(f"{where}: unknown key {key!r}: not a TorchTitan {TITAN_VERSION} {titan_model(spec).name} "
                                   f"model key for this config (first unknown key)")
         entry = ckpt.entry(key)
         if entry.dtype is None or entry.size != expected[key]:
@@ -260,7 +272,7 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, .
     missing = [k for k in expected if k not in ckpt.entries]
     if missing:
         raise ConversionError(f"{where}: missing model key {missing[0]!r} ({len(missing)} missing); "
-                              "not a TorchTitan llama3 checkpoint of this config")
+                              f"not a TorchTitan {titan_model(spec).name} checkpoint of this config")
     group = tied_copies(spec)
     for first, other, _ in replica_bands(ckpt, group) if group is not None else ():
         if not torch.equal(first, other):
@@ -284,7 +296,7 @@ def check_titan_state(ckpt: DcpCheckpoint, spec: ModelSpec) -> None:
             if entry is None or entry.dtype is None or tuple(entry.size) != tuple(shape):
                 found = "missing" if entry is None else "a value" if entry.dtype is None else f"shape {list(entry.size)}"
                 raise ConversionError(f"{where}: {key!r} is {found}, expected a tensor of shape {list(shape)} (AdamW "
-                                      "state of a TorchTitan llama3 run); --weights-only takes the model alone")
+                                      "state of a TorchTitan run); --weights-only takes the model alone")
         for key in [param_group_key(param.key, f) for f in PARAM_GROUP_FIELDS] + [*LR_SCHEDULER_KEYS, *TRAIN_STATE_KEYS]:
             if key not in ckpt.entries:
                 raise ConversionError(f"{where}: missing {key!r}; a full TorchTitan checkpoint has it (--weights-only "
@@ -332,9 +344,7 @@ def from_dcp(
     carried = ("optimizer", "lr_scheduler", "train_state") if to == "nxd" and not weights_only else ()
     ckpt, spec, dcp_notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     notes += dcp_notes
-    with ckpt:
-        for line in notes:
-            note(line, quiet=options.quiet)
+    with ckpt:  # the notes go into the result, printed once at the end (a refusal comes before any advice)
         kept = kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
                               skip=CONFIG if to == "hf" else "")
         if to == "hf":
@@ -368,7 +378,7 @@ def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple
     spec_ = FinalizeSpec(
         identity,
         metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=False,
-                      fingerprint=identity, extra={"from": TITAN}),
+                      fingerprint=identity, extra={"from": titan_record(spec)}),
         texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
         copies=kept,
     )
@@ -380,7 +390,7 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
                 consumed_samples: int | None, run: Run, sources: list[Path]) -> Result:
     """A DCP checkpoint's model as NxD shards; a full checkpoint's state (unless ``carry_state`` is False) as an
     nxdtrain training tag."""
-    options, notes = run.options, run.notes
+    notes = run.notes
     recorded = (ckpt.metadata.extra.get("from_layout") if ckpt.metadata is not None else None)
     layout = new_layout(flags, spec, notes, None if recorded is None else ParallelLayout.from_json(recorded))
     policy = dtype_policy(dtype)
@@ -397,12 +407,10 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
     else:
         plan = plan_dcp_to_tag(spec, layout, ckpt.dtypes(), state.param_groups, dtype_policy=policy)
         notes += state.notes
-        for line in state.notes:
-            note(line, quiet=options.quiet)
     identity = fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value,
                            file_identity([ckpt.root / DCP_METADATA, *ckpt.data_files()]),
                            None if state is None else consumed_samples)
-    extra: dict[str, Any] = {"from": TITAN}
+    extra: dict[str, Any] = {"from": titan_record(spec)}
     if state is not None:
         extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
     spec_ = FinalizeSpec(

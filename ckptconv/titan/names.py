@@ -1,10 +1,11 @@
-"""TorchTitan's llama3 names and row order, as one rule table keyed by the HF names (with its inverse).
+"""TorchTitan's llama3 and qwen3 names and row order, as one rule table keyed by the HF names (with its inverse).
 
-TorchTitan (pinned: :data:`TITAN_VERSION`) saves a Llama model under its own parameter names, and
-its complex RoPE rotates interleaved row pairs ``(2i, 2i+1)`` of each q/k head where HF rotates
+TorchTitan (pinned: :data:`TITAN_VERSION`) saves a Llama model (its ``llama3``) under its own parameter names,
+and that model's complex RoPE rotates interleaved row pairs ``(2i, 2i+1)`` of each q/k head where HF rotates
 ``(i, i + head_dim/2)``: so q and k rows are permuted head by head (the inverse of the permutation
-in HF's conversion script). Nothing here is specific to weights: a rule maps *any* per-parameter
-tensor whose rows are the parameter's rows (an AdamW moment, an fp32 master) the same way.
+in HF's conversion script). Its ``qwen3`` (Qwen3 dense: the same names plus ``attention.q_norm``/``k_norm``)
+rotates halves with its cos/sin RoPE, as HF does: no rows move. Nothing here is specific to weights: a rule
+maps *any* per-parameter tensor whose rows are the parameter's rows (an AdamW moment, an fp32 master) the same way.
 
     >>> titan_name("model.layers.3.mlp.down_proj.weight")
     'layers.3.feed_forward.w2.weight'
@@ -27,6 +28,21 @@ from ckptconv.errors import ConversionError
 
 TITAN_VERSION = "0.3.0"
 TITAN_MODEL = "llama3"
+
+
+@dataclass(frozen=True)
+class TitanModel:
+    """A TorchTitan model a family maps onto: its name (``--module``), whether its RoPE is the complex one
+    (q/k rows permuted), and the HF -> TorchTitan rules its layers add to the common ones."""
+
+    name: str
+    complex_rope: bool
+    extra_layer_rules: tuple[NameRule, ...] = ()
+
+
+def _qk_norms() -> tuple[NameRule, ...]:
+    return (NameRule("model.layers.{}.self_attn.q_norm.weight", "layers.{}.attention.q_norm.weight"),
+            NameRule("model.layers.{}.self_attn.k_norm.weight", "layers.{}.attention.k_norm.weight"))
 
 # DCP top-level key families of a TorchTitan checkpoint besides the model's own (flat) keys:
 # ``optimizer.state.<param>.{step,exp_avg,exp_avg_sq}``, ``optimizer.param_groups.<param>.<field>``,
@@ -57,6 +73,27 @@ LAYER_RULES = (
     NameRule("model.layers.{}.post_attention_layernorm.weight", "layers.{}.ffn_norm.weight"),
 )
 GLOBAL_TAIL = (NameRule("model.norm.weight", "norm.weight"), NameRule(LM_HEAD, "lm_head.weight"))
+# The families TorchTitan has a model for (by HF model_type), and that model.
+TITAN_MODELS = {"llama": TitanModel("llama3", complex_rope=True),
+                "qwen3": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms())}
+
+
+def titan_model(spec: ModelSpec) -> TitanModel:
+    """The TorchTitan model of ``spec``'s family; a family TorchTitan has no model for is refused, naming those it has."""
+    model = TITAN_MODELS.get(spec.family.model_type)
+    if model is None:
+        has = ", ".join(f"{t} ({m.name})" for t, m in TITAN_MODELS.items())
+        raise ConversionError(f"TorchTitan {TITAN_VERSION} has no model for {spec.family.name} (model_type "
+                              f"{spec.family.model_type!r}); the families it has: {has}")
+    return model
+
+
+def layer_rules(model: TitanModel) -> tuple[NameRule, ...]:
+    """The layer rules of ``model`` in its state_dict order (q/k norms after ``wo``), RoPE rows as its RoPE needs."""
+    rules = (*LAYER_RULES[:4], *model.extra_layer_rules, *LAYER_RULES[4:])
+    return rules if model.complex_rope else tuple(NameRule(r.hf, r.titan) for r in rules)
+
+
 # HF tensors TorchTitan does not keep (it recomputes its RoPE cache).
 DROPPED_HF = ("model.layers.{}.self_attn.rotary_emb.inv_freq",)
 # The parameter TorchTitan trains (and keys optimizer state by); its saved model state splits it
@@ -73,12 +110,12 @@ def _pattern(name: str) -> tuple[str, int | None]:
 
 @cache
 def _by_hf() -> dict[str, NameRule]:
-    return {r.hf: r for r in (*GLOBAL_HEAD, *LAYER_RULES, *GLOBAL_TAIL)}
+    return {r.hf: r for r in (*GLOBAL_HEAD, *LAYER_RULES, *_qk_norms(), *GLOBAL_TAIL)}
 
 
 @cache
 def _by_titan() -> dict[str, NameRule]:
-    return {r.titan: r for r in (*GLOBAL_HEAD, *LAYER_RULES, *GLOBAL_TAIL)}
+    return {r.titan: r for r in (*GLOBAL_HEAD, *LAYER_RULES, *_qk_norms(), *GLOBAL_TAIL)}
 
 
 def titan_name(hf_key: str) -> str:
@@ -95,9 +132,9 @@ def hf_name(titan_key: str) -> str:
     return rule.hf if layer is None else rule.hf.format(layer)
 
 
-def is_rope_permuted(hf_key: str) -> bool:
-    """Whether the rows of this HF parameter (and of every per-parameter tensor of it) are permuted."""
-    return _by_hf()[_pattern(hf_key)[0]].rope
+def is_rope_permuted(hf_key: str, model: TitanModel = TITAN_MODELS["llama"]) -> bool:
+    """Whether the rows of this HF parameter (and of every per-parameter tensor of it) are permuted in ``model``."""
+    return model.complex_rope and _by_hf()[_pattern(hf_key)[0]].rope
 
 
 @cache
@@ -141,17 +178,15 @@ class TitanParam:
 
 
 def titan_params(spec: ModelSpec) -> list[TitanParam]:
-    """The model keys TorchTitan's llama3 saves for ``spec``, in its state_dict order.
+    """The model keys TorchTitan's model of the family (:func:`titan_model`) saves for ``spec``, in its
+    state_dict order.
 
     A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
-    names in TorchTitan; two copies in DCP), both from HF's embedding. Only the Llama family maps onto it.
+    names in TorchTitan; two copies in DCP), both from HF's embedding.
     """
-    if spec.family.model_type != "llama":
-        raise ConversionError(f"TorchTitan DCP: only TorchTitan's {TITAN_MODEL} model is supported, not "
-                              f"{spec.family.name} (model_type {spec.family.model_type!r})")
     shapes = hf_shapes(spec, with_inv_freq=False)
     rules = [*GLOBAL_HEAD, *(NameRule(r.hf.format(n), r.titan.format(n), r.rope)
-                             for n in range(spec.layers) for r in LAYER_RULES), *GLOBAL_TAIL]
+                             for n in range(spec.layers) for r in layer_rules(titan_model(spec))), *GLOBAL_TAIL]
     out = []
     for rule in rules:
         source = EMBED if rule.hf == LM_HEAD and spec.tied else rule.hf
@@ -163,12 +198,12 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
 def fused_qkv_param(spec: ModelSpec, layer: int) -> TitanParam:
     """The fused ``wqkv`` parameter of ``layer`` (what TorchTitan's optimizer state is keyed by):
     for each KV group, its q heads, its k head, its v head; q and k rows in RoPE order."""
-    hd, group = spec.head_dim, spec.group
+    hd, group, rope = spec.head_dim, spec.group, titan_model(spec).complex_rope
     prefix = f"model.layers.{layer}.self_attn."
     pieces = []
     for g in range(spec.kv_heads):
-        pieces.append(TitanPiece(prefix + "q_proj.weight", g * group * hd, (g + 1) * group * hd, rope=True))
-        pieces.append(TitanPiece(prefix + "k_proj.weight", g * hd, (g + 1) * hd, rope=True))
+        pieces.append(TitanPiece(prefix + "q_proj.weight", g * group * hd, (g + 1) * group * hd, rope=rope))
+        pieces.append(TitanPiece(prefix + "k_proj.weight", g * hd, (g + 1) * hd, rope=rope))
         pieces.append(TitanPiece(prefix + "v_proj.weight", g * hd, (g + 1) * hd))
     return TitanParam(FUSED_QKV.format(layer), (spec.q_rows + 2 * spec.kv_rows, spec.hidden), tuple(pieces))
 

@@ -49,7 +49,7 @@ from ckptconv.titan.names import (
     titan_params,
     trained_params,
 )
-from ckptconv.training.state import TagOptimizer, optimizer_files, state_key, state_tensors
+from ckptconv.training.state import OptimizerSource, optimizer_files, state_key, state_tensors
 
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
@@ -88,7 +88,7 @@ def plan_to_dcp(
     return Plan(files, list(replicas or []))
 
 
-def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: TagOptimizer) -> list[OutTensor]:
+def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: OptimizerSource) -> list[OutTensor]:
     """TorchTitan's AdamW tensors (``optimizer.state.<param>.{step,exp_avg,exp_avg_sq}``) of every trained
     parameter (fused ``wqkv`` included), read from a training tag's optimizer files exactly as the parameter's
     rows are read from its shards: a moment is fused and RoPE-permuted like its weight."""
@@ -98,7 +98,7 @@ def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: TagOptimizer) -> 
         state = state_tensors(weight, optim)
         missing = [c for c in OPTIMIZER_STATE_FIELDS if c not in state]
         if missing:
-            raise ConversionError(f"{optim.root}: no AdamW {missing[0]} for {param.key} (the tag's optimizer state "
+            raise ConversionError(f"{getattr(optim, 'root', 'the tag')}: no AdamW {missing[0]} for {param.key} (the tag's optimizer state "
                                   f"has {', '.join(state) or 'nothing'}); TorchTitan's checkpoint needs AdamW state: "
                                   "pass --weights-only for the model alone")
         tensors += [dataclasses.replace(state[c], key=optimizer_key(param.key, c)) for c in OPTIMIZER_STATE_FIELDS]
