@@ -112,6 +112,9 @@ NXDT_IGNORED: dict[str, tuple[str, ...]] = {
 # Subtrees of NxDT features nxdtrain does not have: every key under them is noted, none is an error.
 NXDT_IGNORED_TREES = {("model", "fusions"), ("model", "moe"), ("data", "tokenizer")}
 NXDT_SECTIONS = frozenset(path[0] for path in NXDT_KEYS) | {"model_alignment_strategy"}
+# NxDT's HF models (hf_models/base_model.py -> utils/model_utils.py) build two param groups themselves: names with
+# "bias" (and "norm" with do_layer_norm_weight_decay) at weight decay 0, the rest at this, whatever model.optim says.
+NXDT_HF_WEIGHT_DECAY = 0.01
 NXDT_OPTIMIZERS = {"adamw": "adamw", "adamw_fp32optstate": "adamw", "sgd": "sgd"}  # nxdtrain steps fp32 state
 # NxDT's precision.type (its base.py): fp32; or bf16 weights with fp32 masters and fp32 gradient accumulation, which
 # NxD turns on with ZeRO-1 only. Stochastic rounding (…SR) and manual have no nxdtrain equivalent.
@@ -292,6 +295,12 @@ class _Reader:
             if value not in (1, None):
                 raise TrainError(f"{where} {value!r}: nxdtrain trains with one model chunk per pipeline stage; set 1")
             return {}
+        if option == "weight_decay":  # NxDT's hf models give the decayed group its own 0.01 (utils/model_utils.py
+            if value != NXDT_HF_WEIGHT_DECAY:  # get_param_groups_by_weight_decay), which beats the optimizer's value
+                self.out.notes.append(f"{key} {value}: NxDT's HF models decay with {NXDT_HF_WEIGHT_DECAY} whatever "
+                                      "this key says (their param groups set it); nxdtrain trains as NxDT did "
+                                      "(--weight-decay overrides)")
+            return {"weight_decay": NXDT_HF_WEIGHT_DECAY}
         if option == "do_layer_norm_weight_decay":  # NxDT's hf models: true puts names with "norm" in the
             return {"norm_weight_decay": not value}  # no-decay group (hf_models/base_model.py), false decays them
         if option == "epochs":

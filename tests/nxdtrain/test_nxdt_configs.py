@@ -169,6 +169,19 @@ def test_do_layer_norm_weight_decay_groups_as_nxdts_hf_models(tmp_path, value, d
     assert cfg.optim.norm_weight_decay is decays
 
 
+def test_weight_decay_is_the_0_01_nxdts_hf_models_give_their_decayed_group(tmp_path, capsys):
+    """NxDT's hf models build their param groups with weight_decay 0.01 (utils/model_utils.py), which beats
+    model.optim.weight_decay; said once when the file says otherwise; --weight-decay still overrides."""
+    text = "resume: /x\ndata: synthetic\nmodel: {optim: {name: adamw, lr: 0.001, weight_decay: 0.1}}\n"
+    assert config(tmp_path, text).optim.weight_decay == 0.01
+    assert "model.optim.weight_decay 0.1: NxDT's HF models decay with 0.01 whatever this key says" in capsys.readouterr().err
+    assert config(tmp_path, text, "--weight-decay", "0.1").optim.weight_decay == 0.1
+    capsys.readouterr()
+    same = "resume: /x\ndata: synthetic\nmodel: {optim: {name: adamw, lr: 0.001, weight_decay: 0.01}}\n"
+    assert config(tmp_path, same).optim.weight_decay == 0.01
+    assert "whatever this key says" not in capsys.readouterr().err
+
+
 class _Tiny(nn.Module):
     def __init__(self) -> None:
         super().__init__()
