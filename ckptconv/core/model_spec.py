@@ -151,12 +151,12 @@ def _moe_numbers(family: Family, config: dict[str, Any], source: str) -> dict[st
     moe = family.moe
     if moe is None:
         return {}
-    keys = (moe.experts_key, moe.intermediate_key, "num_experts_per_tok")
+    keys = (moe.experts_key_in(config), moe.intermediate_key, "num_experts_per_tok")
     for key in keys:
         value = config.get(key)
         if type(value) is not int or value <= 0:
             raise ConversionError(f"{source}: {key} must be a positive integer, got {value!r}")
     experts, intermediate, top_k = (config[k] for k in keys)
     if top_k > experts:
-        raise ConversionError(f"{source}: num_experts_per_tok ({top_k}) exceeds {moe.experts_key} ({experts})")
+        raise ConversionError(f"{source}: num_experts_per_tok ({top_k}) exceeds {keys[0]} ({experts})")
     return {"experts": experts, "expert_intermediate": intermediate, "top_k": top_k}

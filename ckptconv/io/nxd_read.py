@@ -318,6 +318,10 @@ class NxdCheckpoint:
         reader = self._reader(source.file)
         return reader.position(source.key) if isinstance(reader, TorchFileReader) else 0
 
+    def file_of(self, *, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+        """The model file of rank (ep_rank, tp_rank, pp_rank) (NxD's expert-parallel name when the shards have one)."""
+        return shard_file(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank if self.ep > 1 else None)
+
     def stage_files(self) -> list[str]:
         """One model file per pp stage, tp rank 0's: every key of a stage is split or copied across the stage's tp
         ranks (docs/nxd-format.md §3, "Per-key slices"), all saved from one model, so each of them declares the same

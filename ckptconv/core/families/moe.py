@@ -52,11 +52,9 @@ class ExpertNames:
         return self.gate.format(e=e), self.up.format(e=e), self.down.format(e=e)
 
     def per_expert_order(self, experts: int) -> tuple[str, ...]:
-        """The per-expert names in HF module order (each expert's three, as transformers writes them)."""
-        names: list[str] = []
-        for e in range(experts):
-            names += sorted(self.of(e), key=lambda n: n.rsplit(".", 2)[-2])
-        return tuple(names)
+        """The per-expert names in module order: each expert's gate, up and down (so a shard holds ``gate_up_proj``
+        before ``down_proj``, as NxD's ``Experts`` module registers them)."""
+        return tuple(name for e in range(experts) for name in self.of(e))
 
 
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
@@ -83,8 +81,15 @@ class MoeConfig:
     sparse: Callable[[dict[str, Any], int], bool] = _always_sparse
     norm_topk: Callable[[dict[str, Any]], bool] = lambda config: True
 
+    aliases: tuple[str, ...] = ()  # other keys a config may state the experts under (transformers 5 writes
+    # Qwen3-MoE's num_experts as num_local_experts)
+
+    def experts_key_in(self, config: dict[str, Any]) -> str:
+        return next((k for k in (self.experts_key, *self.aliases) if k in config), self.experts_key)
+
     def experts(self, config: dict[str, Any]) -> int:
-        return int(config.get(self.experts_key) or 0)
+        value = config.get(self.experts_key_in(config))
+        return value if type(value) is int and value > 0 else 0
 
     def top_k(self, config: dict[str, Any]) -> int:
         return int(config.get("num_experts_per_tok") or 0)
@@ -151,3 +156,37 @@ class ExpertsRule:
             down.append(chunk(dn, i, tp, rank))  # columns of [H, I]
         yield ShardRecord(prefix + self.gate_up, 0, tuple(gate_up), slabs=len(local), transposed=True)
         yield ShardRecord(prefix + self.down, 1, tuple(down), slabs=len(local), transposed=True)
+
+
+@dataclass(frozen=True)
+class View:
+    """A per-expert HF tensor read from a fused one: rows ``start:stop`` of expert ``expert`` of ``key`` (``expert``
+    None: the whole of ``key``, a router under transformers' in-memory name)."""
+
+    key: str
+    expert: int | None
+    start: int = 0
+    stop: int = 0
+
+
+def fused_views(spec: ModelSpec, present: set[str]) -> dict[str, View]:
+    """The per-expert names of every sparse layer stored fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``mlp.experts.down_proj`` ``[E, H, I]``, what transformers 5 holds in memory and newer hub models store), as
+    views of the fused tensors; empty for a per-expert checkpoint."""
+    moe = spec.family.moe
+    views: dict[str, View] = {}
+    if moe is None:
+        return views
+    names, i, h = moe.names, spec.expert_intermediate, spec.hidden
+    for layer in range(spec.layers):
+        prefix = f"model.layers.{layer}."
+        if not spec.sparse(layer) or prefix + FUSED_GATE_UP not in present:
+            continue
+        if prefix + names.router not in present and prefix + FUSED_ROUTER in present:
+            views[prefix + names.router] = View(prefix + FUSED_ROUTER, None)
+        for e in range(spec.experts):
+            gate, up, down = (prefix + n for n in names.of(e))
+            views[gate] = View(prefix + FUSED_GATE_UP, e, 0, i)
+            views[up] = View(prefix + FUSED_GATE_UP, e, i, 2 * i)
+            views[down] = View(prefix + FUSED_DOWN, e, 0, h)
+    return views
