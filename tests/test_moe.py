@@ -182,3 +182,12 @@ def test_ep_on_a_dense_model_is_refused():
                                   "vocab_size": 8, "num_hidden_layers": 1})
     with pytest.raises(ConversionError, match="has no experts"):
         ParallelLayout(ep=2).check_model(spec)
+
+
+def test_verify_refuses_moe_in_one_line(moe_model, tmp_path: Path):
+    from ckptconv.commands.verify import verify
+
+    src = moe_model("mixtral")
+    ckptconv.to_nxd(src, tmp_path / "nxd", tp=2, ep=2, options=QUIET)
+    with pytest.raises(ConversionError, match="verify does not compute mixture-of-experts layers yet"):
+        verify(src, tmp_path / "nxd")
