@@ -174,8 +174,11 @@ def test_mistral_window_mask_matches_transformers():
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"model_type": "gemma"}, "config.json: model_type is 'gemma'; supported: llama, mistral, qwen2, qwen3"),
-    ({"model_type": "qwen3_moe"},
-     "config.json: model_type is 'qwen3_moe' (a mixture-of-experts model, not supported yet); supported: llama"),
+    ({"model_type": "deepseek_v3"},
+     "config.json: model_type is 'deepseek_v3' (a mixture-of-experts model with shared experts and a biased "
+     "group-limited router, not supported yet); supported: llama"),
+    ({"model_type": "gpt_oss"}, "config.json: model_type is 'gpt_oss' (a mixture-of-experts model with attention sinks"),
+    ({"model_type": "qwen3_moe"}, "config.json: num_experts must be a positive integer, got None"),
     ({"model_type": "qwen2", "use_sliding_window": True},
      "config.json: use_sliding_window is True; sliding-window layers are not supported (only full attention)"),
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},

@@ -107,6 +107,7 @@ def to_nxd(
     fuse_qkv: bool | None = None,
     hw_backend: str | Hardware | None = None,
     trn2_kv_layout: str | Trn2KvLayout | None = None,
+    ep: int | None = None,
     layout: LayoutOverrides | None = None,
     flavour: str | Flavour = Flavour.PLAIN,
     config: str | Path | None = None,
@@ -133,7 +134,7 @@ def to_nxd(
     options, notes = run.options, run.notes
     flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
-                            trn2_kv_layout=trn2_kv_layout)
+                            trn2_kv_layout=trn2_kv_layout, ep=ep)
     flavour = choice(Flavour, flavour, "flavour")
     src = resolve_hf(src, revision=revision, quiet=options.quiet)
     refuse_nxd_source(src)
@@ -315,6 +316,7 @@ def reshard(
     fuse_qkv: bool | None = None,
     hw_backend: str | Hardware | None = None,
     trn2_kv_layout: str | Trn2KvLayout | None = None,
+    ep: int | None = None,
     layout: LayoutOverrides | None = None,
     flavour: str | Flavour | None = None,
     config: str | Path | None = None,
@@ -353,7 +355,7 @@ def reshard(
     check_nxd_trainer(optimizer_format, nxd_trainer)
     flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
-                            trn2_kv_layout=trn2_kv_layout)
+                            trn2_kv_layout=trn2_kv_layout, ep=ep)
     out = Path(out)
     refuse_hf_source(src, "reshard")
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)

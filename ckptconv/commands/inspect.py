@@ -6,7 +6,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ckptconv.core.layout import shard_file
 from ckptconv.core.mapping import stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
@@ -109,7 +108,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
             "found_as": ckpt.found_as,
             "model": _model_summary(spec),
             "layout": {**layout.to_json(), **({"hw": "trn1|trn2-official", "trn2_kv_layout": None} if undecided else {})},
-            "lm_head": _lm_head_form(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1))),
+            "lm_head": _lm_head_form(spec, ckpt.keys(ckpt.file_of(tp_rank=0, pp_rank=layout.pp - 1))),
             "flavour": ckpt.flavour.value,
             "shards": len(ckpt.files),
             "bytes": nbytes,

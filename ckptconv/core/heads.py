@@ -48,13 +48,20 @@ class Segment:
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """One tensor of one shard, described by where its rows (dim 0) or columns (dim 1) come from."""
+    """One tensor of one shard, described by where its rows (dim 0) or columns (dim 1) come from.
+
+    ``slabs`` > 0: a stacked tensor (NxD's experts): the segments, in order, fall into ``slabs`` slabs of equal
+    length, each slab the concatenation of its segments along ``dim`` (in HF orientation), and the tensor is the
+    slabs stacked along a new first dim; ``transposed``: each slab is stored transposed (NxD's ``[in, out]``).
+    """
 
     key: str
     dim: int
     segments: tuple[Segment, ...]
     column_major: bool = False
     at_end: bool = False  # fused/coalesced keys go after all others (official converter's order)
+    slabs: int = 0
+    transposed: bool = False
 
     @property
     def hf_keys(self) -> tuple[str, ...]:

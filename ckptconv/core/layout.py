@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ckptconv.core.model_spec import ModelSpec
 
 
-_FLAG_OF = {"tp": "--tp", "pp": "--pp", "vpp": "--vpp", "kvm": "--kv-size-multiplier", "fuse_qkv": "--fuse-qkv",
+_FLAG_OF = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "vpp": "--vpp", "kvm": "--kv-size-multiplier", "fuse_qkv": "--fuse-qkv",
             "hw": "--hw-backend", "trn2_kv_layout": "--trn2-kv-layout"}  # check_model's default names
 
 
@@ -62,12 +62,13 @@ class ParallelLayout:
     # Rows of the embedding and lm_head in the shards when they exceed vocab_size: zero rows, never predicted
     # (None: vocab_size rounded up to a multiple of tp). Another tool's padding (NxDT: to 128 x tp) is read as stored.
     padded_vocab: int | None = None
+    ep: int = 1  # expert-parallel degree (MoE families): each ep rank holds a contiguous block of E / ep experts
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", choice(Attention, self.attention, "attention"))
         object.__setattr__(self, "hw", choice(Hardware, self.hw, "--hw-backend"))
         object.__setattr__(self, "trn2_kv_layout", choice(Trn2KvLayout, self.trn2_kv_layout, "--trn2-kv-layout"))
-        for name in ("tp", "pp", "vpp", "kvm"):
+        for name in ("tp", "pp", "vpp", "kvm", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConversionError(f"--{name.replace('kvm', 'kv-size-multiplier')} must be an integer >= 1, got {value!r}")
@@ -90,13 +91,15 @@ class ParallelLayout:
         ``name(field)``: how an error names a value (default: as a flag, ``--tp 4``); a caller that knows
         which values the user did not give names them otherwise (``the source's tp 2``)."""
         n = name or self._as_flag
-        divisible = [
-            ("num_attention_heads", spec.heads),
-            ("intermediate_size", spec.intermediate),
-        ]
+        divisible = [("num_attention_heads", spec.heads)]
+        if spec.dense_mlp_layers:
+            divisible.append(("intermediate_size", spec.intermediate))
+        if spec.experts:
+            divisible.append((spec.family.moe.intermediate_key if spec.family.moe else "", spec.expert_intermediate))
         for what, value in divisible:
             if value % self.tp:
                 raise ConversionError(f"{n('tp')} must divide {what} ({value})")
+        self._check_experts(spec, n)
         rows = self.vocab_rows(spec)
         if rows % self.tp or rows < spec.vocab:
             raise ConversionError(f"padded vocabulary of {rows} rows: must be a multiple of {n('tp')} and at "
@@ -120,6 +123,15 @@ class ParallelLayout:
                 )
         else:
             self._check_kv_replication(spec, n)
+
+    def _check_experts(self, spec: ModelSpec, n: Callable[[str], str]) -> None:
+        if self.ep == 1:
+            return
+        if not spec.experts:
+            raise ConversionError(f"{n('ep')}: a {spec.family.name} model has no experts (expert parallelism needs a "
+                                  "mixture-of-experts model)")
+        if spec.experts % self.ep:
+            raise ConversionError(f"{n('ep')} must divide the number of experts ({spec.experts})")
 
     def _as_flag(self, key: str) -> str:
         value = getattr(self, key)
@@ -161,6 +173,8 @@ class ParallelLayout:
         data = asdict(self)
         if data["padded_vocab"] is None:  # unpadded layouts are recorded as before
             del data["padded_vocab"]
+        if data["ep"] == 1:  # so are layouts without expert parallelism
+            del data["ep"]
         for key, value in data.items():
             if isinstance(value, Enum):
                 data[key] = value.value
@@ -200,14 +214,25 @@ def default_kvm(tp: int, kv_heads: int, attention: Attention) -> int:
     return tp // kv_heads if attention is Attention.QKV_LINEAR and tp > kv_heads else 1
 
 
-def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
-    """File name of one model shard; ``{:02d}`` widens by itself past 99."""
-    return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0, ep_rank: int | None = None) -> str:
+    """File name of one model shard; ``{:02d}`` widens by itself past 99. With ``ep_rank`` (a layout with ep > 1),
+    NxD's expert-parallel name ``dp_rank_00_ep_rank_XX_tp_rank_YY_pp_rank_ZZ.pt``.
+
+        >>> shard_name(tp_rank=1, pp_rank=0, ep_rank=1)
+        'dp_rank_00_ep_rank_01_tp_rank_01_pp_rank_00.pt'
+    """
+    ep = "" if ep_rank is None else f"_ep_rank_{ep_rank:02d}"
+    return f"dp_rank_{dp_rank:02d}{ep}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
 
 
-def shard_file(*, tp_rank: int, pp_rank: int) -> str:
+def shard_file(*, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
     """A model shard's path relative to the checkpoint root: ``model/dp_rank_00_…pt``."""
-    return f"{MODEL_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank)}"
+    return f"{MODEL_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)}"
+
+
+def layout_shard_file(layout: ParallelLayout, *, ep_rank: int, tp_rank: int, pp_rank: int) -> str:
+    """Shard (ep_rank, tp_rank, pp_rank) of ``layout``: the ep-rank form of the name only when ep > 1 (as NxD)."""
+    return shard_file(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank if layout.ep > 1 else None)
 
 
 _SHARD_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
@@ -221,6 +246,14 @@ def parse_rank_file(name: str) -> tuple[int, int, int] | None:
     if m is None or m.group(2) is not None:
         return None
     return int(m.group(1)), int(m.group(3)), int(m.group(4))
+
+
+def parse_ep_shard_name(name: str) -> tuple[int, int, int] | None:
+    """``(ep_rank, tp_rank, pp_rank)`` of an expert-parallel shard name (``dp_rank_00_ep_rank_XX_…``), else None."""
+    m = _SHARD_RE.match(name)
+    if m is None or m.group(2) is None or int(m.group(1)) != 0:
+        return None
+    return int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
 def parse_shard_name(name: str) -> tuple[int, int] | None:

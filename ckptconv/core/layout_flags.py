@@ -100,6 +100,10 @@ class LayoutOverrides(dict[str, Any]):
         native="--tp", compat="--tp_size", kind="int", api="tp", what="tp", help="tensor-parallel degree (not given: the source's, else 1)"))
     pp: int | None = field(default=None, metadata=_meta(
         native="--pp", compat="--pp_size", kind="int", api="pp", what="pp", help="pipeline-parallel degree (not given: the source's, else 1)"))
+    ep: int | None = field(default=None, metadata=_meta(
+        native="--ep", compat="--ep_size", kind="int", api="ep", what="ep",
+        help="expert-parallel degree of a mixture-of-experts model: each ep rank holds E / ep contiguous experts "
+             "(not given: the source's, else 1)"))
     vpp: int | None = field(default=None, metadata=_meta(
         native="--vpp", compat="--virtual_pp_size", kind="int", api="vpp", what="vpp",
         help="virtual pipeline stages per pp rank (not given: the source's, else 1)"))

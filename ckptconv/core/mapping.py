@@ -16,7 +16,7 @@ shard's records and checks a source against the family's shapes. The head order 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.core.families import LLAMA, Family
 from ckptconv.core.heads import Segment, ShardRecord, kv_heads, merge_segments, q_heads, vocab_segments
@@ -42,7 +42,8 @@ def _whole(hf_key: str, length: int) -> ShardRecord:
 # Whole shards.
 
 
-def hf_key_order(layers: int, *, with_inv_freq: bool, family: Family = LLAMA) -> list[str]:
+def hf_key_order(layers: int, *, with_inv_freq: bool, family: Family = LLAMA,
+                 config: dict[str, Any] | None = None) -> list[str]:
     """Every HF key of a ``family`` model with ``layers`` layers in HF module order (``lm_head`` included).
 
     The one ordering rule (docs/nxd-format.md §3, "Key order"): shard key order, the full-state order and the HF
@@ -51,11 +52,17 @@ def hf_key_order(layers: int, *, with_inv_freq: bool, family: Family = LLAMA) ->
         >>> hf_key_order(1, with_inv_freq=True)[4:6]
         ['model.layers.0.self_attn.o_proj.weight', 'model.layers.0.self_attn.rotary_emb.inv_freq']
     """
-    names = [n for n in family.layer_keys if with_inv_freq or n not in family.optional_layer_keys]
+    optional = family.optional_layer_keys
     keys = [EMBED]
     for layer in range(layers):
-        keys += [LAYER_PREFIX.format(layer) + n for n in names]
+        names = family.layer_keys_of(config, layer) if family.moe is not None and config else family.layer_keys
+        keys += [LAYER_PREFIX.format(layer) + n for n in names if with_inv_freq or n not in optional]
     return keys + [FINAL_NORM, LM_HEAD]
+
+
+def key_order(spec: ModelSpec, *, with_inv_freq: bool) -> list[str]:
+    """:func:`hf_key_order` of ``spec``'s model (its sparse and dense layers told apart by its config)."""
+    return hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family, config=spec.config)
 
 
 def hf_shapes(spec: ModelSpec, *, with_inv_freq: bool) -> dict[str, tuple[int, ...]]:
@@ -63,7 +70,7 @@ def hf_shapes(spec: ModelSpec, *, with_inv_freq: bool) -> dict[str, tuple[int, .
     per_layer = spec.family.layer_shapes(spec)
     whole = {EMBED: (spec.vocab, spec.hidden), FINAL_NORM: (spec.hidden,), LM_HEAD: (spec.vocab, spec.hidden)}
     shapes: dict[str, tuple[int, ...]] = {}
-    for key in hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family):
+    for key in key_order(spec, with_inv_freq=with_inv_freq):
         if key == LM_HEAD and spec.tied:
             continue
         shapes[key] = whole[key] if key in whole else per_layer[key.split(".", 3)[3]]
@@ -81,9 +88,11 @@ def stores_lm_head(spec: ModelSpec, nxd_keys: Iterable[str]) -> bool:
 
 def shard_records(
     spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int, with_inv_freq: bool = False,
-    lm_head_copy: bool = True,
+    lm_head_copy: bool = True, ep_rank: int = 0,
 ) -> list[ShardRecord]:
-    """The records of shard (tp_rank, pp_rank) in the official key order.
+    """The records of shard (tp_rank, pp_rank) of expert-parallel rank ``ep_rank`` in the official key order.
+
+    An ep rank > 0 holds only its experts (NxD's converter and loader keep every other tensor in ep rank 0's files).
 
     Order (docs/nxd-format.md §3, "Key order"): HF module order (:func:`hf_key_order`) filtered to the shard, a
     fused/renamed key in the slot of its first source key, ``at_end`` keys (weight_qkv,
@@ -95,23 +104,31 @@ def shard_records(
     records: list[ShardRecord] = []
     rows = layout.vocab_rows(spec)
     vocab = vocab_segments(EMBED, spec.vocab, rows, layout.tp, tp_rank)
-    if pp_rank == 0:
+    if pp_rank == 0 and ep_rank == 0:
         records.append(ShardRecord(EMBED, 0, vocab))
-    optional = spec.family.optional_layer_keys  # the same rules for every layer: chosen once
-    rules = [r for r in spec.family.layer_rules if with_inv_freq or not set(r.hf_names) <= optional]
     for layer, owner in enumerate(pp_of_layer):
-        if owner != pp_rank:
-            continue
-        prefix = LAYER_PREFIX.format(layer)
-        for rule in rules:
-            records += rule.records(spec, layout, prefix, tp_rank)
-    if pp_rank == layout.pp - 1:
+        if owner == pp_rank:
+            records += _layer_records(spec, layout, layer, tp_rank, ep_rank, with_inv_freq)
+    if pp_rank == layout.pp - 1 and ep_rank == 0:
         records.append(_whole(FINAL_NORM, spec.hidden))
         if not spec.tied:
             records.append(ShardRecord(LM_HEAD, 0, vocab_segments(LM_HEAD, spec.vocab, rows, layout.tp, tp_rank)))
         elif lm_head_copy:  # a tied model has no lm_head in HF; our last stage gets its own copy of the embedding
             records.append(ShardRecord(LM_HEAD, 0, vocab))
-    return _in_file_order(records, hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family))
+    return _in_file_order(records, key_order(spec, with_inv_freq=with_inv_freq))
+
+
+def _layer_records(spec: ModelSpec, layout: ParallelLayout, layer: int, tp_rank: int, ep_rank: int,
+                   with_inv_freq: bool) -> list[ShardRecord]:
+    optional = spec.family.optional_layer_keys
+    prefix = LAYER_PREFIX.format(layer)
+    out: list[ShardRecord] = []
+    for rule in spec.family.rules_for(spec.config, layer):
+        if getattr(rule, "expert", False):
+            out += rule.records(spec, layout, prefix, tp_rank, ep_rank=ep_rank)  # type: ignore[call-arg]
+        elif ep_rank == 0 and (with_inv_freq or not (rule.hf_names and set(rule.hf_names) <= optional)):
+            out += rule.records(spec, layout, prefix, tp_rank)
+    return out
 
 
 def _in_file_order(records: list[ShardRecord], module_order: list[str], *, at_end: bool = True) -> list[ShardRecord]:
@@ -129,22 +146,27 @@ def live_module_order(spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, 
     save writes, and what its optimizer indices follow): every key in the slot of its first HF source key,
     a fused ``weight_qkv`` included (the official converter appends those at the end instead)."""
     records = shard_records(spec, layout, tp_rank=tp_rank, pp_rank=pp_rank, with_inv_freq=with_inv_freq)
-    order = hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family)
+    order = key_order(spec, with_inv_freq=with_inv_freq)
     return [r.key for r in _in_file_order(records, order, at_end=False)]
 
 
 def hf_record_shape(record: ShardRecord, hf_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of a shard record given the shape of (any of) its HF sources."""
     shape = list(hf_shape)
-    shape[record.dim] = record.length
-    return tuple(shape)
+    shape[record.dim] = record.length // max(record.slabs, 1)
+    if record.transposed:
+        shape.reverse()
+    return (record.slabs, *shape) if record.slabs else tuple(shape)
 
 
 def all_shard_records(
     spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
 ) -> dict[tuple[int, int], list[ShardRecord]]:
-    """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major)."""
+    """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major). Expert parallelism has a
+    third index: :func:`all_ep_shard_records`."""
     layout.check_model(spec)
+    if layout.ep > 1:
+        raise ConversionError(f"this command does not handle expert parallelism yet (ep {layout.ep}); ep 1 works")
     return {
         (tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, with_inv_freq=with_inv_freq,
                                 lm_head_copy=lm_head_copy)
@@ -172,3 +194,17 @@ def check_source_shapes(
             f"{source}: {len(unknown)} tensor(s) not in a {spec.family.name} model of this config, e.g. {unknown[0]!r}"
         )
     return with_inv_freq
+
+
+def all_ep_shard_records(
+    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
+) -> dict[tuple[int, int, int], list[ShardRecord]]:
+    """Every shard's records keyed by (ep_rank, tp_rank, pp_rank), in NxD's rank order (pp, then ep, then tp)."""
+    layout.check_model(spec)
+    return {
+        (ep, tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, ep_rank=ep, with_inv_freq=with_inv_freq,
+                                    lm_head_copy=lm_head_copy)
+        for pp in range(layout.pp)
+        for ep in range(layout.ep)
+        for tp in range(layout.tp)
+    }

@@ -36,6 +36,9 @@ class ModelSpec:
     layers: int
     tied: bool
     model_type: str = "llama"
+    experts: int = 0               # routed experts per sparse layer (0: a dense model)
+    expert_intermediate: int = 0   # one expert's intermediate size
+    top_k: int = 0                 # experts per token
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,15 @@ class ModelSpec:
         return FAMILIES[self.model_type]
 
     @property
+    def dense_mlp_layers(self) -> int:
+        """Layers with a dense (non-expert) MLP."""
+        return sum(1 for layer in range(self.layers) if not self.sparse(layer))
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes to experts."""
+        return bool(self.experts) and self.family.rules_for(self.config, layer) is self.family.sparse_rules
+
+    @property
     def window(self) -> int | None:
         """Sliding attention window (keys a query sees, itself included); None: full causal attention."""
         return self.family.attention_window(self.config)
@@ -105,6 +117,7 @@ class ModelSpec:
         kv_heads = config.get("num_key_value_heads") or heads
         hidden = config["hidden_size"]
         head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
+        moe = _moe_numbers(family, config, source)
         return cls(
             hidden=hidden,
             heads=heads,
@@ -116,6 +129,7 @@ class ModelSpec:
             tied=bool(config.get("tie_word_embeddings", False)),
             model_type=family.model_type,
             config=dict(config),
+            **moe,
         )
 
     @classmethod
@@ -130,3 +144,19 @@ class ModelSpec:
         if not isinstance(config, dict):
             raise ConversionError(f"{path}: expected a JSON object, got {type(config).__name__}")
         return cls.from_config(config, source=str(path))
+
+
+def _moe_numbers(family: Family, config: dict[str, Any], source: str) -> dict[str, int]:
+    """A mixture-of-experts family's expert count, expert intermediate size and top-k, validated."""
+    moe = family.moe
+    if moe is None:
+        return {}
+    keys = (moe.experts_key_in(config), moe.intermediate_key, "num_experts_per_tok")
+    for key in keys:
+        value = config.get(key)
+        if type(value) is not int or value <= 0:
+            raise ConversionError(f"{source}: {key} must be a positive integer, got {value!r}")
+    experts, intermediate, top_k = (config[k] for k in keys)
+    if top_k > experts:
+        raise ConversionError(f"{source}: num_experts_per_tok ({top_k}) exceeds {keys[0]} ({experts})")
+    return {"experts": experts, "expert_intermediate": intermediate, "top_k": top_k}

@@ -23,8 +23,15 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import Attention, ParallelLayout, shard_file
-from ckptconv.core.mapping import ShardRecord, all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.core.layout import Attention, ParallelLayout, layout_shard_file
+from ckptconv.core.mapping import (
+    ShardRecord,
+    all_ep_shard_records,
+    all_shard_records,
+    hf_record_shape,
+    hf_shapes,
+    stores_lm_head,
+)
 from ckptconv.core.model_spec import ModelSpec
 
 
@@ -43,6 +50,8 @@ class Piece:
     ``row_perm`` (rows only): the rows are taken in periods of ``len(row_perm)``, output row ``i``
     of each period being source row ``row_perm[i]`` of it (TorchTitan's RoPE order of a head).
     ``zeros``: ``stop - start`` zero rows (vocabulary padding); ``source`` only names a tensor of the dtype.
+    ``slab`` >= 0: the range is of ``source[slab]`` (one expert of a stacked tensor); ``transposed``: of that
+    matrix transposed (NxD's ``[in, out]`` experts read in HF orientation).
     """
 
     source: Source
@@ -51,6 +60,13 @@ class Piece:
     alternates: tuple[Piece, ...] = ()
     row_perm: tuple[int, ...] = ()
     zeros: bool = False
+    slab: int = -1
+    transposed: bool = False
+
+    @property
+    def viewed(self) -> bool:
+        """Whether the piece reads a slab or a transposed matrix (the executor's slab path)."""
+        return self.slab >= 0 or self.transposed
 
     @property
     def length(self) -> int:
@@ -59,7 +75,11 @@ class Piece:
 
 @dataclass(frozen=True)
 class OutTensor:
-    """One output tensor: the concatenation of ``pieces`` along ``dim``, cast to ``dtype``."""
+    """One output tensor: the concatenation of ``pieces`` along ``dim``, cast to ``dtype``.
+
+    ``slabs`` > 0: a stacked tensor (see :class:`ckptconv.core.heads.ShardRecord`): the pieces fall into that many
+    slabs of equal length along ``dim``, each slab transposed when ``transposed``, stacked along a new first dim.
+    """
 
     key: str
     dtype: torch.dtype
@@ -67,6 +87,13 @@ class OutTensor:
     dim: int
     pieces: tuple[Piece, ...]
     column_major: bool = False
+    slabs: int = 0
+    transposed: bool = False
+
+    @property
+    def by_slab(self) -> bool:
+        """Whether the executor builds it slab by slab (stacked, or read from stacked sources)."""
+        return bool(self.slabs) or self.transposed or any(p.viewed for p in self.pieces)
 
     @property
     def stride(self) -> tuple[int, ...]:
@@ -156,12 +183,12 @@ def plan_to_nxd(
     files = []
     # pp-major, like NxD's rank order (all_shard_records' order): the executor finishes, and
     # hashes, files in this order.
-    for (tp, pp), records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+    for (ep, tp, pp), records in all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
         tensors = tuple(
             _out_tensor(record, shapes, source_dtypes, dtype_policy, lambda key: Source(None, key))
             for record in records
         )
-        files.append(OutFile(shard_file(tp_rank=tp, pp_rank=pp), "torch", tensors))
+        files.append(OutFile(layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp), "torch", tensors))
     return Plan(files)
 
 
@@ -181,6 +208,8 @@ def _out_tensor(
         dim=record.dim,
         pieces=pieces,
         column_major=record.column_major,
+        slabs=record.slabs,
+        transposed=record.transposed,
     )
 
 
@@ -201,14 +230,17 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
                 lm_head_copy: bool) -> dict[str, list[_Placement]]:
     """Every HF range's locations in the shards, grouped by HF key, in rank order."""
     out: dict[str, list[_Placement]] = defaultdict(list)
-    records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
-    for (tp, pp), records in records_of.items():
-        file = shard_file(tp_rank=tp, pp_rank=pp)
+    records_of = all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    for (ep, tp, pp), records in records_of.items():
+        file = layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp)
         for record in records:
+            slab_length = record.length // max(record.slabs, 1)
             offset = 0
             for seg in record.segments:
+                slab, at = divmod(offset, slab_length) if record.slabs else (-1, offset)
                 if not seg.pad:  # padding rows are no HF range
-                    piece = Piece(Source(file, record.key), offset, offset + seg.length)
+                    piece = Piece(Source(file, record.key), at, at + seg.length, slab=slab,
+                                  transposed=record.transposed)
                     out[seg.hf_key].append(_Placement(seg.hf_key, record.dim, seg.start, seg.stop, piece))
                 offset += seg.length
     return out
@@ -283,7 +315,8 @@ def _with_alternates(tensor: OutTensor, replicas: list[ReplicaGroup]) -> OutTens
     copies = {g.copies[0]: g.copies[1:] for g in replicas if g.hf_key == tensor.key}
     if not copies:
         return tensor
-    pieces = tuple(Piece(p.source, p.start, p.stop, copies.get(p, ()), p.row_perm) for p in tensor.pieces)
+    pieces = tuple(Piece(p.source, p.start, p.stop, copies.get(p, ()), p.row_perm, slab=p.slab,
+                         transposed=p.transposed) for p in tensor.pieces)
     return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, pieces, tensor.column_major)
 
 
@@ -415,9 +448,11 @@ def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece
                 if (lo - origin) % period or (hi - lo) % period:
                     raise AssertionError(f"{tensor.key}: rows {lo}..{hi} of {piece.source.key} cut a period of {period}")
                 shift = old.start - hf_cursor
-                pieces.append(Piece(old.source, lo + shift, hi + shift, row_perm=perm))
+                pieces.append(Piece(old.source, lo + shift, hi + shift, row_perm=perm, slab=old.slab,
+                                    transposed=old.transposed))
             hf_cursor += old.length
-    return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, _merge(pieces), tensor.column_major)
+    return OutTensor(tensor.key, tensor.dtype, tensor.shape, tensor.dim, _merge(pieces), tensor.column_major,
+                     tensor.slabs, tensor.transposed)
 
 
 def _merge(pieces: list[Piece]) -> tuple[Piece, ...]:
@@ -425,8 +460,8 @@ def _merge(pieces: list[Piece]) -> tuple[Piece, ...]:
     for p in pieces:
         last = out[-1] if out else None
         if (last is not None and last.source == p.source and last.stop == p.start and last.row_perm == p.row_perm
-                and not (last.zeros or p.zeros)):
-            out[-1] = Piece(p.source, last.start, p.stop, row_perm=p.row_perm)
+                and not (last.zeros or p.zeros) and (last.slab, last.transposed) == (p.slab, p.transposed)):
+            out[-1] = Piece(p.source, last.start, p.stop, row_perm=p.row_perm, slab=p.slab, transposed=p.transposed)
         else:
             out.append(p)
     return tuple(out)

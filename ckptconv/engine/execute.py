@@ -26,6 +26,7 @@ import torch
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
+from ckptconv.engine.slabs import slab_band
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
@@ -229,7 +230,9 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
     by_source: dict[Source, list[tuple[int, OutTensor]]] = {}
     for i in todo:
         for tensor in plan.files[i].tensors:
-            if tensor.dim == 0:
+            if tensor.by_slab:
+                row_split.append(_slab_unit(i, tensor, reader))
+            elif tensor.dim == 0:
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
@@ -272,6 +275,19 @@ def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_byt
     band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
     band_rows = max(period, band_rows - band_rows % period)  # bands never cut a permuted period
     return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)
+
+
+def _slab_unit(file_index: int, tensor: OutTensor, reader: TensorReader) -> _Unit:
+    """A stacked tensor (NxD's experts), or one read from stacked sources: one slab per band (a tensor read from
+    slabs, unstacked: one band), each source read as one whole slab (or matrix)."""
+    rows = tensor.slabs or 1
+    sources = {p.source for p in tensor.pieces}
+    source_bytes = 0
+    for source in sources:
+        dtype, shape, _ = reader.info(source)
+        source_bytes += _row_bytes(shape, dtype.itemsize) if len(shape) == 3 else _row_bytes((1, *shape), dtype.itemsize)
+    per_row = tensor.nbytes // rows * 3 + source_bytes
+    return _Unit([(file_index, tensor)], rows, 1, per_row)
 
 
 def _period(tensor: OutTensor) -> int:
@@ -374,7 +390,9 @@ def _write_band(
 ) -> None:
     cache: dict[Source, torch.Tensor] = {}
     for file_index, tensor in unit.tensors:
-        if unit.shared_sources:
+        if tensor.by_slab:
+            band = slab_band(tensor, start, stop, reader)
+        elif unit.shared_sources:
             band = _column_band(tensor, start, stop, reader, cache)
         else:
             band = _row_band(tensor, start, stop, reader)
@@ -498,6 +516,8 @@ def read_tensor(tensor: OutTensor, reader: TensorReader) -> torch.Tensor:
     """A planned tensor whole, in memory (a training rank reads its own shard of another layout this way)."""
     if not tensor.shape:  # 0-dim: one piece, the whole thing
         return reader.read_rows(tensor.pieces[0].source, 0, 1).reshape(()).to(tensor.dtype)
+    if tensor.by_slab:
+        return slab_band(tensor, 0, tensor.slabs, reader).to(tensor.dtype).contiguous()
     if any(p.row_perm or p.alternates for p in tensor.pieces):
         raise AssertionError(f"{tensor.key}: permuted or averaged pieces are read by the executor only")
     parts = [_zero_piece(tensor, piece) if piece.zeros else _read_piece(reader, piece, tensor.dim)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.families.moe import fused_views
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
@@ -84,6 +85,21 @@ class HfCheckpoint:
         self._index_path: Path | None = None
         self._where = self._index()
         self.spec.check_counts(self._where, str(config_path))
+        # fused experts (transformers' in-memory names) read as the per-expert tensors every plan names
+        self._views = fused_views(self.spec, set(self._where))
+        self._fused = {view.key for view in self._views.values()}
+        self._check_fused()
+
+    def _check_fused(self) -> None:
+        spec = self.spec
+        want = {"gate_up_proj": (spec.experts, 2 * spec.expert_intermediate, spec.hidden),
+                "down_proj": (spec.experts, spec.hidden, spec.expert_intermediate)}
+        for key in self._fused:
+            expected = want.get(key.rsplit(".", 1)[-1])
+            shape = self.info(Source(None, key))[1]
+            if expected is not None and tuple(shape) != expected:
+                raise ConversionError(f"{self.path}: fused experts {key!r} have shape {list(shape)}, config.json "
+                                      f"implies {list(expected)}")
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -139,9 +155,13 @@ class HfCheckpoint:
     # -- TensorReader -----------------------------------------------------------------------
 
     def keys(self) -> list[str]:
-        return list(self._where)
+        return [key for key in self._where if key not in self._fused] + list(self._views)
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        view = self._views.get(source.key)
+        if view is not None:
+            dtype, shape, cm = self.info(Source(None, view.key))
+            return (dtype, shape, cm) if view.expert is None else (dtype, (view.stop - view.start, shape[2]), False)
         file = self._file(source.key)
         try:
             return self._reader(file).info(source.key)
@@ -149,6 +169,13 @@ class HfCheckpoint:
             raise self._misplaced(source.key, file) from None
 
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        view = self._views.get(source.key)
+        if view is not None:
+            if view.expert is None:
+                return self.read_rows(Source(None, view.key), start, stop, out)
+            rows = self.read_rows(Source(None, view.key), view.expert, view.expert + 1)[0]
+            rows = rows[view.start + start:view.start + stop]
+            return rows if out is None else out.copy_(rows)
         file = self._file(source.key)
         try:
             return self._reader(file).read_rows(source.key, start, stop, out)
@@ -170,10 +197,10 @@ class HfCheckpoint:
         return sorted(set(self._where.values()))
 
     def dtypes(self) -> dict[str, torch.dtype]:
-        return {key: self.info(Source(None, key))[0] for key in self._where}
+        return {key: self.info(Source(None, key))[0] for key in self.keys()}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {key: self.info(Source(None, key))[1] for key in self._where}
+        return {key: self.info(Source(None, key))[1] for key in self.keys()}
 
     def side_files(self) -> list[Path]:
         return [self.directory / name for name in SIDE_FILES if (self.directory / name).is_file()]

@@ -19,7 +19,7 @@ import warnings
 from enum import Enum
 from pathlib import Path
 
-from ckptconv.core.layout import MODEL_DIR, parse_shard_name
+from ckptconv.core.layout import MODEL_DIR, parse_ep_shard_name, parse_shard_name
 from ckptconv.errors import ConversionError
 
 DONE_MARKER = "done"
@@ -82,6 +82,13 @@ def newest_tag(root: Path) -> tuple[Path | None, str | None]:
                   "directory to choose")
 
 
+def ep_shard_files(directory: Path) -> dict[tuple[int, int, int], Path]:
+    """The shard of every (ep, tp, pp) rank in ``directory`` named in NxD's expert-parallel form."""
+    if not directory.is_dir():
+        return {}
+    return {ranks: entry for entry in directory.iterdir() if (ranks := parse_ep_shard_name(entry.name)) is not None}
+
+
 def shard_files(directory: Path) -> dict[tuple[int, int], Path]:
     """The shard of every (tp, pp) rank in ``directory``, by the rank its name says (legacy ``tp_rank_XX_pp_rank_YY/``
     directories: their ``checkpoint.pt``)."""
@@ -111,7 +118,7 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
         raise ConversionError(f"{path}: no such directory")
     if not path.is_dir():
         raise ConversionError(f"{path}: expected a directory of NxD shards")
-    if shard_files(path / MODEL_DIR):
+    if shard_files(path / MODEL_DIR) or ep_shard_files(path / MODEL_DIR):
         how = "tag" if (path / DONE_MARKER).exists() or (path / CHECKPOINT_MARKER).exists() else "directory"
         if how == "tag" and not (path / DONE_MARKER).is_file():
             raise ConversionError(f"{path}: tag has no '{DONE_MARKER}' marker (an interrupted save); refusing to read it")
@@ -143,6 +150,7 @@ __all__ = [
     "detect_flavour",
     "newest_tag",
     "resolve_checkpoint",
+    "ep_shard_files",
     "shard_files",
     "tag_step",
 ]

@@ -18,12 +18,20 @@ from typing import Any, Protocol
 
 import torch
 
-from ckptconv.core.layout import MODEL_DIR, parse_shard_name, shard_file, shard_name
+from ckptconv.core.layout import MODEL_DIR, parse_ep_shard_name, parse_shard_name, shard_file, shard_name
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
 from ckptconv.io.metadata import read_metadata
-from ckptconv.io.nxd import INFO_SUFFIX, TENSORS_SUFFIX, Flavour, detect_flavour, resolve_checkpoint, shard_files
+from ckptconv.io.nxd import (
+    INFO_SUFFIX,
+    TENSORS_SUFFIX,
+    Flavour,
+    detect_flavour,
+    ep_shard_files,
+    resolve_checkpoint,
+    shard_files,
+)
 from ckptconv.io.readers import FileReader, TorchFileReader
 from ckptconv.io.safe_load import load_small
 from ckptconv.io.torchzip import StoredTensor, TorchZipReader
@@ -180,16 +188,20 @@ class NxdCheckpoint:
         # Checked reads: sizes now, digests and zip CRC-32s as the bytes are read (finish_checks).
         self.checks = CheckedFiles(self.root, None if self.metadata is None else self.metadata.files, enabled=check)
         self.checks.check_sizes(MODEL_DIR)
-        shards = shard_files(self.model_dir)
-        self.ranks = sorted(shards)
-        self.files = {shard_file(tp_rank=tp, pp_rank=pp): p for (tp, pp), p in shards.items()}
-        self.tp = 1 + max(tp for tp, _ in shards)
-        self.pp = 1 + max(pp for _, pp in shards)
+        by_ep = ep_shard_files(self.model_dir)  # NxD's expert-parallel names: ep > 1
+        shards = {(0, tp, pp): p for (tp, pp), p in shard_files(self.model_dir).items()} if not by_ep else by_ep
+        self.ep = 1 + max(ep for ep, _, _ in shards) if by_ep else 1
+        self.ranks = sorted({(tp, pp) for _, tp, pp in shards})
+        ep_of = (lambda ep: ep) if by_ep else (lambda ep: None)
+        self.files = {shard_file(tp_rank=tp, pp_rank=pp, ep_rank=ep_of(ep)): p for (ep, tp, pp), p in shards.items()}
+        self.tp = 1 + max(tp for _, tp, _ in shards)
+        self.pp = 1 + max(pp for _, _, pp in shards)
         missing = [
-            shard_name(tp_rank=tp, pp_rank=pp)
+            shard_name(tp_rank=tp, pp_rank=pp, ep_rank=ep_of(ep))
+            for ep in range(self.ep)
             for tp in range(self.tp)
             for pp in range(self.pp)
-            if (tp, pp) not in shards
+            if (ep, tp, pp) not in shards
         ]
         if missing:
             raise ConversionError(f"{self.model_dir}: incomplete checkpoint, missing {', '.join(missing[:4])}")
@@ -306,11 +318,15 @@ class NxdCheckpoint:
         reader = self._reader(source.file)
         return reader.position(source.key) if isinstance(reader, TorchFileReader) else 0
 
+    def file_of(self, *, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+        """The model file of rank (ep_rank, tp_rank, pp_rank) (NxD's expert-parallel name when the shards have one)."""
+        return shard_file(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank if self.ep > 1 else None)
+
     def stage_files(self) -> list[str]:
         """One model file per pp stage, tp rank 0's: every key of a stage is split or copied across the stage's tp
         ranks (docs/nxd-format.md §3, "Per-key slices"), all saved from one model, so each of them declares the same
         keys in the same dtypes and these files declare every key's dtype (:meth:`check_stages` checks any file)."""
-        return [shard_file(tp_rank=0, pp_rank=pp) for pp in range(self.pp)]
+        return [shard_file(tp_rank=0, pp_rank=pp, ep_rank=0 if self.ep > 1 else None) for pp in range(self.pp)]
 
     def dtypes(self, *, stages_only: bool = False) -> dict[str, torch.dtype]:
         """dtype of every key, read from :meth:`stage_files`. Every other model file is checked to declare what its
@@ -329,13 +345,16 @@ class NxdCheckpoint:
         """Each of ``files`` (model file names) declares the keys and dtypes its stage's first file declares
         (what :meth:`dtypes` and a plan assume of every file); else ConversionError naming both files."""
         for file in sorted(files):
-            ranks = parse_shard_name(Path(file).name)
+            ep_ranks = parse_ep_shard_name(Path(file).name)
+            ranks = parse_shard_name(Path(file).name) if ep_ranks is None else ep_ranks[1:]
             assert ranks is not None, file
-            first = shard_file(tp_rank=0, pp_rank=ranks[1])
+            first = self.stage_files()[ranks[1]]
             if file == first:
                 continue
             mine = {key: dtype for key, (dtype, _) in self.declared(file).items()}
             theirs = {key: dtype for key, (dtype, _) in self.declared(first).items()}
+            if ep_ranks is not None and ep_ranks[0] > 0:  # an ep rank > 0 holds only its experts (NxD's rule)
+                theirs = {key: dtype for key, dtype in theirs.items() if key in mine}
             if mine == theirs:
                 continue
             if set(mine) != set(theirs):

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from ckptconv.core.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks, shard_file
+from ckptconv.core.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks
 from ckptconv.core.layout_flags import LayoutHints
 from ckptconv.core.mapping import EMBED
 from ckptconv.core.model_spec import ModelSpec
@@ -60,7 +60,7 @@ def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: LayoutHints) -> tu
 
 def _stored_vocab_rows(ckpt: NxdCheckpoint) -> int:
     """Embedding rows over all tp ranks, as stored (another tool may have padded them, NxDT to 128 x tp)."""
-    file = shard_file(tp_rank=0, pp_rank=0)
+    file = ckpt.file_of(tp_rank=0, pp_rank=0)
     if EMBED not in ckpt.keys(file):
         raise ConversionError(f"{ckpt.files[file]}: missing {EMBED!r}")
     _, shape, _ = ckpt.info(Source(file, EMBED))
@@ -84,7 +84,7 @@ def _attention_mode(keys: list[str]) -> tuple[Attention, bool]:
 def _layers_by_pp(ckpt: NxdCheckpoint) -> list[int]:
     owner: dict[int, int] = {}
     for pp in range(ckpt.pp):  # tp rank 0 holds every layer of its stage
-        file = shard_file(tp_rank=0, pp_rank=pp)
+        file = ckpt.file_of(tp_rank=0, pp_rank=pp)
         for key in ckpt.keys(file):
             m = _LAYER_RE.match(key)
             if m:
@@ -133,7 +133,7 @@ def _infer_kvm(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout) -> 
 
 
 def _k_rows(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, tp_rank: int) -> torch.Tensor:
-    file = shard_file(tp_rank=tp_rank, pp_rank=0)
+    file = ckpt.file_of(tp_rank=tp_rank, pp_rank=0)
     prefix = _first_layer_prefix(ckpt, file)
     if layout.fuse_qkv:
         n_rows = spec.heads // layout.tp * spec.head_dim

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptconv.core.layout import HF_FILES_DIR, ParallelLayout, shard_file
+from ckptconv.core.layout import HF_FILES_DIR, ParallelLayout, layout_shard_file
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
-from ckptconv.core.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.core.mapping import all_ep_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
@@ -125,9 +125,10 @@ def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutHin
         layout, inferred = infer_layout(ckpt, spec, hints)
         with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
         notes.extend(f"inferred {n}" for n in inferred)
-    if (layout.tp, layout.pp) != (ckpt.tp, ckpt.pp):
+    if (layout.tp, layout.pp, layout.ep) != (ckpt.tp, ckpt.pp, ckpt.ep):
         raise ConversionError(
-            f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} shards, but the layout says tp {layout.tp} x pp {layout.pp}"
+            f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} x ep {ckpt.ep} shards, but the layout says "
+            f"tp {layout.tp} x pp {layout.pp} x ep {layout.ep}"
         )
     check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None,
                  files=files)
@@ -160,10 +161,10 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
     """
     allowed = set(recorded_dtype.split(",")) if recorded_dtype else None
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
-    lm_head_copy = stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1)))
-    records_of = all_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
-    for (tp, pp), records in records_of.items():
-        file = shard_file(tp_rank=tp, pp_rank=pp)
+    lm_head_copy = stores_lm_head(spec, ckpt.keys(layout_shard_file(layout, ep_rank=0, tp_rank=0, pp_rank=layout.pp - 1)))
+    records_of = all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    for (ep, tp, pp), records in records_of.items():
+        file = layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp)
         if files is not None and file not in files:
             continue
         present = set(ckpt.keys(file))

@@ -16,6 +16,7 @@ from ckptconv.core.families.rules import QkvRule, ReplicatedRule, Shapes
 from ckptconv.errors import ConversionError
 
 if TYPE_CHECKING:
+    from ckptconv.core.families.moe import MoeConfig
     from ckptconv.core.heads import ShardRecord
     from ckptconv.core.layout import ParallelLayout
     from ckptconv.core.model_spec import ModelSpec
@@ -63,6 +64,24 @@ class Family:
     layer_rules: tuple[LayerRule, ...]
     refusals: tuple[Refusal, ...] = ()
     window_key: str | None = None
+    # Mixture of experts: where the config states the experts, and the rules of a sparse layer (its MLP replaced by
+    # the router and the experts); ``layer_rules`` are then those of the dense layers the config may have.
+    moe: MoeConfig | None = None
+    sparse_rules: tuple[LayerRule, ...] = ()
+
+    def rules_for(self, config: dict[str, Any], layer: int) -> tuple[LayerRule, ...]:
+        """The rules of decoder layer ``layer`` (a sparse layer's when the family has experts there)."""
+        if self.moe is not None and self.moe.experts(config) and self.moe.sparse(config, layer):
+            return self.sparse_rules
+        return self.layer_rules
+
+    def layer_keys_of(self, config: dict[str, Any], layer: int) -> tuple[str, ...]:
+        """HF names of layer ``layer``'s tensors (without ``model.layers.N.``), in HF module order."""
+        names: list[str] = []
+        for rule in self.rules_for(config, layer):
+            of = getattr(rule, "hf_names_of", None)
+            names += of(self.moe.experts(config)) if of is not None and self.moe is not None else rule.hf_names
+        return tuple(names)
 
     @property
     def layer_keys(self) -> tuple[str, ...]:
@@ -83,7 +102,7 @@ class Family:
 
     def layer_shapes(self, spec: ModelSpec) -> Shapes:
         shapes: Shapes = {}
-        for rule in self.layer_rules:
+        for rule in (*self.layer_rules, *self.sparse_rules):
             shapes.update(rule.shapes(spec))
         return shapes
 

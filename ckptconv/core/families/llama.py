@@ -14,9 +14,13 @@ from ckptconv.core.families.rules import (
     intermediate,
 )
 
+DENSE_MLP: tuple[LayerRule, ...] = (GateUpRule(), RowRule("mlp.down_proj.weight", out_size=hidden, in_size=intermediate))
 
-def decoder_rules(*, qkv: QkvRule, extra: tuple[LayerRule, ...] = ()) -> tuple[LayerRule, ...]:
-    """A Llama-shaped decoder layer in HF module order; ``extra`` goes after o_proj (e.g. Qwen3's q/k norms).
+
+def decoder_rules(*, qkv: QkvRule, extra: tuple[LayerRule, ...] = (),
+                  mlp: tuple[LayerRule, ...] = DENSE_MLP) -> tuple[LayerRule, ...]:
+    """A Llama-shaped decoder layer in HF module order; ``extra`` goes after o_proj (e.g. Qwen3's q/k norms),
+    ``mlp`` are the MLP's rules (a mixture of experts: the router's and the experts').
 
     Older transformers registered ``rotary_emb`` right after ``o_proj``, so its per-layer ``inv_freq``
     buffer sits there (optional: present in a source, it is carried through).
@@ -26,8 +30,7 @@ def decoder_rules(*, qkv: QkvRule, extra: tuple[LayerRule, ...] = ()) -> tuple[L
         OutProjRule(),
         *extra,
         ReplicatedRule("self_attn.rotary_emb.inv_freq", half_head_dim, optional=True),
-        GateUpRule(),
-        RowRule("mlp.down_proj.weight", out_size=hidden, in_size=intermediate),
+        *mlp,
         ReplicatedRule("input_layernorm.weight", hidden),
         ReplicatedRule("post_attention_layernorm.weight", hidden),
     )
