@@ -53,7 +53,7 @@ from ckptconv.titan.names import (  # noqa: E402
     titan_params,
 )
 from ckptconv.titan.state import TitanSchedule, titan_last_epoch, titan_schedule  # noqa: E402
-from tests.conftest import hf_state  # noqa: E402
+from tests.conftest import hf_state, warns_no_tokenizer  # noqa: E402
 
 QUIET = RunOptions(quiet=True)
 
@@ -210,7 +210,8 @@ def test_from_dcp_of_a_checkpoint_titan_saved_computes_its_logits(models, tmp_pa
     # and on to NxD shards, which come back to the same HF weights
     ckptconv.from_dcp(tmp_path / "ck", tmp_path / "nxd", to="nxd", tp=2, attention="qkv_linear", fuse_qkv=True,
                       config=hf / "config.json", options=QUIET)
-    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf2", options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf2", options=QUIET)
     a, b = hf_state(tmp_path / "hf"), hf_state(tmp_path / "hf2")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -348,8 +349,7 @@ def test_titan_continues_an_nxdtrain_run(nxd_run, tmp_path):
     loaded = [(p.dim(), g["weight_decay"]) for opt in optimizers.optimizers for g in opt.param_groups for p in g["params"]]
     assert sorted(set(loaded)) == [(1, 0.0), (2, RUN["weight_decay"])] and RUN["weight_decay"] > 0
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no tokenizer in a test tag
+    with warns_no_tokenizer():  # no tokenizer in a test tag
         ckptconv.to_hf(tag2, tmp_path / "hf2", options=QUIET)
     ours, reference = titan_logits(model, tokens), hf_logits(tmp_path / "hf2", tokens)
     assert torch.allclose(ours, reference, atol=1e-5, rtol=0), (ours - reference).abs().max()
