@@ -38,7 +38,7 @@ from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
 from ckptconv.io.hf import CONFIG, config_text, index_text
-from ckptconv.io.nxd import TAG_MARKERS, Flavour
+from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
@@ -77,7 +77,8 @@ from ckptconv.training.state import (
     USER_CONTENT_FILE,
     TagReader,
 )
-from ckptconv.training.tag_reshard import TrainingTag, torch_blob
+from ckptconv.training.tag_files import complete_as_tag, run_record
+from ckptconv.training.tag_reshard import TrainingTag
 
 
 def titan_record(spec: ModelSpec) -> dict[str, str]:
@@ -410,19 +411,17 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
     identity = fingerprint("from-dcp-nxd", layout.to_json(), dtype, target.value,
                            file_identity([ckpt.root / DCP_METADATA, *ckpt.data_files()]),
                            None if state is None else consumed_samples)
-    extra: dict[str, Any] = {"from": titan_record(spec)}
-    if state is not None:
-        extra["nxdtrain"] = {k: state.user_content[k] for k in ("step", "consumed_samples")}
     spec_ = FinalizeSpec(
         identity,
         metadata=dict(kind="nxd", hf_config=spec.config, layout=layout.to_json(), flavour=target.value,
-                      dtype=dtype_name(plan), with_inv_freq=False, fingerprint=identity, extra=extra),
+                      dtype=dtype_name(plan), with_inv_freq=False, fingerprint=identity,
+                      extra={"from": titan_record(spec)}),
         copies=kept,
     )
     sinks = nxd_sink_factory(target)
-    if state is not None:  # a training tag: its side files, then the markers (after ckptconv.json)
-        spec_.blobs[USER_CONTENT_FILE] = torch_blob({**state.user_content, "layout": layout.to_json()})
-        spec_.blobs[SCHEDULER_FILE] = torch_blob(state.scheduler)
-        spec_.markers = list(TAG_MARKERS)
+    if state is not None:  # a training tag: its side files, the run's record, then the markers
+        complete_as_tag(spec_, side={USER_CONTENT_FILE: {**state.user_content, "layout": layout.to_json()},
+                                     SCHEDULER_FILE: state.scheduler},
+                        record=run_record(state.user_content["step"], state.user_content["consumed_samples"]))
         sinks = TrainingTag.sinks(sinks)
     return run.finish(run.write(plan, ckpt, out, sinks, spec_, sources=sources), layout.to_json())

@@ -34,5 +34,6 @@ if TYPE_CHECKING:
         state_key,
         state_tensors,
     )
+    from ckptconv.training.tag_files import RECORD_KEY, run_record
 
 __getattr__ = lazy_exports(__name__, __file__)

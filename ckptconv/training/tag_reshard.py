@@ -9,13 +9,9 @@ kv_size_multiplier, norms, a tied head) are checked for every moment too. ``sche
 
 from __future__ import annotations
 
-import base64
-import io
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ckptconv.core.layout import ParallelLayout, parse_shard_name
 from ckptconv.core.mapping import live_module_order
@@ -25,7 +21,6 @@ from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import NXD_TRAINERS
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import check_whole_file
-from ckptconv.io.nxd import TAG_MARKERS
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.nxd_write import TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
@@ -54,6 +49,7 @@ from ckptconv.training.state import (
     resharded_user_content,
     state_replicas,
 )
+from ckptconv.training.tag_files import complete_as_tag, run_record
 from ckptconv.training.trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
 
 
@@ -69,13 +65,6 @@ def _load(ckpt: NxdCheckpoint, path: Path) -> Any:
         return load_small_bytes(_checked(ckpt, path), str(path))
     except ValueError as exc:
         raise ConversionError(str(exc)) from None
-
-
-def torch_blob(value: Any) -> str:
-    """A small side file's content (``torch.save``), as FinalizeSpec's blobs hold it."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def _placement(optim: OptimizerSource, dp: int | None, zero1: bool | None) -> tuple[bool, int]:
@@ -223,15 +212,12 @@ class TrainingTag:
         optim_files = plan_optimizer_files(plan.files, self.optim, dp=self.dp, zero1=self.zero1)
         replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
         content = resharded_user_content(self.user_content, new, zero1=self.zero1)
-        spec.blobs[USER_CONTENT_FILE] = torch_blob(content)
+        side: dict[str, Any] = {USER_CONTENT_FILE: content}
         if self.scheduler_record is not None:
-            spec.blobs[SCHEDULER_FILE] = torch_blob(self.scheduler_record)
-        else:
-            spec.copies.append((str((self.ckpt.root / SCHEDULER_FILE).resolve()), SCHEDULER_FILE))
-        spec.markers = list(TAG_MARKERS)  # after ckptconv.json: a tag is complete only then
-        assert spec.metadata is not None
-        spec.metadata["extra"] = {"nxdtrain": {"step": int(content["step"]),
-                                               "consumed_samples": content.get("consumed_samples")}}
+            side[SCHEDULER_FILE] = self.scheduler_record
+        complete_as_tag(spec, side=side, record=run_record(content["step"], content.get("consumed_samples")),
+                        copies=[] if self.scheduler_record is not None else [
+                            (str((self.ckpt.root / SCHEDULER_FILE).resolve()), SCHEDULER_FILE)])
         hyper = self.optim.hyper
         was, now = (describe_zero1(on, size, off="without ZeRO-1")
                     for on, size in ((hyper.zero1, hyper.zero_size), (self.zero1, self.dp)))
@@ -260,15 +246,10 @@ class TrainingTag:
         self.written = written
         replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
         for name in side.copies:
-            path = self.ckpt.root / name
-            _checked(self.ckpt, path)
-            spec.copies.append((str(path.resolve()), name))
-        for name, value in side.blobs.items():
-            spec.blobs[name] = torch_blob(value)
-        spec.markers = list(TAG_MARKERS)
-        assert spec.metadata is not None
-        spec.metadata["extra"] = {"nxdtrain": {"step": step, "consumed_samples": side.consumed},
-                                  NXD_OPTIMIZER_KEY: {**written.to_json(), "trainer": trainer}}
+            _checked(self.ckpt, self.ckpt.root / name)
+        complete_as_tag(spec, side=side.blobs, record=run_record(step, side.consumed),
+                        copies=[(str((self.ckpt.root / name).resolve()), name) for name in side.copies],
+                        **{NXD_OPTIMIZER_KEY: {**written.to_json(), "trainer": trainer}})
         hyper = self.optim.hyper
         was, now = (describe_zero1(on, size, off="without ZeRO-1")
                     for on, size in ((hyper.zero1, hyper.zero_size), (self.zero1, self.dp)))

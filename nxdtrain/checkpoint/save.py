@@ -28,7 +28,7 @@ from ckptconv.io import (
     write_metadata,
 )
 from ckptconv.io import DEFAULT as DEFAULT_HASH
-from ckptconv.training import OPTIM_DIR, SCHEDULER_FILE, USER_CONTENT_FILE
+from ckptconv.training import OPTIM_DIR, RECORD_KEY, SCHEDULER_FILE, USER_CONTENT_FILE, run_record
 from nxdtrain.checkpoint.resume import ResumeSource
 from nxdtrain.checkpoint.tags import MARKERS, NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune, remove_tag
 from nxdtrain.device import to_host
@@ -136,7 +136,7 @@ class TagWriter:
             meta = read_metadata(staging)
             assert meta is not None
             extra = dict(meta.extra or {})
-            extra["nxdtrain"] = {**extra.get("nxdtrain", {}), "run": self.record.get("run")}  # prune finds it
+            extra[RECORD_KEY] = {**extra.get(RECORD_KEY, {}), "run": self.record.get("run")}  # prune finds it
             write_metadata(staging, dataclasses.replace(meta, extra=extra))
             replaced = tag.with_name(f".{tag.name}{REPLACED_SUFFIX}")
             os.rename(tag, replaced)
@@ -192,7 +192,7 @@ class TagWriter:
             kind="nxd", hf_config=self.source.spec.config, files=files, layout=self.layout.to_json(),
             flavour=self.flavour.value, dtype=str(dtype).removeprefix("torch."),
             with_inv_freq=self.source.with_inv_freq,
-            extra={"nxdtrain": {"step": step, "consumed_samples": consumed, "run": self.record.get("run")}},
+            extra={RECORD_KEY: run_record(step, consumed, run=self.record.get("run"))},
         ))
         write_markers(tag)
         outdir.clear_tmp(tag)  # complete: ckptconv.json lists the files, the markers are known names

@@ -24,7 +24,7 @@ from ckptconv.core import MODEL_DIR
 from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError
 from ckptconv.io import CHECKPOINT_MARKER, DONE_MARKER, completed_tags, read_metadata, tag_step
-from ckptconv.training import optimizer_file
+from ckptconv.training import RECORD_KEY, optimizer_file
 from nxdtrain.errors import TrainError
 from nxdtrain.preflight import check_writable
 
@@ -76,7 +76,7 @@ def run_of(tag: Path) -> str | None:
     except ConversionError:
         return None
     extra = (meta.extra if meta is not None else None) or {}
-    run = (extra.get("nxdtrain") or {}).get("run") if isinstance(extra.get("nxdtrain"), dict) else None
+    run = (extra.get(RECORD_KEY) or {}).get("run") if isinstance(extra.get(RECORD_KEY), dict) else None
     return run if isinstance(run, str) else None
 
 
