@@ -18,6 +18,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.io.nxd_write import save_shard
+from tests.conftest import warns_no_tokenizer
 from tests.test_moe import QUIET, _config, moe_model  # noqa: F401  (moe_model: the fixture)
 
 
@@ -106,3 +107,31 @@ def test_verify_names_a_transposed_expert_stack(moe_model, tmp_path: Path):  # n
         "dp_rank_00_ep_rank_01_tp_rank_01_pp_rank_00.pt: 'model.layers.0.mlp.expert_mlps.mlp_op.down_proj.weight' "
         "has shape [2, 8, 6], layout tp 2 ep 2 pp 1 vpp 1 kvm 1 separate trn1 implies [2, 6, 8]: the experts are "
         "stored transposed (HF's [out, in] stacked instead of NxD's [in, out])"), caught.value
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_to_hf_fused_experts_equal_transformers_state_and_load(moe_model, tmp_path: Path, family: str):  # noqa: F811
+    """--hf-experts fused writes transformers' in-memory form: exactly the model's own state_dict (the fused
+    fixture), which from_pretrained loads to the same logits as the per-expert source."""
+    import transformers
+    from safetensors.torch import load_file
+
+    src = moe_model(family)
+    ckptconv.to_nxd(src, tmp_path / "nxd", tp=2, ep=2, pp=2, options=QUIET)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", hf_experts="fused", options=QUIET)
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    expected = load_file(moe_model(family, fused=True) / "model.safetensors")
+    assert ours.keys() == expected.keys()
+    assert all(torch.equal(ours[k], expected[k]) for k in ours)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        a = transformers.AutoModelForCausalLM.from_pretrained(src).eval()(ids).logits
+        b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    assert torch.equal(a, b)
+
+
+def test_hf_experts_is_checked(moe_model, tmp_path: Path):  # noqa: F811
+    ckptconv.to_nxd(moe_model("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
+    with pytest.raises(ValueError, match="--hf-experts must be one of per-expert, fused, got 'stacked'"):
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", hf_experts="stacked", options=QUIET)
