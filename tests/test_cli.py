@@ -13,7 +13,7 @@ from ckptconv.cli.compat import parse_bool
 from ckptconv.cli.main import build_parser, main, parse_size
 
 RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite", "--part", "--hash"}
-LAYOUT_FLAGS = {"--tp", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicator", "--qkv-linear", "--no-qkv-linear",
+LAYOUT_FLAGS = {"--tp", "--ep", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicator", "--qkv-linear", "--no-qkv-linear",
                 "--fuse-qkv", "--no-fuse-qkv", "--coalesce-qkv", "--no-coalesce-qkv", "--hw-backend", "--trn2-kv-layout"}
 
 
@@ -36,7 +36,7 @@ def test_flag_sets_are_pinned():
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",
                                                            "--push-to-hub", "--private", "--no-check",
                                                            "--override-recorded-layout", "--tokenizer",
-                                                           "--masters", "--no-masters"}
+                                                           "--masters", "--no-masters", "--hf-experts"}
     assert flags("reshard") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--kv-replicas", "--no-check",
                                                              "--source-hw-backend", "--source-trn2-kv-layout",
                                                              "--override-recorded-layout", "--masters", "--no-masters",
@@ -54,7 +54,7 @@ def test_flag_sets_are_pinned():
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {
         "--convert_from_full_state", "--convert_to_full_state", "--input_dir", "--output_dir", "--config",
-        "--tp_size", "--pp_size", "--virtual_pp_size", "--kv_size_multiplier", "--qkv_linear", "--fuse_qkv",
+        "--tp_size", "--ep_size", "--pp_size", "--virtual_pp_size", "--kv_size_multiplier", "--qkv_linear", "--fuse_qkv",
         "--coalesce_qkv", "--hw_backend", "--trn2_kv_layout", "--save_xser", "--load_xser", "--n_layers",
         "--model_style", "--hf_model_name", "--no-check", "--override-recorded-layout",
     }

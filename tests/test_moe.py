@@ -17,6 +17,7 @@ from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import load_shard
+from tests.conftest import warns_no_tokenizer
 
 QUIET = ckptconv.RunOptions(quiet=True, workers=2)
 H, I, E, TOP_K = 8, 12, 4, 2  # noqa: E741 (NxD and the issue name them so)  hidden != expert intermediate, 4 experts top-2, GQA (4 heads, 2 KV heads)
@@ -70,7 +71,8 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 def test_round_trip_is_bit_exact(moe_model, tmp_path: Path, family: str, layout: str):
     src = moe_model(family)
     ckptconv.to_nxd(src, tmp_path / "nxd", options=QUIET, **LAYOUTS[layout])
-    ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)
+    with warns_no_tokenizer():  # the tiny model has no tokenizer files
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=QUIET)
     before, after = _state(src), _state(tmp_path / "hf")
     assert before.keys() == after.keys()
     for key in before:
@@ -184,10 +186,3 @@ def test_ep_on_a_dense_model_is_refused():
         ParallelLayout(ep=2).check_model(spec)
 
 
-def test_verify_refuses_moe_in_one_line(moe_model, tmp_path: Path):
-    from ckptconv.commands.verify import verify
-
-    src = moe_model("mixtral")
-    ckptconv.to_nxd(src, tmp_path / "nxd", tp=2, ep=2, options=QUIET)
-    with pytest.raises(ConversionError, match="verify does not compute mixture-of-experts layers yet"):
-        verify(src, tmp_path / "nxd")

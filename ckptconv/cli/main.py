@@ -147,6 +147,10 @@ def _to_hf_parser(sub: Subparsers) -> None:
                    help="when copies of a K/V head (or norm) drifted apart (e.g. trained without syncing them): "
                         "fail (default), keep the first, or average")
     p.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
+    p.add_argument("--hf-experts", choices=("per-expert", "fused"), default="per-expert",
+                   help="a mixture of experts' HF form: per-expert tensors (default, what transformers writes) or "
+                        "fused mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I] (transformers' in-memory "
+                        "form, as newer hub models store it)")
     _masters_flag(p, "when present")
     p.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                    help="after a complete export, create the hub repo ORG/NAME if needed and upload OUT to it")
@@ -320,7 +324,7 @@ def _run_to_hf(args: argparse.Namespace) -> Any:
 
     result = to_hf(args.src, args.out, config=args.config, hints=hints, max_shard_size=args.max_shard_size,
                    dtype=args.dtype, kv_replicas=args.kv_replicas, tokenizer=args.tokenizer,
-                   masters=args.masters, options=options)
+                   masters=args.masters, hf_experts=args.hf_experts, options=options)
     return _push(result, args) if args.push_to_hub else result
 
 

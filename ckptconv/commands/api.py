@@ -18,6 +18,7 @@ import torch
 
 from ckptconv.commands.src_kind import open_hf, refuse_hf_source, refuse_nxd_source
 from ckptconv.commands.steps import config_as_written, dtype_name, input_files
+from ckptconv.core.fused_experts import check_hf_experts
 from ckptconv.core.layout import (
     HF_FILES_DIR,
     Attention,
@@ -249,9 +250,14 @@ def to_hf(
     kv_replicas: str = "error",
     tokenizer: str | Path | None = None,
     masters: bool | None = None,
+    hf_experts: str = "per-expert",
     options: RunOptions | None = None,
 ) -> Result:
     """Convert NxD shards (a converted dir, a tag, or a checkpoint root) into an HF directory.
+
+    ``hf_experts``: a mixture of experts' layers per expert (``per-expert``, the default) or ``fused``
+    (``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` / ``down_proj`` ``[E, H, I]``, see
+    :mod:`ckptconv.core.fused_experts`).
 
     ``masters``: read the weights from the fp32 master weights in the tag's ``optim/``: those an nxdtrain
     bf16 run keeps, or NxD's own (ZeRO-1 ``sharded_master_weights``, see :mod:`ckptconv.sources.masters`).
@@ -272,13 +278,14 @@ def to_hf(
     ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
     notes += opened.notes
     with ckpt:
+        fused = check_hf_experts(hf_experts, spec)
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
         for line in notes:
             note(line, quiet=options.quiet)
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
-                          average_replicas=kv_replicas == "mean")
-        identity = fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas,
+                          average_replicas=kv_replicas == "mean", fused_experts=fused)
+        identity = fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas, *(["fused"] if fused else []),
                                file_identity(input_files(ckpt)), _tokenizer_identity(tokenizer),
                                ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are

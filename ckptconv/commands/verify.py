@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.commands.verify_moe import check_sparse_mlp, dense_sparse_mlp
 from ckptconv.core.layout import Attention, ParallelLayout, layer_pp_ranks
 from ckptconv.core.mapping import EMBED, FINAL_NORM, LM_HEAD, kv_heads, q_heads, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
@@ -77,9 +78,6 @@ class _Shards:
 
     def __init__(self, ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout) -> None:
         self.ckpt, self.spec, self.layout = ckpt, spec, layout
-        if spec.experts:
-            raise ConversionError(f"verify does not compute mixture-of-experts layers yet ({spec.family.name}): "
-                                  "the routed-MLP math is not built; the conversion itself is tested bit-exact")
         self.pp_of_layer = layer_pp_ranks(spec.layers, layout)
 
     def file(self, tp: int, pp: int) -> str:
@@ -109,8 +107,9 @@ class _Shards:
                 f"{self.spec.heads} heads / tp {self.layout.tp} x head_dim {self.spec.head_dim} = {n_rows} expected"
             )
         w["o"] = t("self_attn.o_proj.weight")
-        w["gate"], w["up"] = t("mlp.gate_up_proj.weight").chunk(2)
-        w["down"] = t("mlp.down_proj.weight")
+        if not self.spec.sparse(layer):  # a sparse layer's experts: verify_moe, rank by rank
+            w["gate"], w["up"] = t("mlp.gate_up_proj.weight").chunk(2)
+            w["down"] = t("mlp.down_proj.weight")
         w["ln1"], w["ln2"] = t("input_layernorm.weight"), t("post_attention_layernorm.weight")
         return w
 
@@ -145,7 +144,8 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
     config, hd = spec.config, spec.head_dim
     eps = float(config.get("rms_norm_eps", 1e-6))
     window = spec.window
-    dense = dense_layer(x, hf_w, config, hd, window=window)
+    sparse = spec.sparse(layer)
+    dense = dense_layer(x, hf_w, config, hd, window=window, mlp_of=dense_sparse_mlp(spec, hf_w) if sparse else None)
     cos, sin = rope_cos_sin(rope_inv_freq(config, hd), x.shape[1])
     h = rms_norm(x, hf_w["input_layernorm.weight"], eps)
     dense_heads = attention_heads(h, hf_w["self_attn.q_proj.weight"], hf_w["self_attn.k_proj.weight"],
@@ -157,6 +157,7 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
     mlp_sum = torch.zeros_like(x)
     bad: dict[str, list[int]] = {"attention": [], "o_proj": [], "biases": [], "mlp": [], "norms": []}
     chunk = spec.intermediate // layout.tp
+    h2_of_rank = []
     for rank in range(layout.tp):
         w = shards.layer(layer, rank)
         if not (_close(w["ln1"], hf_w["input_layernorm.weight"], tol) and _close(w["ln2"], hf_w["post_attention_layernorm.weight"], tol)):
@@ -179,6 +180,9 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
         if not _close(w["o"], hf_w["self_attn.o_proj.weight"][:, head_rows["q"]], tol):  # o_proj's columns: the q rows
             bad["o_proj"].append(rank)
         h2_r = rms_norm(x1, w["ln2"], eps)
+        h2_of_rank.append(h2_r)
+        if sparse:
+            continue
         m_r = mlp(h2_r, w["gate"], w["up"], w["down"])
         mlp_sum += m_r
         rows = slice(rank * chunk, (rank + 1) * chunk)
@@ -186,6 +190,10 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
                          hf_w["mlp.down_proj.weight"][:, rows])
         if not _close(m_r, expected_m, tol):
             bad["mlp"].append(rank)
+    mlp_detail = _blame(bad, ("mlp", "gate_up/down blocks"))
+    if sparse:
+        mlp_sum, bad["mlp"], mlp_detail = check_sparse_mlp(shards, layer, h2, h2_of_rank, hf_w,
+                                                           lambda a, b: _close(a, b, tol))
     checks = [
         _compare("attention", attn_sum, dense["attention"]),
         _compare("mlp", mlp_sum, dense["mlp"]),
@@ -195,7 +203,7 @@ def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards
     checks[0].detail = _blame(bad, ("attention", "Q/K/V heads"), ("biases", "q/k/v biases"),
                               ("o_proj", "o_proj columns"), ("norms", "norm weights"))
     checks[1].ranks = bad["mlp"]
-    checks[1].detail = _blame(bad, ("mlp", "gate_up/down blocks"))
+    checks[1].detail = mlp_detail
     if bad["norms"]:
         checks.append(Check("norms", 0.0, 0.0, ranks=bad["norms"], detail=_blame(bad, ("norms", "norm weights"))))
     return checks

@@ -288,16 +288,22 @@ def plan_to_hf(
     max_shard_size: int = 5 * 10**9,
     dtype_policy: DtypePolicy = keep_dtype,
     average_replicas: bool = False,
+    fused_experts: bool = False,
 ) -> Plan:
     """Sharded safetensors files (HF naming and grouping) from NxD shards.
 
     ``shard_dtypes`` maps NxD keys to their stored dtype. With ``average_replicas`` a replicated
-    range (K/V head, norm, tied lm_head) is exported as the mean of its copies.
+    range (K/V head, norm, tied lm_head) is exported as the mean of its copies. ``fused_experts``: a mixture of
+    experts' layers in transformers' fused form (:mod:`ckptconv.core.fused_experts`).
     """
     tensors = _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, dtype_policy, column_major_o=False)
     _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     if average_replicas:
         tensors = [_with_alternates(t, replicas) for t in tensors]
+    if fused_experts:
+        from ckptconv.core.fused_experts import fuse_experts  # it builds on this module's tensors
+
+        tensors = fuse_experts(spec, list(tensors))
     return Plan(hf_files(tensors, max_shard_size), replicas)
 
 

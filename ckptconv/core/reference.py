@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -157,8 +158,10 @@ def layer_attention_extras(weights: dict[str, torch.Tensor], eps: float) -> dict
 
 
 def dense_layer(x: torch.Tensor, weights: dict[str, torch.Tensor], config: dict[str, Any], head_dim: int,
-                *, window: int | None = None) -> dict[str, torch.Tensor]:
-    """One decoder layer from full HF weights (names without the ``model.layers.N.`` prefix)."""
+                *, window: int | None = None,
+                mlp_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """One decoder layer from full HF weights (names without the ``model.layers.N.`` prefix). ``mlp_of``: the MLP
+    of a sparse layer (e.g. a :func:`sparse_mlp` over the layer's router and experts) instead of the gated MLP."""
     eps = float(config.get("rms_norm_eps", 1e-6))
     cos, sin = rope_cos_sin(rope_inv_freq(config, head_dim), x.shape[1])
     h = rms_norm(x, weights["input_layernorm.weight"], eps)
@@ -168,5 +171,57 @@ def dense_layer(x: torch.Tensor, weights: dict[str, torch.Tensor], config: dict[
     o = attn @ weights["self_attn.o_proj.weight"].t()
     x1 = x + o
     h2 = rms_norm(x1, weights["post_attention_layernorm.weight"], eps)
-    m = mlp(h2, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], weights["mlp.down_proj.weight"])
+    if mlp_of is not None:
+        m = mlp_of(h2)
+    else:
+        m = mlp(h2, weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"], weights["mlp.down_proj.weight"])
     return {"attention": o, "mlp": m, "output": x1 + m}
+
+
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, *, normalize: bool,
+          cast_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k router of a sparse MLP over tokens ``h`` ``(tokens, H)``: softmax of the logits in fp32, the
+    ``top_k`` largest probabilities, divided by their sum when ``normalize``; ``cast_back``: the weights are cast to
+    the logits' dtype (Qwen3-MoE's router does; Mixtral's keeps them fp32). Returns (weights, expert indices), both
+    ``(tokens, top_k)``, as transformers' ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter`` compute them.
+
+        >>> w, e = route(torch.tensor([[1.0, 0.0]]), torch.eye(2), 1, normalize=True)
+        >>> w.tolist(), e.tolist()
+        ([[1.0]], [[0]])
+    """
+    logits = F.linear(h, router)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, indices = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights.to(logits.dtype) if cast_back else weights), indices
+
+
+Expert = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # one expert's (gate [I, H], up [I, H], down [H, I])
+
+
+def routed_experts(h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                   experts: dict[int, Expert]) -> torch.Tensor:
+    """The weighted sum over the routed experts of tokens ``h`` ``(tokens, H)``, counting only the experts in
+    ``experts`` (expert index -> its weights): with all of them, the sparse block's output; with one ep rank's (or
+    one tp rank's rows of them), that rank's partial output, which summed over ep and tp ranks is the block's.
+    Experts are added in ascending index order, each on the tokens routed to it, as transformers' experts module
+    does."""
+    out = torch.zeros_like(h)
+    for e in sorted(experts):
+        slot_token = (indices == e).nonzero()
+        if not len(slot_token):
+            continue
+        token, slot = slot_token[:, 0], slot_token[:, 1]
+        gate, up, down = experts[e]
+        y = mlp(h[token], gate, up, down) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def sparse_mlp(h: torch.Tensor, router: torch.Tensor, experts: dict[int, Expert], top_k: int, *, normalize: bool,
+               cast_back: bool = False) -> torch.Tensor:
+    """A sparse MLP block over ``h`` ``(..., H)``: :func:`route`, then :func:`routed_experts`."""
+    flat = h.reshape(-1, h.shape[-1])
+    weights, indices = route(flat, router, top_k, normalize=normalize, cast_back=cast_back)
+    return routed_experts(flat, weights, indices, experts).view_as(h)

@@ -200,6 +200,9 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
     workers = max(1, options.workers)
     with ThreadPoolExecutor(max_workers=workers) as pool, ThreadPoolExecutor(max_workers=workers) as hash_pool:
         futures = [pool.submit(run_band, *task) for task in tasks]
+        for empty in [i for i, n in pending.items() if not n]:  # no tensors: an ep rank's stage without experts
+            pending[empty] = 1
+            finish_band(empty)
         _raise_first_error(futures)
         _raise_first_error(list(hashing))
     return completed

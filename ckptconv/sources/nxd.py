@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.heads import ShardRecord
 from ckptconv.core.layout import HF_FILES_DIR, ParallelLayout, layout_shard_file
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
 from ckptconv.core.mapping import all_ep_shard_records, hf_record_shape, hf_shapes, stores_lm_head
@@ -185,7 +186,7 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
             if tuple(actual) != expected:
                 raise ConversionError(
                     f"{ckpt.files[file]}: {record.key!r} has shape {list(actual)}, layout {_describe(layout)} "
-                    f"implies {list(expected)}"
+                    f"implies {list(expected)}{_transposed_hint(record, tuple(actual), expected)}"
                 )
         extra = present - {r.key for r in records}
         if extra:
@@ -193,5 +194,13 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
 
 
 def _describe(layout: ParallelLayout) -> str:
-    return (f"tp {layout.tp} pp {layout.pp} vpp {layout.vpp} kvm {layout.kvm} {layout.attention.value}"
-            + (" fused" if layout.fuse_qkv else "") + f" {layout.hw.value}")
+    return (f"tp {layout.tp}" + (f" ep {layout.ep}" if layout.ep > 1 else "") + f" pp {layout.pp} vpp {layout.vpp} "
+            f"kvm {layout.kvm} {layout.attention.value}" + (" fused" if layout.fuse_qkv else "") + f" {layout.hw.value}")
+
+
+def _transposed_hint(record: ShardRecord, actual: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """What a stack of experts with its last two dims swapped is: HF's ``[out, in]`` stacked untransposed (the
+    official Mixtral converter's defect, docs/nxd-format.md "MoE layers")."""
+    if record.slabs and len(actual) == 3 and actual == (expected[0], expected[2], expected[1]):
+        return ": the experts are stored transposed (HF's [out, in] stacked instead of NxD's [in, out])"
+    return ""

@@ -72,7 +72,8 @@ class MoeConfig:
     """Where a family's config states its experts, and which layers are sparse.
 
     ``norm_topk``: whether the top-k router weights are renormalized to sum to 1 (Mixtral always; Qwen3-MoE when
-    ``norm_topk_prob``), as the family's transformers class computes them.
+    ``norm_topk_prob``), as the family's transformers class computes them. ``cast_topk``: whether the router casts
+    the (fp32) top-k weights back to the model's dtype (``Qwen3MoeTopKRouter`` does, ``MixtralTopKRouter`` not).
     """
 
     experts_key: str
@@ -80,6 +81,7 @@ class MoeConfig:
     names: ExpertNames
     sparse: Callable[[dict[str, Any], int], bool] = _always_sparse
     norm_topk: Callable[[dict[str, Any]], bool] = lambda config: True
+    cast_topk: bool = False
 
     aliases: tuple[str, ...] = ()  # other keys a config may state the experts under (transformers 5 writes
     # Qwen3-MoE's num_experts as num_local_experts)

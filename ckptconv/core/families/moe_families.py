@@ -39,7 +39,7 @@ QWEN3_MOE = Family(
     layer_rules=QWEN3.layer_rules,
     refusals=(*_SLIDING, Refusal("attention_bias", "q/k/v/o biases are not part of the Qwen3 layout")),
     moe=MoeConfig("num_experts", "moe_intermediate_size", QWEN3_MOE_NAMES, sparse=_qwen3_sparse,
-                  norm_topk=lambda config: bool(config.get("norm_topk_prob", False)), aliases=("num_local_experts",)),
+                  norm_topk=lambda config: bool(config.get("norm_topk_prob", False)), aliases=("num_local_experts",), cast_topk=True),
     sparse_rules=decoder_rules(qkv=QkvRule(), extra=_QWEN3_EXTRA,
                                mlp=(RouterRule(QWEN3_MOE_NAMES), ExpertsRule(QWEN3_MOE_NAMES))),
 )
