@@ -28,7 +28,7 @@ from nxdtrain.checkpoint.tags import optim_file  # noqa: E402
 from nxdtrain.config import TrainConfig  # noqa: E402
 from nxdtrain.parallel.dist import detect_env, init_world  # noqa: E402
 from nxdtrain.train import Trainer, export, prepare, train  # noqa: E402
-from tests.conftest import hf_state  # noqa: E402
+from tests.conftest import hf_state, warns_no_tokenizer  # noqa: E402
 from tests.nxdtrain.harness import read_log, train_options  # noqa: E402
 from tests.nxdtrain.test_context_parallel import ADAMW  # noqa: E402
 
@@ -60,8 +60,10 @@ def test_xla_matches_cpu(tmp_path, hf_model, nxd_model, layout, mbs):
     worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(cpu, xla, strict=True))
     assert worst <= TOL, ([r["loss"] for r in cpu], [r["loss"] for r in xla])
     assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(cpu, xla, strict=True)) <= TOL
-    export(tmp_path / "cpu", tmp_path / "cpu-hf")
-    export(tmp_path / "xla", tmp_path / "xla-hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "cpu", tmp_path / "cpu-hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "xla", tmp_path / "xla-hf")
     got, want = hf_state(tmp_path / "xla-hf"), hf_state(tmp_path / "cpu-hf")
     assert set(got) == set(want)
     assert max((got[k] - want[k]).abs().max().item() for k in got) <= TOL
@@ -83,8 +85,10 @@ def test_families_on_xla_match_cpu(tmp_path, hf_model, nxd_model, family):
     assert [r["step"] for r in xla] == [1, 2, 3]
     worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(cpu, xla, strict=True))
     assert worst <= TOL, ([r["loss"] for r in cpu], [r["loss"] for r in xla])
-    export(tmp_path / "cpu", tmp_path / "cpu-hf")
-    export(tmp_path / "xla", tmp_path / "xla-hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "cpu", tmp_path / "cpu-hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "xla", tmp_path / "xla-hf")
     got, want = hf_state(tmp_path / "xla-hf"), hf_state(tmp_path / "cpu-hf")
     assert set(got) == set(want)
     assert max((got[k] - want[k]).abs().max().item() for k in got) <= TOL
@@ -190,7 +194,8 @@ def test_tags_move_between_xla_and_cpu(tmp_path, nxd_model, xser):
             assert set(theirs) == set(shard)
             assert all(torch.equal(theirs[k].cpu(), shard[k]) for k in shard)
     # ckptconv to-hf exports a tag written on xla: HF weights are the shard's (tp 1: same names but for q/k/v).
-    export(tmp_path / "xla" / "step_2", tmp_path / "hf")
+    with warns_no_tokenizer():
+        export(tmp_path / "xla" / "step_2", tmp_path / "hf")
     hf = hf_state(tmp_path / "hf")
     shard = load_shard(tmp_path / "xla/step_2" / shard_file(tp_rank=0, pp_rank=0))
     same = [k for k in hf if k in shard]
