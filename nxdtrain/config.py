@@ -252,6 +252,9 @@ class CheckpointConfig:
                                     "tag (read as --resume reads a path)", path=True, group="model and layout")
     weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer",
                                 group="model and layout")
+    hf_config: str | None = option(None, "the HF config.json of a --resume (--init) that has none (NxD's own "
+                                         "tags); read, never written into it (the run's tags record it)",
+                                   path=True, group="model and layout")
     checkpoint_dir: str | None = option(None, "required unless --no-checkpoint: where step_<N> tags are written",
                                         path=True, group="checkpoints", required=True)
     checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir",
