@@ -437,3 +437,13 @@ def test_hf_config_gives_the_model_of_a_tag_without_one_and_leaves_the_tag_untou
     done = nxdtrain_run(tag, tmp_path / "both.jsonl", *SCHEDULE, "--precision", "fp32", "--hf-config", str(config))
     assert done.returncode != 0
     assert f"--hf-config {config}: {tag} records its model config ({tag / 'hf' / 'config.json'}); drop" in done.stderr
+
+
+def test_an_optimizer_flag_that_differs_from_nxds_param_groups_is_refused(tmp_path: Path) -> None:
+    tag = nxd_tag("zero1_bf16_masters", tmp_path)  # NxD's groups: weight decay 0.01 (norms 0), betas (0.9, 0.95)
+    done = nxdtrain_run(tag, tmp_path / "log.jsonl", *SCHEDULE, "--weight-decay", "0.1", "--beta1", "0.8")
+    assert done.returncode != 0 and not (tmp_path / "log.jsonl").exists()
+    assert (f"--resume: --weight-decay 0.1 ({tag} records 0.01); --beta1 0.8 ({tag} records 0.9): the tag's AdamW "
+            "param groups would be loaded over the flag") in done.stderr
+    done = nxdtrain_run(tag, tmp_path / "log.jsonl", *SCHEDULE, "--weight-decay", "0.01")  # the recorded value
+    assert done.returncode == 0, done.stderr[-2000:]
