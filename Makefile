@@ -83,7 +83,7 @@ $(TITAN_STAMP): pyproject.toml Makefile
 	touch $(TITAN_STAMP)
 
 # The main lane collects test_titan.py and skips it (no torchtitan there).
-TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py
+TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py tests/test_titan_trainer.py
 # the TorchTitan lane: TorchTitan's own code loads what to-dcp writes
 test-titan: setup-titan
 	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)
@@ -116,6 +116,7 @@ bench-checked: setup
 # to-dcp (TorchTitan) of the 70B-shaped 4-layer model against cp -r, and from-dcp back (3 runs each; ~5 minutes)
 bench-dcp: setup
 	$(BIN)/python benchmarks/run.py --dcp --repeat 3
+	$(BIN)/python benchmarks/reshard_optim.py bench-out/dcp-nxd-tag --shape 8b --layers 1 --vocab 16384 --to-dcp --nxd-tag
 
 # Files one rank opens (resume of an NxD tag; one --part of reshard --optimizer-format nxd, of NxD's tag and of
 # format 2) on a 70B-shaped tag with tiny tensors at tp 8 x pp 4 x dp 2: counts, not timings (~1 minute)

@@ -9,6 +9,10 @@ RSS is reported.
     python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384
     python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384 --to-dcp   # TorchTitan's DCP
     python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384 --nxd-format  # NxD's own format
+    python benchmarks/reshard_optim.py WORKDIR --shape 8b --layers 1 --vocab 16384 --to-dcp --nxd-tag  # NxD's tag
+
+``--to-dcp --nxd-tag``: the tag is first rewritten in NxD's own format (ZeRO-1, ``CosineAnnealing``; not timed),
+then to-dcp of that NxD tag is timed against ``cp -r`` of the same tag (bytes in and out reported).
 """
 
 from __future__ import annotations
@@ -68,6 +72,27 @@ def make_training_tag(tag: Path, schedule: str = "cosine") -> int:
     return total
 
 
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def nxd_tag(tag: Path, work: Path) -> None:
+    """to-dcp of the tag rewritten in NxD's own format (ZeRO-1), against ``cp -r`` of that tag."""
+    nxd = work / "nxd-tag"
+    subprocess.run([sys.executable, "-m", "ckptconv.cli", "reshard", str(tag), str(nxd), "--tp", "8", "--pp", "1",
+                    "--dp", "1", "--zero1", "--optimizer-format", "nxd", "--quiet"], check=True)
+    shutil.rmtree(tag)
+    wall, rss = peak([sys.executable, "-m", "ckptconv.cli", "to-dcp", str(nxd), str(work / "dcp"), "--quiet", "--io",
+                      "read"])
+    started = time.monotonic()
+    subprocess.run(["cp", "-r", str(nxd), str(work / "copy")], check=True)
+    cp = time.monotonic() - started
+    print(f"to-dcp of NxD's tag (tp 8, ZeRO-1 bf16 with fp32 masters): {tree_bytes(nxd) / 1e9:.2f} GB in, "
+          f"{tree_bytes(work / 'dcp') / 1e9:.2f} GB out; {wall:.1f} s, cp -r {cp:.1f} s ({wall / cp:.2f}x), "
+          f"peak RSS {rss / 2**20:.0f} MiB")
+    shutil.rmtree(work)
+
+
 def peak(argv: list[str]) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of a command, measured by /usr/bin/time: a child forked from this
     process would inherit this process's RSS into its ru_maxrss (kept across exec), and this one held shards."""
@@ -85,6 +110,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--to-dcp", action="store_true", help="measure to-dcp (TorchTitan) instead of reshard")
+    parser.add_argument("--nxd-tag", action="store_true", help="with --to-dcp: of the tag in NxD's own format")
     parser.add_argument("--nxd-format", action="store_true",
                         help="reshard into NxD's own optimizer format (--optimizer-format nxd)")
     args = parser.parse_args()
@@ -94,7 +120,10 @@ def main() -> None:
     tag = work / "tag"
     to_nxd(work / "hf", tag, tp=8, attention="qkv_linear", fuse_qkv=True, options=RunOptions(quiet=True, part=(0, 1)))
     shutil.rmtree(work / "hf")
-    optim_bytes = make_training_tag(tag, "CosineAnnealing" if args.nxd_format else "cosine")
+    optim_bytes = make_training_tag(tag, "CosineAnnealing" if args.nxd_format or args.nxd_tag else "cosine")
+    if args.to_dcp and args.nxd_tag:
+        nxd_tag(tag, work)
+        return
     if args.to_dcp:
         cli, flags, state_flags = [sys.executable, "-m", "ckptconv.cli", "to-dcp", str(tag)], ["--quiet", "--io", "read"], []
         what = "tp 8 -> TorchTitan DCP"

@@ -252,6 +252,9 @@ class CheckpointConfig:
                                     "tag (read as --resume reads a path)", path=True, group="model and layout")
     weights_only: bool = option(False, "load only the weights of --resume: step 0, fresh optimizer",
                                 group="model and layout")
+    hf_config: str | None = option(None, "the HF config.json of a --resume (--init) that has none (NxD's own "
+                                         "tags); read, never written into it (the run's tags record it)",
+                                   path=True, group="model and layout")
     checkpoint_dir: str | None = option(None, "required unless --no-checkpoint: where step_<N> tags are written",
                                         path=True, group="checkpoints", required=True)
     checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir",
@@ -270,9 +273,10 @@ class CheckpointConfig:
                                                 "will load the tags: bias-norm (NxD's Llama example, the default), "
                                                 "bias-LayerNorm, bias (NxDT's with do_layer_norm_weight_decay: "
                                                 "false, the default with --norm-weight-decay), or one", choices=NXD_PARAM_GROUPS, group="checkpoints")
-    override_schedule: bool = option(False, "resume with another learning-rate schedule or data order than the "
-                                            "tag recorded (peak/min lr, warmup, decay steps, schedule, seed, "
-                                            "shuffle, epochs); without it such a resume is refused",
+    override_schedule: bool = option(False, "resume with another learning-rate schedule, data order or AdamW "
+                                            "setting than the tag recorded (peak/min lr, warmup, decay steps, "
+                                            "schedule, seed, shuffle, epochs; an explicit --weight-decay, --beta1, "
+                                            "--beta2, --eps); without it such a resume is refused",
                                        group="model and layout")
     allow_high_loss: bool = option(False, "start even when the first batch's loss of a resumed or converted start "
                                           "says the weights were loaded wrong (nxdtrain.checkpoint.loss_check)",
@@ -332,6 +336,9 @@ class TrainConfig:
     # Not an option: where values came from when not from a flag (name -> "KEY (FILE)"), so that later
     # messages name the YAML key the user wrote (:func:`explain`).
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
+    # Not an option: the names the user gave (flags or YAML), as opposed to defaults: a resume compares those
+    # of the optimizer with the tag's (nxdtrain.checkpoint.continuity.optimizer_groups).
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         _check(_is_int(self.steps) and self.steps >= 0, f"--steps must be an integer >= 0, got {self.steps!r}")
@@ -399,7 +406,7 @@ class TrainConfig:
                                                      "run from --data)", origins))
         try:
             built = {name: section_cls(**sections[name]) for name, section_cls in SECTIONS.items()}
-            return cls(**top, **built, origins=origins)
+            return cls(**top, **built, origins=origins, given=frozenset(values))
         except TrainError as exc:
             raise TrainError(explain(str(exc), origins)) from None
 

@@ -77,14 +77,25 @@ def _metadata_or_none(path: Path) -> Metadata | None:
         return None
 
 
-def check_model_config(root: Path) -> None:
-    """The shards under ``root`` come with their model config (ckptconv.json or hf/config.json).
+def check_model_config(root: Path, hf_config: str | None = None) -> None:
+    """The shards under ``root`` come with their model config (ckptconv.json or hf/config.json), or
+    ``--hf-config`` gives it; not both (which would win is a guess).
 
     Said here in nxdtrain's words: ckptconv's own message suggests its --config flag, which nxdtrain
     does not have (nxdtrain's --config is the run's YAML).
     """
     meta = _metadata_or_none(root)
-    if (meta is not None and meta.hf_config) or (root / HF_FILES_DIR / CONFIG).is_file():
+    recorded = (str(root / METADATA_FILE) if meta is not None and meta.hf_config
+                else str(root / HF_FILES_DIR / CONFIG) if (root / HF_FILES_DIR / CONFIG).is_file() else None)
+    if hf_config is not None:
+        if recorded is not None:
+            raise TrainError(f"--hf-config {hf_config}: {root} records its model config ({recorded}); drop "
+                             "--hf-config (it is for tags without one)")
+        if not Path(hf_config).is_file():
+            raise TrainError(f"--hf-config {hf_config}: no such file (the HF model's config.json)")
+        return
+    if recorded is not None:
         return
     raise TrainError(f"{root} has no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}, so the model is "
-                     f"unknown; copy the HF model's config.json to {root / HF_FILES_DIR / CONFIG}")
+                     f"unknown; pass --hf-config PATH/config.json (the HF model's), or copy it to "
+                     f"{root / HF_FILES_DIR / CONFIG}")

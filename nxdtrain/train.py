@@ -31,7 +31,7 @@ from ckptconv.engine import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io import Flavour
 from ckptconv.training import DEFAULT_RULE
-from nxdtrain.checkpoint.continuity import check_resume, new_run_id, run_record
+from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_record
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
@@ -335,6 +335,7 @@ class Trainer:
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None
+            self.optimizer_notes: list[str] = []  # what --override-schedule changed of the tag's AdamW (_restore)
             self.last_loss: float | None = None  # the newest logged loss (a tag records it: nxdtrain.checkpoint.loss_check)
             if source.full:
                 assert stage is not None
@@ -372,7 +373,7 @@ class Trainer:
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
-            for line in plan.resume_notes:
+            for line in (*plan.resume_notes, *self.optimizer_notes):
                 note(line)
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
                  f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
@@ -383,7 +384,10 @@ class Trainer:
         state = self.plan.resume_state
         assert state is not None  # a full checkpoint
         same = state.options.get("optimizer", self.cfg.optim.optimizer) == self.cfg.optim.optimizer
-        self.optimizer.load_state(stage.optimizer_state, stage.hyper.param_groups, same_optimizer=same)
+        groups, self.optimizer_notes = optimizer_groups(
+            stage.hyper.param_groups, self.cfg.optim, self.cfg.given, tag=str(self.plan.source.root),
+            override=self.cfg.checkpoint.override_schedule) if same else (stage.hyper.param_groups, [])
+        self.optimizer.load_state(stage.optimizer_state, groups, same_optimizer=same)
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:

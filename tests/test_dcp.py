@@ -8,6 +8,8 @@ References independent of the code under test: transformers' rotary embedding ag
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -227,6 +229,39 @@ def test_many_files_bf16_and_a_small_memory_budget(models, tmp_path):
 def titan_like_state(hf: Path) -> tuple[dict, ModelSpec]:
     spec = ModelSpec.from_file(hf / "config.json")
     return dict(expected_titan_state(hf_state(hf), spec)), spec
+
+
+def test_an_unfinished_newest_step_is_skipped_and_said(models, tmp_path):
+    """TorchTitan's folder whose newest step-N has no .metadata yet (a save running or dead: DCP writes it last):
+    from-dcp converts the newest finished step and the result says which step it skipped; only unfinished steps
+    are refused as such."""
+    hf = models["gqa"]
+    state, _ = titan_like_state(hf)
+    dcp_save(state, tmp_path / "ckpt" / "step-2")
+    dcp_save(state, tmp_path / "ckpt" / "step-4")
+    (tmp_path / "ckpt" / "step-4" / ".metadata").unlink()
+    result = ckptconv.from_dcp(tmp_path / "ckpt", tmp_path / "hf", config=hf / "config.json", options=QUIET)
+    assert (f"reading {tmp_path / 'ckpt' / 'step-2'} (newest checkpoint step-2; skipped the unfinished save step-4 "
+            "(no .metadata: DCP writes it last))") in result.notes
+    assert all(torch.equal(hf_state(tmp_path / "hf")[k], v) for k, v in hf_state(hf).items())
+    shutil.rmtree(tmp_path / "ckpt" / "step-2")
+    with pytest.raises(ConversionError, match=r"ckpt: no finished checkpoint: step-4 has no .metadata \(an unfinished "
+                                              r"save: DCP writes it last\)"):
+        ckptconv.from_dcp(tmp_path / "ckpt", tmp_path / "hf2", config=hf / "config.json", options=QUIET)
+
+
+def test_a_truncated_data_file_is_called_an_unfinished_save(models, tmp_path):
+    """A data file shorter than .metadata says (a foreign DCP: no ckptconv.json sizes to check it against) is
+    refused naming both sizes, not read past its end."""
+    hf = models["gqa"]
+    state, _ = titan_like_state(hf)
+    dcp_save(state, tmp_path / "dcp")
+    data = sorted((tmp_path / "dcp").glob("*.distcp"), key=lambda p: p.stat().st_size)[-1]
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    with pytest.raises(ConversionError, match=rf"{data}: {size // 2} bytes, but .*/.metadata stores items in it up to "
+                                              rf"byte \d+: a truncated file \(an unfinished save, or an incomplete copy\)"):
+        ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "hf", config=hf / "config.json", options=QUIET)
 
 
 def test_reads_a_checkpoint_torch_wrote_with_state_families(models, tmp_path):

@@ -4,6 +4,9 @@
   compiles for ~40 s per shape on CPU and has no CPU backward; the lane swaps each layer's inner attention for
   TorchTitan's own ``ScaledDotProductAttention`` module (causal), which computes the same attention for one
   document per row. The checkpoint layout and every other module are TorchTitan's as configured.
+* ``cpu_device(monkeypatch)``: TorchTitan's trainer on a machine without an accelerator (it assumes ``cuda``).
+* ``rows_tokenizer()`` / ``rows_dataloader(batches)``: the trainer's tokenizer and data loader for rows of token ids
+  (nxdtrain's own batches), so ``Trainer.train()`` trains on exactly what nxdtrain trained on.
 """
 
 from __future__ import annotations
@@ -18,3 +21,100 @@ def sdpa_attention(model_config: Any) -> Any:
     for layer in model_config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return model_config
+
+
+# ---- the trainer loop on CPU (torchtitan.train's Trainer and its train()) ------------------------------------
+
+
+class _CpuDeviceModule:
+    """What TorchTitan 0.3.0 calls on its ``device_module`` (``torch.cuda`` where no accelerator is found), for
+    the CPU: no device to select or synchronize, one device, a memory monitor that reports zeros."""
+
+    class _Properties:
+        total_memory = 1 << 30
+
+    set_device = staticmethod(lambda *args, **kwargs: None)
+    synchronize = staticmethod(lambda *args, **kwargs: None)
+    reset_peak_memory_stats = staticmethod(lambda *args, **kwargs: None)
+    empty_cache = staticmethod(lambda *args, **kwargs: None)
+    device_count = staticmethod(lambda: 1)
+    current_device = staticmethod(lambda: 0)
+    get_device_name = staticmethod(lambda *args: "cpu")
+    get_device_properties = staticmethod(lambda *args: _CpuDeviceModule._Properties())
+    memory_stats = staticmethod(lambda *args: {})
+
+
+def cpu_device(monkeypatch: Any) -> None:
+    """Point TorchTitan's device (``device_type``/``device_module``, copied into four of its modules at import)
+    at the CPU: it picks ``cuda`` when no accelerator is available and then calls ``torch.cuda``."""
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as utils
+
+    for module in (utils, metrics, parallel_dims, dist_utils):
+        monkeypatch.setattr(module, "device_type", "cpu", raising=False)
+        if hasattr(module, "device_module"):
+            monkeypatch.setattr(module, "device_module", _CpuDeviceModule)
+    monkeypatch.setattr(utils, "get_peak_flops", lambda name: 1e12)  # its lspci probe is GPU-only
+
+
+def rows_tokenizer() -> Any:
+    """``Trainer.Config.tokenizer``: a tokenizer that is never asked to tokenize (the rows are token ids already)."""
+    from dataclasses import dataclass
+
+    from torchtitan.components.tokenizer import BaseTokenizer
+
+    class RowsTokenizer(BaseTokenizer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseTokenizer.Config):
+            pass
+
+        def __init__(self, config: Any = None, **kwargs: Any) -> None:
+            super().__init__()
+
+        def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+            raise NotImplementedError("the lane's rows are token ids already")
+
+        def decode(self, *args: Any, **kwargs: Any) -> str:
+            raise NotImplementedError("the lane's rows are token ids already")
+
+        def get_vocab_size(self) -> int:
+            return 0
+
+    return RowsTokenizer.Config()
+
+
+def rows_dataloader(batches: list[Any]) -> Any:
+    """``Trainer.Config.dataloader``: yields TorchTitan's ``({"input": rows}, labels)`` for each global batch of
+    token rows, in order: the labels are the rows shifted by one, the last position ignored (``IGNORE_INDEX``), so
+    the loss is the mean over the same next-token predictions nxdtrain's is."""
+    from dataclasses import dataclass, field
+
+    import torch
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.loss import IGNORE_INDEX
+
+    class RowsDataLoader(BaseDataLoader):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            batches: list[Any] = field(default_factory=list)
+
+        def __init__(self, config: Any, **kwargs: Any) -> None:
+            self.batches = config.batches
+            self.taken = 0
+
+        def __iter__(self) -> Any:
+            for rows in self.batches[self.taken:]:
+                self.taken += 1
+                labels = torch.full_like(rows, IGNORE_INDEX)
+                labels[:, :-1] = rows[:, 1:]
+                yield {"input": rows.clone()}, labels
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"taken": self.taken}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.taken = state["taken"]
+
+    return RowsDataLoader.Config(batches=list(batches))

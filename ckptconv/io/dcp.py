@@ -190,16 +190,27 @@ def sink_factory(items: Mapping[str, list[Item]]):  # type: ignore[no-untyped-de
 
 def resolve_dcp(path: str | Path) -> tuple[Path, str]:
     """(the DCP directory, how it was found): PATH itself when it holds ``.metadata``, else its
-    newest ``step-N`` subdirectory that does (a TorchTitan checkpoint folder)."""
+    newest ``step-N`` subdirectory that does (a TorchTitan checkpoint folder).
+
+    A ``step-N`` newer than the one taken that has no ``.metadata`` (DCP writes it last: a save still running
+    or one that died) is skipped, and ``how`` says so.
+    """
     path = Path(path)
     if not path.is_dir():
         raise ConversionError(f"{path}: no such directory" if not path.exists() else f"{path}: expected a DCP directory")
     if (path / METADATA).is_file():
         return path, "directory"
-    steps = sorted((int(m.group(1)), p) for p in path.iterdir()
-                   if (m := _STEP_DIR.match(p.name)) and (p / METADATA).is_file())
+    found = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    steps = [(n, p) for n, p in found if (p / METADATA).is_file()]
+    newest = steps[-1][0] if steps else -1
+    unfinished = [p.name for n, p in found if n > newest and not (p / METADATA).is_file()]
+    said = (f"; skipped the unfinished save{'s' if len(unfinished) > 1 else ''} {', '.join(unfinished)} (no "
+            f"{METADATA}: DCP writes it last)") if unfinished else ""
     if steps:
-        return steps[-1][1], f"newest checkpoint {steps[-1][1].name}"
+        return steps[-1][1], f"newest checkpoint {steps[-1][1].name}{said}"
+    if unfinished:
+        raise ConversionError(f"{path}: no finished checkpoint: {', '.join(unfinished)} ha{'ve' if len(unfinished) > 1 else 's'} "
+                              f"no {METADATA} (an unfinished save: DCP writes it last)")
     raise ConversionError(f"{path}: not a DCP checkpoint (no {METADATA}, and no step-N directory holding one)")
 
 
@@ -359,6 +370,11 @@ class DcpCheckpoint:
                 path = self.root / name
                 if not path.is_file():
                     raise ConversionError(f"{path}: missing; {self.root / METADATA} stores items in it")
+                need = max(c.offset + c.length for e in self.entries.values() for c in e.chunks if c.file == name)
+                if (size := path.stat().st_size) < need:
+                    raise ConversionError(f"{path}: {size} bytes, but {self.root / METADATA} stores items in it up "
+                                          f"to byte {need}: a truncated file (an unfinished save, or an incomplete "
+                                          "copy); convert an earlier step-N, or copy the checkpoint again")
                 f = PositionalFile(str(path), self.io)
                 f.check = self.checks.open(path, f.copy_into)
                 self._files[name] = f

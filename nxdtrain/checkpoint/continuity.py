@@ -5,7 +5,9 @@ Every tag's ``user_content.pt`` holds the run record (:func:`run_record`): the s
 ``--steps``) and what fixes the data order. A resume whose record differs is refused in one line
 naming each old and new value, unless ``--override-schedule`` (Megatron's switch of that name),
 which says exactly what changed. Tags written before the record existed: what their
-``scheduler.pt`` and options hold is used, and what is missing is said to be assumed.
+``scheduler.pt`` and options hold is used, and what is missing is said to be assumed. AdamW's
+hyper-parameters (weight decay, betas, eps) come from the tag's param groups: an explicit flag that
+differs is refused the same way (:func:`optimizer_groups`).
 
     >>> old = {"schedule": "cosine", "lr": 3e-4, "min_lr": 3e-5, "warmup": 10, "decay_steps": 100,
     ...        "seed": 1, "shuffle": True, "epochs": None}
@@ -18,7 +20,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from nxdtrain.config import TrainConfig
+from nxdtrain.config import OptimConfig, TrainConfig
 from nxdtrain.errors import TrainError
 
 SCHEDULE_KEYS = ("schedule", "lr", "min_lr", "warmup", "decay_steps", "norm_weight_decay")
@@ -104,3 +106,50 @@ def check_resume(old: dict[str, Any], missing: list[str], new: dict[str, Any], *
                          f"recorded values ({flags}), or pass --override-schedule to change the run on purpose")
     notes.append(f"--override-schedule: the run changes at this resume: {'; '.join(changed)}")
     return notes
+
+
+OPTIMIZER_FLAGS = {"weight_decay": "--weight-decay", "beta1": "--beta1", "beta2": "--beta2", "eps": "--eps"}
+
+
+def _recorded_optimizer(group: dict[str, Any]) -> dict[str, Any]:
+    betas = group.get("betas")
+    values = {"weight_decay": group.get("weight_decay"), "eps": group.get("eps")}
+    if isinstance(betas, (list, tuple)) and len(betas) == 2:
+        values.update(beta1=betas[0], beta2=betas[1])
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def optimizer_groups(groups: list[dict[str, Any]], optim: OptimConfig, given: frozenset[str], *, tag: str,
+                     override: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """The param groups a resume loads, and lines for the log: the tag's, unless a flag the user gave
+    (``--weight-decay``, ``--beta1/--beta2``, ``--eps``) differs from what its first group (the matrices)
+    records: refused naming both values, or with ``override`` (``--override-schedule``) the flag's value in every
+    group (the weight decay only where a group decays as the first does: norm weights at 0 stay at 0).
+
+        >>> optimizer_groups([{"weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8}], OptimConfig(weight_decay=0.1),
+        ...                  frozenset({"weight_decay"}), tag="t", override=True)[1]
+        ['--override-schedule: AdamW changes at this resume: --weight-decay 0.1 (t records 0.01)']
+    """
+    if not groups:
+        return groups, []
+    recorded = _recorded_optimizer(groups[0])
+    keys = [k for k in OPTIMIZER_FLAGS if k in given and k in recorded and not _same(recorded[k], getattr(optim, k))]
+    if not keys:
+        return groups, []
+    said = "; ".join(f"{OPTIMIZER_FLAGS[k]} {getattr(optim, k):g} ({tag} records {recorded[k]:g})" for k in keys)
+    if not override:
+        raise TrainError(f"--resume: {said}: the tag's AdamW param groups would be loaded over the flag; drop "
+                         f"{', '.join(OPTIMIZER_FLAGS[k] for k in keys)} (or give the recorded value), or pass "
+                         "--override-schedule to change it on purpose")
+    changed = []
+    for group in groups:
+        new = dict(group)
+        if "weight_decay" in keys and _same(group.get("weight_decay", 0.0), recorded["weight_decay"]):
+            new["weight_decay"] = optim.weight_decay
+        if "beta1" in keys or "beta2" in keys:
+            b1, b2 = group["betas"]
+            new["betas"] = (optim.beta1 if "beta1" in keys else b1, optim.beta2 if "beta2" in keys else b2)
+        if "eps" in keys:
+            new["eps"] = optim.eps
+        changed.append(new)
+    return changed, [f"--override-schedule: AdamW changes at this resume: {said}"]

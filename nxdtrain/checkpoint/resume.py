@@ -111,8 +111,10 @@ class ResumeSource:
             return ckpt.read_rows(source, 0, shape[0])
 
 
-def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> ResumeSource:
-    """Apply the resume rules of the module docstring to ``path`` (given as ``flag``)."""
+def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume",
+                   hf_config: str | None = None) -> ResumeSource:
+    """Apply the resume rules of the module docstring to ``path`` (given as ``flag``); ``hf_config``
+    (``--hf-config``): the model of a checkpoint that records none."""
     given = Path(path)
     if not given.exists():
         raise TrainError(f"{flag} {path}: no such directory")
@@ -120,13 +122,13 @@ def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume") -> 
     if tags:
         # Shards and tags in one directory (an older nxdtrain let --checkpoint-dir be the converted input):
         # the tags are the run's progress, the shards where it started.
-        source = resolve_resume(str(tags[-1]), weights_only=weights_only, flag=flag)
+        source = resolve_resume(str(tags[-1]), weights_only=weights_only, flag=flag, hf_config=hf_config)
         return dataclasses.replace(source, given=path, case=f"{source.case} (the newest completed tag in {path}; "
                                                             "its converted shards are where the run began)")
     try:
         root, _, _ = resolve_checkpoint(given)
-        check_model_config(root)
-        opened = open_nxd(root)  # checks sizes, headers and rank names
+        check_model_config(root, hf_config)
+        opened = open_nxd(root, config=hf_config)  # checks sizes, headers and rank names
         opened.ckpt.close()
         ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
         records = None if ckpt.metadata is None else ckpt.metadata.files
@@ -158,16 +160,16 @@ def resolve_start(ckpt: CheckpointConfig) -> ResumeSource:
     """Where the run starts: ``--resume PATH``, or ``--resume auto``: the newest completed tag in
     ``--checkpoint-dir`` when it holds one (the tag choice of :func:`resolve_resume`), else ``--init``."""
     if ckpt.resume != AUTO:
-        return resolve_resume(ckpt.resume or "", weights_only=ckpt.weights_only)
+        return resolve_resume(ckpt.resume or "", weights_only=ckpt.weights_only, hf_config=ckpt.hf_config)
     root = Path(ckpt.checkpoint_dir or "")
     finished = finish_interrupted_rewrites(root) if root.is_dir() else []
     if root.is_dir() and completed_tags(root):
-        source = resolve_resume(str(root), weights_only=ckpt.weights_only)
+        source = resolve_resume(str(root), weights_only=ckpt.weights_only)  # its tags record their config
         return dataclasses.replace(source, case="; ".join(["auto: " + source.case, *finished]))
     if not ckpt.init:
         raise TrainError(f"--resume auto: {root} holds no completed tag yet, and no --init PATH says where to "
                          "start (a converted NxD directory)")
-    source = resolve_resume(ckpt.init, weights_only=ckpt.weights_only, flag="--init")
+    source = resolve_resume(ckpt.init, weights_only=ckpt.weights_only, flag="--init", hf_config=ckpt.hf_config)
     return dataclasses.replace(source, case=f"auto: no completed tag in {root} yet; {source.case}")
 
 

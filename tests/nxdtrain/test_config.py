@@ -20,7 +20,7 @@ RUN_FLAGS = {
     "--no-norm-weight-decay", "--beta1",
     "--beta2", "--eps", "--clip-grad",
     "--data", "--seq-len", "--gbs", "--mbs", "--shuffle", "--no-shuffle",
-    "--resume", "--weights-only", "--no-weights-only", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
+    "--resume", "--weights-only", "--no-weights-only", "--hf-config", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
     "--no-xser", "--optimizer-format", "--nxd-param-groups", "--no-checkpoint", "--init", "--eval-data", "--eval-every", "--eval-batches",
     "--long-rows", "--pad", "--no-pad", "--override-schedule", "--no-override-schedule", "--allow-high-loss", "--no-allow-high-loss",
 }
@@ -121,7 +121,7 @@ DEFAULTS = {
     "optimizer": "adamw", "lr": 0.0003, "min_lr": None, "warmup": 0, "schedule": "cosine", "decay_steps": None,
     "weight_decay": 0.0, "norm_weight_decay": False, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": None, "seq_len": 1024,
     "long_rows": "cut", "pad": False, "gbs": 8, "mbs": 1, "shuffle": True, "eval_data": None, "eval_every": 0,
-    "eval_batches": None, "resume": None, "init": None, "weights_only": False, "checkpoint_dir": None,
+    "eval_batches": None, "resume": None, "init": None, "weights_only": False, "hf_config": None, "checkpoint_dir": None,
     "checkpoint_freq": 0, "keep": 2, "xser": False, "no_checkpoint": False, "optimizer_format": "nxdtrain",
     "nxd_param_groups": None, "override_schedule": False, "allow_high_loss": False,
 }

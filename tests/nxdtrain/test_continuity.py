@@ -83,3 +83,41 @@ def test_the_requeue_trap_is_refused(two_steps, tmp_path):
     assert source.full and source.root == trap / "step_2"
     assert source.case == (f"full state from tag {trap}/step_2 (the newest completed tag in {trap}; its converted "
                            "shards are where the run began)")
+
+
+def test_an_optimizer_flag_that_differs_from_the_tag_is_refused_naming_both(two_steps, tmp_path):
+    """A resume loads AdamW's hyper-parameters from the tag's param groups: an explicit --weight-decay (--beta1,
+    --beta2, --eps) that differs was silently ignored; it is refused naming both values, and with
+    --override-schedule it applies (said), the norm weights' zero weight decay kept."""
+    _, ck, options = two_steps  # weight decay 0.1, betas (0.9, 0.95), eps 1e-8
+    run = {**{k: v for k, v in options.items() if k != "checkpoint_freq"}, "resume": str(ck / "step_2"),
+           "log_jsonl": str(tmp_path / "a.jsonl")}
+    with pytest.raises(AssertionError, match="exited with"):  # refused in the worker, before any step
+        run_world(1, **{**run, "weight_decay": 0.2, "eps": 1e-6})
+    assert not (tmp_path / "a.jsonl").exists()
+    same = run_world(1, **{**run, "log_jsonl": str(tmp_path / "same.jsonl")})
+    changed = run_world(1, **{**run, "weight_decay": 0.2, "override_schedule": True,
+                              "log_jsonl": str(tmp_path / "changed.jsonl")})
+    assert same[0]["loss"] == changed[0]["loss"] and same[1]["loss"] != changed[1]["loss"]
+
+
+def test_optimizer_groups_values():
+    from nxdtrain.checkpoint.continuity import optimizer_groups
+    from nxdtrain.config import OptimConfig
+
+    groups = [{"weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "lr": 1.0},
+              {"weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8, "lr": 1.0}]
+    optim = OptimConfig(weight_decay=0.1, beta2=0.99, eps=1e-8)
+    # not given: the tag's groups, whatever the defaults say
+    assert optimizer_groups(groups, OptimConfig(), frozenset(), tag="T", override=False) == (groups, [])
+    assert optimizer_groups(groups, optim, frozenset({"eps"}), tag="T", override=False) == (groups, [])  # same
+    with pytest.raises(TrainError) as info:
+        optimizer_groups(groups, optim, frozenset({"weight_decay", "beta2", "eps"}), tag="T", override=False)
+    assert str(info.value) == ("--resume: --weight-decay 0.1 (T records 0.01); --beta2 0.99 (T records 0.95): the "
+                               "tag's AdamW param groups would be loaded over the flag; drop --weight-decay, --beta2 "
+                               "(or give the recorded value), or pass --override-schedule to change it on purpose")
+    new, notes = optimizer_groups(groups, optim, frozenset({"weight_decay", "beta2"}), tag="T", override=True)
+    assert new == [{"weight_decay": 0.1, "betas": (0.9, 0.99), "eps": 1e-8, "lr": 1.0},
+                   {"weight_decay": 0.0, "betas": (0.9, 0.99), "eps": 1e-8, "lr": 1.0}]
+    assert notes == ["--override-schedule: AdamW changes at this resume: --weight-decay 0.1 (T records 0.01); "
+                     "--beta2 0.99 (T records 0.95)"]

@@ -412,3 +412,38 @@ def test_the_workers_take_the_launchers_resume(tmp_path: Path, monkeypatch: pyte
     assert (ours.step, ours.consumed_samples, ours.options, ours.run) == (
         again.step, again.consumed_samples, again.options, again.run)
     assert ours.step == 2 and ours.consumed_samples == 8  # NxD's step 2 x --gbs 4
+
+
+def test_hf_config_gives_the_model_of_a_tag_without_one_and_leaves_the_tag_untouched(tmp_path: Path) -> None:
+    """NxD's own tags hold no HF config: ``--hf-config PATH`` gives it (the tag is only read), and the run
+    continues as from the same tag with the config copied in; a tag that records one refuses a second."""
+    tag = nxd_tag("zero1_bf16_masters", tmp_path)
+    config = FIXTURES / "zero1_bf16_masters" / "hf" / "config.json"
+    with_copy = tmp_path / "with.jsonl"
+    done = nxdtrain_run(tag, with_copy, *SCHEDULE, "--precision", "fp32")
+    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.rmtree(tag / "hf")
+    before = {p: p.stat().st_mtime_ns for p in tag.rglob("*")}
+    done = nxdtrain_run(tag, tmp_path / "none.jsonl", *SCHEDULE, "--precision", "fp32")
+    assert done.returncode != 0 and "so the model is unknown; pass --hf-config PATH/config.json" in done.stderr
+    given = tmp_path / "given.jsonl"
+    done = nxdtrain_run(tag, given, *SCHEDULE, "--precision", "fp32", "--hf-config", str(config))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in tag.rglob("*")} == before  # nothing written into the tag
+    assert given.read_text() and [json.loads(x)["loss"] for x in given.read_text().splitlines()] == \
+        [json.loads(x)["loss"] for x in with_copy.read_text().splitlines()]
+    (tag / "hf").mkdir()
+    shutil.copy(config, tag / "hf" / "config.json")
+    done = nxdtrain_run(tag, tmp_path / "both.jsonl", *SCHEDULE, "--precision", "fp32", "--hf-config", str(config))
+    assert done.returncode != 0
+    assert f"--hf-config {config}: {tag} records its model config ({tag / 'hf' / 'config.json'}); drop" in done.stderr
+
+
+def test_an_optimizer_flag_that_differs_from_nxds_param_groups_is_refused(tmp_path: Path) -> None:
+    tag = nxd_tag("zero1_bf16_masters", tmp_path)  # NxD's groups: weight decay 0.01 (norms 0), betas (0.9, 0.95)
+    done = nxdtrain_run(tag, tmp_path / "log.jsonl", *SCHEDULE, "--weight-decay", "0.1", "--beta1", "0.8")
+    assert done.returncode != 0 and not (tmp_path / "log.jsonl").exists()
+    assert (f"--resume: --weight-decay 0.1 ({tag} records 0.01); --beta1 0.8 ({tag} records 0.9): the tag's AdamW "
+            "param groups would be loaded over the flag") in done.stderr
+    done = nxdtrain_run(tag, tmp_path / "log.jsonl", *SCHEDULE, "--weight-decay", "0.01")  # the recorded value
+    assert done.returncode == 0, done.stderr[-2000:]
