@@ -127,10 +127,13 @@ def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutHin
         with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
         notes.extend(f"inferred {n}" for n in inferred)
     if (layout.tp, layout.pp, layout.ep) != (ckpt.tp, ckpt.pp, ckpt.ep):
-        raise ConversionError(
-            f"{ckpt.model_dir}: holds tp {ckpt.tp} x pp {ckpt.pp} x ep {ckpt.ep} shards, but the layout says "
-            f"tp {layout.tp} x pp {layout.pp} x ep {layout.ep}"
-        )
+        ep = ckpt.ep > 1 or layout.ep > 1  # a dense model's message names no ep
+
+        def grid(tp: int, pp: int, ep_size: int) -> str:
+            return f"tp {tp} x pp {pp}" + (f" x ep {ep_size}" if ep else "")
+
+        raise ConversionError(f"{ckpt.model_dir}: holds {grid(ckpt.tp, ckpt.pp, ckpt.ep)} shards, but the layout says "
+                              f"{grid(layout.tp, layout.pp, layout.ep)}")
     check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None,
                  files=files)
     return spec, layout, with_inv_freq, notes
