@@ -209,10 +209,12 @@ def test_to_hf_infers_trn2_from_replicas_and_refuses_to_guess_trn1(gqa: Path, tm
         argv += ["--hw-backend", "trn1"]
     with warns_no_tokenizer():
         assert main(argv) == 0
-    err = capsys.readouterr().err
-    assert "kv_size_multiplier 2 from K/V rows" in err
-    assert ("inferred trn2 from K/V replicas on adjacent ranks" if hw == "trn2"
-            else "K/V replica order fits --hw-backend trn1") in err
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert "kv_size_multiplier 2 from K/V rows" in said.out
+    inferred = ("inferred trn2 from K/V replicas on adjacent ranks" if hw == "trn2"
+                else "K/V replica order fits --hw-backend trn1")
+    assert inferred in said.out and text.count(inferred) == 1  # said once: in the result, not also on stderr
     back, original = hf_state(tmp_path / "back"), hf_state(gqa)
     assert all(torch.equal(back[k], original[k]) for k in original)
 

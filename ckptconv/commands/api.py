@@ -37,7 +37,6 @@ from ckptconv.engine.finalize import (
 )
 from ckptconv.engine.options import DTYPES as DTYPE_NAMES
 from ckptconv.engine.options import RunOptions  # also reached as ckptconv.commands.api.RunOptions
-from ckptconv.engine.progress import note
 from ckptconv.engine.run import Result, Run, file_identity, fingerprint, planned_outputs
 from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
@@ -279,9 +278,7 @@ def to_hf(
     notes += opened.notes
     with ckpt:
         fused = check_hf_experts(hf_experts, spec)
-        dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)
-        for line in notes:
-            note(line, quiet=options.quiet)
+        dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)  # notes: said once, in the result
         plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean", fused_experts=fused)

@@ -198,11 +198,14 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
             finish_band(file_index)
 
     workers = max(1, options.workers)
+    # Files without tensors (an ep rank's stage without experts), found before any band runs: once bands run, a
+    # file whose bands have all finished has a count of 0 too, and must not be moved into place twice.
+    empty = [file_index for file_index, count in pending.items() if not count]
     with ThreadPoolExecutor(max_workers=workers) as pool, ThreadPoolExecutor(max_workers=workers) as hash_pool:
+        for file_index in empty:
+            pending[file_index] = 1
+            finish_band(file_index)
         futures = [pool.submit(run_band, *task) for task in tasks]
-        for empty in [i for i, n in pending.items() if not n]:  # no tensors: an ep rank's stage without experts
-            pending[empty] = 1
-            finish_band(empty)
         _raise_first_error(futures)
         _raise_first_error(list(hashing))
     return completed
