@@ -32,7 +32,7 @@ from ckptconv.titan.names import (
     titan_params,
 )
 from ckptconv.titan.state import ScheduleFlags
-from tests.conftest import hf_state
+from tests.conftest import hf_state, warns_no_tokenizer
 
 QUIET = RunOptions(quiet=True)
 
@@ -208,6 +208,22 @@ def test_from_dcp_to_nxd_at_another_layout_equals_to_nxd(models, tmp_path):
     assert len(files) == 8
     for f in files:
         assert (tmp_path / "a" / "model" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_every_verb_says_each_note_once(models, tmp_path):
+    """A result's notes hold each note once (from-dcp --to nxd once listed its reading notes twice)."""
+    hf = models["gqa"]
+    layout = dict(tp=2, attention="qkv_linear", fuse_qkv=True)
+    results = [ckptconv.to_nxd(hf, tmp_path / "nxd", options=QUIET, **layout),
+               ckptconv.reshard(tmp_path / "nxd", tmp_path / "pp2", pp=2, options=QUIET),
+               ckptconv.to_dcp(tmp_path / "nxd", tmp_path / "dcp", options=QUIET),
+               ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back-nxd", to="nxd", options=QUIET, **layout)]
+    with warns_no_tokenizer():
+        results.append(ckptconv.to_hf(tmp_path / "nxd", tmp_path / "back-hf", options=QUIET))
+    results.append(ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back-hf2", to="hf", config=hf / "config.json",
+                                     options=QUIET))
+    for result in results:
+        assert result.notes and len(result.notes) == len(set(result.notes)), result.notes
 
 
 def test_many_files_bf16_and_a_small_memory_budget(models, tmp_path):

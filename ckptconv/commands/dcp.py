@@ -424,4 +424,6 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
                                      SCHEDULER_FILE: state.scheduler},
                         record=run_record(state.user_content["step"], state.user_content["consumed_samples"]))
         sinks = TrainingTag.sinks(sinks)
-    return run.finish(run.write(plan, ckpt, out, sinks, spec_, sources=sources), layout.to_json())
+    result = run.write(plan, ckpt, out, sinks, spec_, sources=sources)
+    result.layout = layout.to_json()  # from_dcp finishes the run (its notes once)
+    return result

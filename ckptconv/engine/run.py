@@ -90,6 +90,7 @@ class Run:
         self.options = options or RunOptions()
         self.started = time.monotonic()
         self.notes: list[str] = []
+        self._finished = False
 
     def write(self, plan: Plan, reader: Any, out: Path, sinks: Any, spec: FinalizeSpec, kv_replicas: str = "error", *,
               sources: list[Path], part_of: PlannedPart | None = None) -> Result:
@@ -98,7 +99,10 @@ class Run:
                           part_of=part_of)
 
     def finish(self, result: Result, layout: dict[str, Any] | None = None) -> Result:
-        """The epilogue: this run's notes before the writer's, the layout written, the seconds taken."""
+        """The epilogue: this run's notes before the writer's, the layout written, the seconds taken. Once a run:
+        a second call would say every note twice."""
+        assert not self._finished, f"{self.label}: the run was finished already"
+        self._finished = True
         result.notes[:0] = self.notes
         if layout is not None:
             result.layout = layout
