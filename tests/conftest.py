@@ -143,3 +143,20 @@ def nxd_optimizers_made(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
 
     monkeypatch.setattr(NxdOptimizer, "__init__", counting)
     return made
+
+
+@pytest.fixture(scope="module")
+def gloo_world():
+    """A one-process gloo group, as torchrun gives one rank (TorchTitan's CheckpointManager and DCP run in it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+

@@ -13,8 +13,6 @@ schedule of the ``torchtitan_config.py`` to-dcp writes.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -27,7 +25,6 @@ except ImportError:
     pytest.skip("torchtitan is not installed here (the TorchTitan lane: make setup-titan test-titan)",
                 allow_module_level=True)
 
-import torch.distributed as dist  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.optimizer import (  # noqa: E402
     LRSchedulersContainer,
@@ -54,30 +51,10 @@ from ckptconv.titan.names import (  # noqa: E402
 )
 from ckptconv.titan.state import TitanSchedule, titan_last_epoch, titan_schedule  # noqa: E402
 from tests.conftest import hf_state, warns_no_tokenizer  # noqa: E402
+from tests.titan_shims import generated_config  # noqa: E402
 
 QUIET = RunOptions(quiet=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """CheckpointManager and DCP run in a (one-process) gloo group, as under torchrun."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def generated_config(out: Path):
-    """``OUT/torchtitan_config.py`` imported as TorchTitan's ``--module`` would import it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"torchtitan_config_{abs(hash(str(out)))}", out / "torchtitan_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.usefixtures("gloo_world")
 
 
 def titan_model(hf: Path, *, fused: bool = True) -> Llama3Model:

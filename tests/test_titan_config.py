@@ -4,9 +4,6 @@ transformers' logits. Runs in ``.venv-titan``; the main lane skips it."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -19,41 +16,23 @@ except ImportError:
     pytest.skip("torchtitan is not installed here (the TorchTitan lane: make setup-titan test-titan)",
                 allow_module_level=True)
 
-import torch.distributed as dist  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
 import ckptconv  # noqa: E402
 from ckptconv.engine.options import RunOptions  # noqa: E402
 from tests.conftest import make_tiny_llama  # noqa: E402
-from tests.titan_shims import sdpa_attention  # noqa: E402
+from tests.titan_shims import generated_config, sdpa_attention  # noqa: E402
 
 QUIET = RunOptions(quiet=True)
+pytestmark = pytest.mark.usefixtures("gloo_world")
 LLAMA32_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def generated(out: Path):
-    spec = importlib.util.spec_from_file_location(f"torchtitan_config_{abs(hash(str(out)))}", out / "torchtitan_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_generated(out: Path, tmp: Path) -> torch.nn.Module:
     """The model of OUT's continue_run() (SDPA inner attention: tests/titan_shims.py), loaded by TorchTitan's
     CheckpointManager with OUT's checkpoint block."""
-    config = generated(out).continue_run()
+    config = generated_config(out).continue_run()
     model = sdpa_attention(config.model_spec.model).build()
     model.init_states()
     block = config.checkpoint
@@ -91,7 +70,7 @@ def test_the_generated_model_loads_the_dcp_and_computes_transformers_logits(tmp_
     reference = hf_logits(hf, tokens)
     assert torch.allclose(ours, reference, atol=1e-5, rtol=0), (ours - reference).abs().max()
     if name.startswith("llama"):  # TorchTitan's presets' factor 8 would be off: the factor is what loads
-        config = generated(tmp_path / "dcp").model_config()
+        config = generated_config(tmp_path / "dcp").model_config()
         for layer in config.layers:
             layer.attention.rope.scaling_factor = 8.0
         preset = sdpa_attention(config).build()

@@ -7,7 +7,6 @@ docs/torchtitan.md). Runs in ``.venv-titan``; the main lane skips it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 from pathlib import Path
@@ -27,7 +26,7 @@ from ckptconv.titan.state import ScheduleFlags  # noqa: E402
 from nxdtrain.config import TrainConfig  # noqa: E402
 from nxdtrain.data.rows import global_batches  # noqa: E402
 from tests.nxdtrain.test_nxd_resume import nxd_tag, nxdtrain_run  # noqa: E402
-from tests.titan_shims import cpu_device, rows_dataloader, rows_tokenizer, sdpa_attention  # noqa: E402
+from tests.titan_shims import cpu_device, generated_config, rows_dataloader, rows_tokenizer, sdpa_attention  # noqa: E402
 
 DATA = dict(data="synthetic", seq_len=16, gbs=4, mbs=1, seed=7)  # both trainers take these rows
 SAVED_STEP, LAST_STEP = 2, 4  # the tags were saved at step 2; steps 3 and 4 continue them
@@ -55,14 +54,6 @@ def nxdtrain_losses(tag: Path, flags: dict, log: Path) -> list[tuple[float, floa
     return [(r["loss"], r["lr"]) for r in records]
 
 
-def generated(out: Path):
-    spec = importlib.util.spec_from_file_location(f"torchtitan_config_{abs(hash(str(out)))}",
-                                                  out / "torchtitan_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def torchrun_env(monkeypatch) -> None:
     """What torchrun sets for one process."""
     with socket.socket() as s:
@@ -76,7 +67,7 @@ def torchrun_env(monkeypatch) -> None:
 def titan_losses(out: Path, rows: list[torch.Tensor], dump: Path, monkeypatch) -> list[tuple[float, float]]:
     """TorchTitan's ``Trainer`` of OUT's ``continue_run()`` trains to LAST_STEP on ``rows``; its logged (loss, lr)
     per step."""
-    module = generated(out)
+    module = generated_config(out)
     # the SET names a user sets: the rows' batch and length, fp32 compute, where TorchTitan saves
     monkeypatch.setattr(module, "LOCAL_BATCH_SIZE", DATA["gbs"])
     monkeypatch.setattr(module, "SEQ_LEN", DATA["seq_len"])

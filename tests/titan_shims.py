@@ -7,6 +7,9 @@
 * ``cpu_device(monkeypatch)``: TorchTitan's trainer on a machine without an accelerator (it assumes ``cuda``).
 * ``rows_tokenizer()`` / ``rows_dataloader(batches)``: the trainer's tokenizer and data loader for rows of token ids
   (nxdtrain's own batches), so ``Trainer.train()`` trains on exactly what nxdtrain trained on.
+
+And one harness helper: ``generated_config(out)`` imports ``OUT/torchtitan_config.py`` as TorchTitan's ``--module``
+would.
 """
 
 from __future__ import annotations
@@ -118,3 +121,17 @@ def rows_dataloader(batches: list[Any]) -> Any:
             self.taken = state["taken"]
 
     return RowsDataLoader.Config(batches=list(batches))
+
+
+def generated_config(out: Any) -> Any:
+    """``OUT/torchtitan_config.py`` imported as TorchTitan's ``--module`` would import it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(out) / "torchtitan_config.py"
+    spec = importlib.util.spec_from_file_location(f"torchtitan_config_{abs(hash(str(path)))}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+

@@ -14,27 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from nxdtrain.cli import build_parser, load_config
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.optim import Optimizer
+from tests.nxdtrain.test_yaml import config, error
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures" / "nxdt"
 PATH_KEYS = ("exp_dir", "resume_from_checkpoint", "train_dir", "model_config")
-
-
-def config(tmp_path: Path, text: str, *flags: str):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    return load_config(build_parser().parse_args(["run", "--config", str(path), *flags]))
-
-
-def error(tmp_path: Path, text: str, *flags: str) -> str:
-    with pytest.raises(TrainError) as info:
-        config(tmp_path, text, *flags)
-    assert "\n" not in str(info.value)
-    return str(info.value)
 
 
 # --------------------------------------------------------------------------------------------
