@@ -41,9 +41,3 @@ def byte_progress(description: str, total: int, *, quiet: bool) -> Iterator[Call
                 progress.advance(task, n)
 
         yield advance
-
-
-def note(message: str, *, quiet: bool) -> None:
-    """An informational line on stderr (what was inferred, what was skipped)."""
-    if not quiet:
-        print(f"ckptconv: {message}", file=sys.stderr)
