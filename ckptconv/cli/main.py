@@ -53,7 +53,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="working-memory budget for tensor data (default 2GiB)")
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,
                    help="input reads: read (plain reads, default; safe on Lustre/NFS) or mmap")
-    p.add_argument("--quiet", action="store_true", help="no progress or notes on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress or warnings on stderr (the result, notes included, still prints)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
     p.add_argument("--hash", choices=(*digest.ALGORITHMS, "none"), default=defaults.hash,
