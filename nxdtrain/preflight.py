@@ -77,9 +77,10 @@ def _metadata_or_none(path: Path) -> Metadata | None:
         return None
 
 
-def check_model_config(root: Path, hf_config: str | None = None) -> None:
+def check_model_config(root: Path, hf_config: str | None = None, *, takes_hf_config: bool = True) -> None:
     """The shards under ``root`` come with their model config (ckptconv.json or hf/config.json), or
-    ``--hf-config`` gives it; not both (which would win is a guess).
+    ``--hf-config`` gives it; not both (which would win is a guess). ``takes_hf_config``: whether the command has
+    that flag (``nxdtrain export`` has not), so the hint names only what the user can do.
 
     Said here in nxdtrain's words: ckptconv's own message suggests its --config flag, which nxdtrain
     does not have (nxdtrain's --config is the run's YAML).
@@ -96,6 +97,6 @@ def check_model_config(root: Path, hf_config: str | None = None) -> None:
         return
     if recorded is not None:
         return
-    raise TrainError(f"{root} has no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}, so the model is "
-                     f"unknown; pass --hf-config PATH/config.json (the HF model's), or copy it to "
-                     f"{root / HF_FILES_DIR / CONFIG}")
+    fix = (f"pass --hf-config PATH/config.json (the HF model's), or copy it to {root / HF_FILES_DIR / CONFIG}"
+           if takes_hf_config else f"copy the HF model's config.json to {root / HF_FILES_DIR / CONFIG}")
+    raise TrainError(f"{root} has no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}, so the model is unknown; {fix}")

@@ -548,7 +548,7 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
     from ckptconv.io import read_metadata, resolve_checkpoint
 
     check_export_target(out, label)  # in nxdtrain's words (ckptconv's would suggest its --overwrite)
-    check_model_config(resolve_checkpoint(src)[0])
+    check_model_config(resolve_checkpoint(src)[0], takes_hf_config=False)
     out = Path(out)
     previous = read_metadata(out) if out.is_dir() else None
     # part=(0, 1): this one process writes the whole export, even inside a torchrun/srun world.
