@@ -34,7 +34,8 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        quota, period = open(cgroup_cpu_max).read().split()[:2]
+        with open(cgroup_cpu_max) as limit:  # closed at once (a ResourceWarning otherwise)
+            quota, period = limit.read().split()[:2]
         if quota != "max":
             cpus = min(cpus, max(1, int(quota) // int(period)))
     except (OSError, ValueError):
