@@ -10,21 +10,24 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptconv.errors import ConversionError, VerificationError
 
+if TYPE_CHECKING:  # the verbs, imported on first use (lazy_exports below)
+    from ckptconv.commands.api import reshard, to_hf, to_nxd
+    from ckptconv.commands.dcp import from_dcp, to_dcp
+    from ckptconv.commands.inspect import inspect
+    from ckptconv.engine.options import RunOptions
+
 __version__ = "0.2.0"  # the one place: pyproject.toml's version is read from here (tool.setuptools.dynamic)
 
-_API = {"RunOptions": "ckptconv.engine.options", "to_nxd": "ckptconv.commands.api", "to_hf": "ckptconv.commands.api",
-        "reshard": "ckptconv.commands.api", "inspect": "ckptconv.commands.inspect",
-        "to_dcp": "ckptconv.commands.dcp", "from_dcp": "ckptconv.commands.dcp"}
-
-__all__ = ["ConversionError", "VerificationError", "__version__", *_API]
+__all__ = ["ConversionError", "VerificationError", "__version__", "RunOptions", "to_nxd", "to_hf", "reshard",
+           "inspect", "to_dcp", "from_dcp"]
 
 
 def lazy_exports(package: str, init_file: str) -> Callable[[str], Any]:
-    """The ``__getattr__`` of a room's ``__init__``: its public names are what it imports under
+    """The ``__getattr__`` of a package's ``__init__`` (a room's, and both packages' own): its public names are what it imports under
     ``if TYPE_CHECKING:`` (so type checkers see each name's real type), imported on first use, so that
     importing one module of the room never imports the whole room (``--help`` stays free of torch).
 
@@ -62,9 +65,4 @@ def type_checking_imports(init_file: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        import importlib
-
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'ckptconv' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, __file__)

@@ -10,19 +10,16 @@ ckptconv's. Public API (imported lazily, so ``import nxdtrain.config`` stays lig
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from ckptconv import lazy_exports
 from nxdtrain.errors import TrainError
 
-_API = {"TrainConfig": "nxdtrain.config", "train": "nxdtrain.train", "prepare": "nxdtrain.train",
-        "export": "nxdtrain.train", "LlamaStage": "nxdtrain.model"}
+if TYPE_CHECKING:  # imported on first use (ckptconv.lazy_exports)
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.model import LlamaStage
+    from nxdtrain.train import export, prepare, train
 
-__all__ = ["TrainError", *_API]
+__all__ = ["TrainError", "TrainConfig", "train", "prepare", "export", "LlamaStage"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        import importlib
-
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'nxdtrain' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, __file__)
