@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from ckptconv.core.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, layer_pp_ranks
-from ckptconv.core.layout_flags import LayoutHints
+from ckptconv.core.layout_flags import LayoutOverrides
 from ckptconv.core.mapping import EMBED
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
@@ -26,7 +26,7 @@ from ckptconv.io.nxd_read import NxdCheckpoint
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: LayoutHints) -> tuple[ParallelLayout, list[str]]:
+def infer_layout(ckpt: NxdCheckpoint, spec: ModelSpec, hints: LayoutOverrides) -> tuple[ParallelLayout, list[str]]:
     """The layout of ``ckpt``; ``hints`` (flag values the user gave) win over inference, except where
     the K/V replica order contradicts them (then they are refused)."""
     notes: list[str] = []
@@ -188,7 +188,7 @@ def check_replica_order(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLa
 
 
 def _infer_hw(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout,
-              hints: LayoutHints) -> tuple[ParallelLayout, str]:
+              hints: LayoutOverrides) -> tuple[ParallelLayout, str]:
     """trn1 vs trn2 from the K/V replica order, checked against ``--hw-backend``/``--trn2-kv-layout`` when given.
 
     Tiled replicas are what trn1 and the official converter's trn2 both write; the two differ only in

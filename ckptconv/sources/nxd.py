@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptconv.core.heads import ShardRecord
 from ckptconv.core.layout import HF_FILES_DIR, ParallelLayout, layout_shard_file
-from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutHints, apply_to_record, as_hints
+from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides, apply_to_record, as_hints
 from ckptconv.core.mapping import all_ep_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
@@ -69,7 +69,7 @@ def open_nxd(
     """Open NxD shards with their model spec and layout, from metadata or inferred (with notes).
 
     ``hints`` are the layout flags the user gave (``None``: not given; a
-    :class:`ckptconv.core.layout_flags.LayoutHints` also says how to name them and whether they may
+    :class:`ckptconv.core.layout_flags.LayoutOverrides` also says how to name them and whether they may
     override): what ``ckptconv.json`` records wins, and a given value that contradicts it is refused.
 
     ``masters`` (the fp32 master weights in a training tag's ``optim/``, see :mod:`ckptconv.sources.masters`):
@@ -103,7 +103,7 @@ def open_nxd(
     return OpenedNxd(ckpt, spec, layout, with_inv_freq, notes)
 
 
-def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutHints,
+def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutOverrides,
                 files: list[str]) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
     """``files``: the model files checked (every file, or one per stage: open_nxd's ``stages_only``)."""
     from ckptconv.sources.infer import check_replica_order, infer_layout
