@@ -165,9 +165,9 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def _up_to_date(out: Path, fingerprint: str, options: RunOptions) -> bool:
+def _up_to_date(out: Path, identity: str, options: RunOptions) -> bool:
     meta = read_metadata(out) if out.is_dir() else None
-    if meta is None or meta.fingerprint != fingerprint or options.overwrite:
+    if meta is None or meta.fingerprint != identity or options.overwrite:
         return False
     return all(FileRecord.from_json(rec).matches(out / rel) for rel, rec in meta.files.items())
 
@@ -178,13 +178,13 @@ def _recorded(out: Path) -> dict[str, FileRecord]:
     return {rel: FileRecord.from_json(rec) for rel, rec in meta.files.items()}
 
 
-def _prepare_out(out: Path, fingerprint: str, options: RunOptions) -> None:
+def _prepare_out(out: Path, identity: str, options: RunOptions) -> None:
     """Under OUT's lock: resume this conversion, or start it in an empty OUT, or (``--overwrite``)
     replace an earlier ckptconv conversion. Never removes what no ckptconv writer recorded."""
     meta = read_metadata(out) if out.is_dir() else None
-    if meta is not None and meta.fingerprint == fingerprint:
+    if meta is not None and meta.fingerprint == identity:
         return  # same conversion, some files damaged or missing: redo those
-    if meta is None and pending_fingerprint(out) == fingerprint:
+    if meta is None and pending_fingerprint(out) == identity:
         return  # an interrupted run of this same conversion (or another part of it): resume
     strangers, ours = outdir.foreign(out), outdir.present(out)
     if strangers and options.overwrite:
