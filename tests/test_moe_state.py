@@ -222,3 +222,17 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(hf, tmp_path: P
                             assert torch.equal(read_tensor(planned, reader), want[component]), (run, ep, key)
                 finally:
                     optim.close()
+
+
+def test_nxds_own_ep_optimizer_files_are_refused_by_name(hf, tmp_path: Path):
+    """An ep > 1 tag whose optim/ is NxD's format (NeuronEPZero1Optimizer's merged files, not read yet): refused in
+    one line that offers --weights-only, which then works."""
+    ckptconv.to_nxd(hf("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
+    (tmp_path / "nxd" / "optim").mkdir()
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "nxd" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    unchecked = ckptconv.RunOptions(quiet=True, workers=1, check=False)  # optim/ is not in ckptconv.json
+    with pytest.raises(ConversionError, match=r"optim: NxD's expert-parallel optimizer files \(ep 2\) are not read "
+                                              r"yet; reshard the shards alone with --weights-only$"):
+        ckptconv.reshard(tmp_path / "nxd", tmp_path / "a", ep=1, options=unchecked)
+    ckptconv.reshard(tmp_path / "nxd", tmp_path / "b", ep=1, weights_only=True, options=unchecked)
+    assert not (tmp_path / "b" / "optim").exists()
