@@ -7,6 +7,8 @@ default lane, the rest is marked slow.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +60,169 @@ def test_sharded_matches_transformers_and_unsharded(tmp_path, nxd_model, referen
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded_log, plain_log, strict=True)) <= 1e-6
     worst = max((sharded[k] - plain[k]).abs().max().item() for k in plain)
     assert worst <= (1e-6 if optimizer == "sgd" else 1e-5), worst
+
+
+# --------------------------------------------------------------------------------------------
+# Resume: a sharded tag is an ordinary tag
+
+
+def losses(log: list[dict]) -> list[float]:
+    return [row["loss"] for row in log]
+
+
+def resume_from(tmp: Path, tag_root: Path, nproc: int, name: str, **options: Any) -> list[dict]:
+    return run_world(nproc, resume=str(tag_root), checkpoint_dir=str(tmp / name), log_jsonl=str(tmp / f"{name}.jsonl"),
+                     **options)
+
+
+RESUMES = {
+    # name: (sharding of the 2-step run, (nproc, sharding) of each resume)
+    "sharded-to-sharded-and-unsharded": ({"shard_params": True}, [(2, {"shard_params": True}), (2, {})]),
+    "sharded-to-dp4-and-zero1": ({"shard_params": True}, [(4, {"shard_params": True}), (2, {"zero1": True}),
+                                                          (4, {"hybrid_shard": 2})]),
+    "zero1-to-sharded": ({"zero1": True}, [(2, {"shard_params": True}), (4, {"shard_params": True})]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if i == 0 else pytest.mark.slow)
+                                  for i, n in enumerate(RESUMES)])
+def test_resume_continues_the_losses(tmp_path, nxd_model, name):
+    """3 steps == 2 steps + a resume at step 3, at the same sharding, without it, at another dp, with ZeRO-1."""
+    saved_with, resumes = RESUMES[name]
+    src = nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
+    options = train_options(optimizer="adamw", mbs=1, decay_steps=3)
+    straight = run_world(2, resume=str(src), checkpoint_dir=str(tmp_path / "a"), log_jsonl=str(tmp_path / "a.jsonl"),
+                         **options)
+    first = run_world(2, resume=str(src), checkpoint_dir=str(tmp_path / "b"), log_jsonl=str(tmp_path / "b.jsonl"),
+                      **{**options, "steps": 2}, **saved_with)
+    assert max(abs(a - b) for a, b in zip(losses(first), losses(straight), strict=False)) <= 1e-6
+    for k, (nproc, sharding) in enumerate(resumes):
+        resumed = resume_from(tmp_path, tmp_path / "b/step_2", nproc, f"r{k}", **options, **sharding)
+        assert [r["step"] for r in resumed] == [3], sharding
+        assert abs(resumed[0]["loss"] - straight[2]["loss"]) <= 1e-6, (sharding, resumed, straight)
+        assert abs(resumed[0]["grad_norm"] - straight[2]["grad_norm"]) <= 1e-5, sharding
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: the model states each rank holds
+
+
+def measuring_worker(options: dict[str, Any], out: Path) -> None:
+    """One rank: a Trainer (as nxdtrain.train.train drives it) takes one step and writes its state bytes."""
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.parallel.dist import detect_env, init_world
+    from nxdtrain.train import Trainer, prepare
+
+    config = TrainConfig.from_flat(options)
+    env = detect_env()
+    plan = prepare(config, env.world_size)
+    device = init_world(env, config.dist_timeout, plan.device)
+    try:
+        trainer = Trainer(plan, device)
+        trainer.train_step(1)
+        (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(trainer.state_bytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def state_bytes_at(tmp: Path, src: Path, nproc: int, **options: Any) -> list[dict[str, int]]:
+    import json
+
+    from nxdtrain.cli import PRELOAD
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.parallel.dist import spawn
+    from tests.nxdtrain.harness import WORLD_TIMEOUT
+
+    tmp.mkdir()
+    config = train_options(resume=str(src), no_checkpoint=True, mbs=1, optimizer="adamw", **options)
+    TrainConfig.from_flat(config)  # a bad option fails here, not in 4 processes
+    assert spawn(measuring_worker, (config, tmp), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD) == 0
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def test_model_states_per_rank_at_dp4(tmp_path, nxd_model):
+    """Parameters + gradients + AdamW state per rank at dp 4: fully sharded <= 0.45 x ZeRO-1 (fp32: 16/4 vs
+    4 + 4 + 8/4 bytes per parameter = 0.4), counted on each rank's local tensors after one step."""
+    src = nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
+    zero1 = state_bytes_at(tmp_path / "zero1", src, 4, zero1=True)
+    sharded = state_bytes_at(tmp_path / "sharded", src, 4, shard_params=True)
+    # ZeRO-1: every rank holds whole parameters and gradients; sharded: the four ranks' parts add up to them once.
+    whole = zero1[0]["params"]
+    assert all(r["params"] == r["grads"] == whole for r in zero1)
+    assert sum(r["params"] for r in sharded) == sum(r["grads"] for r in sharded) == whole
+    # AdamW's moments once over the four ranks either way (plus a 4-byte step count per parameter tensor and rank)
+    assert sum(r["optimizer"] for r in sharded) == pytest.approx(sum(r["optimizer"] for r in zero1), rel=0.01)
+    worst = max(sum(r.values()) for r in sharded) / max(sum(r.values()) for r in zero1)
+    assert worst <= 0.45, worst
+
+
+
+# --------------------------------------------------------------------------------------------
+# Refused before any process starts, and the options' plumbing
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(shard_params=True, zero1=True), "--shard-params with --zero1: the optimizer state is sharded already"),
+    (dict(hybrid_shard=2, pp=2), "--hybrid-shard 2 with --pp 2: FSDP2 is not wired into nxdtrain's pipeline"),
+    (dict(shard_params=True, context_parallel=2), "--shard-params with --context-parallel 2: nxdtrain's FSDP mesh"),
+    (dict(shard_params=True, hybrid_shard=2), "--shard-params and --hybrid-shard 2 exclude each other"),
+    (dict(hybrid_shard=1), "--hybrid-shard must be an integer >= 2 (ranks per sharding group), got 1"),
+    (dict(shard_params=True, device="xla"), "--shard-params with --device xla: torch's FSDP2 (fully_shard) keeps "
+                                            "parameters as DTensors"),
+    (dict(offload_activations=True, device="xla"), "--offload-activations with --device xla: save_on_cpu copies"),
+])
+def test_refused_in_config(flags, message):
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.errors import TrainError
+
+    with pytest.raises(TrainError, match="^" + re.escape(message)):
+        TrainConfig.from_flat(train_options(resume="unused", no_checkpoint=True, **flags))
+
+
+def test_hybrid_degree_must_divide_dp(nxd_model):
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.errors import TrainError
+    from nxdtrain.train import prepare
+
+    src = nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
+    config = TrainConfig.from_flat(train_options(resume=str(src), no_checkpoint=True, hybrid_shard=3))
+    with pytest.raises(TrainError, match=r"^--hybrid-shard 3 must divide the data-parallel size 4 \(world / "):
+        prepare(config, world_size=4)
+    assert prepare(dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, hybrid_shard=4)),
+                   world_size=4).dp == 4  # N = dp: fully sharded
+
+
+def test_smp_keys_in_nxdt_yaml(tmp_path):
+    from nxdtrain.errors import TrainError
+    from nxdtrain.yaml_config import read_yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text("distributed_strategy:\n  hybrid_shard_degree: 2\n  sm_activation_offloading: true\n")
+    assert read_yaml(path).values == {"hybrid_shard": 2, "offload_activations": True}
+    path.write_text("distributed_strategy:\n  hybrid_shard_degree: 1\n")
+    assert read_yaml(path).values == {}
+    path.write_text("distributed_strategy:\n  hybrid_shard_degree: 0\n")
+    with pytest.raises(TrainError, match="hybrid_shard_degree 0: SMP's 'the training script's own FSDP setup'"):
+        read_yaml(path)
+
+
+def test_offloading_on_cpu_has_no_effect_and_says_so():
+    from types import SimpleNamespace
+
+    from nxdtrain.parallel.fsdp import memory_notes
+    from nxdtrain.parallel.offload import offloading
+
+    config = SimpleNamespace(parallel=SimpleNamespace(offload_activations=True))
+    assert memory_notes(None, config, 2, torch.device("cpu")) == [
+        "--offload-activations: no effect on cpu (the activations are in host memory already)"]
+    assert memory_notes(None, config, 2, torch.device("cuda")) == []
+    assert isinstance(offloading(True, torch.device("cuda")), torch.autograd.graph.save_on_cpu)
+    with offloading(True, torch.device("cpu")):  # no hooks: a saved activation stays the tensor itself
+        x = torch.ones(3, requires_grad=True)
+        y = x * x
+    assert y.grad_fn._saved_self is x  # type: ignore[union-attr]
