@@ -39,8 +39,9 @@ def train(tmp: Path, src: Path, nproc: int, **options: Any) -> tuple[list[dict],
 CASES = {
     # name: (tp, dp, sharding options, optimizer)
     "tp2-dp2-adamw": (2, 2, {"shard_params": True}, "adamw"),
-    "tp2-dp2-sgd": (2, 2, {"shard_params": True}, "sgd"),
-    "tp1-dp2-adamw": (1, 2, {"shard_params": True}, "adamw"),
+    "tp2-dp2-sgd-full-recompute": (2, 2, {"shard_params": True, "activation_checkpointing": "full"}, "sgd"),
+    "tp1-dp2-adamw-selective": (1, 2, {"shard_params": True, "activation_checkpointing": "selective",
+                                       "recompute_modules": "CoreAttention,LlamaMLP"}, "adamw"),
     "tp1-dp2-sgd": (1, 2, {"shard_params": True}, "sgd"),
     "tp1-dp4-hybrid2-adamw": (1, 4, {"hybrid_shard": 2}, "adamw"),
     "tp1-dp4-hybrid2-sgd": (1, 4, {"hybrid_shard": 2}, "sgd"),
@@ -56,7 +57,8 @@ def test_sharded_matches_transformers_and_unsharded(tmp_path, nxd_model, referen
     src = nxd_model("gqa", tp=tp, pp=1, **(LAYOUT if tp == 2 else dict(attention="qkv_linear")))
     sharded_log, sharded = train(tmp_path / "sharded", src, tp * dp, **options, **sharding)
     assert_matches_reference(sharded_log, tmp_path / "sharded/hf", reference("gqa", **options), optimizer)
-    plain_log, plain = train(tmp_path / "plain", src, tp * dp, **options)
+    unsharded = {k: v for k, v in sharding.items() if k not in ("shard_params", "hybrid_shard")}
+    plain_log, plain = train(tmp_path / "plain", src, tp * dp, **options, **unsharded)
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded_log, plain_log, strict=True)) <= 1e-6
     worst = max((sharded[k] - plain[k]).abs().max().item() for k in plain)
     assert worst <= (1e-6 if optimizer == "sgd" else 1e-5), worst
@@ -226,3 +228,28 @@ def test_offloading_on_cpu_has_no_effect_and_says_so():
         x = torch.ones(3, requires_grad=True)
         y = x * x
     assert y.grad_fn._saved_self is x  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_bf16_sharded_equals_bf16_unsharded(tmp_path, nxd_model):
+    """bf16 through FSDP's MixedPrecisionPolicy (fp32 sharded masters, bf16 compute, fp32 gradient reduction) trains
+    as nxdtrain's own bf16 (bf16 parameters, fp32 masters); the tag holds bf16 weights and their fp32 masters."""
+    from ckptconv.training.state import MASTER, state_key
+
+    src = nxd_model("gqa", tp=2, pp=1, **LAYOUT)
+    options = train_options(optimizer="adamw", tp=2, mbs=1, precision="bf16")
+    sharded = run_world(4, resume=str(src), checkpoint_dir=str(tmp_path / "s"), log_jsonl=str(tmp_path / "s.jsonl"),
+                        shard_params=True, **options)
+    plain = run_world(4, resume=str(src), checkpoint_dir=str(tmp_path / "p"), log_jsonl=str(tmp_path / "p.jsonl"),
+                      **options)
+    assert max(abs(a - b) for a, b in zip(losses(sharded), losses(plain), strict=True)) < 1e-2
+    shard = torch.load(tmp_path / "s/step_3/model/dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
+    optim = torch.load(tmp_path / "s/step_3/optim/dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
+    plain_optim = torch.load(tmp_path / "p/step_3/optim/dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
+    assert {t.dtype for t in shard.values()} == {torch.bfloat16}
+    masters = {k: optim[state_key(k, MASTER)] for k in shard}
+    assert {t.dtype for t in masters.values()} == {torch.float32}
+    assert all(torch.equal(masters[k].to(torch.bfloat16), shard[k].contiguous()) for k in shard)
+    assert set(optim) == set(plain_optim)  # the same state, in the same format
+    worst = max((masters[k] - plain_optim[state_key(k, MASTER)]).abs().max().item() for k in shard)
+    assert worst < 1e-3, worst
