@@ -14,7 +14,7 @@ AdamW; rows:
   ``dp4-shard``; the same global batch, mbs 2 at dp 4).
 
 ``states`` is the largest per-rank count of the bytes of parameters (and fp32 masters), gradients and optimizer
-state, on the local tensors after the first step (``nxdtrain.parallel.fsdp.state_bytes``): what sharding divides.
+state, on the local tensors after the first step (``nxdtrain.parallel.fsdp_run.state_bytes``): what sharding divides.
 
 A second table, "long context", trains a smaller model (:data:`LONG`) on one row of ``--long-seq``
 tokens (default 4096, the longest this machine trains in reasonable time) at tp 1, context parallel

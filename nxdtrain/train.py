@@ -68,8 +68,8 @@ from nxdtrain.parallel.dist import (
     local_world_size,
     stop_together,
 )
-from nxdtrain.parallel.fsdp import local_all, memory_notes, on_local_rows, sharding_for, state_bytes
 from nxdtrain.parallel.fsdp_checks import check_degree
+from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, sharding_for, state_bytes
 from nxdtrain.parallel.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.offload import offloading
@@ -411,19 +411,19 @@ class Trainer:
         ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
         with offloading(cfg.parallel.offload_activations, self.device):
             loss = self.pipeline.run(ids.to(self.device))
-        grads = local_all(self.optimizer.grads())  # sharded: this rank's rows (views of the gradients)
+        grads = local_all(self.optimizer.grads(), self.sharding)  # sharded: this rank's rows (views of the gradients)
         reduce_gradients(grads, self.grad_plan)
         norm = global_norm(grads, self.grad_plan)
         clip_gradients(grads, norm, cfg.optim.clip_grad)
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
         self.optimizer.step(self.dev.lr(lr))
         if self.state_bytes is None:
-            self.state_bytes = state_bytes(self.model, self.optimizer)
+            self.state_bytes = state_bytes(self.model, self.optimizer, self.sharding)
         self.optimizer.zero_grad()
         self.sum_loss(loss)
         masters = self.optimizer.master
-        param_norm = global_norm(local_all({name: masters[name].detach() for name in self.optimizer.names}),
-                                 self.grad_plan)
+        param_norm = global_norm(local_all({name: masters[name].detach() for name in self.optimizer.names},
+                                           self.sharding), self.grad_plan)
         self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
         return PendingStep(step, loss, lr, norm, self.consumed, param_norm)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,18 +33,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ckptconv.training import MASTER, state_key
-from nxdtrain.parallel.fsdp_checks import shard_degree
 from nxdtrain.parallel.grads import GradPlan, Rows
-from nxdtrain.parallel.offload import NO_EFFECT as OFFLOAD_NO_EFFECT
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a view: in-place changes reach it); any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def local_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: local(t) for name, t in tensors.items()}
 
 
 def dp_mesh(device_type: str, *, tp: int, dp: int, degree: int) -> DeviceMesh:
@@ -101,7 +95,7 @@ class Sharding:
                                    uncounted=uncounted)
 
     def reader(self, read: Callable[[str, str | None], dict[str, torch.Tensor]],
-               params: dict[str, torch.Tensor]) -> Callable[[str, str | None], dict[str, torch.Tensor]]:
+               params: Mapping[str, torch.Tensor]) -> Callable[[str, str | None], dict[str, torch.Tensor]]:
         """A tag's optimizer reader (whole per-tp-rank tensors) whose tensors of a parameter's shape come back as
         DTensors laid out like it (this rank's rows, from its own copy: no communication)."""
         def sharded(name: str, only: str | None) -> dict[str, torch.Tensor]:
@@ -176,44 +170,3 @@ def shard_stage(model: nn.Module, *, device_type: str, tp: int, dp: int, degree:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     assert all(isinstance(p, DTensor) and p.placements[-1] == Shard(0) for p in model.parameters())
     return Sharding(mesh, degree, bf16)
-
-
-def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
-    """Bytes this rank holds of parameters (and fp32 masters), gradients and optimizer state: local parts only.
-    Call between the backward and ``zero_grad`` (when the gradients exist)."""
-    def size(t: Any) -> int:
-        return local(t).numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-    params = list(model.parameters())
-    masters = [] if not optimizer.mixed else list(optimizer.master.values())
-    grads = [p.grad for p in (*params, *masters) if p.grad is not None]
-    states = [t for s in optimizer._local().state.values() for t in s.values()]
-    return {"params": sum(map(size, (*params, *masters))), "grads": sum(map(size, grads)),
-            "optimizer": sum(map(size, states))}
-
-
-def sharding_for(model: nn.Module, config: Any, mesh: Any, device: torch.device) -> Sharding | None:
-    """``shard_stage`` as the run's options ask (None: parameters not sharded); ``mesh``: nxdtrain's Mesh."""
-    par = config.parallel
-    degree = shard_degree(shard_params=par.shard_params, hybrid_shard=par.hybrid_shard, dp=mesh.dp)
-    if degree is None:
-        return None
-    return shard_stage(model, device_type=device.type, tp=mesh.tp, dp=mesh.dp, degree=degree,
-                       bf16=config.precision == "bf16")
-
-
-def on_local_rows(plan: GradPlan, sharding: Sharding | None, model: nn.Module) -> GradPlan:
-    """``plan`` (:func:`nxdtrain.train.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
-    return plan if sharding is None else sharding.local_plan(plan, dict(model.named_parameters()))
-
-
-def memory_notes(sharding: Sharding | None, config: Any, dp: int, device: torch.device) -> list[str]:
-    """What rank 0 says at the start about sharding and offloading."""
-    lines = []
-    if sharding is not None:
-        how = "fully sharded" if sharding.degree == dp else f"hybrid: {dp // sharding.degree} replicas"
-        lines.append(f"parameters, gradients and optimizer state sharded over {sharding.degree} data-parallel ranks "
-                     f"(FSDP2, {how}); tags hold whole per-tp-rank shards, gathered at each save")
-    if config.parallel.offload_activations and device.type == "cpu":
-        lines.append(OFFLOAD_NO_EFFECT)
-    return lines

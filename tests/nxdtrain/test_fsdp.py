@@ -216,7 +216,7 @@ def test_smp_keys_in_nxdt_yaml(tmp_path):
 def test_offloading_on_cpu_has_no_effect_and_says_so():
     from types import SimpleNamespace
 
-    from nxdtrain.parallel.fsdp import memory_notes
+    from nxdtrain.parallel.fsdp_run import memory_notes
     from nxdtrain.parallel.offload import offloading
 
     config = SimpleNamespace(parallel=SimpleNamespace(offload_activations=True))
