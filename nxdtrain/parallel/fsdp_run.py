@@ -49,8 +49,9 @@ def memory_notes(sharding: Sharding | None, config: Any, dp: int, device: torch.
     lines = []
     if sharding is not None:
         how = "fully sharded" if sharding.degree == dp else f"hybrid: {dp // sharding.degree} replicas"
-        lines.append(f"parameters, gradients and optimizer state sharded over {sharding.degree} data-parallel ranks "
-                     f"(FSDP2, {how}); tags hold whole per-tp-rank shards, gathered at each save")
+        lines.append(f"parameters, gradients and optimizer state sharded over {sharding.degree} data-parallel "
+                     f"rank{'s' if sharding.degree > 1 else ''} (FSDP2, {how}); tags hold whole per-tp-rank shards, "
+                     "gathered at each save")
     if config.parallel.offload_activations and device.type == "cpu":
         lines.append(OFFLOAD_NO_EFFECT)
     return lines

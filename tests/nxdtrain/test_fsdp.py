@@ -37,27 +37,33 @@ def train(tmp: Path, src: Path, nproc: int, **options: Any) -> tuple[list[dict],
 
 
 CASES = {
-    # name: (tp, dp, sharding options, optimizer)
-    "tp2-dp2-adamw": (2, 2, {"shard_params": True}, "adamw"),
-    "tp2-dp2-sgd-full-recompute": (2, 2, {"shard_params": True, "activation_checkpointing": "full"}, "sgd"),
-    "tp1-dp2-adamw-selective": (1, 2, {"shard_params": True, "activation_checkpointing": "selective",
-                                       "recompute_modules": "CoreAttention,LlamaMLP"}, "adamw"),
-    "tp1-dp2-sgd": (1, 2, {"shard_params": True}, "sgd"),
-    "tp1-dp4-hybrid2-adamw": (1, 4, {"hybrid_shard": 2}, "adamw"),
-    "tp1-dp4-hybrid2-sgd": (1, 4, {"hybrid_shard": 2}, "sgd"),
+    # name: (model, tp, dp, conversion layout, sharding and other options, optimizer)
+    "tp2-dp2-adamw": ("gqa", 2, 2, {}, {"shard_params": True}, "adamw"),
+    # fused weight_qkv: the replicated K/V rows (summed over the replica group, counted once in the norm) lie in
+    # dp rank 1's part only, dp rank 0 holds Q rows alone
+    "tp2-dp2-sgd-fused-sp-full-recompute": ("gqa", 2, 2, {"fuse_qkv": True}, {
+        "shard_params": True, "sequence_parallel": True, "activation_checkpointing": "full"}, "sgd"),
+    "tp1-dp2-adamw-selective": ("gqa", 1, 2, {}, {"shard_params": True, "activation_checkpointing": "selective",
+                                                  "recompute_modules": "CoreAttention,LlamaMLP"}, "adamw"),
+    "tp1-dp2-sgd": ("gqa", 1, 2, {}, {"shard_params": True}, "sgd"),
+    "tied-tp2-dp2-adamw": ("tied", 2, 2, {"fuse_qkv": True}, {"shard_params": True}, "adamw"),
+    "tp1-dp4-hybrid2-adamw": ("gqa", 1, 4, {}, {"hybrid_shard": 2}, "adamw"),
+    "tp1-dp4-hybrid2-sgd": ("gqa", 1, 4, {}, {"hybrid_shard": 2}, "sgd"),
 }
 DEFAULT_LANE = {"tp2-dp2-adamw"}
+SHARDING = ("shard_params", "hybrid_shard")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_LANE else pytest.mark.slow)
                                   for n in CASES])
 def test_sharded_matches_transformers_and_unsharded(tmp_path, nxd_model, reference, name):
-    tp, dp, sharding, optimizer = CASES[name]
+    model, tp, dp, layout, extra, optimizer = CASES[name]
     options = train_options(optimizer=optimizer, lr=lr(optimizer), tp=tp, mbs=1)
-    src = nxd_model("gqa", tp=tp, pp=1, **(LAYOUT if tp == 2 else dict(attention="qkv_linear")))
-    sharded_log, sharded = train(tmp_path / "sharded", src, tp * dp, **options, **sharding)
-    assert_matches_reference(sharded_log, tmp_path / "sharded/hf", reference("gqa", **options), optimizer)
-    unsharded = {k: v for k, v in sharding.items() if k not in ("shard_params", "hybrid_shard")}
+    kvm = {"kv_size_multiplier": 2} if model == "gqa" and tp == 2 else {}
+    src = nxd_model(model, tp=tp, pp=1, attention="qkv_linear", **kvm, **layout)
+    sharded_log, sharded = train(tmp_path / "sharded", src, tp * dp, **options, **extra)
+    assert_matches_reference(sharded_log, tmp_path / "sharded/hf", reference(model, **options), optimizer)
+    unsharded = {k: v for k, v in extra.items() if k not in SHARDING}
     plain_log, plain = train(tmp_path / "plain", src, tp * dp, **options, **unsharded)
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded_log, plain_log, strict=True)) <= 1e-6
     worst = max((sharded[k] - plain[k]).abs().max().item() for k in plain)
