@@ -68,6 +68,27 @@ def test_sharded_matches_transformers_and_unsharded(tmp_path, nxd_model, referen
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(sharded_log, plain_log, strict=True)) <= 1e-6
     worst = max((sharded[k] - plain[k]).abs().max().item() for k in plain)
     assert worst <= (1e-6 if optimizer == "sgd" else 1e-5), worst
+    assert_same_files(tmp_path / "sharded/ckpt/step_3", tmp_path / "plain/ckpt/step_3")
+
+
+def assert_same_files(tag: Path, other: Path) -> None:
+    """The same files, each with the same keys, dtypes and shapes and the same plain values (the optimizer files'
+    format, names, ZeRO-1 fields, param groups): what ckptconv and NxD's loader read does not depend on sharding."""
+    files = sorted(p.relative_to(tag).as_posix() for p in tag.rglob("*.pt"))
+    assert files == sorted(p.relative_to(other).as_posix() for p in other.rglob("*.pt")) and files
+    for name in files:
+        a, b = (torch.load(root / name, weights_only=True) for root in (tag, other))
+        assert a.keys() == b.keys(), name
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert (a[key].dtype, a[key].shape, a[key].stride()) == (b[key].dtype, b[key].shape, b[key].stride())
+            elif key == "options":  # user_content.pt: the options, which record the sharding
+                differ = {k for k in a[key] if a[key][k] != b[key][k]}
+                assert differ <= {*SHARDING, "checkpoint_dir", "log_jsonl"}, differ  # and the paths
+            elif key == "loss":  # user_content.pt: the last loss, equal as the logs are
+                assert a[key] == pytest.approx(b[key], abs=1e-6)
+            elif key not in ("rng", "run"):  # user_content.pt: this run's RNG states and id
+                assert a[key] == b[key], (name, key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,8 +107,9 @@ def resume_from(tmp: Path, tag_root: Path, nproc: int, name: str, **options: Any
 RESUMES = {
     # name: (sharding of the 2-step run, (nproc, sharding) of each resume)
     "sharded-to-sharded-and-unsharded": ({"shard_params": True}, [(2, {"shard_params": True}), (2, {})]),
-    "sharded-to-dp4-and-zero1": ({"shard_params": True}, [(4, {"shard_params": True}), (2, {"zero1": True}),
-                                                          (4, {"hybrid_shard": 2})]),
+    "sharded-to-dp4-tp2-and-zero1": ({"shard_params": True}, [(4, {"shard_params": True}), (2, {"zero1": True}),
+                                                              (4, {"hybrid_shard": 2}),
+                                                              (4, {"shard_params": True, "tp": 2})]),
     "zero1-to-sharded": ({"zero1": True}, [(2, {"shard_params": True}), (4, {"shard_params": True})]),
 }
 
