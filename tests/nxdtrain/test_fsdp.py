@@ -281,3 +281,18 @@ def test_bf16_sharded_equals_bf16_unsharded(tmp_path, nxd_model):
     assert set(optim) == set(plain_optim)  # the same state, in the same format
     worst = max((masters[k] - plain_optim[state_key(k, MASTER)]).abs().max().item() for k in shard)
     assert worst < 1e-3, worst
+
+
+def test_auto_device_resolving_to_xla_is_refused(nxd_model, monkeypatch):
+    """--device auto on a Neuron host (PJRT_DEVICE=NEURON) resolves to xla in prepare: refused there, before the
+    world starts."""
+    from nxdtrain.config import TrainConfig
+    from nxdtrain.errors import TrainError
+    from nxdtrain.train import prepare
+
+    src = nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
+    monkeypatch.setattr("nxdtrain.train.resolve_kind", lambda kind: "xla")
+    config = TrainConfig.from_flat(train_options(resume=str(src), no_checkpoint=True, device="auto", hybrid_shard=2))
+    with pytest.raises(TrainError, match=r"^--device auto chose xla \(a PJRT accelerator\): --hybrid-shard 2 with "
+                                         r"--device xla: torch's FSDP2"):
+        prepare(config, world_size=4)
