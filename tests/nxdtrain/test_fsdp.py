@@ -296,3 +296,18 @@ def test_auto_device_resolving_to_xla_is_refused(nxd_model, monkeypatch):
     with pytest.raises(TrainError, match=r"^--device auto chose xla \(a PJRT accelerator\): --hybrid-shard 2 with "
                                          r"--device xla: torch's FSDP2"):
         prepare(config, world_size=4)
+
+
+@pytest.mark.slow
+def test_bf16_sharded_tag_resumes_with_its_masters(tmp_path, nxd_model):
+    """A bf16 sharded tag of step 2 (bf16 weights, fp32 masters) continues at step 3 as the uninterrupted run,
+    sharded and unsharded: the masters, not the bf16 weights, are what the resumed run steps."""
+    src = nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
+    options = train_options(optimizer="adamw", mbs=1, decay_steps=3, precision="bf16")
+    straight = run_world(2, resume=str(src), checkpoint_dir=str(tmp_path / "a"), log_jsonl=str(tmp_path / "a.jsonl"),
+                         shard_params=True, **options)
+    run_world(2, resume=str(src), checkpoint_dir=str(tmp_path / "b"), log_jsonl=str(tmp_path / "b.jsonl"),
+              shard_params=True, **{**options, "steps": 2})
+    for k, sharding in enumerate(({"shard_params": True}, {})):
+        resumed = resume_from(tmp_path, tmp_path / "b/step_2", 2, f"r{k}", **options, **sharding)
+        assert abs(resumed[0]["loss"] - straight[2]["loss"]) <= 1e-6, (sharding, resumed, straight)
