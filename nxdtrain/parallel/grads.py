@@ -41,6 +41,7 @@ class GradPlan:
     uncounted: dict[str, list[Rows]] = field(default_factory=dict)  # rows left out of the norm here (empty list: all)
     seq_group: Any = None           # tp group, with sequence parallelism
     seq_names: tuple[str, ...] = ()  # norm weights (SP) or per-head q/k norms: summed over seq_group
+    shard_group: Any = None         # --shard-params: the dp ranks holding the other rows (the norm sums over them)
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
@@ -93,8 +94,9 @@ def global_norm(grads: dict[str, torch.Tensor], plan: GradPlan) -> torch.Tensor:
     squares = [part.float().pow(2).sum() for name, g in grads.items()
                for part in _counted_parts(g, plan.uncounted.get(name))]
     total = torch.stack(squares).sum() if squares else torch.zeros(())
-    if plan.mp_group is not None:
-        dist.all_reduce(total, group=plan.mp_group)
+    for group in (plan.mp_group, plan.shard_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
