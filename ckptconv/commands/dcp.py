@@ -44,6 +44,7 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.nxd import model_spec_of, open_nxd
 from ckptconv.titan.config_file import CONFIG_FILE, TitanRun, config_module, run_command
+from ckptconv.titan.experts import bias_note, check_expert_bias, refuse_ep_state
 from ckptconv.titan.export import TitanState, open_training, refuse_flags_without_state, titan_state
 from ckptconv.titan.names import (
     LR_SCHEDULER_KEYS,
@@ -161,6 +162,7 @@ def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: 
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
+        notes += bias_note(hf.spec)
         _model_only(notes, out, "an HF model holds no optimizer state")
         plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
         identity = fingerprint("dcp", titan_record(hf.spec), dtype, max_file_size, file_identity(hf.weight_files()))
@@ -181,6 +183,9 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
     with ckpt, contextlib.ExitStack() as stack:
         titan_model(spec)  # a family TorchTitan has no model for: refused before the tag's state is opened
         training = None if weights_only else open_training(ckpt, spec, layout, with_inv_freq, io=options.io)
+        if training is not None:
+            refuse_ep_state(spec, layout, str(ckpt.root), "the optimizer state of a mixture-of-experts tag")
+        read_notes += bias_note(spec)
         if training is not None:
             stack.enter_context(training)
         else:
@@ -324,6 +329,7 @@ def from_dcp(
     max_shard_size: int = 5 * 10**9,
     weights_only: bool = False,
     consumed_samples: int | None = None,
+    drop_expert_bias: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """A TorchTitan DCP checkpoint's model (``src``: a step directory, or a checkpoint folder: its
@@ -334,7 +340,10 @@ def from_dcp(
     pp 1; the kv multiplier not given is what tp needs.
 
     To NxD, a full checkpoint (with TorchTitan's AdamW state) becomes an nxdtrain training tag (unless
-    ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position."""
+    ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position.
+
+    A Qwen3-MoE's ``expert_bias_E`` (TorchTitan's routing bias; HF has none) is dropped when zero; a trained one is
+    refused unless ``drop_expert_bias`` (:mod:`ckptconv.titan.experts`)."""
     run = Run("from-dcp", options)
     options, notes = run.options, run.notes
     out = Path(out)
@@ -346,6 +355,7 @@ def from_dcp(
     ckpt, spec, dcp_notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     notes += dcp_notes
     with ckpt:  # the notes go into the result, printed once at the end (a refusal comes before any advice)
+        notes += check_expert_bias(ckpt.read_rows, spec, str(ckpt.root / DCP_METADATA), drop=drop_expert_bias)
         kept = kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
                               skip=CONFIG if to == "hf" else "")
         if to == "hf":
@@ -398,6 +408,7 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
     full = carry_state and any(family(k) == "optimizer" for k in ckpt.keys())
     if full:
         check_titan_state(ckpt, spec)
+        refuse_ep_state(spec, layout, str(ckpt.root), "an nxdtrain tag of a mixture of experts (its optimizer state)")
     state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
                                             consumed_samples=consumed_samples, where=str(ckpt.root))
     if state is None:
