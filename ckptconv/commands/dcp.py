@@ -318,6 +318,7 @@ def from_dcp(
     tp: int | None = None,
     pp: int | None = None,
     vpp: int | None = None,
+    ep: int | None = None,
     kv_size_multiplier: int | None = None,
     attention: str | Attention | None = None,
     fuse_qkv: bool | None = None,
@@ -347,7 +348,7 @@ def from_dcp(
     run = Run("from-dcp", options)
     options, notes = run.options, run.notes
     out = Path(out)
-    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
+    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, ep=ep, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
                             trn2_kv_layout=trn2_kv_layout)
     _check_from_dcp(to, flags, flavour, weights_only, consumed_samples)
