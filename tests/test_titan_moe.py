@@ -164,3 +164,4 @@ def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(
         w1 = model.state_dict()[W.format(layer) + "w1_EFD"]
         for e in range(E):
             assert torch.equal(back[f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight"], w1[e])
+
