@@ -18,6 +18,8 @@ if TYPE_CHECKING:
         ParallelLayout,
         default_kvm,
         layer_pp_ranks,
+        layout_shard_file,
+        parse_ep_shard_name,
         parse_shard_name,
         shard_file,
     )
@@ -25,7 +27,9 @@ if TYPE_CHECKING:
         EMBED,
         LM_HEAD,
         ShardRecord,
+        all_ep_shard_records,
         all_shard_records,
+        expert_keys,
         hf_record_shape,
         hf_shapes,
         kv_heads,
