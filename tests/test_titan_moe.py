@@ -2,7 +2,7 @@
 ``torchtitan_config.py`` to-dcp writes, loads the DCP through its ``CheckpointManager``; its weights are the HF
 experts stacked (checked against the safetensors, not our table), its logits transformers' ``Qwen3MoeForCausalLM``'s
 within the bf16 of TorchTitan's grouped expert matmuls; TorchTitan's own AdamW state comes back through an nxdtrain
-tag (tp 2) onto the same experts. Runs in ``.venv-titan``; the main lane skips it.
+tag (tp 2 x ep 2) onto the same experts. Runs in ``.venv-titan``; the main lane skips it.
 
 The tiny model: tests/test_titan_moe_names.py's ``make_qwen3_moe`` (hidden != expert intermediate, 4 experts top-2,
 GQA, one dense layer).
@@ -111,8 +111,8 @@ def test_titans_qwen3_moe_loads_the_dcp_and_computes_transformers_logits(tmp_pat
 
 
 def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(moe_hf, tmp_path):
-    """TorchTitan trains one step (its AdamW; its full checkpoint), from-dcp makes an nxdtrain tag at tp 2 (experts
-    split over I, gate/up stride 2), to-dcp writes it back: a fresh TorchTitan model and optimizer load it with every
+    """TorchTitan trains one step (its AdamW; its full checkpoint), from-dcp makes an nxdtrain tag at tp 2 x ep 2
+    (experts split over I, gate/up stride 2, two experts per ep rank), to-dcp writes it back: a fresh TorchTitan model and optimizer load it with every
     expert's moments equal to TorchTitan's own, value for value."""
     ckptconv.to_dcp(moe_hf, tmp_path / "dcp0", options=QUIET)
     model = load(generated_model(tmp_path / "dcp0"), tmp_path / "dcp0", tmp_path / "ck0")
@@ -128,10 +128,7 @@ def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(
     with pytest.raises(ConversionError, match=r"'layers.2.moe.expert_bias_E' is not zero \(largest \|expert_bias_E\| "
                                               r"0.001\).*pass --drop-expert-bias"):
         ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, config=config, options=QUIET)
-    with pytest.raises(ConversionError, match=r"optimizer state\) at ep 2 is not carried yet \(ep 1 is\)"):
-        ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, ep=2, config=config,
-                          drop_expert_bias=True, options=QUIET)
-    result = ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, config=config,
+    result = ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, ep=2, config=config,
                                drop_expert_bias=True, options=QUIET)
     assert any("dropped the trained expert_bias_E" in n for n in result.notes)
     flags = ScheduleFlags("cosine", 1e-3, 1e-4, 2, 10)

@@ -168,3 +168,40 @@ def test_mixtral_is_refused_naming_why(tmp_path, capsys):
             "model upstream (no TorchTitan module would load or train its block_sparse_moe experts); the families it "
             "has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
         assert not (tmp_path / "dcp").exists()
+
+
+def test_an_ep2_training_tags_adamw_state_lands_on_each_expert_and_comes_back(tmp_path):
+    """A hand-written Qwen3-MoE tag at tp2 x ep2 with ZeRO-1 over 4 dp ranks (tests/moe_tags.py: every moment an
+    elementwise function of its weight, so each expert's is its own): to-dcp writes TorchTitan's AdamW tensors of the
+    stacked experts as the HF experts' moments stacked, no state for expert_bias_E; from-dcp makes an nxdtrain tag at
+    tp 1 x ep 4 whose every expert holds its own moments again, exactly."""
+    from tests.moe_tags import STEP, expected_expert, expert_in_tag, state_of, tiny_moe, write_tag
+
+    hf = tiny_moe("qwen3_moe", tmp_path / "hf")
+    tag = write_tag(hf, tmp_path / "tag", tp=2, ep=2, dp=4, zero1=True)
+    spec = ModelSpec.from_file(hf / "config.json")
+    result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=QUIET)
+    assert any("training tag at step 7: AdamW state" in n for n in result.notes)
+    shapes = {p.key: p.shape for p in titan_params(spec)}
+    moments = {f"optimizer.state.{p}.{c}": shapes.get(p, ()) if c != "step" else ()
+               for p in optimizer_params(spec) for c in ("exp_avg", "exp_avg_sq", "step")}
+    state = hf_state(hf)
+    loaded = dcp_load(tmp_path / "dcp", {k: v for k, v in moments.items() if "moe." in k})
+    assert not any("expert_bias_E" in k for k in moments)  # a buffer: no optimizer state
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp."
+        for key, name in (("w1_EFD", "gate_proj"), ("w2_EDF", "down_proj"), ("w3_EFD", "up_proj")):
+            for component in ("exp_avg", "exp_avg_sq"):
+                want = torch.stack([state_of(state[f"{p}experts.{e}.{name}.weight"])[component] for e in range(E)])
+                assert torch.equal(loaded[f"optimizer.state.{W.format(layer)}{key}.{component}"], want), (key, component)
+        router = loaded[f"optimizer.state.layers.{layer}.moe.router.gate.weight.exp_avg"]
+        assert torch.equal(router, state_of(state[p + "gate.weight"])["exp_avg"])
+        assert loaded[f"optimizer.state.{W.format(layer)}w1_EFD.step"].item() == STEP
+    back = ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", to="nxd", tp=1, ep=4, options=QUIET)
+    assert back.layout["ep"] == 4 and back.layout["tp"] == 1
+    for layer in (0, 2):
+        for e in range(E):
+            for component in ("exp_avg", "exp_avg_sq"):
+                ours = expert_in_tag(tmp_path / "back", layer, e, component)
+                for got, want in zip(ours, expected_expert(hf, "qwen3_moe", layer, e, component), strict=True):
+                    assert torch.equal(got, want), (layer, e, component)

@@ -44,7 +44,7 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.nxd import model_spec_of, open_nxd
 from ckptconv.titan.config_file import CONFIG_FILE, TitanRun, config_module, run_command
-from ckptconv.titan.experts import bias_note, check_expert_bias, refuse_ep_state
+from ckptconv.titan.experts import bias_note, check_expert_bias
 from ckptconv.titan.export import TitanState, open_training, refuse_flags_without_state, titan_state
 from ckptconv.titan.names import (
     LR_SCHEDULER_KEYS,
@@ -183,8 +183,6 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
     with ckpt, contextlib.ExitStack() as stack:
         titan_model(spec)  # a family TorchTitan has no model for: refused before the tag's state is opened
         training = None if weights_only else open_training(ckpt, spec, layout, with_inv_freq, io=options.io)
-        if training is not None:
-            refuse_ep_state(spec, layout, str(ckpt.root), "the optimizer state of a mixture-of-experts tag")
         read_notes += bias_note(spec)
         if training is not None:
             stack.enter_context(training)
@@ -409,7 +407,6 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
     full = carry_state and any(family(k) == "optimizer" for k in ckpt.keys())
     if full:
         check_titan_state(ckpt, spec)
-        refuse_ep_state(spec, layout, str(ckpt.root), "an nxdtrain tag of a mixture of experts (its optimizer state)")
     state = None if not full else tag_state(ckpt.read_value, spec, zero1=False,
                                             consumed_samples=consumed_samples, where=str(ckpt.root))
     if state is None:

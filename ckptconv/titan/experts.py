@@ -1,5 +1,4 @@
-"""Qwen3-MoE through TorchTitan: what ``to-dcp`` says about ``expert_bias_E``, what ``from-dcp`` does with it, and
-the optimizer state of expert parallelism that is not carried yet.
+"""Qwen3-MoE through TorchTitan: what ``to-dcp`` says about ``expert_bias_E``, and what ``from-dcp`` does with it.
 
 TorchTitan (pinned: :data:`~ckptconv.titan.names.TITAN_VERSION`) balances its experts without an auxiliary loss: a
 persistent fp32 buffer ``layers.N.moe.expert_bias_E`` is added to the router scores when choosing the top-k experts
@@ -14,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
@@ -56,10 +54,3 @@ def check_expert_bias(read_rows: Callable[[Source, int, int], torch.Tensor], spe
         return [f"dropped the trained expert_bias_E ({DROP_FLAG}; largest |value| {largest:.3g}): the model written "
                 "routes without TorchTitan's balancing bias"]
     return ["expert_bias_E: zeros in every sparse layer (no routing bias to carry), dropped"]
-
-
-def refuse_ep_state(spec: ModelSpec, layout: ParallelLayout, where: str, what: str) -> None:
-    """The optimizer state of an expert-parallel (ep > 1) training tag is not carried yet: refused in one line."""
-    if spec.experts and layout.ep > 1:
-        raise ConversionError(f"{where}: {what} at ep {layout.ep} is not carried yet (ep 1 is); pass --weights-only "
-                              "for the model alone")

@@ -97,7 +97,7 @@ def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: OptimizerSource) 
     tensors = []
     for param in trained_params(spec):
         weight = _from_shards(titan_tensor(param, spec, torch.float32), tiles)
-        state = {c: _viewed_like(weight, t) for c, t in state_tensors(weight, optim).items()}
+        state = state_tensors(weight, optim)
         missing = [c for c in OPTIMIZER_STATE_FIELDS if c not in state]
         if missing:
             raise ConversionError(f"{getattr(optim, 'root', 'the tag')}: no AdamW {missing[0]} for {param.key} (the tag's optimizer state "
@@ -105,16 +105,6 @@ def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: OptimizerSource) 
                                   "pass --weights-only for the model alone")
         tensors += [dataclasses.replace(state[c], key=optimizer_key(param.key, c)) for c in OPTIMIZER_STATE_FIELDS]
     return tensors
-
-
-def _viewed_like(weight: OutTensor, moment: OutTensor) -> OutTensor:
-    """A moment of stacked experts read with its weight's slab views (an expert's moments from that expert's slab
-    of the tag's stacked moment, in HF orientation), stacked as TorchTitan stacks the weight."""
-    if not weight.by_slab or not moment.shape:
-        return moment
-    pieces = tuple(dataclasses.replace(m, slab=w.slab, transposed=w.transposed)
-                   for m, w in zip(moment.pieces, weight.pieces, strict=True))
-    return dataclasses.replace(moment, pieces=pieces, slabs=weight.slabs, transposed=weight.transposed)
 
 
 def _from_shards(tensor: OutTensor, tiles: Tiles) -> OutTensor:
