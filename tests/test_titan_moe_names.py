@@ -149,6 +149,12 @@ def test_a_trained_expert_bias_is_refused_unless_dropped(moe_hf, tmp_path):
     assert any("dropped the trained expert_bias_E (--drop-expert-bias; largest |value| 0.5)" in n for n in result.notes)
     before, after = hf_state(moe_hf), hf_state(tmp_path / "hf")
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # a run with TorchTitan's load_balance_coeff None saves no bias at all: nothing to refuse or drop
+    dcp_save({k: v for k, v in state.items() if not k.endswith("expert_bias_E")}, tmp_path / "unbalanced")
+    result = ckptconv.from_dcp(tmp_path / "unbalanced", tmp_path / "hf2", config=moe_hf / "config.json", options=QUIET)
+    assert any("no expert_bias_E" in n for n in result.notes)
+    again = hf_state(tmp_path / "hf2")
+    assert all(torch.equal(before[k], again[k]) for k in before)
 
 
 def test_mixtral_is_refused_naming_why(tmp_path, capsys):

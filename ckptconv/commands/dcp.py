@@ -1,7 +1,7 @@
 """``to_dcp`` and ``from_dcp``: TorchTitan's DCP checkpoints from and to HF or NxD, through the one executor.
 
-``to_dcp`` writes the model in TorchTitan's llama3 layout (pinned: ``titan_names.TITAN_VERSION``),
-loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its AdamW state, schedule
+``to_dcp`` writes the model in TorchTitan's llama3 or qwen3 (dense or MoE) layout (pinned:
+``titan_names.TITAN_VERSION``), loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its AdamW state, schedule
 position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
 checkpoint's model back to HF safetensors or to NxD shards at any layout, and a full checkpoint's
 state into an nxdtrain training tag (``plan_dcp.plan_dcp_to_tag``).
@@ -273,7 +273,8 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, .
         if entry.dtype is None or entry.size != expected[key]:
             found = "a value" if entry.dtype is None else f"shape {list(entry.size)}"
             raise ConversionError(f"{where}: {key!r} is {found}; the config implies shape {list(expected[key])}")
-    missing = [k for k in expected if k not in ckpt.entries]
+    buffers = {p.key for p in titan_params(spec) if p.buffer}  # a run without load balancing has no expert_bias_E
+    missing = [k for k in expected if k not in ckpt.entries and k not in buffers]
     if missing:
         raise ConversionError(f"{where}: missing model key {missing[0]!r} ({len(missing)} missing); "
                               f"not a TorchTitan {titan_model(spec).name} checkpoint of this config")
@@ -354,7 +355,8 @@ def from_dcp(
     ckpt, spec, dcp_notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     notes += dcp_notes
     with ckpt:  # the notes go into the result, printed once at the end (a refusal comes before any advice)
-        notes += check_expert_bias(ckpt.read_rows, spec, str(ckpt.root / DCP_METADATA), drop=drop_expert_bias)
+        notes += check_expert_bias(ckpt.read_rows, set(ckpt.keys()), spec, str(ckpt.root / DCP_METADATA),
+                                   drop=drop_expert_bias)
         kept = kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
                               skip=CONFIG if to == "hf" else "")
         if to == "hf":

@@ -9,8 +9,8 @@ schedule (:class:`~ckptconv.titan.state.TitanSchedule`), and the checkpoint bloc
 state. What ckptconv cannot know (data, tokenizer, batch, parallelism) are the ``SET`` names at the top.
 
 The model comes from the same family table that names the DCP's tensors (:func:`ckptconv.titan.names.titan_model`):
-the module builds TorchTitan's own layers (``_build_llama3_layers``/``_build_qwen3_layers``, the functions its
-presets use), never a preset, so a Llama-3.2 RoPE factor 32 or a Llama-3.0 without scaling is what runs.
+the module builds TorchTitan's own layers (``_build_llama3_layers``/``_build_qwen3_layers``, and for Qwen3-MoE
+``_build_qwen3_moe_layers`` for the sparse layers, the functions its presets use), never a preset, so a Llama-3.2 RoPE factor 32 or a Llama-3.0 without scaling is what runs.
 
     >>> titan_rope({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
     ...             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},

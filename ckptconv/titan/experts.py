@@ -9,7 +9,7 @@ persistent fp32 buffer ``layers.N.moe.expert_bias_E`` is added to the router sco
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -33,13 +33,14 @@ def bias_note(spec: ModelSpec) -> list[str]:
             + (f" (router_aux_loss_coef {aux!r})" if aux is not None else "")]
 
 
-def check_expert_bias(read_rows: Callable[[Source, int, int], torch.Tensor], spec: ModelSpec, where: str, *,
-                      drop: bool) -> list[str]:
-    """Each sparse layer's ``expert_bias_E`` has no HF counterpart: zeros are dropped (said), a trained bias is
-    refused naming the layer and its largest value unless ``drop`` (then said, with that value)."""
+def check_expert_bias(read_rows: Callable[[Source, int, int], torch.Tensor], keys: Collection[str], spec: ModelSpec,
+                      where: str, *, drop: bool) -> list[str]:
+    """Each sparse layer's ``expert_bias_E`` (of ``keys``: a run with ``load_balance_coeff`` None saves none) has no
+    HF counterpart: zeros are dropped (said), a trained bias is refused naming the layer and its largest value unless
+    ``drop`` (then said, with that value)."""
     largest, first = 0.0, ""
     for n in range(spec.layers):
-        if spec.sparse(n):
+        if spec.sparse(n) and MOE_BIAS.format(n) in keys:
             key = MOE_BIAS.format(n)
             value = read_rows(Source(None, key), 0, spec.experts).abs().max().item()
             first = first or (key if value else "")
@@ -53,4 +54,6 @@ def check_expert_bias(read_rows: Callable[[Source, int, int], torch.Tensor], spe
     if largest:
         return [f"dropped the trained expert_bias_E ({DROP_FLAG}; largest |value| {largest:.3g}): the model written "
                 "routes without TorchTitan's balancing bias"]
+    if not any(MOE_BIAS.format(n) in keys for n in range(spec.layers)):
+        return ["no expert_bias_E (a run without TorchTitan's load balancing): no routing bias to carry"]
     return ["expert_bias_E: zeros in every sparse layer (no routing bias to carry), dropped"]

@@ -128,7 +128,8 @@ def _by_titan() -> dict[str, NameRule]:
 
 
 def titan_name(hf_key: str) -> str:
-    """TorchTitan's name of an HF parameter (KeyError for one TorchTitan does not keep)."""
+    """TorchTitan's name of an HF parameter (KeyError for one TorchTitan does not keep, and for an expert or router:
+    TorchTitan stacks those, see :func:`moe_params`)."""
     pattern, layer = _pattern(hf_key)
     rule = _by_hf()[pattern]
     return rule.titan if layer is None else rule.titan.format(layer)
