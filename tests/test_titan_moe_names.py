@@ -78,6 +78,23 @@ def test_the_names_shapes_and_order_are_torchtitans(moe_hf):
     assert "layers.0.moe.expert_bias_E" not in trained and "layers.0.moe.routed_experts.inner_experts.w2_EDF" in trained
 
 
+def test_decoder_sparse_step_chooses_the_moe_layers_as_qwen3moe_does():
+    """Qwen3MoeDecoderLayer routes layer n when n is not in mlp_only_layers and (n + 1) % decoder_sparse_step == 0:
+    with step 2 and layer 3 listed, only layer 1 is sparse (names and the generated config's layers)."""
+    from ckptconv.titan.config_file import config_module
+
+    spec = ModelSpec.from_config({"model_type": "qwen3_moe", "hidden_size": 16, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 32,
+                                  "moe_intermediate_size": 24, "num_experts": E, "num_experts_per_tok": 2,
+                                  "vocab_size": 64, "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                  "mlp_only_layers": [3], "norm_topk_prob": False})
+    keys = [p.key for p in titan_params(spec)]
+    assert [n for n in range(4) if f"layers.{n}.moe.router.gate.weight" in keys] == [1]
+    assert [n for n in range(4) if f"layers.{n}.feed_forward.w1.weight" in keys] == [0, 2, 3]
+    text = config_module(spec, None, what="a test")
+    assert "sparse = (1,)" in text and "route_norm = False" in text and "hidden_dim=32" in text
+
+
 def expected_moe(hf: Path) -> dict[str, torch.Tensor]:
     """Each sparse layer's TorchTitan tensors from the HF per-expert file, by hand."""
     state, out = hf_state(hf), {}
@@ -157,7 +174,7 @@ def test_a_trained_expert_bias_is_refused_unless_dropped(moe_hf, tmp_path):
     assert all(torch.equal(before[k], again[k]) for k in before)
 
 
-def test_mixtral_is_refused_naming_why(tmp_path, capsys):
+def test_mixtral_is_refused_naming_why(moe_hf, tmp_path, capsys):
     import transformers
 
     config = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=E,
@@ -174,6 +191,10 @@ def test_mixtral_is_refused_naming_why(tmp_path, capsys):
             "model upstream (no TorchTitan module would load or train its block_sparse_moe experts); the families it "
             "has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
         assert not (tmp_path / "dcp").exists()
+    ckptconv.to_dcp(moe_hf, tmp_path / "qwen-dcp", options=QUIET)
+    with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mixtral"):  # nor back under its config
+        ckptconv.from_dcp(tmp_path / "qwen-dcp", tmp_path / "back", config=tmp_path / "hf" / "config.json",
+                          options=QUIET)
 
 
 def test_an_ep2_training_tags_adamw_state_lands_on_each_expert_and_comes_back(tmp_path):
