@@ -429,8 +429,8 @@ def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece
     :func:`ckptconv.titan.plans.titan_tiles` for TorchTitan tensors).
 
     A tile of dim ``None`` is the whole HF tensor under another name (or one slab of a stacked one): any range
-    of it, along any dim, is the same range there. Rows permuted in periods (``row_perm``, on the piece or on the tile) are
-    kept; a period never straddles two pieces (they are whole heads).
+    of it, along any dim, is the same range there. Rows permuted in periods (``row_perm``, on the piece or on
+    the tile) are kept; a period never straddles two pieces (they are whole heads).
     """
     pieces: list[Piece] = []
     for piece in tensor.pieces:
