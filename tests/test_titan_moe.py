@@ -112,8 +112,8 @@ def test_titans_qwen3_moe_loads_the_dcp_and_computes_transformers_logits(tmp_pat
 
 def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(moe_hf, tmp_path):
     """TorchTitan trains one step (its AdamW; its full checkpoint), from-dcp makes an nxdtrain tag at tp 2 x ep 2
-    (experts split over I, gate/up stride 2, two experts per ep rank), to-dcp writes it back: a fresh TorchTitan model and optimizer load it with every
-    expert's moments equal to TorchTitan's own, value for value."""
+    (experts split over I, gate/up stride 2, two experts per ep rank), to-dcp writes it back: a fresh TorchTitan
+    model and optimizer load it with every expert's moments equal to TorchTitan's own, value for value."""
     ckptconv.to_dcp(moe_hf, tmp_path / "dcp0", options=QUIET)
     model = load(generated_model(tmp_path / "dcp0"), tmp_path / "dcp0", tmp_path / "ck0")
     ck, optimizers, schedulers = manager(model, tmp_path / "ck", interval=1)

@@ -192,7 +192,8 @@ def test_mixtral_is_refused_naming_why(moe_hf, tmp_path, capsys):
             "has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
         assert not (tmp_path / "dcp").exists()
     ckptconv.to_dcp(moe_hf, tmp_path / "qwen-dcp", options=QUIET)
-    with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mixtral"):  # nor back under its config
+    # nor back, under its config
+    with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mixtral"):
         ckptconv.from_dcp(tmp_path / "qwen-dcp", tmp_path / "back", config=tmp_path / "hf" / "config.json",
                           options=QUIET)
 
@@ -220,7 +221,8 @@ def test_an_ep2_training_tags_adamw_state_lands_on_each_expert_and_comes_back(tm
         for key, name in (("w1_EFD", "gate_proj"), ("w2_EDF", "down_proj"), ("w3_EFD", "up_proj")):
             for component in ("exp_avg", "exp_avg_sq"):
                 want = torch.stack([state_of(state[f"{p}experts.{e}.{name}.weight"])[component] for e in range(E)])
-                assert torch.equal(loaded[f"optimizer.state.{W.format(layer)}{key}.{component}"], want), (key, component)
+                got = loaded[f"optimizer.state.{W.format(layer)}{key}.{component}"]
+                assert torch.equal(got, want), (key, component)
         router = loaded[f"optimizer.state.layers.{layer}.moe.router.gate.weight.exp_avg"]
         assert torch.equal(router, state_of(state[p + "gate.weight"])["exp_avg"])
         assert loaded[f"optimizer.state.{W.format(layer)}w1_EFD.step"].item() == STEP

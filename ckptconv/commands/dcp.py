@@ -1,8 +1,8 @@
 """``to_dcp`` and ``from_dcp``: TorchTitan's DCP checkpoints from and to HF or NxD, through the one executor.
 
 ``to_dcp`` writes the model in TorchTitan's llama3 or qwen3 (dense or MoE) layout (pinned:
-``titan_names.TITAN_VERSION``), loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its AdamW state, schedule
-position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
+``titan_names.TITAN_VERSION``), loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its
+AdamW state, schedule position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
 checkpoint's model back to HF safetensors or to NxD shards at any layout, and a full checkpoint's
 state into an nxdtrain training tag (``plan_dcp.plan_dcp_to_tag``).
 
