@@ -83,7 +83,7 @@ $(TITAN_STAMP): pyproject.toml Makefile
 	touch $(TITAN_STAMP)
 
 # The main lane collects test_titan.py and skips it (no torchtitan there).
-TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py tests/test_titan_trainer.py
+TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py tests/test_titan_trainer.py tests/test_titan_moe.py tests/test_titan_moe_trainer.py
 # the TorchTitan lane: TorchTitan's own code loads what to-dcp writes
 test-titan: setup-titan
 	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)
@@ -92,7 +92,7 @@ test-titan: setup-titan
 demo: setup
 	$(BIN)/python examples/demo.py demo-out
 
-# conversion throughput against cp, CPU s/GB and peak memory (70B and 8B shapes)
+# conversion throughput against cp, CPU s/GB and peak memory (70B, 8B and Mixtral-8x7B shapes)
 bench: setup
 	$(BIN)/python benchmarks/run.py
 

@@ -12,6 +12,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --checked-reads [--repeat N] [--layers L]   # to-hf with and without --no-check
     python benchmarks/run.py --only-8b [--repeat N]                      # the 8B rows alone (make bench-8b)
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
+    python benchmarks/run.py --moe [--layers L] [--repeat N]   # Mixtral-8x7B shapes: to-nxd and reshard across ep
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe import moe_rows  # noqa: E402
 from synth import write_model  # noqa: E402
 
 OUT = Path("bench-out")
@@ -222,11 +224,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each 70B case (median reported)")
     parser.add_argument("--checked-reads", action="store_true",
                         help="only the cost of checked reads: to-hf of the 70B case with and without --no-check")
-    parser.add_argument("--layers", type=int, default=2, help="layers of the 70B model for --checked-reads")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the 70B model for --checked-reads, of the Mixtral model for --moe")
     parser.add_argument("--dcp", action="store_true", help="only to-dcp / from-dcp of the 70B shapes (4 layers)")
     parser.add_argument("--only-8b", action="store_true", help="only the 8B rows, each run --repeat times")
+    parser.add_argument("--moe", action="store_true", help="only the Mixtral-8x7B-shaped rows (--layers layers)")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
+    if args.moe:
+        moe, notes = moe_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
+        print(text := table(moe, []) + "\n\n" + "\n".join(notes))
+        (OUT / "moe.md").write_text(text + "\n")
+        return
     if args.only_8b:
         started = time.perf_counter()
         text = table(small_rows("8b", 8, args.repeat), [])
@@ -260,6 +268,7 @@ def main() -> None:
     rows += dcp_rows(l70, f"{big} x{layers} layers", args.repeat)
 
     rows += small_rows(small, 2 if args.quick else 8, repeat=1)
+    rows += moe_rows(OUT, convert, CPU_SECONDS, 1 if args.quick else 2, repeat=1)[0]
 
     rss_rows: list[tuple[str, int]] = []
     for n_layers in ((2, 4) if args.quick else (2, 8)):

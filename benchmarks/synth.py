@@ -1,4 +1,5 @@
-"""Synthetic HF Llama checkpoints in real shapes (Llama-3-8B / -70B dimensions, any layer count).
+"""Synthetic HF Llama checkpoints in real shapes (Llama-3-8B / -70B dimensions, any layer count); any other family
+from its config (``write_config``: benchmarks/moe.py's Mixtral).
 
 Written as a sharded safetensors directory with ``config.json`` and ``model.safetensors.index.json``,
 tensor by tensor through the streaming writer, so generating a 20 GB model needs little memory.
@@ -48,7 +49,12 @@ def _fill(writer: SafetensorsWriter, key: str, nbytes: int, rng: np.random.Gener
 
 def write_model(out: Path, shape: str, layers: int, seed: int = 0, vocab: int | None = None) -> int:
     """Write the model; return its weight bytes."""
-    config = config_for(shape, layers, vocab)
+    return write_config(out, config_for(shape, layers, vocab), seed)
+
+
+def write_config(out: Path, config: dict, seed: int = 0) -> int:
+    """Write a model of any family ckptconv knows (a mixture of experts too) from its HF ``config``; return its
+    weight bytes."""
     shapes = hf_shapes(ModelSpec.from_config(config), with_inv_freq=False)
     out.mkdir(parents=True, exist_ok=True)
     groups: list[list[str]] = [[]]

@@ -49,7 +49,7 @@ def test_flag_sets_are_pinned():
                                                             "--min-lr", "--warmup", "--decay-steps"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check", "--weights-only",
-                                                              "--consumed-samples"}
+                                                              "--consumed-samples", "--drop-expert-bias"}
     assert flags("inspect") == {"--config", "--json", "--revision", "--no-check", "--masters", "--no-masters"}
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {

@@ -893,7 +893,7 @@ def test_qwen3_goes_to_titans_qwen3_and_back_bit_exact_and_other_families_are_re
     assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
     mistral = tiny_models("dcp-mistral", model_type="mistral", layers=1, seed=12)
     with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mistral \(model_type 'mistral'\); "
-                                              r"the families it has: llama \(llama3\), qwen3 \(qwen3\)"):
+                                              r"the families it has: llama \(llama3\), qwen3 \(qwen3\), qwen3_moe \(qwen3\)"):
         ckptconv.to_dcp(mistral, tmp_path / "mistral", options=QUIET)
     assert not (tmp_path / "mistral").exists()
 

@@ -210,7 +210,7 @@ def test_torchtitan_dcp_is_refused_for_other_families(family_models, tiny_models
     """to-dcp from HF or from NxD shards, and from-dcp under the family's config: one line naming the family and
     the families TorchTitan has."""
     message = (f"TorchTitan 0.3.0 has no model for {NAMES[family]} (model_type '{family}'); the families it has: "
-               "llama (llama3), qwen3 (qwen3)")
+               "llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
     src = family_models(family)
     nxd = convert(src, tmp_path / "nxd", tp=2, attention="qkv_linear")
     capsys.readouterr()  # transformers' save_pretrained progress bar

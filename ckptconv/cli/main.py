@@ -249,6 +249,9 @@ def _from_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--consumed-samples", type=int, default=None, metavar="N",
                    help="--to nxd of a full checkpoint: the tag's data position (nxdtrain continues at row N; "
                         "default 0: TorchTitan's data loader position is not carried)")
+    p.add_argument("--drop-expert-bias", action="store_true",
+                   help="Qwen3-MoE: write the model without the routing bias TorchTitan's load balancing trained "
+                        "(expert_bias_E; HF has none; without this flag a non-zero bias is refused)")
     _run_flags(p)
 
 
@@ -361,7 +364,8 @@ def _run_from_dcp(args: argparse.Namespace) -> Any:
     return from_dcp(args.src, args.out, to=args.to, config=args.config, layout=layout,
                     flavour=None if args.xser is None else _flavour(args.xser), dtype=args.dtype,
                     max_shard_size=args.max_shard_size, weights_only=args.weights_only,
-                    consumed_samples=args.consumed_samples, options=options)
+                    consumed_samples=args.consumed_samples, drop_expert_bias=args.drop_expert_bias,
+                    options=options)
 
 
 def _run_verify(args: argparse.Namespace) -> Any:

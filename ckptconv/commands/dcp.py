@@ -1,8 +1,8 @@
 """``to_dcp`` and ``from_dcp``: TorchTitan's DCP checkpoints from and to HF or NxD, through the one executor.
 
-``to_dcp`` writes the model in TorchTitan's llama3 layout (pinned: ``titan_names.TITAN_VERSION``),
-loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its AdamW state, schedule
-position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
+``to_dcp`` writes the model in TorchTitan's llama3 or qwen3 (dense or MoE) layout (pinned:
+``titan_names.TITAN_VERSION``), loadable with ``checkpoint.initial_load_path=OUT``, and of a training tag its
+AdamW state, schedule position and step (``plan_dcp.plan_titan_optimizer``, ``titan_state``); ``from_dcp`` reads a TorchTitan
 checkpoint's model back to HF safetensors or to NxD shards at any layout, and a full checkpoint's
 state into an nxdtrain training tag (``plan_dcp.plan_dcp_to_tag``).
 
@@ -44,6 +44,7 @@ from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.nxd import model_spec_of, open_nxd
 from ckptconv.titan.config_file import CONFIG_FILE, TitanRun, config_module, run_command
+from ckptconv.titan.experts import bias_note, check_expert_bias
 from ckptconv.titan.export import TitanState, open_training, refuse_flags_without_state, titan_state
 from ckptconv.titan.names import (
     LR_SCHEDULER_KEYS,
@@ -161,6 +162,7 @@ def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: 
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
+        notes += bias_note(hf.spec)
         _model_only(notes, out, "an HF model holds no optimizer state")
         plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
         identity = fingerprint("dcp", titan_record(hf.spec), dtype, max_file_size, file_identity(hf.weight_files()))
@@ -181,6 +183,7 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
     with ckpt, contextlib.ExitStack() as stack:
         titan_model(spec)  # a family TorchTitan has no model for: refused before the tag's state is opened
         training = None if weights_only else open_training(ckpt, spec, layout, with_inv_freq, io=options.io)
+        read_notes += bias_note(spec)
         if training is not None:
             stack.enter_context(training)
         else:
@@ -270,7 +273,8 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, .
         if entry.dtype is None or entry.size != expected[key]:
             found = "a value" if entry.dtype is None else f"shape {list(entry.size)}"
             raise ConversionError(f"{where}: {key!r} is {found}; the config implies shape {list(expected[key])}")
-    missing = [k for k in expected if k not in ckpt.entries]
+    buffers = {p.key for p in titan_params(spec) if p.buffer}  # a run without load balancing has no expert_bias_E
+    missing = [k for k in expected if k not in ckpt.entries and k not in buffers]
     if missing:
         raise ConversionError(f"{where}: missing model key {missing[0]!r} ({len(missing)} missing); "
                               f"not a TorchTitan {titan_model(spec).name} checkpoint of this config")
@@ -313,6 +317,7 @@ def from_dcp(
     tp: int | None = None,
     pp: int | None = None,
     vpp: int | None = None,
+    ep: int | None = None,
     kv_size_multiplier: int | None = None,
     attention: str | Attention | None = None,
     fuse_qkv: bool | None = None,
@@ -324,6 +329,7 @@ def from_dcp(
     max_shard_size: int = 5 * 10**9,
     weights_only: bool = False,
     consumed_samples: int | None = None,
+    drop_expert_bias: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """A TorchTitan DCP checkpoint's model (``src``: a step directory, or a checkpoint folder: its
@@ -334,11 +340,14 @@ def from_dcp(
     pp 1; the kv multiplier not given is what tp needs.
 
     To NxD, a full checkpoint (with TorchTitan's AdamW state) becomes an nxdtrain training tag (unless
-    ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position."""
+    ``weights_only``): shards, optimizer files, step, and ``consumed_samples`` as its data position.
+
+    A Qwen3-MoE's ``expert_bias_E`` (TorchTitan's routing bias; HF has none) is dropped when zero; a trained one is
+    refused unless ``drop_expert_bias`` (:mod:`ckptconv.titan.experts`)."""
     run = Run("from-dcp", options)
     options, notes = run.options, run.notes
     out = Path(out)
-    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, kv_size_multiplier=kv_size_multiplier,
+    flags = with_api_kwargs(layout, tp=tp, pp=pp, vpp=vpp, ep=ep, kv_size_multiplier=kv_size_multiplier,
                             attention=attention, fuse_qkv=fuse_qkv, hw_backend=hw_backend,
                             trn2_kv_layout=trn2_kv_layout)
     _check_from_dcp(to, flags, flavour, weights_only, consumed_samples)
@@ -346,6 +355,8 @@ def from_dcp(
     ckpt, spec, dcp_notes = open_dcp(src, config=config, io=options.io, check=options.check, carried=carried)
     notes += dcp_notes
     with ckpt:  # the notes go into the result, printed once at the end (a refusal comes before any advice)
+        notes += check_expert_bias(ckpt.read_rows, set(ckpt.keys()), spec, str(ckpt.root / DCP_METADATA),
+                                   drop=drop_expert_bias)
         kept = kept_hf_files(ckpt.root, notes, into="" if to == "hf" else f"{HF_FILES_DIR}/",
                               skip=CONFIG if to == "hf" else "")
         if to == "hf":

@@ -428,9 +428,9 @@ def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece
     """``tensor`` read from where its HF sources lie (``tiles``: see :func:`hf_sources` for shards,
     :func:`ckptconv.titan.plans.titan_tiles` for TorchTitan tensors).
 
-    A tile of dim ``None`` is the whole HF tensor under another name: any range of it, along any dim,
-    is the same range there. Rows permuted in periods (``row_perm``, on the piece or on the tile) are
-    kept; a period never straddles two pieces (they are whole heads).
+    A tile of dim ``None`` is the whole HF tensor under another name (or one slab of a stacked one): any range
+    of it, along any dim, is the same range there. Rows permuted in periods (``row_perm``, on the piece or on
+    the tile) are kept; a period never straddles two pieces (they are whole heads).
     """
     pieces: list[Piece] = []
     for piece in tensor.pieces:
@@ -439,8 +439,9 @@ def compose(tensor: OutTensor, tiles: Mapping[str, tuple[int | None, tuple[Piece
             pieces.append(Piece(old_pieces[0].source, piece.start, piece.stop, zeros=True))
             continue
         if dim is None:
-            (whole,) = old_pieces
-            pieces.append(Piece(whole.source, piece.start, piece.stop, row_perm=piece.row_perm))
+            (whole,) = old_pieces  # a slab of a stacked tensor (TorchTitan's experts) is whole too
+            pieces.append(Piece(whole.source, piece.start, piece.stop, row_perm=piece.row_perm, slab=whole.slab,
+                                transposed=whole.transposed))
             continue
         if dim != tensor.dim:
             raise AssertionError(f"{tensor.key}: split along dim {tensor.dim} but stored along {dim}")

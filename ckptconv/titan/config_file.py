@@ -9,8 +9,8 @@ schedule (:class:`~ckptconv.titan.state.TitanSchedule`), and the checkpoint bloc
 state. What ckptconv cannot know (data, tokenizer, batch, parallelism) are the ``SET`` names at the top.
 
 The model comes from the same family table that names the DCP's tensors (:func:`ckptconv.titan.names.titan_model`):
-the module builds TorchTitan's own layers (``_build_llama3_layers``/``_build_qwen3_layers``, the functions its
-presets use), never a preset, so a Llama-3.2 RoPE factor 32 or a Llama-3.0 without scaling is what runs.
+the module builds TorchTitan's own layers (``_build_llama3_layers``/``_build_qwen3_layers``, and for Qwen3-MoE
+``_build_qwen3_moe_layers`` for the sparse layers, the functions its presets use), never a preset, so a Llama-3.2 RoPE factor 32 or a Llama-3.0 without scaling is what runs.
 
     >>> titan_rope({"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
     ...             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
@@ -72,6 +72,30 @@ class TitanRun:
     comments: tuple[str, ...] = ()  # what has no TorchTitan equivalent (written as comments)
 
 
+def _layer_lines(spec: ModelSpec, build: str, head_dim: str) -> list[str]:
+    """The ``layers`` of ``model_config()``: TorchTitan's dense builder, and for a mixture of experts its MoE builder
+    for the sparse layers (those the HF config routes: ``mlp_only_layers``, ``decoder_sparse_step``)."""
+    common = (f"n_layers={spec.layers}, dim=dim, n_heads={spec.heads}, n_kv_heads={spec.kv_heads}, {head_dim}"
+              "fuse_qkv=True, attn_backend=ATTN_BACKEND, rope=rope")
+    dense = f"{build}({common}, hidden_dim={spec.intermediate})"
+    if not spec.experts:
+        return [f"    layers = {dense}"]
+    moe = spec.family.moe
+    assert moe is not None
+    sparse = [n for n in range(spec.layers) if spec.sparse(n)]
+    aux = spec.config.get("router_aux_loss_coef")
+    return [f"    dense = {dense}" if len(sparse) < spec.layers else "    dense = None  # every layer is sparse",
+            f"    moe = _build_qwen3_moe_layers({common}, moe_hidden_dim={spec.expert_intermediate}, "
+            f"num_experts={spec.experts}, top_k={spec.top_k}, moe_comm_backend=MOE_COMM_BACKEND)",
+            f"    sparse = {tuple(sparse)!r}  # the HF config's sparse layers (mlp_only_layers, decoder_sparse_step)",
+            "    layers = [moe[n] if n in sparse else dense[n] for n in range(len(moe))]",
+            "    for n in sparse:  # the HF router's renormalization of the top-k weights (norm_topk_prob)",
+            f"        layers[n].moe.router.route_norm = {moe.norm_topk(spec.config)!r}",
+            "    # expert_bias_E (zeros in the DCP) is TorchTitan's auxiliary-loss-free load balancing (its",
+            "    # load_balance_coeff 1e-3): it replaces the source's router aux loss"
+            + (f" (router_aux_loss_coef {aux!r})" if aux is not None else "")]
+
+
 def _model_lines(spec: ModelSpec) -> list[str]:
     """``model_config()``: TorchTitan's model config of ``spec`` built with its own layer builders."""
     model = titan_model(spec)
@@ -90,8 +114,7 @@ def _model_lines(spec: ModelSpec) -> list[str]:
         f'    """TorchTitan\'s {model.name} for the HF config this DCP was written from (hf/config.json)."""',
         f"    dim, vocab, eps = {spec.hidden}, {spec.vocab}, {eps!r}",
         f"    rope = {rope_cls}.Config(dim={spec.head_dim}, max_seq_len=max(SEQ_LEN, {max_pos}), {rope_args})",
-        f"    layers = {build}(n_layers={spec.layers}, dim=dim, n_heads={spec.heads}, n_kv_heads={spec.kv_heads}, "
-        f"{head_dim}hidden_dim={spec.intermediate}, fuse_qkv=True, attn_backend=ATTN_BACKEND, rope=rope)",
+        *_layer_lines(spec, build, head_dim),
         "    for layer in layers:  # the HF config's norm eps (the builders' default may differ)",
         "        for norm in (layer.attention_norm, layer.ffn_norm, getattr(layer.attention, 'qk_norm', None)):",
         "            if norm is not None:",
@@ -169,7 +192,7 @@ SEQ_LEN = {seq_len!r}                 # SET{seq_note}
 STEPS = {steps!r}                   # training.steps: the step TorchTitan stops at{steps_note}
 DATA_PARALLEL_SHARD_DEGREE = -1  # SET: parallelism (FSDP over all ranks by default)
 TENSOR_PARALLEL_DEGREE = 1       # SET
-ATTN_BACKEND = "flex"            # TorchTitan's attention backend: flex, flex_flash or varlen
+ATTN_BACKEND = "flex"            # TorchTitan's attention backend: flex, flex_flash or varlen{moe_set}
 MIXED_PRECISION_PARAM = "bfloat16"  # FSDP's compute dtype ("float32" computes in fp32)
 DUMP_FOLDER = "./outputs"       # where TorchTitan writes its own checkpoints
 INITIAL_LOAD_PATH = HERE
@@ -227,7 +250,10 @@ def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
         "excluded (TorchTitan's loader starts its data from the beginning)",
         rope_cls="ComplexRoPE" if model.complex_rope else "CosSinRoPE", model=model.name,
         model_cls="Qwen3Model" if is_qwen else "Llama3Model",
-        build="_build_qwen3_layers" if is_qwen else "_build_llama3_layers", seq_len=seq_len,
+        build=("_build_qwen3_layers" if is_qwen else "_build_llama3_layers")
+        + (", _build_qwen3_moe_layers" if spec.experts else ""), seq_len=seq_len,
+        moe_set='\nMOE_COMM_BACKEND = "standard"     # SET: the experts\' token dispatch (standard, deepep, ...)'
+        if spec.experts else "",
         seq_note="" if run is None or not run.seq_len else " (the source run's)",
         steps=run.total_steps if run is not None else 1000,
         steps_note=" (the source schedule's total steps)" if run is not None else " SET")

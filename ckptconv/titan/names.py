@@ -4,8 +4,12 @@ TorchTitan (pinned: :data:`TITAN_VERSION`) saves a Llama model (its ``llama3``) 
 and that model's complex RoPE rotates interleaved row pairs ``(2i, 2i+1)`` of each q/k head where HF rotates
 ``(i, i + head_dim/2)``: so q and k rows are permuted head by head (the inverse of the permutation
 in HF's conversion script). Its ``qwen3`` (Qwen3 dense: the same names plus ``attention.q_norm``/``k_norm``)
-rotates halves with its cos/sin RoPE, as HF does: no rows move. Nothing here is specific to weights: a rule
-maps *any* per-parameter tensor whose rows are the parameter's rows (an AdamW moment, an fp32 master) the same way.
+rotates halves with its cos/sin RoPE, as HF does: no rows move. Its ``qwen3`` MoE (Qwen3-MoE) replaces a sparse
+layer's ``feed_forward`` by ``moe``: the experts stacked in HF orientation (``w1_EFD``/``w3_EFD`` ``[E, I, H]``: gate,
+up; ``w2_EDF`` ``[E, H, I]``: down), the router ``moe.router.gate.weight`` ``[E, H]`` and the fp32 buffer
+``moe.expert_bias_E`` ``[E]`` of its auxiliary-loss-free load balancing (no HF counterpart: written as zeros, see
+:func:`moe_params`). Nothing here is specific to weights: a rule maps *any* per-parameter tensor whose rows are
+the parameter's rows (an AdamW moment, an fp32 master) the same way.
 
     >>> titan_name("model.layers.3.mlp.down_proj.weight")
     'layers.3.feed_forward.w2.weight'
@@ -75,7 +79,11 @@ LAYER_RULES = (
 GLOBAL_TAIL = (NameRule("model.norm.weight", "norm.weight"), NameRule(LM_HEAD, "lm_head.weight"))
 # The families TorchTitan has a model for (by HF model_type), and that model.
 TITAN_MODELS = {"llama": TitanModel("llama3", complex_rope=True),
-                "qwen3": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms())}
+                "qwen3": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
+                "qwen3_moe": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms())}
+# Why a family with experts has no TorchTitan model (its MoE models upstream: qwen3, deepseek_v3, gpt_oss, ...).
+NO_TITAN_MOE = {"mixtral": ": there is no Mixtral model upstream (no TorchTitan module would load or train its "
+                           "block_sparse_moe experts)"}
 
 
 def titan_model(spec: ModelSpec) -> TitanModel:
@@ -83,8 +91,9 @@ def titan_model(spec: ModelSpec) -> TitanModel:
     model = TITAN_MODELS.get(spec.family.model_type)
     if model is None:
         has = ", ".join(f"{t} ({m.name})" for t, m in TITAN_MODELS.items())
+        why = NO_TITAN_MOE.get(spec.family.model_type, "")
         raise ConversionError(f"TorchTitan {TITAN_VERSION} has no model for {spec.family.name} (model_type "
-                              f"{spec.family.model_type!r}); the families it has: {has}")
+                              f"{spec.family.model_type!r}){why}; the families it has: {has}")
     return model
 
 
@@ -119,7 +128,8 @@ def _by_titan() -> dict[str, NameRule]:
 
 
 def titan_name(hf_key: str) -> str:
-    """TorchTitan's name of an HF parameter (KeyError for one TorchTitan does not keep)."""
+    """TorchTitan's name of an HF parameter (KeyError for one TorchTitan does not keep, and for an expert or router:
+    TorchTitan stacks those, see :func:`moe_params`)."""
     pattern, layer = _pattern(hf_key)
     rule = _by_hf()[pattern]
     return rule.titan if layer is None else rule.titan.format(layer)
@@ -166,29 +176,72 @@ class TitanPiece:
     start: int
     stop: int
     rope: bool = False
+    zeros: bool = False  # zeros (``hf_key`` only names a tensor of the model): a buffer HF has no counterpart of
 
 
 @dataclass(frozen=True)
 class TitanParam:
-    """One TorchTitan tensor: its key, shape, and the HF rows it is made of, in order."""
+    """One TorchTitan tensor: its key, shape, and the HF ranges (along ``dim``) it is made of, in order.
+
+    ``slabs`` > 0: stacked experts, one HF tensor per slab (slab ``e`` is expert ``e``'s HF matrix, same orientation).
+    ``buffer``: a model buffer, not a parameter (no optimizer state), fp32 zeros.
+    """
 
     key: str
     shape: tuple[int, ...]
     pieces: tuple[TitanPiece, ...]
+    dim: int = 0
+    slabs: int = 0
+    buffer: bool = False
+
+
+# TorchTitan 0.3.0's MoE block of a sparse layer (torchtitan/models/common/moe.py: MoE, GroupedExperts, its router)
+MOE_BIAS = "layers.{}.moe.expert_bias_E"
+MOE_W1 = "layers.{}.moe.routed_experts.inner_experts.w1_EFD"
+MOE_W2 = "layers.{}.moe.routed_experts.inner_experts.w2_EDF"
+MOE_W3 = "layers.{}.moe.routed_experts.inner_experts.w3_EFD"
+MOE_ROUTER = "layers.{}.moe.router.gate.weight"
+_FEED_FORWARD = "layers.{}.feed_forward."
+
+
+def moe_params(spec: ModelSpec, layer: int) -> list[TitanParam]:
+    """The MoE block of sparse ``layer`` in TorchTitan's state_dict order: ``expert_bias_E`` (fp32 zeros: the
+    buffer of TorchTitan's bias balancing, which HF has no counterpart of), ``w1_EFD``/``w2_EDF``/``w3_EFD`` (each
+    expert's HF gate/down/up stacked, HF orientation), the router."""
+    moe = spec.family.moe
+    assert moe is not None, f"moe_params of {spec.family.name}"
+    prefix, e_, i, h = f"model.layers.{layer}.", spec.experts, spec.expert_intermediate, spec.hidden
+    experts = [tuple(prefix + n for n in moe.names.of(e)) for e in range(e_)]
+    router = prefix + moe.names.router
+
+    def stacked(key: str, part: int, shape: tuple[int, int, int], dim: int) -> TitanParam:
+        return TitanParam(key.format(layer), shape, tuple(TitanPiece(x[part], 0, i) for x in experts), dim, e_)
+
+    return [TitanParam(MOE_BIAS.format(layer), (e_,), (TitanPiece(router, 0, e_, zeros=True),), buffer=True),
+            stacked(MOE_W1, 0, (e_, i, h), 0), stacked(MOE_W2, 2, (e_, h, i), 1), stacked(MOE_W3, 1, (e_, i, h), 0),
+            TitanParam(MOE_ROUTER.format(layer), (e_, h), (TitanPiece(router, 0, e_),))]
 
 
 def titan_params(spec: ModelSpec) -> list[TitanParam]:
     """The model keys TorchTitan's model of the family (:func:`titan_model`) saves for ``spec``, in its
-    state_dict order.
+    state_dict order (a sparse layer's MoE block, :func:`moe_params`, in the slot of ``feed_forward``).
 
     A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
     names in TorchTitan; two copies in DCP), both from HF's embedding.
     """
     shapes = hf_shapes(spec, with_inv_freq=False)
-    rules = [*GLOBAL_HEAD, *(NameRule(r.hf.format(n), r.titan.format(n), r.rope)
-                             for n in range(spec.layers) for r in layer_rules(titan_model(spec))), *GLOBAL_TAIL]
+    rules: list[NameRule | TitanParam] = [*GLOBAL_HEAD]
+    for n in range(spec.layers):
+        for r in layer_rules(titan_model(spec)):
+            if spec.sparse(n) and r.titan.startswith(_FEED_FORWARD):
+                rules += moe_params(spec, n) if r.titan.endswith("w1.weight") else []
+            else:
+                rules.append(NameRule(r.hf.format(n), r.titan.format(n), r.rope))
     out = []
-    for rule in rules:
+    for rule in [*rules, *GLOBAL_TAIL]:
+        if isinstance(rule, TitanParam):
+            out.append(rule)
+            continue
         source = EMBED if rule.hf == LM_HEAD and spec.tied else rule.hf
         shape = shapes[source]
         out.append(TitanParam(rule.titan, shape, (TitanPiece(source, 0, shape[0], rule.rope),)))
@@ -225,10 +278,11 @@ TRAIN_STATE_KEYS = ("train_state.step", "train_state.ntokens_seen")
 
 def trained_params(spec: ModelSpec) -> list[TitanParam]:
     """The parameters TorchTitan's optimizer state is keyed by, in its order: the model's, with q/k/v
-    as the fused ``wqkv`` (:func:`fused_qkv_param`) and no ``lm_head`` when tied (it is the embedding)."""
+    as the fused ``wqkv`` (:func:`fused_qkv_param`), no ``lm_head`` when tied (it is the embedding) and no
+    buffer (``expert_bias_E``)."""
     out = []
     for param in titan_params(spec):
-        if spec.tied and param.key == "lm_head.weight":
+        if (spec.tied and param.key == "lm_head.weight") or param.buffer:
             continue
         m = _LAYER.search(param.key)
         if m is not None and param.key.endswith(("wq.weight", "wk.weight", "wv.weight")):

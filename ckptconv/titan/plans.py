@@ -45,7 +45,6 @@ from ckptconv.titan.names import (
     inverse_rows,
     optimizer_key,
     rope_rows,
-    titan_name,
     titan_params,
     trained_params,
 )
@@ -56,10 +55,13 @@ Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
 def titan_tensor(param: TitanParam, spec: ModelSpec, dtype: torch.dtype, *, key: str | None = None,
                  source_of: Callable[[str], Source] = lambda hf_key: Source(None, hf_key)) -> OutTensor:
-    """One TorchTitan tensor (under ``key``, default its parameter name) from HF-keyed sources."""
+    """One TorchTitan tensor (under ``key``, default its parameter name) from HF-keyed sources (stacked experts
+    slab by slab; a buffer fp32 zeros)."""
     perm = rope_rows(spec.head_dim)
-    pieces = tuple(Piece(source_of(p.hf_key), p.start, p.stop, row_perm=perm if p.rope else ()) for p in param.pieces)
-    return OutTensor(key or param.key, dtype, param.shape, 0, pieces)
+    pieces = tuple(Piece(source_of(p.hf_key), p.start, p.stop, row_perm=perm if p.rope else (), zeros=p.zeros)
+                   for p in param.pieces)
+    return OutTensor(key or param.key, torch.float32 if param.buffer else dtype, param.shape, param.dim, pieces,
+                     slabs=param.slabs)
 
 
 def plan_to_dcp(
@@ -106,9 +108,10 @@ def plan_titan_optimizer(spec: ModelSpec, tiles: Tiles, optim: OptimizerSource) 
 
 
 def _from_shards(tensor: OutTensor, tiles: Tiles) -> OutTensor:
-    """``tensor`` read from NxD shards; a whole tensor the shards split by columns is read by columns."""
+    """``tensor`` read from NxD shards; a whole tensor the shards split by columns is read by columns (stacked
+    experts are planned along the dim their shards split)."""
     dims = {tiles[p.source.key][0] for p in tensor.pieces}
-    if dims == {1}:
+    if dims == {1} and not tensor.slabs:
         (piece,) = tensor.pieces
         if piece.row_perm or (piece.start, piece.stop) != (0, tensor.shape[0]):
             raise AssertionError(f"{tensor.key}: only whole, unpermuted tensors are read by columns")
@@ -139,6 +142,12 @@ def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
     ranges: dict[str, list[tuple[int, Piece]]] = {}
     whole: dict[str, Piece] = {}
     for param in params:
+        if param.buffer:
+            continue  # no HF tensor comes from it
+        if param.slabs:  # stacked experts: each HF tensor is one whole slab
+            for e, p in enumerate(param.pieces):
+                whole.setdefault(p.hf_key, Piece(source_of(param.key), 0, p.stop - p.start, slab=e))
+            continue
         offset = 0
         for p in param.pieces:
             length = p.stop - p.start
@@ -156,7 +165,11 @@ def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
 
 def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
     """dtype of each HF key (no ``lm_head`` when tied) as the TorchTitan tensor it comes from stores it."""
-    return {key: dcp_dtypes[titan_name(key)] for key in hf_shapes(spec, with_inv_freq=False)}
+    held: dict[str, torch.dtype] = {}
+    for param in titan_params(spec):
+        for piece in () if param.buffer else param.pieces:
+            held.setdefault(piece.hf_key, dcp_dtypes[param.key])
+    return {key: held[key] for key in hf_shapes(spec, with_inv_freq=False)}
 
 
 def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
