@@ -445,11 +445,8 @@ def _refuse_ep_state(old: ParallelLayout, new: ParallelLayout, optimizer_format:
     ep = max(old.ep, new.ep)
     if ep == 1:
         return
-    why = ""
-    if optimizer_format == "nxd":
-        why = ("--optimizer-format nxd: NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer's merged expert "
-               "and non-expert state) are not written yet; write nxdtrain's format (the default)")
-    elif parted:
+    why = ""  # NxD's own EP files (--optimizer-format nxd): ckptconv.training.nxd_optimizer_ep_write refuses its cases
+    if parted:
         why = "--part: a training tag with ep > 1 is resharded by one process (run it without --part)"
     if why:
         training.optim.close()

@@ -39,6 +39,7 @@ from ckptconv.training.nxd_optimizer import NxdOptimizer
 from ckptconv.training.nxd_optimizer_files import MOMENTS
 from ckptconv.training.nxd_optimizer_ranks import PARAM_GROUP_RULES
 from ckptconv.training.nxd_tag_optimizer import STEP
+from ckptconv.training.optim_placement import shard_ranks
 from ckptconv.training.state import (
     MASTER,
     OptimizerSource,
@@ -85,7 +86,7 @@ def describe_rule(rule: str) -> str:
 def rule_of(optim: NxdOptimizer) -> str:
     """The param-group rule NxD's own tag was saved with (what its reader found), as a rule name: NxD's run
     that resumes it builds the same groups, so a rewrite keeps them unless told otherwise."""
-    if len(optim.groups()) == 1:
+    if len(optim.groups()) == (2 if optim.ep > 1 else 1):  # ep > 1: the non-expert groups, then the expert ones
         return "one"
     naming = optim.naming()
     return next(name for name, (description, _) in PARAM_GROUP_RULES.items() if description == naming)
@@ -380,12 +381,13 @@ def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
     optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
     with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
         for path, names in plan.names.items():
-            ranks = parse_shard_name(Path(path).name)
+            ranks = shard_ranks(Path(path).name)
             assert ranks is not None
-            found = optim.names(*ranks)
+            found = optim.names(ranks[1], ranks[2], ranks[0])
             if found != names:
                 first = next((i for i, (a, b) in enumerate(zip(found, names, strict=False)) if a != b), len(found))
-                raise ConversionError(f"{out}: read back, tp rank {ranks[0]} pp rank {ranks[1]}'s optimizer index {first} names "
+                at = f"tp rank {ranks[1]} pp rank {ranks[2]}" + (f" ep rank {ranks[0]}" if optim.ep > 1 else "")
+                raise ConversionError(f"{out}: read back, {at}'s optimizer index {first} names "
                                       f"{found[first] if first < len(found) else None!r}, written for "
                                       f"{names[first] if first < len(names) else None!r}")
         if optim.dp != plan.dp and plan.zero1:
