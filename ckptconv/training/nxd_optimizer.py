@@ -152,10 +152,10 @@ class NxdOptimizer:
         """Every (tp, pp) rank with optimizer state, from the file names (nothing is opened)."""
         return sorted(self._found or {key[:2] for key in self._ranks})
 
-    def parsed_ranks(self) -> list[tuple[int, int, int]]:
-        """The (tp, pp, ep) ranks whose files were opened and parsed so far."""
+    def parsed_ranks(self) -> list[tuple[int, int]]:
+        """The (tp, pp) ranks whose files were opened and parsed so far (at ep > 1 every ep rank's at once)."""
         with self._parse_lock:
-            return sorted(self._ranks)
+            return sorted({key[:2] for key in self._ranks})
 
     def load_all(self) -> NxdOptimizer:
         """Open and parse every rank's files now (what ``inspect`` describes and checks)."""

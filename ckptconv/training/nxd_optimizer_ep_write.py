@@ -37,6 +37,7 @@ from ckptconv.training.nxd_tag_optimizer import STEP
 from ckptconv.training.optim_placement import optimizer_ep_rank, optimizer_file, shard_ranks
 from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
 
+
 class _Part:
     """The parameters one of the two ZeRO-1 optimizers holds on a (tp, pp) rank: names in NxD's index order, their
     planned weights and state, the group size they are chunked over."""
@@ -143,9 +144,10 @@ def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, 
             tensors += entry.values()
             base_state[i] = {k: _meta(t) for k, t in entry.items()}
             shape_info[i] = list(weight.shape)
-    plain = (("ep_param_id_offset", 1), ("ep_param_group_offset", len(dense.groups)),
-             ("ep_base_state_offset", offset), ("ep_shape_info_offset", offset), ("param_groups", param_groups),
-             ("state", {}), ("base_state", base_state), ("shape_info", shape_info))
+    plain: tuple[tuple[str, Any], ...] = (
+        ("ep_param_id_offset", 1), ("ep_param_group_offset", len(dense.groups)), ("ep_base_state_offset", offset),
+        ("ep_shape_info_offset", offset), ("param_groups", param_groups), ("state", {}), ("base_state", base_state),
+        ("shape_info", shape_info))
     return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
 
 

@@ -42,8 +42,9 @@ class NxdTagOptimizer:
         self._ours: list[dict[str, Any] | None] = [None, None]
         self._fitted: set[tuple[int, int, int]] = set()
         self._lock = threading.Lock()
-        for tp, pp, ep in optim.parsed_ranks():
-            self._fits(ep, tp, pp)
+        for tp, pp in optim.parsed_ranks():
+            for ep in range(optim.ep):
+                self._fits(ep, tp, pp)
         groups = [g if g is not None else dict(self._ours[0] or {}) for g in self._ours]
         self._ours = list(groups)  # settled: later ranks are compared with these
         self.hyper = Hyper(groups, optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
