@@ -220,3 +220,26 @@ def test_refusals(hf, tmp_path: Path):
         with pytest.raises(ConversionError, match=r"dp_rank_01_tp_rank_00_pp_rank_00.pt: " + message):
             ckptconv.reshard(broken, tmp_path / "d", ep=1, options=UNCHECKED)
     assert not (tmp_path / "d").exists()
+
+
+def test_nxd_files_of_an_moe_tag_at_ep1_chunk_whole_experts(hf, tmp_path: Path):
+    """At ep 1 (NeuronZero1Optimizer's files) a stacked expert tensor is chunked by whole experts as well (torch-xla's
+    dim-0 chunk): every index of both dp ranks' files holds its rows of its parameter's moments; NxD's EP tag written
+    from it at ep 2, then rewritten at ep 1, gives the same files' moments."""
+    src = _nxd_schedule(write_tag(hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    ckptconv.reshard(src, tmp_path / "nxd", dp=2, optimizer_format="nxd", drop_masters=True, options=QUIET)
+    ckptconv.reshard(src, tmp_path / "ep2", ep=2, dp=2, optimizer_format="nxd", drop_masters=True, options=QUIET)
+    ckptconv.reshard(tmp_path / "ep2", tmp_path / "again", ep=1, dp=2, optimizer_format="nxd", options=QUIET)
+    shard = load_shard(tmp_path / "nxd" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    names = [n for g in _grouped([k for k in shard if not k.endswith("inv_freq")]) for n in g]
+    stacked = 0
+    for d in range(2):
+        saved, again = (torch.load(tag / "optim" / f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt", weights_only=True)
+                        for tag in (tmp_path / "nxd", tmp_path / "again"))
+        for i, name in enumerate(names):
+            want = _adamw(shard[name])
+            stacked += want["exp_avg"].dim() == 3 and d == 0
+            for c in MOMENTS:
+                assert torch.equal(saved["base_state"][i][c], _chunk(want[c], d, 2)), (d, name, c)
+                assert torch.equal(again["base_state"][i][c], saved["base_state"][i][c]), (d, name, c)
+    assert stacked == 4  # gate_up and down of both layers

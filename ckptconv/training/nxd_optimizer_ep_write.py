@@ -140,7 +140,7 @@ def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, 
             rows = math.ceil(weight.shape[0] / part.world)
             entry = {STEP: dataclasses.replace(state[STEP], key=f"base_state.{i}.step", dtype=torch.float32)}
             for m in MOMENTS:
-                entry[m] = _chunk(state[m], rank * rows, rows, f"base_state.{i}.{m}", dtype)
+                entry[m] = row_chunk(state[m], rank * rows, rows, f"base_state.{i}.{m}", dtype)
             tensors += entry.values()
             base_state[i] = {k: _meta(t) for k, t in entry.items()}
             shape_info[i] = list(weight.shape)
@@ -150,20 +150,3 @@ def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, 
         ("shape_info", shape_info))
     return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
 
-
-def _chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
-    """Rows [start, start + count) of dim 0 of a planned tensor: of a stacked one (``slabs``), whole experts."""
-    if not tensor.slabs:
-        return row_chunk(tensor, start, count, key, dtype)
-    if start + count > tensor.slabs:
-        raise ConversionError(f"{tensor.key}: a ZeRO-1 chunk of experts {start}..{start + count - 1} of "
-                              f"{tensor.slabs} would need padding experts, which are not written; choose --dp so "
-                              "that dp / ep divides the experts per ep rank")
-    length = sum(p.length for p in tensor.pieces) // tensor.slabs  # each slab's extent along ``dim``
-    pieces, offset = [], 0
-    for piece in tensor.pieces:  # a slab's pieces lie within it, in order
-        if start <= offset // length < start + count:
-            pieces.append(piece)
-        offset += piece.length
-    return dataclasses.replace(tensor, key=key, dtype=dtype, shape=(count, *tensor.shape[1:]), pieces=tuple(pieces),
-                               slabs=count, column_major=False)

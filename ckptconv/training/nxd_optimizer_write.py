@@ -146,7 +146,10 @@ class WindowReader:
 
 
 def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
-    """Rows [start, start + count) of a planned tensor as a tensor of its own, zero rows past its end."""
+    """Rows [start, start + count) of a planned tensor as a tensor of its own, zero rows past its end; of a stacked
+    one (NxD's experts ``[E, in, out]``: torch-xla's ZeRO-1 chunks dim 0, so whole experts), its slabs."""
+    if tensor.slabs:
+        return _slab_chunk(tensor, start, count, key, dtype)
     rows = tensor.shape[0]
     if any(p.alternates for p in tensor.pieces):
         raise ConversionError(f"{tensor.key}: averaged K/V replicas cannot be cut into ZeRO-1 chunks")
@@ -166,6 +169,23 @@ def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.
     if start + count > rows:  # ZeRO-1's padding rows
         out.append(Piece(tensor.pieces[0].source, 0, start + count - max(start, rows), zeros=True))
     return OutTensor(key, dtype, (count, *tensor.shape[1:]), 0, tuple(out))
+
+
+def _slab_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
+    """Experts [start, start + count) of a stacked tensor; padding experts (a chunk past the last) are refused: the
+    executor builds stacked tensors from whole source slabs only."""
+    if start + count > tensor.slabs:
+        raise ConversionError(f"{tensor.key}: a ZeRO-1 chunk of experts {start}..{start + count - 1} of "
+                              f"{tensor.slabs} would need padding experts, which are not written; choose --dp so "
+                              "that the ZeRO-1 group size divides the experts per ep rank")
+    length = sum(p.length for p in tensor.pieces) // tensor.slabs  # each slab's extent along ``dim``
+    pieces, offset = [], 0
+    for piece in tensor.pieces:  # a slab's pieces lie within it, in order (ckptconv.engine.slabs)
+        if start <= offset // length < start + count:
+            pieces.append(piece)
+        offset += piece.length
+    return dataclasses.replace(tensor, key=key, dtype=dtype, shape=(count, *tensor.shape[1:]), pieces=tuple(pieces),
+                               slabs=count, column_major=False)
 
 
 def _meta(tensor: OutTensor) -> TensorAt:

@@ -33,6 +33,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _reshard(src: Path, out: Path, layout: dict, quiet: object) -> None:
+def _reshard(src: Path, out: Path, layout: dict, quiet: Any) -> None:
     """``reshard --optimizer-format nxd`` with the tag's schedule made NxD's CosineAnnealing (its scheduler state)."""
     import ckptconv
     from ckptconv.io.digest import record_files
