@@ -32,6 +32,7 @@ import torch
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
+from ckptconv.engine.slabs import slab_band
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
@@ -109,19 +110,34 @@ class RowWindow(Source):
         return Source(self.file, self.key)
 
 
+@dataclasses.dataclass(frozen=True)
+class SlabWindow(Source):
+    """Experts [start, start + count) of the planned stacked tensor ``planned``, zero experts past its last: a
+    ZeRO-1 chunk with padding, read as rows (the executor builds a stacked tensor from whole source experts only)."""
+
+    planned: OutTensor | None = None
+    start: int = 0
+    count: int = 0
+
+
 class WindowReader:
-    """The executor's reader with :class:`RowWindow` sources answered from ``inner``."""
+    """The executor's reader with :class:`RowWindow` and :class:`SlabWindow` sources answered from ``inner``."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        if isinstance(source, SlabWindow):
+            assert source.planned is not None
+            return source.planned.dtype, (source.count, *source.planned.shape[1:]), False
         if not isinstance(source, RowWindow):
             return self.inner.info(source)  # type: ignore[no-any-return]
         dtype, shape, column_major = self.inner.info(source.inner)
         return dtype, (source.count, *shape[1:]), column_major
 
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(source, SlabWindow):
+            return self._slab_rows(source, start, stop, out)
         if not isinstance(source, RowWindow):
             return self.inner.read_rows(source, start, stop, out)  # type: ignore[no-any-return]
         dtype, shape, _ = self.inner.info(source.inner)
@@ -136,8 +152,22 @@ class WindowReader:
         target[hi - lo:].zero_()
         return target
 
+    def _slab_rows(self, source: SlabWindow, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        planned = source.planned
+        assert planned is not None
+        lo, hi = source.start + start, min(source.start + stop, planned.slabs)
+        shape = (stop - start, *planned.shape[1:])
+        target = out.view(shape) if out is not None else torch.empty(shape, dtype=planned.dtype)
+        if hi > lo:
+            target[:hi - lo].copy_(slab_band(planned, lo, hi, self))
+        target[max(hi - lo, 0):].zero_()
+        return target
+
     def position(self, source: Source) -> int:
         position = getattr(self.inner, "position", None)
+        if isinstance(source, SlabWindow):
+            assert source.planned is not None
+            source = source.planned.pieces[0].source
         inner = source.inner if isinstance(source, RowWindow) else source
         return position(inner) if position is not None else 0
 
@@ -172,12 +202,11 @@ def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.
 
 
 def _slab_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
-    """Experts [start, start + count) of a stacked tensor; padding experts (a chunk past the last) are refused: the
-    executor builds stacked tensors from whole source slabs only."""
+    """Experts [start, start + count) of a stacked tensor; a chunk reaching past the last expert (ZeRO-1's padding)
+    is read through a :class:`SlabWindow`, zero experts after the real ones."""
     if start + count > tensor.slabs:
-        raise ConversionError(f"{tensor.key}: a ZeRO-1 chunk of experts {start}..{start + count - 1} of "
-                              f"{tensor.slabs} would need padding experts, which are not written; choose --dp so "
-                              "that the ZeRO-1 group size divides the experts per ep rank")
+        window = SlabWindow(tensor.pieces[0].source.file, tensor.key, tensor, start, count)
+        return OutTensor(key, dtype, (count, *tensor.shape[1:]), 0, (Piece(window, 0, count),))
     length = sum(p.length for p in tensor.pieces) // tensor.slabs  # each slab's extent along ``dim``
     pieces, offset = [], 0
     for piece in tensor.pieces:  # a slab's pieces lie within it, in order (ckptconv.engine.slabs)

@@ -40,7 +40,8 @@ import torch
 
 from .stand_ins import install
 
-LAYOUTS = [dict(ep=2, tp=1, dp=2), dict(ep=2, tp=2, dp=4), dict(ep=4, tp=1, dp=4), dict(ep=2, tp=1, dp=4)]
+LAYOUTS = [dict(ep=2, tp=1, dp=2), dict(ep=2, tp=2, dp=4), dict(ep=4, tp=1, dp=4), dict(ep=2, tp=1, dp=4),
+           dict(ep=2, tp=1, dp=6), dict(ep=4, tp=2, dp=8)]  # the last two: padding experts
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
