@@ -259,3 +259,15 @@ def test_padding_experts_are_zero(hf, tmp_path: Path):
     ckptconv.reshard(tmp_path / "nxd", tmp_path / "back", ep=1, dp=2, zero1=True, options=QUIET)
     before, after = all_state(src), all_state(tmp_path / "back")
     assert all(torch.equal(before[k], after[k]) for k in after) and len(after) == len(before) * 3 // 4
+
+
+def test_xser_split_ep_files_read_back(hf, tmp_path: Path):
+    """With xser-split shards the EP files are xser-split too (as NxD's use_xser save), and read back exactly."""
+    src = _nxd_schedule(write_tag(hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    ckptconv.reshard(src, tmp_path / "nxd", ep=2, dp=4, flavour="xser-split", optimizer_format="nxd",
+                     drop_masters=True, options=QUIET)
+    assert (tmp_path / "nxd" / "optim" / "dp_rank_03_tp_rank_00_pp_rank_00.pt.info.pt").is_file()
+    ckptconv.reshard(tmp_path / "nxd", tmp_path / "back", ep=1, dp=2, zero1=True, flavour="plain", options=QUIET)
+    before, after = all_state(src), all_state(tmp_path / "back")
+    assert {k for k in before if not k[1].endswith(".master")} == set(after)
+    assert all(torch.equal(before[k], after[k]) for k in after)
