@@ -44,7 +44,7 @@ def parse_ep_ranks(model: NxdCheckpoint, tp: int, pp: int, files: list[OptimFile
     live = [k for k in declared if not k.endswith("inv_freq")]
     dense_names, expert_names = [k for k in live if k not in experts], [k for k in live if k in experts]
     split = [_split(f, len(dense_names), len(expert_names)) for f in files]
-    for f, (dense, _, _) in zip(files[1:], split[1:], strict=True):
+    for f, (dense, _) in zip(files[1:], split[1:], strict=True):
         if without_leaves(dense) != without_leaves(split[0][0]):
             raise ConversionError(f"{f.path}: the non-expert param groups differ from {files[0].path}'s")
     where = str(files[0].path)
@@ -66,8 +66,8 @@ def parse_ep_ranks(model: NxdCheckpoint, tp: int, pp: int, files: list[OptimFile
     return ranks
 
 
-def _split(f: OptimFile, dense: int, experts: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """(non-expert groups, expert groups, offset) of one file, its offsets checked against the model's counts."""
+def _split(f: OptimFile, dense: int, experts: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(non-expert groups, expert groups) of one file, its offsets checked against the model's counts."""
     top = f.top
     if set(top) != {*ZERO1_KEYS, *OFFSET_KEYS}:
         extra = sorted(map(str, set(top) - {*ZERO1_KEYS, *OFFSET_KEYS}))
@@ -100,7 +100,7 @@ def _split(f: OptimFile, dense: int, experts: int) -> tuple[list[dict[str, Any]]
     if extra:
         raise ConversionError(f"{f.path}: 'base_state' or 'shape_info' has key {extra[0]!r}; the param groups number "
                               f"{dense} non-expert and {experts} expert parameters")
-    return dense_groups, expert_groups, values["ep_base_state_offset"]
+    return dense_groups, expert_groups
 
 
 def _named(groups: list[dict[str, Any]], f: OptimFile, offset: int, names: list[str],

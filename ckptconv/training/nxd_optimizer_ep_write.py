@@ -25,16 +25,16 @@ from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_optimizer_files import MOMENTS, ep_offset
 from ckptconv.training.nxd_optimizer_write import (
     NxdOptimizerPlan,
-    _group_hyper,
-    _meta,
-    _optimizer_dtype,
+    group_hyper,
     index_order,
     nxd_groups,
     nxd_param_group,
+    optimizer_dtype,
     row_chunk,
+    tensor_at,
 )
 from ckptconv.training.nxd_tag_optimizer import STEP
-from ckptconv.training.optim_placement import optimizer_ep_rank, optimizer_file, shard_ranks
+from ckptconv.training.optim_placement import check_zero1_ep, optimizer_ep_rank, optimizer_file, shard_ranks
 from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
 
 
@@ -70,9 +70,7 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
     if not zero1:
         raise ConversionError(f"--optimizer-format nxd at ep {ep} without ZeRO-1: NxD's per-ep-rank AdamW files "
                               "(optim/dp_rank_00_ep_rank_EE_...) are not written; pass --zero1")
-    if dp % ep:
-        raise ConversionError(f"--dp {dp} with ZeRO-1 at ep {ep}: dp must be a multiple of ep (each ep rank's "
-                              f"experts are ZeRO-1-partitioned over dp / ep ranks)")
+    check_zero1_ep(dp, ep)
     out: list[OutFile] = []
     names_of: dict[str, list[str]] = {}
     dtypes: set[str] = set()
@@ -115,7 +113,7 @@ def _param_groups(dense: _Part, parts: list[_Part], optim: OptimizerSource, rule
     for part in (dense, parts[0]):
         start = 0
         for g, group in enumerate(part.groups):
-            hyper = _group_hyper(dense.groups[g] + parts[0].groups[g], shapes, ours, g, rule)
+            hyper = group_hyper(dense.groups[g] + parts[0].groups[g], shapes, ours, g, rule)
             merged.append({**nxd_param_group(hyper, zero1=True, lr=next_lr, initial_lr=peak),
                            "params": list(range(start, start + len(group)))})
             start += len(group)
@@ -135,14 +133,14 @@ def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, 
             weight, state = part.weights[name], part.state[name]
             if not weight.shape:
                 raise ConversionError(f"{part.shard.path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
-            dtype = _optimizer_dtype(optim, weight)
+            dtype = optimizer_dtype(optim, weight)
             dtypes.add(str(dtype).removeprefix("torch."))
             rows = math.ceil(weight.shape[0] / part.world)
             entry = {STEP: dataclasses.replace(state[STEP], key=f"base_state.{i}.step", dtype=torch.float32)}
             for m in MOMENTS:
                 entry[m] = row_chunk(state[m], rank * rows, rows, f"base_state.{i}.{m}", dtype)
             tensors += entry.values()
-            base_state[i] = {k: _meta(t) for k, t in entry.items()}
+            base_state[i] = {k: tensor_at(t) for k, t in entry.items()}
             shape_info[i] = list(weight.shape)
     plain: tuple[tuple[str, Any], ...] = (
         ("ep_param_id_offset", 1), ("ep_param_group_offset", len(dense.groups)), ("ep_base_state_offset", offset),

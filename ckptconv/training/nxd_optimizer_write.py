@@ -217,7 +217,7 @@ def _slab_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torc
                                slabs=count, column_major=False)
 
 
-def _meta(tensor: OutTensor) -> TensorAt:
+def tensor_at(tensor: OutTensor) -> TensorAt:
     return TensorAt(tensor.key, TensorMeta.contiguous(tensor.dtype, tensor.shape))
 
 
@@ -225,7 +225,7 @@ def _meta(tensor: OutTensor) -> TensorAt:
 # Param groups
 
 
-def _group_hyper(group: list[str], shapes: Mapping[str, Sequence[int]], ours: list[dict[str, Any]], g: int,
+def group_hyper(group: list[str], shapes: Mapping[str, Sequence[int]], ours: list[dict[str, Any]], g: int,
                  rule: str) -> dict[str, Any]:
     """The hyper-parameters of NxD group ``g``: those of nxdtrain's group (matrices, vectors) of its members,
     which must agree."""
@@ -279,7 +279,7 @@ class NxdOptimizerPlan:
                 "zero1": self.zero1, "dp": self.dp, "masters": self.masters, "dtype": self.dtype}
 
 
-def _optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
+def optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
     """ZeRO-1's optimizer dtype: the source's masters' (fp32, fp64 under XLA_DOWNCAST_BF16), else its moments'
     where they are fp32/fp64, else fp32."""
     first = weight.pieces[0].source
@@ -329,7 +329,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         shapes = {k: t.shape for k, t in weights.items()}
         groups = nxd_groups(list(weights), rule)
         order = index_order(shard, rule)
-        hypers = [_group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
+        hypers = [group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
         written.dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
         param_groups, start = [], 0
         for hyper, group in zip(hypers, groups, strict=True):
@@ -369,7 +369,7 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
         if zero1:
             if not weight.shape:
                 raise ConversionError(f"{shard_path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
-            dtype = _optimizer_dtype(optim, weight)
+            dtype = optimizer_dtype(optim, weight)
             written.dtypes.add(str(dtype).removeprefix("torch."))
             rows = math.ceil(weight.shape[0] / dp)
             first = dp_rank * rows
@@ -378,7 +378,7 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
             master = parts.get(MASTER, weight)
             written.masters_kind = "saved" if MASTER in parts else "weights"
             chunk = row_chunk(master, first, rows, f"sharded_master_weights.{i}", dtype)
-            masters[i] = _meta(chunk)
+            masters[i] = tensor_at(chunk)
             tensors += [*entry.values(), chunk]
             shape_info[i] = list(weight.shape)
         else:
@@ -389,7 +389,7 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
             if MASTER in parts:
                 written.narrowed.append(name)
             tensors += entry.values()
-        by_index[i] = {k: _meta(t) for k, t in entry.items()}
+        by_index[i] = {k: tensor_at(t) for k, t in entry.items()}
     plain: tuple[tuple[str, Any], ...]
     if zero1:
         plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
