@@ -155,8 +155,6 @@ def test_refusals(hf, tmp_path: Path):
     src = write_tag(hf("mixtral"), tmp_path / "src", dp=3, zero1=True)
     with pytest.raises(ConversionError, match=r"--dp 3 with ZeRO-1 at ep 2: dp must be a multiple of ep"):
         ckptconv.reshard(src, tmp_path / "a", ep=2, options=QUIET)
-    with pytest.raises(ConversionError, match=r"ep 2, --optimizer-format nxd: NxD's expert-parallel ZeRO-1 files"):
-        ckptconv.reshard(src, tmp_path / "b", ep=2, dp=2, optimizer_format="nxd", options=QUIET)
     with pytest.raises(ConversionError, match=r"ep 2, --part: a training tag with ep > 1 is resharded by one process"):
         ckptconv.reshard(src, tmp_path / "c", ep=2, dp=2, options=ckptconv.RunOptions(quiet=True, part=(0, 2)))
     assert not any((tmp_path / d).exists() for d in "abc")
@@ -225,14 +223,17 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(hf, tmp_path: P
 
 
 def test_nxds_own_ep_optimizer_files_are_refused_by_name(hf, tmp_path: Path):
-    """An ep > 1 tag whose optim/ is NxD's format (NeuronEPZero1Optimizer's merged files, not read yet): refused in
-    one line that offers --weights-only, which then works."""
+    """An ep > 1 tag whose optim/ is not NeuronEPZero1Optimizer's merged files (read by
+    tests/test_moe_nxd_optimizer.py): refused in one line naming the file and the key; --weights-only then works."""
     ckptconv.to_nxd(hf("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
     (tmp_path / "nxd" / "optim").mkdir()
-    torch.save({"state": {}, "param_groups": []}, tmp_path / "nxd" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    for d in range(2):  # NeuronZero1Optimizer's keys, as at ep 1
+        torch.save({"state": {}, "param_groups": [], "base_state": {}, "shape_info": {}},
+                   tmp_path / "nxd" / "optim" / f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt")
     unchecked = ckptconv.RunOptions(quiet=True, workers=1, check=False)  # optim/ is not in ckptconv.json
-    with pytest.raises(ConversionError, match=r"optim: NxD's expert-parallel optimizer files \(ep 2\) are not read "
-                                              r"yet; reshard the shards alone with --weights-only$"):
+    with pytest.raises(ConversionError, match=r"dp_rank_00_tp_rank_00_pp_rank_00.pt: no 'ep_param_id_offset'; the "
+                                              r"shards are expert-parallel, so NxD's files are "
+                                              r"NeuronEPZero1Optimizer's \(ep_param_id_offset, "):
         ckptconv.reshard(tmp_path / "nxd", tmp_path / "a", ep=1, options=unchecked)
     ckptconv.reshard(tmp_path / "nxd", tmp_path / "b", ep=1, weights_only=True, options=unchecked)
     assert not (tmp_path / "b" / "optim").exists()

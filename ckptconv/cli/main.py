@@ -193,7 +193,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
                         "hf models with do_layer_norm_weight_decay false: norms decayed) or one")
     p.add_argument("--drop-masters", action="store_true",
                    help="with --optimizer-format nxd --no-zero1: accept dropping a bf16 model's fp32 masters and "
-                        "rounding its moments (NxD keeps no fp32 state without ZeRO-1)")
+                        "rounding its moments (NxD keeps no fp32 state without ZeRO-1); at ep > 1: accept dropping "
+                        "the source's masters (NxD's expert-parallel ZeRO-1 files hold none)")
     p.add_argument("--nxd-trainer", choices=NXD_TRAINERS, default=None,
                    help="with --optimizer-format nxd: whose side files: nxd-example (NxD's example trainers: "
                         "scheduler.pt, user_content.pt with total_steps) or nxdt (neuronx-distributed-training: "

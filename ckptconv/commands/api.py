@@ -435,25 +435,18 @@ def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_
                               + ("--weights-only writes none" if weights_only else "this is not a training "
                                  "tag (no optim/)"))
     if training is not None:
-        _refuse_ep_state(old, new, optimizer_format, parted, training)
+        _refuse_ep_state(old, new, parted, training)
     return training
 
 
-def _refuse_ep_state(old: ParallelLayout, new: ParallelLayout, optimizer_format: str, parted: bool,
+def _refuse_ep_state(old: ParallelLayout, new: ParallelLayout, parted: bool,
                      training: TrainingTag) -> None:
     """What an expert-parallel training tag's reshard does not do yet, refused before anything is written."""
-    ep = max(old.ep, new.ep)
-    if ep == 1:
-        return
-    why = ""
-    if optimizer_format == "nxd":
-        why = ("--optimizer-format nxd: NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer's merged expert "
-               "and non-expert state) are not written yet; write nxdtrain's format (the default)")
-    elif parted:
-        why = "--part: a training tag with ep > 1 is resharded by one process (run it without --part)"
-    if why:
+    ep = max(old.ep, new.ep)  # NxD's own EP files' cases: ckptconv.training.nxd_optimizer_ep_write refuses them
+    if ep > 1 and parted:
         training.optim.close()
-        raise ConversionError(f"{training.ckpt.root}: ep {ep}, {why}")
+        raise ConversionError(f"{training.ckpt.root}: ep {ep}, --part: a training tag with ep > 1 is resharded by "
+                              "one process (run it without --part)")
 
 
 def _param_groups(training: TrainingTag, rule: str | None, asked: str | None, notes: list[str]) -> str:

@@ -35,13 +35,14 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import parse_rank_file
+from ckptconv.core.layout import parse_ep_shard_name, parse_rank_file
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint
 from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.nxd_read import NxdCheckpoint
+from ckptconv.training.nxd_optimizer_ep import parse_ep_ranks
 from ckptconv.training.nxd_optimizer_files import MOMENTS, Leaf, OptimFile
 from ckptconv.training.nxd_optimizer_ranks import (
     DcpRanks,
@@ -67,6 +68,7 @@ class ParamState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None  # the fp32 (or fp64) master; None when the tag holds none
+    ep_rank: int = 0  # whose experts (ep > 1); the non-expert parameters are ep rank 0's, as in the shards
 
 
 class NxdOptimizer:
@@ -96,17 +98,18 @@ class NxdOptimizer:
         self._dcp: DcpCheckpoint | None = None
         self._dcp_ranks: DcpRanks | None = None  # the DCP variant's keys by rank
         self._found: dict[tuple[int, int], dict[int, Path]] = {}  # (tp, pp) -> dp rank -> file, none opened yet
-        self._ranks: dict[tuple[int, int], Rank] = {}  # the ranks parsed so far
+        self._ranks: dict[tuple[int, int, int], Rank] = {}  # (tp, pp, ep rank) -> the ranks parsed so far
         self._first: tuple[OptimFormat, bool] | None = None  # format and masters of the first rank parsed
         self._io = io
         self._parse_lock = threading.RLock()  # the executor's workers may ask for an unparsed rank at once
         self._closed = False  # reads after close() fail: its leaves would otherwise reopen their files unseen
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: no optimizer state in this tag")
-        if getattr(model, "ep", 1) > 1:  # NeuronEPZero1Optimizer: an expert and a non-expert state merged at offsets
-            raise ConversionError(f"{self.dir}: NxD's expert-parallel optimizer files (ep {model.ep}) are not read "
-                                  "yet; reshard the shards alone with --weights-only")
+        self.ep: int = getattr(model, "ep", 1)  # > 1: NeuronEPZero1Optimizer's merged files (nxd_optimizer_ep)
         try:
+            if self.ep > 1 and (self.dir / DCP_METADATA).is_file():
+                raise ConversionError(f"{self.dir}: NxD's ZeRO-1 DCP optimizer at ep {self.ep} is not read; "
+                                      "reshard the shards alone with --weights-only")
             if (self.dir / DCP_METADATA).is_file():  # one metadata file names every rank's tensors
                 self.dp = 1
                 ranks = self._dcp_ranks = open_dcp(self.dir, model, io, check)
@@ -147,17 +150,18 @@ class NxdOptimizer:
 
     def rank_ids(self) -> list[tuple[int, int]]:
         """Every (tp, pp) rank with optimizer state, from the file names (nothing is opened)."""
-        return sorted(self._found or self._ranks)
+        return sorted(self._found or {key[:2] for key in self._ranks})
 
     def parsed_ranks(self) -> list[tuple[int, int]]:
-        """The (tp, pp) ranks whose files were opened and parsed so far."""
+        """The (tp, pp) ranks whose files were opened and parsed so far (at ep > 1 every ep rank's at once)."""
         with self._parse_lock:
-            return sorted(self._ranks)
+            return sorted({key[:2] for key in self._ranks})
 
     def load_all(self) -> NxdOptimizer:
         """Open and parse every rank's files now (what ``inspect`` describes and checks)."""
         for tp, pp in self.rank_ids():
-            self._rank(tp, pp)
+            for e in range(self.ep):
+                self._rank(tp, pp, e)
         return self
 
     def _reference(self) -> tuple[OptimFormat, bool]:
@@ -175,13 +179,14 @@ class NxdOptimizer:
         leaves = first.master if first.master is not None else first.moments["exp_avg"]
         return str(leaves[0].dtype).removeprefix("torch.")
 
-    def groups(self, tp_rank: int = 0, pp_rank: int = 0) -> list[dict[str, Any]]:
-        """The param groups of a rank as saved, ``params`` given as parameter names."""
-        return self._rank(tp_rank, pp_rank).groups
+    def groups(self, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) -> list[dict[str, Any]]:
+        """The param groups of a rank as saved, ``params`` given as parameter names (ep > 1: ep rank 0's are the
+        non-expert groups then the expert ones, an ep rank > 0's the expert ones)."""
+        return self._rank(tp_rank, pp_rank, ep_rank).groups
 
-    def names(self, tp_rank: int = 0, pp_rank: int = 0) -> list[str]:
-        """Parameter names in optimizer index order."""
-        return [slot.name for slot in self._rank(tp_rank, pp_rank).slots]
+    def names(self, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) -> list[str]:
+        """Parameter names in optimizer index order (ep > 1: those of the rank's model shard)."""
+        return [slot.name for slot in self._rank(tp_rank, pp_rank, ep_rank).slots]
 
     def naming(self) -> str:
         """How the indices were named, as the first rank parsed was."""
@@ -195,16 +200,18 @@ class NxdOptimizer:
         for tp, pp in self.rank_ids():
             if tp_rank not in (None, tp) or pp_rank not in (None, pp):
                 continue
-            for slot in self._rank(tp, pp).slots:
-                yield ParamState(slot.name, tp, pp, slot.index, slot.group, self._step(slot),
-                                 self._whole(slot, slot.moments["exp_avg"]),
-                                 self._whole(slot, slot.moments["exp_avg_sq"]),
-                                 None if slot.master is None else self._whole(slot, slot.master))
+            for e in range(self.ep):
+                for slot in self._rank(tp, pp, e).slots:
+                    yield ParamState(slot.name, tp, pp, slot.index, slot.group, self._step(slot),
+                                     self._whole(slot, slot.moments["exp_avg"]),
+                                     self._whole(slot, slot.moments["exp_avg_sq"]),
+                                     None if slot.master is None else self._whole(slot, slot.master), e)
 
-    def rows(self, tp_rank: int, pp_rank: int, name: str, what: str, start: int, stop: int) -> torch.Tensor:
+    def rows(self, tp_rank: int, pp_rank: int, name: str, what: str, start: int, stop: int,
+             ep_rank: int = 0) -> torch.Tensor:
         """Rows [start, stop) of dim 0 of a parameter's ``master``, ``exp_avg`` or ``exp_avg_sq``, read from
         the dp chunks that hold them and nothing else (a resume at another layout reads only its slice)."""
-        slot = self._slot(tp_rank, pp_rank, name)
+        slot = self._slot(tp_rank, pp_rank, name, ep_rank)
         if what == "master":
             if slot.master is None:
                 raise ConversionError(f"{self.dir}: no master weights for {name!r} (saved without "
@@ -214,30 +221,30 @@ class NxdOptimizer:
             raise ValueError(f"what must be master, exp_avg or exp_avg_sq; got {what!r}")
         return self._rows(slot, slot.moments[what], start, stop)
 
-    def slot_info(self, tp_rank: int, pp_rank: int, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    def slot_info(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0) -> tuple[torch.dtype, tuple[int, ...]]:
         """The optimizer dtype (of the master, else of the moments) and the parameter's full shape."""
-        slot = self._slot(tp_rank, pp_rank, name)
+        slot = self._slot(tp_rank, pp_rank, name, ep_rank)
         leaves = slot.master if slot.master is not None else slot.moments["exp_avg"]
         return leaves[0].dtype, slot.shape
 
-    def dtype_of(self, tp_rank: int, pp_rank: int, name: str, what: str) -> torch.dtype:
+    def dtype_of(self, tp_rank: int, pp_rank: int, name: str, what: str, ep_rank: int = 0) -> torch.dtype:
         """The stored dtype of a parameter's ``master``, ``exp_avg`` or ``exp_avg_sq``."""
-        slot = self._slot(tp_rank, pp_rank, name)
+        slot = self._slot(tp_rank, pp_rank, name, ep_rank)
         leaves = slot.master if what == "master" else slot.moments.get(what)
         if not leaves:
             raise ConversionError(f"{self.dir}: no {what} for {name!r} on tp rank {tp_rank} pp rank {pp_rank}")
         return leaves[0].dtype
 
-    def param_step(self, tp_rank: int, pp_rank: int, name: str) -> float:
+    def param_step(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0) -> float:
         """AdamW's step count of one parameter (the same on every dp rank, else an error)."""
-        return self._step(self._slot(tp_rank, pp_rank, name))
+        return self._step(self._slot(tp_rank, pp_rank, name, ep_rank))
 
     def open_masters(self) -> None:
         """Open the file of every master (xser: one per tensor) without reading it; then
         ``finish_checks(only_read=False)`` checks every byte of them (every rank parsed for it)."""
         self._check_open()
         for tp, pp in self.rank_ids():
-            for slot in self._rank(tp, pp).slots:
+            for slot in (s for e in range(self.ep) for s in self._rank(tp, pp, e).slots):
                 for leaf in slot.master or []:
                     leaf.open()
 
@@ -270,27 +277,33 @@ class NxdOptimizer:
 
     # -- reading --------------------------------------------------------------------------
 
-    def _rank(self, tp_rank: int, pp_rank: int) -> Rank:
-        """A rank's parsed state; its files are opened and parsed at the first ask."""
+    def _rank(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Rank:
+        """A rank's parsed state; its files are opened and parsed at the first ask (at ep > 1: every ep rank's
+        state on (tp, pp) at once, from the same files)."""
         self._check_open()
-        key = (tp_rank, pp_rank)
+        key = (tp_rank, pp_rank, ep_rank)
         with self._parse_lock:
             if key not in self._ranks:
-                if key not in self._found:
-                    raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}")
-                self._ranks[key] = (self._parse_files(tp_rank, pp_rank) if self._dcp_ranks is None
-                                    else parse_dcp_rank(self._dcp_ranks, self.model, tp_rank, pp_rank))
+                if (tp_rank, pp_rank) not in self._found or not 0 <= ep_rank < self.ep:
+                    raise ConversionError(f"{self.dir}: no optimizer state for tp rank {tp_rank} pp rank {pp_rank}"
+                                          + (f" ep rank {ep_rank}" if ep_rank else ""))
+                if self._dcp_ranks is not None:
+                    self._ranks[key] = parse_dcp_rank(self._dcp_ranks, self.model, tp_rank, pp_rank)
+                else:
+                    for e, rank in self._parse_files(tp_rank, pp_rank).items():
+                        self._ranks[(tp_rank, pp_rank, e)] = rank
             return self._ranks[key]
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self.dir}: read after close() (closed with the checkpoint that kept it?)")
 
-    def _slot(self, tp_rank: int, pp_rank: int, name: str) -> Slot:
-        slot = self._rank(tp_rank, pp_rank).by_name.get(name)
+    def _slot(self, tp_rank: int, pp_rank: int, name: str, ep_rank: int = 0) -> Slot:
+        slot = self._rank(tp_rank, pp_rank, ep_rank).by_name.get(name)
         if slot is not None:
             return slot
-        raise ConversionError(f"{self.dir}: no optimizer state for {name!r} on tp rank {tp_rank} pp rank {pp_rank}")
+        raise ConversionError(f"{self.dir}: no optimizer state for {name!r} on tp rank {tp_rank} pp rank {pp_rank}"
+                              + (f" ep rank {ep_rank}" if ep_rank else ""))
 
     def _step(self, slot: Slot) -> float:
         values = {float(leaf.read().reshape(())) for leaf in slot.step}
@@ -320,6 +333,9 @@ class NxdOptimizer:
         """Which file holds which (dp, tp, pp) rank, from the names in ``optim/``; none is opened."""
         found: dict[tuple[int, int], dict[int, Path]] = {}
         for entry in sorted(self.dir.iterdir()):
+            if self.ep > 1 and parse_ep_shard_name(entry.name) is not None:
+                raise ConversionError(f"{entry}: NxD's per-ep-rank AdamW files (ZeRO-1 off at ep {self.ep}) are not "
+                                      "read yet; reshard the shards alone with --weights-only")
             ranks = parse_rank_file(entry.name)
             if ranks is not None and entry.is_file():
                 found.setdefault(ranks[1:], {})[ranks[0]] = entry
@@ -337,14 +353,19 @@ class NxdOptimizer:
         self.dp = len(next(iter(dps)))
         self._found = found
 
-    def _parse_files(self, tp: int, pp: int) -> Rank:
-        """Open and parse one (tp, pp) rank's files (one per dp rank); it must agree with the first rank parsed."""
+    def _parse_files(self, tp: int, pp: int) -> dict[int, Rank]:
+        """Open and parse one (tp, pp) rank's files (one per dp rank), by ep rank; it must agree with the first
+        rank parsed."""
         files = []
         for dp in range(self.dp):
             self._files.append(OptimFile(self._found[(tp, pp)][dp], self._io, self.checks))
             files.append(self._files[-1])
-        fmt, rank = parse_rank(self.model, tp, pp, files, self.dp)
-        masters = all(slot.master is not None for slot in rank.slots)
+        if self.ep > 1:
+            fmt, ranks = OptimFormat.ZERO1, parse_ep_ranks(self.model, tp, pp, files, self.ep)
+        else:
+            fmt, rank = parse_rank(self.model, tp, pp, files, self.dp)
+            ranks = {0: rank}
+        masters = all(slot.master is not None for rank in ranks.values() for slot in rank.slots)
         if self._first is None:
             self._first = (fmt, masters)
         elif self._first != (fmt, masters):
@@ -352,7 +373,7 @@ class NxdOptimizer:
             said = lambda f, m: f"{f.value} {'with' if m else 'without'} masters"  # noqa: E731
             raise ConversionError(f"{files[0].path}: {said(fmt, masters)}; tp rank {first[0]} pp rank {first[1]} "
                                   f"holds {said(*self._first)}: the ranks hold different optimizer formats")
-        return rank
+        return ranks
 
 def read_optimizer_state(tag: str | Path, *, io: str = "mmap", check: bool = True) -> Iterator[ParamState]:
     """Every parameter's AdamW state (and master, when saved) of an NxD training tag, one at a time:

@@ -24,6 +24,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 ADAMW_KEYS = ("step", *MOMENTS)
 ZERO1_KEYS = ("state", "param_groups", "base_state", "shape_info")
 MASTERS_KEY = "sharded_master_weights"
+# NeuronEPZero1Optimizer.state_dict()'s own keys (ep > 1), in its order: where the expert optimizer's state starts
+OFFSET_KEYS = ("ep_param_id_offset", "ep_param_group_offset", "ep_base_state_offset", "ep_shape_info_offset")
+
+
+def ep_offset(count: int) -> int:
+    """NxD's ``_get_offset`` of a dict holding indices 0..count-1: its largest key + 1, and 1 for an empty dict."""
+    return count if count else 1
 
 
 class Leaf:

@@ -32,6 +32,7 @@ import torch
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
+from ckptconv.engine.slabs import slab_band
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
@@ -39,6 +40,7 @@ from ckptconv.training.nxd_optimizer import NxdOptimizer
 from ckptconv.training.nxd_optimizer_files import MOMENTS
 from ckptconv.training.nxd_optimizer_ranks import PARAM_GROUP_RULES
 from ckptconv.training.nxd_tag_optimizer import STEP
+from ckptconv.training.optim_placement import shard_ranks
 from ckptconv.training.state import (
     MASTER,
     OptimizerSource,
@@ -85,7 +87,7 @@ def describe_rule(rule: str) -> str:
 def rule_of(optim: NxdOptimizer) -> str:
     """The param-group rule NxD's own tag was saved with (what its reader found), as a rule name: NxD's run
     that resumes it builds the same groups, so a rewrite keeps them unless told otherwise."""
-    if len(optim.groups()) == 1:
+    if len(optim.groups()) == (2 if optim.ep > 1 else 1):  # ep > 1: the non-expert groups, then the expert ones
         return "one"
     naming = optim.naming()
     return next(name for name, (description, _) in PARAM_GROUP_RULES.items() if description == naming)
@@ -108,19 +110,34 @@ class RowWindow(Source):
         return Source(self.file, self.key)
 
 
+@dataclasses.dataclass(frozen=True)
+class SlabWindow(Source):
+    """Experts [start, start + count) of the planned stacked tensor ``planned``, zero experts past its last: a
+    ZeRO-1 chunk with padding, read as rows (the executor builds a stacked tensor from whole source experts only)."""
+
+    planned: OutTensor | None = None
+    start: int = 0
+    count: int = 0
+
+
 class WindowReader:
-    """The executor's reader with :class:`RowWindow` sources answered from ``inner``."""
+    """The executor's reader with :class:`RowWindow` and :class:`SlabWindow` sources answered from ``inner``."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        if isinstance(source, SlabWindow):
+            assert source.planned is not None
+            return source.planned.dtype, (source.count, *source.planned.shape[1:]), False
         if not isinstance(source, RowWindow):
             return self.inner.info(source)  # type: ignore[no-any-return]
         dtype, shape, column_major = self.inner.info(source.inner)
         return dtype, (source.count, *shape[1:]), column_major
 
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(source, SlabWindow):
+            return self._slab_rows(source, start, stop, out)
         if not isinstance(source, RowWindow):
             return self.inner.read_rows(source, start, stop, out)  # type: ignore[no-any-return]
         dtype, shape, _ = self.inner.info(source.inner)
@@ -135,8 +152,22 @@ class WindowReader:
         target[hi - lo:].zero_()
         return target
 
+    def _slab_rows(self, source: SlabWindow, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        planned = source.planned
+        assert planned is not None
+        lo, hi = source.start + start, min(source.start + stop, planned.slabs)
+        shape = (stop - start, *planned.shape[1:])
+        target = out.view(shape) if out is not None else torch.empty(shape, dtype=planned.dtype)
+        if hi > lo:
+            target[:hi - lo].copy_(slab_band(planned, lo, hi, self))
+        target[max(hi - lo, 0):].zero_()
+        return target
+
     def position(self, source: Source) -> int:
         position = getattr(self.inner, "position", None)
+        if isinstance(source, SlabWindow):
+            assert source.planned is not None
+            source = source.planned.pieces[0].source
         inner = source.inner if isinstance(source, RowWindow) else source
         return position(inner) if position is not None else 0
 
@@ -145,7 +176,10 @@ class WindowReader:
 
 
 def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
-    """Rows [start, start + count) of a planned tensor as a tensor of its own, zero rows past its end."""
+    """Rows [start, start + count) of a planned tensor as a tensor of its own, zero rows past its end; of a stacked
+    one (NxD's experts ``[E, in, out]``: torch-xla's ZeRO-1 chunks dim 0, so whole experts), its slabs."""
+    if tensor.slabs:
+        return _slab_chunk(tensor, start, count, key, dtype)
     rows = tensor.shape[0]
     if any(p.alternates for p in tensor.pieces):
         raise ConversionError(f"{tensor.key}: averaged K/V replicas cannot be cut into ZeRO-1 chunks")
@@ -167,7 +201,23 @@ def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.
     return OutTensor(key, dtype, (count, *tensor.shape[1:]), 0, tuple(out))
 
 
-def _meta(tensor: OutTensor) -> TensorAt:
+def _slab_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.dtype) -> OutTensor:
+    """Experts [start, start + count) of a stacked tensor; a chunk reaching past the last expert (ZeRO-1's padding)
+    is read through a :class:`SlabWindow`, zero experts after the real ones."""
+    if start + count > tensor.slabs:
+        window = SlabWindow(tensor.pieces[0].source.file, tensor.key, tensor, start, count)
+        return OutTensor(key, dtype, (count, *tensor.shape[1:]), 0, (Piece(window, 0, count),))
+    length = sum(p.length for p in tensor.pieces) // tensor.slabs  # each slab's extent along ``dim``
+    pieces, offset = [], 0
+    for piece in tensor.pieces:  # a slab's pieces lie within it, in order (ckptconv.engine.slabs)
+        if start <= offset // length < start + count:
+            pieces.append(piece)
+        offset += piece.length
+    return dataclasses.replace(tensor, key=key, dtype=dtype, shape=(count, *tensor.shape[1:]), pieces=tuple(pieces),
+                               slabs=count, column_major=False)
+
+
+def tensor_at(tensor: OutTensor) -> TensorAt:
     return TensorAt(tensor.key, TensorMeta.contiguous(tensor.dtype, tensor.shape))
 
 
@@ -175,7 +225,7 @@ def _meta(tensor: OutTensor) -> TensorAt:
 # Param groups
 
 
-def _group_hyper(group: list[str], shapes: Mapping[str, Sequence[int]], ours: list[dict[str, Any]], g: int,
+def group_hyper(group: list[str], shapes: Mapping[str, Sequence[int]], ours: list[dict[str, Any]], g: int,
                  rule: str) -> dict[str, Any]:
     """The hyper-parameters of NxD group ``g``: those of nxdtrain's group (matrices, vectors) of its members,
     which must agree."""
@@ -229,7 +279,7 @@ class NxdOptimizerPlan:
                 "zero1": self.zero1, "dp": self.dp, "masters": self.masters, "dtype": self.dtype}
 
 
-def _optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
+def optimizer_dtype(optim: OptimizerSource, weight: OutTensor) -> torch.dtype:
     """ZeRO-1's optimizer dtype: the source's masters' (fp32, fp64 under XLA_DOWNCAST_BF16), else its moments'
     where they are fp32/fp64, else fp32."""
     first = weight.pieces[0].source
@@ -279,7 +329,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         shapes = {k: t.shape for k, t in weights.items()}
         groups = nxd_groups(list(weights), rule)
         order = index_order(shard, rule)
-        hypers = [_group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
+        hypers = [group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
         written.dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
         param_groups, start = [], 0
         for hyper, group in zip(hypers, groups, strict=True):
@@ -319,7 +369,7 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
         if zero1:
             if not weight.shape:
                 raise ConversionError(f"{shard_path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
-            dtype = _optimizer_dtype(optim, weight)
+            dtype = optimizer_dtype(optim, weight)
             written.dtypes.add(str(dtype).removeprefix("torch."))
             rows = math.ceil(weight.shape[0] / dp)
             first = dp_rank * rows
@@ -328,7 +378,7 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
             master = parts.get(MASTER, weight)
             written.masters_kind = "saved" if MASTER in parts else "weights"
             chunk = row_chunk(master, first, rows, f"sharded_master_weights.{i}", dtype)
-            masters[i] = _meta(chunk)
+            masters[i] = tensor_at(chunk)
             tensors += [*entry.values(), chunk]
             shape_info[i] = list(weight.shape)
         else:
@@ -339,7 +389,7 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
             if MASTER in parts:
                 written.narrowed.append(name)
             tensors += entry.values()
-        by_index[i] = {k: _meta(t) for k, t in entry.items()}
+        by_index[i] = {k: tensor_at(t) for k, t in entry.items()}
     plain: tuple[tuple[str, Any], ...]
     if zero1:
         plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
@@ -380,12 +430,13 @@ def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
     optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
     with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
         for path, names in plan.names.items():
-            ranks = parse_shard_name(Path(path).name)
+            ranks = shard_ranks(Path(path).name)
             assert ranks is not None
-            found = optim.names(*ranks)
+            found = optim.names(ranks[1], ranks[2], ranks[0])
             if found != names:
                 first = next((i for i, (a, b) in enumerate(zip(found, names, strict=False)) if a != b), len(found))
-                raise ConversionError(f"{out}: read back, tp rank {ranks[0]} pp rank {ranks[1]}'s optimizer index {first} names "
+                at = f"tp rank {ranks[1]} pp rank {ranks[2]}" + (f" ep rank {ranks[0]}" if optim.ep > 1 else "")
+                raise ConversionError(f"{out}: read back, {at}'s optimizer index {first} names "
                                       f"{found[first] if first < len(found) else None!r}, written for "
                                       f"{names[first] if first < len(names) else None!r}")
         if optim.dp != plan.dp and plan.zero1:

@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from ckptconv.training.nxd_optimizer_files import MOMENTS
 from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from ckptconv.training.optim_placement import is_matrix
+from ckptconv.training.optim_placement import is_matrix, shard_ranks
 from ckptconv.training.state import MASTER, Hyper, split_key
 
 STEP = "step"
@@ -41,10 +40,11 @@ class NxdTagOptimizer:
         # NxD's hyper-parameters in our groups, from the ranks parsed so far (the first one at least); a rank parsed
         # later, when a read first reaches it, must fit them (_fits): no rank is parsed only to be compared
         self._ours: list[dict[str, Any] | None] = [None, None]
-        self._fitted: set[tuple[int, int]] = set()
+        self._fitted: set[tuple[int, int, int]] = set()
         self._lock = threading.Lock()
         for tp, pp in optim.parsed_ranks():
-            self._fits(tp, pp)
+            for ep in range(optim.ep):
+                self._fits(ep, tp, pp)
         groups = [g if g is not None else dict(self._ours[0] or {}) for g in self._ours]
         self._ours = list(groups)  # settled: later ranks are compared with these
         self.hyper = Hyper(groups, optim.format is not OptimFormat.ADAMW, optim.dp, self.components, ())
@@ -59,15 +59,15 @@ class NxdTagOptimizer:
         dtypes = {dtype for file in model.stage_files() for dtype, _ in model.declared(file).values()}
         return "bf16" if torch.bfloat16 in dtypes else "fp32"
 
-    def _fits(self, tp: int, pp: int) -> None:
+    def _fits(self, ep: int, tp: int, pp: int) -> None:
         """NxD's hyper-parameters of rank (tp, pp) per nxdtrain group (0: matrices, 1: vectors) are those of every
         rank fitted before it (after __init__: those of :attr:`hyper`); checked once per rank, at its first read."""
         with self._lock:
-            if (tp, pp) in self._fitted:
+            if (tp, pp, ep) in self._fitted:
                 return
             ours = self._ours
-            groups = self.optim.groups(tp, pp)
-            shapes = {name: self.optim.slot_info(tp, pp, name)[1] for group in groups for name in group["params"]}
+            groups = self.optim.groups(tp, pp, ep)
+            shapes = {name: self.optim.slot_info(tp, pp, name, ep)[1] for group in groups for name in group["params"]}
             for g, group in enumerate(groups):
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 for name in group["params"]:
@@ -81,40 +81,41 @@ class NxdTagOptimizer:
                             f"{self.optim.dir}: NxD's param group {g} of tp rank {tp} pp rank {pp} holds {name!r} "
                             f"with hyper-parameters {hyper}, other {kind} have {known}; nxdtrain steps all "
                             f"{kind} with one set, so this state cannot be continued exactly")
-            self._fitted.add((tp, pp))
+            self._fitted.add((tp, pp, ep))
 
-    def _where(self, source: Source) -> tuple[int, int, str, str]:
+    def _where(self, source: Source) -> tuple[int, int, int, str, str]:
+        """(tp, pp, ep rank, component, name) of a read."""
         component, name = split_key(source.key)
-        ranks = parse_shard_name(str(source.file).rsplit("/", 1)[-1])
+        ranks = shard_ranks(str(source.file).rsplit("/", 1)[-1])
         if component is None or ranks is None:
             raise ConversionError(f"{self.optim.dir}: no optimizer tensor for {source.file}: {source.key}")
         self._fits(*ranks)  # its files parsed now if not yet, and its param groups compared with ours
-        return ranks[0], ranks[1], component, name
+        return ranks[1], ranks[2], ranks[0], component, name
 
     def components_of(self, source: Source) -> list[str]:
         """The optimizer tensors the parameter stored at ``source`` has in NxD's files."""
         return list(self.components)
 
     def names_with(self, shard: str, component: str) -> list[str]:
-        ranks = parse_shard_name(shard.rsplit("/", 1)[-1])
+        ranks = shard_ranks(shard.rsplit("/", 1)[-1])
         if ranks is None or component not in self.components:
             return []
         self._fits(*ranks)
-        return self.optim.names(*ranks)
+        return self.optim.names(ranks[1], ranks[2], ranks[0])
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
-        tp, pp, component, name = self._where(source)
+        tp, pp, ep, component, name = self._where(source)
         if component == STEP:
             return torch.float32, (), False
         # the moments: the parameter's dtype without ZeRO-1, the optimizer's (fp32, fp64) with it
-        return self.optim.dtype_of(tp, pp, name, component), self.optim.slot_info(tp, pp, name)[1], False
+        return self.optim.dtype_of(tp, pp, name, component, ep), self.optim.slot_info(tp, pp, name, ep)[1], False
 
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        tp, pp, component, name = self._where(source)
+        tp, pp, ep, component, name = self._where(source)
         if component == STEP:
-            rows = torch.tensor([self.optim.param_step(tp, pp, name)], dtype=torch.float32)[start:stop]
+            rows = torch.tensor([self.optim.param_step(tp, pp, name, ep)], dtype=torch.float32)[start:stop]
         else:
-            rows = self.optim.rows(tp, pp, name, component, start, stop)
+            rows = self.optim.rows(tp, pp, name, component, start, stop, ep)
         return rows if out is None else out.view(rows.shape).copy_(rows)
 
     def finish_checks(self, *, workers: int = 8) -> int:

@@ -70,6 +70,14 @@ def optimizer_ep_rank(dp_rank: int, ep: int) -> int:
     return dp_rank % ep
 
 
+def check_zero1_ep(dp: int, ep: int) -> None:
+    """ZeRO-1 at ep > 1 partitions each ep rank's experts over its dp / ep expert-data-parallel ranks: dp must be a
+    multiple of ep (NxD's ``initialize_model_parallel`` refuses the world otherwise)."""
+    if ep > 1 and dp % ep:
+        raise ConversionError(f"--dp {dp} with ZeRO-1 at ep {ep}: dp must be a multiple of ep (each ep rank's "
+                              f"experts are ZeRO-1-partitioned over dp / ep ranks)")
+
+
 def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"{OPTIM_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)}"
 
@@ -93,9 +101,8 @@ def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: 
         ep_rank, tp, pp = ranks_of
         stages.setdefault((tp, pp), {})[ep_rank] = shard
     ep = 1 + max((e for stage in stages.values() for e in stage), default=0)
-    if ep > 1 and zero1 and dp % ep:
-        raise ConversionError(f"--dp {dp} with ZeRO-1 at ep {ep}: dp must be a multiple of ep (each ep rank's "
-                              f"experts are ZeRO-1-partitioned over dp / ep ranks)")
+    if zero1:
+        check_zero1_ep(dp, ep)
     out = []
     for (tp, pp), by_ep in stages.items():
         experts = {t.key for e, shard in by_ep.items() if e > 0 for t in shard.tensors}  # an ep rank > 0: experts only

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ckptconv.core.layout import ParallelLayout, parse_shard_name
+from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.mapping import live_module_order
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import NESTED_TORCH, OutFile, Plan
@@ -25,6 +25,7 @@ from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.nxd_write import TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
 from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_optimizer_ep_write import plan_nxd_ep_optimizer_files
 from ckptconv.training.nxd_optimizer_ranks import OptimFormat
 from ckptconv.training.nxd_optimizer_write import (
     NXD_OPTIMIZER_KEY,
@@ -35,6 +36,7 @@ from ckptconv.training.nxd_optimizer_write import (
     plan_nxd_optimizer_files,
 )
 from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.training.optim_placement import shard_ranks
 from ckptconv.training.position import NxdPosition, nxd_position
 from ckptconv.training.state import (
     OPTIM_DIR,
@@ -103,11 +105,11 @@ class NxdFormat:
 def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> OutFile:
     """A planned model shard as NxD's own save writes it: its keys in a live NxD model's parameter order (NxD's
     optimizer indices follow it), not the official converter's (fused qkv at the end), every tensor row-major."""
-    ranks = parse_shard_name(Path(shard.path).name)
+    ranks = shard_ranks(Path(shard.path).name)
     assert ranks is not None, shard.path
-    order = live_module_order(fmt.spec, layout, tp_rank=ranks[0], pp_rank=ranks[1], with_inv_freq=fmt.with_inv_freq)
+    order = live_module_order(fmt.spec, layout, tp_rank=ranks[1], pp_rank=ranks[2], with_inv_freq=fmt.with_inv_freq)
     by_key = {t.key: t for t in shard.tensors}
-    if set(order) != set(by_key):  # a tied model's shards without lm_head, say: keep the planned order
+    if set(order) != set(by_key):  # a tied model's shards without lm_head, an ep rank > 0's experts: the order kept
         order = [k for k in order if k in by_key] + [k for k in by_key if k not in order]
     # row-major, as NxD's own save holds every tensor (the official converter's column-major o_proj is not NxD's)
     return replace(shard, tensors=tuple(replace(by_key[k], column_major=False) for k in order))
@@ -240,9 +242,9 @@ class TrainingTag:
         lr = side.lr
         written_notes: list[str] = []
         model_files = [in_live_order(f, fmt, new) for f in plan.files]
-        optim_files, written = plan_nxd_optimizer_files(model_files, self.optim, dp=self.dp, zero1=self.zero1,
-                                                        rule=fmt.rule, drop_masters=fmt.drop_masters, lr=lr,
-                                                        notes=written_notes)
+        planner = plan_nxd_ep_optimizer_files if new.ep > 1 else plan_nxd_optimizer_files  # NeuronEPZero1Optimizer's
+        optim_files, written = planner(model_files, self.optim, dp=self.dp, zero1=self.zero1, rule=fmt.rule,
+                                       drop_masters=fmt.drop_masters, lr=lr, notes=written_notes)
         self.written = written
         replicas = plan.replicas + state_replicas(plan.replicas, self.optim)
         for name in side.copies:

@@ -1,0 +1,150 @@
+"""Writing NxD's own expert-parallel ZeRO-1 optimizer files (``NeuronEPZero1Optimizer.state_dict()``).
+
+From neuronx-distributed's source (``optimizer/zero_redundancy_optimizer.py``, ``parallel_layers/parallel_state.py``,
+``trainer/checkpoint.py``; docs/nxd-optimizer-format.md, "NxD's own format at ep > 1"): at ep > 1 NxD's trainer
+builds a ``NeuronEPZero1Optimizer``, two ``NeuronZero1Optimizer``s over the same param groups filtered (empty
+groups kept): the non-expert parameters ZeRO-1-sharded over all dp ranks, the expert ones (``expert_model_parallel``:
+the stacked ``[E/ep, ...]`` slabs of the rank's ep rank) over its expert-data-parallel group. Each chunks dim 0 as
+at ep 1 (for an expert slab: whole experts, zero rows past the end). Its ``state_dict()`` is the non-expert one's
+with the expert one's merged in at offsets, and no ``sharded_master_weights``. One file per global dp rank
+``d = dp_exp_rank * ep + ep_rank``, named without ep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor
+from ckptconv.errors import ConversionError
+from ckptconv.training.nxd_optimizer_files import MOMENTS, ep_offset
+from ckptconv.training.nxd_optimizer_write import (
+    NxdOptimizerPlan,
+    group_hyper,
+    index_order,
+    nxd_groups,
+    nxd_param_group,
+    optimizer_dtype,
+    row_chunk,
+    tensor_at,
+)
+from ckptconv.training.nxd_tag_optimizer import STEP
+from ckptconv.training.optim_placement import check_zero1_ep, optimizer_ep_rank, optimizer_file, shard_ranks
+from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
+
+
+class _Part:
+    """The parameters one of the two ZeRO-1 optimizers holds on a (tp, pp) rank: names in NxD's index order, their
+    planned weights and state, the group size they are chunked over."""
+
+    def __init__(self, shard: OutFile, names: list[str], rule: str, optim: OptimizerSource, world: int) -> None:
+        self.shard, self.world = shard, world
+        self.weights = {t.key: t for t in shard.tensors if t.key in names}
+        self.groups = nxd_groups([n for n in names if n in self.weights], rule)
+        self.order = [n for g in self.groups for n in g]
+        self.state = {n: state_tensors(self.weights[n], optim) for n in self.order}
+        for n in self.order:
+            if set(self.state[n]) - {MASTER} != {STEP, *MOMENTS}:
+                raise ConversionError(f"{shard.path}: {n!r} has optimizer state {sorted(self.state[n])}; NxD's "
+                                      "files hold AdamW's step, exp_avg and exp_avg_sq")
+
+
+def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool, rule: str,
+                                drop_masters: bool, lr: tuple[float, float] | None,
+                                notes: list[str]) -> tuple[list[OutFile], NxdOptimizerPlan]:
+    """NxD's EP ZeRO-1 optimizer files for the expert-parallel target shards ``shards`` (their names carry the ep
+    rank; an ep rank > 0's shard holds its experts only). ``lr`` as for
+    :func:`ckptconv.training.nxd_optimizer_write.plan_nxd_optimizer_files`. The source's masters cannot be
+    carried (NxD's EP files hold none): refused unless ``drop_masters``."""
+    stages: dict[tuple[int, int], dict[int, OutFile]] = {}
+    for shard in shards:
+        ranks = shard_ranks(Path(shard.path).name)
+        assert ranks is not None, shard.path
+        stages.setdefault(ranks[1:], {})[ranks[0]] = shard
+    ep = 1 + max(e for stage in stages.values() for e in stage)
+    if not zero1:
+        raise ConversionError(f"--optimizer-format nxd at ep {ep} without ZeRO-1: NxD's per-ep-rank AdamW files "
+                              "(optim/dp_rank_00_ep_rank_EE_...) are not written; pass --zero1")
+    check_zero1_ep(dp, ep)
+    out: list[OutFile] = []
+    names_of: dict[str, list[str]] = {}
+    dtypes: set[str] = set()
+    masters: list[str] = []
+    for (tp, pp), by_ep in sorted(stages.items()):
+        experts = {t.key for e, shard in by_ep.items() if e > 0 for t in shard.tensors}
+        ordered = index_order(by_ep[0], "one")  # the shard's parameters in live order (inv_freq left out)
+        dense = _Part(by_ep[0], [n for n in ordered if n not in experts], rule, optim, dp)
+        parts = [_Part(by_ep[e], [n for n in ordered if n in experts], rule, optim, dp // ep) for e in range(ep)]
+        groups = _param_groups(dense, parts, optim, rule, lr)
+        names_of[by_ep[0].path] = dense.order + parts[0].order
+        for e in range(1, ep):
+            names_of[by_ep[e].path] = parts[e].order
+        masters += [n for part in (dense, *parts) for n in part.order if MASTER in part.state[n]]
+        for d in range(dp):
+            e = optimizer_ep_rank(d, ep)
+            path = optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=d)
+            out.append(_file(path, dense, parts[e], d, d // ep, groups, optim, dtypes))
+    if masters and not drop_masters:
+        raise ConversionError(f"{masters[0]!r}: NxD's expert-parallel ZeRO-1 files hold no master weights "
+                              "(NeuronEPZero1Optimizer's state_dict drops them): pass --drop-masters to write the "
+                              "moments without the source's masters")
+    if masters:
+        notes.append("--drop-masters: the source's master weights are not written (NxD's expert-parallel ZeRO-1 "
+                     "files hold none; NxD's resume takes them from the weights)")
+    notes.append(f"NxD's expert-parallel ZeRO-1 state (NeuronEPZero1Optimizer): non-expert parameters over dp {dp}, "
+                 f"each ep rank's experts over its {dp // ep} expert-data-parallel ranks; no master weights")
+    plan = NxdOptimizerPlan(rule, True, dp, "none", "/".join(sorted(dtypes)), names_of)
+    return out, plan
+
+
+def _param_groups(dense: _Part, parts: list[_Part], optim: OptimizerSource, rule: str,
+                  lr: tuple[float, float] | None) -> list[dict[str, Any]]:
+    """The merged param groups: the non-expert optimizer's, then the expert one's (the same groups filtered, so
+    group ``g`` of both has group ``g``'s hyper-parameters; ``params`` numbered in each optimizer's own space)."""
+    ours = optim.hyper.param_groups
+    next_lr, peak = lr if lr is not None else (None, None)
+    shapes = {**{n: t.shape for n, t in dense.weights.items()}, **{n: t.shape for n, t in parts[0].weights.items()}}
+    merged: list[dict[str, Any]] = []
+    for part in (dense, parts[0]):
+        start = 0
+        for g, group in enumerate(part.groups):
+            hyper = group_hyper(dense.groups[g] + parts[0].groups[g], shapes, ours, g, rule)
+            merged.append({**nxd_param_group(hyper, zero1=True, lr=next_lr, initial_lr=peak),
+                           "params": list(range(start, start + len(group)))})
+            start += len(group)
+    return merged
+
+
+def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, param_groups: list[dict[str, Any]],
+          optim: OptimizerSource, dtypes: set[str]) -> OutFile:
+    """One dp rank's file: ``dp_rank``'s chunk of the non-expert state, ``edp_rank``'s of its ep rank's experts."""
+    tensors: list[OutTensor] = []
+    base_state: dict[int, dict[str, Any]] = {}
+    shape_info: dict[int, list[int]] = {}
+    offset = ep_offset(len(dense.order))
+    for part, rank, first in ((dense, dp_rank, 0), (experts, edp_rank, offset)):
+        for j, name in enumerate(part.order):
+            i = first + j
+            weight, state = part.weights[name], part.state[name]
+            if not weight.shape:
+                raise ConversionError(f"{part.shard.path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
+            dtype = optimizer_dtype(optim, weight)
+            dtypes.add(str(dtype).removeprefix("torch."))
+            rows = math.ceil(weight.shape[0] / part.world)
+            entry = {STEP: dataclasses.replace(state[STEP], key=f"base_state.{i}.step", dtype=torch.float32)}
+            for m in MOMENTS:
+                entry[m] = row_chunk(state[m], rank * rows, rows, f"base_state.{i}.{m}", dtype)
+            tensors += entry.values()
+            base_state[i] = {k: tensor_at(t) for k, t in entry.items()}
+            shape_info[i] = list(weight.shape)
+    plain: tuple[tuple[str, Any], ...] = (
+        ("ep_param_id_offset", 1), ("ep_param_group_offset", len(dense.groups)), ("ep_base_state_offset", offset),
+        ("ep_shape_info_offset", offset), ("param_groups", param_groups), ("state", {}), ("base_state", base_state),
+        ("shape_info", shape_info))
+    return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
+
