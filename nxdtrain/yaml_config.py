@@ -47,6 +47,7 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("distributed_strategy", "zero1"): "zero1",
     ("distributed_strategy", "sequence_parallel"): "sequence_parallel",
     ("distributed_strategy", "context_parallel_size"): "context_parallel",
+    ("distributed_strategy", "expert_model_parallel_size"): "ep",
     ("model", "fusions", "ring_attention"): "ring_attention",
     ("distributed_strategy", "virtual_pipeline_model_parallel_size"): "vpp",
     ("data", "micro_batch_size"): "mbs",

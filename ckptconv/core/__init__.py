@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         ParallelLayout,
         default_kvm,
         layer_pp_ranks,
+        layout_shard_file,
         parse_shard_name,
         shard_file,
     )
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         EMBED,
         LM_HEAD,
         ShardRecord,
+        all_ep_shard_records,
         all_shard_records,
         hf_record_shape,
         hf_shapes,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
         rope_cos_sin,
         rope_inv_freq,
         rope_parameters,
+        route_logits,
     )
 
 __getattr__ = lazy_exports(__name__, __file__)
