@@ -73,7 +73,8 @@ def rank_heads(spec: ModelSpec, layout: ParallelLayout, tp_rank: int) -> RankHea
 
 def describe(layout: ParallelLayout) -> str:
     """``tp 2 pp 2 kvm 1 qkv_linear fused`` (the words a reshard command needs)."""
-    words = f"tp {layout.tp} pp {layout.pp} kvm {layout.kvm} {layout.attention.value}"
+    words = f"tp {layout.tp} pp {layout.pp}" + (f" ep {layout.ep}" if layout.ep > 1 else "") + \
+        f" kvm {layout.kvm} {layout.attention.value}"
     return words + (" fused" if layout.fuse_qkv else "") + (f" vpp {layout.vpp}" if layout.vpp > 1 else "")
 
 

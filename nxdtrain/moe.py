@@ -65,7 +65,7 @@ class AuxLoss:
     coef: float
     microbatches: int  # of the whole global batch (gbs / mbs)
     rows: int
-    inject: bool = True  # tp rank 0 only: the tp ranks' gradients are summed by the router logits' gather
+    inject: bool = True  # tp rank 0's gradient counts: the router logits' gather sums the tp ranks' gradients
     batches: list[MicroBatch] = field(default_factory=list)
     cursor: int = 0
 
@@ -90,8 +90,9 @@ class AuxLoss:
         return sums
 
     def gradient(self, batch: MicroBatch) -> torch.Tensor:
-        """d(coef * aux / microbatches) / dP."""
-        return (self.coef / self.microbatches) * self.experts * batch.all_counts() / self.rows ** 2
+        """d(coef * aux / microbatches) / dP (zero on tp ranks > 0, whose gradients the gather adds to rank 0's)."""
+        scale = self.coef / self.microbatches if self.inject else 0.0
+        return scale * self.experts * batch.all_counts() / self.rows ** 2
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -193,7 +194,9 @@ class SparseMLP(nn.Module):
         out = leave_tp(routed(flat, weights, indices, self.ep, self.per_rank, local).view_as(h), self.tp)
         if aux is not None and batch is not None:
             sums = aux.record(batch, self.layer, logits)
-            if aux.inject and aux.coef and torch.is_grad_enabled():
+            # On every tp rank (a zero gradient on ranks > 0): the same autograd graph on each, so that their
+            # backward runs the tp collectives in the same order.
+            if aux.coef and torch.is_grad_enabled():
                 out = _AuxGrad.apply(out, sums, aux, batch)
         return out
 

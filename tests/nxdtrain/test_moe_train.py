@@ -98,3 +98,77 @@ CASES = {
 def test_moe_layouts_match_transformers(tmp_path, moe, name):
     family, tp, pp, ep, dp, optimizer, coef, extra = CASES[name]
     run_and_compare(tmp_path, moe, family, tp=tp, pp=pp, ep=ep, dp=dp, optimizer=optimizer, coef=coef, **extra)
+
+
+# --------------------------------------------------------------------------------------------
+# The ep dispatch against transformers' block, and experts on the wrong ep rank
+
+
+def _block_worker(out_dir: str, swap: bool) -> None:
+    """One of 2 ep ranks: transformers' MixtralSparseMoeBlock and ours on this rank's tokens; the output and each
+    local expert's gradient (over both ranks' tokens) compared; ``swap``: each rank holds the other's experts."""
+    import json
+
+    import torch.distributed as dist
+    import transformers
+
+    from ckptconv.core.model_spec import ModelSpec
+    from nxdtrain.moe import SparseMLP
+    from nxdtrain.parallel.dist import detect_env, init_world
+    from nxdtrain.parallel.experts import EpGroup
+    from nxdtrain.parallel.layers import TpGroup
+
+    env = detect_env()
+    init_world(env, 60.0, "cpu")
+    rank = dist.get_rank()
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=4,
+                                        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    ref = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p))
+    xs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+    gs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(20 + r)) for r in range(2)]
+    ref_out = [ref(x) for x in xs]
+    sum((o * g).sum() for o, g in zip(ref_out, gs, strict=True)).backward()
+
+    spec = ModelSpec.from_config({"model_type": "mixtral", **config.to_dict()})
+    ep = EpGroup(2, rank, dist.new_group([0, 1]))
+    block = SparseMLP(spec, 0, TpGroup(), ep, dtype=torch.float32)
+    owner = 1 - rank if swap else rank
+    experts = range(2 * owner, 2 * owner + 2)
+    gate_up, down = ref.experts.gate_up_proj, ref.experts.down_proj  # [E, 2I, H] (gate rows first), [E, H, I]
+    with torch.no_grad():
+        block.router.linear_router.weight.copy_(ref.gate.weight)
+        block.expert_mlps.mlp_op.gate_up_proj.weight.copy_(gate_up[list(experts)].transpose(1, 2))
+        block.expert_mlps.mlp_op.down_proj.weight.copy_(down[list(experts)].transpose(1, 2))
+    out = block(xs[rank])
+    (out * gs[rank]).sum().backward()
+    op = block.expert_mlps.mlp_op
+    def relative(got: torch.Tensor, want: torch.Tensor) -> float:  # values in the hundreds: fp32 rounding is 1e-5
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    result = {
+        "forward": relative(out, ref_out[rank]),
+        "gate_up_grad": relative(op.gate_up_proj.weight.grad, gate_up.grad[list(experts)].transpose(1, 2)),
+        "down_grad": relative(op.down_proj.weight.grad, down.grad[list(experts)].transpose(1, 2)),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["experts-in-place", "ep-ranks-swapped"])
+def test_ep_dispatch_matches_transformers_block_and_catches_swapped_experts(tmp_path, swap):
+    import json
+
+    from nxdtrain.cli import PRELOAD
+    from nxdtrain.parallel.dist import spawn
+
+    assert spawn(_block_worker, (str(tmp_path), swap), 2, timeout_s=120, preload=PRELOAD) == 0
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    worst = max(v for r in results for v in r.values())
+    if swap:  # tokens reach the experts' numbers on the wrong rank: the output is another function
+        assert min(r["forward"] for r in results) > 1e-2, results
+    else:
+        assert worst < 1e-6, results
