@@ -378,7 +378,7 @@ def reshard(
         plan = plan_reshard(spec, old, new, ckpt.dtypes(stages_only=parted), with_inv_freq=with_inv_freq,
                             dtype_policy=dtype_policy(dtype))
         training = _reshard_training(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, weights_only=weights_only,
-                                     optimizer_format=optimizer_format, options=options)
+                                     optimizer_format=optimizer_format, options=options, new=new)
         if parted and training is None:  # the weights alone: split by the run's write, so every file is checked here
             check_files_read(ckpt, spec, old, with_inv_freq, ckpt.files)
         if training is not None and optimizer_format == "nxd":
@@ -418,7 +418,7 @@ def _refuse_no_change(ckpt: Any, old: ParallelLayout, new: ParallelLayout, flags
 
 def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *, dp: int | None,
                       zero1: bool | None, weights_only: bool, optimizer_format: str,
-                      options: RunOptions) -> TrainingTag | None:
+                      options: RunOptions, new: ParallelLayout) -> TrainingTag | None:
     """The training state that moves with the weights (nxdtrain's tag, or NxD's own into nxdtrain's format), or
     None; flags that place optimizer state are refused where there is none."""
     training = None
@@ -434,7 +434,26 @@ def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_
         raise ConversionError(f"{ckpt.root}: {flags} optimizer state; "
                               + ("--weights-only writes none" if weights_only else "this is not a training "
                                  "tag (no optim/)"))
+    if training is not None:
+        _refuse_ep_state(old, new, optimizer_format, parted, training)
     return training
+
+
+def _refuse_ep_state(old: ParallelLayout, new: ParallelLayout, optimizer_format: str, parted: bool,
+                     training: TrainingTag) -> None:
+    """What an expert-parallel training tag's reshard does not do yet, refused before anything is written."""
+    ep = max(old.ep, new.ep)
+    if ep == 1:
+        return
+    why = ""
+    if optimizer_format == "nxd":
+        why = ("--optimizer-format nxd: NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer's merged expert "
+               "and non-expert state) are not written yet; write nxdtrain's format (the default)")
+    elif parted:
+        why = "--part: a training tag with ep > 1 is resharded by one process (run it without --part)"
+    if why:
+        training.optim.close()
+        raise ConversionError(f"{training.ckpt.root}: ep {ep}, {why}")
 
 
 def _param_groups(training: TrainingTag, rule: str | None, asked: str | None, notes: list[str]) -> str:

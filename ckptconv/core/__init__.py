@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         default_kvm,
         layer_pp_ranks,
         layout_shard_file,
+        parse_ep_shard_name,
         parse_shard_name,
         shard_file,
     )
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         ShardRecord,
         all_ep_shard_records,
         all_shard_records,
+        expert_keys,
         hf_record_shape,
         hf_shapes,
         kv_heads,

@@ -124,11 +124,30 @@ def _layer_records(spec: ModelSpec, layout: ParallelLayout, layer: int, tp_rank:
     prefix = LAYER_PREFIX.format(layer)
     out: list[ShardRecord] = []
     for rule in spec.family.rules_for(spec.config, layer):
-        if getattr(rule, "expert", False):
+        if _is_expert(rule):
             out += rule.records(spec, layout, prefix, tp_rank, ep_rank=ep_rank)  # type: ignore[call-arg]
         elif ep_rank == 0 and (with_inv_freq or not (rule.hf_names and set(rule.hf_names) <= optional)):
             out += rule.records(spec, layout, prefix, tp_rank)
     return out
+
+
+def _is_expert(rule: object) -> bool:
+    """Whether a family rule's tensors are expert tensors: in every ep rank's files, each its own experts."""
+    return bool(getattr(rule, "expert", False))
+
+
+def expert_keys(spec: ModelSpec) -> frozenset[str]:
+    """The NxD keys of ``spec``'s expert tensors (stacked experts, split over ep); empty for a dense model.
+
+    Every other key is held by ep rank 0's files only, and its optimizer state is ZeRO-1-sharded over all dp ranks,
+    an expert key's over the ep rank's expert-data-parallel group (docs/nxd-optimizer-format.md).
+    """
+    if spec.family.moe is None:
+        return frozenset()
+    one = ParallelLayout()
+    return frozenset(r.key for layer in range(spec.layers) for rule in spec.family.rules_for(spec.config, layer)
+                     if _is_expert(rule)
+                     for r in rule.records(spec, one, LAYER_PREFIX.format(layer), 0))
 
 
 def _in_file_order(records: list[ShardRecord], module_order: list[str], *, at_end: bool = True) -> list[ShardRecord]:
@@ -162,17 +181,12 @@ def hf_record_shape(record: ShardRecord, hf_shape: tuple[int, ...]) -> tuple[int
 def all_shard_records(
     spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
 ) -> dict[tuple[int, int], list[ShardRecord]]:
-    """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major). Expert parallelism has a
-    third index: :func:`all_ep_shard_records`."""
-    layout.check_model(spec)
+    """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major): :func:`all_ep_shard_records`
+    without its ep index, for a layout without expert parallelism (a (tp, pp) key cannot name an ep rank)."""
     if layout.ep > 1:
         raise ConversionError(f"this command does not handle expert parallelism yet (ep {layout.ep}); ep 1 works")
-    return {
-        (tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, with_inv_freq=with_inv_freq,
-                                lm_head_copy=lm_head_copy)
-        for pp in range(layout.pp)
-        for tp in range(layout.tp)
-    }
+    return {(tp, pp): records for (_, tp, pp), records in
+            all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy).items()}
 
 
 def check_source_shapes(
@@ -199,7 +213,8 @@ def check_source_shapes(
 def all_ep_shard_records(
     spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
 ) -> dict[tuple[int, int, int], list[ShardRecord]]:
-    """Every shard's records keyed by (ep_rank, tp_rank, pp_rank), in NxD's rank order (pp, then ep, then tp)."""
+    """Every shard's records keyed by (ep_rank, tp_rank, pp_rank), in NxD's rank order (pp, then ep, then tp): the
+    one keying of a layout's shards (ep rank 0 alone without expert parallelism)."""
     layout.check_model(spec)
     return {
         (ep, tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, ep_rank=ep, with_inv_freq=with_inv_freq,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -344,7 +344,8 @@ def plan_to_full_state(
                                              column_major_o=layout.attention is Attention.QKV_LINEAR)}
     ordered: list[OutTensor] = []
     seen: set[str] = set()
-    records = all_shard_records(spec, layout, with_inv_freq=with_inv_freq,
+    # every expert in its module slot, as at ep 1 (the pieces still read each expert from its ep rank's shards)
+    records = all_shard_records(spec, replace(layout, ep=1), with_inv_freq=with_inv_freq,
                                 lm_head_copy=stores_lm_head(spec, shard_dtypes))
     for pp in range(layout.pp):
         for record in records[(0, pp)]:

@@ -103,6 +103,9 @@ class NxdOptimizer:
         self._closed = False  # reads after close() fail: its leaves would otherwise reopen their files unseen
         if not self.dir.is_dir():
             raise ConversionError(f"{self.dir}: no optimizer state in this tag")
+        if getattr(model, "ep", 1) > 1:  # NeuronEPZero1Optimizer: an expert and a non-expert state merged at offsets
+            raise ConversionError(f"{self.dir}: NxD's expert-parallel optimizer files (ep {model.ep}) are not read "
+                                  "yet; reshard the shards alone with --weights-only")
         try:
             if (self.dir / DCP_METADATA).is_file():  # one metadata file names every rank's tensors
                 self.dp = 1

@@ -25,7 +25,8 @@ from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from ckptconv.training.nxd_optimizer_files import MOMENTS
 from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from ckptconv.training.state import MASTER, Hyper, is_matrix, split_key
+from ckptconv.training.optim_placement import is_matrix
+from ckptconv.training.state import MASTER, Hyper, split_key
 
 STEP = "step"
 

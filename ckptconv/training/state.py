@@ -11,7 +11,10 @@ in bands like a shard)::
     format: 2, names: [stage parameter names], zero1: bool, zero_size: int, dp_rank: int,
     owned: [names whose state this file holds],
     param_groups: [hyper-parameters of group 0 (matrices, decayed), of group 1 (vectors)],
+    ep: int, ep_rank: int,   (expert parallelism only: which ep rank's experts the file holds state of)
     "state.<name>.<component>": tensor, ...
+
+Which dp rank's file holds which parameter: :mod:`ckptconv.training.optim_placement`.
 
 Format 1 files (nxdtrain before this format: a torch optimizer ``state_dict`` indexed by position) are read
 as lazily, by mapping positions back to names (:func:`neutral_from_format1`); what cannot be mapped is refused.
@@ -26,15 +29,15 @@ TorchTitan's export builds on the same per-name view (:class:`TagOptimizer`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from ckptconv.core.layout import ParallelLayout, parse_rank_file, parse_shard_name, shard_file, shard_name
-from ckptconv.core.mapping import all_shard_records, hf_record_shape, hf_shapes, stores_lm_head
+from ckptconv.core.layout import ParallelLayout, layout_shard_file, parse_rank_file, shard_name
+from ckptconv.core.mapping import all_ep_shard_records, expert_keys, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 from ckptconv.errors import ConversionError, IntegrityError
@@ -43,8 +46,16 @@ from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
+from ckptconv.training.optim_placement import (
+    FORMAT,
+    optimizer_ep_rank,
+    optimizer_file,
+    optimizer_files,
+    stage_groups,
+    zero1_partition,
+)
+from ckptconv.training.optim_placement import is_matrix as is_matrix  # where ckptconv.titan reads it
 
-FORMAT = 2
 MASTER = "master"
 _SEP = ":"  # "<component>:<nxd key>" names an optimizer tensor in a plan's Source
 def state_key(name: str, component: str) -> str:
@@ -61,37 +72,6 @@ def split_key(key: str) -> tuple[str | None, str]:
     """``(component, nxd key)`` of a plan Source key; component None for a weight."""
     component, sep, name = key.partition(_SEP)
     return (component, name) if sep else (None, key)
-
-
-def is_matrix(shape: Sequence[int]) -> bool:
-    """Group 0 (weight decay) holds matrices, group 1 vectors: nxdtrain's param_groups rule."""
-    return len(shape) >= 2
-
-
-def zero1_partition(groups: Sequence[Sequence[tuple[str, int]]], world: int) -> list[list[list[str]]]:
-    """Names per dp rank per param group, as torch's ZeroRedundancyOptimizer assigns parameters.
-
-    Its rule (torch/distributed/optim/zero_redundancy_optimizer.py, ``_partition_parameters``): group by
-    group, parameters sorted by size (largest first, stable), each to the rank with the fewest elements so
-    far (the lowest such rank), sizes carried over from group to group.
-    """
-    sizes = [0] * world
-    out: list[list[list[str]]] = [[[] for _ in groups] for _ in range(world)]
-    for g, group in enumerate(groups):
-        for name, numel in sorted(group, key=lambda item: item[1], reverse=True):
-            rank = sizes.index(min(sizes))
-            out[rank][g].append(name)
-            sizes[rank] += numel
-    return out
-
-
-def stage_groups(names: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> list[list[tuple[str, int]]]:
-    """(name, numel) of the stage's parameters in group 0 (matrices) and group 1 (vectors), in ``names`` order."""
-    def numel(name: str) -> int:
-        return int(torch.Size(shapes[name]).numel())
-
-    return [[(n, numel(n)) for n in names if is_matrix(shapes[n])],
-            [(n, numel(n)) for n in names if not is_matrix(shapes[n])]]
 
 
 def plain_group(group: Mapping[str, Any]) -> dict[str, Any]:
@@ -205,14 +185,15 @@ def _stored_or_pickled(value: Any) -> bool:
 
 
 def stage_shapes(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
-                 lm_head_copy: bool = True) -> dict[tuple[int, int], dict[str, tuple[int, ...]]]:
-    """Per (tp, pp): every parameter's shape in the shards of ``layout`` (buffers such as inv_freq left out)."""
+                 lm_head_copy: bool = True) -> dict[tuple[int, int, int], dict[str, tuple[int, ...]]]:
+    """Per shard (ep, tp, pp): every parameter's shape in the shards of ``layout`` (buffers such as inv_freq left
+    out); ep rank 0 alone without expert parallelism."""
     shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
     return {
         ranks: {r.key: hf_record_shape(r, shapes[r.segments[0].hf_key]) for r in records
                 if not r.key.endswith("inv_freq")}
-        for ranks, records in all_shard_records(spec, layout, with_inv_freq=with_inv_freq,
-                                                lm_head_copy=lm_head_copy).items()
+        for ranks, records in all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq,
+                                                   lm_head_copy=lm_head_copy).items()
     }
 
 
@@ -245,17 +226,21 @@ class OptimizerSource(Protocol):
 
 
 class TagOptimizer:
-    """The optimizer files of a training tag (``optim/``), indexed by (tp rank, pp rank, parameter).
+    """The optimizer files of a training tag (``optim/``), indexed by (shard, parameter).
 
     A ``TensorReader`` for Sources ``Source(model shard file, "<component>:<key>")`` (see :func:`component_source`):
-    the tensor ``component`` of parameter ``key`` of that shard, from whichever dp rank's file holds it.
+    the tensor ``component`` of parameter ``key`` of that shard, from whichever dp rank's file holds it. With expert
+    parallelism a file of dp rank ``d`` holds state of the non-expert parameters (of ep rank 0's shard) and of the
+    experts of ep rank ``d % ep`` (:func:`optimizer_ep_rank`, docs/nxd-optimizer-format.md).
     """
 
     def __init__(self, root: Path, spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
                  lm_head_copy: bool = True, checks: CheckedFiles | None = None, io: str = "mmap",
-                 only: set[tuple[int, int]] | None = None) -> None:
-        """``only``: open just the files of these (tp rank, pp rank) shards (what one training rank reads)."""
-        self.root = root
+                 only: Iterable[tuple[int, ...]] | None = None) -> None:
+        """``only``: open just the files these shards' state lies in (what one training rank reads): ``(tp, pp)``
+        every ep rank's, ``(ep, tp, pp)`` that ep rank's (see :meth:`widen`)."""
+        self.root, self.layout = root, layout
+        self._experts = expert_keys(spec) if layout.ep > 1 else frozenset()
         shapes = stage_shapes(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
         directory = root / OPTIM_DIR
         found: dict[tuple[int, int, int], Path] = {}
@@ -264,21 +249,25 @@ class TagOptimizer:
             if ranks:
                 dp, tp, pp = ranks
                 found[(tp, pp, dp)] = path
-        missing = [(tp, pp) for tp, pp in shapes if (tp, pp, 0) not in found]
+        # dp rank e holds (the first part of) ep rank e's expert state, dp rank 0 the rest's
+        missing = [(ep, tp, pp) for ep, tp, pp in shapes if (tp, pp, ep) not in found]
         if missing:
-            raise ConversionError(f"{directory}: no optimizer file for tp rank {missing[0][0]} pp rank "
-                                  f"{missing[0][1]} (expected a tag of layout tp {layout.tp} pp {layout.pp})")
+            ep, tp, pp = missing[0]
+            of = f" (ep rank {ep})" if layout.ep > 1 else ""
+            raise ConversionError(f"{directory}: no optimizer file {shard_name(tp_rank=tp, pp_rank=pp, dp_rank=ep)}"
+                                  f"{of} for tp rank {tp} pp rank {pp} (expected a tag of layout tp {layout.tp} "
+                                  f"pp {layout.pp}" + (f" ep {layout.ep})" if layout.ep > 1 else ")"))
         self._files: list[_OptimFile] = []
         self._where: dict[tuple[str, str], tuple[_OptimFile, str]] = {}  # (shard file, component:key) -> file, key
         self._found, self._shapes, self._checks, self._io = found, shapes, checks, io
-        self._opened: set[tuple[int, int]] = set()
+        self._opened: set[tuple[int, int, int]] = set()  # (tp, pp, dp) of the files opened
         self._components: dict[str, None] = {}
         self._formats: set[int] = set()
         for (tp, pp, _), path in sorted(found.items()):
-            if (tp, pp) not in shapes:
+            if (0, tp, pp) not in shapes:
                 raise ConversionError(f"{path}: tp rank {tp} pp rank {pp} is outside layout tp {layout.tp} pp {layout.pp}")
         try:
-            self._open(set(shapes) if only is None else set(only))
+            self._open(None if only is None else set(only))
         except BaseException:
             self.close()
             raise
@@ -287,25 +276,54 @@ class TagOptimizer:
                            int(first.plain.get("zero_size", 1)), tuple(sorted(self._components, key=_component_order)),
                            tuple(sorted(self._formats)))
 
-    def _open(self, ranks: set[tuple[int, int]]) -> None:
-        """Open the files (every dp rank's) of these (tp rank, pp rank) shards, dp rank 0's first."""
-        for (tp, pp, dp), path in sorted(self._found.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
-            if (tp, pp) not in ranks or (tp, pp) in self._opened:
-                continue
-            optim = _OptimFile(path, dp, self._shapes[(tp, pp)], self._checks, self._io)
-            self._files.append(optim)
-            self._formats.add(optim.format)
-            shard = shard_file(tp_rank=tp, pp_rank=pp)
-            for key in optim.tensor_keys():
-                name, component = _parse_state_key(key, self._shapes[(tp, pp)], str(path))
-                self._components.setdefault(component)
-                self._where.setdefault((shard, f"{component}{_SEP}{name}"), (optim, key))
-        self._opened |= ranks
+    def _wanted(self, ranks: set[tuple[int, ...]] | None, tp: int, pp: int, dp: int) -> bool:
+        """Whether file (tp, pp, dp) may hold state of a shard of ``ranks`` (None: every shard): any file of a
+        (tp, pp) the non-expert state of its ep rank 0 shard, the files of ep rank e's dp ranks its experts'."""
+        if ranks is None:
+            return True
+        ep = optimizer_ep_rank(dp, self.layout.ep)
+        return any(r == (tp, pp) or r in ((0, tp, pp), (ep, tp, pp)) for r in ranks)
 
-    def widen(self, ranks: set[tuple[int, int]]) -> None:
-        """Open the files of these (tp rank, pp rank) shards too (a reshard's part: the ranks its files read).
+    def _stage(self, tp: int, pp: int, dp: int) -> dict[str, str]:
+        """The parameters whose state the file of (tp, pp, dp) may hold, each with its shard file."""
+        ep = optimizer_ep_rank(dp, self.layout.ep)
+        where = {name: layout_shard_file(self.layout, ep_rank=0, tp_rank=tp, pp_rank=pp)
+                 for name in self._shapes[(0, tp, pp)] if name not in self._experts}
+        if self._experts:
+            shard = layout_shard_file(self.layout, ep_rank=ep, tp_rank=tp, pp_rank=pp)
+            where.update({name: shard for name in self._shapes[(ep, tp, pp)] if name in self._experts})
+        return where
+
+    def _open(self, ranks: set[tuple[int, ...]] | None) -> None:
+        """Open the files (every dp rank's) that may hold state of these shards, dp rank 0's first."""
+        for (tp, pp, dp), path in sorted(self._found.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
+            if (tp, pp, dp) in self._opened or not self._wanted(ranks, tp, pp, dp):
+                continue
+            stage = self._stage(tp, pp, dp)
+            shapes = self._shapes[(0, tp, pp)] if not self._experts else {
+                **self._shapes[(0, tp, pp)], **self._shapes[(optimizer_ep_rank(dp, self.layout.ep), tp, pp)]}
+            optim = _OptimFile(path, dp, {n: shapes[n] for n in stage}, self._checks, self._io)
+            self._files.append(optim)
+            self._opened.add((tp, pp, dp))
+            self._formats.add(optim.format)
+            self._check_ep(optim, dp)
+            for key in optim.tensor_keys():
+                name, component = _parse_state_key(key, stage, str(path))
+                self._components.setdefault(component)
+                self._where.setdefault((stage[name], f"{component}{_SEP}{name}"), (optim, key))
+
+    def _check_ep(self, optim: _OptimFile, dp: int) -> None:
+        """A file's own ep record (format 2 at ep > 1) must be the layout's: a tag's files are never misread."""
+        ep, rank = int(optim.plain.get("ep", 1)), int(optim.plain.get("ep_rank", 0))
+        if (ep, rank) != (self.layout.ep, optimizer_ep_rank(dp, self.layout.ep)):
+            raise ConversionError(f"{optim.path}: optimizer state of ep {ep} (ep rank {rank}), but the shards are of "
+                                  f"ep {self.layout.ep} (dp rank {dp}: ep rank "
+                                  f"{optimizer_ep_rank(dp, self.layout.ep)})")
+
+    def widen(self, ranks: Iterable[tuple[int, ...]]) -> None:
+        """Open the files of these shards too (a reshard's part: the ranks its files read; as ``only``).
         They must hold the components the first files opened said the optimizer has, and no other."""
-        self._open(ranks)
+        self._open(set(ranks))
         if tuple(sorted(self._components, key=_component_order)) != self.hyper.components:
             raise ConversionError(f"{self.root / OPTIM_DIR}: optimizer files hold different components: "
                                   f"{sorted(self._components)}, the first ones {list(self.hyper.components)}")
@@ -400,9 +418,11 @@ def state_tensors(weight: OutTensor, optim: OptimizerSource) -> dict[str, OutTen
             out[component] = OutTensor(state_key(weight.key, component), dtype, (), 0,
                                        (Piece(component_source(first, component), 0, 1),))
             continue
-        pieces = tuple(Piece(component_source(p.source, component), p.start, p.stop, row_perm=p.row_perm,
-                             zeros=p.zeros) for p in weight.pieces)  # padding rows: zero moments, as trained
-        out[component] = OutTensor(state_key(weight.key, component), dtype, weight.shape, weight.dim, pieces)
+        # the same rows of the same slab (an expert), transposed as the weight is; padding rows: zero moments
+        pieces = tuple(replace(p, source=component_source(p.source, component), alternates=()) for p in weight.pieces)
+        # stacked as the weight is (experts: slabs, transposed); moments always row-major (they split into bands)
+        out[component] = replace(weight, key=state_key(weight.key, component), dtype=dtype, pieces=pieces,
+                                 column_major=False)
     return out
 
 
@@ -413,7 +433,8 @@ def state_replicas(replicas: Sequence[ReplicaGroup], optim: OptimizerSource) -> 
         for component in optim.components_of(group.copies[0].source):
             _, shape, _ = optim.info(component_source(group.copies[0].source, component))
             if shape:
-                copies = tuple(Piece(component_source(p.source, component), p.start, p.stop) for p in group.copies)
+                copies = tuple(replace(p, source=component_source(p.source, component), alternates=())
+                               for p in group.copies)
                 out.append(ReplicaGroup(f"{group.hf_key} ({component})", group.dim, group.start, group.stop, copies))
     return out
 
@@ -423,41 +444,11 @@ def describe_zero1(on: bool, size: int, *, off: str = "no ZeRO-1") -> str:
     return f"ZeRO-1 over {size} dp rank{'s' if size != 1 else ''}" if on else off
 
 
-def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
-    return f"{OPTIM_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)}"
-
-
 def plan_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool) -> list[OutFile]:
     """Format-2 optimizer files for the target shards ``shards`` (a reshard plan's files), over ``dp``
     ranks with ZeRO-1 (the partition recomputed, :func:`zero1_partition`) or one file per shard without."""
     return optimizer_files(shards, lambda _, weight: state_tensors(weight, optim), optim.hyper.param_groups,
                            dp=dp, zero1=zero1)
-
-
-StateOf = Callable[[str, OutTensor], Mapping[str, OutTensor]]
-
-
-def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: list[dict[str, Any]], *, dp: int,
-                    zero1: bool) -> list[OutFile]:
-    """Format-2 optimizer files for ``shards``; ``state_of(shard path, weight)`` plans a parameter's optimizer
-    tensors by component (keyed :func:`state_key`), wherever they are read from (a tag, a TorchTitan checkpoint)."""
-    out = []
-    for shard in shards:
-        ranks_of = parse_shard_name(Path(shard.path).name)
-        assert ranks_of is not None, shard.path
-        tp, pp = ranks_of
-        params = [t for t in shard.tensors if not t.key.endswith("inv_freq")]
-        names = [t.key for t in params]
-        by_name = {t.key: t for t in params}
-        groups = stage_groups(names, {t.key: t.shape for t in params})
-        ranks = zero1_partition(groups, dp) if zero1 else [[[n for n, _ in g] for g in groups]]
-        for dp_rank, local in enumerate(ranks):
-            owned = [n for g in local for n in g]
-            plain = (("format", FORMAT), ("names", names), ("zero1", zero1), ("zero_size", dp if zero1 else 1),
-                     ("dp_rank", dp_rank), ("owned", owned), ("param_groups", param_groups))
-            tensors = tuple(t for n in owned for t in state_of(shard.path, by_name[n]).values())
-            out.append(OutFile(optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), "torch", tensors, plain))
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,7 +477,8 @@ def resharded_user_content(content: Mapping[str, Any], new: ParallelLayout, *, z
     carried; the layout and the layout options say the new one; the per-rank RNG states are dropped (they
     belong to the old world's ranks; nxdtrain's training draws no random numbers and says so on resume)."""
     options = dict(content.get("options", {}))
-    options.update({k: v for k, v in (("tp", new.tp), ("pp", new.pp), ("zero1", zero1)) if k in options})
+    options.update({k: v for k, v in (("tp", new.tp), ("pp", new.pp), ("ep", new.ep), ("zero1", zero1))
+                    if k in options})
     return {**content, "rng": [], "options": options, "layout": new.to_json()}
 
 
@@ -516,7 +508,7 @@ class _ShardMasters:
 def lm_head_copy_of(ckpt: Any, spec: ModelSpec, layout: ParallelLayout) -> bool:
     """Whether ``ckpt``'s shards carry ``lm_head.weight`` (a tied model's copy, or untied): the last stage's tp-0
     file says it for every file (one header read, not every file's)."""
-    return stores_lm_head(spec, ckpt.keys(shard_file(tp_rank=0, pp_rank=layout.pp - 1)))
+    return stores_lm_head(spec, ckpt.keys(layout_shard_file(layout, ep_rank=0, tp_rank=0, pp_rank=layout.pp - 1)))
 
 
 def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
