@@ -208,8 +208,7 @@ def check_trainable(spec: ModelSpec) -> None:
         raise TrainError(f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)")
 
 
-def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, full_resume: bool, saved_ep: int,
-            device: str) -> str | None:
+def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: str) -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
     if not spec.experts:
         return None if ep == 1 else f"--ep {ep}: a {spec.family.name} model has no experts; use --ep 1"
@@ -222,9 +221,6 @@ def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, full_res
         return f"--zero1 with --ep {ep}: ZeRO-1 over the expert-data-parallel groups is not built yet; drop --zero1"
     if ep > 1 and device == "xla":
         return f"--ep {ep} on xla: the all-to-all's splits are data-dependent (a host read per layer); use --ep 1"
-    if full_resume and max(ep, saved_ep) > 1:
-        return (f"resuming a training tag with its optimizer state at ep {saved_ep} -> {ep}: the training state is "
-                "not ep-aware yet; add --weights-only (step 0, fresh optimizer) or train at ep 1")
     return None
 
 

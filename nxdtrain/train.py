@@ -175,8 +175,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
-    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, zero1=par.zero1, full_resume=source.full,
-                          saved_ep=source.layout.ep, device=device):
+    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, zero1=par.zero1, device=device):
         raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "

@@ -34,6 +34,7 @@ from ckptconv.training import (
     OptimizerSource,
     TagOptimizer,
     TagReader,
+    shard_ranks,
     state_tensors,
 )
 from nxdtrain.checkpoint.resume import damaged
@@ -55,7 +56,8 @@ class StageReader:
             by_path = {f.path: f for f in plan.files}
             self.tensors: dict[str, OutTensor] = {t.key: t for path in wanted for t in by_path[path].tensors}
             files = {str(p.source.file) for t in self.tensors.values() for p in t.pieces}
-            read_from = {parse_shard_name(Path(f).name) for f in files}
+            # (ep, tp, pp) of an expert-parallel shard's name, else (tp, pp) (legacy names too)
+            read_from = {shard_ranks(Path(f).name) or parse_shard_name(Path(f).name) for f in files}
             if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
                 # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank,
                 # and of the files of the ranks this one reads only)

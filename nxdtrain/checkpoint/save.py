@@ -101,7 +101,10 @@ class TagWriter:
             written += save_shard(tag / name, tensors, self.flavour, column_major=column_major)
         if first or self.zero1:
             path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else ep_rank)
-            written.append(_save_torch(to_host(optimizer.state_dict()), path))
+            state = to_host(optimizer.state_dict())
+            if self.layout.ep > 1 and not self.zero1:  # which ep rank's experts the file holds (ckptconv.training)
+                state.update(dp_rank=ep_rank, ep=self.layout.ep, ep_rank=ep_rank)
+            written.append(_save_torch(state, path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self.host_group)
