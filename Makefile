@@ -53,7 +53,7 @@ $(XLA_STAMP): pyproject.toml Makefile
 	touch $(XLA_STAMP)
 
 # PJRT_DEVICE=CPU: XLA:CPU, the only XLA device this CI has. The main lane collects test_xla.py and skips it.
-XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py
+XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py tests/nxdtrain/test_moe_xla.py
 # the XLA lane: nxdtrain on XLA:CPU
 test-xla: setup-xla
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)

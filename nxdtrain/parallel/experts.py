@@ -81,7 +81,17 @@ def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: Ep
 
 def by_expert(rows: torch.Tensor, ids: torch.Tensor, count: int,
               expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-    """``expert(rows of id e, e)`` for each local expert e, put back in the rows' order."""
+    """``expert(rows of id e, e)`` for each local expert e, put back in the rows' order.
+
+    On xla, shapes must not depend on the routing (XLA:CPU aborts on bincount; a data-dependent split would
+    compile a graph per routing): every local expert runs on every row and a mask keeps the row's own expert,
+    ``count`` times the experts' FLOPs. Exact: the other experts add zeros.
+    """
+    if rows.device.type == "xla":
+        out = torch.zeros_like(rows)
+        for e in range(count):
+            out = out + expert(rows, e) * (ids == e).unsqueeze(-1).to(rows.dtype)
+        return out
     perm = torch.argsort(ids, stable=True)
     pieces = rows.index_select(0, perm).split(torch.bincount(ids, minlength=count).tolist())
     done = torch.cat([expert(piece, e) for e, piece in enumerate(pieces)])
