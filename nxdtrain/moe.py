@@ -210,8 +210,8 @@ def check_trainable(spec: ModelSpec) -> None:
 
 def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: str) -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
-    if not spec.experts:
-        return None if ep == 1 else f"--ep {ep}: a {spec.family.name} model has no experts; use --ep 1"
+    if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
+        return None
     if dp % ep:
         return f"--ep {ep} must divide the data-parallel size {dp} (expert parallelism is carved out of dp)"
     if cp > 1:

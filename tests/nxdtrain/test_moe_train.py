@@ -172,3 +172,27 @@ def test_ep_dispatch_matches_transformers_block_and_catches_swapped_experts(tmp_
         assert min(r["forward"] for r in results) > 1e-2, results
     else:
         assert worst < 1e-6, results
+
+
+REFUSALS = {
+    # options, world, the one line
+    "ep-not-dividing-dp": (dict(ep=2, tp=2), 2, r"^--ep 2 must divide the data-parallel size 1 \(expert parallelism "
+                                                r"is carved out of dp\)$"),
+    "ep-not-dividing-experts": (dict(ep=3), 3, r"this run's layout: --ep 3 must divide the number of experts \(4\)$"),
+    "zero1-with-ep": (dict(ep=2, zero1=True), 2, r"^--zero1 with --ep 2: ZeRO-1 over the expert-data-parallel groups"),
+    "context-parallel": (dict(context_parallel=2), 2, r"^--context-parallel 2 with a Mixtral model: the router's aux "
+                                                      r"loss counts a micro-batch's whole sequence"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_what_moe_training_cannot_do_is_refused_before_any_process(moe, name):
+    from nxdtrain.errors import TrainError
+    from nxdtrain.train import prepare
+
+    options, world, message = REFUSALS[name]
+    _, src, _ = moe("mixtral")
+    config = TrainConfig.from_flat({**train_options(gbs=4, mbs=1), "resume": str(src), "no_checkpoint": True,
+                                    **options})
+    with pytest.raises(TrainError, match=message):
+        prepare(config, world)
