@@ -196,3 +196,13 @@ def test_what_moe_training_cannot_do_is_refused_before_any_process(moe, name):
                                     **options})
     with pytest.raises(TrainError, match=message):
         prepare(config, world)
+
+
+def test_nxdt_expert_model_parallel_size_is_ep(tmp_path):
+    from nxdtrain.cli import build_parser, load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("distributed_strategy:\n  tensor_model_parallel_size: 2\n  expert_model_parallel_size: 2\n"
+                    "data:\n  train_dir: synthetic\n")
+    config = load_config(build_parser().parse_args(["run", "--config", str(path), "--resume", "/x"]))
+    assert (config.parallel.tp, config.parallel.ep) == (2, 2)
