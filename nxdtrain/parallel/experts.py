@@ -43,15 +43,18 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad.contiguous(), recv, send, ctx.group), None, None, None
 
 
+class Traffic:
+    """Bytes this process has sent to other ep ranks by all-to-all, forward and backward (``make bench-train``)."""
+
+    sent = 0
+
+
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    row = x[0].numel() * x.element_size() if len(x) else 0
+    Traffic.sent += (sum(send) - send[dist.get_rank(group)]) * row
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
-
-
-def exchanged_bytes(rows: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes one rank sends per all-to-all of ``rows`` hidden states (there and back: twice per layer forward)."""
-    return rows * hidden * torch.empty((), dtype=dtype).element_size()
 
 
 def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: EpGroup, per_rank: int,
