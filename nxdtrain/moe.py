@@ -208,7 +208,8 @@ def check_trainable(spec: ModelSpec) -> None:
         raise TrainError(f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)")
 
 
-def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: str) -> str | None:
+def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: str,
+            optimizer_format: str = "nxdtrain") -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
     if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
         return None
@@ -219,6 +220,9 @@ def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: 
                 "micro-batch's whole sequence, which no cp rank holds; use --context-parallel 1")
     if ep > 1 and zero1:
         return f"--zero1 with --ep {ep}: ZeRO-1 over the expert-data-parallel groups is not built yet; drop --zero1"
+    if ep > 1 and optimizer_format == "nxd":
+        return (f"--optimizer-format nxd with --ep {ep}: NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer) "
+                "are not written yet; use --optimizer-format nxdtrain")
     if ep > 1 and device == "xla":
         return f"--ep {ep} on xla: the all-to-all's splits are data-dependent (a host read per layer); use --ep 1"
     return None

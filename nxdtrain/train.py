@@ -175,7 +175,8 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
-    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, zero1=par.zero1, device=device):
+    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, zero1=par.zero1, device=device,
+                          optimizer_format=config.checkpoint.optimizer_format):
         raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "

@@ -180,6 +180,8 @@ REFUSALS = {
                                                 r"is carved out of dp\)$"),
     "ep-not-dividing-experts": (dict(ep=3), 3, r"this run's layout: --ep 3 must divide the number of experts \(4\)$"),
     "zero1-with-ep": (dict(ep=2, zero1=True), 2, r"^--zero1 with --ep 2: ZeRO-1 over the expert-data-parallel groups"),
+    "nxd-optimizer-format-with-ep": (dict(ep=2, optimizer_format="nxd", schedule="CosineAnnealing"), 2, r"^--optimizer-format nxd with --ep 2: "
+                                                                              r"NxD's expert-parallel ZeRO-1 files"),
     "context-parallel": (dict(context_parallel=2), 2, r"^--context-parallel 2 with a Mixtral model: the router's aux "
                                                       r"loss counts a micro-batch's whole sequence"),
 }
