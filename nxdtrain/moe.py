@@ -208,7 +208,7 @@ def check_trainable(spec: ModelSpec) -> None:
         raise TrainError(f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)")
 
 
-def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: str,
+def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
             optimizer_format: str = "nxdtrain") -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
     if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
@@ -218,8 +218,6 @@ def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, zero1: bool, device: 
     if cp > 1:
         return (f"--context-parallel {cp} with a {spec.family.name} model: the router's aux loss counts a "
                 "micro-batch's whole sequence, which no cp rank holds; use --context-parallel 1")
-    if ep > 1 and zero1:
-        return f"--zero1 with --ep {ep}: ZeRO-1 over the expert-data-parallel groups is not built yet; drop --zero1"
     if ep > 1 and optimizer_format == "nxd":
         return (f"--optimizer-format nxd with --ep {ep}: NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer) "
                 "are not written yet; use --optimizer-format nxdtrain")

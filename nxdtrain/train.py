@@ -175,7 +175,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
-    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, zero1=par.zero1, device=device,
+    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device,
                           optimizer_format=config.checkpoint.optimizer_format):
         raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
@@ -341,8 +341,11 @@ class Trainer:
                 state, where = source.load_state(c.tp, c.pp), str(source.shard(c.tp, c.pp))
             self.model.load_shard_state(state, where)
             zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
+            # ZeRO-1 at ep > 1: the experts' state over their expert-data-parallel group (nxdtrain.parallel.expert_zero)
+            experts = (tuple(self.model.expert_params()), self.experts[1]) \
+                if zero_group is not None and ep.size > 1 and self.experts is not None else None
             self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
-                                       capturable=device.is_xla)
+                                       capturable=device.is_xla, experts=experts)
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None

@@ -102,8 +102,9 @@ class TagWriter:
         if first or self.zero1:
             path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else ep_rank)
             state = to_host(optimizer.state_dict())
-            if self.layout.ep > 1 and not self.zero1:  # which ep rank's experts the file holds (ckptconv.training)
-                state.update(dp_rank=ep_rank, ep=self.layout.ep, ep_rank=ep_rank)
+            if self.layout.ep > 1:  # which ep rank's experts the file holds (ckptconv.training's placement)
+                dp_rank = self.zero_rank if self.zero1 else ep_rank
+                state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=dp_rank % self.layout.ep)
             written.append(_save_torch(state, path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()

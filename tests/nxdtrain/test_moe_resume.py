@@ -46,19 +46,22 @@ def _assert_same(log, straight, got, want) -> None:
 
 
 @pytest.mark.slow
-def test_resume_ep2_ep1_ep2_equals_the_uninterrupted_run(tmp_path, mixtral):
-    straight = run_world(2, resume=str(mixtral), ep=2, checkpoint_dir=str(tmp_path / "a"),
-                         log_jsonl=str(tmp_path / "a.jsonl"), **_options())
+@pytest.mark.parametrize("zero1", [False, True], ids=["dp2", "dp4-zero1"])
+def test_resume_ep2_ep1_ep2_equals_the_uninterrupted_run(tmp_path, mixtral, zero1):
+    """dp 2, or dp 4 with ZeRO-1 (each ep rank's experts' state over its 2 expert-data-parallel ranks)."""
+    world, extra = (4, dict(zero1=True, mbs=1)) if zero1 else (2, {})
+    straight = run_world(world, resume=str(mixtral), ep=2, checkpoint_dir=str(tmp_path / "a"),
+                         log_jsonl=str(tmp_path / "a.jsonl"), **_options(**extra))
     root = tmp_path / "b"
-    log = run_world(2, resume=str(mixtral), ep=2, checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b1.jsonl"),
-                    **_options(steps=1))
+    log = run_world(world, resume=str(mixtral), ep=2, checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b1.jsonl"),
+                    **_options(steps=1, **extra))
     files = set(json.loads((root / "step_1/ckptconv.json").read_text())["files"])
     assert {"model/dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt", "model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt",
-            "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt", "optim/dp_rank_01_tp_rank_00_pp_rank_00.pt"} <= files
-    log += run_world(2, resume=str(root), ep=1, checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b2.jsonl"),
-                     **_options(steps=2))
-    log += run_world(2, resume=str(root), ep=2, checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b3.jsonl"),
-                     **_options())
+            *(f"optim/dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt" for d in range(world if zero1 else 2))} <= files
+    log += run_world(world, resume=str(root), ep=1, checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b2.jsonl"),
+                     **_options(steps=2, **extra))
+    log += run_world(world, resume=str(root), ep=2, checkpoint_dir=str(root), log_jsonl=str(tmp_path / "b3.jsonl"),
+                     **_options(**extra))
     _assert_same(log, straight, _exported(root, tmp_path / "hf-b"), _exported(tmp_path / "a", tmp_path / "hf-a"))
 
 

@@ -51,7 +51,7 @@ def moe(tmp_path_factory):
 def run_and_compare(tmp_path: Path, moe: Any, family: str, *, tp: int, pp: int, ep: int, dp: int,
                     optimizer: str = "sgd", coef: float = 0.02, **extra: Any) -> list[dict[str, Any]]:
     hf, src, reference = moe(family, coef)
-    options = train_options(optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3, gbs=4, mbs=2 // dp,
+    options = train_options(optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-3, gbs=4, mbs=max(1, 2 // dp),
                             seq_len=16)
     log = run_world(tp * pp * dp, resume=str(src), tp=tp, pp=pp, ep=ep, checkpoint_dir=str(tmp_path / "ckpt"),
                     log_jsonl=str(tmp_path / "log.jsonl"), **options, **extra)
@@ -90,6 +90,8 @@ CASES = {
                                 dict(sequence_parallel=True, activation_checkpointing="full")),
     "qwen3-tp2-pp2-sp-full": ("qwen3_moe", 2, 2, 1, 1, "sgd", 0.02,
                               dict(sequence_parallel=True, activation_checkpointing="full")),
+    # ZeRO-1: non-expert state over dp 4, each ep rank's experts over its 2 expert-data-parallel ranks
+    "mixtral-ep2-dp4-zero1-adamw": ("mixtral", 1, 1, 2, 4, "adamw", 0.02, dict(zero1=True)),
 }
 
 
@@ -179,7 +181,6 @@ REFUSALS = {
     "ep-not-dividing-dp": (dict(ep=2, tp=2), 2, r"^--ep 2 must divide the data-parallel size 1 \(expert parallelism "
                                                 r"is carved out of dp\)$"),
     "ep-not-dividing-experts": (dict(ep=3), 3, r"this run's layout: --ep 3 must divide the number of experts \(4\)$"),
-    "zero1-with-ep": (dict(ep=2, zero1=True), 2, r"^--zero1 with --ep 2: ZeRO-1 over the expert-data-parallel groups"),
     "nxd-optimizer-format-with-ep": (dict(ep=2, optimizer_format="nxd", schedule="CosineAnnealing"), 2, r"^--optimizer-format nxd with --ep 2: "
                                                                               r"NxD's expert-parallel ZeRO-1 files"),
     "context-parallel": (dict(context_parallel=2), 2, r"^--context-parallel 2 with a Mixtral model: the router's aux "
