@@ -9,7 +9,12 @@ AdamW; rows:
 * ``transformers``: ``LlamaForCausalLM`` with the same rows, microbatches and AdamW (checkpointing
   none, and full via ``gradient_checkpointing_enable``: it has no selective mode);
 * nxdtrain tp 1, tp 2, tp 2 + sequence parallel, pp 2, dp 2 + ZeRO-1, each with activation
-  checkpointing none / selective / full.
+  checkpointing none / selective / full;
+* ZeRO-1 against ``--shard-params`` (FSDP2) at dp 2 and 4 (``dp2-zero1``, ``dp2-shard``, ``dp4-zero1``,
+  ``dp4-shard``; the same global batch, mbs 2 at dp 4).
+
+``states`` is the largest per-rank count of the bytes of parameters (and fp32 masters), gradients and optimizer
+state, on the local tensors after the first step (``nxdtrain.parallel.fsdp_run.state_bytes``): what sharding divides.
 
 A second table, "long context", trains a smaller model (:data:`LONG`) on one row of ``--long-seq``
 tokens (default 4096, the longest this machine trains in reasonable time) at tp 1, context parallel
@@ -72,10 +77,14 @@ ROWS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
     "tp2-sp": (2, 1, 1, {"sequence_parallel": True}),
     "pp2": (1, 2, 1, {}),
     "dp2-zero1": (1, 1, 2, {"zero1": True}),
+    # ZeRO-1 against FSDP2 (--shard-params) at the same global batch (mbs 2 at dp 4: one microbatch per rank)
+    "dp2-shard": (1, 1, 2, {"shard_params": True}),
+    "dp4-zero1": (1, 1, 4, {"zero1": True, "mbs": 2}),
+    "dp4-shard": (1, 1, 4, {"shard_params": True, "mbs": 2}),
     "cp2": (1, 1, 1, {"context_parallel": 2}),
     "cp4": (1, 1, 1, {"context_parallel": 4}),
 }
-DEFAULT_ROWS = ("tp1", "tp2", "tp2-sp", "pp2", "dp2-zero1")
+DEFAULT_ROWS = ("tp1", "tp2", "tp2-sp", "pp2", "dp2-zero1", "dp2-shard", "dp4-zero1", "dp4-shard")
 LONG_ROWS = ("tp1", "cp2", "cp4", "tp2-sp")
 MODES = ("none", "selective", "full")
 
@@ -90,6 +99,7 @@ class Result:
     peak_mib: float      # largest VmHWM over the ranks
     act_mib: float       # largest activation peak over the ranks (see the module docstring)
     mfu: float | None = None
+    states_mib: float = 0.0  # largest model-state bytes over the ranks (see the module docstring)
 
 
 # ------------------------------------------------------------------ measured inside each process
@@ -123,9 +133,10 @@ class Probe:
             return
         self.times.append(seconds)
 
-    def write(self, out: Path, rank: int) -> None:
+    def write(self, out: Path, rank: int, states: dict[str, int] | None = None) -> None:
         hwm = _status_kib("VmHWM")
-        data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start}
+        data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start,
+                "states": sum((states or {}).values())}
         (out / f"rank{rank}.json").write_text(json.dumps(data))
 
 
@@ -161,7 +172,7 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    probe.write(out, env.rank)
+    probe.write(out, env.rank, trainer.state_bytes)
 
 
 def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, checkpointing: bool, out: Path) -> None:
@@ -242,7 +253,7 @@ def collect(out: Path, nprocs: int, row: str, mode: str, tokens_per_step: int, f
     tps = tokens_per_step / statistics.median(steps)
     mfu = tps * flops_per_token / (peak_tflops * 1e12 * nprocs) if peak_tflops else None
     return Result(row, mode, nprocs, tps, steps, max(r["peak_kib"] for r in ranks) / 1024,
-                  max(r["act_kib"] for r in ranks) / 1024, mfu)
+                  max(r["act_kib"] for r in ranks) / 1024, mfu, max(r.get("states", 0) for r in ranks) / 2**20)
 
 
 def flops_per_token(shape: Shape) -> float:
@@ -327,16 +338,17 @@ def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
 
 def _rows(results: list[Result], ref_row: str, args: argparse.Namespace) -> list[str]:
     ref = next((r for r in results if r.row == ref_row and r.mode == "none"), None)
-    lines = ["| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank | ref / act |"
-             + (" MFU |" if args.peak_tflops else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
+    lines = ["| row | checkpointing | procs | tokens/s | x ref | peak MiB/rank | x ref | act MiB/rank | ref / act | "
+             "states MiB/rank |" + (" MFU |" if args.peak_tflops else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.peak_tflops else "")]
     for r in results:
         speed = f"{r.tokens_per_s / ref.tokens_per_s:.2f}" if ref else "-"
         memory = f"{r.peak_mib / ref.peak_mib:.2f}" if ref else "-"
         act = f"{ref.act_mib / r.act_mib:.2f}" if ref and r.act_mib > 0 else "-"  # how many times less
         mfu = f" {r.mfu:.1%} |" if r.mfu is not None else ""
+        states = f"{r.states_mib:.1f}" if r.states_mib else "-"
         lines.append(f"| {r.row} | {r.mode} | {r.procs} | {r.tokens_per_s:.0f} | {speed} | {r.peak_mib:.0f} | "
-                     f"{memory} | {r.act_mib:.0f} | {act} |{mfu}")
+                     f"{memory} | {r.act_mib:.0f} | {act} | {states} |{mfu}")
     return lines
 
 

@@ -23,6 +23,7 @@ from ckptconv.engine import NXD_PARAM_GROUPS
 from ckptconv.training import NXDT_SCHEDULES
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
+from nxdtrain.parallel.fsdp_checks import flag, sharding_limits, xla_refusal
 
 OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_optimizer_write: nxd)
 NXD_SCHEDULE = NXDT_SCHEDULES[0]  # CosineAnnealing: the schedule NxD's scheduler.pt can hold (nxd_trainer_files.COSINE)
@@ -97,6 +98,15 @@ class ParallelConfig:
                                    group="model and layout")
     pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES, group="parallelism")
     zero1: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)", group="parallelism")
+    shard_params: bool = option(False, "shard parameters, gradients and optimizer state over all data-parallel "
+                                       "ranks with torch's FSDP2 (fully_shard); tags still hold whole per-tp-rank "
+                                       "shards", group="parallelism")
+    hybrid_shard: int | None = option(None, "shard as --shard-params over groups of N data-parallel ranks, "
+                                            "replicated across dp / N groups (FSDP2 hybrid sharding; SMP's "
+                                            "hybrid_shard_degree); N = dp is --shard-params", group="parallelism")
+    offload_activations: bool = option(False, "keep the activations saved for the backward in host memory "
+                                              "(torch.autograd.graph.save_on_cpu) on cuda; no effect on cpu (said "
+                                              "once); refused on xla", group="parallelism")
     sequence_parallel: bool = option(False, "split activations between tp regions along the sequence over the "
                                             "tp ranks (needs --seq-len divisible by --tp)", group="parallelism")
     activation_checkpointing: str = option("none", "recompute activations in the backward: the attention core "
@@ -127,6 +137,8 @@ class ParallelConfig:
         _check(self.ring_attention or self.context_parallel == 1,
                f"--context-parallel {self.context_parallel} needs ring attention (model.fusions.ring_attention: true), "
                "the only context-parallel attention nxdtrain has; drop --no-ring-attention or use --context-parallel 1")
+        _check((why := sharding_limits(shard_params=self.shard_params, hybrid_shard=self.hybrid_shard,
+                                       zero1=self.zero1, pp=self.pp, cp=self.context_parallel)) is None, str(why))
         _check(self.kv_replicator is None or (_is_int(self.kv_replicator) and self.kv_replicator >= 1),
                f"--kv-replicator must be an integer >= 1, got {self.kv_replicator!r}")
         _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
@@ -138,6 +150,19 @@ class ParallelConfig:
                                 f"{', '.join(RECOMPUTE_MODULES)}")
             _check(self.activation_checkpointing == "selective", f"--recompute-modules {self.recompute_modules} "
                    f"needs --activation-checkpointing selective, got {self.activation_checkpointing}")
+
+    @property
+    def shards(self) -> bool:
+        """Parameters sharded over data parallel (--shard-params or --hybrid-shard)."""
+        return self.shard_params or self.hybrid_shard is not None
+
+    @property
+    def shard_flag(self) -> str:
+        return flag(shard_params=self.shard_params, hybrid_shard=self.hybrid_shard)
+
+    def xla_refusal(self) -> str | None:
+        """Why --shard-params/--hybrid-shard or --offload-activations cannot run on xla (None: neither is asked)."""
+        return xla_refusal(shard_flag=self.shard_flag if self.shards else None, offload=self.offload_activations)
 
     def modules(self) -> tuple[str, ...]:
         """What selective checkpointing recomputes (NxDT's module names); () without it."""
@@ -356,6 +381,7 @@ class TrainConfig:
         if self.device == "xla":
             why = xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer, cp=self.parallel.context_parallel)
             _check(why is None, str(why))
+            _check((why := self.parallel.xla_refusal()) is None, str(why))
         ckpt = self.checkpoint
         _check(not (self.export_hf and not ckpt.checkpoint_dir),
                "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")

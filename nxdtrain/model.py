@@ -359,9 +359,10 @@ class LlamaStage(nn.Module):
 
     # ------------------------------------------------------------------ shard I/O
 
-    def shard_state(self) -> dict[str, torch.Tensor]:
-        """This rank's shard: keys in ckptconv's file order, o_proj column-major where the format stores it so."""
-        state = self.state_dict()
+    def shard_state(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This rank's shard: keys in ckptconv's file order, o_proj column-major where the format stores it so.
+        ``state``: these tensors instead of the parameters' (whole ones gathered from an FSDP-sharded stage)."""
+        state = self.state_dict() if state is None else state
         out = {}
         for record in self.file_records():
             t = state[record.key].detach()

@@ -209,12 +209,15 @@ def check_trainable(spec: ModelSpec) -> None:
 
 
 def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
-            optimizer_format: str = "nxdtrain") -> str | None:
+            optimizer_format: str = "nxdtrain", shards: bool = False) -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
     if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
         return None
     if dp % ep:
         return f"--ep {ep} must divide the data-parallel size {dp} (expert parallelism is carved out of dp)"
+    if shards:
+        return (f"--shard-params / --hybrid-shard with a {spec.family.name} model: FSDP would shard each ep rank's "
+                "experts over all dp ranks, which hold different experts; use --zero1")
     if cp > 1:
         return (f"--context-parallel {cp} with a {spec.family.name} model: the router's aux loss counts a "
                 "micro-batch's whole sequence, which no cp rank holds; use --context-parallel 1")
@@ -240,3 +243,11 @@ def moe_parts(spec: ModelSpec, mesh: Any, cfg: Any) -> tuple[EpGroup, AuxLoss | 
     aux = AuxLoss(spec.experts, spec.top_k, coef, microbatches=data.gbs // data.mbs,
                   rows=sparse * data.mbs * data.seq_len, inject=mesh.coords.tp == 0)
     return EpGroup(ep, mesh.coords.dp % ep, groups[0]), aux, groups
+
+
+def expert_zero(model: Any, groups: tuple[Any, Any] | None, zero_group: Any) -> tuple[tuple[str, ...], Any] | None:
+    """ZeRO-1 at ep > 1: (this ep rank's expert parameters, their expert-data-parallel group), whose optimizer
+    state is sharded apart from the rest (nxdtrain.parallel.expert_zero); None otherwise."""
+    if zero_group is None or groups is None or model.ep.size == 1:
+        return None
+    return tuple(model.expert_params()), groups[1]

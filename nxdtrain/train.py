@@ -55,7 +55,7 @@ from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.errors import TrainError
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
-from nxdtrain.moe import moe_parts, step_aux
+from nxdtrain.moe import expert_zero, moe_parts, step_aux
 from nxdtrain.moe import refusal as moe_refusal
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.context import CpGroup
@@ -70,8 +70,11 @@ from nxdtrain.parallel.dist import (
     local_world_size,
     stop_together,
 )
+from nxdtrain.parallel.fsdp_checks import check_degree
+from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, sharding_for, state_bytes
 from nxdtrain.parallel.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
+from nxdtrain.parallel.offload import offloading
 from nxdtrain.parallel.sequence import check_seq_len
 from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
 
@@ -148,7 +151,8 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     ``resolved``: the launcher's ``RunPlan.resolved``: the tag is not resolved and read again."""
     device = resolve_kind(config.device)
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
-        why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer, cp=config.parallel.context_parallel)
+        why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer,
+                         cp=config.parallel.context_parallel) or config.parallel.xla_refusal()
         if why is None and config.nproc and config.nproc > 1:
             why = (f"--nproc {config.nproc} with --device xla: start XLA worlds with torchrun (PJRT ranks come from "
                    "it; see examples/neuron/), or use --device cpu")
@@ -166,6 +170,8 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     par = config.parallel
     cp = par.context_parallel
     dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
+    if reason := check_degree(shard_params=par.shard_params, hybrid_shard=par.hybrid_shard, dp=dp):
+        raise TrainError(reason)
     if par.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
         raise TrainError(reason)
     if reason := check_cp_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
@@ -175,7 +181,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
-    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device,
+    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device, shards=par.shards,
                           optimizer_format=config.checkpoint.optimizer_format):
         raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
@@ -322,8 +328,9 @@ class Trainer:
         self.rank0 = mesh.rank == 0
         c = mesh.coords
         torch.manual_seed(cfg.seed)
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         par = cfg.parallel
+        # Sharded (FSDP2), the parameters are the fp32 masters; its MixedPrecisionPolicy computes in bf16.
+        dtype = torch.bfloat16 if cfg.precision == "bf16" and not par.shards else torch.float32
         tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
         cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
         ep, aux, self.experts = moe_parts(source.spec, mesh, cfg)
@@ -340,12 +347,11 @@ class Trainer:
             else:
                 state, where = source.load_state(c.tp, c.pp), str(source.shard(c.tp, c.pp))
             self.model.load_shard_state(state, where)
+            self.sharding = sharding_for(self.model, cfg, mesh, self.device)
             zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
-            # ZeRO-1 at ep > 1: the experts' state over their expert-data-parallel group (nxdtrain.parallel.expert_zero)
-            experts = (tuple(self.model.expert_params()), self.experts[1]) \
-                if zero_group is not None and ep.size > 1 and self.experts is not None else None
             self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
-                                       capturable=device.is_xla, experts=experts)
+                                       capturable=device.is_xla, experts=expert_zero(self.model, self.experts,
+                                                                                     zero_group))
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None
@@ -359,7 +365,8 @@ class Trainer:
         finally:
             if stage is not None:
                 stage.close()
-        self.grad_plan = grad_plan(self.model, mesh, plan, self.experts)
+        self.grad_plan = on_local_rows(grad_plan(self.model, mesh, plan, self.experts), self.sharding, self.model)
+        self.state_bytes: dict[str, int] | None = None  # model states on this rank (measured in the first step)
         from nxdtrain.parallel.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
         data = cfg.data
@@ -387,7 +394,8 @@ class Trainer:
             if (notice := synthetic_notice(cfg)) is not None:
                 note(notice)
             note(f"resume: {source.case}")
-            for line in (*plan.resume_notes, *self.optimizer_notes):
+            for line in (*plan.resume_notes, *self.optimizer_notes, *memory_notes(self.sharding, cfg, mesh.dp,
+                                                                                   self.device)):
                 note(line)
             note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
                  f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
@@ -401,7 +409,9 @@ class Trainer:
         groups, self.optimizer_notes = optimizer_groups(
             stage.hyper.param_groups, self.cfg.optim, self.cfg.given, tag=str(self.plan.source.root),
             override=self.cfg.checkpoint.override_schedule) if same else (stage.hyper.param_groups, [])
-        self.optimizer.load_state(stage.optimizer_state, groups, same_optimizer=same)
+        read = stage.optimizer_state if self.sharding is None else self.sharding.reader(stage.optimizer_state,
+                                                                                         self.optimizer.master)
+        self.optimizer.load_state(read, groups, same_optimizer=same)
         self.step, self.consumed = state.step, state.consumed_samples
         self.saved_step = state.step
         if len(state.rng) == self.mesh.world:
@@ -411,19 +421,23 @@ class Trainer:
         """One optimizer step; on xla one graph, traced here and run at the sync at its end (no host reads)."""
         cfg, mesh = self.cfg, self.mesh
         ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
-        loss = self.pipeline.run(ids.to(self.device))
+        with offloading(cfg.parallel.offload_activations, self.device):
+            loss = self.pipeline.run(ids.to(self.device))
         aux = None if self.model.aux is None else step_aux(self.model.aux, mesh.pp_group if mesh.pp > 1 else None,
                                                          mesh.dpcp_group, self.device)
-        grads = self.optimizer.grads()
+        grads = local_all(self.optimizer.grads(), self.sharding)  # sharded: this rank's rows (views of the gradients)
         reduce_gradients(grads, self.grad_plan)
         norm = global_norm(grads, self.grad_plan)
         clip_gradients(grads, norm, cfg.optim.clip_grad)
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
         self.optimizer.step(self.dev.lr(lr))
+        if self.state_bytes is None:
+            self.state_bytes = state_bytes(self.model, self.optimizer, self.sharding)
         self.optimizer.zero_grad()
         self.sum_loss(loss)
         masters = self.optimizer.master
-        param_norm = global_norm({name: masters[name].detach() for name in self.optimizer.names}, self.grad_plan)
+        param_norm = global_norm(local_all({name: masters[name].detach() for name in self.optimizer.names},
+                                           self.sharding), self.grad_plan)
         self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
         return PendingStep(step, loss, lr, norm, self.consumed, param_norm, aux_loss=aux)
@@ -473,7 +487,9 @@ class Trainer:
         scheduler = {"schedule": self.cfg.optim.schedule, "lr": self.cfg.optim.lr, "min_lr": self.cfg.optim.min_lr,
                      "warmup": self.cfg.optim.warmup, "decay_steps": self.cfg.decay_steps,
                      "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
-        tag = self.writer.save(step=self.step, consumed=self.consumed, model=self.model, optimizer=self.optimizer,
+        model, optimizer = (self.model, self.optimizer) if self.sharding is None else \
+            self.sharding.gathered(self.model, self.optimizer, keep=self.mesh.coords.dp == 0)
+        tag = self.writer.save(step=self.step, consumed=self.consumed, model=model, optimizer=optimizer,
                                scheduler=scheduler, loss=self.last_loss)
         self.saved_step = self.step
         if self.rank0:

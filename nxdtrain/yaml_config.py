@@ -48,6 +48,9 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("distributed_strategy", "sequence_parallel"): "sequence_parallel",
     ("distributed_strategy", "context_parallel_size"): "context_parallel",
     ("distributed_strategy", "expert_model_parallel_size"): "ep",
+    # NxDT has no parameter sharding: SMP v2's parameter names, in NxDT's section (docs/nxdt-configs.md)
+    ("distributed_strategy", "hybrid_shard_degree"): "hybrid_shard",
+    ("distributed_strategy", "sm_activation_offloading"): "offload_activations",
     ("model", "fusions", "ring_attention"): "ring_attention",
     ("distributed_strategy", "virtual_pipeline_model_parallel_size"): "vpp",
     ("data", "micro_batch_size"): "mbs",
@@ -306,6 +309,11 @@ class _Reader:
             return {"norm_weight_decay": not value}  # no-decay group (hf_models/base_model.py), false decays them
         if option == "epochs":
             return {} if value in (None, -1) else {"epochs": value}  # -1: PyTorch Lightning's "until max_steps"
+        if option == "hybrid_shard":  # SMP v2: 0 is "the script's own FSDP setup", 1 shards nothing
+            if value == 0:
+                raise TrainError(f"{where} 0: SMP's 'the training script's own FSDP setup' has no nxdtrain meaning; "
+                                 "give the sharding degree N (2 .. dp; dp shards fully), or 1 for none")
+            return {} if value == 1 else {"hybrid_shard": value}
         if option == "precision":
             if value not in NXDT_PRECISIONS:
                 raise TrainError(f"{where} {value!r}: nxdtrain has NxDT's {', '.join(NXDT_PRECISIONS)} (bf16 weights "

@@ -189,3 +189,50 @@ def test_full_state_of_ep_shards_is_the_hf_model(hf, tmp_path: Path):
     original = load_file(hf("mixtral") / "model.safetensors")
     assert list(two) == list(one) and set(two) == set(original)
     assert all(torch.equal(two[k], original[k]) for k in original)
+
+
+def test_one_training_ranks_resume_reads_its_state_at_another_ep(hf, tmp_path: Path):
+    """What a training rank's resume does (nxdtrain/checkpoint/restore.py's steps, through ckptconv's entry points):
+    the reshard plan of an ep 2 tag to the run's layout, the rank's own shard, only the optimizer files its pieces
+    read, each parameter's state read in the rank's layout: equal to the state of the weight it reads there."""
+    from ckptconv.core import ParallelLayout, all_ep_shard_records, layout_shard_file, plan_reshard
+    from ckptconv.engine import read_tensor
+    from ckptconv.training import TagReader, shard_ranks, state_tensors
+
+    src = write_tag(hf("qwen3_moe"), tmp_path / "src", ep=2, dp=4, zero1=True)
+    opened = open_nxd(src)
+    with opened.ckpt as ckpt:
+        records = all_ep_shard_records(opened.spec, opened.layout)
+        dtypes = {r.key: torch.float32 for shard in records.values() for r in shard}
+        for run in (ParallelLayout(tp=2), ParallelLayout(ep=4)):
+            plan = plan_reshard(opened.spec, opened.layout, run, dtypes)
+            for ep in range(run.ep):
+                wanted = layout_shard_file(run, ep_rank=ep, tp_rank=run.tp - 1, pp_rank=0)
+                tensors = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
+                read_from = {shard_ranks(Path(str(p.source.file)).name) for t in tensors.values() for p in t.pieces}
+                optim = TagOptimizer(src, opened.spec, opened.layout, with_inv_freq=opened.with_inv_freq,
+                                     only={r for r in read_from if r is not None})
+                try:
+                    reader = TagReader(ckpt, optim)
+                    for key, weight in tensors.items():
+                        if key.endswith("inv_freq"):
+                            continue
+                        want = state_of(read_tensor(weight, reader))
+                        for component, planned in state_tensors(weight, optim).items():
+                            assert torch.equal(read_tensor(planned, reader), want[component]), (run, ep, key)
+                finally:
+                    optim.close()
+
+
+def test_nxds_own_ep_optimizer_files_are_refused_by_name(hf, tmp_path: Path):
+    """An ep > 1 tag whose optim/ is NxD's format (NeuronEPZero1Optimizer's merged files, not read yet): refused in
+    one line that offers --weights-only, which then works."""
+    ckptconv.to_nxd(hf("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
+    (tmp_path / "nxd" / "optim").mkdir()
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "nxd" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    unchecked = ckptconv.RunOptions(quiet=True, workers=1, check=False)  # optim/ is not in ckptconv.json
+    with pytest.raises(ConversionError, match=r"optim: NxD's expert-parallel optimizer files \(ep 2\) are not read "
+                                              r"yet; reshard the shards alone with --weights-only$"):
+        ckptconv.reshard(tmp_path / "nxd", tmp_path / "a", ep=1, options=unchecked)
+    ckptconv.reshard(tmp_path / "nxd", tmp_path / "b", ep=1, weights_only=True, options=unchecked)
+    assert not (tmp_path / "b" / "optim").exists()

@@ -183,6 +183,7 @@ def all_shard_records(
 ) -> dict[tuple[int, int], list[ShardRecord]]:
     """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major): :func:`all_ep_shard_records`
     without its ep index, for a layout without expert parallelism (a (tp, pp) key cannot name an ep rank)."""
+    layout.check_model(spec)  # an invalid layout is said first, as before
     if layout.ep > 1:
         raise ConversionError(f"this command does not handle expert parallelism yet (ep {layout.ep}); ep 1 works")
     return {(tp, pp): records for (_, tp, pp), records in

@@ -46,6 +46,7 @@ class GradPlan:
     expert_names: tuple[str, ...] = ()  # MoE: this ep rank's experts, summed over edp_group instead of dp_group
     edp_group: Any = None
     ep_group: Any = None            # the norm: the experts of the other ep ranks count too
+    shard_group: Any = None         # --shard-params: the dp ranks holding the other rows (the norm sums over them)
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
@@ -106,8 +107,9 @@ def global_norm(grads: dict[str, torch.Tensor], plan: GradPlan) -> torch.Tensor:
         if plan.ep_group is not None:
             dist.all_reduce(mine, group=plan.ep_group)
         total = total + mine.to(total.device)
-    if plan.mp_group is not None:
-        dist.all_reduce(total, group=plan.mp_group)
+    for group in (plan.mp_group, plan.shard_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
     return total.sqrt()
 
 

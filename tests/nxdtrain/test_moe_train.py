@@ -183,6 +183,7 @@ REFUSALS = {
     "ep-not-dividing-experts": (dict(ep=3), 3, r"this run's layout: --ep 3 must divide the number of experts \(4\)$"),
     "nxd-optimizer-format-with-ep": (dict(ep=2, optimizer_format="nxd", schedule="CosineAnnealing"), 2, r"^--optimizer-format nxd with --ep 2: "
                                                                               r"NxD's expert-parallel ZeRO-1 files"),
+    "shard-params": (dict(shard_params=True), 2, r"^--shard-params / --hybrid-shard with a Mixtral model: FSDP would"),
     "context-parallel": (dict(context_parallel=2), 2, r"^--context-parallel 2 with a Mixtral model: the router's aux "
                                                       r"loss counts a micro-batch's whole sequence"),
 }
