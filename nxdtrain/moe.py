@@ -240,3 +240,11 @@ def moe_parts(spec: ModelSpec, mesh: Any, cfg: Any) -> tuple[EpGroup, AuxLoss | 
     aux = AuxLoss(spec.experts, spec.top_k, coef, microbatches=data.gbs // data.mbs,
                   rows=sparse * data.mbs * data.seq_len, inject=mesh.coords.tp == 0)
     return EpGroup(ep, mesh.coords.dp % ep, groups[0]), aux, groups
+
+
+def expert_zero(model: Any, groups: tuple[Any, Any] | None, zero_group: Any) -> tuple[tuple[str, ...], Any] | None:
+    """ZeRO-1 at ep > 1: (this ep rank's expert parameters, their expert-data-parallel group), whose optimizer
+    state is sharded apart from the rest (nxdtrain.parallel.expert_zero); None otherwise."""
+    if zero_group is None or groups is None or model.ep.size == 1:
+        return None
+    return tuple(model.expert_params()), groups[1]

@@ -55,7 +55,7 @@ from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.errors import TrainError
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
-from nxdtrain.moe import moe_parts, step_aux
+from nxdtrain.moe import expert_zero, moe_parts, step_aux
 from nxdtrain.moe import refusal as moe_refusal
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.context import CpGroup
@@ -341,11 +341,9 @@ class Trainer:
                 state, where = source.load_state(c.tp, c.pp), str(source.shard(c.tp, c.pp))
             self.model.load_shard_state(state, where)
             zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
-            # ZeRO-1 at ep > 1: the experts' state over their expert-data-parallel group (nxdtrain.parallel.expert_zero)
-            experts = (tuple(self.model.expert_params()), self.experts[1]) \
-                if zero_group is not None and ep.size > 1 and self.experts is not None else None
             self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
-                                       capturable=device.is_xla, experts=experts)
+                                       capturable=device.is_xla, experts=expert_zero(self.model, self.experts,
+                                                                                     zero_group))
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None
