@@ -53,7 +53,7 @@ $(XLA_STAMP): pyproject.toml Makefile
 	touch $(XLA_STAMP)
 
 # PJRT_DEVICE=CPU: XLA:CPU, the only XLA device this CI has. The main lane collects test_xla.py and skips it.
-XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py
+XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py tests/nxdtrain/test_moe_xla.py
 # the XLA lane: nxdtrain on XLA:CPU
 test-xla: setup-xla
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
@@ -105,9 +105,10 @@ bench-startup: setup
 	$(BIN)/python benchmarks/startup.py $(BENCH_ARGS)
 
 # nxdtrain tokens/s and per-process peak memory against a transformers loop (~20-30 min on 2 cores;
-# BENCH_ARGS=--quick for a smoke run).
+# BENCH_ARGS=--quick for a smoke run), then the MoE table (Mixtral at ep 1 and ep 2, all-to-all bytes per step)
 bench-train: setup
 	$(BIN)/python benchmarks/train.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/train_moe.py
 
 # The cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
 bench-checked: setup

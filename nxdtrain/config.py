@@ -118,6 +118,9 @@ class ParallelConfig:
                                                  "(act(gate) x up), LlamaRMSNorm (every RMSNorm), LlamaDecoderLayer "
                                                  "(whole layers)", aliases=("--activations-checkpoint-recompute",),
                                            group="parallelism")
+    ep: int = option(1, "expert-parallel degree (MoE families): carved out of data parallel (must divide it), each ep "
+                        "rank holding E / ep experts, tokens sent to them by all-to-all",
+                     aliases=("--expert-model-parallel-size",), group="parallelism")
     context_parallel: int = option(1, "split every row's sequence over this many ranks (zigzag chunks, ring "
                                       "attention); needs --seq-len divisible by 2 x N",
                                     aliases=("--context-parallel-size",), group="parallelism")
@@ -128,6 +131,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check(_is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
         _check(_is_int(self.pp) and self.pp >= 1, f"--pp must be an integer >= 1, got {self.pp!r}")
+        _check(_is_int(self.ep) and self.ep >= 1, f"--ep must be an integer >= 1, got {self.ep!r}")
         _check(_is_int(self.context_parallel) and self.context_parallel >= 1,
                f"--context-parallel must be an integer >= 1, got {self.context_parallel!r}")
         _check(self.ring_attention or self.context_parallel == 1,

@@ -21,6 +21,7 @@ class StepMetrics:
     consumed_samples: int
     param_norm: float = 0.0  # after the update; each distinct element once, as grad_norm
     eval_loss: float | None = None  # on the steps that evaluated --eval-data
+    aux_loss: float | None = None   # MoE: the router's load-balancing loss (unscaled; loss stays the cross-entropy)
 
 
 # TensorBoard tags of the StepMetrics fields, ours and NxDT's (what its PyTorch Lightning module logs, so the
@@ -30,7 +31,7 @@ TENSORBOARD_TAGS = {"loss": ("train/loss", "reduced_train_loss"), "lr": ("train/
                     "param_norm": ("train/param_norm", "parameter_norm"),
                     "tokens_per_s": ("train/tokens_per_s",),
                     "consumed_samples": ("train/consumed_samples", "consumed_samples"),
-                    "eval_loss": ("eval/loss", "val_loss")}
+                    "eval_loss": ("eval/loss", "val_loss"), "aux_loss": ("train/aux_loss", "aux_loss")}
 NXDT_STEP_TAGS = ("global_step", "throughput")  # the step itself, and tokens/s over --seq-len
 
 
@@ -85,10 +86,15 @@ class StepLog:
         if not self.enabled:
             return
         stats = f"loss {m.loss:.4f}  lr {m.lr:.3g}  |g| {m.grad_norm:.3g}  {m.tokens_per_s:,.0f} tok/s"
+        if m.aux_loss is not None:
+            stats = stats.replace("  lr", f"  aux {m.aux_loss:.4f}  lr", 1)
         if m.eval_loss is not None:
             stats += f"  eval loss {m.eval_loss:.4f}"
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(asdict(m)) + "\n")
+            row = asdict(m)
+            if m.aux_loss is None:  # dense runs: the lines as before
+                del row["aux_loss"]
+            self._jsonl.write(json.dumps(row) + "\n")
             self._jsonl.flush()
         if self._tensorboard is not None:
             for field, tags in TENSORBOARD_TAGS.items():

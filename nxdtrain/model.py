@@ -41,7 +41,9 @@ from ckptconv.core import (
     shard_records,
 )
 from nxdtrain.errors import TrainError
+from nxdtrain.moe import AuxLoss, MicroBatch, SparseMLP, check_trainable
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
+from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
@@ -71,7 +73,8 @@ def rank_heads(spec: ModelSpec, layout: ParallelLayout, tp_rank: int) -> RankHea
 
 def describe(layout: ParallelLayout) -> str:
     """``tp 2 pp 2 kvm 1 qkv_linear fused`` (the words a reshard command needs)."""
-    words = f"tp {layout.tp} pp {layout.pp} kvm {layout.kvm} {layout.attention.value}"
+    words = f"tp {layout.tp} pp {layout.pp}" + (f" ep {layout.ep}" if layout.ep > 1 else "") + \
+        f" kvm {layout.kvm} {layout.attention.value}"
     return words + (" fused" if layout.fuse_qkv else "") + (f" vpp {layout.vpp}" if layout.vpp > 1 else "")
 
 
@@ -217,16 +220,20 @@ def _act_multiply(gate_up: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads, *,
-                 eps: float, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None, cp: CpGroup) -> None:
+                 eps: float, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None, cp: CpGroup,
+                 layer: int = 0, ep: EpGroup | None = None) -> None:
         super().__init__()
         self.self_attn = SelfAttention(spec, layout, tp, heads, dtype=dtype, carried_inv_freq=carried_inv_freq, cp=cp)
-        self.mlp = MLP(spec, tp, dtype=dtype)
+        self.mlp: MLP | SparseMLP = (SparseMLP(spec, layer, tp, ep or EpGroup(), dtype=dtype) if spec.sparse(layer)
+                                     else MLP(spec, tp, dtype=dtype))
         self.input_layernorm = RMSNorm(spec.hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden, eps, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, aux: AuxLoss | None = None,
+                batch: MicroBatch | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, aux, batch) if isinstance(self.mlp, SparseMLP) else self.mlp(h))
 
 
 class _Body(nn.Module):
@@ -264,9 +271,14 @@ class LlamaStage(nn.Module):
 
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
                  with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none",
-                 cp: CpGroup | None = None, recompute_modules: tuple[str, ...] = ("CoreAttention",)) -> None:
+                 cp: CpGroup | None = None, recompute_modules: tuple[str, ...] = ("CoreAttention",),
+                 ep: EpGroup | None = None, aux: AuxLoss | None = None) -> None:
         super().__init__()
         self.cp = cp = cp or CpGroup()
+        self.ep = ep = ep or EpGroup()
+        self.aux = aux  # MoE families: the router's aux loss (nxdtrain.moe)
+        if spec.experts:
+            check_trainable(spec)
         assert recompute in RECOMPUTE_MODES, recompute
         self.recompute = recompute
         if layout.vpp != 1:
@@ -286,7 +298,8 @@ class LlamaStage(nn.Module):
         if self.is_first:
             self.model.embed_tokens = ParallelEmbedding(vocab_local, spec.hidden, tp, dtype=dtype)
         self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried, cp=cp)
+            str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried, cp=cp,
+                                 layer=i, ep=ep)
             for i in self.layer_ids
         })
         if self.is_last:
@@ -310,8 +323,18 @@ class LlamaStage(nn.Module):
                 module.recompute = "LlamaRMSNorm" in modules
 
     def records(self) -> list[ShardRecord]:
+        """The stage's tensors: those of ep rank 0's shard, with this ep rank's experts (NxD keeps every other
+        tensor only in ep rank 0's files)."""
+        mine = {r.key: r for r in self.file_records()}
+        if self.ep.rank == 0:
+            return list(mine.values())
+        return [mine.get(r.key, r) for r in shard_records(self.spec, self.layout, tp_rank=self.tp.rank,
+                                                          pp_rank=self.pp_rank, with_inv_freq=self.with_inv_freq)]
+
+    def file_records(self) -> list[ShardRecord]:
+        """What this rank's shard file holds (at ep rank > 0: its experts only)."""
         return shard_records(self.spec, self.layout, tp_rank=self.tp.rank, pp_rank=self.pp_rank,
-                             with_inv_freq=self.with_inv_freq)
+                             with_inv_freq=self.with_inv_freq, ep_rank=self.ep.rank)
 
     def _check_matches_shard(self) -> None:
         shapes = hf_shapes(self.spec, with_inv_freq=self.with_inv_freq)
@@ -324,8 +347,9 @@ class LlamaStage(nn.Module):
         seq = h.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)  # h: this rank's slice with SP
         positions = zigzag_positions(seq * self.cp.size, self.cp, h.device) if self.cp.size > 1 else None
         cos, sin = cos_sin(self.rope_inv_freq, seq, h.dtype, positions=positions)
+        batch = self.aux.next() if self.aux is not None else None  # this micro-batch's router statistics
         for layer in self.model.layers.values():
-            h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin)
+            h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin, self.aux, batch)
         if self.is_last:
             logits = self.lm_head(self.model.norm(h))
             if self.vocab_padding is not None:  # padding rows never win the softmax (and get no gradient)
@@ -340,7 +364,7 @@ class LlamaStage(nn.Module):
         ``state``: these tensors instead of the parameters' (whole ones gathered from an FSDP-sharded stage)."""
         state = self.state_dict() if state is None else state
         out = {}
-        for record in self.records():
+        for record in self.file_records():
             t = state[record.key].detach()
             out[record.key] = t.t().contiguous().t() if record.column_major else t
         return out
@@ -367,8 +391,12 @@ class LlamaStage(nn.Module):
             yield layer.self_attn
 
     def tp_replicated(self) -> list[str]:
-        """Parameters every tp rank holds whole (norm weights, per-head q/k norms included)."""
-        return [name for name, _ in self.named_parameters() if name.endswith("norm.weight")]
+        """Parameters every tp rank holds whole (norm weights, per-head q/k norms and MoE routers included)."""
+        return [name for name, _ in self.named_parameters() if name.endswith(("norm.weight", "linear_router.weight"))]
+
+    def expert_params(self) -> list[str]:
+        """This ep rank's experts: summed over expert-data-parallel ranks, not over dp."""
+        return [name for name, _ in self.named_parameters() if ".expert_mlps." in name]
 
     def tp_partial(self) -> list[str]:
         """Replicated parameters whose gradient each tp rank holds only its heads' part of (per-head q/k norms:

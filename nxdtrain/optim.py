@@ -26,6 +26,7 @@ from ckptconv.training import MASTER, OPTIMIZER_FORMAT, plain_group, state_key
 from ckptconv.training import lr_at as schedule_lr_at
 from nxdtrain.config import OptimConfig
 from nxdtrain.errors import TrainError
+from nxdtrain.parallel.expert_zero import ExpertZero
 
 
 def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
@@ -80,7 +81,9 @@ class Optimizer:
     """Steps fp32 (master) weights of one stage; see the module docstring."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, *, initial: dict[str, torch.Tensor],
-                 zero_group: Any = None, capturable: bool = False) -> None:
+                 zero_group: Any = None, capturable: bool = False,
+                 experts: tuple[tuple[str, ...], Any] | None = None) -> None:
+        """``experts``: ZeRO-1 at ep > 1, (this ep rank's expert parameters, their expert-data-parallel group)."""
         self.model = model
         self.names = [name for name, _ in model.named_parameters()]
         self.params = dict(model.named_parameters())
@@ -99,8 +102,10 @@ class Optimizer:
         self.zero_group = zero_group
         self.zero_size = dist.get_world_size(zero_group) if self.zero else 1
         self.capturable = capturable
-        self.torch_optimizer = make_torch_optimizer(groups, cfg, lr=cfg.lr, zero_group=zero_group,
-                                                    capturable=capturable)
+        self.torch_optimizer: Any = make_torch_optimizer(groups, cfg, lr=cfg.lr, zero_group=zero_group,
+                                                         capturable=capturable) if experts is None else ExpertZero(
+            groups, {id(self.master[n]) for n in experts[0]}, zero_group, experts[1],
+            lambda part, group: make_torch_optimizer(part, cfg, lr=cfg.lr, zero_group=group, capturable=capturable))
 
     @staticmethod
     def _accumulator(master: nn.Parameter) -> Any:

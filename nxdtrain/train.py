@@ -55,6 +55,8 @@ from nxdtrain.device import Device, resolve_kind, xla_limits
 from nxdtrain.errors import TrainError
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
+from nxdtrain.moe import expert_zero, moe_parts, step_aux
+from nxdtrain.moe import refusal as moe_refusal
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.context import CpGroup
 from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
@@ -129,15 +131,17 @@ class PendingStep:
     consumed_samples: int
     param_norm: torch.Tensor
     eval_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # MoE: the router's load-balancing loss
 
 
 def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: int) -> list[StepMetrics]:
     """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
     values = [(float(p.loss), float(p.grad_norm), float(p.param_norm),
-               None if p.eval_loss is None else float(p.eval_loss)) for p in pending]
+               None if p.eval_loss is None else float(p.eval_loss),
+               None if p.aux_loss is None else float(p.aux_loss)) for p in pending]
     rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
-    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples, param_norm, eval_loss)
-            for p, (loss, norm, param_norm, eval_loss) in zip(pending, values, strict=True)]
+    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples, param_norm, eval_loss, aux)
+            for p, (loss, norm, param_norm, eval_loss, aux) in zip(pending, values, strict=True)]
 
 
 def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
@@ -177,6 +181,9 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
+    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device, shards=par.shards,
+                          optimizer_format=config.checkpoint.optimizer_format):
+        raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
@@ -277,7 +284,7 @@ def open_eval(config: TrainConfig, vocab: int,
     return rows, count, eval_check
 
 
-def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
+def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan, experts: tuple[Any, Any] | None = None) -> GradPlan:
     """Who sums which gradients with whom (see nxdtrain.parallel.grads); collective: every rank calls it."""
     spec, layout, tp_rank = plan.source.spec, plan.layout, mesh.coords.tp
     # Gradients are summed over dp x cp: the cp ranks of a replica each hold their chunks' share.
@@ -300,6 +307,8 @@ def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan) -> GradPlan:
         if next(part for part in partition if tp_rank in part)[0] != tp_rank:
             for name, rows in out.kv_rows:
                 out.uncounted.setdefault(name, []).append(rows)
+    if experts is not None:  # MoE: each ep rank's experts are summed over the ranks holding the same ones
+        out.expert_names, (out.ep_group, out.edp_group) = tuple(model.expert_params()), experts
     if spec.tied:
         out.tied_group = mesh.first_last_stage_group()
         out.tied_names = tuple(n for n in (EMBED, LM_HEAD) if n in names.values())
@@ -324,11 +333,13 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.precision == "bf16" and not par.shards else torch.float32
         tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
         cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
+        ep, aux, self.experts = moe_parts(source.spec, mesh, cfg)
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
                                 dtype=dtype, recompute=par.activation_checkpointing, cp=cp,
-                                recompute_modules=par.modules()).to(self.device)
-        resharding = not same_layout(source.layout, plan.layout)
-        stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp,
+                                recompute_modules=par.modules(), ep=ep, aux=aux).to(self.device)
+        # ep > 1: a rank's tensors come from two files (ep rank 0's and its own experts'), through the plan
+        resharding = not same_layout(source.layout, plan.layout) or plan.layout.ep > 1
+        stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp, ep_rank=ep.rank,
                             optimizer=source.full) if resharding or source.full or source.nxd else None
         try:
             if stage is not None and (resharding or source.nxd):  # NxD's tags: the masters may be the weights
@@ -339,7 +350,8 @@ class Trainer:
             self.sharding = sharding_for(self.model, cfg, mesh, self.device)
             zero_group = mesh.dpcp_group if cfg.parallel.zero1 else None  # NxD's zero1 shards over dp x cp too
             self.optimizer = Optimizer(self.model, cfg.optim, initial=state, zero_group=zero_group,
-                                       capturable=device.is_xla)
+                                       capturable=device.is_xla, experts=expert_zero(self.model, self.experts,
+                                                                                     zero_group))
             del state
             self.step, self.consumed = 0, 0
             self.saved_step: int | None = None
@@ -353,7 +365,7 @@ class Trainer:
         finally:
             if stage is not None:
                 stage.close()
-        self.grad_plan = on_local_rows(grad_plan(self.model, mesh, plan), self.sharding, self.model)
+        self.grad_plan = on_local_rows(grad_plan(self.model, mesh, plan, self.experts), self.sharding, self.model)
         self.state_bytes: dict[str, int] | None = None  # model states on this rank (measured in the first step)
         from nxdtrain.parallel.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
@@ -411,6 +423,8 @@ class Trainer:
         ids = self.batches.dp_slice(consumed=self.consumed, gbs=cfg.data.gbs, dp_rank=mesh.coords.dp, dp=mesh.dp)
         with offloading(cfg.parallel.offload_activations, self.device):
             loss = self.pipeline.run(ids.to(self.device))
+        aux = None if self.model.aux is None else step_aux(self.model.aux, mesh.pp_group if mesh.pp > 1 else None,
+                                                         mesh.dpcp_group, self.device)
         grads = local_all(self.optimizer.grads(), self.sharding)  # sharded: this rank's rows (views of the gradients)
         reduce_gradients(grads, self.grad_plan)
         norm = global_norm(grads, self.grad_plan)
@@ -426,7 +440,7 @@ class Trainer:
                                            self.sharding), self.grad_plan)
         self.dev.sync()  # xla: the step's graph ends here, at the same point every step
         self.step, self.consumed = step, self.consumed + cfg.data.gbs
-        return PendingStep(step, loss, lr, norm, self.consumed, param_norm)
+        return PendingStep(step, loss, lr, norm, self.consumed, param_norm, aux_loss=aux)
 
     def sum_loss(self, loss: torch.Tensor) -> None:
         """In place: a loss summed over dp x cp, from the last stage of each replica (where it lives) to every rank."""

@@ -47,6 +47,7 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("distributed_strategy", "zero1"): "zero1",
     ("distributed_strategy", "sequence_parallel"): "sequence_parallel",
     ("distributed_strategy", "context_parallel_size"): "context_parallel",
+    ("distributed_strategy", "expert_model_parallel_size"): "ep",
     # NxDT has no parameter sharding: SMP v2's parameter names, in NxDT's section (docs/nxdt-configs.md)
     ("distributed_strategy", "hybrid_shard_degree"): "hybrid_shard",
     ("distributed_strategy", "sm_activation_offloading"): "offload_activations",
@@ -96,7 +97,7 @@ NXDT_IGNORED: dict[str, tuple[str, ...]] = {
                     "async_checkpointing", "enable_recovery_time_instrumentation", "ckpt_ptl_version"),
     "exp_manager.checkpoint_callback_params": ("monitor", "mode", "save_last", "filename", "model_parallel_size",
                                                "use_master_weights_in_ckpt"),
-    "distributed_strategy": ("expert_model_parallel_size", "token_shuffle_group_size"),
+    "distributed_strategy": ("token_shuffle_group_size",),
     "data": ("data_impl", "data_prefix", "dataloader_type", "dev_choose_samples", "eod_mask_loss",
              "index_mapping_dir", "no_seqlen_plus_one_input_tokens", "num_workers", "packing",
              "pad_samples_to_global_batch_size", "reset_attention_mask", "reset_position_ids", "skip_warmup",

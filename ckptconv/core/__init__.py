@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         rope_cos_sin,
         rope_inv_freq,
         rope_parameters,
+        route_logits,
     )
 
 __getattr__ = lazy_exports(__name__, __file__)

@@ -189,7 +189,12 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, *, normalize: bool,
         >>> w.tolist(), e.tolist()
         ([[1.0]], [[0]])
     """
-    logits = F.linear(h, router)
+    return route_logits(F.linear(h, router), top_k, normalize=normalize, cast_back=cast_back)
+
+
+def route_logits(logits: torch.Tensor, top_k: int, *, normalize: bool,
+                 cast_back: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` from the router's logits ``(..., E)`` (the trainer computes them once, for the aux loss too)."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, indices = torch.topk(probs, top_k, dim=-1)
     if normalize:

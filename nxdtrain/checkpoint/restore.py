@@ -17,10 +17,10 @@ import torch
 from ckptconv.core import (
     OutTensor,
     ParallelLayout,
-    all_shard_records,
+    all_ep_shard_records,
+    layout_shard_file,
     parse_shard_name,
     plan_reshard,
-    shard_file,
     stores_lm_head,
 )
 from ckptconv.engine import read_tensor
@@ -34,6 +34,7 @@ from ckptconv.training import (
     OptimizerSource,
     TagOptimizer,
     TagReader,
+    shard_ranks,
     state_tensors,
 )
 from nxdtrain.checkpoint.resume import damaged
@@ -43,16 +44,20 @@ from nxdtrain.errors import TrainError
 class StageReader:
     """The tensors of shard (tp_rank, pp_rank) of ``run``, from the tag ``source`` (a ResumeSource)."""
 
-    def __init__(self, source: Any, run: ParallelLayout, *, tp_rank: int, pp_rank: int, optimizer: bool) -> None:
+    def __init__(self, source: Any, run: ParallelLayout, *, tp_rank: int, pp_rank: int, optimizer: bool,
+                 ep_rank: int = 0) -> None:
         self.source = source
         try:
             self.shards = NxdCheckpoint(source.root, io="read")
             dtypes = self._planning_dtypes()
             plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
-            wanted = shard_file(tp_rank=tp_rank, pp_rank=pp_rank)
-            self.tensors: dict[str, OutTensor] = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
+            # An ep rank > 0 holds ep rank 0's tensors but its own experts (NxD keeps the rest in ep rank 0's files).
+            wanted = [layout_shard_file(run, ep_rank=e, tp_rank=tp_rank, pp_rank=pp_rank) for e in sorted({0, ep_rank})]
+            by_path = {f.path: f for f in plan.files}
+            self.tensors: dict[str, OutTensor] = {t.key: t for path in wanted for t in by_path[path].tensors}
             files = {str(p.source.file) for t in self.tensors.values() for p in t.pieces}
-            read_from = {parse_shard_name(Path(f).name) for f in files}
+            # (ep, tp, pp) of an expert-parallel shard's name, else (tp, pp) (legacy names too)
+            read_from = {shard_ranks(Path(f).name) or parse_shard_name(Path(f).name) for f in files}
             if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
                 # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank,
                 # and of the files of the ranks this one reads only)
@@ -75,9 +80,9 @@ class StageReader:
         is read to its own). Only a tied model's last-stage header is read (whether its shards hold lm_head), so a
         rank opens, and checks, just the files it reads from, not every shard of the tag."""
         spec, layout = self.source.spec, self.source.layout
-        last = shard_file(tp_rank=0, pp_rank=layout.pp - 1)
+        last = layout_shard_file(layout, ep_rank=0, tp_rank=0, pp_rank=layout.pp - 1)
         copy = not spec.tied or stores_lm_head(spec, self.shards.keys(last))
-        records = all_shard_records(spec, layout, with_inv_freq=self.source.with_inv_freq, lm_head_copy=copy)
+        records = all_ep_shard_records(spec, layout, with_inv_freq=self.source.with_inv_freq, lm_head_copy=copy)
         return {r.key: torch.float32 for shard in records.values() for r in shard}
 
     def error(self, exc: ConversionError) -> TrainError:

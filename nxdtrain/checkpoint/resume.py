@@ -194,14 +194,14 @@ def run_layout(cfg: ParallelConfig, shards: ParallelLayout, spec: ModelSpec) -> 
         kvm = shards.kvm if cfg.tp == shards.tp and attention is shards.attention else default_kvm(
             cfg.tp, spec.kv_heads, attention)
     return ParallelLayout(
-        tp=cfg.tp, pp=cfg.pp, vpp=1, kvm=kvm, attention=attention,
+        tp=cfg.tp, pp=cfg.pp, vpp=1, kvm=kvm, attention=attention, ep=cfg.ep,
         fuse_qkv=(shards.fuse_qkv and attention is Attention.QKV_LINEAR) if cfg.fuse_qkv is None else cfg.fuse_qkv,
         hw=shards.hw, trn2_kv_layout=shards.trn2_kv_layout,
         padded_vocab=shards.padded_vocab if cfg.tp == shards.tp else None,  # else: reshard (check_layout says so)
     )
 
 
-LAYOUT_FIELDS = ("tp", "pp", "vpp", "kvm", "attention", "fuse_qkv")
+LAYOUT_FIELDS = ("tp", "pp", "vpp", "kvm", "attention", "fuse_qkv", "ep")
 
 
 def same_layout(shards: ParallelLayout, run: ParallelLayout) -> bool:

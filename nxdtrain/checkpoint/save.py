@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.core import HF_FILES_DIR, MODEL_DIR, ParallelLayout, shard_file
+from ckptconv.core import HF_FILES_DIR, MODEL_DIR, ParallelLayout, layout_shard_file
 from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError
 from ckptconv.io import (
@@ -90,15 +90,22 @@ class TagWriter:
         dist.barrier(group=self.host_group)
         tp, pp = self.coords.tp, self.coords.pp
         # The ranks of one (tp, pp) hold the same shard: the first of its dp x cp replicas writes it, as at cp 1.
-        first = self.coords.dp == 0 and self.coords.cp == 0
+        # With experts over ep ranks (dp = dp_exp * ep + ep_rank), the first of each ep rank's replicas writes its
+        # file (ep rank > 0: its experts only) and its optimizer state.
+        ep_rank = self.coords.dp % self.layout.ep
+        first = self.coords.dp == ep_rank and self.coords.cp == 0
         written: list[Path] = []
         if first:
             tensors, column_major = _shard_to_save(model)
-            written += save_shard(tag / shard_file(tp_rank=tp, pp_rank=pp), tensors, self.flavour,
-                                  column_major=column_major)
+            name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
+            written += save_shard(tag / name, tensors, self.flavour, column_major=column_major)
         if first or self.zero1:
-            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else 0)
-            written.append(_save_torch(to_host(optimizer.state_dict()), path))
+            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else ep_rank)
+            state = to_host(optimizer.state_dict())
+            if self.layout.ep > 1:  # which ep rank's experts the file holds (ckptconv.training's placement)
+                dp_rank = self.zero_rank if self.zero1 else ep_rank
+                state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=dp_rank % self.layout.ep)
+            written.append(_save_torch(state, path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self.host_group)
@@ -208,5 +215,5 @@ def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None
     params = model.state_dict()
     if all(t.device.type == "cpu" for t in params.values()):
         return model.shard_state(), None
-    records = model.records()
+    records = model.file_records()
     return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}

@@ -305,6 +305,19 @@ class Mesh:
         ]
         return self._mine(groups)
 
+    def expert_groups(self, ep: int) -> tuple[Any, Any]:
+        """(ep group, expert-data-parallel group) of this rank, NxD's ``[PP, DP_exp, EP, TP]`` expert mesh:
+        ``dp_rank = dp_exp_rank * ep + ep_rank``. The ep group: the ep ranks of one (pp, dp_exp, tp); the
+        expert-data-parallel group: the dp_exp ranks of one (pp, ep, tp), over which expert gradients are summed.
+        Collective; made only for MoE models (cp is 1: refused with experts, nxdtrain.train.prepare)."""
+        sizes = {"tp": self.tp, "dp": self.dp, "cp": self.cp}
+        outer = self.dp // ep
+        ep_groups = [[rank_of(Coords(t, d * ep + e, p), **sizes) for e in range(ep)]
+                     for p in range(self.pp) for d in range(outer) for t in range(self.tp)]
+        edp_groups = [[rank_of(Coords(t, d * ep + e, p), **sizes) for d in range(outer)]
+                      for p in range(self.pp) for e in range(ep) for t in range(self.tp)]
+        return self._mine(ep_groups), self._mine(edp_groups)
+
     def first_last_stage_group(self) -> Any:
         """The first and last pipeline ranks of each (tp, dp): where a tied embedding lives twice."""
         sizes = {"tp": self.tp, "dp": self.dp, "cp": self.cp}

@@ -10,7 +10,9 @@ without it for per-head q/k norms, of which each rank saw only its own heads):
    replica applies it, so the copies stay identical.
 2. Tied embeddings: ``lm_head.weight`` on the last stage is a copy of the embedding on the
    first; both get the sum of the two gradients.
-3. Data parallel: the sum over dp ranks (the loss is already divided by the global token count).
+3. Data parallel: the sum over dp ranks (the loss is already divided by the global token count). An MoE
+   model's experts instead over the expert-data-parallel ranks (those holding the same experts: each expert's
+   gradient already has every ep rank's tokens, sent to it by all-to-all).
 
 The norm sums each distinct gradient element once: norm weights only on tp rank 0, a replicated
 K/V head only on the first rank of its replica group, a tied lm_head not at all (its embedding
@@ -41,6 +43,9 @@ class GradPlan:
     uncounted: dict[str, list[Rows]] = field(default_factory=dict)  # rows left out of the norm here (empty list: all)
     seq_group: Any = None           # tp group, with sequence parallelism
     seq_names: tuple[str, ...] = ()  # norm weights (SP) or per-head q/k norms: summed over seq_group
+    expert_names: tuple[str, ...] = ()  # MoE: this ep rank's experts, summed over edp_group instead of dp_group
+    edp_group: Any = None
+    ep_group: Any = None            # the norm: the experts of the other ep ranks count too
     shard_group: Any = None         # --shard-params: the dp ranks holding the other rows (the norm sums over them)
 
 
@@ -71,7 +76,9 @@ def reduce_gradients(grads: dict[str, torch.Tensor], plan: GradPlan) -> None:
         head.copy_(embed)
     elif plan.tied_names and plan.tied_group is not None:
         _all_reduce_flat([grads[plan.tied_names[0]]], plan.tied_group)
-    _all_reduce_flat(list(grads.values()), plan.dp_group)
+    experts = set(plan.expert_names)
+    _all_reduce_flat([g for name, g in grads.items() if name not in experts], plan.dp_group)
+    _all_reduce_flat([grads[name] for name in plan.expert_names], plan.edp_group)
 
 
 def _counted_parts(grad: torch.Tensor, skip: list[Rows] | None) -> list[torch.Tensor]:
@@ -91,9 +98,15 @@ def _counted_parts(grad: torch.Tensor, skip: list[Rows] | None) -> list[torch.Te
 
 def global_norm(grads: dict[str, torch.Tensor], plan: GradPlan) -> torch.Tensor:
     """L2 norm of the whole model's gradient (each distinct element once), same value on every rank."""
-    squares = [part.float().pow(2).sum() for name, g in grads.items()
+    experts = set(plan.expert_names)
+    squares = [part.float().pow(2).sum() for name, g in grads.items() if name not in experts
                for part in _counted_parts(g, plan.uncounted.get(name))]
     total = torch.stack(squares).sum() if squares else torch.zeros(())
+    if plan.expert_names:
+        mine = torch.stack([grads[name].float().pow(2).sum() for name in plan.expert_names]).sum()
+        if plan.ep_group is not None:
+            dist.all_reduce(mine, group=plan.ep_group)
+        total = total + mine.to(total.device)
     for group in (plan.mp_group, plan.shard_group):
         if group is not None:
             dist.all_reduce(total, group=group)

@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from nxdtrain.data.rows import PAD
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
+from nxdtrain.moe import count_first
 from nxdtrain.parallel.context import split_sequence
 from nxdtrain.parallel.layers import vocab_parallel_cross_entropy
 
@@ -50,7 +51,7 @@ class PipelineStep:
         if schedule == "1f1b" and microbatches < pp_size:
             raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp_size} microbatches per data-parallel rank, "
                              f"got {microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
-        self.model, self.device = model, device
+        self.model, self.device, self.pp_group = model, device, pp_group
         self.tokens, self.microbatches = tokens_per_batch, microbatches
         self.schedule: Any = None
         if pp_size > 1:
@@ -76,6 +77,10 @@ class PipelineStep:
     def run(self, rows: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all microbatches; the summed loss on the last stage, 0 elsewhere."""
         ids, targets = self._inputs(rows)
+        if (aux := self.model.aux) is not None:  # MoE: the router statistics of this step's micro-batches
+            aux.start_step()
+            if self.schedule is not None and aux.coef:  # pp > 1: the aux loss's counts of every stage first
+                count_first(aux, lambda: self._evaluate_stages(ids, targets), self.pp_group, self.device)
         if self.schedule is None:
             return self._run_one_stage(ids, targets)
         losses: list[torch.Tensor] = []
@@ -97,13 +102,18 @@ class PipelineStep:
             targets = all_targets.tensor_split(self.microbatches)
             chunks = ids.tensor_split(self.microbatches)
             return torch.stack([self._loss(self.model(c), t).float() for c, t in zip(chunks, targets, strict=True)]).sum()
+        losses = self._evaluate_stages(ids, all_targets)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+    def _evaluate_stages(self, ids: torch.Tensor, all_targets: torch.Tensor) -> list[torch.Tensor]:
+        """The schedule's forward of every microbatch (pp > 1); the last stage's losses."""
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.is_first else ()
         kwargs: dict[str, Any] = {"target": all_targets, "losses": losses} if self.model.is_last else {}
         self.schedule.eval(*args, **kwargs)
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return losses
 
     def _run_one_stage(self, ids: torch.Tensor, all_targets: torch.Tensor) -> torch.Tensor:
         losses = []

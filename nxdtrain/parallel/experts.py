@@ -1,0 +1,101 @@
+"""Expert parallelism: the tokens routed to experts held by other ep ranks travel there and back by all-to-all.
+
+NxD carves the ep ranks out of data parallel (mesh ``[PP, DP_exp, EP, TP]`` in expert regions): data-parallel rank
+``dp = dp_exp * EP + ep_rank`` holds experts ``[ep_rank E/EP, (ep_rank+1) E/EP)``, and the ranks that differ only in
+``ep_rank`` (same pp, tp and dp_exp) form an ep group. Every rank of the group routes its own rows; each
+(token, slot) assignment goes, hidden state and expert id, to the rank holding its expert, which computes it and
+sends the output back. The exchange is ``all_to_all_single`` with uneven splits: gloo has it on CPU (checked:
+torch 2.13), NCCL on GPU; its backward is the same exchange the other way. The tp ranks of an ep rank hold the
+same tokens and each its ``I/tp`` columns of every expert, so each exchanges with the same tp rank of its peers and
+the partial outputs are summed over tp afterwards, as for a dense row-parallel layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class EpGroup:
+    """This rank's expert-parallel group (None when ep is 1 or offline)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``send[r]`` at a time to rank r of the group, ``recv[r]`` rows from it; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (send, recv), group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        send, recv = ctx.splits
+        return _exchange(grad.contiguous(), recv, send, ctx.group), None, None, None
+
+
+class Traffic:
+    """Bytes this process has sent to other ep ranks by all-to-all, forward and backward (``make bench-train``)."""
+
+    sent = 0
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    row = x[0].numel() * x.element_size() if len(x) else 0
+    Traffic.sent += (sum(send) - send[dist.get_rank(group)]) * row
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: EpGroup, per_rank: int,
+           experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{indices[t, j]}(x[t])`` for this rank's tokens ``x`` ``(tokens, H)``, each
+    expert computed on the ep rank holding it (``per_rank`` experts each); ``experts(rows, local_ids)`` computes
+    this rank's experts on the rows sent to it. Outputs are added per token in ascending expert order, as
+    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them."""
+    k = indices.shape[-1]
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments by expert, hence by the rank that owns it
+    token, expert = order // k, flat[order]
+    rows = x.index_select(0, token)
+    if ep.size > 1:
+        send_counts = torch.bincount(expert // per_rank, minlength=ep.size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        rows = _AllToAll.apply(rows, send, recv, ep.group)
+        ids = _exchange(expert, send, recv, ep.group)
+        out = _AllToAll.apply(experts(rows, ids - ep.rank * per_rank), recv, send, ep.group)
+    else:
+        out = experts(rows, expert)
+    y = out * weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+
+
+def by_expert(rows: torch.Tensor, ids: torch.Tensor, count: int,
+              expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """``expert(rows of id e, e)`` for each local expert e, put back in the rows' order.
+
+    On xla, shapes must not depend on the routing (XLA:CPU aborts on bincount; a data-dependent split would
+    compile a graph per routing): every local expert runs on every row and a mask keeps the row's own expert,
+    ``count`` times the experts' FLOPs. Exact: the other experts add zeros.
+    """
+    if rows.device.type == "xla":
+        out = torch.zeros_like(rows)
+        for e in range(count):
+            out = out + expert(rows, e) * (ids == e).unsqueeze(-1).to(rows.dtype)
+        return out
+    perm = torch.argsort(ids, stable=True)
+    pieces = rows.index_select(0, perm).split(torch.bincount(ids, minlength=count).tolist())
+    done = torch.cat([expert(piece, e) for e, piece in enumerate(pieces)])
+    return done.new_zeros(done.shape).index_copy(0, perm, done)
