@@ -121,6 +121,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="module")
+def moe_hf(tmp_path_factory: pytest.TempPathFactory):
+    """``moe_hf(family)``: a tiny HF Mixtral or Qwen3-MoE (tests/moe_tags.py), made once per module."""
+    from tests.moe_tags import tiny_moe
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            made[family] = tiny_moe(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     """``GOLDEN``; a test using it fails (never skips) when the folder is missing."""

@@ -27,7 +27,7 @@ from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.training import NxdOptimizer
-from tests.moe_tags import ADAMW, E, all_state, expected_expert, expert_in_tag, state_of, tiny_moe, write_tag
+from tests.moe_tags import ADAMW, E, all_state, expected_expert, expert_in_tag, state_of, write_tag
 
 QUIET = ckptconv.RunOptions(quiet=True, workers=1)
 UNCHECKED = ckptconv.RunOptions(quiet=True, workers=1, check=False)  # hand-written optim/ has no digests
@@ -35,18 +35,6 @@ LAYERS = {"mixtral": (0, 1), "qwen3_moe": (0, 2)}
 NXD_KEYS = ["ep_param_id_offset", "ep_param_group_offset", "ep_base_state_offset", "ep_shape_info_offset",
             "param_groups", "state", "base_state", "shape_info"]  # NeuronEPZero1Optimizer.state_dict()'s order
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory: pytest.TempPathFactory):
-    made: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in made:
-            made[family] = tiny_moe(family, tmp_path_factory.mktemp(family))
-        return made[family]
-
-    return make
 
 
 def _nxd_schedule(tag: Path) -> Path:
@@ -125,11 +113,11 @@ def _check_nxd_files(nxd: Path, *, ep: int, tp: int, dp: int) -> None:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_ep1_to_nxds_ep2_files_and_back_carries_every_experts_moments(hf, tmp_path: Path, family: str):
+def test_ep1_to_nxds_ep2_files_and_back_carries_every_experts_moments(moe_hf, tmp_path: Path, family: str):
     """An MoE tag at ep 1 -> NxD's EP ZeRO-1 files at ep 2 x tp 2 (dp 4: 2 expert-data-parallel ranks per ep rank)
     -> nxdtrain's format 2 at ep 1: the NxD files hold NxD's structure with each dp rank's chunks, and every expert's
     moments come back exactly (the masters cannot: NxD's EP files hold none, --drop-masters says so)."""
-    src = _nxd_schedule(write_tag(hf(family), tmp_path / "ep1", dp=2, zero1=True))
+    src = _nxd_schedule(write_tag(moe_hf(family), tmp_path / "ep1", dp=2, zero1=True))
     nxd = tmp_path / "nxd"
     ckptconv.reshard(src, nxd, ep=2, tp=2, dp=4, optimizer_format="nxd", drop_masters=True, options=QUIET)
     _check_nxd_files(nxd, ep=2, tp=2, dp=4)
@@ -139,7 +127,7 @@ def test_ep1_to_nxds_ep2_files_and_back_carries_every_experts_moments(hf, tmp_pa
         for expert in range(E):
             for component in MOMENTS:
                 got = expert_in_tag(back, layer, expert, component)
-                want = expected_expert(hf(family), family, layer, expert, component)
+                want = expected_expert(moe_hf(family), family, layer, expert, component)
                 assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (layer, expert, component)
     before, after = all_state(src), all_state(back)
     moments = {k for k in before if not k[1].endswith(".master")}
@@ -173,10 +161,10 @@ def _hand_built(hf_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_a_hand_built_nxd_ep_file_is_read_per_ep_rank(hf, tmp_path: Path):
+def test_a_hand_built_nxd_ep_file_is_read_per_ep_rank(moe_hf, tmp_path: Path):
     """NxD's structure built by hand: every parameter's state read whole per ep rank (an ep rank's experts from its
     own dp ranks' chunks), and resharded into format 2 at ep 1 every expert's moments are the HF expert's."""
-    tag = _hand_built(hf("mixtral"), tmp_path / "nxd")
+    tag = _hand_built(moe_hf("mixtral"), tmp_path / "nxd")
     shards = _shards(tag, 2, 1)
     with NxdOptimizer.open(tag, check=False) as optim:
         assert optim.ep == 2 and optim.dp == 4 and not optim.has_masters
@@ -192,14 +180,14 @@ def test_a_hand_built_nxd_ep_file_is_read_per_ep_rank(hf, tmp_path: Path):
         for expert in range(E):
             for component in MOMENTS:
                 got = expert_in_tag(tmp_path / "back", layer, expert, component)
-                want = expected_expert(hf("mixtral"), "mixtral", layer, expert, component)
+                want = expected_expert(moe_hf("mixtral"), "mixtral", layer, expert, component)
                 assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (layer, expert, component)
 
 
-def test_refusals(hf, tmp_path: Path):
+def test_refusals(moe_hf, tmp_path: Path):
     """What NxD's EP files cannot hold or ckptconv does not write, refused in one line before a byte is written;
     NxD files that do not fit NeuronEPZero1Optimizer's merge, refused naming the file and key."""
-    src = _nxd_schedule(write_tag(hf("mixtral"), tmp_path / "src", dp=2, zero1=True))
+    src = _nxd_schedule(write_tag(moe_hf("mixtral"), tmp_path / "src", dp=2, zero1=True))
     with pytest.raises(ConversionError, match=r"NxD's expert-parallel ZeRO-1 files hold no master weights .* "
                                               r"pass --drop-masters"):
         ckptconv.reshard(src, tmp_path / "a", ep=2, dp=2, optimizer_format="nxd", options=QUIET)
@@ -208,7 +196,7 @@ def test_refusals(hf, tmp_path: Path):
         ckptconv.reshard(src, tmp_path / "b", ep=2, zero1=False, optimizer_format="nxd", drop_masters=True,
                          options=QUIET)
     assert not any((tmp_path / d).exists() for d in "ab")
-    tag = _hand_built(hf("mixtral"), tmp_path / "nxd")
+    tag = _hand_built(moe_hf("mixtral"), tmp_path / "nxd")
     path = tag / "optim" / "dp_rank_01_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(path, weights_only=True)
     for change, message in [({"ep_base_state_offset": 3}, r"ep_base_state_offset is 3, NxD's merge of \d+ non-expert "
@@ -224,11 +212,11 @@ def test_refusals(hf, tmp_path: Path):
     assert not (tmp_path / "d").exists()
 
 
-def test_nxd_files_of_an_moe_tag_at_ep1_chunk_whole_experts(hf, tmp_path: Path):
+def test_nxd_files_of_an_moe_tag_at_ep1_chunk_whole_experts(moe_hf, tmp_path: Path):
     """At ep 1 (NeuronZero1Optimizer's files) a stacked expert tensor is chunked by whole experts as well (torch-xla's
     dim-0 chunk): every index of both dp ranks' files holds its rows of its parameter's moments; NxD's EP tag written
     from it at ep 2, then rewritten at ep 1, gives the same files' moments."""
-    src = _nxd_schedule(write_tag(hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    src = _nxd_schedule(write_tag(moe_hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
     ckptconv.reshard(src, tmp_path / "nxd", dp=2, optimizer_format="nxd", drop_masters=True, options=QUIET)
     ckptconv.reshard(src, tmp_path / "ep2", ep=2, dp=2, optimizer_format="nxd", drop_masters=True, options=QUIET)
     ckptconv.reshard(tmp_path / "ep2", tmp_path / "again", ep=1, dp=2, optimizer_format="nxd", options=QUIET)
@@ -247,10 +235,10 @@ def test_nxd_files_of_an_moe_tag_at_ep1_chunk_whole_experts(hf, tmp_path: Path):
     assert stacked == 4  # gate_up and down of both layers
 
 
-def test_padding_experts_are_zero(hf, tmp_path: Path):
+def test_padding_experts_are_zero(moe_hf, tmp_path: Path):
     """dp 6 at ep 2: 2 experts per ep rank over 3 expert-data-parallel ranks, so torch-xla pads each slab to 3 experts
     and the third rank (dp ranks 4, 5) holds one zero expert; back at ep 1 nothing of the padding remains."""
-    src = _nxd_schedule(write_tag(hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    src = _nxd_schedule(write_tag(moe_hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
     ckptconv.reshard(src, tmp_path / "nxd", ep=2, dp=6, optimizer_format="nxd", drop_masters=True, options=QUIET)
     _check_nxd_files(tmp_path / "nxd", ep=2, tp=1, dp=6)
     last = torch.load(tmp_path / "nxd" / "optim" / "dp_rank_05_tp_rank_00_pp_rank_00.pt", weights_only=True)
@@ -261,9 +249,9 @@ def test_padding_experts_are_zero(hf, tmp_path: Path):
     assert all(torch.equal(before[k], after[k]) for k in after) and len(after) == len(before) * 3 // 4
 
 
-def test_xser_split_ep_files_read_back(hf, tmp_path: Path):
+def test_xser_split_ep_files_read_back(moe_hf, tmp_path: Path):
     """With xser-split shards the EP files are xser-split too (as NxD's use_xser save), and read back exactly."""
-    src = _nxd_schedule(write_tag(hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    src = _nxd_schedule(write_tag(moe_hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
     ckptconv.reshard(src, tmp_path / "nxd", ep=2, dp=4, flavour="xser-split", optimizer_format="nxd",
                      drop_masters=True, options=QUIET)
     assert (tmp_path / "nxd" / "optim" / "dp_rank_03_tp_rank_00_pp_rank_00.pt.info.pt").is_file()

@@ -25,22 +25,10 @@ from ckptconv.sources.nxd import open_nxd
 from ckptconv.training import TagOptimizer
 from ckptconv.training.state import component_source
 from tests.conftest import warns_no_tokenizer
-from tests.moe_tags import COMPONENTS, E, all_state, expected_expert, expert_in_tag, state_of, tiny_moe, write_tag
+from tests.moe_tags import COMPONENTS, E, all_state, expected_expert, expert_in_tag, state_of, write_tag
 
 QUIET = ckptconv.RunOptions(quiet=True, workers=1)
 LAYERS = {"mixtral": (0, 1), "qwen3_moe": (0, 2)}  # Qwen3-MoE's layer 1 is dense
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory: pytest.TempPathFactory):
-    made: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in made:
-            made[family] = tiny_moe(family, tmp_path_factory.mktemp(family))
-        return made[family]
-
-    return make
 
 
 def _check_tag(tag: Path, hf_dir: Path, family: str) -> int:
@@ -68,17 +56,17 @@ def _check_tag(tag: Path, hf_dir: Path, family: str) -> int:
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_reshard_ep1_ep2_ep1_carries_each_experts_state(hf, tmp_path: Path, family: str):
+def test_reshard_ep1_ep2_ep1_carries_each_experts_state(moe_hf, tmp_path: Path, family: str):
     """ep 1 (ZeRO-1 over dp 2) -> ep 2 x tp 2 (ZeRO-1 over dp 4: 2 expert-data-parallel ranks per ep rank) -> ep 1
     without ZeRO-1: every expert's moments and masters with it; back at ep 1 every tensor as the tag had it."""
-    src = write_tag(hf(family), tmp_path / "ep1", dp=2, zero1=True)
-    _check_tag(src, hf(family), family)
+    src = write_tag(moe_hf(family), tmp_path / "ep1", dp=2, zero1=True)
+    _check_tag(src, moe_hf(family), family)
     ckptconv.reshard(src, tmp_path / "ep2", ep=2, tp=2, dp=4, options=QUIET)
     names = sorted(p.name for p in (tmp_path / "ep2" / "optim").iterdir())
     assert names == [f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt" for d in range(4) for t in range(2)]
-    _check_tag(tmp_path / "ep2", hf(family), family)
+    _check_tag(tmp_path / "ep2", moe_hf(family), family)
     ckptconv.reshard(tmp_path / "ep2", tmp_path / "back", ep=1, tp=1, zero1=False, options=QUIET)
-    _check_tag(tmp_path / "back", hf(family), family)
+    _check_tag(tmp_path / "back", moe_hf(family), family)
     before, after = all_state(src), all_state(tmp_path / "back")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -88,18 +76,18 @@ def test_reshard_ep1_ep2_ep1_carries_each_experts_state(hf, tmp_path: Path, fami
     (dict(ep=2, dp=4, zero1=True), dict(ep=4, pp=2, dp=4, zero1=True)),
     (dict(ep=2, tp=2, dp=2, zero1=True), dict(ep=2, tp=1, zero1=False)),
 ], ids=["ep2-to-tp2-dp3-zero1", "ep2-dp4-to-ep4-pp2", "ep2-tp2-to-ep2-no-zero1"])
-def test_reshard_of_an_ep_tag_to_other_tp_dp_zero1(hf, tmp_path: Path, source: dict, target: dict):
+def test_reshard_of_an_ep_tag_to_other_tp_dp_zero1(moe_hf, tmp_path: Path, source: dict, target: dict):
     family = "mixtral"
-    src = write_tag(hf(family), tmp_path / "src", **source)
-    _check_tag(src, hf(family), family)
+    src = write_tag(moe_hf(family), tmp_path / "src", **source)
+    _check_tag(src, moe_hf(family), family)
     ckptconv.reshard(src, tmp_path / "out", options=QUIET, **target)
-    _check_tag(tmp_path / "out", hf(family), family)
+    _check_tag(tmp_path / "out", moe_hf(family), family)
 
 
-def test_zero1_placement_follows_nxds_expert_data_parallel_groups(hf, tmp_path: Path):
+def test_zero1_placement_follows_nxds_expert_data_parallel_groups(moe_hf, tmp_path: Path):
     """dp 4, ep 2: dp rank d holds ep rank d % 2's experts (partitioned over its 2 expert-data-parallel ranks) and a
     part of the non-expert state (over all 4); every file records ep and its ep rank, none names the ep rank."""
-    src = write_tag(hf("mixtral"), tmp_path / "src")
+    src = write_tag(moe_hf("mixtral"), tmp_path / "src")
     ckptconv.reshard(src, tmp_path / "out", ep=2, dp=4, zero1=True, options=QUIET)
     files = [torch.load(tmp_path / "out" / "optim" / f"dp_rank_{d:02d}_tp_rank_00_pp_rank_00.pt", weights_only=True)
              for d in range(4)]
@@ -112,28 +100,28 @@ def test_zero1_placement_follows_nxds_expert_data_parallel_groups(hf, tmp_path: 
     assert len(dense) == len(set(dense))  # each non-expert parameter's state in exactly one of the four files
 
 
-def test_resharded_tag_verifies_inspects_and_exports_its_masters(hf, tmp_path: Path):
+def test_resharded_tag_verifies_inspects_and_exports_its_masters(moe_hf, tmp_path: Path):
     family = "qwen3_moe"
-    src = write_tag(hf(family), tmp_path / "src", dp=2, zero1=True)
+    src = write_tag(moe_hf(family), tmp_path / "src", dp=2, zero1=True)
     ckptconv.reshard(src, tmp_path / "out", ep=2, tp=2, options=QUIET)
-    report = verify(hf(family), tmp_path / "out")
+    report = verify(moe_hf(family), tmp_path / "out")
     assert report["ok"], report["problems"]
     info = ckptconv.inspect(tmp_path / "out")
     assert info["layout"]["ep"] == 2
     assert info["optimizer"]["components"] == ["step", "exp_avg", "exp_avg_sq", "master"]
     assert (info["optimizer"]["zero1"], info["optimizer"]["dp"], info["optimizer"]["files"]) == (True, 2, 4)
     with warns_no_tokenizer():
-        ckptconv.to_hf(tmp_path / "out", tmp_path / "hf", masters=True, options=QUIET)
-    exported, original = load_file(tmp_path / "hf" / "model.safetensors"), load_file(hf(family) / "model.safetensors")
+        ckptconv.to_hf(tmp_path / "out", tmp_path / "moe_hf", masters=True, options=QUIET)
+    exported, original = load_file(tmp_path / "moe_hf" / "model.safetensors"), load_file(moe_hf(family) / "model.safetensors")
     assert exported.keys() == original.keys()
     for key, value in original.items():  # the masters (weight + 0.25), not the shards' weights
         assert torch.equal(exported[key], COMPONENTS["master"](value)), key
 
 
-def test_one_ranks_files_only(hf, tmp_path: Path):
+def test_one_ranks_files_only(moe_hf, tmp_path: Path):
     """TagOptimizer(only=...), the files one training rank opens: ep rank 1's experts (shard (1, 0, 0)) from dp ranks
     1 and 3 only; the non-expert state of ep rank 0's shard (0, 0, 0) may lie in any dp rank's file."""
-    src = write_tag(hf("mixtral"), tmp_path / "src", ep=2, dp=4, zero1=True)
+    src = write_tag(moe_hf("mixtral"), tmp_path / "src", ep=2, dp=4, zero1=True)
     opened = open_nxd(src)
     expert_shard, dense_shard = (f"model/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for e in (1, 0))
     expert, dense = "model.layers.1.mlp.expert_mlps.mlp_op.down_proj.weight", "model.norm.weight"
@@ -151,8 +139,8 @@ def test_one_ranks_files_only(hf, tmp_path: Path):
             optim.close()
 
 
-def test_refusals(hf, tmp_path: Path):
-    src = write_tag(hf("mixtral"), tmp_path / "src", dp=3, zero1=True)
+def test_refusals(moe_hf, tmp_path: Path):
+    src = write_tag(moe_hf("mixtral"), tmp_path / "src", dp=3, zero1=True)
     with pytest.raises(ConversionError, match=r"--dp 3 with ZeRO-1 at ep 2: dp must be a multiple of ep"):
         ckptconv.reshard(src, tmp_path / "a", ep=2, options=QUIET)
     with pytest.raises(ConversionError, match=r"ep 2, --part: a training tag with ep > 1 is resharded by one process"):
@@ -160,9 +148,9 @@ def test_refusals(hf, tmp_path: Path):
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
-def test_optimizer_files_of_another_ep_are_refused(hf, tmp_path: Path):
+def test_optimizer_files_of_another_ep_are_refused(moe_hf, tmp_path: Path):
     """A file whose recorded ep rank is not its dp rank's is never read as that rank's experts."""
-    src = write_tag(hf("mixtral"), tmp_path / "src", ep=2, dp=2, zero1=True)
+    src = write_tag(moe_hf("mixtral"), tmp_path / "src", ep=2, dp=2, zero1=True)
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     path = bad / "optim" / "dp_rank_01_tp_rank_00_pp_rank_00.pt"
@@ -174,22 +162,22 @@ def test_optimizer_files_of_another_ep_are_refused(hf, tmp_path: Path):
         ckptconv.reshard(bad, tmp_path / "out", ep=1, options=ckptconv.RunOptions(quiet=True, check=False))
 
 
-def test_full_state_of_ep_shards_is_the_hf_model(hf, tmp_path: Path):
+def test_full_state_of_ep_shards_is_the_hf_model(moe_hf, tmp_path: Path):
     """``nxd-compat --convert_to_full_state`` of ep 2 shards (refused before: all_shard_records had no ep): every HF
     tensor, each expert read from its ep rank's shard, in the key order of the same shards at ep 1."""
     from ckptconv.commands.full_state import to_full_state
 
     for ep in (1, 2):
-        ckptconv.to_nxd(hf("mixtral"), tmp_path / f"ep{ep}", ep=ep, tp=2, options=QUIET)
-        to_full_state(tmp_path / f"ep{ep}", tmp_path / f"full{ep}", config=hf("mixtral") / "config.json", hints={},
+        ckptconv.to_nxd(moe_hf("mixtral"), tmp_path / f"ep{ep}", ep=ep, tp=2, options=QUIET)
+        to_full_state(tmp_path / f"ep{ep}", tmp_path / f"full{ep}", config=moe_hf("mixtral") / "config.json", hints={},
                       options=QUIET)
     one, two = (torch.load(tmp_path / f"full{ep}" / "checkpoint.pt", weights_only=True) for ep in (1, 2))
-    original = load_file(hf("mixtral") / "model.safetensors")
+    original = load_file(moe_hf("mixtral") / "model.safetensors")
     assert list(two) == list(one) and set(two) == set(original)
     assert all(torch.equal(two[k], original[k]) for k in original)
 
 
-def test_one_training_ranks_resume_reads_its_state_at_another_ep(hf, tmp_path: Path):
+def test_one_training_ranks_resume_reads_its_state_at_another_ep(moe_hf, tmp_path: Path):
     """What a training rank's resume does (nxdtrain/checkpoint/restore.py's steps, through ckptconv's entry points):
     the reshard plan of an ep 2 tag to the run's layout, the rank's own shard, only the optimizer files its pieces
     read, each parameter's state read in the rank's layout: equal to the state of the weight it reads there."""
@@ -197,7 +185,7 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(hf, tmp_path: P
     from ckptconv.engine import read_tensor
     from ckptconv.training import TagReader, shard_ranks, state_tensors
 
-    src = write_tag(hf("qwen3_moe"), tmp_path / "src", ep=2, dp=4, zero1=True)
+    src = write_tag(moe_hf("qwen3_moe"), tmp_path / "src", ep=2, dp=4, zero1=True)
     opened = open_nxd(src)
     with opened.ckpt as ckpt:
         records = all_ep_shard_records(opened.spec, opened.layout)
@@ -222,10 +210,10 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(hf, tmp_path: P
                     optim.close()
 
 
-def test_nxds_own_ep_optimizer_files_are_refused_by_name(hf, tmp_path: Path):
+def test_nxds_own_ep_optimizer_files_are_refused_by_name(moe_hf, tmp_path: Path):
     """An ep > 1 tag whose optim/ is not NeuronEPZero1Optimizer's merged files (read by
     tests/test_moe_nxd_optimizer.py): refused in one line naming the file and the key; --weights-only then works."""
-    ckptconv.to_nxd(hf("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
+    ckptconv.to_nxd(moe_hf("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
     (tmp_path / "nxd" / "optim").mkdir()
     for d in range(2):  # NeuronZero1Optimizer's keys, as at ep 1
         torch.save({"state": {}, "param_groups": [], "base_state": {}, "shape_info": {}},

@@ -16,11 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-try:
-    import torchtitan  # noqa: F401
-except ImportError:
-    pytest.skip("torchtitan is not installed here (the TorchTitan lane: make setup-titan test-titan)",
-                allow_module_level=True)
+pytest.importorskip("torchtitan", reason="the TorchTitan lane: make setup-titan test-titan")
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 

@@ -7,11 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-try:
-    import torchtitan  # noqa: F401
-except ImportError:
-    pytest.skip("torchtitan is not installed here (the TorchTitan lane: make setup-titan test-titan)",
-                allow_module_level=True)
+pytest.importorskip("torchtitan", reason="the TorchTitan lane: make setup-titan test-titan")
 
 import ckptconv  # noqa: E402
 from ckptconv.errors import ConversionError  # noqa: E402

@@ -11,8 +11,9 @@ import torch
 
 from nxdtrain.config import TrainConfig
 from nxdtrain.data.rows import global_batches
-from nxdtrain.optim import lr_at, make_torch_optimizer, param_groups
+from nxdtrain.optim import make_torch_optimizer, param_groups
 from tests.conftest import hf_state
+from tests.nxdtrain.reference import optimizer_step
 
 # hidden 16 != expert intermediate 24, 4 experts top-2, GQA (4 heads over 2 K/V heads), 3 layers (pp 2 splits 1 + 2);
 # Qwen3-MoE's layer 1 dense (mlp_only_layers) with intermediate 20, top-k weights not renormalized.
@@ -63,12 +64,7 @@ def train_moe_reference(hf_dir: Path, cfg: TrainConfig, out: Path) -> tuple[list
             (result.loss / len(chunks)).backward()
             ce += (result.loss - coef * result.aux_loss).item() / len(chunks)
             aux += result.aux_loss.item() / len(chunks)
-        if cfg.optim.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
-        optimizer.step()
-        optimizer.zero_grad()
+        optimizer_step(model, optimizer, step, cfg)
         losses.append(ce)
         auxes.append(aux)
     model.save_pretrained(out)

@@ -24,11 +24,16 @@ def train_reference(hf_dir: Path, cfg: TrainConfig) -> tuple[list[float], dict[s
     for step, ids in enumerate(global_batches(cfg, model.config.vocab_size), start=1):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if cfg.optim.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
-        optimizer.step()
-        optimizer.zero_grad()
+        optimizer_step(model, optimizer, step, cfg)
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> None:
+    """Step ``step`` of a reference loop after its backward: clipping, the schedule's lr, the step, zeroed grads."""
+    if cfg.optim.clip_grad > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
+    optimizer.step()
+    optimizer.zero_grad()

@@ -18,7 +18,7 @@ import torch
 from nxdtrain.train import export
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options
-from tests.nxdtrain.test_parity import assert_matches_reference
+from tests.nxdtrain.test_parity import assert_matches_reference, bf16_masters
 
 LAYOUT = dict(attention="qkv_linear", kv_size_multiplier=2)  # gqa at tp 2: two ranks hold each K/V head
 
@@ -271,15 +271,10 @@ def test_bf16_sharded_equals_bf16_unsharded(tmp_path, nxd_model):
     plain = run_world(4, resume=str(src), checkpoint_dir=str(tmp_path / "p"), log_jsonl=str(tmp_path / "p.jsonl"),
                       **options)
     assert max(abs(a - b) for a, b in zip(losses(sharded), losses(plain), strict=True)) < 1e-2
-    shard = torch.load(tmp_path / "s/step_3/model/dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
-    optim = torch.load(tmp_path / "s/step_3/optim/dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
+    masters, optim = bf16_masters(tmp_path / "s/step_3", "dp_rank_00_tp_rank_01_pp_rank_00.pt")
     plain_optim = torch.load(tmp_path / "p/step_3/optim/dp_rank_00_tp_rank_01_pp_rank_00.pt", weights_only=True)
-    assert {t.dtype for t in shard.values()} == {torch.bfloat16}
-    masters = {k: optim[state_key(k, MASTER)] for k in shard}
-    assert {t.dtype for t in masters.values()} == {torch.float32}
-    assert all(torch.equal(masters[k].to(torch.bfloat16), shard[k].contiguous()) for k in shard)
     assert set(optim) == set(plain_optim)  # the same state, in the same format
-    worst = max((masters[k] - plain_optim[state_key(k, MASTER)]).abs().max().item() for k in shard)
+    worst = max((masters[k] - plain_optim[state_key(k, MASTER)]).abs().max().item() for k in masters)
     assert worst < 1e-3, worst
 
 

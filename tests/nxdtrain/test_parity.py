@@ -127,9 +127,16 @@ def test_bf16_trains_close_to_fp32(tmp_path, nxd_model, reference):
     ref_losses, _ = reference("gqa", **options)
     assert max(abs(r["loss"] - ref) for r, ref in zip(log, ref_losses, strict=True)) < 3e-2
     tag = tmp_path / "ckpt/step_3"
-    shard = torch.load(tag / "model/dp_rank_00_tp_rank_01_pp_rank_01.pt", weights_only=True)
-    optim = torch.load(tag / "optim/dp_rank_00_tp_rank_01_pp_rank_01.pt", weights_only=True)
+    bf16_masters(tag, "dp_rank_00_tp_rank_01_pp_rank_01.pt")
+
+
+def bf16_masters(tag: Path, name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A bf16 run's shard ``name`` of ``tag``: its fp32 masters, checked to round to the bf16 weights, and its
+    optimizer file."""
+    shard = torch.load(tag / "model" / name, weights_only=True)
+    optim = torch.load(tag / "optim" / name, weights_only=True)
     assert {t.dtype for t in shard.values()} == {torch.bfloat16}
     masters = {k: optim[state_key(k, MASTER)] for k in shard}
     assert {t.dtype for t in masters.values()} == {torch.float32}
     assert all(torch.equal(masters[k].to(torch.bfloat16), shard[k].contiguous()) for k in shard)
+    return masters, optim
