@@ -17,6 +17,7 @@ from ckptconv.core.plan import Source
 from ckptconv.engine import execute
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
+from tests.conftest import warns_no_tokenizer
 
 H, I, E = 8, 12, 4  # noqa: E741  hidden != expert intermediate: a transposed expert would not fit
 
@@ -130,3 +131,19 @@ def test_cast_experts_equal_the_hf_matrices_transposed(mixtral: Path, tmp_path: 
                 down = hf[w.format(e=e, w="w2")][:, rows].t()
                 assert torch.equal(shard["model.layers.0." + NXD_GATE_UP][local], gate_up.to(torch.bfloat16))
                 assert torch.equal(shard["model.layers.0." + NXD_DOWN][local], down.to(torch.bfloat16))
+
+
+def test_to_hf_reads_each_expert_slab_once(mixtral: Path, tmp_path: Path, ledger: _Ledger):
+    """An expert's HF gate and up come from the same NxD gate_up_proj slabs: read once for both."""
+    options = ckptconv.RunOptions(quiet=True, workers=2)
+    ckptconv.to_nxd(mixtral, tmp_path / "nxd", tp=2, ep=2, options=options)
+    ledger.bytes.clear()
+    ledger.outside.clear()
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
+    size = H * I * _itemsize(mixtral)
+    assert ledger.bytes["model.layers.0." + NXD_GATE_UP] == 2 * E * size
+    assert ledger.bytes["model.layers.0." + NXD_DOWN] == E * size
+    assert ledger.outside == [] and max(ledger.overflows) == 0
+    back, source = load_file(tmp_path / "hf" / "model.safetensors"), load_file(mixtral / "model.safetensors")
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)

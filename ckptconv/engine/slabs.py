@@ -43,8 +43,9 @@ def slab_band(tensor: OutTensor, start: int, stop: int, reader: Rows) -> torch.T
 
 
 def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int, OutTensor]]]:
-    """Stacked tensors (``(file index, tensor)``) grouped when they read a source matrix in common (union-find over
-    the matrices read whole), so that a band reads it once for all of them. Unstacked ones stay alone."""
+    """Tensors (``(file index, tensor)``) of the same number of slabs grouped when they read a source matrix in
+    common (union-find over the matrices read whole), so that a band reads it once for all of them: every tp rank's
+    ``down_proj`` of an expert (to-nxd), or an expert's HF gate and up from the same NxD ``gate_up_proj`` slabs."""
     items = list(tensors)
     parent = list(range(len(items)))
 
@@ -56,8 +57,6 @@ def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int
 
     first_reader: dict[tuple[int, Source, int], int] = {}
     for i, (_, tensor) in enumerate(items):
-        if not tensor.slabs:
-            continue
         for piece in tensor.pieces:
             if _shared(piece, tensor.dim):
                 j = first_reader.setdefault((tensor.slabs, piece.source, piece.slab), i)
