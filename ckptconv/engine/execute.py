@@ -26,7 +26,7 @@ import torch
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
-from ckptconv.engine.slabs import slab_band
+from ckptconv.engine.slabs import build_slabs, slab_band, slab_band_bytes, slab_groups
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
@@ -102,6 +102,10 @@ class _Unit:
     @property
     def shared_sources(self) -> bool:
         return self.tensors[0][1].dim == 1
+
+    @property
+    def by_slab(self) -> bool:
+        return self.tensors[0][1].by_slab
 
 
 def run_plan(
@@ -234,10 +238,11 @@ def _flatten(per_file: dict[str, dict[str, FileRecord]], plan: Plan, wanted: lis
 def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: int) -> list[_Unit]:
     row_split: list[_Unit] = []
     by_source: dict[Source, list[tuple[int, OutTensor]]] = {}
+    stacked: list[tuple[int, OutTensor]] = []
     for i in todo:
         for tensor in plan.files[i].tensors:
             if tensor.by_slab:
-                row_split.append(_slab_unit(i, tensor, reader))
+                stacked.append((i, tensor))
             elif tensor.dim == 0:
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
@@ -246,7 +251,7 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
     # the rest is still converting, instead of all at the end. Within one output file, in the order
     # their sources lie in their files (when the reader knows it): checked reads then hash what the
     # workers read as it comes, instead of reading the file again (ckptconv.io.checked).
-    units = row_split + _column_units(by_source, reader, band_bytes)
+    units = row_split + _slab_units(stacked, reader) + _column_units(by_source, reader, band_bytes)
     position = getattr(reader, "position", None)
 
     def order(unit: _Unit) -> tuple[int, int]:
@@ -283,17 +288,11 @@ def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_byt
     return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)
 
 
-def _slab_unit(file_index: int, tensor: OutTensor, reader: TensorReader) -> _Unit:
-    """A stacked tensor (NxD's experts), or one read from stacked sources: one slab per band (a tensor read from
-    slabs, unstacked: one band), each source read as one whole slab (or matrix)."""
-    rows = tensor.slabs or 1
-    sources = {p.source for p in tensor.pieces}
-    source_bytes = 0
-    for source in sources:
-        dtype, shape, _ = reader.info(source)
-        source_bytes += _row_bytes(shape, dtype.itemsize) if len(shape) == 3 else _row_bytes((1, *shape), dtype.itemsize)
-    per_row = tensor.nbytes // rows * 3 + source_bytes
-    return _Unit([(file_index, tensor)], rows, 1, per_row)
+def _slab_units(stacked: list[tuple[int, OutTensor]], reader: TensorReader) -> list[_Unit]:
+    """Stacked tensors (NxD's experts), or ones read from stacked sources: one slab index per band, of every tensor
+    that shares its source matrices (ckptconv.engine.slabs), budgeted at every buffer the band builds."""
+    return [_Unit(group, group[0][1].slabs or 1, 1, slab_band_bytes([t for _, t in group], reader))
+            for group in slab_groups(stacked)]
 
 
 def _period(tensor: OutTensor) -> int:
@@ -395,9 +394,10 @@ def _write_band(
     progress: Callable[[int], None] | None,
 ) -> None:
     cache: dict[Source, torch.Tensor] = {}
-    for file_index, tensor in unit.tensors:
-        if tensor.by_slab:
-            band = slab_band(tensor, start, stop, reader)
+    slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get) if unit.by_slab else []
+    for n, (file_index, tensor) in enumerate(unit.tensors):
+        if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
+            band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]
         elif unit.shared_sources:
             band = _column_band(tensor, start, stop, reader, cache)
         else:

@@ -3,16 +3,25 @@
 A stacked output tensor's pieces fall into slabs (:class:`ckptconv.core.plan.OutTensor`); a piece with a ``slab``
 or ``transposed`` view reads one expert of a stacked source in HF orientation. Used by the executor
 (:mod:`ckptconv.engine.execute`) for every tensor whose ``by_slab`` is set.
+
+The stacked tensors that read the same source matrices (every tp rank's ``down_proj`` reads columns of each
+expert's whole HF ``down_proj``) form one group, built one slab index at a time: each source matrix is read once
+per band and feeds every tensor of the group. Every buffer a band uses (its outputs, the source matrices, two
+scratch matrices for transposing) comes from the ``get`` allocator and is counted by :func:`slab_band_bytes`, so
+the executor's ``--max-memory`` accounting covers it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
+
+Alloc = Callable[[torch.dtype, tuple[int, ...]], torch.Tensor]
+ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.execute._Scratch.ALIGN)
 
 
 class Rows(Protocol):
@@ -21,38 +30,180 @@ class Rows(Protocol):
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
+def _empty(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 def slab_band(tensor: OutTensor, start: int, stop: int, reader: Rows) -> torch.Tensor:
-    """Slabs [start, stop) of a stacked tensor (the whole tensor when it has no slabs)."""
-    cache: dict[tuple[Source, int], torch.Tensor] = {}
+    """Slabs [start, stop) of a stacked tensor (the whole tensor when it has no slabs), in fresh memory (a training
+    rank reads its own shard this way; the executor uses :func:`build_slabs` in its arena)."""
     if not tensor.slabs:
-        return slab_matrix(tensor, tensor.pieces, reader, cache)
-    per = sum(p.length for p in tensor.pieces) // tensor.slabs
-    groups: list[list[Piece]] = [[] for _ in range(tensor.slabs)]
-    offset = 0
-    for piece in tensor.pieces:
-        groups[offset // per].append(piece)
-        offset += piece.length
-    return torch.stack([slab_matrix(tensor, groups[k], reader, cache) for k in range(start, stop)])
+        return build_slabs([tensor], 0, reader, _empty)[0]
+    return torch.stack([build_slabs([tensor], k, reader, _empty)[0] for k in range(start, stop)])
 
 
-def slab_matrix(tensor: OutTensor, pieces: Iterable[Piece], reader: Rows,
-                 cache: dict[tuple[Source, int], torch.Tensor]) -> torch.Tensor:
-    parts = [viewed_piece(reader, p, tensor.dim, cache) for p in pieces]
-    matrix = torch.cat([p.to(parts[0].dtype) for p in parts], dim=tensor.dim) if len(parts) > 1 else parts[0]
-    return (matrix.t() if tensor.transposed else matrix).contiguous()
+def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int, OutTensor]]]:
+    """Tensors (``(file index, tensor)``) of the same number of slabs grouped when they read a source matrix in
+    common (union-find over the matrices read whole), so that a band reads it once for all of them: every tp rank's
+    ``down_proj`` of an expert (to-nxd), or an expert's HF gate and up from the same NxD ``gate_up_proj`` slabs."""
+    items = list(tensors)
+    parent = list(range(len(items)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first_reader: dict[tuple[int, Source, int], int] = {}
+    for i, (_, tensor) in enumerate(items):
+        for piece in tensor.pieces:
+            if _shared(piece, tensor.dim):
+                j = first_reader.setdefault((tensor.slabs, piece.source, piece.slab), i)
+                parent[find(i)] = find(j)
+    groups: dict[int, list[tuple[int, OutTensor]]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(find(i), []).append(item)
+    return list(groups.values())
 
 
-def viewed_piece(reader: Rows, piece: Piece, dim: int,
-                  cache: dict[tuple[Source, int], torch.Tensor]) -> torch.Tensor:
-    """``piece`` as a matrix in the reading tensor's orientation: its slab, transposed if so, cut along ``dim``."""
+def slab_band_bytes(tensors: list[OutTensor], reader: Rows) -> int:
+    """The most bytes :func:`build_slabs` takes from its allocator for one slab index of ``tensors``."""
+    most = 0
+    for k in range(max(tensors[0].slabs, 1)):
+        nbytes = 3 * (_scratch_bytes(tensors, k, reader) + ALIGN)
+        sources: set[tuple[Source, int]] = set()
+        for tensor in tensors:
+            nbytes += _nbytes(tensor.dtype, _slab_shape(tensor)) + ALIGN
+            for piece in _slab_pieces(tensor, k):
+                if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
+                    sources.add((piece.source, piece.slab))
+                    dtype, shape, _ = reader.info(piece.source)
+                    nbytes += _nbytes(dtype, shape[1:] if piece.slab >= 0 else shape) + ALIGN
+        most = max(most, nbytes)
+    return most
+
+
+def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows) -> int:
+    """The largest piece of slab ``k`` of ``tensors``, at the wider of its source's and its tensor's dtype."""
+    most = 0
+    for tensor in tensors:
+        rows, cols = _slab_shape(tensor)
+        other = rows if tensor.transposed != (tensor.dim == 1) else cols  # the piece's uncut dim, in HF orientation
+        for piece in _slab_pieces(tensor, k):
+            size = max(reader.info(piece.source)[0].itemsize, tensor.dtype.itemsize)
+            most = max(most, piece.length * other * size)
+    return most
+
+
+def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc) -> list[torch.Tensor]:
+    """Slab ``k`` of each of ``tensors`` (the whole tensor when unstacked), in its stored orientation and dtype, built
+    in place in buffers from ``get``; each source matrix read whole is read once for all of them."""
+    cache: dict[tuple[Source, int], torch.Tensor] = {}
+    scratch = _Scratch2(get, tensors, k, reader)
+    outs = []
+    for tensor in tensors:
+        out = get(tensor.dtype, _slab_shape(tensor))
+        matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
+        offset = 0
+        for piece in _slab_pieces(tensor, k):
+            target = matrix.narrow(tensor.dim, offset, piece.length)
+            if _shared(piece, tensor.dim):
+                _copy(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
+            else:  # rows of an HF matrix: read straight into place when the layout allows
+                dtype = reader.info(piece.source)[0]
+                if target.is_contiguous() and dtype == tensor.dtype:
+                    reader.read_rows(piece.source, piece.start, piece.stop, out=target)
+                else:
+                    rows = reader.read_rows(piece.source, piece.start, piece.stop,
+                                            out=scratch.rows(dtype, tuple(target.shape)))
+                    _copy(target, rows, scratch)
+            offset += piece.length
+        outs.append(out)
+    return outs
+
+
+class _Scratch2:
+    """Three reusable matrices of a band (rows read, a compacted source, a target), for transposes that need
+    compact operands; sized by :func:`_scratch_bytes`."""
+
+    def __init__(self, get: Alloc, tensors: list[OutTensor], k: int, reader: Rows) -> None:
+        self.get, self.tensors, self.k, self.reader = get, tensors, k, reader
+        self.buffers: list[torch.Tensor] = []
+
+    def _buffer(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if not self.buffers:  # allocated on first use: a band of straight row reads needs none
+            size = _scratch_bytes(self.tensors, self.k, self.reader)
+            self.buffers = [self.get(torch.uint8, (size,)) for _ in range(3)]
+        return self.buffers[index][:_nbytes(dtype, shape)].view(dtype).view(shape)
+
+    def rows(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._buffer(0, dtype, shape)
+
+    def source(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._buffer(1, dtype, shape)
+
+    def target(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._buffer(2, dtype, shape)
+
+
+def _copy(target: torch.Tensor, src: torch.Tensor, scratch: _Scratch2) -> None:
+    """``target.copy_(src)`` for matrices either of which may be a transposed view. torch transposes fast (in
+    cache-sized blocks) only into a contiguous matrix from the transpose of a contiguous one of the same dtype; a
+    strided transpose is ~8x slower (bf16, measured): so the operands are made compact in scratch first."""
+    if target.stride(-1) != 1:  # a transposed target: copy the transposes
+        target, src = target.t(), src.t()
+    if src.stride(-1) == 1 or src.numel() <= 1:
+        target.copy_(src)
+        return
+    if src.stride(1) != src.size(0) or src.dtype != target.dtype:  # make the source's transpose compact
+        src = scratch.source(target.dtype, (src.size(1), src.size(0))).copy_(src.t()).t()
+    if target.is_contiguous():
+        target.copy_(src)
+    else:
+        target.copy_(scratch.target(target.dtype, tuple(target.shape)).copy_(src))
+
+
+def _shared(piece: Piece, dim: int) -> bool:
+    """Whether the piece is cut from a source matrix read whole (not rows read straight)."""
     if piece.zeros or piece.alternates or piece.row_perm:
         raise AssertionError(f"{piece.source.key}: padded, averaged or permuted pieces have no slab view")
-    if not piece.viewed and dim == 0:
-        return reader.read_rows(piece.source, piece.start, piece.stop)
+    return piece.viewed or dim != 0
+
+
+def _slab_shape(tensor: OutTensor) -> tuple[int, ...]:
+    return tensor.shape[1:] if tensor.slabs else tensor.shape
+
+
+def _slab_pieces(tensor: OutTensor, k: int) -> list[Piece]:
+    if not tensor.slabs:
+        return list(tensor.pieces)
+    per = sum(p.length for p in tensor.pieces) // tensor.slabs
+    pieces, offset = [], 0
+    for piece in tensor.pieces:
+        if offset // per == k:
+            pieces.append(piece)
+        offset += piece.length
+    return pieces
+
+
+def _nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * dtype.itemsize
+
+
+def _viewed(reader: Rows, piece: Piece, dim: int, cache: dict[tuple[Source, int], torch.Tensor],
+            get: Alloc) -> torch.Tensor:
+    """``piece`` as a matrix in HF orientation: its slab, transposed if so, cut along ``dim`` (the matrix read once)."""
     if (piece.source, piece.slab) not in cache:
-        shape = reader.info(piece.source)[1]
-        whole = (piece.slab, piece.slab + 1) if piece.slab >= 0 else (0, shape[0])
-        matrix = reader.read_rows(piece.source, *whole)
-        cache[(piece.source, piece.slab)] = matrix[0] if piece.slab >= 0 else matrix
+        dtype, shape, _ = reader.info(piece.source)
+        if piece.slab >= 0:
+            buffer = get(dtype, (1, *shape[1:]))
+            cache[(piece.source, piece.slab)] = reader.read_rows(piece.source, piece.slab, piece.slab + 1,
+                                                                 out=buffer)[0]
+        else:
+            cache[(piece.source, piece.slab)] = reader.read_rows(piece.source, 0, shape[0], out=get(dtype, shape))
     matrix = cache[(piece.source, piece.slab)]
     return (matrix.t() if piece.transposed else matrix).narrow(dim, piece.start, piece.length)
