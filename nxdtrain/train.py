@@ -481,7 +481,8 @@ class Trainer:
         recorded = state.loss if state is not None else None
         why = verdict(value, vocab=self.plan.source.spec.vocab, recorded=recorded)
         if why is not None:
-            raise TrainError(refusal(why, f"{self.plan.source.flag} {self.plan.source.given}"))
+            raise TrainError(refusal(why, f"{self.plan.source.flag} {self.plan.source.given}",
+                                     experts=bool(self.plan.source.spec.experts)))
         if self.rank0:
             note(f"first batch loss {value:.3f} before step {self.step + 1} (ln vocab {math.log(self.plan.source.spec.vocab):.3f}"
                  + (f", the tag recorded {recorded:.3f}" if recorded is not None else "") + "): the weights load as trained")
