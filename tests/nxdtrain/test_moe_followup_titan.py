@@ -5,9 +5,11 @@ of the transformers class trained on the same rows (tests/nxdtrain/moe_reference
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -39,12 +41,20 @@ def read_dcp(path: Path) -> dict[str, Any]:
     return state
 
 
+OPTIONS = train_options(optimizer="adamw", lr=1e-3, gbs=4, mbs=1, seq_len=16, steps=2, decay_steps=2)
+
+
+def trained_tag(root: Path) -> tuple[Path, Path]:
+    """(the HF model, its tag after 2 AdamW steps at tp 2 x ep 2: 4 processes, dp 2 = the two ep ranks)."""
+    hf = make_moe(root / "hf", "qwen3_moe")
+    run_world(4, resume=str(convert(hf, root / "nxd")), tp=2, ep=2, checkpoint_dir=str(root / "ck"),
+              log_jsonl=str(root / "log.jsonl"), **OPTIONS)
+    return hf, root / "ck" / "step_2"
+
+
 def test_a_trained_qwen3_moe_tag_exports_to_torchtitan_with_its_adamw_state(tmp_path):
-    hf = make_moe(tmp_path / "hf", "qwen3_moe")
-    options = train_options(optimizer="adamw", lr=1e-3, gbs=4, mbs=1, seq_len=16, steps=2, decay_steps=2)
-    run_world(4, resume=str(convert(hf, tmp_path / "nxd")), tp=2, ep=2, checkpoint_dir=str(tmp_path / "ck"),
-              log_jsonl=str(tmp_path / "log.jsonl"), **options)
-    tag = tmp_path / "ck" / "step_2"
+    options = OPTIONS
+    hf, tag = trained_tag(tmp_path)
     result = ckptconv.to_dcp(tag, tmp_path / "dcp", options=ckptconv.RunOptions(quiet=True))
     assert any("expert_bias_E" in note for note in result.notes)
     dcp = read_dcp(tmp_path / "dcp")
@@ -72,3 +82,36 @@ def test_a_trained_qwen3_moe_tag_exports_to_torchtitan_with_its_adamw_state(tmp_
     # the rest of the model too: the router and a dense layer's MLP
     assert torch.equal(dcp["layers.0.moe.router.gate.weight"], exported["model.layers.0.mlp.gate.weight"])
     assert torch.equal(dcp["layers.1.feed_forward.w1.weight"], exported["model.layers.1.mlp.gate_proj.weight"])
+
+
+@pytest.mark.usefixtures("gloo_world")  # TorchTitan's CheckpointManager loads in a process group
+def test_torchtitans_qwen3_moe_loads_the_trained_tags_dcp(tmp_path):
+    """The TorchTitan lane (skipped without torchtitan): TorchTitan's own qwen3 MoE model and AdamW, built by the
+    generated torchtitan_config.py, load the DCP's full state through its CheckpointManager; each of its experts is
+    the tag's exported HF expert, bit for bit, and its experts' moments are the DCP's."""
+    pytest.importorskip("torchtitan", reason="the TorchTitan lane: make setup-titan test-titan")
+    from tests.test_titan import manager
+    from tests.test_titan_moe import generated_model
+
+    _, tag = trained_tag(tmp_path)
+    dcp = tmp_path / "dcp"
+    ckptconv.to_dcp(tag, dcp, options=ckptconv.RunOptions(quiet=True))
+    with warns_no_tokenizer():
+        export(tag, tmp_path / "exported")
+    exported = hf_state(tmp_path / "exported")
+    model = generated_model(dcp)
+    ck, optimizers, _ = manager(model, tmp_path / "titan", initial_load_path=str(dcp), initial_load_model_only=False,
+                                exclude_from_loading=["dataloader"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ck.load() is True
+    ck.close()
+    state, moments, written = model.state_dict(), optimizers.state_dict(), read_dcp(dcp)["optimizer"]
+    for layer in SPARSE:
+        for stacked, (proj, _, _) in STACKED.items():
+            key = INNER.format(layer) + stacked
+            for e in range(EXPERTS):
+                name = HF.format(layer, e, proj)
+                assert torch.equal(state[key][e], exported[name]), name
+            for field in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(moments[f"state.{key}.{field}"], written[f"state.{key}.{field}"]), (key, field)
