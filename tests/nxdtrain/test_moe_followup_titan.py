@@ -115,3 +115,25 @@ def test_torchtitans_qwen3_moe_loads_the_trained_tags_dcp(tmp_path):
                 assert torch.equal(state[key][e], exported[name]), name
             for field in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(moments[f"state.{key}.{field}"], written[f"state.{key}.{field}"]), (key, field)
+
+
+def test_to_dcp_of_nxds_ep_zero1_files_carries_the_same_state(tmp_path):
+    """A Qwen3-MoE run at ep 2 x dp 4 with ZeRO-1 saved in NxD's EP ZeRO-1 files (``--optimizer-format nxd``) and the
+    same run saved in nxdtrain's format 2: their DCPs hold the same weights and AdamW state."""
+    from tests.nxdtrain.test_moe_followup_nxd_optim import _options
+
+    src = convert(make_moe(tmp_path / "hf", "qwen3_moe"), tmp_path / "converted")
+    dcps = []
+    for fmt in ("nxdtrain", "nxd"):
+        run_world(4, resume=str(src), checkpoint_dir=str(tmp_path / fmt), log_jsonl=str(tmp_path / f"{fmt}.jsonl"),
+                  **_options(optimizer_format=fmt, steps=1, decay_steps=1))
+        ckptconv.to_dcp(tmp_path / fmt / "step_1", tmp_path / f"dcp-{fmt}", options=ckptconv.RunOptions(quiet=True))
+        dcps.append(read_dcp(tmp_path / f"dcp-{fmt}"))
+    ours, nxds = dcps
+    model = [k for k in ours if k.startswith(("layers.", "tok_embeddings", "norm", "lm_head"))]
+    assert all(torch.equal(ours[k], nxds[k]) for k in model)
+    moments = [k for k in ours["optimizer"] if k.startswith("state.") and k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert set(moments) == {k for k in nxds["optimizer"] if k.startswith("state.") and k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert any("inner_experts" in k for k in moments)
+    for key in moments:
+        assert torch.allclose(ours["optimizer"][key], nxds["optimizer"][key], rtol=0, atol=TOL), key
