@@ -209,7 +209,7 @@ def check_trainable(spec: ModelSpec) -> None:
 
 
 def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
-            optimizer_format: str = "nxdtrain", shards: bool = False) -> str | None:
+            optimizer_format: str = "nxdtrain", shards: bool = False, zero1: bool = False) -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
     if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
         return None
@@ -221,9 +221,9 @@ def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
     if cp > 1:
         return (f"--context-parallel {cp} with a {spec.family.name} model: the router's aux loss counts a "
                 "micro-batch's whole sequence, which no cp rank holds; use --context-parallel 1")
-    if ep > 1 and optimizer_format == "nxd":
-        return (f"--optimizer-format nxd with --ep {ep}: NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer) "
-                "are not written yet; use --optimizer-format nxdtrain")
+    if ep > 1 and optimizer_format == "nxd" and not zero1:
+        return (f"--optimizer-format nxd with --ep {ep} needs --zero1: NxD's expert-parallel optimizer files are its "
+                "ZeRO-1 optimizer's (NeuronEPZero1Optimizer), the only ones ckptconv writes at ep > 1")
     if ep > 1 and device == "xla":
         return f"--ep {ep} on xla: the all-to-all's splits are data-dependent (a host read per layer); use --ep 1"
     return None

@@ -182,7 +182,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
     if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device, shards=par.shards,
-                          optimizer_format=config.checkpoint.optimizer_format):
+                          optimizer_format=config.checkpoint.optimizer_format, zero1=par.zero1):
         raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
@@ -212,6 +212,10 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and not config.parallel.zero1:
         raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1: NxD keeps a bf16 run's fp32 "
                          "masters and moments only in its ZeRO-1 optimizer's files")
+    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and par.ep > 1:
+        raise TrainError(f"--optimizer-format nxd with --ep {par.ep} and --precision bf16: NxD's expert-parallel ZeRO-1 "
+                         "files hold no fp32 masters, so each save would lose them; use --precision fp32 or "
+                         "--optimizer-format nxdtrain")
     # The outputs last: what the run writes, checked before its first step (not after the last one).
     check_saves(config)
     check_checkpoint_dir(config.checkpoint.checkpoint_dir, resume_state.step if resume_state else 0)
@@ -477,7 +481,8 @@ class Trainer:
         recorded = state.loss if state is not None else None
         why = verdict(value, vocab=self.plan.source.spec.vocab, recorded=recorded)
         if why is not None:
-            raise TrainError(refusal(why, f"{self.plan.source.flag} {self.plan.source.given}"))
+            raise TrainError(refusal(why, f"{self.plan.source.flag} {self.plan.source.given}",
+                                     experts=bool(self.plan.source.spec.experts)))
         if self.rank0:
             note(f"first batch loss {value:.3f} before step {self.step + 1} (ln vocab {math.log(self.plan.source.spec.vocab):.3f}"
                  + (f", the tag recorded {recorded:.3f}" if recorded is not None else "") + "): the weights load as trained")

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
+from ckptconv.core.layout import parse_ep_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.io.atomic import move_into_place, write_text
 from ckptconv.io.nxd import INFO_SUFFIX, TAG_MARKERS, TENSORS_SUFFIX, Flavour
@@ -82,12 +84,23 @@ class XserSplitSink:
         else:
             refs = {t.key: TensorReference(self.tid[t.key]) for t in self.out_file.tensors}
         by_tid = sorted(self.out_file.tensors, key=lambda t: self.tid[t.key])
-        info = {self.tid[t.key]: {"dtype": t.dtype, "shape": torch.Size(t.shape), "expert_model_parallel": False}
-                for t in by_tid}
+        experts = expert_parallel_keys(self.out_file)
+        info = {self.tid[t.key]: {"dtype": t.dtype, "shape": torch.Size(t.shape),
+                                  "expert_model_parallel": t.key in experts} for t in by_tid}
         info_path = Path(str(self.path) + INFO_SUFFIX)
         torch.save(info, info_path)  # plain data
         save_state_dict(self.path, refs)  # our writer names TensorReference without importing torch_xla
         return [self.tensor_dir, info_path, self.path]
+
+
+def expert_parallel_keys(out_file: OutFile) -> frozenset[str]:
+    """The keys NxD's xser save marks ``expert_model_parallel`` in ``out_file``'s ``.info.pt``: the stacked expert
+    weights (``ExpertFusedLinear._mark_expert_parallel_weights``), marked only when ep > 1, which is when a model
+    shard's name carries its ep rank. NxD's loader reads a marked tensor from the file's own ep rank, the rest from
+    ep rank 0's."""
+    if parse_ep_shard_name(Path(out_file.path).name) is None:
+        return frozenset()
+    return frozenset(t.key for t in out_file.tensors if t.key.endswith((NXD_GATE_UP, NXD_DOWN)))
 
 
 def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]

@@ -43,5 +43,11 @@ def verdict(loss: float, *, vocab: int, recorded: float | None) -> str | None:
     return None
 
 
-def refusal(why: str, source: str) -> str:
-    return f"{source}: {why}; {CAUSES}; or pass --allow-high-loss to train anyway"
+# A mixture of experts read with its experts in the wrong places (ep rank files swapped, slabs out of order) has every
+# shape right too: only the loss sees it.
+EXPERT_CAUSES = "the experts' order (ep rank r's files hold experts r*E/ep to (r+1)*E/ep - 1, stacked in that order)"
+
+
+def refusal(why: str, source: str, *, experts: bool = False) -> str:
+    causes = f"{CAUSES}, {EXPERT_CAUSES}" if experts else CAUSES
+    return f"{source}: {why}; {causes}; or pass --allow-high-loss to train anyway"

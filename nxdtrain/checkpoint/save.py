@@ -130,14 +130,24 @@ class TagWriter:
             outdir.remove_owned(staging, also=MARKERS, keep=())
         dist.barrier(group=self.host_group)
         layout = self.layout
-        try:
-            reshard(tag, staging, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, kv_size_multiplier=layout.kvm,
-                    attention=layout.attention, fuse_qkv=layout.fuse_qkv, hw_backend=layout.hw,
-                    trn2_kv_layout=layout.trn2_kv_layout, dp=self.zero_size, zero1=self.nxd_zero1,
-                    optimizer_format="nxd", nxd_param_groups=self.nxd_param_groups,
-                    options=RunOptions(quiet=True, part=(rank, world), workers=1, max_memory=REWRITE_MEMORY))
-        except ConversionError as exc:
-            raise TrainError(f"{tag}: saved, but not rewritten in NxD's format (--optimizer-format nxd): {exc}") from None
+        alone = layout.ep > 1  # ckptconv rewrites a tag at ep > 1 in one process (its --part splits dense tags only)
+        error = None
+        if rank == 0 or not alone:
+            try:
+                reshard(tag, staging, tp=layout.tp, pp=layout.pp, vpp=layout.vpp, kv_size_multiplier=layout.kvm,
+                        attention=layout.attention, fuse_qkv=layout.fuse_qkv, hw_backend=layout.hw,
+                        trn2_kv_layout=layout.trn2_kv_layout, dp=self.zero_size, zero1=self.nxd_zero1,
+                        optimizer_format="nxd", nxd_param_groups=self.nxd_param_groups,
+                        options=RunOptions(quiet=True, part=(0, 1) if alone else (rank, world), workers=1,
+                                           max_memory=REWRITE_MEMORY))
+            except ConversionError as exc:
+                error = f"{tag}: saved, but not rewritten in NxD's format (--optimizer-format nxd): {exc}"
+        if alone:  # every rank stops alike when rank 0's rewrite failed
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.host_group)
+            error = box[0]
+        if error is not None:
+            raise TrainError(error)
         dist.barrier(group=self.host_group)
         if rank == 0:
             meta = read_metadata(staging)

@@ -37,6 +37,11 @@ class _Local:
         return [{**{n: v for n, v in hyper[g].items() if n != "params"}, "params": [p for _, p in members]}
                 for g, members in enumerate(self._members())]
 
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Both parts' state by parameter, as ``torch.optim.Optimizer.state`` (the trainer's memory count reads it)."""
+        return {p: s for part in self.parts for p, s in part.state.items()}
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}
         groups = []

@@ -45,9 +45,11 @@ def make_moe(path: Path, family: str, *, coef: float = 0.02, seed: int = 3) -> P
     return path
 
 
-def train_moe_reference(hf_dir: Path, cfg: TrainConfig, out: Path) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def train_moe_reference(hf_dir: Path, cfg: TrainConfig, out: Path, *, moments: dict[str, dict[str, torch.Tensor]] | None = None
+                        ) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     """Per-step cross-entropy, per-step aux loss (both averaged over the global batch) and the final weights as
-    saved by transformers (per-expert names)."""
+    saved by transformers (per-expert names); ``moments``, when given, receives each parameter's optimizer state
+    (``exp_avg``, ``exp_avg_sq``, ... by its HF name)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -67,5 +69,7 @@ def train_moe_reference(hf_dir: Path, cfg: TrainConfig, out: Path) -> tuple[list
         optimizer_step(model, optimizer, step, cfg)
         losses.append(ce)
         auxes.append(aux)
+    if moments is not None:
+        moments.update({name: dict(optimizer.state[param]) for name, param in model.named_parameters()})
     model.save_pretrained(out)
     return losses, auxes, hf_state(out)

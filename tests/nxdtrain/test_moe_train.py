@@ -181,8 +181,8 @@ REFUSALS = {
     "ep-not-dividing-dp": (dict(ep=2, tp=2), 2, r"^--ep 2 must divide the data-parallel size 1 \(expert parallelism "
                                                 r"is carved out of dp\)$"),
     "ep-not-dividing-experts": (dict(ep=3), 3, r"this run's layout: --ep 3 must divide the number of experts \(4\)$"),
-    "nxd-optimizer-format-with-ep": (dict(ep=2, optimizer_format="nxd", schedule="CosineAnnealing"), 2, r"^--optimizer-format nxd with --ep 2: "
-                                                                              r"NxD's expert-parallel ZeRO-1 files"),
+    "nxd-optimizer-format-with-ep": (dict(ep=2, optimizer_format="nxd", schedule="CosineAnnealing"), 2, r"^--optimizer-format nxd with --ep 2 needs --zero1: "
+                                                                              r"NxD's expert-parallel optimizer files"),
     "shard-params": (dict(shard_params=True), 2, r"^--shard-params / --hybrid-shard with a Mixtral model: FSDP would"),
     "context-parallel": (dict(context_parallel=2), 2, r"^--context-parallel 2 with a Mixtral model: the router's aux "
                                                       r"loss counts a micro-batch's whole sequence"),

@@ -64,6 +64,11 @@ def pair_kv_wrongly(tag: Path) -> None:
             shards[a][key], shards[b][key] = shards[b][key], shards[a][key]
     for shard, path in zip(shards, paths, strict=True):
         torch.save(shard, path)
+    record_rewritten(tag, paths)
+
+
+def record_rewritten(tag: Path, paths: list[Path]) -> None:
+    """Record the digests of ``tag``'s rewritten ``paths`` in its ckptconv.json, so that the checked reads pass."""
     meta = json.loads((tag / "ckptconv.json").read_text())
     meta["files"].update({rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT).items()})
     (tag / "ckptconv.json").write_text(json.dumps(meta))
