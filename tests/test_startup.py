@@ -52,6 +52,34 @@ def test_ckptconv_answers_without_torch(tmp_path, argv, status):
     assert result == {"status": status, "loaded": []}
 
 
+@pytest.mark.parametrize("argv,missing", [
+    (["to-nxd", "gone", "out", "--tp", "2", "--pp", "1"], "gone: no such file or directory"),
+    (["to-hf", "gone", "out"], "gone: no such directory"),
+    (["reshard", "gone", "out", "--tp", "2"], "gone: no such directory"),
+    (["to-dcp", "gone", "out"], "gone: no such file or directory"),
+    (["from-dcp", "gone", "out", "--to", "nxd", "--tp", "2"], "gone: no such directory"),
+    (["verify", "gone-hf", "gone"], "gone: no such directory"),
+    (["inspect", "gone"], "gone: no such file or directory"),
+])
+def test_missing_source_refused_without_torch(tmp_path, argv, missing):
+    """A conversion of a source that does not exist says so in one line, before torch is imported."""
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(module="ckptconv.cli.main", heavy=HEAVY), *argv],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"status": 1, "loaded": []}
+    assert proc.stderr.strip() == f"ckptconv: error: {missing}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source_hub_id_goes_to_the_library(monkeypatch):
+    """An ``org/name`` that is no local path is a hub id where a command takes one: not refused as missing."""
+    from ckptconv.cli.main import build_parser, check_sources
+
+    monkeypatch.chdir("/")
+    check_sources(build_parser().parse_args(["to-nxd", "meta-llama/Llama-3.1-8B", "out", "--tp", "1"]))
+    with pytest.raises(Exception, match="no-org/x: no such directory"):
+        check_sources(build_parser().parse_args(["to-hf", "no-org/x", "out"]))
+
+
 @pytest.mark.parametrize("argv,status", [
     (["--version"], 0),
     (["--help"], 0),
