@@ -98,5 +98,19 @@ def test_nxdtrain_answers_without_torch(tmp_path, argv, status):
 
 def test_the_probe_sees_torch_when_a_command_computes(tmp_path):
     """The check above can fail: a command that reaches the library does import torch."""
-    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "missing"), str(tmp_path / "out"), "--tp", "1"], tmp_path)
+    (tmp_path / "empty").mkdir()  # exists, so the library looks at it (and finds no model)
+    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"], tmp_path)
     assert result["status"] == 1 and "torch" in result["loaded"]
+
+
+def test_cli_gives_the_collector_back(tmp_path, capsys):
+    """The CLI pauses the cyclic collector while a command runs (torch's import triggered full collections that
+    found nothing) and turns it back on after, also when the command fails: main() is called in-process too."""
+    import gc
+
+    from ckptconv.cli.main import main
+
+    (tmp_path / "empty").mkdir()
+    assert gc.isenabled()
+    assert main(["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"]) == 1
+    assert gc.isenabled()
