@@ -4,7 +4,8 @@ A training tag of Llama-3-8B layer shapes (2 layers, vocab 16384, tp 2, fp32 wei
 ``exp_avg_sq``: 6.85 GB) is built once, in nxdtrain's format 2 (``benchmarks.reshard_optim.build_tag``), with a
 tiny tag of the same kind beside it (the 70B heads with tiny tensors) and a TorchTitan DCP of each (from-dcp's
 source, not timed). Each command then runs on both: the tiny run is its start-up, the figures that scale are the
-marginal ones (command minus start-up): marginal wall against ``cp -r`` of the same source right before it, and
+marginal ones (command minus start-up): marginal wall against ``cp -r`` of the same source right before the pair
+(before and after trees) of runs, and
 marginal CPU seconds (user + system, the child's own ``rusage``) per GB of the source against cp's.
 
 The page cache stays warm on both sides (a 2-core machine shared with other jobs: the disk would decide
@@ -118,14 +119,14 @@ def training_rows(out: Path, repeat: int, before: Path | None) -> str:
     target, copy = out / "train-out", out / "train-cp"
     for i in range(repeat):
         for command, argv, kind in COMMANDS:
+            shutil.rmtree(copy, ignore_errors=True)
+            baseline = measure(["cp", "-r", str(paths[f"big-{kind}"]), str(copy)])  # one cp for both trees' runs
+            shutil.rmtree(copy)
             for tree, root in trees if i % 2 == 0 else trees[::-1]:
                 row = rows[(command, tree)]
+                row.cp.append(baseline)
                 for size, runs in (("tiny", row.startup), ("big", row.runs)):
                     src = paths[f"{size}-{kind}"]
-                    if size == "big":
-                        shutil.rmtree(copy, ignore_errors=True)
-                        row.cp.append(measure(["cp", "-r", str(src), str(copy)]))
-                        shutil.rmtree(copy)
                     shutil.rmtree(target, ignore_errors=True)
                     args = [str(src) if a == "SRC" else str(target) if a == "OUT" else a for a in argv]
                     runs.append(measure([sys.executable, "-m", "ckptconv.cli", *args, "--quiet"], tree_env(root)))
