@@ -4,9 +4,9 @@ A training tag of Llama-3-8B layer shapes (2 layers, vocab 16384, tp 2, fp32 wei
 ``exp_avg_sq``: 6.85 GB) is built once, in nxdtrain's format 2 (``benchmarks.reshard_optim.build_tag``), with a
 tiny tag of the same kind beside it (the 70B heads with tiny tensors) and a TorchTitan DCP of each (from-dcp's
 source, not timed). Each command then runs on both: the tiny run is its start-up, the figures that scale are the
-marginal ones (command minus start-up): marginal wall against ``cp -r`` of the same source right before the pair
-(before and after trees) of runs, and
-marginal CPU seconds (user + system, the child's own ``rusage``) per GB of the source against cp's.
+marginal ones (command minus start-up): marginal wall against ``cp -r`` of the same source right before the pair of
+runs (before and after trees), and marginal CPU seconds (user + system, the child's own ``rusage``) per GB of the
+source against cp's.
 
 The page cache stays warm on both sides (a 2-core machine shared with other jobs: the disk would decide
 everything); ``sync`` runs before each command and after it, inside its wall time. With ``--before DIR`` every
