@@ -412,6 +412,9 @@ _SOURCES = {"to-nxd": [("src", True, "no such file or directory")], "to-hf": [("
             "verify": [("nxd_dir", False, "no such directory"), ("hf_dir", True, "no such file or directory")]}
 
 
+_CONVERSIONS = ("to-nxd", "to-hf", "reshard", "to-dcp", "from-dcp")
+
+
 def check_sources(args: argparse.Namespace) -> None:
     """A conversion's SRC that does not exist (and is no hub id where one is taken) is refused here, as the
     library would refuse it, without importing torch first."""
@@ -474,11 +477,12 @@ def _main(args: argparse.Namespace) -> int:
         if getattr(args, "quiet", False) or getattr(args, "json", False):
             warnings.simplefilter("ignore")
         check_sources(args)
-        # No cyclic collection while the command runs: importing its library (torch) alone triggered several full
-        # collections (0.3-1.3 s of start-up) that found nothing, and a conversion makes few cycles. After it, what
-        # it allocated goes to the oldest generation (freeze, unfreeze) rather than through one large young
-        # collection when the collector is back on.
-        gc.disable()
+        # No cyclic collection while a conversion runs: importing its library (torch) alone triggered several full
+        # collections (0.3-1.3 s of start-up) that found nothing, and a conversion makes few cycles (verify builds
+        # transformers models layer after layer: it keeps the collector). After it, what it allocated goes to the
+        # oldest generation (freeze, unfreeze) rather than through one large young collection when it is back on.
+        if args.command in _CONVERSIONS:
+            gc.disable()
         try:
             result = run(args)
         finally:
