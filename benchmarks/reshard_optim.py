@@ -39,8 +39,9 @@ ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maxim
          "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
 
 
-def make_training_tag(tag: Path, schedule: str = "cosine") -> int:
-    """Turn converted shards into an nxdtrain-like tag; return the optimizer bytes written."""
+def make_training_tag(tag: Path, schedule: str = "cosine", tp: int = 8) -> int:
+    """Turn converted shards into an nxdtrain-like tag; return the optimizer bytes written. fp32 weights get no
+    separate masters (nxdtrain keeps masters only for a bf16 run)."""
     (tag / "optim").mkdir()
     total = 0
     for shard in sorted((tag / "model").iterdir()):
@@ -56,13 +57,15 @@ def make_training_tag(tag: Path, schedule: str = "cosine") -> int:
             flat[state_key(name, "step")] = torch.tensor(100.0)
             flat[state_key(name, "exp_avg")] = w * 1e-3
             flat[state_key(name, "exp_avg_sq")] = w * w * 1e-6
-            flat[state_key(name, MASTER)] = w
-            total += 3 * w.numel() * 4
+            masters = weights[name].dtype != torch.float32
+            if masters:
+                flat[state_key(name, MASTER)] = w
+            total += (2 + masters) * w.numel() * 4
         torch.save(flat, tag / "optim" / shard.name)
         del weights, flat
     torch.save({"step": 100, "schedule": schedule, "lr": 1e-4, "min_lr": 1e-5, "warmup": 10, "decay_steps": 1000},
                tag / SCHEDULER_FILE)
-    torch.save({"step": 100, "consumed_samples": 400, "rng": [], "options": {"tp": 8, "pp": 1}}, tag / USER_CONTENT_FILE)
+    torch.save({"step": 100, "consumed_samples": 400, "rng": [], "options": {"tp": tp, "pp": 1}}, tag / USER_CONTENT_FILE)
     meta = read_metadata(tag)
     assert meta is not None
     extra = [p for p in sorted((tag / "optim").iterdir())] + [tag / SCHEDULER_FILE, tag / USER_CONTENT_FILE]
@@ -101,6 +104,18 @@ def peak(argv: list[str]) -> tuple[float, int]:
     if done.returncode != 0:
         raise SystemExit(f"{argv}: exit status {done.returncode}: {done.stderr[-2000:]}")
     return time.monotonic() - started, int(done.stderr.strip().splitlines()[-1]) * 1024
+
+
+def build_tag(work: Path, shape: str, layers: int, vocab: int, tp: int = 8, dtype: str = "keep",
+              schedule: str = "cosine") -> Path:
+    """``work/tag``: a training tag of ``shape``'s layer shapes (weights in ``dtype``) at tp ``tp``."""
+    write_model(work / "hf", shape, layers, vocab=vocab)
+    tag = work / "tag"
+    to_nxd(work / "hf", tag, tp=tp, attention="qkv_linear", fuse_qkv=True, dtype=dtype,
+           options=RunOptions(quiet=True, part=(0, 1)))
+    shutil.rmtree(work / "hf")
+    make_training_tag(tag, schedule, tp)
+    return tag
 
 
 def main() -> None:

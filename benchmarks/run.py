@@ -13,6 +13,11 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --only-8b [--repeat N]                      # the 8B rows alone (make bench-8b)
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
     python benchmarks/run.py --moe [--layers L] [--repeat N]   # Mixtral-8x7B shapes: to-nxd and reshard across ep
+    python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
+
+The training-state rows (reshard in both optimizer formats, to-dcp, from-dcp of a 6.85 GB training tag; marginal
+ratios to cp, start-up, CPU s/GB, peak RSS; ``--before DIR``: the same commands from an older tree, in the same run)
+are described in ``benchmarks/training_rows.py``; a full run ends with them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe import moe_rows  # noqa: E402
 from synth import write_model  # noqa: E402
+from training_rows import training_rows  # noqa: E402
 
 OUT = Path("bench-out")
 CKPTCONV = [sys.executable, "-m", "ckptconv.cli"]
@@ -228,12 +234,20 @@ def main() -> None:
     parser.add_argument("--dcp", action="store_true", help="only to-dcp / from-dcp of the 70B shapes (4 layers)")
     parser.add_argument("--only-8b", action="store_true", help="only the 8B rows, each run --repeat times")
     parser.add_argument("--moe", action="store_true", help="only the Mixtral-8x7B-shaped rows (--layers layers)")
+    parser.add_argument("--training", action="store_true", help="only the training-state rows (6.85 GB tag)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="training-state rows: also run each command from this older source tree")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     if args.moe:
         moe, notes = moe_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
         print(text := table(moe, []) + "\n\n" + "\n".join(notes))
         (OUT / "moe.md").write_text(text + "\n")
+        return
+    if args.training:
+        text = training_rows(OUT, args.repeat, args.before)
+        print(f"\n{text}")
+        (OUT / "training.md").write_text(text)
         return
     if args.only_8b:
         started = time.perf_counter()
@@ -283,7 +297,7 @@ def main() -> None:
             shutil.rmtree(src)
     shutil.rmtree(l70)
 
-    text = table(rows, rss_rows)
+    text = table(rows, rss_rows) + "\n\n" + training_rows(OUT, args.repeat, args.before)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
     print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
           f"total {time.perf_counter() - started:.0f} s")

@@ -52,6 +52,34 @@ def test_ckptconv_answers_without_torch(tmp_path, argv, status):
     assert result == {"status": status, "loaded": []}
 
 
+@pytest.mark.parametrize("argv,missing", [
+    (["to-nxd", "gone", "out", "--tp", "2", "--pp", "1"], "gone: no such file or directory"),
+    (["to-hf", "gone", "out"], "gone: no such directory"),
+    (["reshard", "gone", "out", "--tp", "2"], "gone: no such directory"),
+    (["to-dcp", "gone", "out"], "gone: no such file or directory"),
+    (["from-dcp", "gone", "out", "--to", "nxd", "--tp", "2"], "gone: no such directory"),
+    (["verify", "gone-hf", "gone"], "gone: no such directory"),
+    (["inspect", "gone"], "gone: no such file or directory"),
+])
+def test_missing_source_refused_without_torch(tmp_path, argv, missing):
+    """A conversion of a source that does not exist says so in one line, before torch is imported."""
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(module="ckptconv.cli.main", heavy=HEAVY), *argv],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"status": 1, "loaded": []}
+    assert proc.stderr.strip() == f"ckptconv: error: {missing}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source_hub_id_goes_to_the_library(monkeypatch):
+    """An ``org/name`` that is no local path is a hub id where a command takes one: not refused as missing."""
+    from ckptconv.cli.main import build_parser, check_sources
+
+    monkeypatch.chdir("/")
+    check_sources(build_parser().parse_args(["to-nxd", "meta-llama/Llama-3.1-8B", "out", "--tp", "1"]))
+    with pytest.raises(Exception, match="no-org/x: no such directory"):
+        check_sources(build_parser().parse_args(["to-hf", "no-org/x", "out"]))
+
+
 @pytest.mark.parametrize("argv,status", [
     (["--version"], 0),
     (["--help"], 0),
@@ -70,5 +98,19 @@ def test_nxdtrain_answers_without_torch(tmp_path, argv, status):
 
 def test_the_probe_sees_torch_when_a_command_computes(tmp_path):
     """The check above can fail: a command that reaches the library does import torch."""
-    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "missing"), str(tmp_path / "out"), "--tp", "1"], tmp_path)
+    (tmp_path / "empty").mkdir()  # exists, so the library looks at it (and finds no model)
+    result = probe("ckptconv.cli.main", ["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"], tmp_path)
     assert result["status"] == 1 and "torch" in result["loaded"]
+
+
+def test_cli_gives_the_collector_back(tmp_path, capsys):
+    """The CLI pauses the cyclic collector while a command runs (torch's import triggered full collections that
+    found nothing) and turns it back on after, also when the command fails: main() is called in-process too."""
+    import gc
+
+    from ckptconv.cli.main import main
+
+    (tmp_path / "empty").mkdir()
+    assert gc.isenabled()
+    assert main(["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"]) == 1
+    assert gc.isenabled()

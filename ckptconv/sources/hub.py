@@ -11,10 +11,10 @@ network is allowed (``HF_HUB_OFFLINE`` unset). :func:`push` uploads an export wi
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
+from ckptconv.core.hub_id import is_hub_id
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import SIDE_FILES
 
@@ -23,12 +23,6 @@ from ckptconv.io.hf import SIDE_FILES
 # (pytorch_model*.bin, original/*.pth) are not downloaded.
 DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", *(name for name in SIDE_FILES if not name.endswith(".json")))
 
-# org/name: each part as the Hub allows (letters, digits, '-', '_', '.'), no leading dot.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-def is_hub_id(text: str) -> bool:
-    """True for ``org/name`` as the Hub spells repository ids ("--" and ".." are not allowed)."""
-    return bool(_HUB_ID.match(text)) and "--" not in text and ".." not in text and not text.endswith(".git")
 
 
 def cache_dir() -> str:
