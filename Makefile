@@ -93,7 +93,7 @@ test-titan: setup-titan
 demo: setup
 	$(BIN)/python examples/demo.py demo-out
 
-# conversion throughput against cp, CPU s/GB and peak memory (70B, 8B and Mixtral-8x7B shapes)
+# conversion throughput against cp, CPU s/GB and peak memory (70B, 8B, Mixtral-8x7B shapes, a 6.85 GB training tag)
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
