@@ -210,8 +210,9 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     recorded = resume_state.options.get("precision") if resume_state is not None else None
     config, precision_note = config.with_precision(device, recorded)
     if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and not config.parallel.zero1:
-        raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1: NxD keeps a bf16 run's fp32 "
-                         "masters and moments only in its ZeRO-1 optimizer's files")
+        raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1 (with --shard-params, which "
+                         "replaces --zero1: --optimizer-format nxdtrain): NxD keeps a bf16 run's fp32 masters and "
+                         "moments only in its ZeRO-1 optimizer's files")
     if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and par.ep > 1:
         raise TrainError(f"--optimizer-format nxd with --ep {par.ep} and --precision bf16: NxD's expert-parallel ZeRO-1 "
                          "files hold no fp32 masters, so each save would lose them; use --precision fp32 or "

@@ -145,6 +145,9 @@ def test_refused_before_training(nxd_model: Any, tmp_path: Path) -> None:
         TrainConfig.from_flat({**base, "optimizer_format": "nxdtrain", "nxd_param_groups": "one"})
     with pytest.raises(TrainError, match="with --precision bf16 needs --zero1"):
         prepare(TrainConfig.from_flat({**base, "precision": "bf16"}), world_size=1)
+    with pytest.raises(TrainError, match=r"needs --zero1 \(with --shard-params, which replaces --zero1: "
+                                         r"--optimizer-format nxdtrain\)"):  # the way out when --zero1 is refused
+        prepare(TrainConfig.from_flat({**base, "precision": "bf16", "shard_params": True}), world_size=2)
 
 
 def test_reshard_of_our_tag(nxd_model: Any, tmp_path: Path) -> None:
