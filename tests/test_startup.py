@@ -103,14 +103,32 @@ def test_the_probe_sees_torch_when_a_command_computes(tmp_path):
     assert result["status"] == 1 and "torch" in result["loaded"]
 
 
-def test_cli_gives_the_collector_back(tmp_path, capsys):
-    """The CLI pauses the cyclic collector while a command runs (torch's import triggered full collections that
-    found nothing) and turns it back on after, also when the command fails: main() is called in-process too."""
+def test_cli_pauses_the_collector_for_the_import_only(tmp_path, monkeypatch):
+    """The CLI pauses the cyclic collector while it imports a conversion's library (torch's import triggered full
+    collections that found nothing), not while the conversion runs (cycles it makes must be collected for its memory
+    to stay bounded), and leaves it on after, also when the command fails: main() is called in-process too."""
     import gc
+    import importlib
 
-    from ckptconv.cli.main import main
+    import ckptconv.cli.main as cli
+    from ckptconv.errors import ConversionError
 
+    seen: dict[str, bool] = {}
+    real_import = importlib.import_module
+
+    def spy_import(name, *args):
+        if name == "ckptconv.commands.api":
+            seen.setdefault("import", gc.isenabled())
+        return real_import(name, *args)
+
+    def spy_run(args):
+        seen["run"] = gc.isenabled()
+        raise ConversionError("stopped by the test")
+
+    monkeypatch.setattr(importlib, "import_module", spy_import)
+    monkeypatch.setattr(cli, "run", spy_run)
     (tmp_path / "empty").mkdir()
     assert gc.isenabled()
-    assert main(["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"]) == 1
+    assert cli.main(["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"]) == 1
+    assert seen == {"import": False, "run": True}
     assert gc.isenabled()

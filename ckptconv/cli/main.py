@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import re
 import sys
@@ -417,7 +418,9 @@ _SOURCES = {"to-nxd": [("src", True, "no such file or directory")], "to-hf": [("
             "verify": [("nxd_dir", False, "no such directory"), ("hf_dir", True, "no such file or directory")]}
 
 
-_CONVERSIONS = ("to-nxd", "to-hf", "reshard", "to-dcp", "from-dcp")
+# The library each conversion imports (and with it torch)
+_LIBRARIES = {"to-nxd": "ckptconv.commands.api", "to-hf": "ckptconv.commands.api", "reshard": "ckptconv.commands.api",
+              "to-dcp": "ckptconv.commands.dcp", "from-dcp": "ckptconv.commands.dcp"}
 
 
 def check_sources(args: argparse.Namespace) -> None:
@@ -431,6 +434,23 @@ def check_sources(args: argparse.Namespace) -> None:
         src = getattr(args, attr)
         if not Path(src).exists() and not (hub and is_hub_id(src)):
             raise ConversionError(f"{src}: {missing}")
+
+
+def import_quietly(module: str | None) -> None:
+    """Import ``module`` with the cyclic collector paused: importing torch alone triggered several full collections
+    (0.3-1.3 s of start-up) that found nothing. What the import made is frozen (never cyclic garbage, not traversed
+    again); the collector is back on for the conversion itself, whose memory stays bounded only if cycles are
+    collected."""
+    if module is None:
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        importlib.import_module(module)
+        gc.freeze()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _push(result: Result, args: argparse.Namespace) -> dict[str, Any]:
@@ -482,18 +502,8 @@ def _main(args: argparse.Namespace) -> int:
         if getattr(args, "quiet", False) or getattr(args, "json", False):
             warnings.simplefilter("ignore")
         check_sources(args)
-        # No cyclic collection while a conversion runs: importing its library (torch) alone triggered several full
-        # collections (0.3-1.3 s of start-up) that found nothing, and a conversion makes few cycles (verify builds
-        # transformers models layer after layer: it keeps the collector). After it, what it allocated goes to the
-        # oldest generation (freeze, unfreeze) rather than through one large young collection when it is back on.
-        if args.command in _CONVERSIONS:
-            gc.disable()
-        try:
-            result = run(args)
-        finally:
-            gc.freeze()
-            gc.unfreeze()
-            gc.enable()
+        import_quietly(_LIBRARIES.get(args.command))
+        result = run(args)
     _print(result, getattr(args, "json", False))
     if isinstance(result, dict) and result.get("ok") is False:
         for problem in result["problems"]:
