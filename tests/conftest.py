@@ -136,6 +136,14 @@ def moe_hf(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The TorchTitan tests' tiny Qwen3-MoE (tests/test_titan_moe_names.py's ``make_qwen3_moe``), once per module."""
+    from tests.test_titan_moe_names import make_qwen3_moe
+
+    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"))
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     """``GOLDEN``; a test using it fails (never skips) when the folder is missing."""

@@ -4,7 +4,6 @@ transformers' logits. Runs in ``.venv-titan``; the main lane skips it."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,11 @@ import torch
 
 pytest.importorskip("torchtitan", reason="the TorchTitan lane: make setup-titan test-titan")
 
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
 import ckptconv  # noqa: E402
 from ckptconv.engine.options import RunOptions  # noqa: E402
 from tests.conftest import make_tiny_llama  # noqa: E402
-from tests.titan_shims import generated_config, sdpa_attention  # noqa: E402
+from tests.titan_shims import generated_config, load_generated_block, sdpa_attention  # noqa: E402
 
 QUIET = RunOptions(quiet=True)
 pytestmark = pytest.mark.usefixtures("gloo_world")
@@ -29,18 +27,10 @@ def load_generated(out: Path, tmp: Path) -> torch.nn.Module:
     """The model of OUT's continue_run() (SDPA inner attention: tests/titan_shims.py), loaded by TorchTitan's
     CheckpointManager with OUT's checkpoint block."""
     config = generated_config(out).continue_run()
+    assert config.checkpoint.initial_load_path == str(out.resolve())
     model = sdpa_attention(config.model_spec.model).build()
     model.init_states()
-    block = config.checkpoint
-    assert block.initial_load_path == str(out.resolve())
-    block.folder = tmp.name
-    ck = CheckpointManager(block, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
-                           states={}, sd_adapter=None, base_folder=str(tmp.parent))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert ck.load() is True
-    ck.close()
-    return model.eval()
+    return load_generated_block(model, out, tmp)
 
 
 def hf_logits(hf: Path, tokens: torch.Tensor) -> torch.Tensor:

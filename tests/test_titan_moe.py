@@ -18,7 +18,6 @@ import torch
 
 pytest.importorskip("torchtitan", reason="the TorchTitan lane: make setup-titan test-titan")
 
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
 import ckptconv  # noqa: E402
 from ckptconv.core.model_spec import ModelSpec  # noqa: E402
@@ -29,7 +28,7 @@ from ckptconv.titan.state import ScheduleFlags  # noqa: E402
 from tests.conftest import hf_state, warns_no_tokenizer  # noqa: E402
 from tests.test_titan import manager, train_one_step  # noqa: E402
 from tests.test_titan_moe_names import expected_moe, make_qwen3_moe  # noqa: E402
-from tests.titan_shims import generated_config, sdpa_attention  # noqa: E402
+from tests.titan_shims import generated_config, load_generated_block, sdpa_attention  # noqa: E402
 
 QUIET = RunOptions(quiet=True)
 pytestmark = pytest.mark.usefixtures("gloo_world")
@@ -38,29 +37,11 @@ W = "layers.{}.moe.routed_experts.inner_experts."
 TOLERANCE = 1e-2  # relative to the largest logit: TorchTitan's bf16 expert matmuls (measured below it)
 
 
-@pytest.fixture(scope="module")
-def moe_hf(tmp_path_factory) -> Path:
-    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"))
-
-
 def generated_model(dcp: Path) -> torch.nn.Module:
     """The model of DCP's torchtitan_config.py (SDPA inner attention: tests/titan_shims.py), before any load."""
     model = sdpa_attention(generated_config(dcp).model_config()).build()
     model.init_states()
     return model
-
-
-def load(model: torch.nn.Module, dcp: Path, folder: Path) -> torch.nn.Module:
-    """``model`` loaded from ``dcp`` by TorchTitan's CheckpointManager with the generated checkpoint block."""
-    block = generated_config(dcp).continue_run().checkpoint
-    block.folder = folder.name
-    ck = CheckpointManager(block, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
-                           states={}, sd_adapter=None, base_folder=str(folder.parent))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert ck.load() is True
-    ck.close()
-    return model.eval()
 
 
 def logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -81,7 +62,7 @@ def test_titans_qwen3_moe_loads_the_dcp_and_computes_transformers_logits(tmp_pat
     hf = make_qwen3_moe(tmp_path / "hf", norm_topk_prob=norm_topk_prob)
     result = ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
     assert sum("expert_bias_E" in n and "aux loss" in n for n in result.notes) == 1
-    model = load(generated_model(tmp_path / "dcp"), tmp_path / "dcp", tmp_path / "ck")
+    model = load_generated_block(generated_model(tmp_path / "dcp"), tmp_path / "dcp", tmp_path / "ck")
     state = model.state_dict()
     assert [n for n in range(3) if f"layers.{n}.moe.expert_bias_E" in state] == list(SPARSE)  # layer 1 is dense
     assert "layers.1.feed_forward.w1.weight" in state
@@ -106,12 +87,12 @@ def test_titans_qwen3_moe_loads_the_dcp_and_computes_transformers_logits(tmp_pat
     assert (logits(model, tokens) - reference).abs().max() > 10 * TOLERANCE * scale
 
 
-def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(moe_hf, tmp_path):
+def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(qwen3_moe_hf, tmp_path):
     """TorchTitan trains one step (its AdamW; its full checkpoint), from-dcp makes an nxdtrain tag at tp 2 x ep 2
     (experts split over I, gate/up stride 2, two experts per ep rank), to-dcp writes it back: a fresh TorchTitan
     model and optimizer load it with every expert's moments equal to TorchTitan's own, value for value."""
-    ckptconv.to_dcp(moe_hf, tmp_path / "dcp0", options=QUIET)
-    model = load(generated_model(tmp_path / "dcp0"), tmp_path / "dcp0", tmp_path / "ck0")
+    ckptconv.to_dcp(qwen3_moe_hf, tmp_path / "dcp0", options=QUIET)
+    model = load_generated_block(generated_model(tmp_path / "dcp0"), tmp_path / "dcp0", tmp_path / "ck0")
     ck, optimizers, schedulers = manager(model, tmp_path / "ck", interval=1)
     train_one_step(model, optimizers, schedulers)
     with torch.no_grad():  # TorchTitan's balancing (its trainer's optimizer hook) would have moved the bias
@@ -120,7 +101,7 @@ def test_titans_adamw_state_comes_back_through_an_nxdtrain_tag_onto_its_experts(
         warnings.simplefilter("ignore")
         ck.save(curr_step=1)
     ck.close()
-    config = moe_hf / "config.json"
+    config = qwen3_moe_hf / "config.json"
     with pytest.raises(ConversionError, match=r"'layers.2.moe.expert_bias_E' is not zero \(largest \|expert_bias_E\| "
                                               r"0.001\).*pass --drop-expert-bias"):
         ckptconv.from_dcp(tmp_path / "ck", tmp_path / "tag", to="nxd", tp=2, config=config, options=QUIET)

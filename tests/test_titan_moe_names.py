@@ -46,19 +46,14 @@ def make_qwen3_moe(out: Path, *, norm_topk_prob: bool = True, seed: int = 1, fus
     return out
 
 
-@pytest.fixture(scope="module")
-def moe_hf(tmp_path_factory) -> Path:
-    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"))
-
-
 def titan_shapes(hf: Path) -> dict[str, tuple[int, ...]]:
     return {p.key: p.shape for p in titan_params(ModelSpec.from_file(hf / "config.json"))}
 
 
-def test_the_names_shapes_and_order_are_torchtitans(moe_hf):
+def test_the_names_shapes_and_order_are_torchtitans(qwen3_moe_hf):
     """Written out from TorchTitan 0.3.0's Qwen3Model(...).state_dict() of this config (the TorchTitan lane checks
     the whole list against the live model): a sparse layer's moe block in the slot of feed_forward."""
-    spec = ModelSpec.from_file(moe_hf / "config.json")
+    spec = ModelSpec.from_file(qwen3_moe_hf / "config.json")
     params = {p.key: p.shape for p in titan_params(spec)}
     attention = ["attention.qkv_linear.wq.weight", "attention.qkv_linear.wk.weight", "attention.qkv_linear.wv.weight",
                  "attention.wo.weight", "attention.q_norm.weight", "attention.k_norm.weight"]
@@ -108,33 +103,33 @@ def expected_moe(hf: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("source", ["hf", "hf-fused", "nxd-tp2-ep2", "nxd-ep4-fused-qkv"])
-def test_to_dcp_stacks_each_expert_in_hf_orientation(moe_hf, tmp_path, source):
+def test_to_dcp_stacks_each_expert_in_hf_orientation(qwen3_moe_hf, tmp_path, source):
     if source == "hf":
-        src = moe_hf
+        src = qwen3_moe_hf
     elif source == "hf-fused":
         src = make_qwen3_moe(tmp_path / "fused", fused=True)
     else:
         layout = dict(tp=2, ep=2) if source == "nxd-tp2-ep2" else dict(ep=4, attention="qkv_linear", fuse_qkv=True)
         src = tmp_path / "nxd"
-        ckptconv.to_nxd(moe_hf, src, options=QUIET, **layout)
+        ckptconv.to_nxd(qwen3_moe_hf, src, options=QUIET, **layout)
     result = ckptconv.to_dcp(src, tmp_path / "dcp", options=QUIET)
     notes = [n for n in result.notes if "expert_bias_E" in n]
     assert len(notes) == 1 and "2 sparse layer(s) written as zeros" in notes[0] and "aux loss" in notes[0]
-    loaded = dcp_load(tmp_path / "dcp", titan_shapes(moe_hf))
-    for key, want in expected_moe(moe_hf).items():
+    loaded = dcp_load(tmp_path / "dcp", titan_shapes(qwen3_moe_hf))
+    for key, want in expected_moe(qwen3_moe_hf).items():
         assert torch.equal(loaded[key], want), key
     config = (tmp_path / "dcp" / "torchtitan_config.py").read_text()
     assert "_build_qwen3_moe_layers(" in config and "moe_hidden_dim=24, num_experts=4, top_k=2" in config
     assert "sparse = (0, 2)" in config and "route_norm = True" in config
 
 
-def test_from_dcp_is_bit_exact_to_hf_and_to_nxd_at_tp2_ep2(moe_hf, tmp_path):
-    ckptconv.to_dcp(moe_hf, tmp_path / "dcp", options=QUIET)
+def test_from_dcp_is_bit_exact_to_hf_and_to_nxd_at_tp2_ep2(qwen3_moe_hf, tmp_path):
+    ckptconv.to_dcp(qwen3_moe_hf, tmp_path / "dcp", options=QUIET)
     ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "hf", options=QUIET)
-    before, after = hf_state(moe_hf), hf_state(tmp_path / "hf")
+    before, after = hf_state(qwen3_moe_hf), hf_state(tmp_path / "hf")
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
     ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "nxd", to="nxd", tp=2, ep=2, options=QUIET)
-    ckptconv.to_nxd(moe_hf, tmp_path / "ref", tp=2, ep=2, options=QUIET)
+    ckptconv.to_nxd(qwen3_moe_hf, tmp_path / "ref", tp=2, ep=2, options=QUIET)
     files = sorted(p.name for p in (tmp_path / "ref" / "model").iterdir())
     assert files == sorted(p.name for p in (tmp_path / "nxd" / "model").iterdir()) and len(files) == 4
     for name in files:
@@ -147,34 +142,34 @@ def test_from_dcp_is_bit_exact_to_hf_and_to_nxd_at_tp2_ep2(moe_hf, tmp_path):
     assert all(torch.equal(before[k], again[k]) for k in before)
 
 
-def test_a_trained_expert_bias_is_refused_unless_dropped(moe_hf, tmp_path):
+def test_a_trained_expert_bias_is_refused_unless_dropped(qwen3_moe_hf, tmp_path):
     """TorchTitan's load balancing trains expert_bias_E; HF's Qwen3-MoE has no place for it: from-dcp refuses it in
     one line naming the key, and with --drop-expert-bias writes the weights, saying what it dropped."""
-    ckptconv.to_dcp(moe_hf, tmp_path / "dcp", options=QUIET)
-    state = dcp_load(tmp_path / "dcp", titan_shapes(moe_hf))
+    ckptconv.to_dcp(qwen3_moe_hf, tmp_path / "dcp", options=QUIET)
+    state = dcp_load(tmp_path / "dcp", titan_shapes(qwen3_moe_hf))
     state["layers.2.moe.expert_bias_E"] = torch.tensor([0.0, 0.25, -0.5, 0.0])
     dcp_save(state, tmp_path / "trained")
-    args = ["from-dcp", str(tmp_path / "trained"), str(tmp_path / "hf"), "--config", str(moe_hf / "config.json"),
+    args = ["from-dcp", str(tmp_path / "trained"), str(tmp_path / "hf"), "--config", str(qwen3_moe_hf / "config.json"),
             "--quiet"]
     assert ckptconv_main(args) == 1
     assert not (tmp_path / "hf").exists()
     with pytest.raises(ConversionError, match=r"/trained/.metadata: 'layers.2.moe.expert_bias_E' is not zero \(largest "
                                               r"\|expert_bias_E\| 0.5\): .* pass --drop-expert-bias"):
-        ckptconv.from_dcp(tmp_path / "trained", tmp_path / "hf", config=moe_hf / "config.json", options=QUIET)
-    result = ckptconv.from_dcp(tmp_path / "trained", tmp_path / "hf", config=moe_hf / "config.json",
+        ckptconv.from_dcp(tmp_path / "trained", tmp_path / "hf", config=qwen3_moe_hf / "config.json", options=QUIET)
+    result = ckptconv.from_dcp(tmp_path / "trained", tmp_path / "hf", config=qwen3_moe_hf / "config.json",
                                drop_expert_bias=True, options=QUIET)
     assert any("dropped the trained expert_bias_E (--drop-expert-bias; largest |value| 0.5)" in n for n in result.notes)
-    before, after = hf_state(moe_hf), hf_state(tmp_path / "hf")
+    before, after = hf_state(qwen3_moe_hf), hf_state(tmp_path / "hf")
     assert all(torch.equal(before[k], after[k]) for k in before)
     # a run with TorchTitan's load_balance_coeff None saves no bias at all: nothing to refuse or drop
     dcp_save({k: v for k, v in state.items() if not k.endswith("expert_bias_E")}, tmp_path / "unbalanced")
-    result = ckptconv.from_dcp(tmp_path / "unbalanced", tmp_path / "hf2", config=moe_hf / "config.json", options=QUIET)
+    result = ckptconv.from_dcp(tmp_path / "unbalanced", tmp_path / "hf2", config=qwen3_moe_hf / "config.json", options=QUIET)
     assert any("no expert_bias_E" in n for n in result.notes)
     again = hf_state(tmp_path / "hf2")
     assert all(torch.equal(before[k], again[k]) for k in before)
 
 
-def test_mixtral_is_refused_naming_why(moe_hf, tmp_path, capsys):
+def test_mixtral_is_refused_naming_why(qwen3_moe_hf, tmp_path, capsys):
     import transformers
 
     config = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=E,
@@ -191,7 +186,7 @@ def test_mixtral_is_refused_naming_why(moe_hf, tmp_path, capsys):
             "model upstream (no TorchTitan module would load or train its block_sparse_moe experts); the families it "
             "has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
         assert not (tmp_path / "dcp").exists()
-    ckptconv.to_dcp(moe_hf, tmp_path / "qwen-dcp", options=QUIET)
+    ckptconv.to_dcp(qwen3_moe_hf, tmp_path / "qwen-dcp", options=QUIET)
     # nor back, under its config
     with pytest.raises(ConversionError, match=r"TorchTitan 0.3.0 has no model for Mixtral"):
         ckptconv.from_dcp(tmp_path / "qwen-dcp", tmp_path / "back", config=tmp_path / "hf" / "config.json",

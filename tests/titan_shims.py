@@ -8,8 +8,8 @@
 * ``rows_tokenizer()`` / ``rows_dataloader(batches)``: the trainer's tokenizer and data loader for rows of token ids
   (nxdtrain's own batches), so ``Trainer.train()`` trains on exactly what nxdtrain trained on.
 
-And one harness helper: ``generated_config(out)`` imports ``OUT/torchtitan_config.py`` as TorchTitan's ``--module``
-would.
+And two harness helpers: ``generated_config(out)`` imports ``OUT/torchtitan_config.py`` as TorchTitan's ``--module``
+would; ``load_generated_block(model, out, folder)`` loads a model from OUT with that config's checkpoint block.
 """
 
 from __future__ import annotations
@@ -135,3 +135,22 @@ def generated_config(out: Any) -> Any:
     spec.loader.exec_module(module)
     return module
 
+
+def load_generated_block(model: Any, out: Any, folder: Any) -> Any:
+    """``model`` loaded by TorchTitan's CheckpointManager with the checkpoint block of OUT's generated config
+    (``continue_run()``), its own folder ``folder``; returned in eval mode."""
+    import warnings
+    from pathlib import Path
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    folder = Path(folder)
+    block = generated_config(out).continue_run().checkpoint
+    block.folder = folder.name
+    ck = CheckpointManager(block, dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
+                           states={}, sd_adapter=None, base_folder=str(folder.parent))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ck.load() is True
+    ck.close()
+    return model.eval()
