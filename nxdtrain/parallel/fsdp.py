@@ -110,12 +110,11 @@ class Sharding:
         """The stage and optimizer as a tag writer reads them, with whole per-tp-rank tensors (gathered over the dp
         mesh one tensor at a time; ``keep``: this rank writes them, the others drop each one as it arrives).
         Collective over the world: every rank calls it in the same order."""
-        params = dict(model.named_parameters())
         weights = _full(model.state_dict().items(), keep)
         state = _full(optimizer.state_dict().items(), keep)
-        if self.bf16:  # the sharded parameters are the fp32 masters; the tag holds bf16 weights beside them
-            masters = _full(((state_key(n, MASTER), params[n].detach()) for n in optimizer.names), keep)
-            state.update(masters)
+        if self.bf16:  # the sharded parameters are the fp32 masters, already gathered above as the weights;
+            # the tag holds bf16 weights beside them (only the keeping rank has anything to keep)
+            state.update({state_key(n, MASTER): weights[n] for n in optimizer.names} if keep else {})
             weights = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()}
         return _SavedStage(model, weights), _SavedOptimizer(state)
 
