@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptconv.core import ModelSpec, route_logits
+from ckptconv.training import optimizer_ep_rank
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.experts import EpGroup, by_expert, routed
 from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
@@ -242,7 +243,7 @@ def moe_parts(spec: ModelSpec, mesh: Any, cfg: Any) -> tuple[EpGroup, AuxLoss | 
     coef = float(spec.config.get("router_aux_loss_coef", 0.001))
     aux = AuxLoss(spec.experts, spec.top_k, coef, microbatches=data.gbs // data.mbs,
                   rows=sparse * data.mbs * data.seq_len, inject=mesh.coords.tp == 0)
-    return EpGroup(ep, mesh.coords.dp % ep, groups[0]), aux, groups
+    return EpGroup(ep, optimizer_ep_rank(mesh.coords.dp, ep), groups[0]), aux, groups
 
 
 def expert_zero(model: Any, groups: tuple[Any, Any] | None, zero_group: Any) -> tuple[tuple[str, ...], Any] | None:

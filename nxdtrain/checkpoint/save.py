@@ -28,7 +28,7 @@ from ckptconv.io import (
     write_metadata,
 )
 from ckptconv.io import DEFAULT as DEFAULT_HASH
-from ckptconv.training import OPTIM_DIR, RECORD_KEY, SCHEDULER_FILE, USER_CONTENT_FILE, run_record
+from ckptconv.training import OPTIM_DIR, RECORD_KEY, SCHEDULER_FILE, USER_CONTENT_FILE, optimizer_ep_rank, run_record
 from nxdtrain.checkpoint.resume import ResumeSource
 from nxdtrain.checkpoint.tags import MARKERS, NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune, remove_tag
 from nxdtrain.device import to_host
@@ -92,7 +92,7 @@ class TagWriter:
         # The ranks of one (tp, pp) hold the same shard: the first of its dp x cp replicas writes it, as at cp 1.
         # With experts over ep ranks (dp = dp_exp * ep + ep_rank), the first of each ep rank's replicas writes its
         # file (ep rank > 0: its experts only) and its optimizer state.
-        ep_rank = self.coords.dp % self.layout.ep
+        ep_rank = optimizer_ep_rank(self.coords.dp, self.layout.ep)
         first = self.coords.dp == ep_rank and self.coords.cp == 0
         written: list[Path] = []
         if first:
@@ -100,11 +100,11 @@ class TagWriter:
             name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
             written += save_shard(tag / name, tensors, self.flavour, column_major=column_major)
         if first or self.zero1:
-            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=self.zero_rank if self.zero1 else ep_rank)
+            dp_rank = self.zero_rank if self.zero1 else ep_rank
+            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp_rank)
             state = to_host(optimizer.state_dict())
             if self.layout.ep > 1:  # which ep rank's experts the file holds (ckptconv.training's placement)
-                dp_rank = self.zero_rank if self.zero1 else ep_rank
-                state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=dp_rank % self.layout.ep)
+                state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=optimizer_ep_rank(dp_rank, self.layout.ep))
             written.append(_save_torch(state, path))
         mine = (_file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
