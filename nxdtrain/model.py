@@ -41,7 +41,7 @@ from ckptconv.core import (
     shard_records,
 )
 from nxdtrain.errors import TrainError
-from nxdtrain.moe import AuxLoss, MicroBatch, SparseMLP, check_trainable
+from nxdtrain.moe import AuxLoss, MicroBatch, SparseMLP
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
 from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.layers import (
@@ -277,8 +277,6 @@ class LlamaStage(nn.Module):
         self.cp = cp = cp or CpGroup()
         self.ep = ep = ep or EpGroup()
         self.aux = aux  # MoE families: the router's aux loss (nxdtrain.moe)
-        if spec.experts:
-            check_trainable(spec)
         assert recompute in RECOMPUTE_MODES, recompute
         self.recompute = recompute
         if layout.vpp != 1:

@@ -29,7 +29,6 @@ from torch import nn
 
 from ckptconv.core import ModelSpec, route_logits
 from ckptconv.training import optimizer_ep_rank
-from nxdtrain.errors import TrainError
 from nxdtrain.parallel.experts import EpGroup, by_expert, routed
 from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
 
@@ -202,13 +201,6 @@ class SparseMLP(nn.Module):
         return out
 
 
-def check_trainable(spec: ModelSpec) -> None:
-    """What nxdtrain's MoE block does not compute, refused by the config key."""
-    jitter = spec.config.get("router_jitter_noise") or 0
-    if jitter:
-        raise TrainError(f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)")
-
-
 def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
             optimizer_format: str = "nxdtrain", shards: bool = False, zero1: bool = False) -> str | None:
     """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
@@ -227,6 +219,8 @@ def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
                 "ZeRO-1 optimizer's (NeuronEPZero1Optimizer), the only ones ckptconv writes at ep > 1")
     if ep > 1 and device == "xla":
         return f"--ep {ep} on xla: the all-to-all's splits are data-dependent (a host read per layer); use --ep 1"
+    if jitter := spec.config.get("router_jitter_noise") or 0:  # what nxdtrain's MoE block does not compute
+        return f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)"
     return None
 
 

@@ -202,6 +202,23 @@ def test_what_moe_training_cannot_do_is_refused_before_any_process(moe, name):
         prepare(config, world)
 
 
+def test_router_jitter_is_refused_before_any_process(tmp_path):
+    """config.json's router_jitter_noise (nxdtrain's router has none) is refused by prepare, in one line."""
+    import json
+
+    from nxdtrain.errors import TrainError
+    from nxdtrain.train import prepare
+
+    hf = make_moe(tmp_path / "hf", "mixtral")
+    (hf / "config.json").write_text(json.dumps(json.loads((hf / "config.json").read_text())
+                                               | {"router_jitter_noise": 0.1}))
+    config = TrainConfig.from_flat({**train_options(gbs=4, mbs=1), "resume": str(convert(hf, tmp_path / "nxd")),
+                                    "no_checkpoint": True})
+    with pytest.raises(TrainError, match=r"^config\.json: router_jitter_noise 0\.1: nxdtrain's router has no "
+                                         r"jitter \(0 works\)$"):
+        prepare(config, 2)
+
+
 def test_nxdt_expert_model_parallel_size_is_ep(tmp_path):
     from nxdtrain.cli import build_parser, load_config
 
