@@ -379,9 +379,7 @@ class TrainConfig:
         _choice("--device", self.device, DEVICES)
         _check(_is_int(self.log_every) and self.log_every >= 1, f"--log-every must be an integer >= 1, got {self.log_every!r}")
         if self.device == "xla":
-            why = xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer, cp=self.parallel.context_parallel)
-            _check(why is None, str(why))
-            _check((why := self.parallel.xla_refusal()) is None, str(why))
+            _check((why := self.xla_why()) is None, str(why))
         ckpt = self.checkpoint
         _check(not (self.export_hf and not ckpt.checkpoint_dir),
                "--export-hf needs --checkpoint-dir (the export reads the final checkpoint)")
@@ -392,6 +390,12 @@ class TrainConfig:
             _check(self.optim.schedule == NXD_SCHEDULE,
                    f"--optimizer-format nxd needs --schedule {NXD_SCHEDULE} (the only schedule of NxD's examples "
                    f"whose scheduler.pt can be written), got --schedule {self.optim.schedule}")
+
+    def xla_why(self) -> str | None:
+        """Why this run cannot train on xla, in one line, or None (the config for ``--device xla``, ``prepare`` for
+        ``--device auto`` resolving to xla)."""
+        return (xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer, cp=self.parallel.context_parallel)
+                or self.parallel.xla_refusal())
 
     def with_precision(self, device: str, recorded: str | None) -> tuple[TrainConfig, str]:
         """``--precision auto`` resolved for ``device`` (a resumed checkpoint's ``recorded`` precision first),

@@ -51,7 +51,7 @@ from nxdtrain.data.check import CheckedData, checked_rows
 from nxdtrain.data.epochs import data_parallel
 from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
-from nxdtrain.device import Device, resolve_kind, xla_limits
+from nxdtrain.device import Device, resolve_kind
 from nxdtrain.errors import TrainError
 from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
 from nxdtrain.model import LlamaStage, rank_heads
@@ -151,8 +151,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     ``resolved``: the launcher's ``RunPlan.resolved``: the tag is not resolved and read again."""
     device = resolve_kind(config.device)
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
-        why = xla_limits(pp=config.parallel.pp, optimizer=config.optim.optimizer,
-                         cp=config.parallel.context_parallel) or config.parallel.xla_refusal()
+        why = config.xla_why()
         if why is None and config.nproc and config.nproc > 1:
             why = (f"--nproc {config.nproc} with --device xla: start XLA worlds with torchrun (PJRT ranks come from "
                    "it; see examples/neuron/), or use --device cpu")
@@ -170,7 +169,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     par = config.parallel
     cp = par.context_parallel
     dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
-    if reason := check_degree(shard_params=par.shard_params, hybrid_shard=par.hybrid_shard, dp=dp):
+    if reason := check_degree(hybrid_shard=par.hybrid_shard, dp=dp):
         raise TrainError(reason)
     if par.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
         raise TrainError(reason)

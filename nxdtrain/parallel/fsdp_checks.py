@@ -53,7 +53,7 @@ def shard_degree(*, shard_params: bool, hybrid_shard: int | None, dp: int) -> in
     return dp if shard_params else None
 
 
-def check_degree(*, shard_params: bool, hybrid_shard: int | None, dp: int) -> str | None:
+def check_degree(*, hybrid_shard: int | None, dp: int) -> str | None:
     """Why the sharding degree does not fit ``dp`` data-parallel ranks (one line), or None."""
     if hybrid_shard is None:
         return None
