@@ -26,7 +26,7 @@ import torch
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
-from ckptconv.engine.slabs import build_slabs, slab_band, slab_band_bytes, slab_groups
+from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
@@ -98,6 +98,7 @@ class _Unit:
     rows: int
     band_rows: int
     row_bytes: int  # bytes in memory per row of a band (sources + output)
+    slab_bands: SlabBands | None = None  # a slab unit's pieces split by slab, and scratch sizes (ckptconv.engine.slabs)
 
     @property
     def shared_sources(self) -> bool:
@@ -291,8 +292,11 @@ def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_byt
 def _slab_units(stacked: list[tuple[int, OutTensor]], reader: TensorReader) -> list[_Unit]:
     """Stacked tensors (NxD's experts), or ones read from stacked sources: one slab index per band, of every tensor
     that shares its source matrices (ckptconv.engine.slabs), budgeted at every buffer the band builds."""
-    return [_Unit(group, group[0][1].slabs or 1, 1, slab_band_bytes([t for _, t in group], reader))
-            for group in slab_groups(stacked)]
+    units = []
+    for group in slab_groups(stacked):
+        bands = slab_bands([t for _, t in group], reader)
+        units.append(_Unit(group, group[0][1].slabs or 1, 1, bands.nbytes, bands))
+    return units
 
 
 def _period(tensor: OutTensor) -> int:
@@ -394,7 +398,11 @@ def _write_band(
     progress: Callable[[int], None] | None,
 ) -> None:
     cache: dict[Source, torch.Tensor] = {}
-    slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get) if unit.by_slab else []
+    slabs = []
+    if unit.by_slab:
+        bands = unit.slab_bands
+        split, scratch = (bands.pieces, bands.scratch[start]) if bands is not None else (None, None)
+        slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get, split, scratch)
     for n, (file_index, tensor) in enumerate(unit.tensors):
         if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
             band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]

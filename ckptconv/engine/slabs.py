@@ -14,6 +14,7 @@ the executor's ``--max-memory`` accounting covers it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -39,7 +40,8 @@ def slab_band(tensor: OutTensor, start: int, stop: int, reader: Rows) -> torch.T
     rank reads its own shard this way; the executor uses :func:`build_slabs` in its arena)."""
     if not tensor.slabs:
         return build_slabs([tensor], 0, reader, _empty)[0]
-    return torch.stack([build_slabs([tensor], k, reader, _empty)[0] for k in range(start, stop)])
+    split = [slab_pieces(tensor)]
+    return torch.stack([build_slabs([tensor], k, reader, _empty, split)[0] for k in range(start, stop)])
 
 
 def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int, OutTensor]]]:
@@ -67,46 +69,70 @@ def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int
     return list(groups.values())
 
 
-def slab_band_bytes(tensors: list[OutTensor], reader: Rows) -> int:
-    """The most bytes :func:`build_slabs` takes from its allocator for one slab index of ``tensors``."""
-    most = 0
+@dataclass(frozen=True)
+class SlabBands:
+    """A group's pieces split by slab once (``pieces[t][k]``: slab ``k`` of tensor ``t``), the bytes of each slab
+    index's scratch matrices (:func:`_scratch_bytes`), and the most bytes a band takes (:func:`slab_band_bytes`)."""
+
+    pieces: list[list[list[Piece]]]
+    scratch: list[int]
+    nbytes: int
+
+
+def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
+    """``tensors``' pieces split by slab, and what one slab index of them takes from :func:`build_slabs`'s
+    allocator, at most (the band budget) and in scratch, per index."""
+    split = [slab_pieces(tensor) for tensor in tensors]
+    most, scratch = 0, []
     for k in range(max(tensors[0].slabs, 1)):
-        nbytes = 3 * (_scratch_bytes(tensors, k, reader) + ALIGN)
+        scratch.append(_scratch_bytes(tensors, k, reader, split))
+        nbytes = 3 * (scratch[k] + ALIGN)
         sources: set[tuple[Source, int]] = set()
-        for tensor in tensors:
+        for tensor, pieces in zip(tensors, split, strict=True):
             nbytes += _nbytes(tensor.dtype, _slab_shape(tensor)) + ALIGN
-            for piece in _slab_pieces(tensor, k):
+            for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
                     sources.add((piece.source, piece.slab))
                     dtype, shape, _ = reader.info(piece.source)
                     nbytes += _nbytes(dtype, shape[1:] if piece.slab >= 0 else shape) + ALIGN
         most = max(most, nbytes)
-    return most
+    return SlabBands(split, scratch, most)
 
 
-def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows) -> int:
-    """The largest piece of slab ``k`` of ``tensors``, at the wider of its source's and its tensor's dtype."""
+def slab_band_bytes(tensors: list[OutTensor], reader: Rows) -> int:
+    """The most bytes :func:`build_slabs` takes from its allocator for one slab index of ``tensors``."""
+    return slab_bands(tensors, reader).nbytes
+
+
+def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
+    """The largest piece of slab ``k`` of ``tensors`` (split by slab in ``split``), at the wider of its source's
+    and its tensor's dtype."""
     most = 0
-    for tensor in tensors:
+    for tensor, pieces in zip(tensors, split, strict=True):
         rows, cols = _slab_shape(tensor)
         other = rows if tensor.transposed != (tensor.dim == 1) else cols  # the piece's uncut dim, in HF orientation
-        for piece in _slab_pieces(tensor, k):
+        for piece in pieces[k]:
             size = max(reader.info(piece.source)[0].itemsize, tensor.dtype.itemsize)
             most = max(most, piece.length * other * size)
     return most
 
 
-def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc) -> list[torch.Tensor]:
+def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
+                split: list[list[list[Piece]]] | None = None, scratch_bytes: int | None = None) -> list[torch.Tensor]:
     """Slab ``k`` of each of ``tensors`` (the whole tensor when unstacked), in its stored orientation and dtype, built
-    in place in buffers from ``get``; each source matrix read whole is read once for all of them."""
+    in place in buffers from ``get``; each source matrix read whole is read once for all of them. ``split``: the
+    tensors' pieces split by slab (:func:`slab_pieces`), ``scratch_bytes``: slab ``k``'s scratch size
+    (:class:`SlabBands`), when already known."""
+    if split is None:
+        split = [slab_pieces(tensor) for tensor in tensors]
     cache: dict[tuple[Source, int], torch.Tensor] = {}
-    scratch = _Scratch2(get, tensors, k, reader)
+    scratch = _Scratch2(get, tensors, k, reader, split, scratch_bytes)
     outs = []
-    for tensor in tensors:
+    for tensor, pieces in zip(tensors, split, strict=True):
         out = get(tensor.dtype, _slab_shape(tensor))
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
-        for piece in _slab_pieces(tensor, k):
+        for piece in pieces[k]:
             target = matrix.narrow(tensor.dim, offset, piece.length)
             if _shared(piece, tensor.dim):
                 _copy(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
@@ -127,13 +153,15 @@ class _Scratch2:
     """Three reusable matrices of a band (rows read, a compacted source, a target), for transposes that need
     compact operands; sized by :func:`_scratch_bytes`."""
 
-    def __init__(self, get: Alloc, tensors: list[OutTensor], k: int, reader: Rows) -> None:
-        self.get, self.tensors, self.k, self.reader = get, tensors, k, reader
+    def __init__(self, get: Alloc, tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]],
+                 size: int | None) -> None:
+        self.get, self.tensors, self.k, self.reader, self.split, self.size = get, tensors, k, reader, split, size
         self.buffers: list[torch.Tensor] = []
 
     def _buffer(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if not self.buffers:  # allocated on first use: a band of straight row reads needs none
-            size = _scratch_bytes(self.tensors, self.k, self.reader)
+            size = self.size if self.size is not None else _scratch_bytes(self.tensors, self.k, self.reader,
+                                                                          self.split)
             self.buffers = [self.get(torch.uint8, (size,)) for _ in range(3)]
         return self.buffers[index][:_nbytes(dtype, shape)].view(dtype).view(shape)
 
@@ -175,16 +203,19 @@ def _slab_shape(tensor: OutTensor) -> tuple[int, ...]:
     return tensor.shape[1:] if tensor.slabs else tensor.shape
 
 
-def _slab_pieces(tensor: OutTensor, k: int) -> list[Piece]:
+def slab_pieces(tensor: OutTensor) -> list[list[Piece]]:
+    """The tensor's pieces split by slab, in one pass (a slab's pieces lie within it, in order): ``[k]`` those of
+    slab ``k``; an unstacked tensor is one slab of all its pieces."""
     if not tensor.slabs:
-        return list(tensor.pieces)
+        return [list(tensor.pieces)]
     per = sum(p.length for p in tensor.pieces) // tensor.slabs
-    pieces, offset = [], 0
+    split: list[list[Piece]] = [[] for _ in range(tensor.slabs)]
+    offset = 0
     for piece in tensor.pieces:
-        if offset // per == k:
-            pieces.append(piece)
+        if offset // per < tensor.slabs:
+            split[offset // per].append(piece)
         offset += piece.length
-    return pieces
+    return split
 
 
 def _nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:

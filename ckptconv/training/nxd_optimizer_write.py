@@ -32,7 +32,7 @@ import torch
 from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
-from ckptconv.engine.slabs import slab_band
+from ckptconv.engine.slabs import slab_band, slab_pieces
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
@@ -207,12 +207,7 @@ def _slab_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torc
     if start + count > tensor.slabs:
         window = SlabWindow(tensor.pieces[0].source.file, tensor.key, tensor, start, count)
         return OutTensor(key, dtype, (count, *tensor.shape[1:]), 0, (Piece(window, 0, count),))
-    length = sum(p.length for p in tensor.pieces) // tensor.slabs  # each slab's extent along ``dim``
-    pieces, offset = [], 0
-    for piece in tensor.pieces:  # a slab's pieces lie within it, in order (ckptconv.engine.slabs)
-        if start <= offset // length < start + count:
-            pieces.append(piece)
-        offset += piece.length
+    pieces = [piece for slab in slab_pieces(tensor)[start:start + count] for piece in slab]
     return dataclasses.replace(tensor, key=key, dtype=dtype, shape=(count, *tensor.shape[1:]), pieces=tuple(pieces),
                                slabs=count, column_major=False)
 

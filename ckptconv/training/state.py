@@ -276,49 +276,50 @@ class TagOptimizer:
                            int(first.plain.get("zero_size", 1)), tuple(sorted(self._components, key=_component_order)),
                            tuple(sorted(self._formats)))
 
-    def _wanted(self, ranks: set[tuple[int, ...]] | None, tp: int, pp: int, dp: int) -> bool:
-        """Whether file (tp, pp, dp) may hold state of a shard of ``ranks`` (None: every shard): any file of a
-        (tp, pp) the non-expert state of its ep rank 0 shard, the files of ep rank e's dp ranks its experts'."""
+    def _wanted(self, ranks: set[tuple[int, ...]] | None, tp: int, pp: int, ep: int) -> bool:
+        """Whether file (tp, pp, dp) of ep rank ``ep`` (:func:`optimizer_ep_rank` of its dp) may hold state of a
+        shard of ``ranks`` (None: every shard): any file of a (tp, pp) the non-expert state of its ep rank 0 shard,
+        the files of ep rank e's dp ranks its experts'."""
         if ranks is None:
             return True
-        ep = optimizer_ep_rank(dp, self.layout.ep)
         return any(r == (tp, pp) or r in ((0, tp, pp), (ep, tp, pp)) for r in ranks)
 
-    def _stage(self, tp: int, pp: int, dp: int) -> dict[str, str]:
-        """The parameters whose state the file of (tp, pp, dp) may hold, each with its shard file."""
-        ep = optimizer_ep_rank(dp, self.layout.ep)
+    def _stage(self, tp: int, pp: int, ep: int) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+        """The parameters whose state the file of (tp, pp, dp) of ep rank ``ep`` may hold, each with its shard file,
+        and their shapes."""
+        shapes = self._shapes[(0, tp, pp)]
         where = {name: layout_shard_file(self.layout, ep_rank=0, tp_rank=tp, pp_rank=pp)
-                 for name in self._shapes[(0, tp, pp)] if name not in self._experts}
+                 for name in shapes if name not in self._experts}
         if self._experts:
             shard = layout_shard_file(self.layout, ep_rank=ep, tp_rank=tp, pp_rank=pp)
             where.update({name: shard for name in self._shapes[(ep, tp, pp)] if name in self._experts})
-        return where
+            shapes = {**shapes, **self._shapes[(ep, tp, pp)]}
+        return where, {n: shapes[n] for n in where}
 
     def _open(self, ranks: set[tuple[int, ...]] | None) -> None:
         """Open the files (every dp rank's) that may hold state of these shards, dp rank 0's first."""
         for (tp, pp, dp), path in sorted(self._found.items(), key=lambda item: (item[0][2], item[0][1], item[0][0])):
-            if (tp, pp, dp) in self._opened or not self._wanted(ranks, tp, pp, dp):
+            ep = optimizer_ep_rank(dp, self.layout.ep)
+            if (tp, pp, dp) in self._opened or not self._wanted(ranks, tp, pp, ep):
                 continue
-            stage = self._stage(tp, pp, dp)
-            shapes = self._shapes[(0, tp, pp)] if not self._experts else {
-                **self._shapes[(0, tp, pp)], **self._shapes[(optimizer_ep_rank(dp, self.layout.ep), tp, pp)]}
-            optim = _OptimFile(path, dp, {n: shapes[n] for n in stage}, self._checks, self._io)
+            stage, shapes = self._stage(tp, pp, ep)
+            optim = _OptimFile(path, dp, shapes, self._checks, self._io)
             self._files.append(optim)
             self._opened.add((tp, pp, dp))
             self._formats.add(optim.format)
-            self._check_ep(optim, dp)
+            self._check_ep(optim, dp, ep)
             for key in optim.tensor_keys():
                 name, component = _parse_state_key(key, stage, str(path))
                 self._components.setdefault(component)
                 self._where.setdefault((stage[name], f"{component}{_SEP}{name}"), (optim, key))
 
-    def _check_ep(self, optim: _OptimFile, dp: int) -> None:
-        """A file's own ep record (format 2 at ep > 1) must be the layout's: a tag's files are never misread."""
+    def _check_ep(self, optim: _OptimFile, dp: int, ep_rank: int) -> None:
+        """A file's own ep record (format 2 at ep > 1) must be the layout's (``ep_rank``: :func:`optimizer_ep_rank`
+        of ``dp``): a tag's files are never misread."""
         ep, rank = int(optim.plain.get("ep", 1)), int(optim.plain.get("ep_rank", 0))
-        if (ep, rank) != (self.layout.ep, optimizer_ep_rank(dp, self.layout.ep)):
+        if (ep, rank) != (self.layout.ep, ep_rank):
             raise ConversionError(f"{optim.path}: optimizer state of ep {ep} (ep rank {rank}), but the shards are of "
-                                  f"ep {self.layout.ep} (dp rank {dp}: ep rank "
-                                  f"{optimizer_ep_rank(dp, self.layout.ep)})")
+                                  f"ep {self.layout.ep} (dp rank {dp}: ep rank {ep_rank})")
 
     def widen(self, ranks: Iterable[tuple[int, ...]]) -> None:
         """Open the files of these shards too (a reshard's part: the ranks its files read; as ``only``).

@@ -19,7 +19,6 @@ from ckptconv.core import (
     ParallelLayout,
     all_ep_shard_records,
     layout_shard_file,
-    parse_shard_name,
     plan_reshard,
     stores_lm_head,
 )
@@ -56,8 +55,8 @@ class StageReader:
             by_path = {f.path: f for f in plan.files}
             self.tensors: dict[str, OutTensor] = {t.key: t for path in wanted for t in by_path[path].tensors}
             files = {str(p.source.file) for t in self.tensors.values() for p in t.pieces}
-            # (ep, tp, pp) of an expert-parallel shard's name, else (tp, pp) (legacy names too)
-            read_from = {shard_ranks(Path(f).name) or parse_shard_name(Path(f).name) for f in files}
+            # (ep, tp, pp) of each shard's name (ep 0 for a name without one, legacy names too), None if not a shard
+            read_from = {shard_ranks(Path(f).name) for f in files}
             if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
                 # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank,
                 # and of the files of the ranks this one reads only)
