@@ -146,7 +146,12 @@ def open_device(kind: str, local_rank: int) -> Device:
     import torch
 
     if kind == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:
+            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only at the first collective.
+            raise TrainError(f"local rank {local_rank} has no GPU of its own: this node has {gpus} CUDA device(s) and "
+                             f"NCCL runs one rank per GPU; start at most {gpus} process(es) per node (--nproc {gpus})")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return Device("cuda", device)
     if kind == "xla":

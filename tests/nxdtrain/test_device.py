@@ -109,3 +109,15 @@ def test_log_every_reads_every_step_in_batches(tmp_path, nxd_model):
     for key in ("step", "loss", "grad_norm", "lr", "consumed_samples"):
         assert [r[key] for r in logs[3]] == [r[key] for r in logs[1]], key
     assert logs[1][0]["loss"] != logs[1][3]["loss"]
+
+
+def test_a_second_rank_on_a_one_gpu_node_is_refused_naming_the_count(monkeypatch):
+    """Two local ranks on one GPU would reach NCCL's "Duplicate GPU detected" at the first collective; refused
+    when the rank opens its device, before any CUDA call."""
+    from nxdtrain.device import open_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", _no_spawn)
+    with pytest.raises(TrainError, match=r"local rank 1 has no GPU of its own: this node has 1 CUDA device\(s\).*"
+                                         r"--nproc 1"):
+        open_device("cuda", 1)
