@@ -119,22 +119,58 @@ def _reset_peak() -> None:
         pass
 
 
-class Probe:
-    """Step times and memory of this process; written to ``out/rank<N>.json`` at the end."""
+class HostMemory:
+    """The process's resident memory (/proc/self/status), in KiB."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self.hwm_warmup, self.rss_start = warmup, [], 0, 0
+    def peak(self) -> int:
+        return _status_kib("VmHWM")
+
+    def current(self) -> int:
+        return _status_kib("VmRSS")
+
+    def reset_peak(self) -> None:
+        _reset_peak()
+
+
+class CudaMemory:
+    """The GPU's memory held by torch's allocator for this process, in KiB: on a GPU the activations live there."""
+
+    def peak(self) -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated() // 1024
+
+    def current(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated() // 1024
+
+    def reset_peak(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_of(device: Any) -> HostMemory | CudaMemory:
+    return CudaMemory() if device.type == "cuda" else HostMemory()
+
+
+class Probe:
+    """Step times and memory of this process (the GPU's on cuda); written to ``out/rank<N>.json`` at the end."""
+
+    def __init__(self, warmup: int, memory: HostMemory | CudaMemory) -> None:
+        self.warmup, self.memory, self.times, self.hwm_warmup, self.rss_start = warmup, memory, [], 0, 0
 
     def step(self, index: int, seconds: float) -> None:
         if index < self.warmup:
             if index == self.warmup - 1:
-                self.hwm_warmup, self.rss_start = _status_kib("VmHWM"), _status_kib("VmRSS")
-                _reset_peak()
+                self.hwm_warmup, self.rss_start = self.memory.peak(), self.memory.current()
+                self.memory.reset_peak()
             return
         self.times.append(seconds)
 
     def write(self, out: Path, rank: int, states: dict[str, int] | None = None) -> None:
-        hwm = _status_kib("VmHWM")
+        hwm = self.memory.peak()
         data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start,
                 "states": sum((states or {}).values())}
         (out / f"rank{rank}.json").write_text(json.dumps(data))
@@ -161,7 +197,7 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
     plan = prepare(config, env.world_size)
     _threads(local_world_size())
     device = init_world(env, config.dist_timeout, plan.device)
-    probe = Probe(warmup)
+    probe = Probe(warmup, memory_of(device.torch_device))
     try:
         trainer = Trainer(plan, device)
         for index in range(warmup + steps):
@@ -196,7 +232,7 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
                                      cfg.optim, lr=cfg.optim.lr)
     batches = global_batches(cfg, model.config.vocab_size)
     micro = cfg.data.gbs // cfg.data.mbs
-    probe = Probe(warmup)
+    probe = Probe(warmup, memory_of(device))
     for index, ids in enumerate(batches[:warmup + steps]):
         started = time.perf_counter()
         for chunk in ids.to(device).tensor_split(micro):
@@ -264,11 +300,23 @@ def flops_per_token(shape: Shape) -> float:
     return 6 * matmul + 6 * shape.layers * shape.seq * shape.hidden
 
 
+def shape_of(args: argparse.Namespace) -> Shape:
+    """The model of the main table: --quick's, or the default widened to --hidden (Llama-3's proportions: 64-wide
+    heads, 4 query heads per K/V head, an MLP 3.5x as wide)."""
+    if args.quick:
+        return QUICK
+    if args.hidden is None:
+        return Shape(seq=args.seq, layers=args.layers)
+    heads = args.hidden // 64
+    return Shape(seq=args.seq, layers=args.layers, hidden=args.hidden, heads=heads, kv_heads=max(1, heads // 4),
+                 intermediate=args.hidden * 7 // 2)
+
+
 def run_all(args: argparse.Namespace) -> tuple[list[Result], list[str]]:
     from nxdtrain.cli import PRELOAD
     from nxdtrain.parallel.dist import spawn
 
-    shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
+    shape = shape_of(args)
     root = Path(args.workdir)
     hf = build_model(root, shape) if not args.long_only else root / "hf"
     base = dict(precision=args.precision, data="synthetic", seq_len=shape.seq, gbs=args.gbs, mbs=args.mbs,
@@ -324,7 +372,7 @@ LONG_MARK = Result("--long--", "", 0, 0.0, [], 0.0, 0.0)  # where the long-conte
 def table(results: list[Result], machine: str, args: argparse.Namespace) -> str:
     main_rows = results[:results.index(LONG_MARK)] if LONG_MARK in results else results
     long_rows = results[results.index(LONG_MARK) + 1:] if LONG_MARK in results else []
-    shape = QUICK if args.quick else Shape(seq=args.seq, layers=args.layers)
+    shape = shape_of(args)
     lines = [f"machine: {machine}; {args.warmup} warmup + {args.steps} timed steps, {args.precision}", ""]
     if main_rows:
         lines += [f"model {shape}; gbs {args.gbs}, mbs {args.mbs}", ""] + _rows(main_rows, "transformers", args)
@@ -361,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated checkpointing modes")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="a wider model (a multiple of 64; default 512 with 8 heads): for a GPU")
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per row")

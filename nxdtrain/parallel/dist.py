@@ -170,16 +170,18 @@ def init_world(env: WorldEnv, timeout_s: float, device: str = "auto") -> Any:
                              "PJRT device with distributed support (Neuron, TPU), not XLA:CPU")
         return dev
     timeout = timedelta(seconds=timeout_s)
+    # NCCL told its rank's GPU up front: otherwise it guesses from the global rank and barrier() warns
+    bound: dict[str, Any] = {"device_id": dev.torch_device} if dev.kind == "cuda" else {}
     rendezvous = os.environ.get(RENDEZVOUS_ENV)
     if rendezvous:  # a world spawned here: a file in the launcher's temp dir, no port another process can take
         dist.init_process_group(dev.backend, init_method=f"file://{rendezvous}", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+                                world_size=env.world_size, timeout=timeout, **bound)
     elif env.world_size == 1 and not env.master_port:  # the OS picks the port as the store binds it
         store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-        dist.init_process_group(dev.backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(dev.backend, store=store, rank=0, world_size=1, timeout=timeout, **bound)
     else:
         dist.init_process_group(dev.backend, init_method=f"tcp://{env.master_addr}:{port}", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+                                world_size=env.world_size, timeout=timeout, **bound)
     return dev
 
 

@@ -144,6 +144,9 @@ class _SavedStage:
     def records(self) -> Any:
         return self._model.records()
 
+    def file_records(self) -> Any:  # what a device-resident stage is saved by (checkpoint.save._shard_to_save)
+        return self._model.file_records()
+
 
 class _SavedOptimizer:
     def __init__(self, state: dict[str, Any]) -> None:

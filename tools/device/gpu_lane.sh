@@ -50,7 +50,7 @@ print('straight', [x['loss'] for x in s]); print('resumed ', [x['loss'] for x in
 } 2>&1 | tee "$OUTDIR/cli.log"
 
 timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/train.py --rows tp1 --modes none,selective,full --precision bf16 \
-  --peak-tflops "${PEAK_TFLOPS:-989}" --long-seq 0 --seq 1024 --gbs 16 --mbs 8 --steps 5 --warmup 2 \
+  --peak-tflops "${PEAK_TFLOPS:-989}" --long-seq 0 --hidden 2048 --layers 8 --seq 2048 --gbs 16 --mbs 4 --steps 5 --warmup 2 \
   --workdir "$W/bench" 2>&1 | tee "$OUTDIR/bench.log"
 cp bench-out/train.md "$OUTDIR/" 2>/dev/null
 exit 0
