@@ -8,7 +8,7 @@ JOBS   ?= 2
 
 default: help
 
-.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
+.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan test-gpu demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
 
 # this list: every target with the first line of the comment above it
 help:
@@ -57,6 +57,14 @@ XLA_TESTS := tests/nxdtrain/test_xla.py tests/nxdtrain/test_device.py tests/nxdt
 # the XLA lane: nxdtrain on XLA:CPU
 test-xla: setup-xla
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -n 0 $(XLA_TESTS)
+
+GPU_PYTHON ?= python3
+# the GPU lane: nxdtrain on a CUDA device, NCCL, the machine's own torch (GPU_PYTHON); CI has no GPU
+# tests/nxdtrain/test_cuda.py, which the main lane skips. The main venv's torch is a CPU build, so this runs the
+# machine's CUDA torch with this checkout on PYTHONPATH; tools/device/gpu_lane.sh does the same plus the CLIs end
+# to end and the GPU rows of bench-train, on a machine without a package index.
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -n 0 -rs tests/nxdtrain/test_cuda.py tests/nxdtrain/test_device.py
 
 # The TorchTitan lane: torchtitan from PyPI in its own environment, to check our DCP output against the real
 # thing, its own trainer (torchtitan.train) included. TorchTitan 0.3.0's trainer calls

@@ -31,8 +31,9 @@ ratios to the ``transformers`` row of the same run. Written to ``bench-out/train
 
     python benchmarks/train.py [--quick] [--mbs 4] [--rows tp1,tp2-sp,...] [--modes none,full]
 
-With a CUDA device the same script runs NCCL and bf16 (``--precision bf16``) and reports MFU against
-``--peak-tflops``; that path has not been run (no GPU was available when it was written).
+With a CUDA device the same script runs NCCL and bf16 (``--precision bf16``), measures the GPU's memory
+(``torch.cuda.max_memory_allocated``, reset after the warmup) instead of the process's, and reports MFU against
+``--peak-tflops``; ``--hidden`` widens the model to something a GPU notices (run on an H200: docs/parallelism.md).
 """
 
 from __future__ import annotations
