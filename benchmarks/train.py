@@ -161,12 +161,14 @@ class Probe:
 
     def __init__(self, warmup: int, memory: HostMemory | CudaMemory) -> None:
         self.warmup, self.memory, self.times, self.hwm_warmup, self.rss_start = warmup, memory, [], 0, 0
+        self.profiler: Any = None
 
     def step(self, index: int, seconds: float) -> None:
         if index < self.warmup:
             if index == self.warmup - 1:
                 self.hwm_warmup, self.rss_start = self.memory.peak(), self.memory.current()
                 self.memory.reset_peak()
+                self.profiler = _start_profiler()
             return
         self.times.append(seconds)
 
@@ -175,6 +177,28 @@ class Probe:
         data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start,
                 "states": sum((states or {}).values())}
         (out / f"rank{rank}.json").write_text(json.dumps(data))
+        if self.profiler is not None:
+            self.profiler.stop()
+            on_gpu = isinstance(self.memory, CudaMemory)
+            table = self.profiler.key_averages().table(
+                sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total", row_limit=25, max_name_column_width=60)
+            (out / f"profile-rank{rank}.txt").write_text(table)
+
+
+PROFILE_ENV = "BENCH_TRAIN_PROFILE"  # set by --profile; the forkserver's children inherit it
+
+
+def _start_profiler() -> Any:
+    """torch.profiler over the timed steps (--profile), else None; its overhead is in those steps' times."""
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
 
 
 def _threads(nproc: int) -> None:
@@ -410,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated checkpointing modes")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler over each row's timed steps: the top kernels into the row's out dir "
+                             "(profile-rank<N>.txt; the timings then include the profiler's overhead)")
     parser.add_argument("--hidden", type=int, default=None,
                         help="a wider model (a multiple of 64; default 512 with 8 heads): for a GPU")
     parser.add_argument("--gbs", type=int, default=8)
@@ -421,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one row may take")
     parser.add_argument("--workdir", default=None, help="where the model and conversions go (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.profile:
+        os.environ[PROFILE_ENV] = "1"
     import torch
 
     args.rows = [r for r in args.rows.split(",") if r]
