@@ -26,8 +26,7 @@ def sharding_for(model: nn.Module, config: Any, mesh: Any, device: torch.device)
         return None
     from nxdtrain.parallel.fsdp import shard_stage
 
-    return shard_stage(model, device_type=device.type, tp=mesh.tp, dp=mesh.dp, degree=degree,
-                       bf16=config.precision == "bf16")
+    return shard_stage(model, mesh, device_type=device.type, degree=degree, bf16=config.precision == "bf16")
 
 
 def on_local_rows(plan: GradPlan, sharding: Sharding | None, model: nn.Module) -> GradPlan:
