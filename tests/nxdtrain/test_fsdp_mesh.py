@@ -1,6 +1,7 @@
 """The FSDP2 mesh is built on the run's own process groups: ``--shard-params`` adds no process group (its mesh's
-shard dimension is nxdtrain's dp group), ``--hybrid-shard N`` adds only its replicate and shard groups, laid out as
-NxD's dp order says (dp ranks ``k·N .. k·N + N - 1`` share one copy). Counted on torch's own group registry."""
+shard dimension is nxdtrain's dp group; at dp 1, where nxdtrain keeps none, one group of one rank), ``--hybrid-shard
+N`` adds only its replicate and shard groups, laid out as NxD's dp order says (dp ranks ``k·N .. k·N + N - 1`` share
+one copy). Counted on torch's own group registry."""
 
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ def _mesh_worker() -> None:
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=shard)
         assert total.item() == (rank // 2 * 2) * 2 + 1
+        # tp 4 x dp 1, --shard-params: the run keeps no dp group of one rank; one is made for the mesh, nothing else
+        run = Mesh(tp=4, pp=1, timeout_s=60)
+        assert run.dp_group is None
+        before = _groups()
+        mesh = dp_mesh("cpu", run, 1)
+        assert _groups() - before == {mesh.get_group("shard")} and mesh.mesh.tolist() == [rank]
     finally:
         dist.destroy_process_group()
 
