@@ -263,7 +263,8 @@ def main() -> None:
     shutil.rmtree(nxd70)
     rows += dcp_rows(l70, f"{big} x{layers} layers", args.repeat)
 
-    rows += small_rows(small, 2 if args.quick else 8, repeat=1)
+    # --quick: 3 layers, not 2: the 8B rows delete their model, which at 2 layers is the --quick big model (pp 2: >= 2)
+    rows += small_rows(small, 3 if args.quick else 8, repeat=1)
     rows += moe_rows(OUT, convert, CPU_SECONDS, 1 if args.quick else 2, repeat=1)[0]
 
     rss_rows: list[tuple[str, int]] = []
