@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.measure import du
 from benchmarks.synth import write_model
 from ckptconv.commands.api import RunOptions, to_nxd
 from ckptconv.io.digest import record_files
@@ -75,10 +76,6 @@ def make_training_tag(tag: Path, schedule: str = "cosine", tp: int = 8) -> int:
     return total
 
 
-def tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def nxd_tag(tag: Path, work: Path) -> None:
     """to-dcp of the tag rewritten in NxD's own format (ZeRO-1), against ``cp -r`` of that tag."""
     nxd = work / "nxd-tag"
@@ -90,8 +87,8 @@ def nxd_tag(tag: Path, work: Path) -> None:
     started = time.monotonic()
     subprocess.run(["cp", "-r", str(nxd), str(work / "copy")], check=True)
     cp = time.monotonic() - started
-    print(f"to-dcp of NxD's tag (tp 8, ZeRO-1 bf16 with fp32 masters): {tree_bytes(nxd) / 1e9:.2f} GB in, "
-          f"{tree_bytes(work / 'dcp') / 1e9:.2f} GB out; {wall:.1f} s, cp -r {cp:.1f} s ({wall / cp:.2f}x), "
+    print(f"to-dcp of NxD's tag (tp 8, ZeRO-1 bf16 with fp32 masters): {du(nxd) / 1e9:.2f} GB in, "
+          f"{du(work / 'dcp') / 1e9:.2f} GB out; {wall:.1f} s, cp -r {cp:.1f} s ({wall / cp:.2f}x), "
           f"peak RSS {rss / 2**20:.0f} MiB")
     shutil.rmtree(work)
 

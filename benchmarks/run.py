@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import drop_caches, du, measure  # noqa: E402
 from moe import moe_rows  # noqa: E402
 from synth import write_model  # noqa: E402
 from training_rows import training_rows  # noqa: E402
@@ -69,31 +70,12 @@ class Row:
         return statistics.median(self.ratios)
 
 
-def drop_caches() -> bool:
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds (command + sync) and the child's peak RSS in bytes (its CPU seconds go to CPU_SECONDS)."""
-    drop_caches()
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    subprocess.run(["sync"], check=True)
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"benchmark command failed: {' '.join(argv)}")
-    CPU_SECONDS.append(usage.ru_utime + usage.ru_stime)
-    return seconds, usage.ru_maxrss * 1024
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Wall seconds (command + sync, page cache dropped before) and the child's peak RSS in bytes (its CPU seconds
+    go to CPU_SECONDS)."""
+    run = measure(argv, cold=True)
+    CPU_SECONDS.append(run.cpu)
+    return run.wall, run.rss
 
 
 def cp_time(src: Path) -> float:
@@ -281,7 +263,8 @@ def main() -> None:
     shutil.rmtree(nxd70)
     rows += dcp_rows(l70, f"{big} x{layers} layers", args.repeat)
 
-    rows += small_rows(small, 2 if args.quick else 8, repeat=1)
+    # --quick: 3 layers, not 2: the 8B rows delete their model, which at 2 layers is the --quick big model (pp 2: >= 2)
+    rows += small_rows(small, 3 if args.quick else 8, repeat=1)
     rows += moe_rows(OUT, convert, CPU_SECONDS, 1 if args.quick else 2, repeat=1)[0]
 
     rss_rows: list[tuple[str, int]] = []

@@ -23,9 +23,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from measure import Run, du, measure
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,13 +38,6 @@ COMMANDS = [
     ("to-dcp (weights + AdamW state)", ["to-dcp", "SRC", "OUT"], "tag"),
     ("from-dcp --to nxd --tp 2", ["from-dcp", "SRC", "OUT", "--to", "nxd", "--tp", "2"], "dcp"),
 ]
-
-
-@dataclass
-class Run:
-    wall: float
-    cpu: float  # user + system seconds of the child
-    rss: int    # peak RSS, bytes
 
 
 @dataclass
@@ -70,19 +64,6 @@ class Row:
                 f"{cpu:.2f} ({cp_cpu:.2f}) | {max(r.rss for r in self.runs) / 2**20:.0f} MiB |")
 
 
-def measure(argv: list[str], env: dict[str, str] | None = None) -> Run:
-    """Wall (sync before, command + sync timed), the child's CPU and peak RSS; a failure stops the benchmark."""
-    subprocess.run(["sync"], check=True)
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    subprocess.run(["sync"], check=True)
-    wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"benchmark command failed: {' '.join(argv)}")
-    return Run(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)
-
-
 def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
@@ -106,10 +87,6 @@ def build(out: Path) -> dict[str, Path]:
                            stdout=subprocess.DEVNULL, env=tree_env(REPO))
         paths[f"{name}-tag"], paths[f"{name}-dcp"] = tag, dcp
     return paths
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def training_rows(out: Path, repeat: int, before: Path | None) -> str:

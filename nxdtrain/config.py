@@ -24,6 +24,7 @@ from ckptconv.training import NXDT_SCHEDULES
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.fsdp_checks import flag, sharding_limits, xla_refusal
+from nxdtrain.values import is_int
 
 OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_optimizer_write: nxd)
 NXD_SCHEDULE = NXDT_SCHEDULES[0]  # CosineAnnealing: the schedule NxD's scheduler.pt can hold (nxd_trainer_files.COSINE)
@@ -129,17 +130,17 @@ class ParallelConfig:
                                         "> 1 needs it", group="parallelism")
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
-        _check(_is_int(self.pp) and self.pp >= 1, f"--pp must be an integer >= 1, got {self.pp!r}")
-        _check(_is_int(self.ep) and self.ep >= 1, f"--ep must be an integer >= 1, got {self.ep!r}")
-        _check(_is_int(self.context_parallel) and self.context_parallel >= 1,
+        _check(is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
+        _check(is_int(self.pp) and self.pp >= 1, f"--pp must be an integer >= 1, got {self.pp!r}")
+        _check(is_int(self.ep) and self.ep >= 1, f"--ep must be an integer >= 1, got {self.ep!r}")
+        _check(is_int(self.context_parallel) and self.context_parallel >= 1,
                f"--context-parallel must be an integer >= 1, got {self.context_parallel!r}")
         _check(self.ring_attention or self.context_parallel == 1,
                f"--context-parallel {self.context_parallel} needs ring attention (model.fusions.ring_attention: true), "
                "the only context-parallel attention nxdtrain has; drop --no-ring-attention or use --context-parallel 1")
         _check((why := sharding_limits(shard_params=self.shard_params, hybrid_shard=self.hybrid_shard,
                                        zero1=self.zero1, pp=self.pp, cp=self.context_parallel)) is None, str(why))
-        _check(self.kv_replicator is None or (_is_int(self.kv_replicator) and self.kv_replicator >= 1),
+        _check(self.kv_replicator is None or (is_int(self.kv_replicator) and self.kv_replicator >= 1),
                f"--kv-replicator must be an integer >= 1, got {self.kv_replicator!r}")
         _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
         _choice("--pp-schedule", self.pp_schedule, PP_SCHEDULES)
@@ -216,7 +217,7 @@ class OptimConfig:
                f"{min_lr!r}; drop --min-lr, or use --schedule linear")
         _check(_is_warmup(self.warmup), f"--warmup must be a step count (integer >= 0) or a fraction in (0, 1), "
                                         f"got {self.warmup!r}")
-        _check(self.decay_steps is None or (_is_int(self.decay_steps) and self.decay_steps >= 1),
+        _check(self.decay_steps is None or (is_int(self.decay_steps) and self.decay_steps >= 1),
                f"--decay-steps must be an integer >= 1, got {self.decay_steps!r}")
         _check(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay!r}")
         for name in ("beta1", "beta2"):
@@ -256,14 +257,14 @@ class DataConfig:
     def __post_init__(self) -> None:
         # No silent default: a run without --data used to train on random tokens, which looked like a real run.
         _check(bool(self.data), f"--data is required: {DATA_SPEC}; --data synthetic trains on random tokens")
-        _check(_is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
+        _check(is_int(self.seq_len) and self.seq_len >= 2, f"--seq-len must be an integer >= 2, got {self.seq_len!r}")
         _choice("--long-rows", self.long_rows, LONG_ROWS)
-        _check(_is_int(self.gbs) and self.gbs >= 1, f"--gbs must be an integer >= 1, got {self.gbs!r}")
-        _check(_is_int(self.mbs) and self.mbs >= 1, f"--mbs must be an integer >= 1, got {self.mbs!r}")
+        _check(is_int(self.gbs) and self.gbs >= 1, f"--gbs must be an integer >= 1, got {self.gbs!r}")
+        _check(is_int(self.mbs) and self.mbs >= 1, f"--mbs must be an integer >= 1, got {self.mbs!r}")
         _check(self.gbs % self.mbs == 0, f"--gbs {self.gbs} must be a multiple of --mbs {self.mbs}")
-        _check(_is_int(self.eval_every) and self.eval_every >= 0,
+        _check(is_int(self.eval_every) and self.eval_every >= 0,
                f"--eval-every must be an integer >= 0, got {self.eval_every!r}")
-        _check(self.eval_batches is None or (_is_int(self.eval_batches) and self.eval_batches >= 1),
+        _check(self.eval_batches is None or (is_int(self.eval_batches) and self.eval_batches >= 1),
                f"--eval-batches must be an integer >= 1, got {self.eval_batches!r}")
         _check(not (self.eval_every and not self.eval_data), f"--eval-every {self.eval_every} needs --eval-data PATH")
         _check(not (self.eval_data and not self.eval_every), "--eval-data needs --eval-every N (steps between "
@@ -320,9 +321,9 @@ class CheckpointConfig:
         else:
             _check(self.init is None, f"--init {self.init} is where --resume auto starts; with --resume {self.resume} "
                                       "it would be ignored: drop it, or pass --resume auto")
-        _check(_is_int(self.checkpoint_freq) and self.checkpoint_freq >= 0,
+        _check(is_int(self.checkpoint_freq) and self.checkpoint_freq >= 0,
                f"--checkpoint-freq must be an integer >= 0, got {self.checkpoint_freq!r}")
-        _check(_is_int(self.keep) and self.keep >= 1, f"--keep must be an integer >= 1, got {self.keep!r}")
+        _check(is_int(self.keep) and self.keep >= 1, f"--keep must be an integer >= 1, got {self.keep!r}")
         _check(not (self.no_checkpoint and self.checkpoint_dir),
                f"--no-checkpoint and --checkpoint-dir {self.checkpoint_dir} exclude each other; choose one")
         _choice("--optimizer-format", self.optimizer_format, OPTIMIZER_FORMATS)
@@ -370,14 +371,14 @@ class TrainConfig:
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.steps) and self.steps >= 0, f"--steps must be an integer >= 0, got {self.steps!r}")
+        _check(is_int(self.steps) and self.steps >= 0, f"--steps must be an integer >= 0, got {self.steps!r}")
         _choice("--precision", self.precision, PRECISIONS)
-        _check(self.epochs is None or (_is_int(self.epochs) and self.epochs >= 1),
+        _check(self.epochs is None or (is_int(self.epochs) and self.epochs >= 1),
                f"--epochs must be an integer >= 1, got {self.epochs!r}")
-        _check(self.nproc is None or (_is_int(self.nproc) and self.nproc >= 1), f"--nproc must be >= 1, got {self.nproc!r}")
+        _check(self.nproc is None or (is_int(self.nproc) and self.nproc >= 1), f"--nproc must be >= 1, got {self.nproc!r}")
         _check(self.dist_timeout > 0, f"--dist-timeout must be > 0 seconds, got {self.dist_timeout!r}")
         _choice("--device", self.device, DEVICES)
-        _check(_is_int(self.log_every) and self.log_every >= 1, f"--log-every must be an integer >= 1, got {self.log_every!r}")
+        _check(is_int(self.log_every) and self.log_every >= 1, f"--log-every must be an integer >= 1, got {self.log_every!r}")
         if self.device == "xla":
             _check((why := self.xla_why()) is None, str(why))
         ckpt = self.checkpoint
@@ -527,10 +528,6 @@ def explain(message: str, origins: dict[str, str]) -> str:
         return origins[field_name]
 
     return _FLAG.sub(name, message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_warmup(value: Any) -> bool:

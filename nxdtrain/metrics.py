@@ -1,5 +1,6 @@
 """What rank 0 shows and records per step: a rich progress line (or plain lines when not a
-terminal), ``--log-jsonl`` with one JSON object per step, and ``--tensorboard`` event files."""
+terminal), ``--log-jsonl`` with one JSON object per step, and ``--tensorboard`` event files; a step's results
+stay on the device (:class:`PendingStep`) until :func:`read_metrics` reads them, once per log line."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,30 @@ class StepMetrics:
     param_norm: float = 0.0  # after the update; each distinct element once, as grad_norm
     eval_loss: float | None = None  # on the steps that evaluated --eval-data
     aux_loss: float | None = None   # MoE: the router's load-balancing loss (unscaled; loss stays the cross-entropy)
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """One step's results, still on the device until the next log read."""
+
+    step: int
+    loss: torch.Tensor
+    lr: float
+    grad_norm: torch.Tensor
+    consumed_samples: int
+    param_norm: torch.Tensor
+    eval_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # MoE: the router's load-balancing loss
+
+
+def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: int) -> list[StepMetrics]:
+    """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
+    values = [(float(p.loss), float(p.grad_norm), float(p.param_norm),
+               None if p.eval_loss is None else float(p.eval_loss),
+               None if p.aux_loss is None else float(p.aux_loss)) for p in pending]
+    rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
+    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples, param_norm, eval_loss, aux)
+            for p, (loss, norm, param_norm, eval_loss, aux) in zip(pending, values, strict=True)]
 
 
 # TensorBoard tags of the StepMetrics fields, ours and NxDT's (what its PyTorch Lightning module logs, so the

@@ -53,8 +53,9 @@ from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, resolve_kind
 from nxdtrain.errors import TrainError
-from nxdtrain.metrics import StepLog, StepMetrics, note, require_tensorboard
-from nxdtrain.model import LlamaStage, rank_heads
+from nxdtrain.gradient_groups import grad_plan
+from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
+from nxdtrain.model import LlamaStage
 from nxdtrain.moe import expert_zero, moe_parts, step_aux
 from nxdtrain.moe import refusal as moe_refusal
 from nxdtrain.optim import Optimizer, lr_at
@@ -72,14 +73,11 @@ from nxdtrain.parallel.dist import (
 )
 from nxdtrain.parallel.fsdp_checks import check_degree
 from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, sharding_for, state_bytes
-from nxdtrain.parallel.grads import GradPlan, clip_gradients, global_norm, reduce_gradients
+from nxdtrain.parallel.grads import clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.offload import offloading
 from nxdtrain.parallel.sequence import check_seq_len
 from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
-
-EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
 
 # What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
 # its workers, so that the data is checked once, before the first process, not again on every rank.
@@ -118,30 +116,6 @@ class RunPlan:
     record: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule and data order (nxdtrain.checkpoint.continuity)
     data_checks: DataChecks | None = None  # what the checks of --data and --eval-data found (for the workers)
     resolved: Resolved | None = None       # --resume resolved and its state read (for the workers)
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """One step's results, still on the device until the next log read."""
-
-    step: int
-    loss: torch.Tensor
-    lr: float
-    grad_norm: torch.Tensor
-    consumed_samples: int
-    param_norm: torch.Tensor
-    eval_loss: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None  # MoE: the router's load-balancing loss
-
-
-def read_metrics(pending: list[PendingStep], started: float, tokens_per_step: int) -> list[StepMetrics]:
-    """Host numbers for the steps since the last read (``started``): one wait for the device per read."""
-    values = [(float(p.loss), float(p.grad_norm), float(p.param_norm),
-               None if p.eval_loss is None else float(p.eval_loss),
-               None if p.aux_loss is None else float(p.aux_loss)) for p in pending]
-    rate = tokens_per_step * len(pending) / (time.perf_counter() - started)
-    return [StepMetrics(p.step, loss, p.lr, norm, rate, p.consumed_samples, param_norm, eval_loss, aux)
-            for p, (loss, norm, param_norm, eval_loss, aux) in zip(pending, values, strict=True)]
 
 
 def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
@@ -288,39 +262,6 @@ def open_eval(config: TrainConfig, vocab: int,
     return rows, count, eval_check
 
 
-def grad_plan(model: LlamaStage, mesh: Mesh, plan: RunPlan, experts: tuple[Any, Any] | None = None) -> GradPlan:
-    """Who sums which gradients with whom (see nxdtrain.parallel.grads); collective: every rank calls it."""
-    spec, layout, tp_rank = plan.source.spec, plan.layout, mesh.coords.tp
-    # Gradients are summed over dp x cp: the cp ranks of a replica each hold their chunks' share.
-    out = GradPlan(dp_group=mesh.dpcp_group, mp_group=mesh.mp_group)
-    names = {id(p): n for n, p in model.named_parameters()}
-    if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
-        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
-    elif model.tp_partial() and mesh.tp_group is not None:  # per-head q/k norms saw only this rank's heads
-        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_partial())
-    if tp_rank != 0:
-        out.uncounted.update({name: [] for name in model.tp_replicated()})
-    # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).
-    replicas: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(layout.tp):
-        replicas.setdefault(rank_heads(spec, layout, rank).kv, []).append(rank)
-    partition = list(replicas.values())
-    if any(len(part) > 1 for part in partition):
-        out.kv_group = mesh.tp_subgroups(partition)
-        out.kv_rows = [(names[id(p)], rows) for attn in model.attention_layers() for p, rows in attn.kv_rows()]
-        if next(part for part in partition if tp_rank in part)[0] != tp_rank:
-            for name, rows in out.kv_rows:
-                out.uncounted.setdefault(name, []).append(rows)
-    if experts is not None:  # MoE: each ep rank's experts are summed over the ranks holding the same ones
-        out.expert_names, (out.ep_group, out.edp_group) = tuple(model.expert_params()), experts
-    if spec.tied:
-        out.tied_group = mesh.first_last_stage_group()
-        out.tied_names = tuple(n for n in (EMBED, LM_HEAD) if n in names.values())
-        if LM_HEAD in out.tied_names:
-            out.uncounted[LM_HEAD] = []
-    return out
-
-
 class Trainer:
     """One rank's model stage, optimizer, pipeline and data; :meth:`run` trains to ``--steps``."""
 
@@ -369,7 +310,8 @@ class Trainer:
         finally:
             if stage is not None:
                 stage.close()
-        self.grad_plan = on_local_rows(grad_plan(self.model, mesh, plan, self.experts), self.sharding, self.model)
+        self.grad_plan = on_local_rows(grad_plan(self.model, mesh, source.spec, plan.layout, self.experts),
+                                       self.sharding, self.model)
         self.state_bytes: dict[str, int] | None = None  # model states on this rank (measured in the first step)
         from nxdtrain.parallel.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
@@ -393,17 +335,22 @@ class Trainer:
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
-            note(device.describe())
-            note(plan.precision_note)
-            if (notice := synthetic_notice(cfg)) is not None:
-                note(notice)
-            note(f"resume: {source.case}")
-            for line in (*plan.resume_notes, *self.optimizer_notes, *memory_notes(self.sharding, cfg, mesh.dp,
-                                                                                   self.device)):
-                note(line)
-            note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
-                 f"{data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
-                 f"(warmup {cfg.optim.warmup:g} steps)")
+            self._announce()
+
+    def _announce(self) -> None:
+        """What rank 0 says before the first step: device, precision, data, resume, layout and where it starts."""
+        cfg, plan, mesh = self.cfg, self.plan, self.mesh
+        note(self.dev.describe())
+        note(plan.precision_note)
+        if (notice := synthetic_notice(cfg)) is not None:
+            note(notice)
+        note(f"resume: {plan.source.case}")
+        for line in (*plan.resume_notes, *self.optimizer_notes, *memory_notes(self.sharding, cfg, mesh.dp,
+                                                                               self.device)):
+            note(line)
+        note(f"{mesh.describe()}; layout {plan.layout.to_json()}; {plan.microbatches} microbatch(es) of "
+             f"{cfg.data.mbs} per dp rank; starting at step {self.step} of {cfg.steps} "
+             f"(warmup {cfg.optim.warmup:g} steps)")
 
     def _restore(self, stage: StageReader) -> None:
         """Optimizer state, fp32 masters, step, data position and RNG of a full checkpoint."""

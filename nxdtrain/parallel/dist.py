@@ -320,6 +320,21 @@ class Mesh:
                       for p in range(self.pp) for e in range(ep) for t in range(self.tp)]
         return self._mine(ep_groups), self._mine(edp_groups)
 
+    def shard_groups(self, degree: int) -> tuple[list[list[int]], list[Any]]:
+        """The FSDP mesh over this rank's dp ranks sharded in groups of ``degree`` (--shard-params: dp; --hybrid-shard
+        N): its global ranks (one row a shard group, NxD's dp order) and its process groups, outermost first. At
+        degree = dp: the run's own dp group (at dp 1, where the run keeps none, a one-rank group made here); else
+        the (replicate, shard) groups, made here: dp ranks ``k·N .. k·N + N - 1`` shard one copy, the ranks at the
+        same place in each copy replicate. Collective (pp and cp are 1: refused with sharding, fsdp_checks)."""
+        everyone = group_ranks("dp", tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp)
+        mine = next(ranks for ranks in everyone if self.rank in ranks)
+        rows = [mine[k:k + degree] for k in range(0, self.dp, degree)]
+        if degree == self.dp:
+            return rows, [self.dp_group if self.dp_group is not None else self._mine(everyone, keep_single=True)]
+        shard = [ranks[k:k + degree] for ranks in everyone for k in range(0, self.dp, degree)]
+        replicate = [ranks[j::degree] for ranks in everyone for j in range(degree)]
+        return rows, [self._mine(replicate), self._mine(shard)]
+
     def first_last_stage_group(self) -> Any:
         """The first and last pipeline ranks of each (tp, dp): where a tied embedding lives twice."""
         sizes = {"tp": self.tp, "dp": self.dp, "cp": self.cp}

@@ -2,8 +2,8 @@
 ``--hybrid-shard N``).
 
 Each tp rank's stage (its NxD-named slices, as without sharding) is wrapped by ``fully_shard`` over a
-``DeviceMesh`` of its data-parallel ranks: one unit per decoder layer and the root (embedding, final norm,
-lm_head). With ``--hybrid-shard N`` the mesh is 2-D, (dp / N replicas, N shards): dp ranks ``k·N .. k·N + N - 1``
+``DeviceMesh`` of its data-parallel ranks (on the run's own dp group): one unit per decoder layer and the root
+(embedding, final norm, lm_head). With ``--hybrid-shard N`` the mesh is 2-D, (dp / N replicas, N shards): dp ranks ``k·N .. k·N + N - 1``
 share one copy. Every parameter is then a DTensor whose local part is this rank's rows (dim 0, ``torch.chunk``
 order); FSDP all-gathers a unit's parameters for its forward and backward and reduce-scatters its gradients
 (summed, not averaged: nxdtrain's loss is already divided by the global token count; all-reduced over the
@@ -24,16 +24,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ckptconv.training import MASTER, state_key
 from nxdtrain.parallel.grads import GradPlan, Rows
+
+if TYPE_CHECKING:
+    from nxdtrain.parallel.dist import Mesh
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -41,13 +44,14 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def dp_mesh(device_type: str, *, tp: int, dp: int, degree: int) -> DeviceMesh:
+def dp_mesh(device_type: str, mesh: Mesh, degree: int) -> DeviceMesh:
     """This rank's data-parallel mesh: 1-D over its dp group, or 2-D (replicate, shard) with ``degree`` < dp.
-    NxD's rank order (tp fastest, then dp; pp and cp are 1 here) is the row-major order of (dp, tp). Collective."""
-    if degree == dp:
-        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("shard", "tp"))["shard"]
-    full = init_device_mesh(device_type, (dp // degree, degree, tp), mesh_dim_names=("replicate", "shard", "tp"))
-    return full["replicate", "shard"]
+    Built on ``mesh``'s own process groups (:meth:`Mesh.shard_groups`): ``init_device_mesh`` would create a
+    second dp group and a tp group beside the run's (more communicators; on GPU, more NCCL buffers). Collective."""
+    rows, groups = mesh.shard_groups(degree)
+    if len(groups) == 1:
+        return DeviceMesh.from_group(groups[0], device_type, mesh_dim_names=("shard",))
+    return DeviceMesh.from_group(groups, device_type, torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
 
 
 @dataclasses.dataclass
@@ -156,19 +160,19 @@ class _SavedOptimizer:
         return self._state
 
 
-def shard_stage(model: nn.Module, *, device_type: str, tp: int, dp: int, degree: int, bf16: bool) -> Sharding:
-    """Wrap ``model`` (a :class:`nxdtrain.model.LlamaStage`, loaded) with ``fully_shard``: each decoder layer, then
-    the root. Collective (the mesh's groups)."""
-    mesh = dp_mesh(device_type, tp=tp, dp=dp, degree=degree)
+def shard_stage(model: nn.Module, mesh: Mesh, *, device_type: str, degree: int, bf16: bool) -> Sharding:
+    """Wrap ``model`` (a :class:`nxdtrain.model.LlamaStage`, loaded) with ``fully_shard`` over ``mesh``'s dp ranks
+    (:func:`dp_mesh`): each decoder layer, then the root. Collective (at hybrid sharding, the groups it makes)."""
+    device_mesh = dp_mesh(device_type, mesh, degree)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     layers = model.model.layers  # type: ignore[union-attr]
     for layer in layers.values():  # type: ignore[operator]
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=device_mesh, mp_policy=policy)
+    fully_shard(model, mesh=device_mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # per unit: the setting is not inherited
             module.set_gradient_divide_factor(1.0)  # a sum: the loss is divided by the global token count already
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     assert all(isinstance(p, DTensor) and p.placements[-1] == Shard(0) for p in model.parameters())
-    return Sharding(mesh, degree, bf16)
+    return Sharding(device_mesh, degree, bf16)

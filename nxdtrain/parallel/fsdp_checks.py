@@ -10,6 +10,8 @@ Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config` and `
 
 from __future__ import annotations
 
+from nxdtrain.values import is_int
+
 # Why XLA is refused, in one place (config for --device xla, prepare for --device auto resolving to xla).
 XLA_WHY = ("torch's FSDP2 (fully_shard) keeps parameters as DTensors and overlaps their all-gathers and "
            "reduce-scatters on CUDA streams; torch-xla runs neither (it has its own XLA FSDP, which nxdtrain does "
@@ -30,8 +32,7 @@ def sharding_limits(*, shard_params: bool, hybrid_shard: int | None, zero1: bool
     if shard_params and hybrid_shard is not None:
         return (f"--shard-params and --hybrid-shard {hybrid_shard} exclude each other: --shard-params shards over "
                 "all dp ranks, --hybrid-shard N over groups of N; give one")
-    if hybrid_shard is not None and (not isinstance(hybrid_shard, int) or isinstance(hybrid_shard, bool)
-                                     or hybrid_shard < 2):
+    if hybrid_shard is not None and (not is_int(hybrid_shard) or hybrid_shard < 2):
         return f"--hybrid-shard must be an integer >= 2 (ranks per sharding group), got {hybrid_shard!r}"
     if zero1:
         return (f"{given} with --zero1: the optimizer state is sharded already (with the parameters and gradients); "

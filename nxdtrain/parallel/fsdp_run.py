@@ -26,12 +26,11 @@ def sharding_for(model: nn.Module, config: Any, mesh: Any, device: torch.device)
         return None
     from nxdtrain.parallel.fsdp import shard_stage
 
-    return shard_stage(model, device_type=device.type, tp=mesh.tp, dp=mesh.dp, degree=degree,
-                       bf16=config.precision == "bf16")
+    return shard_stage(model, mesh, device_type=device.type, degree=degree, bf16=config.precision == "bf16")
 
 
 def on_local_rows(plan: GradPlan, sharding: Sharding | None, model: nn.Module) -> GradPlan:
-    """``plan`` (:func:`nxdtrain.train.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
+    """``plan`` (:func:`nxdtrain.gradient_groups.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
     return plan if sharding is None else sharding.local_plan(plan, dict(model.named_parameters()))
 
 

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["config", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model", "optim",
-           "preflight", "rope", "parallel.tp_group", "parallel.fsdp_checks"]
+           "preflight", "rope", "parallel.tp_group", "parallel.fsdp_checks", "values"]
 
 
 @pytest.mark.parametrize("name", MODULES)
