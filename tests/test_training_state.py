@@ -23,8 +23,8 @@ from ckptconv.sources.nxd import open_nxd
 from ckptconv.training.state import (
     FORMAT,
     TagOptimizer,
-    component_source,
     TagReader,
+    component_source,
     neutral_from_format1,
     plan_optimizer_files,
     stage_groups,
