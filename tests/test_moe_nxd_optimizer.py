@@ -259,3 +259,23 @@ def test_xser_split_ep_files_read_back(moe_hf, tmp_path: Path):
     before, after = all_state(src), all_state(tmp_path / "back")
     assert {k for k in before if not k[1].endswith(".master")} == set(after)
     assert all(torch.equal(before[k], after[k]) for k in after)
+
+
+def test_param_group_fields_nxd_lacks_are_left_out_and_named_at_ep2_as_at_ep1(moe_hf, tmp_path: Path):
+    """A source param-group field NxD 2.28's AdamW has not is left out of NxD's files at ep > 1 as at ep 1, and both
+    say so (the expert-parallel writer once dropped the note)."""
+    src = _nxd_schedule(write_tag(moe_hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    for path in (src / "optim").iterdir():
+        state = torch.load(path, weights_only=True)
+        state["param_groups"] = [{**g, "nesterov": False} for g in state["param_groups"]]
+        torch.save(state, path)
+    notes = {}
+    for ep in (1, 2):
+        out = tmp_path / f"nxd-ep{ep}"
+        result = ckptconv.reshard(src, out, ep=ep, tp=1, dp=2, zero1=True, optimizer_format="nxd", drop_masters=True,
+                                  options=UNCHECKED)
+        notes[ep] = [n for n in result.notes if n.startswith("param-group fields")]
+        for path in (out / "optim").iterdir():
+            groups = torch.load(path, weights_only=True)["param_groups"]
+            assert groups and all("nesterov" not in g and "lr" in g for g in groups), path
+    assert notes[1] == notes[2] == ["param-group fields NxD 2.28's AdamW has not, not written: nesterov"]

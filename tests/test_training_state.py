@@ -14,7 +14,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ckptconv.commands.api import RunOptions, reshard, to_nxd
 from ckptconv.core.layout import Attention, ParallelLayout, parse_shard_name
-from ckptconv.core.plan import Plan, plan_reshard, plan_to_hf
+from ckptconv.core.plan import Plan, Source, plan_reshard, plan_to_hf
 from ckptconv.engine.execute import ExecOptions, read_tensor, run_plan
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.nxd_read import load_shard
@@ -24,6 +24,7 @@ from ckptconv.training.state import (
     FORMAT,
     TagOptimizer,
     TagReader,
+    component_source,
     neutral_from_format1,
     plan_optimizer_files,
     stage_groups,
@@ -220,6 +221,34 @@ def test_moments_by_hf_name(source):
             for component, want in _moments(weight).items():
                 assert torch.equal(moments[component], want), (tensor.key, component)
         optim.close()
+
+
+def test_optimizer_sources_report_where_their_bytes_lie(source):
+    """The executor reads each file front to back by these positions (so checked reads hash what it reads, not the
+    file a second time): every moment's position is where torch's own file holds its storage's bytes."""
+    opened = open_nxd(source)
+    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    found = 0
+    with ckpt:
+        optim = TagOptimizer(source, spec, layout, with_inv_freq=with_inv_freq)
+        reader = TagReader(ckpt, optim)
+        for shard in sorted((source / "model").iterdir()):
+            data = (source / "optim" / shard.name).read_bytes()
+            saved = torch.load(source / "optim" / shard.name, weights_only=True)
+            weights = Source(f"model/{shard.name}", "")
+            for key in load_shard(shard):
+                for component in ("exp_avg", "exp_avg_sq"):
+                    tensor = saved[state_key(key, component)]
+                    storage = bytes(tensor.untyped_storage())
+                    if len(storage) < 64:  # too short to be found in the file unambiguously
+                        continue
+                    start = data.find(storage)
+                    assert start > 0 and data.find(storage, start + 1) < 0, key
+                    want = start + tensor.storage_offset() * tensor.element_size()
+                    assert reader.position(component_source(Source(weights.file, key), component)) == want, key
+                    found += 1
+        optim.close()
+    assert found > 10
 
 
 def test_moments_of_a_padded_vocabulary(tmp_path):

@@ -12,13 +12,8 @@ with the expert one's merged in at offsets, and no ``sharded_master_weights``. O
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor
 from ckptconv.errors import ConversionError
@@ -27,14 +22,15 @@ from ckptconv.training.nxd_optimizer_write import (
     NxdOptimizerPlan,
     group_hyper,
     index_order,
+    note_unwritten,
+    numbered_groups,
     nxd_groups,
-    nxd_param_group,
-    optimizer_dtype,
-    row_chunk,
     tensor_at,
+    unwritten_fields,
+    zero1_entry,
 )
 from ckptconv.training.nxd_tag_optimizer import STEP
-from ckptconv.training.optim_placement import check_zero1_ep, optimizer_ep_rank, optimizer_file, shard_ranks
+from ckptconv.training.optim_placement import check_zero1_ep, ep_stages, optimizer_ep_rank, optimizer_file
 from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
 
 
@@ -61,12 +57,7 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
     rank; an ep rank > 0's shard holds its experts only). ``lr`` as for
     :func:`ckptconv.training.nxd_optimizer_write.plan_nxd_optimizer_files`. The source's masters cannot be
     carried (NxD's EP files hold none): refused unless ``drop_masters``."""
-    stages: dict[tuple[int, int], dict[int, OutFile]] = {}
-    for shard in shards:
-        ranks = shard_ranks(Path(shard.path).name)
-        assert ranks is not None, shard.path
-        stages.setdefault(ranks[1:], {})[ranks[0]] = shard
-    ep = 1 + max(e for stage in stages.values() for e in stage)
+    stages, ep = ep_stages(shards)
     if not zero1:
         raise ConversionError(f"--optimizer-format nxd at ep {ep} without ZeRO-1: NxD's per-ep-rank AdamW files "
                               "(optim/dp_rank_00_ep_rank_EE_...) are not written; pass --zero1")
@@ -75,12 +66,16 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
     names_of: dict[str, list[str]] = {}
     dtypes: set[str] = set()
     masters: list[str] = []
+    unwritten: set[str] = set()
     for (tp, pp), by_ep in sorted(stages.items()):
         experts = {t.key for e, shard in by_ep.items() if e > 0 for t in shard.tensors}
         ordered = index_order(by_ep[0], "one")  # the shard's parameters in live order (inv_freq left out)
         dense = _Part(by_ep[0], [n for n in ordered if n not in experts], rule, optim, dp)
         parts = [_Part(by_ep[e], [n for n in ordered if n in experts], rule, optim, dp // ep) for e in range(ep)]
-        groups = _param_groups(dense, parts, optim, rule, lr)
+        hypers = _hypers(dense, parts[0], optim, rule)
+        unwritten |= unwritten_fields(hypers)
+        groups = [*numbered_groups(hypers, dense.groups, zero1=True, lr=lr),
+                  *numbered_groups(hypers, parts[0].groups, zero1=True, lr=lr)]
         names_of[by_ep[0].path] = dense.order + parts[0].order
         for e in range(1, ep):
             names_of[by_ep[e].path] = parts[e].order
@@ -96,28 +91,19 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
     if masters:
         notes.append("--drop-masters: the source's master weights are not written (NxD's expert-parallel ZeRO-1 "
                      "files hold none; NxD's resume takes them from the weights)")
+    note_unwritten(unwritten, notes)
     notes.append(f"NxD's expert-parallel ZeRO-1 state (NeuronEPZero1Optimizer): non-expert parameters over dp {dp}, "
                  f"each ep rank's experts over its {dp // ep} expert-data-parallel ranks; no master weights")
     plan = NxdOptimizerPlan(rule, True, dp, "none", "/".join(sorted(dtypes)), names_of)
     return out, plan
 
 
-def _param_groups(dense: _Part, parts: list[_Part], optim: OptimizerSource, rule: str,
-                  lr: tuple[float, float] | None) -> list[dict[str, Any]]:
-    """The merged param groups: the non-expert optimizer's, then the expert one's (the same groups filtered, so
-    group ``g`` of both has group ``g``'s hyper-parameters; ``params`` numbered in each optimizer's own space)."""
-    ours = optim.hyper.param_groups
-    next_lr, peak = lr if lr is not None else (None, None)
-    shapes = {**{n: t.shape for n, t in dense.weights.items()}, **{n: t.shape for n, t in parts[0].weights.items()}}
-    merged: list[dict[str, Any]] = []
-    for part in (dense, parts[0]):
-        start = 0
-        for g, group in enumerate(part.groups):
-            hyper = group_hyper(dense.groups[g] + parts[0].groups[g], shapes, ours, g, rule)
-            merged.append({**nxd_param_group(hyper, zero1=True, lr=next_lr, initial_lr=peak),
-                           "params": list(range(start, start + len(group)))})
-            start += len(group)
-    return merged
+def _hypers(dense: _Part, experts: _Part, optim: OptimizerSource, rule: str) -> list[dict[str, Any]]:
+    """Group ``g``'s hyper-parameters, shared by both optimizers (the same groups filtered): those of its members
+    in either."""
+    shapes = {**{n: t.shape for n, t in dense.weights.items()}, **{n: t.shape for n, t in experts.weights.items()}}
+    return [group_hyper(dense.groups[g] + experts.groups[g], shapes, optim.hyper.param_groups, g, rule)
+            for g in range(len(dense.groups))]
 
 
 def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, param_groups: list[dict[str, Any]],
@@ -131,14 +117,9 @@ def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, 
         for j, name in enumerate(part.order):
             i = first + j
             weight, state = part.weights[name], part.state[name]
-            if not weight.shape:
-                raise ConversionError(f"{part.shard.path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
-            dtype = optimizer_dtype(optim, weight)
+            entry, dtype, _ = zero1_entry("base_state", i, weight, state, optim, world=part.world, rank=rank,
+                                          shard_path=part.shard.path, name=name)
             dtypes.add(str(dtype).removeprefix("torch."))
-            rows = math.ceil(weight.shape[0] / part.world)
-            entry = {STEP: dataclasses.replace(state[STEP], key=f"base_state.{i}.step", dtype=torch.float32)}
-            for m in MOMENTS:
-                entry[m] = row_chunk(state[m], rank * rows, rows, f"base_state.{i}.{m}", dtype)
             tensors += entry.values()
             base_state[i] = {k: tensor_at(t) for k, t in entry.items()}
             shape_info[i] = list(weight.shape)

@@ -251,6 +251,43 @@ def nxd_param_group(hyper: Mapping[str, Any], *, zero1: bool, lr: float | None =
     return {k: values[k] for k in (_ZERO1_GROUP if zero1 else _ADAMW_GROUP)}
 
 
+def numbered_groups(hypers: Sequence[Mapping[str, Any]], groups: Sequence[Sequence[str]], *, zero1: bool,
+                    lr: tuple[float, float] | None) -> list[dict[str, Any]]:
+    """NxD's param groups: group ``g``'s hyper-parameters (``lr``: the schedule's next and peak lr, as
+    :func:`nxd_param_group`) and its ``params``, the optimizer indices of ``groups[g]`` numbered from 0."""
+    next_lr, peak = lr if lr is not None else (None, None)
+    out, start = [], 0
+    for hyper, group in zip(hypers, groups, strict=True):
+        out.append({**nxd_param_group(hyper, zero1=zero1, lr=next_lr, initial_lr=peak),
+                    "params": list(range(start, start + len(group)))})
+        start += len(group)
+    return out
+
+
+def unwritten_fields(hypers: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The source's param-group fields NxD 2.28's AdamW has not (its files leave them out)."""
+    return {k for h in hypers for k in h if k not in _ZERO1_GROUP}
+
+
+def note_unwritten(fields: set[str], notes: list[str]) -> None:
+    if fields:
+        notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(fields))}")
+
+
+def zero1_entry(where: str, i: int, weight: OutTensor, parts: Mapping[str, OutTensor], optim: OptimizerSource, *,
+                world: int, rank: int, shard_path: str, name: str) -> tuple[dict[str, OutTensor], torch.dtype, int]:
+    """Optimizer index ``i`` of a ZeRO-1 file: its step, and rank ``rank``'s dim-0 chunk (of ``world``) of each
+    moment in the optimizer dtype; with that dtype and the chunk's rows (the chunk starts at ``rank * rows``)."""
+    if not weight.shape:
+        raise ConversionError(f"{shard_path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
+    dtype = optimizer_dtype(optim, weight)
+    rows = math.ceil(weight.shape[0] / world)
+    entry = {STEP: dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)}
+    for m in MOMENTS:
+        entry[m] = row_chunk(parts[m], rank * rows, rows, f"{where}.{i}.{m}", dtype)
+    return entry, dtype, rows
+
+
 # --------------------------------------------------------------------------------------------
 # The plan
 
@@ -314,7 +351,6 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
     """
     out: list[OutFile] = []
     ours = optim.hyper.param_groups
-    next_lr, peak = lr if lr is not None else (None, None)
     written, names_of = _Written(), {}
     for shard in shards:
         ranks = parse_shard_name(Path(shard.path).name)
@@ -325,12 +361,8 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         groups = nxd_groups(list(weights), rule)
         order = index_order(shard, rule)
         hypers = [group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
-        written.dropped.update(k for h in hypers for k in h if k not in _ZERO1_GROUP)
-        param_groups, start = [], 0
-        for hyper, group in zip(hypers, groups, strict=True):
-            param_groups.append({**nxd_param_group(hyper, zero1=zero1, lr=next_lr, initial_lr=peak),
-                                 "params": list(range(start, start + len(group)))})
-            start += len(group)
+        written.dropped.update(unwritten_fields(hypers))
+        param_groups = numbered_groups(hypers, groups, zero1=zero1, lr=lr)
         names_of[shard.path] = order
         state = {n: state_tensors(weights[n], optim) for n in order}
         for n in order:
@@ -359,24 +391,18 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
     for i, name in enumerate(order):
         weight, parts = weights[name], state[name]
         where = "base_state" if zero1 else "state"
-        step = dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)
-        entry = {STEP: step}
         if zero1:
-            if not weight.shape:
-                raise ConversionError(f"{shard_path}: {name!r} is a scalar; NxD's ZeRO-1 partitions dim 0")
-            dtype = optimizer_dtype(optim, weight)
+            entry, dtype, rows = zero1_entry(where, i, weight, parts, optim, world=dp, rank=dp_rank,
+                                             shard_path=shard_path, name=name)
             written.dtypes.add(str(dtype).removeprefix("torch."))
-            rows = math.ceil(weight.shape[0] / dp)
-            first = dp_rank * rows
-            for m in MOMENTS:
-                entry[m] = row_chunk(parts[m], first, rows, f"{where}.{i}.{m}", dtype)
             master = parts.get(MASTER, weight)
             written.masters_kind = "saved" if MASTER in parts else "weights"
-            chunk = row_chunk(master, first, rows, f"sharded_master_weights.{i}", dtype)
+            chunk = row_chunk(master, dp_rank * rows, rows, f"sharded_master_weights.{i}", dtype)
             masters[i] = tensor_at(chunk)
             tensors += [*entry.values(), chunk]
             shape_info[i] = list(weight.shape)
         else:
+            entry = {STEP: dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)}
             for m in MOMENTS:
                 if parts[m].dtype.itemsize > weight.dtype.itemsize:
                     written.narrowed.append(name)
@@ -408,8 +434,7 @@ def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_master
         notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
                      "dropped and the moments rounded to the parameters' dtype (a resume continues from the "
                      "bf16 weights)")
-    if written.dropped:
-        notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(written.dropped))}")
+    note_unwritten(written.dropped, notes)
     if written.masters_kind == "weights":
         notes.append("sharded_master_weights written from the weights (the source saved no masters)"
                      + ("; a bf16 model's masters are its weights widened, as NxD's own resume rebuilds them"

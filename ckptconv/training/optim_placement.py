@@ -78,6 +78,17 @@ def check_zero1_ep(dp: int, ep: int) -> None:
                               f"experts are ZeRO-1-partitioned over dp / ep ranks)")
 
 
+def ep_stages(shards: Sequence[OutFile]) -> tuple[dict[tuple[int, int], dict[int, OutFile]], int]:
+    """The model shards by (tp, pp) stage and ep rank (ep rank 0 for names without one), in ``shards`` order, and
+    the ep degree they make up."""
+    stages: dict[tuple[int, int], dict[int, OutFile]] = {}
+    for shard in shards:
+        ranks = shard_ranks(Path(shard.path).name)
+        assert ranks is not None, shard.path
+        stages.setdefault(ranks[1:], {})[ranks[0]] = shard
+    return stages, 1 + max((e for stage in stages.values() for e in stage), default=0)
+
+
 def optimizer_file(*, tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"{OPTIM_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank)}"
 
@@ -94,13 +105,7 @@ def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: 
     dp rank ``d`` holding the non-expert state ZeRO-1-partitioned over all ``dp`` ranks and the state of ep rank
     ``d % ep``'s experts partitioned over its ``dp / ep`` expert-data-parallel ranks (without ZeRO-1: ep rank e's
     experts in dp rank e's file, the rest in dp rank 0's)."""
-    stages: dict[tuple[int, int], dict[int, OutFile]] = {}
-    for shard in shards:
-        ranks_of = shard_ranks(Path(shard.path).name)
-        assert ranks_of is not None, shard.path
-        ep_rank, tp, pp = ranks_of
-        stages.setdefault((tp, pp), {})[ep_rank] = shard
-    ep = 1 + max((e for stage in stages.values() for e in stage), default=0)
+    stages, ep = ep_stages(shards)
     if zero1:
         check_zero1_ep(dp, ep)
     out = []

@@ -176,6 +176,11 @@ class _OptimFile:
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._zip.read_rows(key, start, stop, out)
 
+    def position(self, key: str) -> int:
+        """File offset of the tensor's first byte."""
+        entry = self._zip.entry(key)
+        return entry.data_offset + entry.storage_offset * entry.dtype.itemsize
+
     def close(self) -> None:
         self._zip.close()
 
@@ -357,6 +362,12 @@ class TagOptimizer:
         optim, key = self._lookup(source)
         return optim.read_rows(key, start, stop, out)
 
+    def position(self, source: Source) -> int:
+        """Where the tensor's bytes start in its optimizer file (the executor reads each file front to back, so its
+        check hashes what the workers read instead of reading the file a second time)."""
+        optim, key = self._lookup(source)
+        return optim.position(key)
+
     def finish_checks(self, *, workers: int = 8) -> int:
         """Nothing of its own: its files are checked with the shards' checks it was given."""
         return 0
@@ -399,7 +410,8 @@ class TagReader:
         return self._of(source).read_rows(source, start, stop, out)  # type: ignore[no-any-return]
 
     def position(self, source: Source) -> int:
-        return 0 if split_key(source.key)[0] is not None else self.shards.position(source)
+        position = getattr(self._of(source), "position", None)
+        return position(source) if position is not None else 0
 
     def finish_checks(self, *, workers: int = 8) -> int:
         return self.shards.finish_checks(workers=workers)  # type: ignore[no-any-return]
