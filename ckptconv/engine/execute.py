@@ -24,12 +24,14 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
+from ckptconv.engine.claims import claim_band
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
+from ckptconv.io.write_digest import WriteDigests, recording
 
 STATE_FILE = "state.json"
 
@@ -133,13 +135,15 @@ def run_plan(
     if not todo:
         return _flatten(done, plan, wanted)
 
-    sinks = _open_sinks(plan, todo, sink_factory, tmp)
+    digests = WriteDigests(options.hash) if options.hash else None  # each file hashed as written, not read back
+    with recording(digests):
+        sinks = _open_sinks(plan, todo, sink_factory, tmp)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
     units = _units(plan, todo, reader, band_bytes)
-    # Bands are the tasks, not units: the bands of one large tensor (an embedding, say) run on
-    # several workers at once instead of one after another on one.
+    # Bands are the tasks, not units: a large tensor's bands run on several workers at once.
     tasks = [(unit, start, stop) for unit in units for start, stop in _bands(unit)]
-    completed = _write_bands(plan, reader, out_dir, tmp, tmp / state_file, state, options, sinks, tasks, band_bytes)
+    completed = _write_bands(plan, reader, out_dir, tmp, tmp / state_file, state, options, sinks, tasks, band_bytes,
+                             digests)
     return _flatten(done | completed, plan, wanted)
 
 
@@ -154,9 +158,11 @@ def _open_sinks(plan: Plan, todo: list[int], sink_factory: SinkFactory, tmp: Pat
 
 def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, state_path: Path,
                  state: dict[str, dict[str, FileRecord]], options: ExecOptions, sinks: dict[int, Sink],
-                 tasks: list[tuple[_Unit, int, int]], band_bytes: int) -> dict[str, dict[str, FileRecord]]:
+                 tasks: list[tuple[_Unit, int, int]], band_bytes: int,
+                 digests: WriteDigests | None) -> dict[str, dict[str, FileRecord]]:
     """Run every band on ``options.workers`` threads within the memory budget; each file is moved into place when
-    its last band is written, then hashed in another pool and recorded in the state file. Returns the records."""
+    its last band is written, then recorded in the state file (in another pool: files not hashed as they were
+    written are read back for their digest). Returns the records."""
     lock = threading.Lock()
     budget = _ByteBudget(options.max_memory)
     pending = dict.fromkeys(sinks, 0)  # per file: (tensor, band) pairs still to write
@@ -168,7 +174,7 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
     hashing: list[Future[None]] = []
 
     def record(file_index: int, paths: list[Path]) -> None:
-        records = record_files(paths, out_dir, options.hash)
+        records = record_files(paths, out_dir, options.hash, None if digests is None else digests.under(tmp))
         with lock:
             completed[plan.files[file_index].path] = records
             state[plan.files[file_index].path] = records
@@ -179,7 +185,7 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
             pending[file_index] -= 1
             last = pending[file_index] == 0
         if last:
-            # Hash in another pool, so converting goes on meanwhile (hashing is CPU-bound).
+            # Record in another pool, so converting goes on meanwhile (a file read back for its digest is CPU-bound).
             with _naming(plan.files[file_index], tmp):
                 paths = move_into_place(sinks[file_index], tmp, out_dir)
             hashing.append(hash_pool.submit(record, file_index, paths))
@@ -192,11 +198,13 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
         need = unit.row_bytes * max(stop - start, 1)
         with oversized if need > band_bytes else contextlib.nullcontext():
             held = budget.acquire(need)
+            release = claim_band(unit.tensors, start, stop, sinks)  # its file's digest waits for it (engine.claims)
             try:
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
                     _write_band(unit, start, stop, reader, sinks, options.progress)
             finally:
+                release()
                 _SCRATCH.end_band(keep=band_bytes)
                 budget.release(held)
         for file_index, _ in unit.tensors:
@@ -248,16 +256,18 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
-    # Units of the earliest files first, so files complete (and are hashed, in another pool) while
-    # the rest is still converting, instead of all at the end. Within one output file, in the order
-    # their sources lie in their files (when the reader knows it): checked reads then hash what the
-    # workers read as it comes, instead of reading the file again (ckptconv.io.checked).
+    # Units of the earliest files first (a unit writing several files with the first of them), so files complete
+    # while the rest is still converting. Within one output file, in the order its tensors lie in it: the file's
+    # digest then hashes the bands as they are written (ckptconv.io.write_digest) instead of reading them back;
+    # ties in the order their sources lie in their files (checked reads hash what the workers read as it comes).
     units = row_split + _slab_units(stacked, reader) + _column_units(by_source, reader, band_bytes)
     position = getattr(reader, "position", None)
+    index = {(i, t.key): n for i in todo for n, t in enumerate(plan.files[i].tensors)}
 
-    def order(unit: _Unit) -> tuple[int, int]:
-        first = unit.tensors[0][1].pieces[0].source
-        return max(i for i, _ in unit.tensors), position(first) if position is not None else 0
+    def order(unit: _Unit) -> tuple[int, int, int]:
+        file_index, n = min((i, index[(i, t.key)]) for i, t in unit.tensors)
+        first = plan.files[file_index].tensors[n].pieces[0].source
+        return file_index, n, position(first) if position is not None else 0
 
     return sorted(units, key=order)
 
