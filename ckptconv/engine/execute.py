@@ -13,7 +13,6 @@ are then recorded in ``.ckptconv-tmp/state.json`` so a rerun after a crash skips
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -28,8 +27,9 @@ from ckptconv.engine.claims import claim_band
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
+from ckptconv.engine.state_file import load_state, save_state
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
+from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
 from ckptconv.io.write_digest import WriteDigests, recording
 
@@ -126,7 +126,7 @@ def run_plan(
     Returns {relative path: size and digest} of every file written or found done.
     """
     tmp = ensure_dir(out_dir, TMP_DIR)
-    state = _load_state(tmp / state_file, options.fingerprint)
+    state = load_state(tmp / state_file, options.fingerprint)
     wanted = [i for i, f in enumerate(plan.files) if only_files is None or f.path in only_files]
     done = {path: recs for path, recs in state.items() if all(r.matches(out_dir / p) for p, r in recs.items())}
     todo = [i for i in wanted if plan.files[i].path not in done]
@@ -178,13 +178,13 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
         with lock:
             completed[plan.files[file_index].path] = records
             state[plan.files[file_index].path] = records
-            _save_state(state_path, options.fingerprint, state)
+            save_state(state_path, options.fingerprint, state)
 
     def finish_band(file_index: int) -> None:
         with lock:
             pending[file_index] -= 1
             last = pending[file_index] == 0
-        if last:
+        if last and not failed.is_set():  # after a failure, no file is moved into place unrecorded
             # Record in another pool, so converting goes on meanwhile (a file read back for its digest is CPU-bound).
             with _naming(plan.files[file_index], tmp):
                 paths = move_into_place(sinks[file_index], tmp, out_dir)
@@ -194,7 +194,16 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
     # memory is about workers x band_bytes plus one of them, however many the model has.
     oversized = threading.Lock()
 
+    failed = threading.Event()
+
     def run_band(unit: _Unit, start: int, stop: int) -> None:
+        try:
+            _run_band(unit, start, stop)
+        except BaseException:
+            failed.set()
+            raise
+
+    def _run_band(unit: _Unit, start: int, stop: int) -> None:
         need = unit.row_bytes * max(stop - start, 1)
         with oversized if need > band_bytes else contextlib.nullcontext():
             held = budget.acquire(need)
@@ -578,23 +587,4 @@ def _naming(out_file: OutFile, tmp: Path):  # type: ignore[no-untyped-def]
         if error is None:
             raise
         raise error from exc
-
-
-def _load_state(path: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-    if data.get("fingerprint") != fingerprint:
-        return {}
-    return {
-        path: {member: FileRecord.from_json(rec) for member, rec in members.items()}
-        for path, members in data.get("files", {}).items()
-    }
-
-
-def _save_state(path: Path, fingerprint: str, state: dict[str, dict[str, FileRecord]]) -> None:
-    files = {name: {m: r.to_json() for m, r in members.items()} for name, members in state.items()}
-    payload = {"fingerprint": fingerprint, "files": files}
-    write_text(path, json.dumps(payload, indent=1))
 
