@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
-from ckptconv.engine.claims import claim_band
+from ckptconv.engine.claims import claim_band, unit_order
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
@@ -265,20 +265,8 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
-    # Units of the earliest files first (a unit writing several files with the first of them), so files complete
-    # while the rest is still converting. Within one output file, in the order its tensors lie in it: the file's
-    # digest then hashes the bands as they are written (ckptconv.io.write_digest) instead of reading them back;
-    # ties in the order their sources lie in their files (checked reads hash what the workers read as it comes).
     units = row_split + _slab_units(stacked, reader) + _column_units(by_source, reader, band_bytes)
-    position = getattr(reader, "position", None)
-    index = {(i, t.key): n for i in todo for n, t in enumerate(plan.files[i].tensors)}
-
-    def order(unit: _Unit) -> tuple[int, int, int]:
-        file_index, n = min((i, index[(i, t.key)]) for i, t in unit.tensors)
-        first = plan.files[file_index].tensors[n].pieces[0].source
-        return file_index, n, position(first) if position is not None else 0
-
-    return sorted(units, key=order)
+    return [units[n] for n in unit_order([u.tensors for u in units], plan, getattr(reader, "position", None))]
 
 
 def _bands(unit: _Unit) -> list[tuple[int, int]]:
