@@ -39,7 +39,7 @@ def _open(path: Path, size: int) -> int:
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
 def test_bands_written_out_of_order_by_threads_give_the_files_digest(tmp_path: Path, algorithm: str):
     path = tmp_path / "f.bin"
-    data = bytes(random.Random(0).getrandbits(8) for _ in range(300_001))
+    data = random.Random(0).randbytes(300_001)
     cuts = sorted(random.Random(1).sample(range(1, len(data)), 40))
     bands = list(zip([0, *cuts], [*cuts, len(data)], strict=True))
     random.Random(2).shuffle(bands)
