@@ -13,7 +13,6 @@ are then recorded in ``.ckptconv-tmp/state.json`` so a rerun after a crash skips
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -24,12 +23,15 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
+from ckptconv.engine.claims import claim_band, unit_order
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
+from ckptconv.engine.state_file import load_state, save_state
 from ckptconv.errors import ConversionError, VerificationError
-from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place, write_text
+from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
+from ckptconv.io.write_digest import WriteDigests, recording
 
 STATE_FILE = "state.json"
 
@@ -124,7 +126,7 @@ def run_plan(
     Returns {relative path: size and digest} of every file written or found done.
     """
     tmp = ensure_dir(out_dir, TMP_DIR)
-    state = _load_state(tmp / state_file, options.fingerprint)
+    state = load_state(tmp / state_file, options.fingerprint)
     wanted = [i for i, f in enumerate(plan.files) if only_files is None or f.path in only_files]
     done = {path: recs for path, recs in state.items() if all(r.matches(out_dir / p) for p, r in recs.items())}
     todo = [i for i in wanted if plan.files[i].path not in done]
@@ -133,13 +135,15 @@ def run_plan(
     if not todo:
         return _flatten(done, plan, wanted)
 
-    sinks = _open_sinks(plan, todo, sink_factory, tmp)
+    digests = WriteDigests(options.hash) if options.hash else None  # each file hashed as written, not read back
+    with recording(digests):
+        sinks = _open_sinks(plan, todo, sink_factory, tmp)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
     units = _units(plan, todo, reader, band_bytes)
-    # Bands are the tasks, not units: the bands of one large tensor (an embedding, say) run on
-    # several workers at once instead of one after another on one.
+    # Bands are the tasks, not units: a large tensor's bands run on several workers at once.
     tasks = [(unit, start, stop) for unit in units for start, stop in _bands(unit)]
-    completed = _write_bands(plan, reader, out_dir, tmp, tmp / state_file, state, options, sinks, tasks, band_bytes)
+    completed = _write_bands(plan, reader, out_dir, tmp, tmp / state_file, state, options, sinks, tasks, band_bytes,
+                             digests)
     return _flatten(done | completed, plan, wanted)
 
 
@@ -154,9 +158,11 @@ def _open_sinks(plan: Plan, todo: list[int], sink_factory: SinkFactory, tmp: Pat
 
 def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, state_path: Path,
                  state: dict[str, dict[str, FileRecord]], options: ExecOptions, sinks: dict[int, Sink],
-                 tasks: list[tuple[_Unit, int, int]], band_bytes: int) -> dict[str, dict[str, FileRecord]]:
+                 tasks: list[tuple[_Unit, int, int]], band_bytes: int,
+                 digests: WriteDigests | None) -> dict[str, dict[str, FileRecord]]:
     """Run every band on ``options.workers`` threads within the memory budget; each file is moved into place when
-    its last band is written, then hashed in another pool and recorded in the state file. Returns the records."""
+    its last band is written, then recorded in the state file (in another pool: files not hashed as they were
+    written are read back for their digest). Returns the records."""
     lock = threading.Lock()
     budget = _ByteBudget(options.max_memory)
     pending = dict.fromkeys(sinks, 0)  # per file: (tensor, band) pairs still to write
@@ -168,18 +174,18 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
     hashing: list[Future[None]] = []
 
     def record(file_index: int, paths: list[Path]) -> None:
-        records = record_files(paths, out_dir, options.hash)
+        records = record_files(paths, out_dir, options.hash, None if digests is None else digests.under(tmp))
         with lock:
             completed[plan.files[file_index].path] = records
             state[plan.files[file_index].path] = records
-            _save_state(state_path, options.fingerprint, state)
+            save_state(state_path, options.fingerprint, state)
 
     def finish_band(file_index: int) -> None:
         with lock:
             pending[file_index] -= 1
             last = pending[file_index] == 0
-        if last:
-            # Hash in another pool, so converting goes on meanwhile (hashing is CPU-bound).
+        if last and not failed.is_set():  # after a failure, no file is moved into place unrecorded
+            # Record in another pool, so converting goes on meanwhile (a file read back for its digest is CPU-bound).
             with _naming(plan.files[file_index], tmp):
                 paths = move_into_place(sinks[file_index], tmp, out_dir)
             hashing.append(hash_pool.submit(record, file_index, paths))
@@ -188,15 +194,26 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
     # memory is about workers x band_bytes plus one of them, however many the model has.
     oversized = threading.Lock()
 
+    failed = threading.Event()
+
     def run_band(unit: _Unit, start: int, stop: int) -> None:
+        try:
+            _run_band(unit, start, stop)
+        except BaseException:
+            failed.set()
+            raise
+
+    def _run_band(unit: _Unit, start: int, stop: int) -> None:
         need = unit.row_bytes * max(stop - start, 1)
         with oversized if need > band_bytes else contextlib.nullcontext():
             held = budget.acquire(need)
+            release = claim_band(unit.tensors, start, stop, sinks)  # its file's digest waits for it (engine.claims)
             try:
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
                     _write_band(unit, start, stop, reader, sinks, options.progress)
             finally:
+                release()
                 _SCRATCH.end_band(keep=band_bytes)
                 budget.release(held)
         for file_index, _ in unit.tensors:
@@ -248,18 +265,8 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
-    # Units of the earliest files first, so files complete (and are hashed, in another pool) while
-    # the rest is still converting, instead of all at the end. Within one output file, in the order
-    # their sources lie in their files (when the reader knows it): checked reads then hash what the
-    # workers read as it comes, instead of reading the file again (ckptconv.io.checked).
     units = row_split + _slab_units(stacked, reader) + _column_units(by_source, reader, band_bytes)
-    position = getattr(reader, "position", None)
-
-    def order(unit: _Unit) -> tuple[int, int]:
-        first = unit.tensors[0][1].pieces[0].source
-        return max(i for i, _ in unit.tensors), position(first) if position is not None else 0
-
-    return sorted(units, key=order)
+    return [units[n] for n in unit_order([u.tensors for u in units], plan, getattr(reader, "position", None))]
 
 
 def _bands(unit: _Unit) -> list[tuple[int, int]]:
@@ -568,23 +575,4 @@ def _naming(out_file: OutFile, tmp: Path):  # type: ignore[no-untyped-def]
         if error is None:
             raise
         raise error from exc
-
-
-def _load_state(path: Path, fingerprint: str) -> dict[str, dict[str, FileRecord]]:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-    if data.get("fingerprint") != fingerprint:
-        return {}
-    return {
-        path: {member: FileRecord.from_json(rec) for member, rec in members.items()}
-        for path, members in data.get("files", {}).items()
-    }
-
-
-def _save_state(path: Path, fingerprint: str, state: dict[str, dict[str, FileRecord]]) -> None:
-    files = {name: {m: r.to_json() for m, r in members.items()} for name, members in state.items()}
-    payload = {"fingerprint": fingerprint, "files": files}
-    write_text(path, json.dumps(payload, indent=1))
 

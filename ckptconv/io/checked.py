@@ -18,7 +18,6 @@ as the record ends, so torch zip shards without ``ckptconv.json`` (official ones
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Mapping
@@ -27,11 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import blake3
-
 from ckptconv.errors import IntegrityError
 from ckptconv.io.crc import crc32
-from ckptconv.io.digest import FileRecord
+from ckptconv.io.digest import FileRecord, new_hasher
 from ckptconv.io.metadata import METADATA_FILE
 
 # Gaps of unread bytes the check reads itself rather than leave for later: zip headers, pickles,
@@ -54,11 +51,6 @@ class ZipCrc:
         return self.start + self.size
 
 
-def _hasher(algorithm: str) -> Any:
-    # blake3's own threads only pay off for large updates; bands are MBs, so 1 is right here.
-    return blake3.blake3() if algorithm == "blake3" else hashlib.sha256()
-
-
 class StreamCheck:
     """Size, digest and record CRCs of one file, computed in file order from what its reader reads."""
 
@@ -68,7 +60,7 @@ class StreamCheck:
         self.size = os.stat(self.path).st_size
         if record is not None and record.size != self.size:
             raise size_error(self.path, self.size, record.size)
-        self._digest = _hasher(record.algorithm) if record is not None and record.algorithm else None
+        self._digest = new_hasher(record.algorithm) if record is not None and record.algorithm else None
         self._records: list[ZipCrc] = []
         self._next = 0       # index of the first record whose CRC is not yet checked
         self._crc = 0        # running CRC of that record's bytes hashed so far
@@ -256,7 +248,7 @@ def check_whole_file(path: Path, record: FileRecord | None) -> bytes:
     if len(data) != record.size:
         raise size_error(path, len(data), record.size)
     if record.algorithm:
-        digest = _hasher(record.algorithm)
+        digest = new_hasher(record.algorithm)
         digest.update(data)
         if digest.hexdigest() != record.digest:
             raise digest_error(path, record, digest.hexdigest())

@@ -41,6 +41,7 @@ from ckptconv.io.metadata import read_metadata
 from ckptconv.io.positional import FileWindow, PositionalFile
 from ckptconv.io.safe_load import DcpRecord, load_dcp_metadata, load_small_bytes
 from ckptconv.io.torchzip import TensorMeta, TorchZipReader, TorchZipWriter, ZipLayout, plan_zip
+from ckptconv.io.write_digest import open_digest, write_to
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
@@ -150,15 +151,17 @@ class DistcpSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         size = sum(item.length for item in items)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self._digest = open_digest(self.path, self._fd)  # one per file, shared by its items' writers
         self._writers: dict[str, TorchZipWriter] = {}
         try:
             os.ftruncate(self._fd, size)
             for item in items:
                 if item.zip is None:
                     assert item.payload is not None
-                    os.pwrite(self._fd, item.payload, item.offset)
+                    write_to(self._fd, memoryview(item.payload), item.offset, self._digest)
                 else:
-                    self._writers[item.key] = TorchZipWriter(self.path, item.zip, fd=self._fd, base=item.offset)
+                    self._writers[item.key] = TorchZipWriter(self.path, item.zip, fd=self._fd, base=item.offset,
+                                                             digest=self._digest)
         except BaseException:
             os.close(self._fd)
             raise
@@ -166,10 +169,15 @@ class DistcpSink:
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         self._writers[key].write_extent("", offset, data)  # thread-safe: positional writes
 
+    def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
+        return self._writers[key].claim("", offset, nbytes)
+
     def finish(self) -> list[Path]:
         try:
             for writer in self._writers.values():
                 writer.finish()
+            if self._digest is not None:
+                self._digest.finish()
         finally:
             os.close(self._fd)
         return [self.path]

@@ -12,6 +12,7 @@ there, hashing every output file takes longer than converting it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,16 @@ def check_algorithm(name: str | None) -> None:
         raise ConversionError(f"--hash must be one of {', '.join(ALGORITHMS)} or none, got {name!r}")
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """Hex digest of a file's bytes (both hashes release the GIL, so threads hash in parallel)."""
+def new_hasher(algorithm: str) -> Any:
+    """A fresh hasher of ``algorithm`` (both release the GIL, so threads hash in parallel). blake3's own threads
+    only pay off for updates far larger than our bands, so it runs on the caller's thread."""
     check_algorithm(algorithm)
-    digest: Any = blake3.blake3() if algorithm == "blake3" else hashlib.sha256()
+    return blake3.blake3() if algorithm == "blake3" else hashlib.sha256()
+
+
+def file_digest(path: Path, algorithm: str) -> str:
+    """Hex digest of a file's bytes, read from disk."""
+    digest = new_hasher(algorithm)
     buffer = bytearray(CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
@@ -49,9 +56,12 @@ class FileRecord:
     digest: str | None = None
 
     @classmethod
-    def of(cls, path: Path, algorithm: str | None) -> FileRecord:
+    def of(cls, path: Path, algorithm: str | None, digest: str | None = None) -> FileRecord:
+        """The record of the file at ``path``; ``digest``: its digest computed as it was written (else read)."""
         size = path.stat().st_size
-        return cls(size, algorithm, file_digest(path, algorithm) if algorithm else None)
+        if not algorithm:
+            return cls(size)
+        return cls(size, algorithm, digest or file_digest(path, algorithm))
 
     def matches(self, path: Path) -> bool:
         """The file at ``path`` is still what was recorded (the digest is only computed when sizes agree)."""
@@ -71,10 +81,15 @@ class FileRecord:
         return cls(int(record["size"]))
 
 
-def record_files(paths: list[Path], root: Path, algorithm: str | None) -> dict[str, FileRecord]:
+def record_files(paths: list[Path], root: Path, algorithm: str | None,
+                 known: Callable[[str], str | None] | None = None) -> dict[str, FileRecord]:
     """{path relative to ``root``: record} of the files among ``paths``, directories expanded
-    (xser ``.tensors/``)."""
+    (xser ``.tensors/``). ``known(relative path)``: a digest computed while the file was written, or None."""
     files: list[Path] = []
     for path in paths:
         files.extend(sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path])
-    return {f.relative_to(root).as_posix(): FileRecord.of(f, algorithm) for f in files}
+    records = {}
+    for f in files:
+        rel = f.relative_to(root).as_posix()
+        records[rel] = FileRecord.of(f, algorithm, known(rel) if known is not None and algorithm else None)
+    return records

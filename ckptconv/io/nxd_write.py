@@ -5,7 +5,7 @@ and a tag's markers.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ class TorchZipSink:
 
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         self._writer.write_extent(key, offset, data)  # thread-safe: positional writes, locked bookkeeping
+
+    def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
+        return self._writer.claim(key, offset, nbytes)
 
     def finish(self) -> list[Path]:
         self._writer.finish()
@@ -74,6 +77,9 @@ class XserSplitSink:
         if key in self._column_major:  # per-tensor files are contiguous: store rows, not columns
             data = data.t().contiguous()
         self._writers[key].write_extent(BARE_TENSOR_KEY, offset, data)
+
+    def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
+        return self._writers[key].claim(BARE_TENSOR_KEY, offset, nbytes)
 
     def finish(self) -> list[Path]:
         for writer in self._writers.values():

@@ -17,14 +17,15 @@ import sys
 import threading
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 import torch
 
-from ckptconv.io.positional import PositionalFile, pwrite_all
+from ckptconv.io.positional import PositionalFile
+from ckptconv.io.write_digest import WriteDigest, open_digest, write_to
 
 PathLike = str | os.PathLike[str]
 BytesLike = bytes | bytearray | memoryview | torch.Tensor
@@ -377,6 +378,7 @@ class SafetensorsExtentWriter:
         self._coverage = {key: _Coverage() for key in layout.entries}
         self._lock = threading.Lock()  # pwrite is thread-safe; the bookkeeping is not
         self._failed: str | None = None
+        self._digest: WriteDigest | None = None  # the file's digest as written (SafetensorsWriter's own file)
 
     def __enter__(self) -> SafetensorsExtentWriter:
         return self
@@ -412,10 +414,17 @@ class SafetensorsExtentWriter:
             return
         self._claim(key, offset_in_tensor, offset_in_tensor + len(mv))
         try:
-            pwrite_all(self._fd, mv, self.layout.entries[key].data_offset + offset_in_tensor)
+            write_to(self._fd, mv, self.layout.entries[key].data_offset + offset_in_tensor, self._digest)
         except BaseException as exc:  # bytes are claimed but maybe not on disk: poison
             self._failed = f"write of {key!r} failed: {exc}"
             raise
+
+    def claim(self, key: str, offset_in_tensor: int, length: int) -> Callable[[], None]:
+        """Announce that these bytes of ``key`` are being computed (ckptconv.io.write_digest.WriteDigest.claim);
+        returns the release."""
+        if self._digest is None:
+            return lambda: None
+        return self._digest.claim(self._entry(key).data_offset + offset_in_tensor, length)
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
         """Write a whole tensor whose dtype and shape match the layout, e.g. ``w.write_tensor("b", bias)``."""
@@ -447,10 +456,12 @@ class SafetensorsWriter(SafetensorsExtentWriter):
     """
 
     def __init__(self, path: PathLike, layout: SafetensorsLayout, *, reserve: bool = False) -> None:
-        fd = os.open(os.fspath(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        # read-write: a digest computed as the file is written reads back ranges written out of order
+        fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         super().__init__(path, layout, fd)
+        self._digest = open_digest(path, fd)
         try:
-            pwrite_all(fd, memoryview(layout.header), 0)
+            write_to(fd, memoryview(layout.header), 0, self._digest)
             # ftruncate is instant everywhere (sparse); posix_fallocate reserves real blocks
             # but glibc emulates it byte-by-block on file systems without fallocate.
             os.ftruncate(fd, layout.total_size)
@@ -485,6 +496,8 @@ class SafetensorsWriter(SafetensorsExtentWriter):
                 if (gap := self._coverage[key].first_gap(e.nbytes)) is not None:
                     msg = f"tensor {key!r}: bytes [{gap[0]}, {gap[1]}) of {e.nbytes} never written"
                     raise SafetensorsWriteError(f"{self.path}: {msg}")
+            if self._digest is not None:
+                self._digest.finish()
             if fsync:
                 os.fsync(self._fd)
         finally:

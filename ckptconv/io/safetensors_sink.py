@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ class SafetensorsSink:
 
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         self._writer.write_extent(key, offset, data)
+
+    def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
+        return self._writer.claim(key, offset, nbytes)
 
     def finish(self) -> list[Path]:
         self._writer.finish()

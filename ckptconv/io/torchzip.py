@@ -31,16 +31,16 @@ import struct
 import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptconv.io.crc import crc32
-from ckptconv.io.positional import pwrite_all
 from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorAt, TensorMeta, pickle_entries
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
+from ckptconv.io.write_digest import WriteDigest, open_digest, write_to
 
 __all__ = [
     "SUPPORTED_DTYPES", "StoredTensor", "TensorAt", "TensorMeta", "TorchZipReader", "TorchZipWriter", "ZipLayout",
@@ -265,6 +265,10 @@ def plan_zip(path_or_archive_name: str | os.PathLike[str],
 
 
 # ----------------------------------------------------------------------------- writing
+def _nothing() -> None:
+    pass
+
+
 def _byte_view(data: Any) -> memoryview:
     """Flat uint8 view of bytes-like data or a contiguous CPU tensor, without copying."""
     if isinstance(data, torch.Tensor):
@@ -290,9 +294,9 @@ def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, d
 
 
 def _pwrite_view(fd: int, layout: ZipLayout, path: str, key: str, offset_in_record: int, view: memoryview,
-                 base: int = 0) -> int:
+                 base: int = 0, digest: WriteDigest | None = None) -> int:
     _check_extent(layout, path, key, offset_in_record, len(view))
-    pwrite_all(fd, view, base + layout.data_offset[key] + offset_in_record)
+    write_to(fd, view, base + layout.data_offset[key] + offset_in_record, digest)
     return crc32(view)
 
 
@@ -328,23 +332,28 @@ class TorchZipWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], layout: ZipLayout, *, fd: int | None = None,
-                 base: int = 0) -> None:
+                 base: int = 0, digest: WriteDigest | None = None) -> None:
         """With ``fd``, write the zip at offset ``base`` of a file someone else opened, sized and
-        closes (several torch.save blobs in one file, as DCP's ``.distcp`` holds them)."""
+        closes (several torch.save blobs in one file, as DCP's ``.distcp`` holds them), through that
+        file's ``digest`` (ckptconv.io.write_digest) when it has one."""
         self.path, self.layout, self.base = os.fspath(path), layout, base
         self._extents: dict[str, list[tuple[int, int, int]]] = {k: [] for k in layout.keys}
+        self._filled = dict.fromkeys(layout.keys, 0)  # bytes of each record written so far
+        self._crcs: dict[str, int] = {}  # records whose data descriptor is written: their CRC
+        self._tail_written = False  # serialization_id and central directory
         self._lock = threading.Lock()
         self._finished = False
         self._owns_fd = fd is None
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666) if fd is None else fd
+        self._digest = open_digest(self.path, self._fd) if fd is None else digest
         try:
             if self._owns_fd:
                 os.ftruncate(self._fd, layout.file_size)  # sparse preallocation to the exact size
             for rec in layout.records:
-                pwrite_all(self._fd, memoryview(rec.header), base + rec.header_offset)
+                self._write(memoryview(rec.header), rec.header_offset)
                 if rec.name in layout.small:
                     data = layout.small[rec.name]
-                    pwrite_all(self._fd, memoryview(data + _descriptor(rec, crc32(data))), base + rec.data_offset)
+                    self._write(memoryview(data + _descriptor(rec, crc32(data))), rec.data_offset)
         except BaseException:
             self.close()
             raise
@@ -359,6 +368,10 @@ class TorchZipWriter:
         finally:
             self.close()
 
+    def _write(self, view: memoryview, offset: int) -> None:
+        """pwrite at ``offset`` of this zip (past ``base``), through the file's digest."""
+        write_to(self._fd, view, self.base + offset, self._digest)
+
     def close(self) -> None:
         """Release the file without finishing it (finish() closes too); a borrowed fd stays open."""
         if self._fd >= 0 and self._owns_fd:
@@ -371,9 +384,21 @@ class TorchZipWriter:
         >>> w.write_extent("w", 0, t[:2].contiguous())  # doctest: +SKIP
         """
         view = _byte_view(data)
-        crc = _pwrite_view(self._fd, self.layout, self.path, key, offset_in_record, view, self.base)
+        crc = _pwrite_view(self._fd, self.layout, self.path, key, offset_in_record, view, self.base, self._digest)
         self._record_extent(key, offset_in_record, len(view), crc)
         return crc
+
+    def claim(self, key: str, offset_in_record: int, length: int) -> Callable[[], None]:
+        """Announce that these bytes of ``key`` are being computed (ckptconv.io.write_digest.WriteDigest.claim);
+        returns the release."""
+        if self._digest is None:
+            return _nothing
+        start = self.layout.data_offset[key] + offset_in_record
+        end = start + length
+        if offset_in_record + length == self.layout.nbytes[key]:  # the record's descriptor is written with its
+            # last band to finish, and after the last record the zip's tail: that band's thread writes them
+            end = self.layout.file_size if key == self.layout.keys[-1] else self.layout.record_for(key).end
+        return self._digest.claim(self.base + start, end - start)
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
         """Write ``key``'s whole record from a tensor whose dtype, shape and stride match the plan.
@@ -402,21 +427,61 @@ class TorchZipWriter:
         self._record_extent(key, offset_in_record, length, crc)
 
     def _record_extent(self, key: str, offset_in_record: int, length: int, crc: int) -> None:
-        if length:
-            with self._lock:
-                self._extents[key].append((offset_in_record, length, crc & _U32))
+        if not length:
+            return
+        with self._lock:
+            self._extents[key].append((offset_in_record, length, crc & _U32))
+            self._filled[key] += length
+            extents = list(self._extents[key]) if self._filled[key] == self.layout.nbytes[key] else None
+        if extents is not None:
+            self._write_descriptor(key, extents)
+
+    def _write_descriptor(self, key: str, extents: list[tuple[int, int, int]]) -> None:
+        """A record just filled: its data descriptor now (and the zip's tail when it was the last), so a digest of
+        the file in file order passes them without waiting for finish() (the same bytes finish() would write)."""
+        rec = self.layout.record_for(key)
+        try:
+            crc = _combined_crc(self.path, key, rec.size, extents)
+        except ValueError:
+            return  # overlapping extents: finish() says so
+        self._write(memoryview(_descriptor(rec, crc)), rec.descriptor_offset)
+        with self._lock:
+            self._crcs[key] = crc
+            last = not self._tail_written and all(k in self._crcs for k in self.layout.keys if self.layout.nbytes[k])
+            self._tail_written |= last
+            crcs = dict(self._crcs)
+        if last:  # the zip's tail now too (a DCP item's, say, long before its file finishes)
+            self._write_tail({k: crcs.get(k, 0) for k in self.layout.keys})
 
     def finish(self) -> None:
         """Check every tensor record is exactly tiled, then write descriptors, serialization_id and
-        the central directory, and close the file."""
+        the central directory (unless written as the last record filled), and close the file."""
         if self._finished:
             return
         if self._fd < 0:
             raise ValueError(f"{self.path}: writer was closed before finish()")
         lay = self.layout
+        with self._lock:
+            done = dict(self._crcs)
+        if not self._tail_written:
+            crcs = {key: done[key] if key in done else _combined_crc(self.path, key, lay.nbytes[key], self._extents[key])
+                    for key in lay.keys}  # raises, naming the gap or overlap, before anything is written
+            for key in lay.keys:
+                if key not in done:  # not written as its record filled
+                    rec = lay.record_for(key)
+                    self._write(memoryview(_descriptor(rec, crcs[key])), rec.descriptor_offset)
+            self._tail_written = True
+            self._write_tail(crcs)
+        if self._owns_fd and self._digest is not None:
+            self._digest.finish()  # before the fd closes: it may read back ranges written out of order
+        self._finished = True
+        self.close()
+
+    def _write_tail(self, record_crcs: dict[str, int]) -> None:
+        """serialization_id and the central directory, from every tensor record's CRC (by key)."""
+        lay = self.layout
         crcs = {n: crc32(d) for n, d in lay.small.items()}
-        for key in lay.keys:
-            crcs[lay.record_for(key).name] = _combined_crc(self.path, key, lay.nbytes[key], self._extents[key])
+        crcs.update({lay.record_for(key).name: crc for key, crc in record_crcs.items()})
         combined = 0
         for rec in lay.records[:-1]:
             if rec.size:  # torch leaves empty records out of this hash
@@ -424,16 +489,10 @@ class TorchZipWriter:
         sid_rec = lay.records[-1]
         sid = f"{lay.name_hash:020d}{combined:020d}".encode()
         crcs[sid_rec.name] = crc32(sid)
-        base = self.base
-        pwrite_all(self._fd, memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), base + sid_rec.data_offset)
-        for key in lay.keys:
-            rec = lay.record_for(key)
-            pwrite_all(self._fd, memoryview(_descriptor(rec, crcs[rec.name])), base + rec.descriptor_offset)
+        self._write(memoryview(sid + _descriptor(sid_rec, crcs[sid_rec.name])), sid_rec.data_offset)
         cd = b"".join(_central_entry(r, crcs[r.name]) for r in lay.records)
         tail = cd + _end_records(len(lay.records), lay.central_dir_offset, len(cd))
-        pwrite_all(self._fd, memoryview(tail), base + lay.central_dir_offset)
-        self._finished = True
-        self.close()
+        self._write(memoryview(tail), lay.central_dir_offset)
 
 
 def save_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, Any] | torch.Tensor) -> None:

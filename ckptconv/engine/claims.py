@@ -1,0 +1,86 @@
+"""Which bytes of its output file a band is about to write, announced to the file's digest when the band starts;
+and the order of the units, so that each file's bands start in file order.
+
+An output file is hashed as it is written, in file order (ckptconv.io.write_digest); a band that finishes
+before the band just ahead of it in the same file then waits for that one instead of leaving its own bytes to
+be read back. A band that writes several extents (one tensor for each of several files) claims them all but never
+waits itself, so every wait ends: the claim waited for belongs to a thread that never waits, or that writes it at
+the hashed prefix (or releases it when its band ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptconv.core.plan import OutTensor, Plan, Source
+from ckptconv.io.write_digest import waiting
+
+
+def _nothing() -> None:
+    pass
+
+
+def band_extent(tensor: OutTensor, start: int, stop: int) -> tuple[int, int]:
+    """(byte offset in the tensor's stored bytes, byte length) that rows [start, stop) of ``tensor`` occupy, as the
+    executor writes them (a column-major or 0-dim tensor is written whole, in one band)."""
+    itemsize = tensor.dtype.itemsize
+    numel = 1
+    for size in tensor.shape:
+        numel *= size
+    if tensor.column_major or not tensor.shape:
+        return 0, numel * itemsize
+    row = numel // tensor.shape[0] * itemsize if tensor.shape[0] else 0
+    return start * row, (stop - start) * row
+
+
+def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
+               sinks: Mapping[int, Any]) -> Callable[[], None]:
+    """Claim the extents a band will write (see the module); returns the release. A band of stacked slabs claims
+    nothing; a band writing several extents claims them all and its writes never wait."""
+    if tensors[0][1].by_slab:
+        return _nothing
+    releases = []
+    for file_index, tensor in tensors:
+        claim = getattr(sinks[file_index], "claim", None)
+        if claim is not None:
+            releases.append(claim(tensor.key, *band_extent(tensor, start, stop)))
+    waiting(len(tensors) == 1)
+
+    def release() -> None:
+        for each in releases:
+            each()
+        waiting(True)
+
+    return release
+
+
+def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
+               position: Callable[[Source], int] | None) -> list[int]:
+    """Indices of ``units`` (each its (file index, tensor) list) in the order to run them.
+
+    Files that units cut by columns write together (the tp ranks of one source) form a group; groups run one
+    after another, earliest file first, so files complete (and are recorded) while the rest converts. Within a
+    group, by the position of the unit's tensor in its file, so every file of the group is written front to back
+    at once and its digest hashes the bands as they arrive; ties in the order their sources lie in their files
+    (checked reads then hash what the workers read as it comes)."""
+    parent: dict[int, int] = {}
+
+    def find(i: int) -> int:
+        while parent.setdefault(i, i) != i:
+            i = parent[i]
+        return i
+
+    for tensors in units:
+        for i, _ in tensors[1:]:
+            a, b = find(tensors[0][0]), find(i)
+            parent[max(a, b)] = min(a, b)
+    files = {i for tensors in units for i, _ in tensors}
+    index = {(i, t.key): n for i in files for n, t in enumerate(plan.files[i].tensors)}
+
+    def key(n: int) -> tuple[int, int, int, int]:
+        file_index, at = min((i, index[(i, t.key)]) for i, t in units[n])
+        first = plan.files[file_index].tensors[at].pieces[0].source
+        return find(file_index), at, file_index, position(first) if position is not None else 0
+
+    return sorted(range(len(units)), key=key)

@@ -1,0 +1,208 @@
+"""Digests of output files computed from the bytes as they are written, instead of reading each file back.
+
+A :class:`WriteDigest` follows one file in file order, like :class:`ckptconv.io.checked.StreamCheck` does for
+reads. Every write into the file goes through :meth:`WriteDigest.write` (pwrite, then hash): a write at the
+hashed prefix is hashed from memory; one just ahead of it waits while the bytes before it are being written by
+another thread; one further ahead is left on disk and read back (from the page cache) once the prefix reaches
+it; :meth:`WriteDigest.finish` reads back whatever is still unhashed. The digest is the plain BLAKE3 (or
+sha256) of the whole file, so ``b3sum`` and ``verify --files`` agree with it; only the number of bytes read
+back changes (:attr:`WriteDigest.pulled`).
+
+Writers that create a file (:class:`ckptconv.io.torchzip.TorchZipWriter`, the safetensors writer, the DCP
+sink) take their digest from :func:`open_digest`, which answers only inside :func:`recording` (the executor
+opens its sinks there), so a file written anywhere else is hashed from disk as before.
+
+    >>> digests = WriteDigests("blake3")                                  # doctest: +SKIP
+    >>> with recording(digests): sink = make_sink(out_file, tmp)          # doctest: +SKIP
+    >>> ...; sink.finish(); digests.result(tmp / out_file.path)           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ckptconv.io.digest import new_hasher
+from ckptconv.io.positional import pwrite_all
+
+READ_CHUNK = 4 << 20  # bytes per read-back of a range written out of order
+
+
+class WriteDigest:
+    """The digest of one file being written, from its written bytes in file order."""
+
+    def __init__(self, path: str, fd: int, algorithm: str) -> None:
+        self.path, self.fd = path, fd
+        self._digest: Any = new_hasher(algorithm)
+        self.pos = 0          # bytes [0, pos) are hashed
+        self.pulled = 0       # bytes read back from the file (written ahead of pos, or never written)
+        self.hexdigest: str | None = None
+        self._in_flight: list[tuple[int, int]] = []  # pwrites running now
+        self._ahead: list[tuple[int, int]] = []      # written ahead of pos, on disk, not hashed yet
+        self._cond = threading.Condition()
+
+    def claim(self, offset: int, length: int) -> Callable[[], None]:
+        """A thread will write [offset, offset+length) soon (it is computing those bytes): writes just past them
+        wait for them instead of being read back. Returns the release, to call once that thread is done (written
+        or not). A thread holding claims on several extents must not wait (:func:`waiting`), so every wait ends:
+        the claim it waits for belongs to a thread that never waits, or that writes at the hashed prefix."""
+        claim = (offset, offset + length)
+        with self._cond:
+            self._in_flight.append(claim)
+
+        def release() -> None:
+            with self._cond:
+                self._in_flight.remove(claim)
+                self._cond.notify_all()
+
+        return release
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """pwrite ``data`` at ``offset``, then hash it (or leave it to be read back, see the module)."""
+        end = offset + len(data)
+        if not len(data):
+            return
+        with self._cond:
+            self._in_flight.append((offset, end))
+        try:
+            pwrite_all(self.fd, data, offset)
+        except BaseException:
+            with self._cond:
+                self._in_flight.remove((offset, end))
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            try:
+                self._in_flight.remove((offset, end))
+                self._wrote(offset, end, data)
+            finally:
+                self._cond.notify_all()
+
+    def _wrote(self, offset: int, end: int, data: memoryview) -> None:
+        while True:  # returns once the write is hashed or left to be read back
+            if self.hexdigest is not None or offset < self.pos:
+                raise AssertionError(f"{self.path}: bytes [{offset}, {end}) written after the digest passed them "
+                                     f"(hashed up to {self.pos})")
+            if offset == self.pos:
+                self._update(data)
+                self._read_ahead()
+                return
+            if may_wait() and any(s <= self.pos < e for s, e in self._in_flight):
+                self._cond.wait()  # the bytes at pos are being computed or written by another thread right now
+                continue
+            self._ahead.append((offset, end))  # read back once pos reaches it
+            return
+
+    def _read_ahead(self) -> None:
+        """Hash the ranges written ahead of pos that pos has reached, reading them back."""
+        while True:
+            reached = [(s, e) for s, e in self._ahead if s <= self.pos]
+            if not reached:
+                return
+            self._ahead = [(s, e) for s, e in self._ahead if s > self.pos]
+            self._pull(max(e for _, e in reached))
+
+    def _pull(self, stop: int) -> None:
+        """Read [pos, stop) back from the file and hash it."""
+        if self.pos >= stop:
+            return
+        buffer = bytearray(min(READ_CHUNK, stop - self.pos))
+        view = memoryview(buffer)
+        while self.pos < stop:
+            n = min(len(buffer), stop - self.pos)
+            got = os.preadv(self.fd, [view[:n]], self.pos)
+            if got <= 0:
+                raise OSError(f"{self.path}: unexpected end of file at {self.pos} while reading it back for its digest")
+            self.pulled += got
+            self._update(view[:got])
+
+    def _update(self, data: memoryview) -> None:
+        self._digest.update(data)
+        self.pos += len(data)
+
+    def finish(self) -> str:
+        """Hash what is left (read back) and return the hex digest; call once every write is done."""
+        with self._cond:
+            if self.hexdigest is None:
+                if self._in_flight:
+                    raise AssertionError(f"{self.path}: digest finished while writes {self._in_flight} run")
+                self._ahead.clear()
+                self._pull(os.fstat(self.fd).st_size)
+                self.hexdigest = str(self._digest.hexdigest())
+            return self.hexdigest
+
+
+_THREAD = threading.local()
+
+
+def may_wait() -> bool:
+    """Whether a write of this thread ahead of the hashed prefix may wait for the bytes before it."""
+    return bool(getattr(_THREAD, "may_wait", True))
+
+
+def waiting(allowed: bool) -> None:
+    """Let this thread's writes wait for the bytes before them, or not (while it holds claims on several
+    extents: another thread may be waiting for one of those)."""
+    _THREAD.may_wait = allowed
+
+
+def write_to(fd: int, data: memoryview, offset: int, digest: WriteDigest | None) -> None:
+    """pwrite ``data`` at ``offset`` of ``fd``, through ``digest`` when the file has one."""
+    if digest is None:
+        pwrite_all(fd, data, offset)
+    else:
+        digest.write(data, offset)
+
+
+class WriteDigests:
+    """The digests of the files created while :func:`recording` is active, by path."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self._by_path: dict[str, WriteDigest] = {}
+        self._lock = threading.Lock()
+
+    def open(self, path: str | os.PathLike[str], fd: int) -> WriteDigest:
+        digest = WriteDigest(os.fspath(path), fd, self.algorithm)
+        with self._lock:
+            self._by_path[os.path.abspath(path)] = digest
+        return digest
+
+    def result(self, path: str | os.PathLike[str]) -> str | None:
+        """The hex digest of the file written at ``path`` (before any rename), if it was finished here."""
+        with self._lock:
+            digest = self._by_path.get(os.path.abspath(path))
+        return None if digest is None else digest.hexdigest
+
+    def under(self, root: Path) -> Callable[[str], str | None]:
+        """:meth:`result` by path relative to ``root`` (the directory the files were written in)."""
+        return lambda rel: self.result(root / rel)
+
+    def pulled(self) -> int:
+        """Bytes read back over all files (the rest was hashed from memory)."""
+        with self._lock:
+            return sum(d.pulled for d in self._by_path.values())
+
+
+_ACTIVE: contextvars.ContextVar[WriteDigests | None] = contextvars.ContextVar("ckptconv_write_digests", default=None)
+
+
+@contextlib.contextmanager
+def recording(digests: WriteDigests | None) -> Iterator[None]:
+    """Files created in this block (in this thread) get a digest from ``digests`` (None: no digests)."""
+    token = _ACTIVE.set(digests)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def open_digest(path: str | os.PathLike[str], fd: int) -> WriteDigest | None:
+    """A digest for a file just created at ``path`` (open read-write on ``fd``), inside :func:`recording`."""
+    digests = _ACTIVE.get()
+    return None if digests is None else digests.open(path, fd)

@@ -1,0 +1,179 @@
+"""Output digests computed as the bytes are written (ckptconv.io.write_digest) are the plain BLAKE3 / sha256 of the
+file on disk: bands in any order, zip descriptors and tails patched in, every output kind the executor writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import threading
+from pathlib import Path
+
+import blake3
+import pytest
+import torch
+
+import ckptconv
+import ckptconv.io.digest as digest_module
+from benchmarks.reshard_optim import make_training_tag
+from ckptconv.commands.api import RunOptions
+from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip
+from ckptconv.io.write_digest import WriteDigest, WriteDigests, recording, waiting
+from tests.conftest import make_tiny_llama, warns_no_tokenizer
+
+QUIET = RunOptions(quiet=True, part=(0, 1))
+
+
+def _reference(path: Path, algorithm: str) -> str:
+    data = path.read_bytes()
+    return blake3.blake3(data).hexdigest() if algorithm == "blake3" else hashlib.sha256(data).hexdigest()
+
+
+def _open(path: Path, size: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    os.ftruncate(fd, size)
+    return fd
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_bands_written_out_of_order_by_threads_give_the_files_digest(tmp_path: Path, algorithm: str):
+    path = tmp_path / "f.bin"
+    data = random.Random(0).randbytes(300_001)
+    cuts = sorted(random.Random(1).sample(range(1, len(data)), 40))
+    bands = list(zip([0, *cuts], [*cuts, len(data)], strict=True))
+    random.Random(2).shuffle(bands)
+    fd = _open(path, len(data) + 17)  # a tail never written: read back as the zeros it holds
+    digest = WriteDigest(str(path), fd, algorithm)
+    view = memoryview(data)
+    threads = [threading.Thread(target=digest.write, args=(view[lo:hi], lo)) for lo, hi in bands]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result = digest.finish()
+    os.close(fd)
+    assert result == _reference(path, algorithm)
+    assert path.read_bytes()[:len(data)] == data
+
+
+def test_a_band_written_ahead_is_read_back_unless_its_predecessor_is_claimed(tmp_path: Path):
+    first, second = b"a" * 1000, b"b" * 3000
+    for claimed in (False, True):
+        path = tmp_path / f"claimed-{claimed}"
+        fd = _open(path, 4000)
+        digest = WriteDigest(str(path), fd, "blake3")
+        release = digest.claim(0, len(first)) if claimed else None
+        ahead = threading.Thread(target=digest.write, args=(memoryview(second), len(first)))
+        ahead.start()
+        if not claimed:
+            ahead.join()  # nothing announced before it: it is left on disk
+        digest.write(memoryview(first), 0)
+        ahead.join()
+        if release is not None:
+            release()
+        assert digest.finish() == blake3.blake3(first + second).hexdigest()
+        assert digest.pulled == (0 if claimed else len(second))
+        os.close(fd)
+
+
+def test_a_thread_holding_several_claims_does_not_wait(tmp_path: Path):
+    fd = _open(tmp_path / "f", 20)
+    digest = WriteDigest(str(tmp_path / "f"), fd, "blake3")
+    release = digest.claim(0, 10)  # held by another thread that never writes it
+    waiting(False)
+    try:
+        digest.write(memoryview(b"x" * 10), 10)  # returns: left to be read back
+    finally:
+        waiting(True)
+    release()
+    assert digest.finish() == blake3.blake3(bytes(10) + b"x" * 10).hexdigest() and digest.pulled == 20
+    os.close(fd)
+
+
+def test_a_write_behind_the_hashed_prefix_is_refused(tmp_path: Path):
+    fd = _open(tmp_path / "f", 8)
+    digest = WriteDigest(str(tmp_path / "f"), fd, "blake3")
+    digest.write(memoryview(b"12345678"), 0)
+    with pytest.raises(AssertionError, match=r"bytes \[0, 4\) written after the digest passed them"):
+        digest.write(memoryview(b"abcd"), 0)
+    os.close(fd)
+
+
+def test_a_torch_zip_written_in_bands_out_of_order_is_hashed_without_reading_it_back(tmp_path: Path):
+    tensors = {"a": torch.arange(3000, dtype=torch.float32).reshape(100, 30), "b": torch.arange(77, dtype=torch.int64),
+               "c": torch.arange(500, dtype=torch.float32).reshape(50, 10)}
+    path = tmp_path / "m.pt"
+    digests = WriteDigests("blake3")
+    with recording(digests):
+        writer = TorchZipWriter(path, plan_zip(path, {k: TensorMeta.of(t) for k, t in tensors.items()}))
+    flat = {k: t.reshape(-1).view(torch.uint8) for k, t in tensors.items()}
+    bands = [(k, lo, min(lo + 1000, len(v))) for k, v in flat.items() for lo in range(0, len(v), 1000)]
+    releases = [writer.claim(k, lo, hi - lo) for k, lo, hi in bands]  # every band in flight, as the executor's
+    random.Random(3).shuffle(bands)
+    threads = [threading.Thread(target=writer.write_extent, args=(k, lo, flat[k][lo:hi])) for k, lo, hi in bands]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for release in releases:
+        release()
+    writer.finish()
+    (tmp_path / "ref").mkdir()
+    torch.save(tensors, tmp_path / "ref" / "m.pt")  # the archive name follows the file name
+    assert path.read_bytes() == (tmp_path / "ref" / "m.pt").read_bytes()
+    assert digests.result(path) == blake3.blake3(path.read_bytes()).hexdigest()
+    assert digests.pulled() < 4096, "headers and descriptors at most are read back, never a band"
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[str]]]:
+    """Every output kind, each converted while ``file_digest`` (reading a file back) was recorded."""
+    root = tmp_path_factory.mktemp("write-digest")
+    hf = make_tiny_llama(root / "hf", hidden=64, heads=8, kv_heads=2, intermediate=96, layers=2)
+    read_back: list[str] = []
+    original = digest_module.file_digest
+
+    def spy(path: Path, algorithm: str) -> str:
+        read_back.append(Path(path).name)
+        return original(path, algorithm)
+
+    made: dict[str, tuple[Path, list[str]]] = {}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(digest_module, "file_digest", spy)
+    try:
+        def run(name: str, convert, warns: bool = False) -> None:  # type: ignore[no-untyped-def]
+            read_back.clear()
+            if warns:
+                with warns_no_tokenizer():
+                    convert(root / name)
+            else:
+                convert(root / name)
+            made[name] = (root / name, list(read_back))
+
+        run("nxd", lambda out: ckptconv.to_nxd(hf, out, tp=2, fuse_qkv=True, attention="qkv_linear", options=QUIET))
+        run("xser", lambda out: ckptconv.to_nxd(hf, out, tp=2, flavour="xser-split", options=QUIET))
+        run("safetensors", lambda out: ckptconv.to_hf(root / "nxd", out, max_shard_size=50_000, options=QUIET),
+            warns=True)
+        make_training_tag(root / "nxd", "CosineAnnealing", tp=2)
+        run("tag", lambda out: ckptconv.reshard(root / "nxd", out, tp=1, pp=1, options=QUIET))
+        run("nxd-optimizer", lambda out: ckptconv.reshard(root / "nxd", out, tp=1, pp=1, optimizer_format="nxd",
+                                                          options=QUIET))
+        run("dcp", lambda out: ckptconv.to_dcp(root / "nxd", out, options=QUIET))
+    finally:
+        mp.undo()
+    return made
+
+
+@pytest.mark.parametrize("kind", ["nxd", "xser", "safetensors", "tag", "nxd-optimizer", "dcp"])
+def test_recorded_digests_are_the_files_blake3_and_data_files_are_not_read_back(outputs, kind: str):
+    out, read_back = outputs[kind]
+    records = json.loads((out / "ckptconv.json").read_text())["files"]
+    data_files = [rel for rel in records if rel.endswith((".pt", ".safetensors", ".distcp"))]
+    assert data_files, f"{kind}: no data files recorded"
+    for rel, record in records.items():
+        assert record["blake3"] == blake3.blake3((out / rel).read_bytes()).hexdigest(), f"{kind}: {rel}"
+    size = {rel: (out / rel).stat().st_size for rel in data_files}
+    as_written = sum(size[rel] for rel in data_files if Path(rel).name not in read_back)
+    # small files written outside the executor's bands (xser's refs and .info.pt, side files) are read back
+    assert as_written >= 0.9 * sum(size.values()), f"{kind}: read back {read_back}"
