@@ -8,21 +8,33 @@ alternating with this checkout's in every repetition, so both see the same machi
 
     python benchmarks/startup.py [--repeat N] [--before DIR]
 
+The last rows are conversions' start-up (issue #33): the four training-state commands of
+``benchmarks/training_rows.py`` on its tiny tag (the 70B heads with tiny tensors, nxdtrain's format 2
+with AdamW state, and its TorchTitan DCP; built once under ``bench-out/train-tiny``), each the whole
+command in a fresh process with ``sync`` before it and inside its time, OUT removed between runs.
+``--only conversions`` (or ``answers``) runs one group. The load average is sampled before each
+repetition and reported with the table.
+
 The table goes to stdout and ``bench-out/startup.md``. Every command's exit status is checked
-(0 for answers, 2 for usage errors, 1 for config errors): a command that fails differently is
-a broken benchmark, not a fast one.
+(0 for answers and conversions, 2 for usage errors, 1 for config errors): a command that fails
+differently is a broken benchmark, not a fast one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training_rows import COMMANDS as TRAINING  # noqa: E402
+from training_rows import build, measure  # noqa: E402
 
 OUT = Path("bench-out")
 CKPTCONV = "import sys; from ckptconv.cli.main import main; sys.exit(main())"  # what the console script runs
@@ -52,10 +64,23 @@ def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
     ]
 
 
+def conversions(paths: dict[str, Path], tmp: Path) -> list[tuple[str, list[str], int]]:
+    """training_rows' four commands on its tiny tag (start-up: everything but the bytes), OUT under ``tmp``."""
+    out = str(tmp / "conv-out")
+    cases = []
+    for label, argv, kind in TRAINING:
+        args = [str(paths[f"tiny-{kind}"]) if a == "SRC" else out if a == "OUT" else a for a in argv]
+        cases.append((f"ckptconv {label.split(' (')[0]} (tiny tag, sync)", ["-m", "ckptconv.cli", *args, "--quiet"], 0))
+    return cases
+
+
 def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> float:
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    if argv[:2] == ["-m", "ckptconv.cli"]:  # a conversion: OUT fresh, sync before and inside the time
+        shutil.rmtree(cwd / "conv-out", ignore_errors=True)
+        return measure([sys.executable, *argv], env, cwd).wall
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True, cwd=cwd)  # not this checkout: `-c` puts the cwd first on sys.path
@@ -69,16 +94,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each command (median reported; default 5)")
     parser.add_argument("--before", metavar="DIR", help="source tree of an earlier commit to compare against")
+    parser.add_argument("--only", choices=("answers", "conversions"), default=None, help="run one group of rows")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     variants: dict[str, str | None] = {"now": None}
     if args.before:
         variants = {"before": str(Path(args.before).resolve()), **variants}
-    load_start = os.getloadavg()[0]
+    loads = []
     with tempfile.TemporaryDirectory() as tmp:
-        cases = commands(Path(tmp))
+        cases = [] if args.only == "conversions" else commands(Path(tmp))
+        if args.only != "answers":
+            cases += conversions(build(OUT.resolve(), names=("tiny",)), Path(tmp))
         times: dict[tuple[str, str], list[float]] = {(label, v): [] for label, _, _ in cases for v in variants}
         for i in range(args.repeat):
+            loads.append(os.getloadavg()[0])
             for label, argv, expected in cases:
                 order = list(variants) if i % 2 == 0 else list(reversed(variants))
                 for v in order:
@@ -95,8 +124,9 @@ def main() -> None:
             ratio = statistics.median(times[label, "before"]) / statistics.median(times[label, "now"])
             cells.append(f"{ratio:.1f}x")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + (f"\n\n{args.repeat} runs each; load average {load_start:.1f} at start, "
-                               f"{os.getloadavg()[0]:.1f} at end; {os.cpu_count()} cores\n")
+    loads.append(os.getloadavg()[0])
+    text = "\n".join(lines) + (f"\n\n{args.repeat} runs each; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
+                               f"(median {statistics.median(loads):.1f}) over the runs; {os.cpu_count()} cores\n")
     print(text)
     (OUT / "startup.md").write_text(text)
 

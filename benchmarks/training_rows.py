@@ -70,11 +70,11 @@ class Row:
                 f"{cpu:.2f} ({cp_cpu:.2f}) | {max(r.rss for r in self.runs) / 2**20:.0f} MiB |")
 
 
-def measure(argv: list[str], env: dict[str, str] | None = None) -> Run:
+def measure(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> Run:
     """Wall (sync before, command + sync timed), the child's CPU and peak RSS; a failure stops the benchmark."""
     subprocess.run(["sync"], check=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     subprocess.run(["sync"], check=True)
     wall = time.perf_counter() - start
@@ -87,11 +87,13 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
-def build(out: Path) -> dict[str, Path]:
+def build(out: Path, names: tuple[str, ...] = ("big", "tiny")) -> dict[str, Path]:
     """The tags and their DCPs (kept between runs: rebuilt only when missing). Built in child processes: a child
     forked from a process that held GBs of shards would report that process's RSS as its own peak."""
     paths = {}
     for name, shape, vocab in (("big", "8b", 16384), ("tiny", "70b-tiny", 1024)):
+        if name not in names:
+            continue
         work = out / f"train-{name}"
         tag, dcp = work / "tag", work / "dcp"
         if not (tag / "done").is_file():
