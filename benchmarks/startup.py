@@ -12,7 +12,7 @@ The last rows are conversions' start-up (issue #33): the four training-state com
 ``benchmarks/training_rows.py`` on its tiny tag (the 70B heads with tiny tensors, nxdtrain's format 2
 with AdamW state, and its TorchTitan DCP; built once under ``bench-out/train-tiny``), each the whole
 command in a fresh process with ``sync`` before it and inside its time, OUT removed between runs.
-``--only conversions`` (or ``answers``) runs one group. The load average is sampled before each
+``--only conversions`` (or ``answers``) runs one group (and the floor rows). The load average is sampled before each
 repetition and reported with the table.
 
 The table goes to stdout and ``bench-out/startup.md``. Every command's exit status is checked
@@ -74,20 +74,44 @@ def conversions(paths: dict[str, Path], tmp: Path) -> list[tuple[str, list[str],
     return cases
 
 
-def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> float:
+def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> tuple[float, float]:
+    """(wall s, the child's user + system CPU s); the CPU figure moves less with the machine's load."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     if argv[:2] == ["-m", "ckptconv.cli"]:  # a conversion: OUT fresh, sync before and inside the time
         shutil.rmtree(cwd / "conv-out", ignore_errors=True)
-        return measure([sys.executable, *argv], env, cwd).wall
+        run = measure([sys.executable, *argv], env, cwd)
+        return run.wall, run.cpu
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, cwd=cwd)  # not this checkout: `-c` puts the cwd first on sys.path
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd)  # not this checkout: `-c` puts the cwd first on sys.path
+    stderr = proc.stderr.read() if proc.stderr else ""
+    _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
-    if proc.returncode != expected:
-        raise SystemExit(f"{argv}: exit {proc.returncode}, expected {expected}\n{proc.stderr[-2000:]}")
-    return seconds
+    code = os.waitstatus_to_exitcode(status)
+    if code != expected:
+        raise SystemExit(f"{argv}: exit {code}, expected {expected}\n{stderr[-2000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime
+
+
+def table(cases: list[tuple[str, list[str], int]], variants: list[str],
+          times: dict[tuple[str, str], list[tuple[float, float]]]) -> list[str]:
+    """Median wall (range) and median CPU per tree; with a before tree, before / now of both medians."""
+    before = "before" in variants
+    header = "| command | " + " | ".join(f"{v} wall s (range) | {v} CPU s" for v in variants)
+    lines = [header + (" | before / now (wall, CPU) |" if before else " |"),
+             "|" + " --- |" * (1 + 2 * len(variants) + before)]
+    for label, _, _ in cases:
+        cells, med = [], {}
+        for v in variants:
+            wall, cpu = [t[0] for t in times[label, v]], [t[1] for t in times[label, v]]
+            med[v] = statistics.median(wall), statistics.median(cpu)
+            cells += [f"{med[v][0]:.2f} ({min(wall):.2f}-{max(wall):.2f})", f"{med[v][1]:.2f}"]
+        if before:
+            cells.append(f"{med['before'][0] / med['now'][0]:.2f}x, {med['before'][1] / med['now'][1]:.2f}x")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -102,31 +126,20 @@ def main() -> None:
         variants = {"before": str(Path(args.before).resolve()), **variants}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
-        cases = [] if args.only == "conversions" else commands(Path(tmp))
+        cases = commands(Path(tmp))[:2 if args.only == "conversions" else None]  # the floor rows always
         if args.only != "answers":
             cases += conversions(build(OUT.resolve(), names=("tiny",)), Path(tmp))
-        times: dict[tuple[str, str], list[float]] = {(label, v): [] for label, _, _ in cases for v in variants}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {(c[0], v): [] for c in cases for v in variants}
         for i in range(args.repeat):
             loads.append(os.getloadavg()[0])
             for label, argv, expected in cases:
-                order = list(variants) if i % 2 == 0 else list(reversed(variants))
-                for v in order:
+                for v in list(variants) if i % 2 == 0 else list(reversed(variants)):
                     times[label, v].append(run_once(argv, expected, variants[v], Path(tmp)))
-    header = "| command | " + " | ".join(f"{v} median s (range)" for v in variants)
-    header += " | before / now |" if args.before else " |"
-    lines = [header, "|" + " --- |" * (len(variants) + 1 + bool(args.before))]
-    for label, _, _ in cases:
-        cells = []
-        for v in variants:
-            t = times[label, v]
-            cells.append(f"{statistics.median(t):.3f} ({min(t):.3f}-{max(t):.3f})")
-        if args.before:
-            ratio = statistics.median(times[label, "before"]) / statistics.median(times[label, "now"])
-            cells.append(f"{ratio:.1f}x")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     loads.append(os.getloadavg()[0])
-    text = "\n".join(lines) + (f"\n\n{args.repeat} runs each; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
-                               f"(median {statistics.median(loads):.1f}) over the runs; {os.cpu_count()} cores\n")
+    bytecode = "not written (PYTHONDONTWRITEBYTECODE)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "cached"
+    text = "\n".join(table(cases, list(variants), times)) + (
+        f"\n\n{args.repeat} runs each; 1-minute load average {min(loads):.1f}-{max(loads):.1f} (median "
+        f"{statistics.median(loads):.1f}) over the runs; {os.cpu_count()} cores; bytecode {bytecode}\n")
     print(text)
     (OUT / "startup.md").write_text(text)
 
