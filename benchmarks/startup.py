@@ -49,6 +49,7 @@ def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
     return [
         ("python -c pass (floor)", ["-c", "pass"], 0),
         ("python -c 'import torch'", ["-c", "import torch"], 0),
+        ("import torch, collector paused (as the CLI does)", ["-c", "import gc; gc.disable(); import torch"], 0),
         ("ckptconv --version", [*ck, "--version"], 0),
         ("ckptconv --help", [*ck, "--help"], 0),
         ("ckptconv to-nxd --help", [*ck, "to-nxd", "--help"], 0),
@@ -126,7 +127,7 @@ def main() -> None:
         variants = {"before": str(Path(args.before).resolve()), **variants}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
-        cases = commands(Path(tmp))[:2 if args.only == "conversions" else None]  # the floor rows always
+        cases = commands(Path(tmp))[:3 if args.only == "conversions" else None]  # the floor rows always
         if args.only != "answers":
             cases += conversions(build(OUT.resolve(), names=("tiny",)), Path(tmp))
         times: dict[tuple[str, str], list[tuple[float, float]]] = {(c[0], v): [] for c in cases for v in variants}
