@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("answers", "conversions"), default=None, help="run one group of rows")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
-    variants: dict[str, str | None] = {"now": None}
+    # this checkout by path, not the installed package (an editable install may point at another worktree)
+    variants: dict[str, str | None] = {"now": str(Path(__file__).resolve().parent.parent)}
     if args.before:
         variants = {"before": str(Path(args.before).resolve()), **variants}
     loads = []

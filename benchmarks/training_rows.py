@@ -115,6 +115,7 @@ def du(path: Path) -> int:
 
 
 def training_rows(out: Path, repeat: int, before: Path | None) -> str:
+    out = out.resolve()  # the commands run in it (cwd), so their paths must not be relative to the checkout
     paths = build(out)
     trees = [("after", REPO)] + ([("before", before)] if before else [])
     rows = {(c, t): Row(c, t, du(paths[f"big-{kind}"]) / 1e9) for c, _, kind in COMMANDS for t, _ in trees}
@@ -131,7 +132,8 @@ def training_rows(out: Path, repeat: int, before: Path | None) -> str:
                     src = paths[f"{size}-{kind}"]
                     shutil.rmtree(target, ignore_errors=True)
                     args = [str(src) if a == "SRC" else str(target) if a == "OUT" else a for a in argv]
-                    runs.append(measure([sys.executable, "-m", "ckptconv.cli", *args, "--quiet"], tree_env(root)))
+                    runs.append(measure([sys.executable, "-m", "ckptconv.cli", *args, "--quiet"], tree_env(root),
+                                        cwd=out))  # not the checkout: `-m` puts the cwd before PYTHONPATH
                     shutil.rmtree(target)
                 r, c = row.runs[-1], row.cp[-1]
                 print(f"{command} [{tree}]: {r.wall:.1f} s (start-up {row.startup[-1].wall:.1f}), cp -r {c.wall:.1f} s; "
