@@ -1,15 +1,17 @@
 """A DCP ``.metadata`` pickle without importing ``torch.distributed.checkpoint``.
 
 Importing torch's DCP package (for the seven small classes ``.metadata`` pickles) imports
-``torch.distributed.tensor`` and sympy with it: ~0.5 s of a to-dcp's start-up, more than the
-conversion of a small model. :func:`metadata_classes` gives stand-ins instead, defined as torch
-defines them (fields, defaults, ``__getstate__``) and pickled by :func:`dumps` under torch's own
+``torch.distributed.tensor`` and sympy with it: ~0.5-0.9 s of CPU, most of what to-dcp's start-up
+spent above torch's own import. :func:`metadata_classes` gives stand-ins instead, defined as torch
+defines them (fields, defaults, ``__getstate__``), and :func:`dumps` pickles them under torch's
 module and class names: the same bytes as ``pickle.dumps`` of torch's objects (a test compares
-them). Pickle resolves a class by importing its module, so the stand-ins name a module as long as
-torch's (this one, registered under that name too), and the one string naming it in the pickle
-is replaced by torch's module name: same length, so no other byte moves; pickling stays C-speed. The stand-ins are used only while torch's definitions are the ones they copy (the source
-of each class, read as text without importing it, has a recorded digest); any other torch gets its
-own classes, imported as before.
+them). Pickle resolves a class by importing its module, so the stand-ins name a module exactly as
+long as torch's (this one, registered under that name too), and the one string naming it in the
+pickle is replaced by torch's module name: no other byte moves, and pickling stays C-speed.
+
+The stand-ins are used only while torch's definitions are the ones they copy (the source of each
+class, read as text without importing it, has a recorded digest); any other torch gets its own
+classes, imported as before.
 """
 
 from __future__ import annotations
@@ -155,7 +157,10 @@ _COPIED = {METADATA_MODULE: ("_MEM_FORMAT_ENCODING", "ChunkStorageMetadata", "Te
 
 def class_sources(module: str, names: tuple[str, ...]) -> str:
     """The source text of each class (its decorators included) of torch's ``module``, read without importing it."""
-    text = (Path(torch.__file__).parent / (module.removeprefix("torch.").replace(".", "/") + ".py")).read_text("utf-8")
+    try:
+        text = (Path(torch.__file__).parent / (module.removeprefix("torch.").replace(".", "/") + ".py")).read_text("utf-8")
+    except (OSError, UnicodeError):  # no source beside torch (a zipped or compiled install): torch's own classes
+        return f"<{module} unreadable>"
     parts = []
     for name in names:
         m = re.search(rf"^(?:@.*\n)*class {name}\b.*?(?=^[^\s#)]|\Z)", text, re.MULTILINE | re.DOTALL)
