@@ -220,3 +220,33 @@ def test_dcp_metadata_classes_are_torchs_own_once_torch_defines_them_differently
     classes = dcp_classes.metadata_classes()
     assert classes.Metadata.__module__ == "torch.distributed.checkpoint.metadata"
     assert classes.StorageInfo.__module__ == "torch.distributed.checkpoint.filesystem"
+
+
+EXIT_PROBE = """
+import atexit, os, sys
+from ckptconv.cli.main import main
+
+class Teardown:  # a global of __main__: its __del__ runs when the interpreter tears its modules down
+    def __del__(self, write=os.write):  # bound now: the module's globals are gone by then
+        write(2, b"torn down\\n")
+
+keep = Teardown()
+mode, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
+status = main(None if mode == "process" else sys.argv[1:])
+atexit.register(lambda: os.write(2, b"later handler ran\\n"))  # as torch's, registered after the CLI's
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("mode", ["process", "in-process"])
+def test_a_conversion_process_ends_without_tearing_torch_down(training_tag, tmp_path, mode):
+    """Run as the process (the console script calls main() without argv), a conversion flushes its output, lets
+    every exit handler registered after its own (torch's) and the thread joins run, and ends without the module
+    teardown (~0.1-0.3 s); main(argv) called in-process leaves the interpreter's exit alone."""
+    argv = ["reshard", str(training_tag["tag"]), str(tmp_path / "out"), "--tp", "1", "--json"]
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, mode, *argv], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["complete"] is True  # all of stdout, flushed
+    assert "later handler ran" in proc.stderr
+    assert ("torn down" in proc.stderr) == (mode == "in-process")
