@@ -8,21 +8,33 @@ alternating with this checkout's in every repetition, so both see the same machi
 
     python benchmarks/startup.py [--repeat N] [--before DIR]
 
+The last rows are conversions' start-up (issue #33): the four training-state commands of
+``benchmarks/training_rows.py`` on its tiny tag (the 70B heads with tiny tensors, nxdtrain's format 2
+with AdamW state, and its TorchTitan DCP; built once under ``bench-out/train-tiny``), each the whole
+command in a fresh process with ``sync`` before it and inside its time, OUT removed between runs.
+``--only conversions`` (or ``answers``) runs one group (and the floor rows). The load average is sampled before each
+repetition and reported with the table.
+
 The table goes to stdout and ``bench-out/startup.md``. Every command's exit status is checked
-(0 for answers, 2 for usage errors, 1 for config errors): a command that fails differently is
-a broken benchmark, not a fast one.
+(0 for answers and conversions, 2 for usage errors, 1 for config errors): a command that fails
+differently is a broken benchmark, not a fast one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training_rows import COMMANDS as TRAINING  # noqa: E402
+from training_rows import build, measure  # noqa: E402
 
 OUT = Path("bench-out")
 CKPTCONV = "import sys; from ckptconv.cli.main import main; sys.exit(main())"  # what the console script runs
@@ -37,6 +49,7 @@ def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
     return [
         ("python -c pass (floor)", ["-c", "pass"], 0),
         ("python -c 'import torch'", ["-c", "import torch"], 0),
+        ("import torch, collector paused (as the CLI does)", ["-c", "import gc; gc.disable(); import torch"], 0),
         ("ckptconv --version", [*ck, "--version"], 0),
         ("ckptconv --help", [*ck, "--help"], 0),
         ("ckptconv to-nxd --help", [*ck, "to-nxd", "--help"], 0),
@@ -52,51 +65,83 @@ def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
     ]
 
 
-def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> float:
+def conversions(paths: dict[str, Path], tmp: Path) -> list[tuple[str, list[str], int]]:
+    """training_rows' four commands on its tiny tag (start-up: everything but the bytes), OUT under ``tmp``."""
+    out = str(tmp / "conv-out")
+    cases = []
+    for label, argv, kind in TRAINING:
+        args = [str(paths[f"tiny-{kind}"]) if a == "SRC" else out if a == "OUT" else a for a in argv]
+        cases.append((f"ckptconv {label.split(' (')[0]} (tiny tag, sync)", ["-m", "ckptconv.cli", *args, "--quiet"], 0))
+    return cases
+
+
+def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> tuple[float, float]:
+    """(wall s, the child's user + system CPU s); the CPU figure moves less with the machine's load."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
+    if argv[:2] == ["-m", "ckptconv.cli"]:  # a conversion: OUT fresh, sync before and inside the time
+        shutil.rmtree(cwd / "conv-out", ignore_errors=True)
+        run = measure([sys.executable, *argv], env, cwd)
+        return run.wall, run.cpu
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, cwd=cwd)  # not this checkout: `-c` puts the cwd first on sys.path
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd)  # not this checkout: `-c` puts the cwd first on sys.path
+    stderr = proc.stderr.read() if proc.stderr else ""
+    _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
-    if proc.returncode != expected:
-        raise SystemExit(f"{argv}: exit {proc.returncode}, expected {expected}\n{proc.stderr[-2000:]}")
-    return seconds
+    code = os.waitstatus_to_exitcode(status)
+    if code != expected:
+        raise SystemExit(f"{argv}: exit {code}, expected {expected}\n{stderr[-2000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime
+
+
+def table(cases: list[tuple[str, list[str], int]], variants: list[str],
+          times: dict[tuple[str, str], list[tuple[float, float]]]) -> list[str]:
+    """Median wall (range) and median CPU per tree; with a before tree, before / now of both medians."""
+    before = "before" in variants
+    header = "| command | " + " | ".join(f"{v} wall s (range) | {v} CPU s" for v in variants)
+    lines = [header + (" | before / now (wall, CPU) |" if before else " |"),
+             "|" + " --- |" * (1 + 2 * len(variants) + before)]
+    for label, _, _ in cases:
+        cells, med = [], {}
+        for v in variants:
+            wall, cpu = [t[0] for t in times[label, v]], [t[1] for t in times[label, v]]
+            med[v] = statistics.median(wall), statistics.median(cpu)
+            cells += [f"{med[v][0]:.2f} ({min(wall):.2f}-{max(wall):.2f})", f"{med[v][1]:.2f}"]
+        if before:
+            cells.append(f"{med['before'][0] / med['now'][0]:.2f}x, {med['before'][1] / med['now'][1]:.2f}x")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each command (median reported; default 5)")
     parser.add_argument("--before", metavar="DIR", help="source tree of an earlier commit to compare against")
+    parser.add_argument("--only", choices=("answers", "conversions"), default=None, help="run one group of rows")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
-    variants: dict[str, str | None] = {"now": None}
+    # this checkout by path, not the installed package (an editable install may point at another worktree)
+    variants: dict[str, str | None] = {"now": str(Path(__file__).resolve().parent.parent)}
     if args.before:
         variants = {"before": str(Path(args.before).resolve()), **variants}
-    load_start = os.getloadavg()[0]
+    loads = []
     with tempfile.TemporaryDirectory() as tmp:
-        cases = commands(Path(tmp))
-        times: dict[tuple[str, str], list[float]] = {(label, v): [] for label, _, _ in cases for v in variants}
+        cases = commands(Path(tmp))[:3 if args.only == "conversions" else None]  # the floor rows always
+        if args.only != "answers":
+            cases += conversions(build(OUT.resolve(), names=("tiny",)), Path(tmp))
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {(c[0], v): [] for c in cases for v in variants}
         for i in range(args.repeat):
+            loads.append(os.getloadavg()[0])
             for label, argv, expected in cases:
-                order = list(variants) if i % 2 == 0 else list(reversed(variants))
-                for v in order:
+                for v in list(variants) if i % 2 == 0 else list(reversed(variants)):
                     times[label, v].append(run_once(argv, expected, variants[v], Path(tmp)))
-    header = "| command | " + " | ".join(f"{v} median s (range)" for v in variants)
-    header += " | before / now |" if args.before else " |"
-    lines = [header, "|" + " --- |" * (len(variants) + 1 + bool(args.before))]
-    for label, _, _ in cases:
-        cells = []
-        for v in variants:
-            t = times[label, v]
-            cells.append(f"{statistics.median(t):.3f} ({min(t):.3f}-{max(t):.3f})")
-        if args.before:
-            ratio = statistics.median(times[label, "before"]) / statistics.median(times[label, "now"])
-            cells.append(f"{ratio:.1f}x")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + (f"\n\n{args.repeat} runs each; load average {load_start:.1f} at start, "
-                               f"{os.getloadavg()[0]:.1f} at end; {os.cpu_count()} cores\n")
+    loads.append(os.getloadavg()[0])
+    bytecode = "not written (PYTHONDONTWRITEBYTECODE)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "cached"
+    text = "\n".join(table(cases, list(variants), times)) + (
+        f"\n\n{args.repeat} runs each; 1-minute load average {min(loads):.1f}-{max(loads):.1f} (median "
+        f"{statistics.median(loads):.1f}) over the runs; {os.cpu_count()} cores; bytecode {bytecode}\n")
     print(text)
     (OUT / "startup.md").write_text(text)
 

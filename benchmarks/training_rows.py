@@ -68,11 +68,13 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
-def build(out: Path) -> dict[str, Path]:
+def build(out: Path, names: tuple[str, ...] = ("big", "tiny")) -> dict[str, Path]:
     """The tags and their DCPs (kept between runs: rebuilt only when missing). Built in child processes: a child
     forked from a process that held GBs of shards would report that process's RSS as its own peak."""
     paths = {}
     for name, shape, vocab in (("big", "8b", 16384), ("tiny", "70b-tiny", 1024)):
+        if name not in names:
+            continue
         work = out / f"train-{name}"
         tag, dcp = work / "tag", work / "dcp"
         if not (tag / "done").is_file():
@@ -90,6 +92,7 @@ def build(out: Path) -> dict[str, Path]:
 
 
 def training_rows(out: Path, repeat: int, before: Path | None) -> str:
+    out = out.resolve()  # the commands run in it (cwd), so their paths must not be relative to the checkout
     paths = build(out)
     trees = [("after", REPO)] + ([("before", before)] if before else [])
     rows = {(c, t): Row(c, t, du(paths[f"big-{kind}"]) / 1e9) for c, _, kind in COMMANDS for t, _ in trees}
@@ -106,7 +109,8 @@ def training_rows(out: Path, repeat: int, before: Path | None) -> str:
                     src = paths[f"{size}-{kind}"]
                     shutil.rmtree(target, ignore_errors=True)
                     args = [str(src) if a == "SRC" else str(target) if a == "OUT" else a for a in argv]
-                    runs.append(measure([sys.executable, "-m", "ckptconv.cli", *args, "--quiet"], tree_env(root)))
+                    runs.append(measure([sys.executable, "-m", "ckptconv.cli", *args, "--quiet"], tree_env(root),
+                                        cwd=out))  # not the checkout: `-m` puts the cwd before PYTHONPATH
                     shutil.rmtree(target)
                 r, c = row.runs[-1], row.cp[-1]
                 print(f"{command} [{tree}]: {r.wall:.1f} s (start-up {row.startup[-1].wall:.1f}), cp -r {c.wall:.1f} s; "

@@ -132,3 +132,121 @@ def test_cli_pauses_the_collector_for_the_import_only(tmp_path, monkeypatch):
     assert cli.main(["to-nxd", str(tmp_path / "empty"), str(tmp_path / "out"), "--tp", "1"]) == 1
     assert seen == {"import": False, "run": True}
     assert gc.isenabled()
+
+
+# What a conversion of a training tag must not import: libraries of other paths (the HF hub, transformers, safetensors'
+# package), rich (progress bars only; these run --quiet) and torch's DCP package (which imports sympy with
+# torch.distributed.tensor: ~0.5 s; ckptconv writes and reads DCP files itself, ckptconv.io.dcp_classes).
+NOT_ON_A_TAG_PATH = ("transformers", "safetensors", "huggingface_hub", "datasets", "rich", "sympy",
+                     "torch.distributed.checkpoint")
+
+
+@pytest.fixture(scope="module")
+def training_tag(tiny_models, tmp_path_factory):
+    """A training tag as the start-up benchmark's (benchmarks/training_rows.py: nxdtrain's format 2 with AdamW state,
+    every file recorded; here a tiny GQA model at tp 2, fused QKV) and its TorchTitan DCP."""
+    import ckptconv
+    from benchmarks.reshard_optim import make_training_tag
+    from ckptconv.engine.options import RunOptions
+
+    root = tmp_path_factory.mktemp("startup-tag")
+    hf = tiny_models("startup-gqa", kv_heads=2, layers=2, seed=3)
+    quiet = RunOptions(quiet=True)
+    ckptconv.to_nxd(hf, root / "tag", tp=2, attention="qkv_linear", fuse_qkv=True, options=quiet)
+    make_training_tag(root / "tag", "CosineAnnealing", tp=2)  # as the benchmark's tag: NxD has it
+    ckptconv.to_dcp(root / "tag", root / "dcp", options=quiet)
+    return {"tag": root / "tag", "dcp": root / "dcp"}
+
+
+@pytest.mark.parametrize("argv,src,never", [
+    (["reshard", "SRC", "OUT", "--tp", "1"], "tag", ("ckptconv.titan",)),
+    (["reshard", "SRC", "OUT", "--tp", "1", "--optimizer-format", "nxd"], "tag", ("ckptconv.titan",)),
+    (["to-dcp", "SRC", "OUT"], "tag", ()),
+    (["from-dcp", "SRC", "OUT", "--to", "nxd", "--tp", "2"], "dcp", ()),
+])
+def test_a_conversion_of_a_training_tag_imports_only_its_path(training_tag, tmp_path, argv, src, never):
+    """The four training-state commands (issue #33's start-up rows) convert without importing what their path does
+    not use; the probe sees torch, so it sees imports."""
+    heavy = (*NOT_ON_A_TAG_PATH, *never, "torch")
+    args = [str(training_tag[src]) if a == "SRC" else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    proc = subprocess.run([sys.executable, "-c", PROBE.format(module="ckptconv.cli.main", heavy=heavy), *args,
+                           "--quiet"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"status": 0, "loaded": ["torch"]}, proc.stderr
+    assert (tmp_path / "out" / "ckptconv.json").is_file()
+
+
+DCP_PROBE = """
+import json, sys
+from unittest import mock
+import torch
+from ckptconv.core.plan import OutFile, OutTensor, Piece, Source
+from ckptconv.io import dcp, dcp_classes
+
+def tensor(key, dtype, shape):
+    return OutTensor(key, dtype, shape, 0, (Piece(Source(None, key), 0, shape[0] if shape else 1),))
+
+specs = [tensor(key, dtype, shape) for key, dtype, shape in (
+    ("model.layers.0.attention.wqkv.weight", torch.bfloat16, (24, 8)), ("norm.weight", torch.float32, (8,)),
+    ("optimizer.state.tok_embeddings.weight.step", torch.float32, ()), ("ids", torch.int64, (3, 2)))]
+files = [OutFile(dcp.distcp_name(0), "dcp", tuple(specs[:2])), OutFile(dcp.distcp_name(1), "dcp", tuple(specs[2:]))]
+items = dcp.layout_items(files, {dcp.distcp_name(1): {"train_state.step": 7, "lr_scheduler.last_epoch": 7}})
+ours = dcp.encode_metadata(items, lambda key: tuple(key.split(".")), "save-1")
+imported = [m for m in ("torch.distributed.checkpoint", "sympy") if m in sys.modules]
+with mock.patch.object(dcp_classes, "KNOWN_SOURCES", set()):  # torch's own classes, pickled by pickle.dumps
+    torchs = dcp.encode_metadata(items, lambda key: tuple(key.split(".")), "save-1")
+from torch.distributed.checkpoint.metadata import Metadata
+import pickle
+print(json.dumps({"imported": imported, "same": ours == torchs, "bytes": len(ours),
+                  "loads": type(pickle.loads(ours)) is Metadata}))
+"""
+
+
+def test_dcp_metadata_is_torchs_pickle_without_importing_torchs_dcp_package(tmp_path):
+    """to-dcp's .metadata, pickled from ckptconv.io.dcp_classes' stand-ins, is byte for byte what pickle.dumps writes
+    of torch's own DCP classes (tensors of three dtypes, a 0-d one, bytes items, two files), and writing it imports
+    neither torch.distributed.checkpoint nor sympy (fresh interpreter)."""
+    proc = subprocess.run([sys.executable, "-c", DCP_PROBE], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["imported"] == [] and result["same"] and result["loads"] and result["bytes"] > 1000, proc.stderr
+
+
+def test_dcp_metadata_classes_are_torchs_own_once_torch_defines_them_differently(monkeypatch):
+    """The stand-ins copy torch 2.13's definitions: any other definition (another torch) gets torch's own classes."""
+    from ckptconv.io import dcp_classes
+
+    assert dcp_classes.metadata_classes().Metadata is dcp_classes.Metadata
+    real = dcp_classes.class_sources
+    monkeypatch.setattr(dcp_classes, "class_sources", lambda module, names: real(module, names) + "\n    extra: int = 0")
+    classes = dcp_classes.metadata_classes()
+    assert classes.Metadata.__module__ == "torch.distributed.checkpoint.metadata"
+    assert classes.StorageInfo.__module__ == "torch.distributed.checkpoint.filesystem"
+
+
+EXIT_PROBE = """
+import atexit, os, sys
+from ckptconv.cli.main import main
+
+class Teardown:  # a global of __main__: its __del__ runs when the interpreter tears its modules down
+    def __del__(self, write=os.write):  # bound now: the module's globals are gone by then
+        write(2, b"torn down\\n")
+
+keep = Teardown()
+mode, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
+status = main(None if mode == "process" else sys.argv[1:])
+atexit.register(lambda: os.write(2, b"later handler ran\\n"))  # as torch's, registered after the CLI's
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("mode", ["process", "in-process"])
+def test_a_conversion_process_ends_without_tearing_torch_down(training_tag, tmp_path, mode):
+    """Run as the process (the console script calls main() without argv), a conversion flushes its output, lets
+    every exit handler registered after its own (torch's) and the thread joins run, and ends without the module
+    teardown (~0.1-0.3 s); main(argv) called in-process leaves the interpreter's exit alone."""
+    argv = ["reshard", str(training_tag["tag"]), str(tmp_path / "out"), "--tp", "1", "--json"]
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, mode, *argv], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["complete"] is True  # all of stdout, flushed
+    assert "later handler ran" in proc.stderr
+    assert ("torn down" in proc.stderr) == (mode == "in-process")

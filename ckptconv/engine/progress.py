@@ -7,16 +7,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-
 
 @contextmanager
 def byte_progress(description: str, total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
@@ -24,6 +14,9 @@ def byte_progress(description: str, total: int, *, quiet: bool) -> Iterator[Call
     if quiet:
         yield lambda n: None
         return
+    from rich.console import Console  # only for a bar: a quiet or --json run never imports rich (~50 modules)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     console = Console(file=sys.stderr)
     columns = (
         TextColumn("{task.description}"),

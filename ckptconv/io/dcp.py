@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import pickle
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -105,16 +104,12 @@ def layout_items(files: list[OutFile], values: Mapping[str, Mapping[str, Any]] |
 def encode_metadata(items: Mapping[str, list[Item]], planner_path: Callable[[str], tuple[str, ...]],
                     save_id: str) -> bytes:
     """The ``.metadata`` pickle of torch's own classes for these items (one chunk per tensor)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from ckptconv.io.dcp_classes import dumps, metadata_classes  # not torch's DCP package: ~0.5 s of start-up
+
+    c = metadata_classes()
+    (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+     TensorStorageMetadata, _StorageInfo) = (c.BytesStorageMetadata, c.ChunkStorageMetadata, c.Metadata, c.MetadataIndex,
+                                             c.StorageMeta, c.TensorProperties, c.TensorStorageMetadata, c.StorageInfo)
 
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -134,7 +129,7 @@ def encode_metadata(items: Mapping[str, list[Item]], planner_path: Callable[[str
     planner = {key: planner_path(key) for key in state}
     meta = Metadata(state, planner_data=planner, storage_data=storage,
                     storage_meta=StorageMeta(checkpoint_id=None, save_id=save_id), version=DCP_VERSION)
-    return pickle.dumps(meta, protocol=4)
+    return dumps(meta)
 
 
 def save_id_of(fingerprint: str) -> str:
