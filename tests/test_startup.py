@@ -232,21 +232,25 @@ class Teardown:  # a global of __main__: its __del__ runs when the interpreter t
 
 keep = Teardown()
 mode, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
-status = main(None if mode == "process" else sys.argv[1:])
+if mode == "handler-first":  # a script's own exit handler, registered before it calls the CLI
+    atexit.register(lambda: os.write(2, b"earlier handler ran\\n"))
+status = main(sys.argv[1:] if mode == "in-process" else None)
 atexit.register(lambda: os.write(2, b"later handler ran\\n"))  # as torch's, registered after the CLI's
 sys.exit(status)
 """
 
 
-@pytest.mark.parametrize("mode", ["process", "in-process"])
+@pytest.mark.parametrize("mode", ["process", "in-process", "handler-first"])
 def test_a_conversion_process_ends_without_tearing_torch_down(training_tag, tmp_path, mode):
     """Run as the process (the console script calls main() without argv), a conversion flushes its output, lets
     every exit handler registered after its own (torch's) and the thread joins run, and ends without the module
-    teardown (~0.1-0.3 s); main(argv) called in-process leaves the interpreter's exit alone."""
+    teardown (~0.1-0.3 s); main(argv) called in-process, or main() after the script registered an exit handler of
+    its own, leaves the interpreter's exit alone (that handler runs)."""
     argv = ["reshard", str(training_tag["tag"]), str(tmp_path / "out"), "--tp", "1", "--json"]
     proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, mode, *argv], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["complete"] is True  # all of stdout, flushed
     assert "later handler ran" in proc.stderr
-    assert ("torn down" in proc.stderr) == (mode == "in-process")
+    assert ("torn down" in proc.stderr) == (mode != "process")
+    assert ("earlier handler ran" in proc.stderr) == (mode == "handler-first")

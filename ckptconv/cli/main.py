@@ -508,12 +508,19 @@ def exit_without_teardown() -> None:
     os._exit(_EXIT_STATUS[-1])
 
 
+def _no_exit_handlers_yet() -> bool:
+    """No exit handler was registered before the CLI's (the console script's case): ending with os._exit then skips
+    nobody's handler. A script that registered its own first keeps the interpreter's normal exit."""
+    count = getattr(atexit, "_ncallbacks", None)
+    return count is not None and count() == 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_usage(parser, args)
     as_json = getattr(args, "json", False)
-    if argv is None:  # this process is the command: see exit_without_teardown
+    if argv is None and _no_exit_handlers_yet():  # this process is the command: see exit_without_teardown
         atexit.register(exit_without_teardown)
     status = run_guarded("ckptconv", lambda: _main(args), as_json=as_json, debug=args.debug)
     if argv is None:
