@@ -141,17 +141,29 @@ class Device:
         return f"device {self.torch_device} ({self.kind}), process-group backend {self.backend}"
 
 
+def local_gpu_limits(nproc: int | None) -> str | None:
+    """Why ``--nproc`` processes cannot each have a GPU of this node (one line), or None. The launcher of --nproc
+    checks it: its processes see the GPUs it sees."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if nproc is None or nproc <= max(gpus, 1):
+        return None
+    return (f"--nproc {nproc} with --device cuda on a node with {gpus} CUDA device(s): NCCL runs one rank per GPU; "
+            f"use --nproc {gpus} or fewer (more nodes for a larger world)")
+
+
 def open_device(kind: str, local_rank: int) -> Device:
     """This process's device of a resolved ``kind`` (cuda: the local rank's GPU)."""
     import torch
 
     if kind == "cuda":
         gpus = torch.cuda.device_count()
-        if local_rank >= gpus:
-            # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only at the first collective.
-            raise TrainError(f"local rank {local_rank} has no GPU of its own: this node has {gpus} CUDA device(s) and "
-                             f"NCCL runs one rank per GPU; start at most {gpus} process(es) per node (--nproc {gpus})")
-        device = torch.device("cuda", local_rank)
+        if local_rank >= gpus > 1:  # NCCL would refuse two ranks on one GPU, but only at the first collective
+            raise TrainError(f"local rank {local_rank} has no GPU of its own: this process sees {gpus} CUDA devices "
+                             f"and NCCL runs one rank per GPU; start at most {gpus} processes per node")
+        # one visible GPU: the launcher bound this rank to it (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+        device = torch.device("cuda", local_rank if gpus > 1 else 0)
         torch.cuda.set_device(device)
         return Device("cuda", device)
     if kind == "xla":

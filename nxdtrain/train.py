@@ -51,7 +51,7 @@ from nxdtrain.data.check import CheckedData, checked_rows
 from nxdtrain.data.epochs import data_parallel
 from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
-from nxdtrain.device import Device, resolve_kind
+from nxdtrain.device import Device, local_gpu_limits, resolve_kind
 from nxdtrain.errors import TrainError
 from nxdtrain.gradient_groups import grad_plan
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
@@ -118,19 +118,29 @@ class RunPlan:
     resolved: Resolved | None = None       # --resume resolved and its state read (for the workers)
 
 
-def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
-            resolved: Resolved | None = None) -> RunPlan:
-    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise
-    TrainError. ``data_checks``: the launcher's checks of this run's data (its ``RunPlan.data_checks``): not redone;
-    ``resolved``: the launcher's ``RunPlan.resolved``: the tag is not resolved and read again."""
+def _resolve_device(config: TrainConfig) -> str:
+    """The device kind the run trains on, refused (TrainError) where the run cannot use it."""
     device = resolve_kind(config.device)
+    why = None
     if device == "xla":  # --device auto may resolve to xla: the same limits as an explicit --device xla
         why = config.xla_why()
         if why is None and config.nproc and config.nproc > 1:
             why = (f"--nproc {config.nproc} with --device xla: start XLA worlds with torchrun (PJRT ranks come from "
                    "it; see examples/neuron/), or use --device cpu")
-        if why is not None:
-            raise TrainError(why if config.device == "xla" else f"--device auto chose xla (a PJRT accelerator): {why}")
+    elif device == "cuda":
+        why = local_gpu_limits(config.nproc)
+    if why is not None:
+        auto = "xla (a PJRT accelerator)" if device == "xla" else device
+        raise TrainError(why if config.device == device else f"--device auto chose {auto}: {why}")
+    return device
+
+
+def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
+            resolved: Resolved | None = None) -> RunPlan:
+    """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise
+    TrainError. ``data_checks``: the launcher's checks of this run's data (its ``RunPlan.data_checks``): not redone;
+    ``resolved``: the launcher's ``RunPlan.resolved``: the tag is not resolved and read again."""
+    device = _resolve_device(config)
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint) if resolved is None else resolved.source
     layout = run_layout(config.parallel, source.layout, source.spec)

@@ -224,32 +224,44 @@ def test_dcp_metadata_classes_are_torchs_own_once_torch_defines_them_differently
 
 EXIT_PROBE = """
 import atexit, os, sys
-from ckptconv.cli.main import main
+import ckptconv.cli.main as cli
 
 class Teardown:  # a global of __main__: its __del__ runs when the interpreter tears its modules down
     def __del__(self, write=os.write):  # bound now: the module's globals are gone by then
         write(2, b"torn down\\n")
 
 keep = Teardown()
+real_main = cli.main
+
+def main_then_register(argv=None):  # an exit handler registered during the run, as torch's are
+    status = real_main(argv)
+    atexit.register(lambda: os.write(2, b"later handler ran\\n"))
+    return status
+
+cli.main = main_then_register
 mode, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
-if mode == "handler-first":  # a script's own exit handler, registered before it calls the CLI
+if mode == "handler-first":  # a script's own exit handler, registered before it starts the CLI
     atexit.register(lambda: os.write(2, b"earlier handler ran\\n"))
-status = main(sys.argv[1:] if mode == "in-process" else None)
-atexit.register(lambda: os.write(2, b"later handler ran\\n"))  # as torch's, registered after the CLI's
-sys.exit(status)
+if mode == "in-process":
+    sys.exit(cli.main(sys.argv[1:]))
+if mode == "main-then-fail":  # a script that calls main() and then fails: its own status is the process's
+    cli.main()
+    sys.exit(3)
+cli.console()
 """
 
 
-@pytest.mark.parametrize("mode", ["process", "in-process", "handler-first"])
+@pytest.mark.parametrize("mode", ["process", "in-process", "handler-first", "main-then-fail"])
 def test_a_conversion_process_ends_without_tearing_torch_down(training_tag, tmp_path, mode):
-    """Run as the process (the console script calls main() without argv), a conversion flushes its output, lets
-    every exit handler registered after its own (torch's) and the thread joins run, and ends without the module
-    teardown (~0.1-0.3 s); main(argv) called in-process, or main() after the script registered an exit handler of
-    its own, leaves the interpreter's exit alone (that handler runs)."""
+    """Run as the process (console(): the console script, python -m ckptconv.cli), a conversion flushes its output,
+    lets every exit handler registered after its own (torch's) and the thread joins run, and ends with main's status
+    without the module teardown (~0.1-0.3 s). main() called by a script, with or without argv, and console() after
+    the script registered an exit handler of its own leave the interpreter's exit alone: that handler runs, and a
+    script that fails after main() exits with its own status."""
     argv = ["reshard", str(training_tag["tag"]), str(tmp_path / "out"), "--tp", "1", "--json"]
     proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, mode, *argv], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == (3 if mode == "main-then-fail" else 0), proc.stderr
     assert json.loads(proc.stdout)["complete"] is True  # all of stdout, flushed
     assert "later handler ran" in proc.stderr
     assert ("torn down" in proc.stderr) == (mode != "process")

@@ -497,7 +497,8 @@ def exit_without_teardown() -> None:
     """The process's last exit handler (registered before torch's, so it runs after them and after the interpreter
     has joined its threads): with the command's output flushed, end the process without tearing down every module
     object torch made (~0.1-0.3 s of a conversion's start-up that nothing reads). Only for the process the command
-    is (the console script, ``python -m ckptconv.cli``), not for ``main(argv)`` called in-process."""
+    is (:func:`console`: the console script, ``python -m ckptconv.cli``), never for :func:`main` called by a
+    script, whose exit status is the script's own."""
     if not _EXIT_STATUS or "torch" not in sys.modules:
         return
     try:
@@ -520,12 +521,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_usage(parser, args)
     as_json = getattr(args, "json", False)
-    if argv is None and _no_exit_handlers_yet():  # this process is the command: see exit_without_teardown
+    return run_guarded("ckptconv", lambda: _main(args), as_json=as_json, debug=args.debug)
+
+
+def console() -> NoReturn:
+    """The ``ckptconv`` console script and ``python -m ckptconv.cli``: :func:`main` as the whole process, whose exit
+    status is main's, ended without tearing torch's modules down (:func:`exit_without_teardown`)."""
+    if _no_exit_handlers_yet():
         atexit.register(exit_without_teardown)
-    status = run_guarded("ckptconv", lambda: _main(args), as_json=as_json, debug=args.debug)
-    if argv is None:
-        _EXIT_STATUS.append(status)
-    return status
+    status = main()
+    _EXIT_STATUS.append(status)
+    sys.exit(status)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -545,4 +551,4 @@ def _main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

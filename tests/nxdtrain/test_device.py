@@ -111,16 +111,34 @@ def test_log_every_reads_every_step_in_batches(tmp_path, nxd_model):
     assert logs[1][0]["loss"] != logs[1][3]["loss"]
 
 
-def test_a_second_rank_on_a_one_gpu_node_is_refused_naming_the_count(monkeypatch):
-    """Two local ranks on one GPU would reach NCCL's "Duplicate GPU detected" at the first collective; refused
-    when the rank opens its device, before any CUDA call."""
+def test_each_local_rank_gets_its_own_gpu_or_is_refused(monkeypatch):
+    """Local rank r opens cuda:r; a rank past the visible GPUs would reach NCCL's "Duplicate GPU detected" at the
+    first collective: refused when it opens its device. One visible GPU is the launcher's binding (srun
+    --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank): every local rank uses it as cuda:0."""
     from nxdtrain.device import open_device
 
+    opened = []
+    monkeypatch.setattr(torch.cuda, "set_device", opened.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert open_device("cuda", 3).torch_device == torch.device("cuda", 3)
+    with pytest.raises(TrainError, match=r"local rank 4 has no GPU of its own: this process sees 4 CUDA devices"):
+        open_device("cuda", 4)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", _no_spawn)
-    with pytest.raises(TrainError, match=r"local rank 1 has no GPU of its own: this node has 1 CUDA device\(s\).*"
-                                         r"--nproc 1"):
-        open_device("cuda", 1)
+    assert open_device("cuda", 5).torch_device == torch.device("cuda", 0)
+    assert opened == [torch.device("cuda", 3), torch.device("cuda", 0)]
+
+
+def test_more_local_processes_than_gpus_is_refused_by_the_launcher(tmp_path, monkeypatch, capsys):
+    """--nproc 2 on a one-GPU node: one line before any process starts (the launcher's processes see its GPUs)."""
+    monkeypatch.setattr("nxdtrain.parallel.dist.spawn", _no_spawn)
+    monkeypatch.setattr("nxdtrain.train.resolve_kind", lambda requested: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code = cli.main(["run", "--resume", str(tmp_path / "missing"), "--data", "synthetic", "--device", "cuda",
+                     "--nproc", "2", "--no-checkpoint"])
+    assert code != 0
+    assert capsys.readouterr().err == ("nxdtrain: error: --nproc 2 with --device cuda on a node with 1 CUDA "
+                                       "device(s): NCCL runs one rank per GPU; use --nproc 1 or fewer (more nodes "
+                                       "for a larger world)\n")
 
 
 def test_an_fsdp_gathered_stage_on_a_device_is_saved_by_its_file_records():

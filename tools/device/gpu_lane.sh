@@ -3,7 +3,7 @@
 # is lent): wheels of what the image lacks come in .whl/ (blake3, isal, omegaconf, antlr4-python3-runtime; see
 # docs/development.md), the image's own torch, transformers and pytest do the rest. Writes its logs to $OUT (or
 # /tmp/gpu-lane). Steps: the CUDA tests (tests/nxdtrain/test_cuda.py), the CLIs end to end as a user runs them
-# (to-nxd, nxdtrain run on the GPU, a resume, a second rank on a one-GPU node refused, to-hf), then
+# (to-nxd, nxdtrain run on the GPU, a resume, --nproc 2 on a one-GPU node refused, to-hf), then
 # benchmarks/train.py's tp 1 rows in bf16 against transformers on the same GPU.
 set -u
 OUTDIR=${OUT:-/tmp/gpu-lane}
