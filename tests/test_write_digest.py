@@ -126,6 +126,50 @@ def test_a_torch_zip_written_in_bands_out_of_order_is_hashed_without_reading_it_
     assert digests.pulled() < 4096, "headers and descriptors at most are read back, never a band"
 
 
+def test_a_record_written_again_after_it_filled_fails_finish(tmp_path: Path):
+    """Bytes written twice into a record whose descriptor was already written (as it filled) leave a zip with a
+    wrong CRC: finish() names the overlap instead of completing the file (with a digest, the second write is
+    refused at once: the digest had passed those bytes)."""
+    path = tmp_path / "m.pt"
+    tensor = torch.arange(4, dtype=torch.float32)
+    writer = TorchZipWriter(path, plan_zip(path, {"w": TensorMeta.of(tensor)}))
+    writer.write_extent("w", 0, tensor.view(torch.uint8))
+    writer.write_extent("w", 0, torch.tensor([9.0]).view(torch.uint8))
+    with pytest.raises(ValueError, match="twice"):
+        writer.finish()
+    writer.close()
+    with recording(WriteDigests("blake3")):
+        hashed = TorchZipWriter(tmp_path / "h.pt", plan_zip(tmp_path / "h.pt", {"w": TensorMeta.of(tensor)}))
+    hashed.write_extent("w", 0, tensor.view(torch.uint8))
+    with pytest.raises(AssertionError, match="after the digest passed them"):
+        hashed.write_extent("w", 0, torch.tensor([9.0]).view(torch.uint8))
+    hashed.close()
+
+
+def test_a_failing_claim_releases_the_claims_already_made(tmp_path: Path):
+    """A band claiming extents in several files whose second claim fails (a key the sink does not hold) leaves no
+    claim standing: a claim left behind would keep every writer behind it waiting."""
+    from ckptconv.core.plan import OutTensor
+    from ckptconv.engine.claims import claim_band
+
+    made, released = [], []
+
+    class Sink:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def claim(self, key: str, offset: int, length: int):  # type: ignore[no-untyped-def]
+            if self.fails:
+                raise KeyError(key)
+            made.append(key)
+            return lambda: released.append(key)
+
+    tensor = OutTensor(key="w", dtype=torch.float32, shape=(4, 2), dim=0, pieces=())
+    with pytest.raises(KeyError):
+        claim_band([(0, tensor), (1, tensor)], 0, 4, {0: Sink(False), 1: Sink(True)})
+    assert made == released == ["w"]
+
+
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[str]]]:
     """Every output kind, each converted while ``file_digest`` (reading a file back) was recorded."""

@@ -41,10 +41,15 @@ def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
     if tensors[0][1].by_slab:
         return _nothing
     releases = []
-    for file_index, tensor in tensors:
-        claim = getattr(sinks[file_index], "claim", None)
-        if claim is not None:
-            releases.append(claim(tensor.key, *band_extent(tensor, start, stop)))
+    try:
+        for file_index, tensor in tensors:
+            claim = getattr(sinks[file_index], "claim", None)
+            if claim is not None:
+                releases.append(claim(tensor.key, *band_extent(tensor, start, stop)))
+    except BaseException:  # a claim left standing would keep the writers behind it waiting
+        for each in releases:
+            each()
+        raise
     waiting(len(tensors) == 1)
 
     def release() -> None:

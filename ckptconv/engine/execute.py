@@ -207,13 +207,15 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
         need = unit.row_bytes * max(stop - start, 1)
         with oversized if need > band_bytes else contextlib.nullcontext():
             held = budget.acquire(need)
-            release = claim_band(unit.tensors, start, stop, sinks)  # its file's digest waits for it (engine.claims)
+            release = None
             try:
+                release = claim_band(unit.tensors, start, stop, sinks)  # its file's digest waits for it (engine.claims)
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
                     _write_band(unit, start, stop, reader, sinks, options.progress)
             finally:
-                release()
+                if release is not None:
+                    release()
                 _SCRATCH.end_band(keep=band_bytes)
                 budget.release(held)
         for file_index, _ in unit.tensors:

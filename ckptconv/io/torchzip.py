@@ -340,6 +340,7 @@ class TorchZipWriter:
         self._extents: dict[str, list[tuple[int, int, int]]] = {k: [] for k in layout.keys}
         self._filled = dict.fromkeys(layout.keys, 0)  # bytes of each record written so far
         self._crcs: dict[str, int] = {}  # records whose data descriptor is written: their CRC
+        self._unfilled = sum(1 for k in layout.keys if layout.nbytes[k])  # non-empty records not yet filled
         self._tail_written = False  # serialization_id and central directory
         self._lock = threading.Lock()
         self._finished = False
@@ -447,9 +448,10 @@ class TorchZipWriter:
         self._write(memoryview(_descriptor(rec, crc)), rec.descriptor_offset)
         with self._lock:
             self._crcs[key] = crc
-            last = not self._tail_written and all(k in self._crcs for k in self.layout.keys if self.layout.nbytes[k])
+            self._unfilled -= 1  # once per record: its filled count reaches its size exactly once
+            last = not self._tail_written and self._unfilled == 0
             self._tail_written |= last
-            crcs = dict(self._crcs)
+            crcs = dict(self._crcs) if last else {}
         if last:  # the zip's tail now too (a DCP item's, say, long before its file finishes)
             self._write_tail({k: crcs.get(k, 0) for k in self.layout.keys})
 
@@ -463,6 +465,9 @@ class TorchZipWriter:
         lay = self.layout
         with self._lock:
             done = dict(self._crcs)
+            off_size = [key for key in lay.keys if self._filled[key] != lay.nbytes[key]]
+        for key in off_size:  # a gap, or bytes written twice (also after the record's descriptor was written)
+            _combined_crc(self.path, key, lay.nbytes[key], self._extents[key])
         if not self._tail_written:
             crcs = {key: done[key] if key in done else _combined_crc(self.path, key, lay.nbytes[key], self._extents[key])
                     for key in lay.keys}  # raises, naming the gap or overlap, before anything is written

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import heapq
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -43,7 +44,7 @@ class WriteDigest:
         self.pulled = 0       # bytes read back from the file (written ahead of pos, or never written)
         self.hexdigest: str | None = None
         self._in_flight: list[tuple[int, int]] = []  # pwrites running now
-        self._ahead: list[tuple[int, int]] = []      # written ahead of pos, on disk, not hashed yet
+        self._ahead: list[tuple[int, int]] = []      # written ahead of pos, on disk, not hashed yet (a heap)
         self._cond = threading.Condition()
 
     def claim(self, offset: int, length: int) -> Callable[[], None]:
@@ -67,6 +68,8 @@ class WriteDigest:
         end = offset + len(data)
         if not len(data):
             return
+        if self.hexdigest is not None:  # its fd may be another file's by now: write nothing
+            raise AssertionError(f"{self.path}: bytes [{offset}, {end}) written after the file was finished")
         with self._cond:
             self._in_flight.append((offset, end))
         try:
@@ -95,17 +98,16 @@ class WriteDigest:
             if may_wait() and any(s <= self.pos < e for s, e in self._in_flight):
                 self._cond.wait()  # the bytes at pos are being computed or written by another thread right now
                 continue
-            self._ahead.append((offset, end))  # read back once pos reaches it
+            heapq.heappush(self._ahead, (offset, end))  # read back once pos reaches it
             return
 
     def _read_ahead(self) -> None:
         """Hash the ranges written ahead of pos that pos has reached, reading them back."""
-        while True:
-            reached = [(s, e) for s, e in self._ahead if s <= self.pos]
-            if not reached:
-                return
-            self._ahead = [(s, e) for s, e in self._ahead if s > self.pos]
-            self._pull(max(e for _, e in reached))
+        while self._ahead and self._ahead[0][0] <= self.pos:  # a heap by start: no scan of every range left
+            stop = self.pos
+            while self._ahead and self._ahead[0][0] <= self.pos:
+                stop = max(stop, heapq.heappop(self._ahead)[1])
+            self._pull(stop)
 
     def _pull(self, stop: int) -> None:
         """Read [pos, stop) back from the file and hash it."""
