@@ -25,13 +25,18 @@ def band_extent(tensor: OutTensor, start: int, stop: int) -> tuple[int, int]:
     """(byte offset in the tensor's stored bytes, byte length) that rows [start, stop) of ``tensor`` occupy, as the
     executor writes them (a column-major or 0-dim tensor is written whole, in one band)."""
     itemsize = tensor.dtype.itemsize
-    numel = 1
-    for size in tensor.shape:
-        numel *= size
     if tensor.column_major or not tensor.shape:
-        return 0, numel * itemsize
-    row = numel // tensor.shape[0] * itemsize if tensor.shape[0] else 0
+        return 0, row_bytes(tensor.shape, itemsize) * (tensor.shape[0] if tensor.shape else 1)
+    row = row_bytes(tensor.shape, itemsize)
     return start * row, (stop - start) * row
+
+
+def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of one row (dim 0) of a tensor of ``shape``: the unit bands are cut in."""
+    numel = 1
+    for size in shape[1:]:
+        numel *= size
+    return numel * itemsize
 
 
 def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
-from ckptconv.engine.claims import claim_band, unit_order
+from ckptconv.engine.claims import claim_band, row_bytes, unit_order
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
@@ -278,20 +278,13 @@ def _bands(unit: _Unit) -> list[tuple[int, int]]:
     return [(start, min(start + unit.band_rows, unit.rows)) for start in range(0, unit.rows, unit.band_rows)]
 
 
-def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    numel = 1
-    for size in shape[1:]:
-        numel *= size
-    return numel * itemsize
-
-
 def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_bytes: int) -> _Unit:
     rows = tensor.shape[0] if tensor.shape else 1
     src_dtype, _, src_cm = reader.info(tensor.pieces[0].source)
     period = _period(tensor)
-    per_row = _row_bytes(tensor.shape, tensor.dtype.itemsize) * 2 + _row_bytes(tensor.shape, src_dtype.itemsize)
+    per_row = row_bytes(tensor.shape, tensor.dtype.itemsize) * 2 + row_bytes(tensor.shape, src_dtype.itemsize)
     if period > 1:  # permuted pieces are read into a buffer of their own first
-        per_row += _row_bytes(tensor.shape, src_dtype.itemsize)
+        per_row += row_bytes(tensor.shape, src_dtype.itemsize)
     whole = tensor.column_major or src_cm or not tensor.shape
     band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
     band_rows = max(period, band_rows - band_rows % period)  # bands never cut a permuted period
@@ -343,8 +336,8 @@ def _column_units(
         if any(t.shape[0] != rows for _, t in items):
             raise AssertionError(f"column-split tensors {[t.key for _, t in items]} differ in rows")
         infos = [reader.info(s) for s in {p.source for _, t in items for p in t.pieces}]
-        per_row = sum(_row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
-        per_row += sum(_row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
+        per_row = sum(row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
+        per_row += sum(row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
         whole = any(t.column_major for _, t in items) or any(cm for _, _, cm in infos)
         band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
         units.append(_Unit(items, rows, band_rows, per_row))
@@ -425,7 +418,7 @@ def _write_band(
             data = _SCRATCH.get(tensor.dtype, (band.shape[1], band.shape[0])).copy_(band.t())
             offset = 0
         else:
-            data, offset = band, start * _row_bytes(tensor.shape, tensor.dtype.itemsize)
+            data, offset = band, start * row_bytes(tensor.shape, tensor.dtype.itemsize)
         sinks[file_index].write_extent(tensor.key, offset, data.reshape(()) if not tensor.shape else data)
         if progress is not None:
             progress(data.numel() * data.element_size())
@@ -527,7 +520,7 @@ def replica_bands(reader: TensorReader, group: ReplicaGroup):  # type: ignore[no
             yield first, _read_piece(reader, copy, group.dim), copy
         return
     dtype, shape, _ = reader.info(first_piece.source)
-    rows = max(1, REPLICA_BAND_BYTES // max(1, _row_bytes(shape, dtype.itemsize)))
+    rows = max(1, REPLICA_BAND_BYTES // max(1, row_bytes(shape, dtype.itemsize)))
     for lo in range(0, first_piece.length, rows):
         hi = min(lo + rows, first_piece.length)
         first = reader.read_rows(first_piece.source, first_piece.start + lo, first_piece.start + hi)
