@@ -30,6 +30,7 @@ from ckptconv.errors import IntegrityError
 from ckptconv.io.crc import crc32
 from ckptconv.io.digest import FileRecord, new_hasher
 from ckptconv.io.metadata import METADATA_FILE
+from ckptconv.io.positional import chunked_range
 
 # Gaps of unread bytes the check reads itself rather than leave for later: zip headers, pickles,
 # alignment, small tensors nobody asked for. Larger unread gaps wait for the workers or finish().
@@ -144,15 +145,10 @@ class StreamCheck:
                     raise digest_error(self.path, self.record, actual)
 
     def _hash_from_file(self, stop: int, fill: Any) -> None:
-        if self.pos >= stop:
-            return
-        buffer = bytearray(min(FILL_CHUNK, stop - self.pos))
-        view = memoryview(buffer)
-        while self.pos < stop:
-            n = min(len(buffer), stop - self.pos)
-            fill(self.pos, view[:n])
-            self.pulled += n
-            self._update(view[:n])
+        for offset, view in chunked_range(self.pos, stop, FILL_CHUNK):
+            fill(offset, view)
+            self.pulled += len(view)
+            self._update(view)
 
     def _update(self, data: memoryview) -> None:
         """Hash ``data``, the file's bytes starting at ``pos``; check each record CRC as its last byte passes."""

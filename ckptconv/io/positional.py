@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
 from typing import Any
 
 IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
@@ -134,3 +135,15 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
         data, offset = data[n:], offset + n
+
+
+def chunked_range(start: int, stop: int, chunk: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, view) covering [start, stop) through one reused buffer of at most ``chunk`` bytes: the caller fills
+    each view with the file's bytes at offset and uses it before taking the next."""
+    if start >= stop:
+        return
+    buffer = memoryview(bytearray(min(chunk, stop - start)))
+    while start < stop:
+        n = min(len(buffer), stop - start)
+        yield start, buffer[:n]
+        start += n

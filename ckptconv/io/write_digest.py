@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.io.digest import new_hasher
-from ckptconv.io.positional import pwrite_all
+from ckptconv.io.positional import chunked_range, pwrite_all
 
 READ_CHUNK = 4 << 20  # bytes per read-back of a range written out of order
 
@@ -111,17 +111,16 @@ class WriteDigest:
 
     def _pull(self, stop: int) -> None:
         """Read [pos, stop) back from the file and hash it."""
-        if self.pos >= stop:
-            return
-        buffer = bytearray(min(READ_CHUNK, stop - self.pos))
-        view = memoryview(buffer)
-        while self.pos < stop:
-            n = min(len(buffer), stop - self.pos)
-            got = os.preadv(self.fd, [view[:n]], self.pos)
-            if got <= 0:
-                raise OSError(f"{self.path}: unexpected end of file at {self.pos} while reading it back for its digest")
-            self.pulled += got
-            self._update(view[:got])
+        for offset, view in chunked_range(self.pos, stop, READ_CHUNK):
+            done = 0
+            while done < len(view):  # preadv may return short counts
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise OSError(f"{self.path}: unexpected end of file at {offset + done} while reading it back for "
+                                  "its digest")
+                done += got
+            self.pulled += len(view)
+            self._update(view)
 
     def _update(self, data: memoryview) -> None:
         self._digest.update(data)
