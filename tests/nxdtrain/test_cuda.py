@@ -19,8 +19,9 @@ from nxdtrain.cli import PRELOAD
 from nxdtrain.config import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import export, run_worker
-from tests.conftest import hf_state, warns_no_tokenizer
+from tests.conftest import warns_no_tokenizer
 from tests.nxdtrain.harness import WORLD_TIMEOUT, read_log, train_options
+from tests.nxdtrain.test_parity import assert_matches_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)")
 
@@ -50,18 +51,6 @@ def _worker(config: TrainConfig, seen: str) -> None:
                                       "device": torch.cuda.get_device_name(), "cuda_used": torch.cuda.is_initialized()}))
 
 
-def assert_close_to_reference(tmp_path: Path, log: list[dict[str, Any]], ref: tuple[list[float], dict]) -> None:
-    ref_losses, ref_state = ref
-    losses = [row["loss"] for row in log]
-    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= LOSS_TOL, (losses, ref_losses)
-    with warns_no_tokenizer():
-        export(tmp_path / "ckpt", tmp_path / "hf")
-    got = hf_state(tmp_path / "hf")
-    ref_state = {k: v for k, v in ref_state.items() if k in got}
-    worst = max((got[k] - ref_state[k]).abs().max().item() for k in got)
-    assert worst <= WEIGHT_TOL, f"exported weights differ from the reference by {worst}"
-
-
 @pytest.mark.parametrize("shard", [False, True], ids=["plain", "fsdp2"])
 def test_fp32_on_cuda_matches_transformers(tmp_path, nxd_model, reference, shard):
     """GQA with heads != kv heads, AdamW, 3 steps: losses and exported weights are transformers' (on CPU)."""
@@ -69,7 +58,10 @@ def test_fp32_on_cuda_matches_transformers(tmp_path, nxd_model, reference, shard
     src = nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
     log, seen = train_on_cuda(tmp_path, src, shard_params=shard, **options)
     assert seen["cuda_used"] and seen["backend"] in ("nccl", None), seen
-    assert_close_to_reference(tmp_path, log, reference("gqa", **options))
+    with warns_no_tokenizer():
+        export(tmp_path / "ckpt", tmp_path / "hf")
+    assert_matches_reference(log, tmp_path / "hf", reference("gqa", **options), "adamw", loss_tol=LOSS_TOL,
+                             weight_tol=WEIGHT_TOL)
 
 
 def test_bf16_on_cuda_trains_close_to_fp32(tmp_path, nxd_model, reference):
