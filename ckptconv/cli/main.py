@@ -28,6 +28,7 @@ from ckptconv.engine.launcher import detect_part, parse_part
 from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io import digest
+from ckptconv.io.direct_io import WRITE_IO_MODES
 from ckptconv.io.metadata import add_version_flag
 from ckptconv.training.schedules import NXDT_SCHEDULES
 
@@ -57,6 +58,9 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                    help="working-memory budget for tensor data (default 2GiB)")
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,
                    help="input reads: read (plain reads, default; safe on Lustre/NFS) or mmap")
+    p.add_argument("--write-io", choices=WRITE_IO_MODES, default=defaults.write_io,
+                   help="output writes: direct (default: large writes skip the page cache with O_DIRECT where the "
+                        "filesystem allows it) or buffered")
     p.add_argument("--quiet", action="store_true", help="no progress or warnings on stderr (the result, notes included, still prints)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--overwrite", action="store_true", help="replace a different conversion in OUT")
@@ -297,7 +301,7 @@ def _compat_parser(sub: Subparsers) -> None:
 
 
 def _options(args: argparse.Namespace) -> RunOptions:
-    return RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io,
+    return RunOptions(workers=args.workers, max_memory=args.max_memory, io=args.io, write_io=args.write_io,
                           quiet=args.quiet or args.json, overwrite=args.overwrite, part=detect_part(args.part),
                           hash=args.hash, check=not getattr(args, "no_check", False))
 

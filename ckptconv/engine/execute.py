@@ -31,6 +31,7 @@ from ckptconv.engine.state_file import load_state, save_state
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
+from ckptconv.io.direct_io import direct_writes
 from ckptconv.io.write_digest import WriteDigests, recording
 
 STATE_FILE = "state.json"
@@ -68,6 +69,7 @@ class ExecOptions:
     replicas: str = "error"  # "error" | "first" | "mean": when copies of a K/V head (or norm) differ
     fingerprint: str = ""    # identifies plan + sources; a rerun resumes only when it matches
     hash: str | None = DEFAULT  # digest of every output file (None: sizes only)
+    write_io: str = "direct"    # "direct": large writes skip the page cache where the filesystem allows (io.direct_io)
     progress: Callable[[int], None] | None = None  # called with bytes written
 
 
@@ -136,7 +138,7 @@ def run_plan(
         return _flatten(done, plan, wanted)
 
     digests = WriteDigests(options.hash) if options.hash else None  # each file hashed as written, not read back
-    with recording(digests):
+    with recording(digests), direct_writes(options.write_io == "direct"):
         sinks = _open_sinks(plan, todo, sink_factory, tmp)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
     units = _units(plan, todo, reader, band_bytes)

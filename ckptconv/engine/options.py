@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import DEFAULT as DEFAULT_HASH
 from ckptconv.io.digest import check_algorithm
+from ckptconv.io.direct_io import WRITE_IO_MODES
 
 MIN_DEFAULT_WORKERS = 8
 # to-dcp's default --max-file-size. Many files rather than few: writers of one file share its inode lock, and
@@ -60,6 +61,10 @@ class RunOptions:
     io: str = "read"
     """How to read inputs: 'read' (plain positional reads, the default: one copy, as fast as mmap
     on local disks, and safe on Lustre/NFS where mmap is slow and can SIGBUS) or 'mmap'."""
+    write_io: str = "direct"
+    """How to write outputs: 'direct' (the default: the 4 KiB-aligned middle of each write of 1 MiB or more skips
+    the page cache with O_DIRECT, saving the kernel's copy of every byte; a filesystem that refuses it, such as
+    tmpfs, is written buffered) or 'buffered' (every byte through the page cache)."""
     quiet: bool = False
     """No progress bars or notes on stderr."""
     overwrite: bool = False
@@ -83,6 +88,8 @@ class RunOptions:
             raise ConversionError(f"--max-memory must be at least 1 MiB, got {self.max_memory} bytes")
         if self.io not in ("mmap", "read"):
             raise ConversionError(f"--io must be 'mmap' or 'read', got {self.io!r}")
+        if self.write_io not in WRITE_IO_MODES:
+            raise ConversionError(f"--write-io must be 'direct' or 'buffered', got {self.write_io!r}")
         check_algorithm(self.digest)
 
     @property

@@ -134,7 +134,8 @@ def write_plan(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptio
         total = sum(f.nbytes for f in plan.files if f.path in mine)
         with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
             exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
-                                       fingerprint=spec.fingerprint, hash=spec.hash, progress=advance)
+                                       fingerprint=spec.fingerprint, hash=spec.hash, progress=advance,
+                                       write_io=options.write_io)
             files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
         if hasattr(reader, "finish_checks"):  # every input file read from matches its record, before OUT is complete
             reader.finish_checks(workers=options.workers)

@@ -36,6 +36,7 @@ import torch
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles, ZipCrc, check_whole_file
+from ckptconv.io.direct_io import close_output, open_output
 from ckptconv.io.metadata import read_metadata
 from ckptconv.io.positional import FileWindow, PositionalFile
 from ckptconv.io.safe_load import DcpRecord, load_dcp_metadata, load_small_bytes
@@ -145,7 +146,7 @@ class DistcpSink:
         self.path = tmp / out_file.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         size = sum(item.length for item in items)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self._fd = open_output(self.path)
         self._digest = open_digest(self.path, self._fd)  # one per file, shared by its items' writers
         self._writers: dict[str, TorchZipWriter] = {}
         try:
@@ -158,7 +159,7 @@ class DistcpSink:
                     self._writers[item.key] = TorchZipWriter(self.path, item.zip, fd=self._fd, base=item.offset,
                                                              digest=self._digest)
         except BaseException:
-            os.close(self._fd)
+            close_output(self._fd)
             raise
 
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
@@ -174,7 +175,7 @@ class DistcpSink:
             if self._digest is not None:
                 self._digest.finish()
         finally:
-            os.close(self._fd)
+            close_output(self._fd)
         return [self.path]
 
 

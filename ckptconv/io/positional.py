@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ckptconv.io.direct_io import pwrite_direct, twin_of
+
 IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
 IO_MODES = ("mmap", "read")
 
@@ -129,7 +131,16 @@ class FileWindow:
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (a single pwrite may be short)."""
+    """Write all of ``data`` at ``offset`` (a single pwrite may be short); a large write to a file with an
+    ``O_DIRECT`` twin skips the page cache (:mod:`ckptconv.io.direct_io`)."""
+    twin = twin_of(fd, len(data))
+    if twin is not None:
+        pwrite_direct(fd, twin, data, offset, _pwrite_buffered)
+    else:
+        _pwrite_buffered(fd, data, offset)
+
+
+def _pwrite_buffered(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         n = os.pwrite(fd, data[:IO_CHUNK], offset)
         if n <= 0:

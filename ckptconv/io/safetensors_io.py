@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.io.direct_io import close_output, open_output
 from ckptconv.io.positional import PositionalFile
 from ckptconv.io.write_digest import WriteDigest, open_digest, write_to
 
@@ -442,7 +443,7 @@ class SafetensorsExtentWriter:
     def close(self) -> None:
         """Close the descriptor without any checks (idempotent)."""
         if self._fd >= 0:
-            os.close(self._fd)
+            close_output(self._fd)
             self._fd = -1
 
 
@@ -457,7 +458,7 @@ class SafetensorsWriter(SafetensorsExtentWriter):
 
     def __init__(self, path: PathLike, layout: SafetensorsLayout, *, reserve: bool = False) -> None:
         # read-write: a digest computed as the file is written reads back ranges written out of order
-        fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = open_output(path)
         super().__init__(path, layout, fd)
         self._digest = open_digest(path, fd)
         try:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ckptconv.io.crc import crc32
+from ckptconv.io.direct_io import close_output, open_output
 from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorAt, TensorMeta, pickle_entries
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
 from ckptconv.io.write_digest import WriteDigest, open_digest, write_to
@@ -345,7 +346,7 @@ class TorchZipWriter:
         self._lock = threading.Lock()
         self._finished = False
         self._owns_fd = fd is None
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666) if fd is None else fd
+        self._fd = open_output(self.path, 0o666) if fd is None else fd
         self._digest = open_digest(self.path, self._fd) if fd is None else digest
         try:
             if self._owns_fd:
@@ -376,7 +377,7 @@ class TorchZipWriter:
     def close(self) -> None:
         """Release the file without finishing it (finish() closes too); a borrowed fd stays open."""
         if self._fd >= 0 and self._owns_fd:
-            os.close(self._fd)
+            close_output(self._fd)
         self._fd = -1
 
     def write_extent(self, key: str, offset_in_record: int, data: Any) -> int:
