@@ -12,7 +12,7 @@ import pytest
 from ckptconv.cli.compat import parse_bool
 from ckptconv.cli.main import build_parser, main, parse_size
 
-RUN_FLAGS = {"--workers", "--max-memory", "--io", "--quiet", "--json", "--overwrite", "--part", "--hash"}
+RUN_FLAGS = {"--workers", "--max-memory", "--io", "--write-io", "--quiet", "--json", "--overwrite", "--part", "--hash"}
 LAYOUT_FLAGS = {"--tp", "--ep", "--pp", "--vpp", "--kv-size-multiplier", "--kv-replicator", "--qkv-linear", "--no-qkv-linear",
                 "--fuse-qkv", "--no-fuse-qkv", "--coalesce-qkv", "--no-coalesce-qkv", "--hw-backend", "--trn2-kv-layout"}
 
