@@ -29,6 +29,7 @@ from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
 from ckptconv.engine.state_file import load_state, save_state
 from ckptconv.errors import ConversionError, VerificationError
+from ckptconv.io import direct_io
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
 from ckptconv.io.direct_io import direct_writes
@@ -50,7 +51,8 @@ class TensorReader(Protocol):
 
 
 class Sink(Protocol):
-    """One output file being written (or several physical files, for xser split)."""
+    """One output file being written (or several physical files, for xser split). Optional: ``claim(key, offset,
+    nbytes)`` (engine.claims) and ``file_offset(key, offset)``, the file offset of a tensor's byte (_file_phase)."""
 
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None: ...
 
@@ -356,7 +358,10 @@ class _Scratch(threading.local):
     band happen to land on each thread."""
 
     ALIGN = 64
-    SLACK = 64 * ALIGN  # room for aligning the band's buffers
+    PAGE = 4096
+    # room for aligning the band's buffers: 64 at 64 bytes, and 96 placed at a page phase (each can skip up to a page;
+    # a tp 32 unit of column-major tensors has up to 3 per tensor, band, cast and transpose)
+    SLACK = 64 * ALIGN + 96 * PAGE
 
     def __init__(self) -> None:
         self.arena = torch.empty(0, dtype=torch.uint8)
@@ -377,12 +382,16 @@ class _Scratch(threading.local):
         if self.arena.numel() > keep + self.SLACK:
             self.arena = torch.empty(0, dtype=torch.uint8)
 
-    def get(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, dtype: torch.dtype, shape: tuple[int, ...], phase: int | None = None) -> torch.Tensor:
+        """A buffer from the arena; with ``phase``, one whose address is ``phase`` modulo a page: the file offset
+        it will be written at, so that an O_DIRECT write sends it without copying it first (io.direct_io)."""
         numel = 1
         for size in shape:
             numel *= size
         nbytes = numel * dtype.itemsize
         start = -(-self.used // self.ALIGN) * self.ALIGN
+        if phase is not None and phase % dtype.itemsize == 0:  # (an element can not straddle: else unplaced)
+            start += (phase - self.arena.data_ptr() - start) % self.PAGE
         if start + nbytes > self.arena.numel():
             self.overflows += 1
             return torch.empty(shape, dtype=dtype)  # beyond what the band was budgeted: transient
@@ -408,30 +417,43 @@ def _write_band(
         split, scratch = (bands.pieces, bands.scratch[start]) if bands is not None else (None, None)
         slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get, split, scratch)
     for n, (file_index, tensor) in enumerate(unit.tensors):
+        offset = 0 if tensor.column_major else start * row_bytes(tensor.shape, tensor.dtype.itemsize)
+        phase = _file_phase(sinks[file_index], tensor, offset, stop - start)
         if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
             band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]
         elif unit.shared_sources:
-            band = _column_band(tensor, start, stop, reader, cache)
+            band = _column_band(tensor, start, stop, reader, cache, phase)
         else:
-            band = _row_band(tensor, start, stop, reader)
+            band = _row_band(tensor, start, stop, reader, phase)
         if band.dtype != tensor.dtype:
-            band = _SCRATCH.get(tensor.dtype, tuple(band.shape)).copy_(band)
+            band = _SCRATCH.get(tensor.dtype, tuple(band.shape), phase).copy_(band)
         if tensor.column_major:  # storage order of a column-major tensor is its transpose
-            data = _SCRATCH.get(tensor.dtype, (band.shape[1], band.shape[0])).copy_(band.t())
-            offset = 0
+            data = _SCRATCH.get(tensor.dtype, (band.shape[1], band.shape[0]), phase).copy_(band.t())
         else:
-            data, offset = band, start * row_bytes(tensor.shape, tensor.dtype.itemsize)
+            data = band
         sinks[file_index].write_extent(tensor.key, offset, data.reshape(()) if not tensor.shape else data)
         if progress is not None:
             progress(data.numel() * data.element_size())
 
 
-def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader) -> torch.Tensor:
-    """Output rows [start, stop), each piece read straight into its place in one buffer."""
+def _file_phase(sink: Sink, tensor: OutTensor, offset: int, rows: int) -> int | None:
+    """Where in a page the band's bytes start in their file (see _Scratch.get), for bands large enough to be
+    written with O_DIRECT, when the sink can say."""
+    file_offset = getattr(sink, "file_offset", None)
+    whole = tensor.column_major or not tensor.shape
+    nbytes = row_bytes(tensor.shape, tensor.dtype.itemsize) * (tensor.shape[0] if whole and tensor.shape else rows)
+    if file_offset is None or tensor.by_slab or nbytes < direct_io.MIN_DIRECT:
+        return None
+    return file_offset(tensor.key, offset) % _Scratch.PAGE
+
+
+def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader, phase: int | None = None) -> torch.Tensor:
+    """Output rows [start, stop), each piece read straight into its place in one buffer (at ``phase``, see
+    _Scratch.get)."""
     if not tensor.shape:  # 0-dim: one piece, the whole thing
         return reader.read_rows(tensor.pieces[0].source, 0, 1).reshape(())
     src_dtype = reader.info(tensor.pieces[0].source)[0]
-    band = _SCRATCH.get(src_dtype, (stop - start, *tensor.shape[1:]))
+    band = _SCRATCH.get(src_dtype, (stop - start, *tensor.shape[1:]), phase)
     offset = 0
     for piece in tensor.pieces:
         lo, hi = max(start, offset), min(stop, offset + piece.length)
@@ -469,16 +491,18 @@ def _read_piece_rows(reader: TensorReader, piece: Piece, shift: int, n: int, tar
 
 
 def _column_band(
-    tensor: OutTensor, start: int, stop: int, reader: TensorReader, cache: dict[Source, torch.Tensor]
+    tensor: OutTensor, start: int, stop: int, reader: TensorReader, cache: dict[Source, torch.Tensor],
+    phase: int | None = None,
 ) -> torch.Tensor:
-    """Output rows [start, stop) from column blocks of shared source bands (each read once)."""
+    """Output rows [start, stop) from column blocks of shared source bands (each read once), in a buffer at
+    ``phase`` (see _Scratch.get)."""
     for piece in tensor.pieces:
         if piece.source not in cache:
             dtype, shape, _ = reader.info(piece.source)
             cache[piece.source] = reader.read_rows(piece.source, start, stop,
                                                    out=_SCRATCH.get(dtype, (stop - start, *shape[1:])))
     first = cache[tensor.pieces[0].source]
-    band = _SCRATCH.get(first.dtype, (stop - start, *tensor.shape[1:]))
+    band = _SCRATCH.get(first.dtype, (stop - start, *tensor.shape[1:]), phase)
     column = 0
     for piece in tensor.pieces:
         band[:, column:column + piece.length].copy_(cache[piece.source][:, piece.start:piece.stop])

@@ -165,6 +165,9 @@ class DistcpSink:
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         self._writers[key].write_extent("", offset, data)  # thread-safe: positional writes
 
+    def file_offset(self, key: str, offset: int) -> int:
+        return self._writers[key].file_offset("", offset)
+
     def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
         return self._writers[key].claim("", offset, nbytes)
 

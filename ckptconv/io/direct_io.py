@@ -5,8 +5,9 @@ paths that copy was the largest single item of a conversion's CPU (issue #33: 1.
 spent ~0.5 on the whole copy). Files the executor creates inside :func:`direct_writes` get a second descriptor
 opened with ``O_DIRECT`` (:func:`attach`); :func:`ckptconv.io.positional.pwrite_all` then sends each write of at
 least :data:`MIN_DIRECT` bytes through :func:`pwrite_direct`: its unaligned head and tail (under 4 KiB each) go
-through the page cache as before, its 4 KiB-aligned middle is copied into a page-aligned buffer of the thread and
-written straight to the file. Writes are disjoint, so a block is written either whole by one direct write or in
+through the page cache as before, its 4 KiB-aligned middle is written straight to the file: from where it lies
+when its address is page-aligned there too (the executor places its band buffers so), else copied first into a
+page-aligned buffer of the thread. Writes are disjoint, so a block is written either whole by one direct write or in
 parts by buffered ones, never both; the kernel keeps the page cache coherent for reads of the same file (the
 digest's read-back). The bytes on disk are the same; only the path they take changes.
 
@@ -33,7 +34,8 @@ from typing import Any
 WRITE_IO_MODES = ("direct", "buffered")  # RunOptions.write_io / --write-io
 ALIGN = 4096             # block alignment of offsets, lengths and buffer addresses (covers 512 B and 4 KiB devices)
 MIN_DIRECT = 1 << 20     # smaller writes (headers, descriptors, small tensors) stay buffered
-BOUNCE_BYTES = 8 << 20   # the per-thread page-aligned buffer each direct write goes through
+BOUNCE_BYTES = 8 << 20   # the per-thread page-aligned buffer a misaligned direct write is copied through
+IN_PLACE_CHUNK = 64 << 20  # bytes per direct pwrite from an already aligned buffer
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptconv_direct_writes", default=False)
 
@@ -47,7 +49,8 @@ class _Direct:
 _files: dict[int, _Direct] = {}  # buffered descriptor -> its direct twin
 _lock = threading.Lock()
 _local = threading.local()
-direct_bytes = 0  # bytes written with O_DIRECT since import (tests and benchmarks read it)
+direct_bytes = 0   # bytes written with O_DIRECT since import (tests and benchmarks read it)
+bounced_bytes = 0  # of those, bytes copied through the bounce buffer first (the rest went from where they lay)
 
 
 @contextlib.contextmanager
@@ -140,31 +143,46 @@ def pwrite_direct(fd: int, twin: int, data: memoryview, offset: int, buffered: A
 
 def _write_middle(twin: int, data: memoryview, offset: int) -> tuple[int, bool]:
     """Write aligned ``data`` at aligned ``offset`` through ``twin``: (the offset reached, whether the device refused
-    a direct write). Stops early, leaving the rest to the buffered path, on EINVAL or a short write."""
+    a direct write). Stops early, leaving the rest to the buffered path, on EINVAL or a short write.
+
+    ``data`` at a page-aligned address (the executor places its band buffers at their file offset's phase) is sent
+    as it is; anything else is copied through the thread's page-aligned buffer first."""
     import numpy as np
 
-    global direct_bytes
-    bounce = _bounce()
+    global direct_bytes, bounced_bytes
     source = np.frombuffer(data, dtype=np.uint8)
-    target = np.frombuffer(bounce, dtype=np.uint8)
+    in_place = source.ctypes.data % ALIGN == 0
+    step = IN_PLACE_CHUNK if in_place else BOUNCE_BYTES
     at = offset
-    with memoryview(bounce) as view:
-        for start in range(0, len(source), BOUNCE_BYTES):
-            n = min(BOUNCE_BYTES, len(source) - start)
-            np.copyto(target[:n], source[start:start + n])  # numpy copies without the GIL; a memoryview copy holds it
-            try:
-                got = os.pwrite(twin, view[:n], at)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                return at, True
-            if got > 0 and got % ALIGN == 0:
-                at += got
-                with _lock:
-                    direct_bytes += got
-            if got != n:  # short (a full disk says so on the buffered retry): the rest goes buffered
-                return at, False
+    for start in range(0, len(source), step):
+        n = min(step, len(source) - start)
+        if in_place:
+            got = _pwrite_direct_chunk(twin, data[start:start + n], at)
+        else:
+            bounce = _bounce()
+            np.copyto(np.frombuffer(bounce, dtype=np.uint8)[:n], source[start:start + n])  # without the GIL
+            with memoryview(bounce) as view:
+                got = _pwrite_direct_chunk(twin, view[:n], at)
+        if got is None:
+            return at, True
+        if got > 0 and got % ALIGN == 0:
+            at += got
+            with _lock:
+                direct_bytes += got
+                bounced_bytes += 0 if in_place else got
+        if got != n:  # short (a full disk says so on the buffered retry): the rest goes buffered
+            return at, False
     return at, False
+
+
+def _pwrite_direct_chunk(twin: int, view: memoryview, offset: int) -> int | None:
+    """One O_DIRECT pwrite: the bytes written, or None where the device refuses it (EINVAL)."""
+    try:
+        return os.pwrite(twin, view, offset)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None
 
 
 def _bounce() -> mmap.mmap:

@@ -38,6 +38,9 @@ class TorchZipSink:
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         self._writer.write_extent(key, offset, data)  # thread-safe: positional writes, locked bookkeeping
 
+    def file_offset(self, key: str, offset: int) -> int:
+        return self._writer.file_offset(key, offset)
+
     def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
         return self._writer.claim(key, offset, nbytes)
 
@@ -77,6 +80,9 @@ class XserSplitSink:
         if key in self._column_major:  # per-tensor files are contiguous: store rows, not columns
             data = data.t().contiguous()
         self._writers[key].write_extent(BARE_TENSOR_KEY, offset, data)
+
+    def file_offset(self, key: str, offset: int) -> int:
+        return self._writers[key].file_offset(BARE_TENSOR_KEY, offset)
 
     def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
         return self._writers[key].claim(BARE_TENSOR_KEY, offset, nbytes)

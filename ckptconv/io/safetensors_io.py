@@ -420,6 +420,10 @@ class SafetensorsExtentWriter:
             self._failed = f"write of {key!r} failed: {exc}"
             raise
 
+    def file_offset(self, key: str, offset_in_tensor: int) -> int:
+        """Where byte ``offset_in_tensor`` of tensor ``key`` lies in the file."""
+        return self.layout.entries[key].data_offset + offset_in_tensor
+
     def claim(self, key: str, offset_in_tensor: int, length: int) -> Callable[[], None]:
         """Announce that these bytes of ``key`` are being computed (ckptconv.io.write_digest.WriteDigest.claim);
         returns the release."""

@@ -25,6 +25,9 @@ class SafetensorsSink:
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         self._writer.write_extent(key, offset, data)
 
+    def file_offset(self, key: str, offset: int) -> int:
+        return self._writer.file_offset(key, offset)
+
     def claim(self, key: str, offset: int, nbytes: int) -> Callable[[], None]:
         return self._writer.claim(key, offset, nbytes)
 

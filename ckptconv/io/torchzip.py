@@ -390,6 +390,10 @@ class TorchZipWriter:
         self._record_extent(key, offset_in_record, len(view), crc)
         return crc
 
+    def file_offset(self, key: str, offset_in_record: int) -> int:
+        """Where byte ``offset_in_record`` of ``key``'s record lies in the file."""
+        return self.base + self.layout.data_offset[key] + offset_in_record
+
     def claim(self, key: str, offset_in_record: int, length: int) -> Callable[[], None]:
         """Announce that these bytes of ``key`` are being computed (ckptconv.io.write_digest.WriteDigest.claim);
         returns the release."""
