@@ -358,7 +358,7 @@ class _Scratch(threading.local):
     band happen to land on each thread."""
 
     ALIGN = 64
-    PAGE = 4096
+    PAGE = direct_io.ALIGN
     # room for aligning the band's buffers: 64 at 64 bytes, and 96 placed at a page phase (each can skip up to a page;
     # a tp 32 unit of column-major tensors has up to 3 per tensor, band, cast and transpose)
     SLACK = 64 * ALIGN + 96 * PAGE

@@ -147,9 +147,10 @@ class DistcpSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         size = sum(item.length for item in items)
         self._fd = open_output(self.path)
-        self._digest = open_digest(self.path, self._fd)  # one per file, shared by its items' writers
+        self._digest = None
         self._writers: dict[str, TorchZipWriter] = {}
         try:
+            self._digest = open_digest(self.path, self._fd)  # one per file, shared by its items' writers
             os.ftruncate(self._fd, size)
             for item in items:
                 if item.zip is None:

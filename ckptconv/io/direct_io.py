@@ -5,7 +5,8 @@ paths that copy was the largest single item of a conversion's CPU (issue #33: 1.
 spent ~0.5 on the whole copy). Files the executor creates inside :func:`direct_writes` get a second descriptor
 opened with ``O_DIRECT`` (:func:`attach`); :func:`ckptconv.io.positional.pwrite_all` then sends each write of at
 least :data:`MIN_DIRECT` bytes through :func:`pwrite_direct`: its unaligned head and tail (under 4 KiB each) go
-through the page cache as before, its 4 KiB-aligned middle is written straight to the file: from where it lies
+through the page cache as before, its middle (aligned to 4 KiB, or to the page where pages are larger) is
+written straight to the file: from where it lies
 when its address is page-aligned there too (the executor places its band buffers so), else copied first into a
 page-aligned buffer of the thread. Writes are disjoint, so a block is written either whole by one direct write or in
 parts by buffered ones, never both; the kernel keeps the page cache coherent for reads of the same file (the
@@ -32,18 +33,22 @@ from dataclasses import dataclass
 from typing import Any
 
 WRITE_IO_MODES = ("direct", "buffered")  # RunOptions.write_io / --write-io
-ALIGN = 4096             # block alignment of offsets, lengths and buffer addresses (covers 512 B and 4 KiB devices)
+# Alignment of direct offsets, lengths and buffer addresses: a device block (512 B or 4 KiB) and at least a page, so
+# no page of the page cache ever holds bytes of a direct write beside bytes of a buffered one (16 and 64 KiB pages).
+ALIGN = max(4096, mmap.PAGESIZE)
 MIN_DIRECT = 1 << 20     # smaller writes (headers, descriptors, small tensors) stay buffered
-BOUNCE_BYTES = 8 << 20   # the per-thread page-aligned buffer a misaligned direct write is copied through
+BOUNCE_BYTES = 4 << 20   # per writing thread, outside --max-memory: a misaligned direct write is copied through it
 IN_PLACE_CHUNK = 64 << 20  # bytes per direct pwrite from an already aligned buffer
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptconv_direct_writes", default=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Direct:
     fd: int       # the O_DIRECT descriptor
     inode: tuple[int, int]  # (st_dev, st_ino) of the file both descriptors name
+    refused: bool = False   # the device refused a direct write: the file is written buffered from then on; the
+                            # twin stays open until close_output, as other threads may be writing through it
 
 
 _files: dict[int, _Direct] = {}  # buffered descriptor -> its direct twin
@@ -89,6 +94,10 @@ def attach(path: str | os.PathLike[str], fd: int) -> None:
     and where the filesystem allows it."""
     if not _ENABLED.get() or not hasattr(os, "O_DIRECT"):
         return
+    # Sinks open every output file at once (an xser shard is a file per tensor): twins must not use up the
+    # descriptors the files themselves need. Numbers are handed out lowest first, so ``fd`` counts those open.
+    if fd >= _descriptor_limit() // 2:
+        return
     try:
         twin = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:  # EINVAL on tmpfs and some FUSE mounts: this file stays buffered
@@ -97,8 +106,13 @@ def attach(path: str | os.PathLike[str], fd: int) -> None:
     if (st.st_dev, st.st_ino) != _inode(fd):  # replaced between the two opens: never write through it
         os.close(twin)
         return
+    # A kernel reading ahead for the digest's read-back would cache pages a direct write is changing: read exactly
+    # the pages asked for (whole pages of written bytes: edges are buffered, so never stale).
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     with _lock:
-        _files[fd] = _Direct(twin, (st.st_dev, st.st_ino))
+        stale, _files[fd] = _files.get(fd), _Direct(twin, (st.st_dev, st.st_ino))
+    if stale is not None:  # left by a writer that closed its file without close_output
+        os.close(stale.fd)
 
 
 def detach(fd: int) -> None:
@@ -117,7 +131,7 @@ def twin_of(fd: int, nbytes: int) -> int | None:
         direct = _files.get(fd)
     # A twin whose descriptor number was closed and reused for another file (a writer that did not detach) must
     # never receive that file's bytes: the inode is compared on every use (one fstat per >= 1 MiB write).
-    if direct is None or _inode(fd) != direct.inode:
+    if direct is None or direct.refused or _inode(fd) != direct.inode:
         return None
     return direct.fd
 
@@ -134,7 +148,7 @@ def pwrite_direct(fd: int, twin: int, data: memoryview, offset: int, buffered: A
         buffered(fd, data[:lo - offset], offset)
     at, refused = _write_middle(twin, data[lo - offset:hi - offset], lo)
     if refused:
-        detach(fd)
+        _refuse(fd)
     if at < hi:
         buffered(fd, data[at - offset:hi - offset], at)
     if end > hi:
@@ -183,6 +197,20 @@ def _pwrite_direct_chunk(twin: int, view: memoryview, offset: int) -> int | None
         if e.errno != errno.EINVAL:
             raise
         return None
+
+
+def _refuse(fd: int) -> None:
+    with _lock:
+        direct = _files.get(fd)
+        if direct is not None:
+            direct.refused = True
+
+
+def _descriptor_limit() -> int:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _bounce() -> mmap.mmap:

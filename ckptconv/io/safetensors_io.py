@@ -463,9 +463,13 @@ class SafetensorsWriter(SafetensorsExtentWriter):
     def __init__(self, path: PathLike, layout: SafetensorsLayout, *, reserve: bool = False) -> None:
         # read-write: a digest computed as the file is written reads back ranges written out of order
         fd = open_output(path)
-        super().__init__(path, layout, fd)
-        self._digest = open_digest(path, fd)
         try:
+            super().__init__(path, layout, fd)
+        except BaseException:
+            close_output(fd)
+            raise
+        try:
+            self._digest = open_digest(path, fd)
             write_to(fd, memoryview(layout.header), 0, self._digest)
             # ftruncate is instant everywhere (sparse); posix_fallocate reserves real blocks
             # but glibc emulates it byte-by-block on file systems without fallocate.

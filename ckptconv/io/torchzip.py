@@ -347,8 +347,10 @@ class TorchZipWriter:
         self._finished = False
         self._owns_fd = fd is None
         self._fd = open_output(self.path, 0o666) if fd is None else fd
-        self._digest = open_digest(self.path, self._fd) if fd is None else digest
+        self._digest = digest
         try:
+            if fd is None:
+                self._digest = open_digest(self.path, self._fd)
             if self._owns_fd:
                 os.ftruncate(self._fd, layout.file_size)  # sparse preallocation to the exact size
             for rec in layout.records:

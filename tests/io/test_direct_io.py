@@ -163,9 +163,25 @@ def test_a_refused_or_short_direct_write_is_completed_buffered(direct_dir, monke
             pwrite_all(fd, memoryview(payload)[:100], 0)
             # EINVAL: the file stays buffered from then on; a short write keeps its twin
             assert (twin_of(fd, direct_io.MIN_DIRECT) is None) == (failure == "einval")
+            # the twin stays open either way: another thread may be writing through it right now, and a closed
+            # number could be reused by another file before that write
+            (twin,) = twins
+            os.fstat(twin)
         finally:
             close_output(fd)
+    with pytest.raises(OSError):
+        os.fstat(twin)  # closed with its file
     assert path.read_bytes() == payload
+
+
+def test_no_twins_where_descriptors_run_short(direct_dir, monkeypatch):
+    monkeypatch.setattr(direct_io, "_descriptor_limit", lambda: 8)  # every number >= 4 is "past half the limit"
+    payload = random.Random(6).randbytes(2 * direct_io.MIN_DIRECT)
+    before = direct_io.direct_bytes
+    with direct_writes(True):
+        _write_shuffled(direct_dir / "out", payload, [(0, len(payload))], threads=1)
+    assert (direct_dir / "out").read_bytes() == payload
+    assert direct_io.direct_bytes == before
 
 
 def test_a_reused_descriptor_number_never_writes_into_the_old_file(direct_dir):
