@@ -62,7 +62,7 @@ class RunOptions:
     """How to read inputs: 'read' (plain positional reads, the default: one copy, as fast as mmap
     on local disks, and safe on Lustre/NFS where mmap is slow and can SIGBUS) or 'mmap'."""
     write_io: str = "direct"
-    """How to write outputs: 'direct' (the default: the 4 KiB-aligned middle of each write of 1 MiB or more skips
+    """How to write outputs: 'direct' (the default: the page-aligned middle of each write of 1 MiB or more skips
     the page cache with O_DIRECT, saving the kernel's copy of every byte; a filesystem that refuses it, such as
     tmpfs, is written buffered) or 'buffered' (every byte through the page cache)."""
     quiet: bool = False

@@ -8,12 +8,14 @@ least :data:`MIN_DIRECT` bytes through :func:`pwrite_direct`: its unaligned head
 through the page cache as before, its middle (aligned to 4 KiB, or to the page where pages are larger) is
 written straight to the file: from where it lies
 when its address is page-aligned there too (the executor places its band buffers so), else copied first into a
-page-aligned buffer of the thread. Writes are disjoint, so a block is written either whole by one direct write or in
-parts by buffered ones, never both; the kernel keeps the page cache coherent for reads of the same file (the
-digest's read-back). The bytes on disk are the same; only the path they take changes.
+page-aligned buffer of the thread. Writes are disjoint and the alignment is at least a page, so a page is written
+either whole by one direct write or in parts by buffered ones, never both; the buffered descriptor reads without
+read-ahead, so the digest's read-back caches only pages of bytes already written (never one a direct write is
+changing). The bytes on disk are the same; only the path they take changes.
 
-A filesystem that refuses ``O_DIRECT`` (tmpfs, some FUSE mounts), or a direct write it rejects as misaligned
-(``EINVAL``: a device whose blocks are larger than 4 KiB), leaves that file buffered: correct, only slower.
+A filesystem that refuses ``O_DIRECT`` (tmpfs, some FUSE mounts), a direct write it rejects as misaligned
+(``EINVAL``: a device whose blocks are larger than the alignment; from then on), or a file opened past half the
+descriptor limit, is written buffered: correct, only slower.
 
     >>> with direct_writes(True):                                   # doctest: +SKIP
     ...     fd = open_output(path)
@@ -137,7 +139,7 @@ def twin_of(fd: int, nbytes: int) -> int | None:
 
 
 def pwrite_direct(fd: int, twin: int, data: memoryview, offset: int, buffered: Any) -> None:
-    """Write ``data`` at ``offset``: the 4 KiB-aligned middle through ``twin``, the edges with ``buffered(fd, view,
+    """Write ``data`` at ``offset``: the aligned middle through ``twin``, the edges with ``buffered(fd, view,
     offset)``; a middle the device rejects (EINVAL) goes buffered too, and the file stays buffered from then on."""
     end = offset + len(data)
     lo, hi = -(-offset // ALIGN) * ALIGN, end // ALIGN * ALIGN
