@@ -32,7 +32,6 @@ from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io import direct_io
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
-from ckptconv.io.direct_io import direct_writes
 from ckptconv.io.write_digest import WriteDigests, recording
 
 STATE_FILE = "state.json"
@@ -140,7 +139,7 @@ def run_plan(
         return _flatten(done, plan, wanted)
 
     digests = WriteDigests(options.hash) if options.hash else None  # each file hashed as written, not read back
-    with recording(digests), direct_writes(options.write_io == "direct"):
+    with recording(digests), direct_io.direct_writes(options.write_io == "direct"):
         sinks = _open_sinks(plan, todo, sink_factory, tmp)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
     units = _units(plan, todo, reader, band_bytes)
