@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
-from ckptconv.engine.claims import claim_band, row_bytes, unit_order
+from ckptconv.engine.claims import band_extent, claim_band, row_bytes, unit_order
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
@@ -416,8 +416,8 @@ def _write_band(
         split, scratch = (bands.pieces, bands.scratch[start]) if bands is not None else (None, None)
         slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get, split, scratch)
     for n, (file_index, tensor) in enumerate(unit.tensors):
-        offset = 0 if tensor.column_major else start * row_bytes(tensor.shape, tensor.dtype.itemsize)
-        phase = _file_phase(sinks[file_index], tensor, offset, stop - start)
+        offset, nbytes = band_extent(tensor, start, stop)
+        phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
         if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
             band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]
         elif unit.shared_sources:
@@ -435,12 +435,10 @@ def _write_band(
             progress(data.numel() * data.element_size())
 
 
-def _file_phase(sink: Sink, tensor: OutTensor, offset: int, rows: int) -> int | None:
-    """Where in a page the band's bytes start in their file (see _Scratch.get), for bands large enough to be
-    written with O_DIRECT, when the sink can say."""
+def _file_phase(sink: Sink, tensor: OutTensor, offset: int, nbytes: int) -> int | None:
+    """Where in a page the band's ``nbytes`` at ``offset`` of the tensor start in their file (see _Scratch.get), for
+    bands large enough to be written with O_DIRECT, when the sink can say."""
     file_offset = getattr(sink, "file_offset", None)
-    whole = tensor.column_major or not tensor.shape
-    nbytes = row_bytes(tensor.shape, tensor.dtype.itemsize) * (tensor.shape[0] if whole and tensor.shape else rows)
     if file_offset is None or tensor.by_slab or nbytes < direct_io.MIN_DIRECT:
         return None
     return file_offset(tensor.key, offset) % _Scratch.PAGE

@@ -104,15 +104,15 @@ def attach(path: str | os.PathLike[str], fd: int) -> None:
         twin = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:  # EINVAL on tmpfs and some FUSE mounts: this file stays buffered
         return
-    st = os.fstat(twin)
-    if (st.st_dev, st.st_ino) != _inode(fd):  # replaced between the two opens: never write through it
+    inode = _inode(twin)
+    if inode != _inode(fd):  # replaced between the two opens: never write through it
         os.close(twin)
         return
     # A kernel reading ahead for the digest's read-back would cache pages a direct write is changing: read exactly
     # the pages asked for (whole pages of written bytes: edges are buffered, so never stale).
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     with _lock:
-        stale, _files[fd] = _files.get(fd), _Direct(twin, (st.st_dev, st.st_ino))
+        stale, _files[fd] = _files.get(fd), _Direct(twin, inode)
     if stale is not None:  # left by a writer that closed its file without close_output
         os.close(stale.fd)
 
