@@ -13,7 +13,10 @@ The last rows are conversions' start-up (issue #33): the four training-state com
 with AdamW state, and its TorchTitan DCP; built once under ``bench-out/train-tiny``), each the whole
 command in a fresh process with ``sync`` before it and inside its time, OUT removed between runs.
 ``--only conversions`` (or ``answers``) runs one group (and the floor rows). The load average is sampled before each
-repetition and reported with the table.
+repetition and reported with the table, and each conversion's median above torch's import (imported as the CLI
+imports it, in the same runs) below it. ``--bytecode compiled`` (the default) writes each tree's bytecode first, as
+``pip install`` does; ``--bytecode source`` runs copies of the trees without it, under PYTHONDONTWRITEBYTECODE, so
+every start compiles ckptconv's modules (~0.1 s on this machine).
 
 The table goes to stdout and ``bench-out/startup.md``. Every command's exit status is checked
 (0 for answers and conversions, 2 for usage errors, 1 for config errors): a command that fails
@@ -39,6 +42,9 @@ from training_rows import build, measure  # noqa: E402
 OUT = Path("bench-out")
 CKPTCONV = "import sys; from ckptconv.cli.main import main; sys.exit(main())"  # what the console script runs
 NXDTRAIN = "import sys; from nxdtrain.cli import main; sys.exit(main())"
+# torch imported as a conversion imports it: collector paused, then frozen; ended without the interpreter's teardown
+TORCH_AS_THE_CLI = "import torch as the CLI does (collector paused, no teardown)"
+PACKAGES = ("ckptconv", "nxdtrain")
 
 
 def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
@@ -49,7 +55,8 @@ def commands(tmp: Path) -> list[tuple[str, list[str], int]]:
     return [
         ("python -c pass (floor)", ["-c", "pass"], 0),
         ("python -c 'import torch'", ["-c", "import torch"], 0),
-        ("import torch, collector paused (as the CLI does)", ["-c", "import gc; gc.disable(); import torch"], 0),
+        (TORCH_AS_THE_CLI, ["-c", "import atexit, gc, os; atexit.register(os._exit, 0); gc.disable(); import torch; "
+                                  "gc.freeze(); gc.enable()"], 0),
         ("ckptconv --version", [*ck, "--version"], 0),
         ("ckptconv --help", [*ck, "--help"], 0),
         ("ckptconv to-nxd --help", [*ck, "to-nxd", "--help"], 0),
@@ -73,6 +80,26 @@ def conversions(paths: dict[str, Path], tmp: Path) -> list[tuple[str, list[str],
         args = [str(paths[f"tiny-{kind}"]) if a == "SRC" else out if a == "OUT" else a for a in argv]
         cases.append((f"ckptconv {label.split(' (')[0]} (tiny tag, sync)", ["-m", "ckptconv.cli", *args, "--quiet"], 0))
     return cases
+
+
+def prepare_trees(trees: dict[str, str], bytecode: str, tmp: Path) -> dict[str, str]:
+    """The trees to run, by variant. ``compiled``: each tree's bytecode written first, as ``pip install`` writes it
+    (an editable install caches it on first use unless PYTHONDONTWRITEBYTECODE is set). ``source``: the packages
+    copied without their ``__pycache__``, so that every start compiles them (run with PYTHONDONTWRITEBYTECODE)."""
+    if os.environ.get("PYTHONPYCACHEPREFIX"):
+        raise SystemExit("PYTHONPYCACHEPREFIX is set: torch's own bytecode would be compiled at every start; unset it")
+    prepared = {}
+    for variant, tree in trees.items():
+        if bytecode == "compiled":
+            subprocess.run([sys.executable, "-m", "compileall", "-q", *(str(Path(tree) / p) for p in PACKAGES)],
+                           check=True, stdout=subprocess.DEVNULL)
+            prepared[variant] = tree
+        else:
+            copy = tmp / f"tree-{variant}"
+            for package in PACKAGES:
+                shutil.copytree(Path(tree) / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+            prepared[variant] = str(copy)
+    return prepared
 
 
 def run_once(argv: list[str], expected: int, pythonpath: str | None, cwd: Path) -> tuple[float, float]:
@@ -115,12 +142,32 @@ def table(cases: list[tuple[str, list[str], int]], variants: list[str],
     return lines
 
 
+def above_torch(cases: list[tuple[str, list[str], int]], variants: list[str],
+                times: dict[tuple[str, str], list[tuple[float, float]]]) -> str:
+    """Each conversion's median wall above torch's import as the CLI imports it, in the same runs: the share of
+    start-up that is not torch's (which moves with the machine's load far more than ckptconv's own part)."""
+    if not any(label.startswith("ckptconv ") and "tiny tag" in label for label, _, _ in cases):
+        return ""
+    lines = []
+    for v in variants:
+        floor = statistics.median(t[0] for t in times[TORCH_AS_THE_CLI, v])
+        above = [f"{label.split(' (')[0].removeprefix('ckptconv ')} {statistics.median(t[0] for t in times[label, v]) - floor:+.2f}"
+                 for label, _, _ in cases if "tiny tag" in label]
+        lines.append(f"{v}: above torch's import (the CLI's way), median s: " + ", ".join(above))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each command (median reported; default 5)")
     parser.add_argument("--before", metavar="DIR", help="source tree of an earlier commit to compare against")
     parser.add_argument("--only", choices=("answers", "conversions"), default=None, help="run one group of rows")
+    parser.add_argument("--bytecode", choices=("compiled", "source"), default="compiled",
+                        help="compiled: the trees' bytecode written first, as pip install writes it (default); "
+                             "source: compiled at every start (PYTHONDONTWRITEBYTECODE, no __pycache__)")
     args = parser.parse_args()
+    if args.bytecode == "source":
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # the children inherit it
     OUT.mkdir(exist_ok=True)
     # this checkout by path, not the installed package (an editable install may point at another worktree)
     variants: dict[str, str | None] = {"now": str(Path(__file__).resolve().parent.parent)}
@@ -128,6 +175,7 @@ def main() -> None:
         variants = {"before": str(Path(args.before).resolve()), **variants}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
+        variants = prepare_trees(variants, args.bytecode, Path(tmp))  # type: ignore[arg-type]
         cases = commands(Path(tmp))[:3 if args.only == "conversions" else None]  # the floor rows always
         if args.only != "answers":
             cases += conversions(build(OUT.resolve(), names=("tiny",)), Path(tmp))
@@ -138,10 +186,12 @@ def main() -> None:
                 for v in list(variants) if i % 2 == 0 else list(reversed(variants)):
                     times[label, v].append(run_once(argv, expected, variants[v], Path(tmp)))
     loads.append(os.getloadavg()[0])
-    bytecode = "not written (PYTHONDONTWRITEBYTECODE)" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "cached"
+    bytecode = {"compiled": "compiled before the runs (as pip install writes it)",
+                "source": "compiled at every start (PYTHONDONTWRITEBYTECODE, no __pycache__)"}[args.bytecode]
     text = "\n".join(table(cases, list(variants), times)) + (
         f"\n\n{args.repeat} runs each; 1-minute load average {min(loads):.1f}-{max(loads):.1f} (median "
-        f"{statistics.median(loads):.1f}) over the runs; {os.cpu_count()} cores; bytecode {bytecode}\n")
+        f"{statistics.median(loads):.1f}) over the runs; {os.cpu_count()} cores; ckptconv's bytecode {bytecode}\n"
+        + above_torch(cases, list(variants), times))
     print(text)
     (OUT / "startup.md").write_text(text)
 

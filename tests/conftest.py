@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from ckptconv.engine import options as run_options
+
 # Nothing in the suite may reach the Hub: a lookup that is not in a test's own cache fails at once.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -105,6 +107,14 @@ def hf_state(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         state.update(load_file(path / name))
     return state
+
+
+@pytest.fixture(autouse=True)
+def default_workers_as_for_a_large_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversion given no ``--workers`` runs one worker per 32 MiB written (``workers_for``): one for every
+    model here. In-process tests run the whole default pool, as a conversion of a real model does, so they keep
+    exercising concurrent bands; ``tests/test_usable_cpus.py`` tests the rule itself, unpatched."""
+    monkeypatch.setattr(run_options, "BYTES_PER_DEFAULT_WORKER", 1)
 
 
 @pytest.fixture(scope="session")

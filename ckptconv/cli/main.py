@@ -53,7 +53,8 @@ def parse_size(text: str) -> int:
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
     defaults = RunOptions()
-    p.add_argument("--workers", type=int, default=defaults.workers, help="parallel workers (default: cores, at least 8)")
+    p.add_argument("--workers", type=int, default=defaults.workers,
+                   help="parallel workers (default: the usable cores, at least 8, but one per 32 MiB written)")
     p.add_argument("--max-memory", type=parse_size, default=defaults.max_memory,
                    help="working-memory budget for tensor data (default 2GiB)")
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,

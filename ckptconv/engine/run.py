@@ -34,7 +34,7 @@ from ckptconv.engine.finalize import (
     try_finalize,
     write_spec,
 )
-from ckptconv.engine.options import RunOptions
+from ckptconv.engine.options import RunOptions, default_workers, workers_for
 from ckptconv.engine.progress import byte_progress
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
@@ -132,13 +132,14 @@ def write_plan(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptio
                 lock.share()
         mine = assign_files(plan, part) if part_of is None else set(part_of.mine)
         total = sum(f.nbytes for f in plan.files if f.path in mine)
+        workers = workers_for(total, options.workers)
         with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
-            exec_options = ExecOptions(workers=options.workers, max_memory=options.max_memory, replicas=kv_replicas,
+            exec_options = ExecOptions(workers=workers, max_memory=options.max_memory, replicas=kv_replicas,
                                        fingerprint=spec.fingerprint, hash=spec.hash, progress=advance,
                                        write_io=options.write_io)
             files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
         if hasattr(reader, "finish_checks"):  # every input file read from matches its record, before OUT is complete
-            reader.finish_checks(workers=options.workers)
+            reader.finish_checks(workers=options.workers or default_workers())  # may read more than was written
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
     count = len(plan.files) if part_of is None else part_of.count
