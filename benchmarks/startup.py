@@ -87,7 +87,8 @@ def prepare_trees(trees: dict[str, str], bytecode: str, tmp: Path) -> dict[str, 
     (an editable install caches it on first use unless PYTHONDONTWRITEBYTECODE is set). ``source``: the packages
     copied without their ``__pycache__``, so that every start compiles them (run with PYTHONDONTWRITEBYTECODE)."""
     if os.environ.get("PYTHONPYCACHEPREFIX"):
-        raise SystemExit("PYTHONPYCACHEPREFIX is set: torch's own bytecode would be compiled at every start; unset it")
+        raise SystemExit("PYTHONPYCACHEPREFIX is set: torch's installed bytecode is not read under it (compiled "
+                         "again at every start with PYTHONDONTWRITEBYTECODE, or cached on the first); unset it")
     prepared = {}
     for variant, tree in trees.items():
         if bytecode == "compiled":
@@ -145,7 +146,8 @@ def table(cases: list[tuple[str, list[str], int]], variants: list[str],
 def above_torch(cases: list[tuple[str, list[str], int]], variants: list[str],
                 times: dict[tuple[str, str], list[tuple[float, float]]]) -> str:
     """Each conversion's median wall above torch's import as the CLI imports it, in the same runs: the share of
-    start-up that is not torch's (which moves with the machine's load far more than ckptconv's own part)."""
+    start-up that is not torch's (which moves with the machine's load far more than ckptconv's own part). It
+    includes the conversion's ``sync`` (inside its time; the floor row has none) and the tiny tag's conversion."""
     if not any(label.startswith("ckptconv ") and "tiny tag" in label for label, _, _ in cases):
         return ""
     lines = []

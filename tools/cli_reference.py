@@ -24,10 +24,10 @@ PARSERS: dict[str, tuple[str, str]] = {
     "nxdtrain": ("nxdtrain.cli", "build_parser"),
 }
 
-# Defaults computed from the machine at parser-build time, written as their rule so that the page is the same
-# on every machine: (program, flag) -> text.
+# Defaults decided when the command runs, from the machine or the conversion, written as their rule so that the
+# page is the same on every machine: (program, flag) -> text.
 MACHINE_DEFAULTS: dict[tuple[str, str], str] = {
-    ("ckptconv", "--workers"): "the machine's usable cores, at least 8",
+    ("ckptconv", "--workers"): "the usable cores, at least 8, but one per 32 MiB written",
 }
 
 REPO = Path(__file__).resolve().parent.parent
