@@ -148,13 +148,14 @@ def above_torch(cases: list[tuple[str, list[str], int]], variants: list[str],
     """Each conversion's median wall above torch's import as the CLI imports it, in the same runs: the share of
     start-up that is not torch's (which moves with the machine's load far more than ckptconv's own part). It
     includes the conversion's ``sync`` (inside its time; the floor row has none) and the tiny tag's conversion."""
-    if not any(label.startswith("ckptconv ") and "tiny tag" in label for label, _, _ in cases):
+    labels = [label for label, _, _ in cases if "tiny tag" in label]
+    if not labels:
         return ""
     lines = []
     for v in variants:
         floor = statistics.median(t[0] for t in times[TORCH_AS_THE_CLI, v])
         above = [f"{label.split(' (')[0].removeprefix('ckptconv ')} {statistics.median(t[0] for t in times[label, v]) - floor:+.2f}"
-                 for label, _, _ in cases if "tiny tag" in label]
+                 for label in labels]
         lines.append(f"{v}: above torch's import (the CLI's way), median s: " + ", ".join(above))
     return "\n".join(lines) + "\n"
 
@@ -172,12 +173,12 @@ def main() -> None:
         os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # the children inherit it
     OUT.mkdir(exist_ok=True)
     # this checkout by path, not the installed package (an editable install may point at another worktree)
-    variants: dict[str, str | None] = {"now": str(Path(__file__).resolve().parent.parent)}
+    variants = {"now": str(Path(__file__).resolve().parent.parent)}
     if args.before:
         variants = {"before": str(Path(args.before).resolve()), **variants}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
-        variants = prepare_trees(variants, args.bytecode, Path(tmp))  # type: ignore[arg-type]
+        variants = prepare_trees(variants, args.bytecode, Path(tmp))
         cases = commands(Path(tmp))[:3 if args.only == "conversions" else None]  # the floor rows always
         if args.only != "answers":
             cases += conversions(build(OUT.resolve(), names=("tiny",)), Path(tmp))

@@ -25,9 +25,9 @@ PARSERS: dict[str, tuple[str, str]] = {
 }
 
 # Defaults decided when the command runs, from the machine or the conversion, written as their rule so that the
-# page is the same on every machine: (program, flag) -> text.
-MACHINE_DEFAULTS: dict[tuple[str, str], str] = {
-    ("ckptconv", "--workers"): "the usable cores, at least 8, but one per 32 MiB written",
+# page is the same on every machine: (program, flag) -> (module, name of the rule's text there).
+MACHINE_DEFAULTS: dict[tuple[str, str], tuple[str, str]] = {
+    ("ckptconv", "--workers"): ("ckptconv.engine.options", "DEFAULT_WORKERS_RULE"),
 }
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,8 @@ def _help_text(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 def _default(program: str, action: argparse.Action) -> str:
     for flag in action.option_strings:
         if (program, flag) in MACHINE_DEFAULTS:
-            return MACHINE_DEFAULTS[(program, flag)]
+            module, name = MACHINE_DEFAULTS[(program, flag)]
+            return str(getattr(importlib.import_module(module), name))
     default = action.default
     if default is None or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
         return ""

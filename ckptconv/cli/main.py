@@ -25,7 +25,14 @@ from ckptconv.cli.errors import DEBUG_HELP, run_guarded
 from ckptconv.cli.layout_args import add_layout_flags, add_source_flags, did_you_mean, overrides_from, source_overrides
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
-from ckptconv.engine.options import DEFAULT_DCP_FILE_SIZE, DTYPES, NXD_PARAM_GROUPS, NXD_TRAINERS, RunOptions
+from ckptconv.engine.options import (
+    DEFAULT_DCP_FILE_SIZE,
+    DEFAULT_WORKERS_RULE,
+    DTYPES,
+    NXD_PARAM_GROUPS,
+    NXD_TRAINERS,
+    RunOptions,
+)
 from ckptconv.errors import ConversionError
 from ckptconv.io import digest
 from ckptconv.io.direct_io import WRITE_IO_MODES
@@ -53,8 +60,7 @@ def parse_size(text: str) -> int:
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
     defaults = RunOptions()
-    p.add_argument("--workers", type=int, default=defaults.workers,
-                   help="parallel workers (default: the usable cores, at least 8, but one per 32 MiB written)")
+    p.add_argument("--workers", type=int, default=defaults.workers, help=f"parallel workers (default: {DEFAULT_WORKERS_RULE})")
     p.add_argument("--max-memory", type=parse_size, default=defaults.max_memory,
                    help="working-memory budget for tensor data (default 2GiB)")
     p.add_argument("--io", choices=("mmap", "read"), default=defaults.io,

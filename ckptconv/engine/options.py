@@ -23,6 +23,8 @@ MIN_DEFAULT_WORKERS = 8
 # spend more passing the GIL than they overlap (the benchmark's 19 MB training tag: 0.12-0.16 s converting with
 # 1-2 workers, 0.19-0.23 s with 8), while a 256 MiB conversion already gets all eight.
 BYTES_PER_DEFAULT_WORKER = 32 * 2**20
+# the rule, as --help and docs/cli.md state it
+DEFAULT_WORKERS_RULE = f"the usable cores, at least {MIN_DEFAULT_WORKERS}, but one per {BYTES_PER_DEFAULT_WORKER >> 20} MiB written"
 # to-dcp's default --max-file-size. Many files rather than few: writers of one file share its inode lock, and
 # a file is hashed only once complete (70B x4 layers: 700MB files 1.63x cp, 5GB files 2.40x, one pair each on a
 # loaded machine).
