@@ -4,8 +4,8 @@ A buffered write costs the kernel a copy of every byte into the page cache, then
 paths that copy was the largest single item of a conversion's CPU (issue #33: 1.1-1.4 CPU s/GB here, where ``cp``
 spent ~0.5 on the whole copy). Files the executor creates inside :func:`direct_writes` get a second descriptor
 opened with ``O_DIRECT`` (:func:`attach`); :func:`ckptconv.io.positional.pwrite_all` then sends each write of at
-least :data:`MIN_DIRECT` bytes through :func:`pwrite_direct`: its unaligned head and tail (under 4 KiB each) go
-through the page cache as before, its middle (aligned to 4 KiB, or to the page where pages are larger) is
+least :data:`MIN_DIRECT` bytes through :func:`pwrite_direct`: its unaligned head and tail (under :data:`ALIGN`
+each) go through the page cache as before, its middle (aligned to 4 KiB, or to the page where pages are larger) is
 written straight to the file: from where it lies
 when its address is page-aligned there too (the executor places its band buffers so), else copied first into a
 page-aligned buffer of the thread. Writes are disjoint and the alignment is at least a page, so a page is written
