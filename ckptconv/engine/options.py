@@ -69,8 +69,8 @@ class RunOptions:
     """How to run a conversion (not what to convert)."""
 
     workers: int | None = None
-    """Parallel workers (threads) over independent tensors; None: :func:`workers_for` the bytes written (the
-    usable cores, at least 8, but one per 32 MiB written)."""
+    """Parallel workers (threads) over independent tensors; None: :func:`workers_for` the bytes written
+    (:data:`DEFAULT_WORKERS_RULE`)."""
     max_memory: int = 2 * 2**30
     """Working-memory budget in bytes for tensor data in flight."""
     io: str = "read"
@@ -104,7 +104,7 @@ class RunOptions:
         if self.io not in ("mmap", "read"):
             raise ConversionError(f"--io must be 'mmap' or 'read', got {self.io!r}")
         if self.write_io not in WRITE_IO_MODES:
-            raise ConversionError(f"--write-io must be 'direct' or 'buffered', got {self.write_io!r}")
+            raise ConversionError(f"--write-io must be {' or '.join(map(repr, WRITE_IO_MODES))}, got {self.write_io!r}")
         check_algorithm(self.digest)
 
     @property

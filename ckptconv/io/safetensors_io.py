@@ -415,21 +415,21 @@ class SafetensorsExtentWriter:
             return
         self._claim(key, offset_in_tensor, offset_in_tensor + len(mv))
         try:
-            write_to(self._fd, mv, self.layout.entries[key].data_offset + offset_in_tensor, self._digest)
+            write_to(self._fd, mv, self.file_offset(key, offset_in_tensor), self._digest)
         except BaseException as exc:  # bytes are claimed but maybe not on disk: poison
             self._failed = f"write of {key!r} failed: {exc}"
             raise
 
     def file_offset(self, key: str, offset_in_tensor: int) -> int:
         """Where byte ``offset_in_tensor`` of tensor ``key`` lies in the file."""
-        return self.layout.entries[key].data_offset + offset_in_tensor
+        return self._entry(key).data_offset + offset_in_tensor
 
     def claim(self, key: str, offset_in_tensor: int, length: int) -> Callable[[], None]:
         """Announce that these bytes of ``key`` are being computed (ckptconv.io.write_digest.WriteDigest.claim);
         returns the release."""
         if self._digest is None:
             return lambda: None
-        return self._digest.claim(self._entry(key).data_offset + offset_in_tensor, length)
+        return self._digest.claim(self.file_offset(key, offset_in_tensor), length)
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
         """Write a whole tensor whose dtype and shape match the layout, e.g. ``w.write_tensor("b", bias)``."""

@@ -401,12 +401,12 @@ class TorchZipWriter:
         returns the release."""
         if self._digest is None:
             return _nothing
-        start = self.layout.data_offset[key] + offset_in_record
+        start = self.file_offset(key, offset_in_record)
         end = start + length
         if offset_in_record + length == self.layout.nbytes[key]:  # the record's descriptor is written with its
             # last band to finish, and after the last record the zip's tail: that band's thread writes them
-            end = self.layout.file_size if key == self.layout.keys[-1] else self.layout.record_for(key).end
-        return self._digest.claim(self.base + start, end - start)
+            end = self.base + (self.layout.file_size if key == self.layout.keys[-1] else self.layout.record_for(key).end)
+        return self._digest.claim(start, end - start)
 
     def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
         """Write ``key``'s whole record from a tensor whose dtype, shape and stride match the plan.
