@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 from tests.faults.helpers import looks_complete, tree
 from tests.slurm.cluster import ended, job, losses, never_started, output, sbatch
 from tests.slurm.conftest import MODEL, TRAIN_ARGS, template_env
@@ -38,6 +39,8 @@ def test_chain_equals_the_direct_commands(hf, reference, tmp_path):
     assert records["train"]["EndTime"] <= records["export"]["StartTime"]
 
     assert tree(nxd) == tree(reference.nxd)
+    converted = output("convert.sbatch", convert, tmp_path).read_text()
+    assert "part 0/2: " in converted and "part 1/2: " in converted, converted  # two srun tasks, one part each
     assert losses(log) == reference.losses
     assert sorted(losses(log)) == list(range(1, len(reference.losses) + 1))
     assert same_export(out, reference.hf)

@@ -7,8 +7,19 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.slurm.cluster import (ENDED, completed_tags, completions, ended, job, losses, output, sbatch, slurm,
-                                 wait_state, wait_until)
+from tests.slurm.cluster import (
+    ENDED,
+    completed_tags,
+    completions,
+    ended,
+    job,
+    losses,
+    output,
+    sbatch,
+    slurm,
+    wait_state,
+    wait_until,
+)
 from tests.slurm.conftest import STEPS, TRAIN_ARGS, template_env
 
 
