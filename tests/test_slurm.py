@@ -121,6 +121,9 @@ def test_train_one_node_and_srun_launcher():
     (line,) = dry_run("train.sbatch", 1, DATA="/fsx/tokenized", **env)
     assert line.endswith(" --checkpoint-dir /fsx/ckpt --checkpoint-freq 100 --data /fsx/tokenized")
     assert nxdtrain_parser().parse_args(tool_args(line, "nxdtrain.cli")).data == "/fsx/tokenized"
+    # A MASTER_ADDR the user set is where both launchers meet
+    assert "--rdzv-endpoint=10.0.0.5:14242 " in dry_run("train.sbatch", 2, MASTER_ADDR="10.0.0.5", **env)[0]
+    assert "MASTER_ADDR=10.0.0.5" in dry_run("train.sbatch", 2, LAUNCHER="srun", MASTER_ADDR="10.0.0.5", **env)[0]
     # Outside Slurm (no SLURM_* at all): one node, job 0, the local host.
     assert dry_run("train.sbatch", None, **env)[0].startswith(
         "srun --nodes=1 --ntasks-per-node=1 --ntasks=1 python -m torch.distributed.run --nnodes=1 --nproc-per-node=32 "

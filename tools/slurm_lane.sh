@@ -17,14 +17,13 @@ install_if_absent() {
     local missing=()
     for tool in sbatch slurmctld slurmd munged mungekey; do command -v "$tool" > /dev/null || missing+=("$tool"); done
     [[ ${#missing[@]} == 0 ]] && return
-    if [[ $(id -u) != 0 ]]; then say "missing ${missing[*]}; run as root to install slurm-wlm and munge"; exit 2; fi
     say "installing slurmctld slurmd slurm-client munge (missing: ${missing[*]})"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge > /dev/null
 }
 
-if [[ $(id -u) != 0 ]]; then say "needs root (slurmd starts job steps as their user)"; exit 2; fi
+if [[ $(id -u) != 0 ]]; then say "needs root (to install the packages; slurmd starts job steps as their user)"; exit 2; fi
 install_if_absent
 # Debian's packages start nothing here (no systemd in a container); were they running, ours would not touch them.
 
@@ -34,7 +33,9 @@ PIDS=()
 stop() {  # the daemons this script started, newest first, by pid; then the state directory
     local rc=$?
     if [[ -n ${RUNNING:-} ]] && kill -0 "$RUNNING" 2> /dev/null; then kill -TERM "$RUNNING"; wait "$RUNNING" || true; fi
-    if [[ -n ${SLURM_CONF:-} ]] && kill -0 "${PIDS[1]:-0}" 2> /dev/null; then  # no job step outlives the lane
+    # slurmctld (PIDS[1]) still up: cancel what is left, so that no job step (slurmstepd and its tasks, which
+    # outlive slurmd) survives the lane
+    if [[ -n ${SLURM_CONF:-} ]] && kill -0 "${PIDS[1]:-0}" 2> /dev/null; then
         squeue -h -o %A 2> /dev/null | xargs -r scancel 2> /dev/null || true
         for _ in $(seq 120); do [[ -z $(squeue -h -o %A 2> /dev/null) ]] && break; sleep 0.5; done
     fi
