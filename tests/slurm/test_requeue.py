@@ -41,8 +41,10 @@ def stopped(train: int, ckpt: Path) -> list[str]:
 
 
 def resumed(reference, train: int, ckpt: Path, log: Path, tags: list[str], cwd: Path) -> str:
-    """Let the held job start now (Slurm holds a requeued job two minutes), wait for its end, check the resume."""
-    slurm("scontrol", "update", f"JobId={train}", "StartTime=now")
+    """Let the held job start (Slurm holds a requeued job two minutes), wait for its end, check the resume. Not at
+    once: slurmd refuses to launch a job in the second its credential was revoked by the stop ('Job credential
+    revoked', and the job ends FAILED), a race Slurm's own hold avoids."""
+    slurm("scontrol", "update", f"JobId={train}", "StartTime=now+2")
     record = ended(train, timeout=600)
     text = output("train.sbatch", train, cwd).read_text()
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), text
