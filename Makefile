@@ -8,7 +8,7 @@ JOBS   ?= 2
 
 default: help
 
-.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan test-gpu demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
+.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan test-gpu test-slurm demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
 
 # this list: every target with the first line of the comment above it
 help:
@@ -99,6 +99,14 @@ TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py tests/test_titan_t
 # the TorchTitan lane: TorchTitan's own code loads what to-dcp writes
 test-titan: setup-titan
 	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)
+
+# The Slurm lane: tools/slurm_lane.sh installs Debian's slurm-wlm and munge if absent (root), starts munged,
+# slurmctld and two slurmd (two nodes on this host) under a temporary directory, runs tests/slurm through sbatch
+# with this venv's python on the jobs' PATH, and stops exactly the daemons it started (docs/slurm.md)
+
+# the Slurm lane: the examples/slurm templates chained, cancelled, requeued and preempted under a real Slurm
+test-slurm: setup
+	SLURM_LANE_PYTHON=$(CURDIR)/$(BIN)/python tools/slurm_lane.sh
 
 # tiny Llama -> NxD -> HF bit-exact, inspect, 5 training steps, export (into demo-out/)
 demo: setup
