@@ -166,7 +166,7 @@ def golden_dir() -> Path:
 def nxd_optimizers_made(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The model root of every ``NxdOptimizer`` made while the test runs: how often NxD's optimizer files are
     parsed (each making parses them)."""
-    from ckptconv.training.nxd_optimizer import NxdOptimizer
+    from ckptconv.training.nxd_format.read import NxdOptimizer
 
     made: list[Path] = []
     real = NxdOptimizer.__init__

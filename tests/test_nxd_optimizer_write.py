@@ -23,7 +23,7 @@ from ckptconv.commands.api import reshard, to_hf
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io.safe_load import load_small
-from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_format.read import NxdOptimizer
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.test_nxd_optimizer import FIXTURES, reference, tag_of
 

@@ -14,7 +14,7 @@ import torch
 
 from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
-from ckptconv.training.trainer_files import (
+from ckptconv.training.nxd_format.side_files import (
     CHECKPOINT_CALLBACK,
     LINEAR,
     NXD_EXAMPLE,

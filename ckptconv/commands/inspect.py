@@ -14,7 +14,7 @@ from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.nxd import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
-from ckptconv.training.nxd_optimizer import OPTIM_DIR, optimizer_summary
+from ckptconv.training.nxd_format.read import OPTIM_DIR, optimizer_summary
 from ckptconv.training.state import optimizer_summary as nxdtrain_optimizer_summary
 
 
@@ -29,7 +29,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
 
     An NxD training tag also reports ``weights_from`` (its model files, or the fp32 masters in
     ``optim/``: ``masters=True``, or an NxD tag whose model files hold no tensors) and ``optimizer``
-    (what :class:`ckptconv.training.nxd_optimizer.NxdOptimizer` reads there, or why it could not).
+    (what :class:`ckptconv.training.nxd_format.read.NxdOptimizer` reads there, or why it could not).
 
     Example:
         >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP

@@ -215,7 +215,7 @@ class Hyper:
 
 class OptimizerSource(Protocol):
     """What a plan reads optimizer tensors through: :class:`TagOptimizer` (nxdtrain's files) or
-    :class:`ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer` (NxD's own)."""
+    :class:`ckptconv.training.nxd_format.as_source.NxdTagOptimizer` (NxD's own)."""
 
     hyper: Hyper
 
@@ -472,7 +472,7 @@ SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
 
 def is_training_tag(root: Path) -> bool:
     """A tag nxdtrain saved: its optimizer state (format 1 or 2) and side files beside the shards (not a
-    converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.training.nxd_optimizer reads)."""
+    converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.training.nxd_format.read reads)."""
     first = root / optimizer_file(tp_rank=0, pp_rank=0, dp_rank=0)
     if not (first.is_file() and (root / USER_CONTENT_FILE).is_file()):
         return False
@@ -540,7 +540,7 @@ def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
 
 def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
     """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
-    format (NxD's own: :func:`ckptconv.training.nxd_optimizer.optimizer_summary`) or there is none."""
+    format (NxD's own: :func:`ckptconv.training.nxd_format.read.optimizer_summary`) or there is none."""
     if not (ckpt.root / OPTIM_DIR).is_dir():
         return None
     optim, _ = _tag_optimizer(ckpt, spec, layout, with_inv_freq)

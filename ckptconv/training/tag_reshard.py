@@ -24,10 +24,12 @@ from ckptconv.io.checked import check_whole_file
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.nxd_write import TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_ep_write import plan_nxd_ep_optimizer_files
-from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from ckptconv.training.nxd_optimizer_write import (
+from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
+from ckptconv.training.nxd_format.position import NxdPosition, nxd_position
+from ckptconv.training.nxd_format.ranks import OptimFormat
+from ckptconv.training.nxd_format.read import NxdOptimizer
+from ckptconv.training.nxd_format.side_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
+from ckptconv.training.nxd_format.write import (
     NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,
     WindowReader,
@@ -35,9 +37,8 @@ from ckptconv.training.nxd_optimizer_write import (
     nxd_groups,
     plan_nxd_optimizer_files,
 )
-from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
+from ckptconv.training.nxd_format.write_ep import plan_nxd_ep_optimizer_files
 from ckptconv.training.optim_placement import shard_ranks
-from ckptconv.training.position import NxdPosition, nxd_position
 from ckptconv.training.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
@@ -52,7 +53,6 @@ from ckptconv.training.state import (
     state_replicas,
 )
 from ckptconv.training.tag_files import complete_as_tag, run_record
-from ckptconv.training.trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
 
 
 def _checked(ckpt: NxdCheckpoint, path: Path) -> bytes:
@@ -150,8 +150,8 @@ class TrainingTag:
     @classmethod
     def open_nxd(cls, ckpt: NxdCheckpoint, *, dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
         """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
-        :class:`~ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
-        :mod:`ckptconv.training.position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
+        :class:`~ckptconv.training.nxd_format.as_source.NxdTagOptimizer`, its side files mapped by
+        :mod:`ckptconv.training.nxd_format.position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
         nxd = ckpt.nxd_optimizer or NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)  # parsed for the weights?
         try:
             optim = NxdTagOptimizer(nxd)
@@ -232,7 +232,7 @@ class TrainingTag:
 
     def _extend_nxd(self, plan: Plan, spec: FinalizeSpec, new: ParallelLayout, notes: list[str],
                     fmt: NxdFormat) -> tuple[Plan, Any]:
-        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.training.nxd_optimizer_write`): NxD's tag keeps its own
+        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.training.nxd_format.write`): NxD's tag keeps its own
         ``scheduler.pt``/``user_content.pt`` (copied as they are) and param groups' lrs; nxdtrain's tag gets NxD's
         ``CosineAnnealing`` state and NxD's example keys, its own position kept under ``nxdtrain``."""
         from_nxd = self.scheduler_record is not None
@@ -265,7 +265,7 @@ class TrainingTag:
         return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
 
     def _side_files(self, trainer: str, groups: int, fmt: NxdFormat, new: ParallelLayout) -> SideFiles:
-        """The side files for ``trainer`` (:mod:`ckptconv.training.trainer_files`), refused before a byte is written."""
+        """The side files for ``trainer`` (:mod:`ckptconv.training.nxd_format.side_files`), refused before a byte is written."""
         assert fmt.out is not None
         if self.position is None:  # nxdtrain's tag: its record at the new layout
             content = resharded_user_content(self.user_content, new, zero1=self.zero1)

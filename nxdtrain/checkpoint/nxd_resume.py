@@ -1,8 +1,8 @@
 """The training position of a tag written by NxD's own code (NxD's examples, NxDT), in nxdtrain's terms.
 
-NxD's optimizer files are read through :class:`ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer`; this module
+NxD's optimizer files are read through :class:`ckptconv.training.nxd_format.as_source.NxdTagOptimizer`; this module
 maps the side files (``torch.load(weights_only=True)``, checked against the tag's records where it has them):
-step, schedule and data position as :mod:`ckptconv.training.position` maps them (shared with ``ckptconv reshard``
+step, schedule and data position as :mod:`ckptconv.training.nxd_format.position` maps them (shared with ``ckptconv reshard``
 of NxD's tag); NxD's examples record no consumed samples, so the data continues at step x ``--gbs`` (said so).
 
 The RNG states and NxD's data order are never carried (said in one line).

@@ -115,12 +115,12 @@ def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
 
 
 def test_the_position_module_examples() -> None:
-    """ckptconv.training.position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
+    """ckptconv.training.nxd_format.position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
     import doctest
 
-    import ckptconv.training.position
+    import ckptconv.training.nxd_format.position
 
-    result = doctest.testmod(ckptconv.training.position)
+    result = doctest.testmod(ckptconv.training.nxd_format.position)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.training.nxd_optimizer import read_optimizer_state
+from ckptconv.training.nxd_format.read import read_optimizer_state
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
 from nxdtrain.checkpoint.resume import resolve_resume

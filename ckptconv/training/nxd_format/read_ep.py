@@ -19,7 +19,7 @@ from typing import Any
 from ckptconv.core.layout import shard_file
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
-from ckptconv.training.nxd_optimizer_checks import (
+from ckptconv.training.nxd_format.checks import (
     adamw_state,
     checked_param_groups,
     chunk_error,
@@ -28,8 +28,8 @@ from ckptconv.training.nxd_optimizer_checks import (
     stored_shape,
     without_leaves,
 )
-from ckptconv.training.nxd_optimizer_files import MOMENTS, OFFSET_KEYS, ZERO1_KEYS, OptimFile, ep_offset
-from ckptconv.training.nxd_optimizer_ranks import Rank, Slot, index_names
+from ckptconv.training.nxd_format.files import MOMENTS, OFFSET_KEYS, ZERO1_KEYS, OptimFile, ep_offset
+from ckptconv.training.nxd_format.ranks import Rank, Slot, index_names
 
 
 def parse_ep_ranks(model: NxdCheckpoint, tp: int, pp: int, files: list[OptimFile], ep: int) -> dict[int, Rank]:

@@ -2,7 +2,7 @@
 
 A resume reads a parameter's optimizer tensors through the reshard plan by ``Source(model shard file,
 "<component>:<key>")`` (:func:`ckptconv.training.state.component_source`), whatever wrote them. This
-adapter answers those reads from :class:`ckptconv.training.nxd_optimizer.NxdOptimizer` (plain AdamW, ZeRO-1 with or
+adapter answers those reads from :class:`ckptconv.training.nxd_format.read.NxdOptimizer` (plain AdamW, ZeRO-1 with or
 without masters, xser, the DCP variant): AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` and, where NxD saved
 them, the fp32 (fp64) ``master`` weights, each row slice read only from the dp chunks that hold it.
 
@@ -21,9 +21,9 @@ import torch
 
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_files import MOMENTS
-from ckptconv.training.nxd_optimizer_ranks import OptimFormat
+from ckptconv.training.nxd_format.files import MOMENTS
+from ckptconv.training.nxd_format.ranks import OptimFormat
+from ckptconv.training.nxd_format.read import NxdOptimizer
 from ckptconv.training.optim_placement import is_matrix, shard_ranks
 from ckptconv.training.state import MASTER, Hyper, split_key
 

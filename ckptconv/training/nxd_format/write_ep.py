@@ -17,8 +17,9 @@ from typing import Any
 
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer_files import MOMENTS, ep_offset
-from ckptconv.training.nxd_optimizer_write import (
+from ckptconv.training.nxd_format.as_source import STEP
+from ckptconv.training.nxd_format.files import MOMENTS, ep_offset
+from ckptconv.training.nxd_format.write import (
     NxdOptimizerPlan,
     group_hyper,
     index_order,
@@ -29,7 +30,6 @@ from ckptconv.training.nxd_optimizer_write import (
     unwritten_fields,
     zero1_entry,
 )
-from ckptconv.training.nxd_tag_optimizer import STEP
 from ckptconv.training.optim_placement import check_zero1_ep, ep_stages, optimizer_ep_rank, optimizer_file
 from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
 
@@ -55,7 +55,7 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
                                 notes: list[str]) -> tuple[list[OutFile], NxdOptimizerPlan]:
     """NxD's EP ZeRO-1 optimizer files for the expert-parallel target shards ``shards`` (their names carry the ep
     rank; an ep rank > 0's shard holds its experts only). ``lr`` as for
-    :func:`ckptconv.training.nxd_optimizer_write.plan_nxd_optimizer_files`. The source's masters cannot be
+    :func:`ckptconv.training.nxd_format.write.plan_nxd_optimizer_files`. The source's masters cannot be
     carried (NxD's EP files hold none): refused unless ``drop_masters``."""
     stages, ep = ep_stages(shards)
     if not zero1:

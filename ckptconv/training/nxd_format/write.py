@@ -11,7 +11,7 @@ What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the stru
 
 Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
 key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
-:func:`ckptconv.training.nxd_optimizer_ranks.index_names` reads with). The files are planned like shards (every tensor a
+:func:`ckptconv.training.nxd_format.ranks.index_names` reads with). The files are planned like shards (every tensor a
 list of row ranges of the source, :mod:`ckptconv.core.plan`) and written by the executor in bands, nested
 structures through :class:`ckptconv.io.torchzip.TensorAt`.
 
@@ -36,10 +36,10 @@ from ckptconv.engine.slabs import slab_band, slab_pieces
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_files import MOMENTS
-from ckptconv.training.nxd_optimizer_ranks import PARAM_GROUP_RULES
-from ckptconv.training.nxd_tag_optimizer import STEP
+from ckptconv.training.nxd_format.as_source import STEP
+from ckptconv.training.nxd_format.files import MOMENTS
+from ckptconv.training.nxd_format.ranks import PARAM_GROUP_RULES
+from ckptconv.training.nxd_format.read import NxdOptimizer
 from ckptconv.training.optim_placement import shard_ranks
 from ckptconv.training.state import (
     MASTER,
@@ -446,7 +446,7 @@ def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_master
 
 
 def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
-    """Read what was written back with NxD's reader (:class:`ckptconv.training.nxd_optimizer.NxdOptimizer`): every
+    """Read what was written back with NxD's reader (:class:`ckptconv.training.nxd_format.read.NxdOptimizer`): every
     optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
     with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
         for path, names in plan.names.items():
