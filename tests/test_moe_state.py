@@ -23,7 +23,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.sources.nxd import open_nxd
 from ckptconv.training import TagOptimizer
-from ckptconv.training.state import component_source
+from ckptconv.training.nxdtrain_format.state import component_source
 from tests.conftest import warns_no_tokenizer
 from tests.moe_tags import COMPONENTS, E, all_state, expected_expert, expert_in_tag, state_of, write_tag
 

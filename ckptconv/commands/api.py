@@ -52,7 +52,7 @@ from ckptconv.sources.nxd import (  # open_nxd also reached as ckptconv.commands
 from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
 from ckptconv.training.nxd_format.read import OPTIM_DIR
 from ckptconv.training.nxd_format.write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
-from ckptconv.training.state import TagOptimizer, is_training_tag
+from ckptconv.training.nxdtrain_format.state import TagOptimizer, is_training_tag
 from ckptconv.training.tag_parts import TagPart
 from ckptconv.training.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 
@@ -345,7 +345,7 @@ def reshard(
     ``masters``: as for :func:`to_hf`, but by default the shards.
 
     A training tag (nxdtrain's, or NxD's own: :mod:`ckptconv.training.nxd_format.as_source`) gives an nxdtrain
-    training tag at the new layout: optimizer state (:mod:`ckptconv.training.state`) over ``dp`` ranks with ZeRO-1
+    training tag at the new layout: optimizer state (:mod:`ckptconv.training.nxdtrain_format.state`) over ``dp`` ranks with ZeRO-1
     (``zero1``; both default to the tag's) or one file per shard, step, consumed samples, schedule and options
     (NxD's mapped by :mod:`ckptconv.training.nxd_format.position`). ``weights_only``: the shards alone.
 

@@ -73,7 +73,7 @@ from ckptconv.titan.plans import (
     tied_copies,
 )
 from ckptconv.titan.state import ScheduleFlags, tag_state
-from ckptconv.training.state import (
+from ckptconv.training.nxdtrain_format.state import (
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
     TagReader,

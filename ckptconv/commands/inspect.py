@@ -15,7 +15,7 @@ from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.nxd import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_format.read import OPTIM_DIR, optimizer_summary
-from ckptconv.training.state import optimizer_summary as nxdtrain_optimizer_summary
+from ckptconv.training.nxdtrain_format.state import optimizer_summary as nxdtrain_optimizer_summary
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,

@@ -26,7 +26,7 @@ DONE_MARKER = "done"
 CHECKPOINT_MARKER = "checkpoint"
 TENSORS_SUFFIX = ".tensors"
 INFO_SUFFIX = ".info.pt"
-OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training.state; NxD's: nxd_optimizer)
+OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training.nxdtrain_format.state; NxD's: nxd_optimizer)
 TAG_MARKERS = (CHECKPOINT_MARKER, DONE_MARKER)  # in writing order: a tag without ``done`` is never resumed from
 
 

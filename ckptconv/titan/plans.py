@@ -48,7 +48,7 @@ from ckptconv.titan.names import (
     titan_params,
     trained_params,
 )
-from ckptconv.training.state import OptimizerSource, optimizer_files, state_key, state_tensors
+from ckptconv.training.nxdtrain_format.state import OptimizerSource, optimizer_files, state_key, state_tensors
 
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 

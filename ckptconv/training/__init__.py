@@ -16,10 +16,9 @@ if TYPE_CHECKING:
     from ckptconv.training.nxd_format.ranks import OptimFormat
     from ckptconv.training.nxd_format.read import NxdOptimizer
     from ckptconv.training.nxd_format.write import DEFAULT_RULE, NXD_OPTIMIZER_KEY, NXDTRAIN_KEY
-    from ckptconv.training.optim_placement import optimizer_ep_rank, shard_ranks
-    from ckptconv.training.schedules import NXDT_SCHEDULES, lr_at, nxdt_lr
-    from ckptconv.training.state import FORMAT as OPTIMIZER_FORMAT
-    from ckptconv.training.state import (
+    from ckptconv.training.nxdtrain_format.placement import optimizer_ep_rank, shard_ranks
+    from ckptconv.training.nxdtrain_format.state import FORMAT as OPTIMIZER_FORMAT
+    from ckptconv.training.nxdtrain_format.state import (
         MASTER,
         OPTIM_DIR,
         SCHEDULER_FILE,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
         state_key,
         state_tensors,
     )
+    from ckptconv.training.schedules import NXDT_SCHEDULES, lr_at, nxdt_lr
     from ckptconv.training.tag_files import RECORD_KEY, run_record
 
 __getattr__ = lazy_exports(__name__, __file__)

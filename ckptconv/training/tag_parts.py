@@ -20,7 +20,7 @@ from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import OutFile, Plan, ReplicaGroup
 from ckptconv.engine.finalize import assign
 from ckptconv.io.nxd import TENSORS_SUFFIX
-from ckptconv.training.state import optimizer_file
+from ckptconv.training.nxdtrain_format.state import optimizer_file
 
 
 def optimizer_paths(shard: OutFile, *, dp: int, zero1: bool) -> list[str]:

@@ -1,7 +1,7 @@
 """``ckptconv reshard`` of a training tag: the optimizer files and side files beside the resharded shards.
 
 The shards' plan is extended by one format-2 optimizer file per target (tp, pp, dp) rank
-(:func:`ckptconv.training.state.plan_optimizer_files`), written by the same executor in bands: memory stays
+(:func:`ckptconv.training.nxdtrain_format.state.plan_optimizer_files`), written by the same executor in bands: memory stays
 within ``--max-memory`` however large the state. The replicas the weights must agree on (K/V heads under
 kv_size_multiplier, norms, a tied head) are checked for every moment too. ``scheduler.pt`` is copied,
 ``user_content.pt`` rewritten for the new layout, and the ``checkpoint``/``done`` markers written last.
@@ -38,8 +38,8 @@ from ckptconv.training.nxd_format.write import (
     plan_nxd_optimizer_files,
 )
 from ckptconv.training.nxd_format.write_ep import plan_nxd_ep_optimizer_files
-from ckptconv.training.optim_placement import shard_ranks
-from ckptconv.training.state import (
+from ckptconv.training.nxdtrain_format.placement import shard_ranks
+from ckptconv.training.nxdtrain_format.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,

@@ -2,7 +2,7 @@
 
 A resume at another tp/pp/vpp/kvm/dp/ZeRO-1 needs no offline step: each rank plans the reshard of the
 tag to the run's layout (index arithmetic only), keeps the plan of its own shard, and reads just those
-slices of the tag's shards and optimizer files (:class:`ckptconv.training.state.TagOptimizer`: the
+slices of the tag's shards and optimizer files (:class:`ckptconv.training.nxdtrain_format.state.TagOptimizer`: the
 moments and fp32 masters of a parameter move exactly like its rows). The optimizer files may be of
 any dp size, with ZeRO-1 or without: state is looked up by parameter, wherever it was saved.
 """

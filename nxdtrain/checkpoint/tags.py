@@ -5,7 +5,7 @@ A tag ``<checkpoint_dir>/step_<N>/`` holds::
 
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   one shard per (tp, pp), written by ckptconv.io.nxd_write.save_shard
     optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state by parameter name (+ fp32 masters with bf16; the
-                                                format of ckptconv.training.state); DD > 0 only with ZeRO-1
+                                                format of ckptconv.training.nxdtrain_format.state); DD > 0 only with ZeRO-1
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
     ckptconv.json                               layout, flavour, dtype, size + digest of every file

@@ -17,7 +17,7 @@ import torch
 from ckptconv.commands.api import reshard, to_hf
 from ckptconv.commands.dcp import to_dcp
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.training.state import is_training_tag
+from ckptconv.training.nxdtrain_format.state import is_training_tag
 from nxdtrain.checkpoint.resume import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.optim import lr_at

@@ -1,7 +1,7 @@
-"""NxD's own optimizer files seen as :class:`ckptconv.training.state.TagOptimizer` sees nxdtrain's.
+"""NxD's own optimizer files seen as :class:`ckptconv.training.nxdtrain_format.state.TagOptimizer` sees nxdtrain's.
 
 A resume reads a parameter's optimizer tensors through the reshard plan by ``Source(model shard file,
-"<component>:<key>")`` (:func:`ckptconv.training.state.component_source`), whatever wrote them. This
+"<component>:<key>")`` (:func:`ckptconv.training.nxdtrain_format.state.component_source`), whatever wrote them. This
 adapter answers those reads from :class:`ckptconv.training.nxd_format.read.NxdOptimizer` (plain AdamW, ZeRO-1 with or
 without masters, xser, the DCP variant): AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` and, where NxD saved
 them, the fp32 (fp64) ``master`` weights, each row slice read only from the dp chunks that hold it.
@@ -24,14 +24,14 @@ from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_format.files import MOMENTS
 from ckptconv.training.nxd_format.ranks import OptimFormat
 from ckptconv.training.nxd_format.read import NxdOptimizer
-from ckptconv.training.optim_placement import is_matrix, shard_ranks
-from ckptconv.training.state import MASTER, Hyper, split_key
+from ckptconv.training.nxdtrain_format.placement import is_matrix, shard_ranks
+from ckptconv.training.nxdtrain_format.state import MASTER, Hyper, split_key
 
 STEP = "step"
 
 
 class NxdTagOptimizer:
-    """The reader interface of :class:`~ckptconv.training.state.TagOptimizer` over an :class:`NxdOptimizer`
+    """The reader interface of :class:`~ckptconv.training.nxdtrain_format.state.TagOptimizer` over an :class:`NxdOptimizer`
     (closed with this object)."""
 
     def __init__(self, optim: NxdOptimizer) -> None:

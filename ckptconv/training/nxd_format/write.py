@@ -40,8 +40,8 @@ from ckptconv.training.nxd_format.as_source import STEP
 from ckptconv.training.nxd_format.files import MOMENTS
 from ckptconv.training.nxd_format.ranks import PARAM_GROUP_RULES
 from ckptconv.training.nxd_format.read import NxdOptimizer
-from ckptconv.training.optim_placement import shard_ranks
-from ckptconv.training.state import (
+from ckptconv.training.nxdtrain_format.placement import shard_ranks
+from ckptconv.training.nxdtrain_format.state import (
     MASTER,
     OptimizerSource,
     component_source,

@@ -30,8 +30,8 @@ from ckptconv.training.nxd_format.write import (
     unwritten_fields,
     zero1_entry,
 )
-from ckptconv.training.optim_placement import check_zero1_ep, ep_stages, optimizer_ep_rank, optimizer_file
-from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
+from ckptconv.training.nxdtrain_format.placement import check_zero1_ep, ep_stages, optimizer_ep_rank, optimizer_file
+from ckptconv.training.nxdtrain_format.state import MASTER, OptimizerSource, state_tensors
 
 
 class _Part:

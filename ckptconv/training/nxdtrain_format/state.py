@@ -14,7 +14,7 @@ in bands like a shard)::
     ep: int, ep_rank: int,   (expert parallelism only: which ep rank's experts the file holds state of)
     "state.<name>.<component>": tensor, ...
 
-Which dp rank's file holds which parameter: :mod:`ckptconv.training.optim_placement`.
+Which dp rank's file holds which parameter: :mod:`ckptconv.training.nxdtrain_format.placement`.
 
 Format 1 files (nxdtrain before this format: a torch optimizer ``state_dict`` indexed by position) are read
 as lazily, by mapping positions back to names (:func:`neutral_from_format1`); what cannot be mapped is refused.
@@ -46,7 +46,7 @@ from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
-from ckptconv.training.optim_placement import (
+from ckptconv.training.nxdtrain_format.placement import (
     FORMAT,
     optimizer_ep_rank,
     optimizer_file,
@@ -54,7 +54,7 @@ from ckptconv.training.optim_placement import (
     stage_groups,
     zero1_partition,
 )
-from ckptconv.training.optim_placement import is_matrix as is_matrix  # where ckptconv.titan reads it
+from ckptconv.training.nxdtrain_format.placement import is_matrix as is_matrix  # where ckptconv.titan reads it
 
 MASTER = "master"
 _SEP = ":"  # "<component>:<nxd key>" names an optimizer tensor in a plan's Source
