@@ -32,7 +32,7 @@ from ckptconv.commands.api import RunOptions, to_nxd
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_read import load_shard
-from ckptconv.io.nxd_write import write_markers
+from ckptconv.io.tags import write_markers
 from ckptconv.training.nxdtrain_format.state import (
     FORMAT,
     MASTER,

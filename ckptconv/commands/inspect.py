@@ -12,7 +12,7 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
-from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.io.tags import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_format.read import OPTIM_DIR, optimizer_summary
 from ckptconv.training.nxdtrain_format.state import optimizer_summary as nxdtrain_optimizer_summary

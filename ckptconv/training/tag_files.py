@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ckptconv.engine.finalize import FinalizeSpec
-from ckptconv.io.nxd import TAG_MARKERS
+from ckptconv.io.tags import TAG_MARKERS
 
 RECORD_KEY = "nxdtrain"  # ckptconv.json's extra[RECORD_KEY]: the run at this tag
 

@@ -24,6 +24,7 @@ from ckptconv.io import (
     read_metadata,
     record_files,
     save_shard,
+    tag_name,
     write_markers,
     write_metadata,
 )
@@ -84,7 +85,7 @@ class TagWriter:
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None) -> Path:
-        tag = self.root / f"step_{step}"
+        tag = self.root / tag_name(step)
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier(group=self.host_group)

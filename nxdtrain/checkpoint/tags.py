@@ -23,12 +23,12 @@ from pathlib import Path
 from ckptconv.core import MODEL_DIR
 from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError
-from ckptconv.io import CHECKPOINT_MARKER, DONE_MARKER, completed_tags, read_metadata, tag_step
+from ckptconv.io import DONE_MARKER, TAG_MARKERS, completed_tags, is_step_tag, read_metadata, tag_step
 from ckptconv.training import RECORD_KEY, optimizer_file
 from nxdtrain.errors import TrainError
 from nxdtrain.preflight import check_writable
 
-MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
+MARKERS = TAG_MARKERS[::-1]  # the markers in removal order: done goes first
 # The hidden siblings of a tag while --optimizer-format nxd rewrites it: the rewrite, then the replaced tag.
 NXD_REWRITE_SUFFIX = ".nxd-format"
 REPLACED_SUFFIX = ".format2"
@@ -89,8 +89,7 @@ def prune(root: Path, keep: int, *, run: str) -> list[Path]:
     Only what nxdtrain wrote there goes (what its ckptconv.json lists, and the markers); a tag
     holding anything else keeps that, and its directory.
     """
-    ours = [t for t in completed_tags(root)
-            if t.name.startswith("step_") and tag_step(t.name) is not None and run_of(t) == run]
+    ours = [t for t in completed_tags(root) if is_step_tag(t.name) and run_of(t) == run]
     doomed = ours[:-keep] if len(ours) > keep else []
     for tag in doomed:
         remove_tag(tag)

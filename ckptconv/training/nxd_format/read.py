@@ -40,8 +40,8 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint
-from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.nxd_read import NxdCheckpoint
+from ckptconv.io.tags import OPTIM_DIR
 from ckptconv.training.nxd_format.files import MOMENTS, Leaf, OptimFile
 from ckptconv.training.nxd_format.ranks import (
     DcpRanks,

@@ -19,7 +19,7 @@ import torch
 from ckptconv.core.layout import parse_ep_shard_name, parse_shard_name, shard_name
 from ckptconv.core.plan import OutFile, OutTensor
 from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import OPTIM_DIR
+from ckptconv.io.tags import OPTIM_DIR
 
 FORMAT = 2
 

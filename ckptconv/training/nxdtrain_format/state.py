@@ -41,10 +41,11 @@ from ckptconv.core.mapping import all_ep_shard_records, expert_keys, hf_record_s
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 from ckptconv.errors import ConversionError, IntegrityError
+from ckptconv.io import tags
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.metadata import METADATA_FILE
-from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
+from ckptconv.io.tags import OPTIM_DIR
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
 from ckptconv.training.nxdtrain_format.placement import (
     FORMAT,
@@ -467,7 +468,7 @@ def plan_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, d
 # --------------------------------------------------------------------------------------------
 # A training tag's side files (nxdtrain writes them; ckptconv reshard carries them)
 
-SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
+SCHEDULER_FILE, USER_CONTENT_FILE = tags.SCHEDULER_FILE, tags.USER_CONTENT_FILE  # the names: ckptconv.io.tags
 
 
 def is_training_tag(root: Path) -> bool:
