@@ -13,6 +13,7 @@ tag is written: :mod:`ckptconv.engine.tags`.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from ckptconv.io.atomic import write_text
@@ -43,9 +44,10 @@ def is_step_tag(name: str) -> bool:
     return name.startswith(TAG_PREFIX) and tag_step(name) is not None
 
 
-def write_markers(tag_dir: Path) -> None:
-    """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from."""
-    for name in TAG_MARKERS:
+def write_markers(tag_dir: Path, names: Sequence[str] = TAG_MARKERS) -> None:
+    """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from (``names``: another
+    output's markers, in their order)."""
+    for name in names:
         write_text(tag_dir / name, "1")
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ckptconv import lazy_exports
 
 if TYPE_CHECKING:
+    from ckptconv.engine.tags import RECORD_KEY, run_record
     from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
     from ckptconv.training.nxd_format.position import nxd_position
     from ckptconv.training.nxd_format.ranks import OptimFormat
@@ -36,6 +37,5 @@ if TYPE_CHECKING:
         state_tensors,
     )
     from ckptconv.training.schedules import NXDT_SCHEDULES, lr_at, nxdt_lr
-    from ckptconv.training.tag_files import RECORD_KEY, run_record
 
 __getattr__ = lazy_exports(__name__, __file__)

@@ -19,6 +19,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import NESTED_TORCH, OutFile, Plan
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import NXD_TRAINERS
+from ckptconv.engine.tags import complete_as_tag, run_record
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import check_whole_file
 from ckptconv.io.nxd_read import NxdCheckpoint
@@ -52,7 +53,6 @@ from ckptconv.training.nxdtrain_format.state import (
     resharded_user_content,
     state_replicas,
 )
-from ckptconv.training.tag_files import complete_as_tag, run_record
 
 
 def _checked(ckpt: NxdCheckpoint, path: Path) -> bytes:

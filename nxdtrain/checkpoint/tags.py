@@ -9,26 +9,24 @@ A tag ``<checkpoint_dir>/step_<N>/`` holds::
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
     ckptconv.json                               layout, flavour, dtype, size + digest of every file
-    checkpoint, done                            markers, written last (ckptconv.io.nxd_write.write_markers)
+    checkpoint, done                            markers, written last (ckptconv.io.tags.write_markers)
 
 Written by :mod:`nxdtrain.checkpoint.save`; resumed from by the rules of :mod:`nxdtrain.checkpoint.resume`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 from ckptconv.core import MODEL_DIR
-from ckptconv.engine import outdir
+from ckptconv.engine import RECORD_KEY, outdir, remove_tag
 from ckptconv.errors import ConversionError
-from ckptconv.io import DONE_MARKER, TAG_MARKERS, completed_tags, is_step_tag, read_metadata, tag_step
-from ckptconv.training import RECORD_KEY, optimizer_file
+from ckptconv.io import DONE_MARKER, completed_tags, is_step_tag, read_metadata, tag_step
+from ckptconv.training import optimizer_file
 from nxdtrain.errors import TrainError
 from nxdtrain.preflight import check_writable
 
-MARKERS = TAG_MARKERS[::-1]  # the markers in removal order: done goes first
 # The hidden siblings of a tag while --optimizer-format nxd rewrites it: the rewrite, then the replaced tag.
 NXD_REWRITE_SUFFIX = ".nxd-format"
 REPLACED_SUFFIX = ".format2"
@@ -58,14 +56,6 @@ def finish_interrupted_rewrites(root: Path) -> list[str]:
         if replaced.is_dir() and run_of(replaced) == run_of(tag):
             remove_tag(replaced)
     return said
-
-
-def remove_tag(tag: Path) -> None:
-    """Delete what nxdtrain wrote in ``tag`` (what its ckptconv.json lists, and the markers; ``done`` first, so a
-    crash halfway leaves a tag that is never resumed), and the directory when nothing foreign is left in it."""
-    outdir.remove_owned(tag, also=MARKERS, keep=())
-    with contextlib.suppress(OSError):
-        tag.rmdir()
 
 
 def run_of(tag: Path) -> str | None:
