@@ -12,12 +12,13 @@ from ckptconv import lazy_exports
 
 if TYPE_CHECKING:
     from ckptconv.engine.tags import RECORD_KEY, run_record
+    from ckptconv.training.ep import check_zero1_ep, ep_fits, expert_data_rank, expert_dp_groups, optimizer_ep_rank
     from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
     from ckptconv.training.nxd_format.position import nxd_position
     from ckptconv.training.nxd_format.ranks import OptimFormat
     from ckptconv.training.nxd_format.read import NxdOptimizer
     from ckptconv.training.nxd_format.write import DEFAULT_RULE, NXD_OPTIMIZER_KEY, NXDTRAIN_KEY
-    from ckptconv.training.nxdtrain_format.placement import optimizer_ep_rank, shard_ranks
+    from ckptconv.training.nxdtrain_format.placement import shard_ranks
     from ckptconv.training.nxdtrain_format.state import FORMAT as OPTIMIZER_FORMAT
     from ckptconv.training.nxdtrain_format.state import (
         MASTER,

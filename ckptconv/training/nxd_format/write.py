@@ -274,6 +274,46 @@ def note_unwritten(fields: set[str], notes: list[str]) -> None:
         notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(fields))}")
 
 
+def checked_state(shard_path: str, weights: Mapping[str, OutTensor], order: Sequence[str],
+                  optim: OptimizerSource) -> dict[str, dict[str, OutTensor]]:
+    """Each parameter's planned optimizer tensors (:func:`state_tensors`), refused unless they are AdamW's step and
+    moments (masters aside): what NxD's files hold."""
+    state = {n: state_tensors(weights[n], optim) for n in order}
+    for n in order:
+        if set(state[n]) - {MASTER} != {STEP, *MOMENTS}:
+            raise ConversionError(f"{shard_path}: {n!r} has optimizer state {sorted(state[n])}; NxD's files "
+                                  "hold AdamW's step, exp_avg and exp_avg_sq")
+    return state
+
+
+@dataclasses.dataclass
+class Zero1File:
+    """A ZeRO-1 file's per-index content as it is planned (NeuronZero1Optimizer's at ep 1; at ep > 1 both of
+    NeuronEPZero1Optimizer's, the expert indices at their offset)."""
+
+    tensors: list[OutTensor] = dataclasses.field(default_factory=list)
+    base_state: dict[int, dict[str, TensorAt]] = dataclasses.field(default_factory=dict)
+    shape_info: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    def add(self, i: int, name: str, weight: OutTensor, parts: Mapping[str, OutTensor], optim: OptimizerSource, *,
+            world: int, rank: int, shard_path: str, dtypes: set[str]) -> tuple[torch.dtype, int]:
+        """Index ``i`` (:func:`zero1_entry`); its optimizer dtype joins ``dtypes``. Returns (dtype, chunk rows)."""
+        entry, dtype, rows = zero1_entry("base_state", i, weight, parts, optim, world=world, rank=rank,
+                                         shard_path=shard_path, name=name)
+        dtypes.add(str(dtype).removeprefix("torch."))
+        self.tensors += entry.values()
+        self.base_state[i] = {k: tensor_at(t) for k, t in entry.items()}
+        self.shape_info[i] = list(weight.shape)
+        return dtype, rows
+
+
+def note_drop_masters(notes: list[str], *, dropped: bool, kept: str) -> None:
+    """What ``--drop-masters`` did, at every ep: the masters ``dropped``, or nothing (``kept``: why)."""
+    notes.append("--drop-masters: the source's master weights are not written (NxD's expert-parallel ZeRO-1 files "
+                 "hold none; NxD's resume takes them from the weights)" if dropped else
+                 f"--drop-masters: nothing dropped ({kept})")
+
+
 def zero1_entry(where: str, i: int, weight: OutTensor, parts: Mapping[str, OutTensor], optim: OptimizerSource, *,
                 world: int, rank: int, shard_path: str, name: str) -> tuple[dict[str, OutTensor], torch.dtype, int]:
     """Optimizer index ``i`` of a ZeRO-1 file: its step, and rank ``rank``'s dim-0 chunk (of ``world``) of each
@@ -364,11 +404,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         written.dropped.update(unwritten_fields(hypers))
         param_groups = numbered_groups(hypers, groups, zero1=zero1, lr=lr)
         names_of[shard.path] = order
-        state = {n: state_tensors(weights[n], optim) for n in order}
-        for n in order:
-            if set(state[n]) - {MASTER} != {STEP, *MOMENTS}:
-                raise ConversionError(f"{shard.path}: {n!r} has optimizer state {sorted(state[n])}; NxD's files "
-                                      "hold AdamW's step, exp_avg and exp_avg_sq")
+        state = checked_state(shard.path, weights, order, optim)
         for dp_rank in range(dp if zero1 else 1):
             out.append(_optimizer_file(shard.path, optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), order,
                                        weights, state, param_groups, optim, dp=dp, dp_rank=dp_rank, zero1=zero1,
@@ -384,40 +420,36 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
                     *, dp: int, dp_rank: int, zero1: bool, written: _Written) -> OutFile:
     """One dp rank's optimizer file of one (tp, pp) rank: torch AdamW's state dict, or with ``zero1``
     NeuronZero1Optimizer's (this dp rank's dim-0 chunk of every tensor, and its masters)."""
-    tensors: list[OutTensor] = []
-    by_index: dict[int, dict[str, TensorAt]] = {}
-    shape_info: dict[int, list[int]] = {}
+    z = Zero1File()
+    by_index: dict[int, dict[str, TensorAt]] = {}  # without ZeRO-1: torch AdamW's state
     masters: dict[int, TensorAt] = {}
     for i, name in enumerate(order):
         weight, parts = weights[name], state[name]
-        where = "base_state" if zero1 else "state"
         if zero1:
-            entry, dtype, rows = zero1_entry(where, i, weight, parts, optim, world=dp, rank=dp_rank,
-                                             shard_path=shard_path, name=name)
-            written.dtypes.add(str(dtype).removeprefix("torch."))
+            dtype, rows = z.add(i, name, weight, parts, optim, world=dp, rank=dp_rank, shard_path=shard_path,
+                                dtypes=written.dtypes)
             master = parts.get(MASTER, weight)
             written.masters_kind = "saved" if MASTER in parts else "weights"
             chunk = row_chunk(master, dp_rank * rows, rows, f"sharded_master_weights.{i}", dtype)
             masters[i] = tensor_at(chunk)
-            tensors += [*entry.values(), chunk]
-            shape_info[i] = list(weight.shape)
+            z.tensors.append(chunk)
         else:
-            entry = {STEP: dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)}
+            entry = {STEP: dataclasses.replace(parts[STEP], key=f"state.{i}.step", dtype=torch.float32)}
             for m in MOMENTS:
                 if parts[m].dtype.itemsize > weight.dtype.itemsize:
                     written.narrowed.append(name)
-                entry[m] = dataclasses.replace(parts[m], key=f"{where}.{i}.{m}", dtype=weight.dtype)
+                entry[m] = dataclasses.replace(parts[m], key=f"state.{i}.{m}", dtype=weight.dtype)
             if MASTER in parts:
                 written.narrowed.append(name)
-            tensors += entry.values()
-        by_index[i] = {k: tensor_at(t) for k, t in entry.items()}
+            z.tensors += entry.values()
+            by_index[i] = {k: tensor_at(t) for k, t in entry.items()}
     plain: tuple[tuple[str, Any], ...]
     if zero1:
-        plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
-                 ("shape_info", shape_info), ("sharded_master_weights", masters))
+        plain = (("state", {}), ("param_groups", param_groups), ("base_state", z.base_state),
+                 ("shape_info", z.shape_info), ("sharded_master_weights", masters))
     else:
         plain = (("state", by_index), ("param_groups", param_groups))
-    return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
+    return OutFile(path, NESTED_TORCH, tuple(z.tensors), plain)
 
 
 def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_masters: bool, zero1: bool,
@@ -429,7 +461,7 @@ def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_master
                               "NxD's files only with ZeRO-1 (NxD keeps no fp32 copy without it): pass --zero1, or "
                               "--drop-masters to drop the masters and round the moments to the parameter dtype")
     if drop_masters and zero1:
-        notes.append("--drop-masters: nothing dropped (NxD's ZeRO-1 files keep the masters and fp32 moments)")
+        note_drop_masters(notes, dropped=False, kept="NxD's ZeRO-1 files keep the masters and fp32 moments")
     if written.narrowed:
         notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
                      "dropped and the moments rounded to the parameters' dtype (a resume continues from the "

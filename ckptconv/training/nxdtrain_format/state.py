@@ -47,9 +47,9 @@ from ckptconv.io.metadata import METADATA_FILE
 from ckptconv.io.safe_load import PickledTensor
 from ckptconv.io.tags import OPTIM_DIR
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
+from ckptconv.training.ep import optimizer_ep_rank
 from ckptconv.training.nxdtrain_format.placement import (
     FORMAT,
-    optimizer_ep_rank,
     optimizer_file,
     optimizer_files,
     stage_groups,
