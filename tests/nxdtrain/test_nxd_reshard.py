@@ -32,7 +32,7 @@ from tests.nxdtrain.test_nxd_resume import (
     step_3_at,
     step_lr,
 )
-from tests.test_nxd_optimizer import MASTER_CASES, QUIET, expected_model_weights, masters_only
+from tests.training.nxd_format.test_read import MASTER_CASES, QUIET, expected_model_weights, masters_only
 
 TP1 = ParallelLayout(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True)
 TP2 = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
