@@ -25,9 +25,8 @@ from ckptconv.training.nxdtrain_format.state import optimizer_file
 
 def optimizer_paths(shard: OutFile, *, dp: int, zero1: bool) -> list[str]:
     """The optimizer files written beside a target shard: one per dp rank with ZeRO-1, else dp rank 0's."""
-    ranks = parse_shard_name(Path(shard.path).name)
-    assert ranks is not None, shard.path
-    return [optimizer_file(tp_rank=ranks[0], pp_rank=ranks[1], dp_rank=d) for d in range(dp if zero1 else 1)]
+    ranks = shard.shard_id
+    return [optimizer_file(tp_rank=ranks.tp, pp_rank=ranks.pp, dp_rank=d) for d in range(dp if zero1 else 1)]
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,6 @@ from ckptconv.training.nxd_format.write import (
     plan_nxd_optimizer_files,
 )
 from ckptconv.training.nxd_format.write_ep import plan_nxd_ep_optimizer_files
-from ckptconv.training.nxdtrain_format.placement import shard_ranks
 from ckptconv.training.nxdtrain_format.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
@@ -105,9 +104,8 @@ class NxdFormat:
 def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> OutFile:
     """A planned model shard as NxD's own save writes it: its keys in a live NxD model's parameter order (NxD's
     optimizer indices follow it), not the official converter's (fused qkv at the end), every tensor row-major."""
-    ranks = shard_ranks(Path(shard.path).name)
-    assert ranks is not None, shard.path
-    order = live_module_order(fmt.spec, layout, tp_rank=ranks[1], pp_rank=ranks[2], with_inv_freq=fmt.with_inv_freq)
+    ranks = shard.shard_id
+    order = live_module_order(fmt.spec, layout, tp_rank=ranks.tp, pp_rank=ranks.pp, with_inv_freq=fmt.with_inv_freq)
     by_key = {t.key: t for t in shard.tensors}
     if set(order) != set(by_key):  # a tied model's shards without lm_head, an ep rank > 0's experts: the order kept
         order = [k for k in order if k in by_key] + [k for k in by_key if k not in order]
@@ -281,7 +279,7 @@ class TrainingTag:
         target shard's files, whose index names follow from the shards and the rule alone."""
         fmt = self.nxd_format
         if self.written is not None and fmt is not None:
-            names = {f.path: index_order(in_live_order(f, fmt, new), fmt.rule) for f in shards}
+            names = {f.shard_id: index_order(in_live_order(f, fmt, new), fmt.rule) for f in shards}
             self.written = replace(self.written, names=names)
 
     @staticmethod

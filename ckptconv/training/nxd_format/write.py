@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import parse_shard_name
+from ckptconv.core.layout import ShardId
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.engine.slabs import slab_band, slab_pieces
@@ -40,7 +40,6 @@ from ckptconv.training.nxd_format.as_source import STEP
 from ckptconv.training.nxd_format.files import MOMENTS
 from ckptconv.training.nxd_format.ranks import PARAM_GROUP_RULES
 from ckptconv.training.nxd_format.read import NxdOptimizer
-from ckptconv.training.nxdtrain_format.placement import shard_ranks
 from ckptconv.training.nxdtrain_format.state import (
     MASTER,
     OptimizerSource,
@@ -344,7 +343,7 @@ class NxdOptimizerPlan:
     dp: int
     masters: str          # "saved" (the source's), "weights" (the weights widened), "none" (ZeRO-1 off)
     dtype: str            # the optimizer dtype (ZeRO-1), or "parameter" (moments in the parameter's dtype)
-    names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # model shard -> name per index
+    names: dict[ShardId, list[str]] = dataclasses.field(default_factory=dict)  # model shard -> name per index
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "nxd", "param_groups": self.rule, "param_groups_rule": describe_rule(self.rule),
@@ -393,9 +392,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
     ours = optim.hyper.param_groups
     written, names_of = _Written(), {}
     for shard in shards:
-        ranks = parse_shard_name(Path(shard.path).name)
-        assert ranks is not None, shard.path
-        tp, pp = ranks
+        tp, pp = shard.shard_id.tp, shard.shard_id.pp
         weights = {t.key: t for t in shard.tensors if not t.key.endswith("inv_freq")}
         shapes = {k: t.shape for k, t in weights.items()}
         groups = nxd_groups(list(weights), rule)
@@ -403,7 +400,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         hypers = [group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
         written.dropped.update(unwritten_fields(hypers))
         param_groups = numbered_groups(hypers, groups, zero1=zero1, lr=lr)
-        names_of[shard.path] = order
+        names_of[shard.shard_id] = order
         state = checked_state(shard.path, weights, order, optim)
         for dp_rank in range(dp if zero1 else 1):
             out.append(_optimizer_file(shard.path, optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), order,
@@ -481,13 +478,11 @@ def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
     """Read what was written back with NxD's reader (:class:`ckptconv.training.nxd_format.read.NxdOptimizer`): every
     optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
     with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
-        for path, names in plan.names.items():
-            ranks = shard_ranks(Path(path).name)
-            assert ranks is not None
-            found = optim.names(ranks[1], ranks[2], ranks[0])
+        for ranks, names in plan.names.items():
+            found = optim.names(ranks.tp, ranks.pp, ranks.ep)
             if found != names:
                 first = next((i for i, (a, b) in enumerate(zip(found, names, strict=False)) if a != b), len(found))
-                at = f"tp rank {ranks[1]} pp rank {ranks[2]}" + (f" ep rank {ranks[0]}" if optim.ep > 1 else "")
+                at = f"tp rank {ranks.tp} pp rank {ranks.pp}" + (f" ep rank {ranks.ep}" if optim.ep > 1 else "")
                 raise ConversionError(f"{out}: read back, {at}'s optimizer index {first} names "
                                       f"{found[first] if first < len(found) else None!r}, written for "
                                       f"{names[first] if first < len(names) else None!r}")

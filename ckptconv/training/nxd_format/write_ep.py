@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ckptconv.core.layout import ShardId
 from ckptconv.core.plan import NESTED_TORCH, OutFile
 from ckptconv.errors import ConversionError
 from ckptconv.training.ep import check_zero1_ep, expert_data_rank, optimizer_ep_rank
@@ -60,7 +61,7 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
                               "(optim/dp_rank_00_ep_rank_EE_...) are not written; pass --zero1")
     check_zero1_ep(dp, ep)
     out: list[OutFile] = []
-    names_of: dict[str, list[str]] = {}
+    names_of: dict[ShardId, list[str]] = {}
     dtypes: set[str] = set()
     masters: list[str] = []
     unwritten: set[str] = set()
@@ -73,9 +74,9 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
         unwritten |= unwritten_fields(hypers)
         groups = [*numbered_groups(hypers, dense.groups, zero1=True, lr=lr),
                   *numbered_groups(hypers, parts[0].groups, zero1=True, lr=lr)]
-        names_of[by_ep[0].path] = dense.order + parts[0].order
+        names_of[by_ep[0].shard_id] = dense.order + parts[0].order
         for e in range(1, ep):
-            names_of[by_ep[e].path] = parts[e].order
+            names_of[by_ep[e].shard_id] = parts[e].order
         masters += [n for part in (dense, *parts) for n in part.order if MASTER in part.state[n]]
         for d in range(dp):
             e = optimizer_ep_rank(d, ep)

@@ -9,7 +9,6 @@ experts (the ep arithmetic: :mod:`ckptconv.training.ep`). No I/O: the files are 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,9 +66,8 @@ def ep_stages(shards: Sequence[OutFile]) -> tuple[dict[tuple[int, int], dict[int
     the ep degree they make up."""
     stages: dict[tuple[int, int], dict[int, OutFile]] = {}
     for shard in shards:
-        ranks = shard_ranks(Path(shard.path).name)
-        assert ranks is not None, shard.path
-        stages.setdefault(ranks[1:], {})[ranks[0]] = shard
+        ranks = shard.shard_id
+        stages.setdefault((ranks.tp, ranks.pp), {})[ranks.ep] = shard
     return stages, 1 + max((e for stage in stages.values() for e in stage), default=0)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.reads import build_tags, opened_under, resume_reads
 from ckptconv.commands.api import RunOptions, reshard
-from ckptconv.core.layout import parse_rank_file, parse_shard_name
+from ckptconv.core.layout import parse_rank_file
 from ckptconv.training.nxd_format.read import NxdOptimizer
 from tests.nxdtrain.test_reshard_optimizer import tree_bytes
 
@@ -96,7 +96,7 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
     real_check = ckptconv.training.nxd_format.write.check_written
 
     def recording(out: Path, plan: object) -> None:
-        read_back.extend(parse_shard_name(Path(p).name) for p in plan.names)  # type: ignore[attr-defined]
+        read_back.extend((s.tp, s.pp) for s in plan.names)  # type: ignore[attr-defined]
         real_check(out, plan)  # type: ignore[arg-type]
 
     monkeypatch.setattr("ckptconv.commands.api.check_written", recording)
