@@ -1,5 +1,6 @@
-"""Training state: optimizer formats (nxdtrain's, NxD's own, read and written), how they ride a plan,
-training positions and schedules, the side files each trainer resumes from, and a tag reshard split into parts.
+"""Training state, a room per optimizer format (``nxdtrain_format/``: nxdtrain's; ``nxd_format/``: NxD's own, read
+and written, its side files and training position), the expert-parallel arithmetic both packages use (``ep``),
+learning-rate schedules, and a training tag's reshard split into parts.
 
 The names below are what the trainer (nxdtrain) uses of this room: its entry point.
 """
