@@ -14,8 +14,8 @@ from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.tags import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
-from ckptconv.training.nxd_format.read import OPTIM_DIR, optimizer_summary
-from ckptconv.training.nxdtrain_format.state import optimizer_summary as nxdtrain_optimizer_summary
+from ckptconv.training.nxd_format.read import OPTIM_DIR, nxd_optimizer_summary
+from ckptconv.training.nxdtrain_format.state import nxdtrain_optimizer_summary
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
@@ -97,8 +97,8 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
         if check and source is not None:
             checked += source.finish_checks(only_read=False)
         # NxD's optimizer, already read for the weights' notes, or nxdtrain's (else why NxD's could not be read)
-        optimizer = (optimizer_summary(ckpt, check) if ckpt.nxd_optimizer is not None
-                     else nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or optimizer_summary(ckpt, check))
+        optimizer = (nxd_optimizer_summary(ckpt, check) if ckpt.nxd_optimizer is not None
+                     else nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or nxd_optimizer_summary(ckpt, check))
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {

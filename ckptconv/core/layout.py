@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from ckptconv.core.model_spec import ModelSpec
 
 
-_FLAG_OF = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "vpp": "--vpp", "kvm": "--kv-size-multiplier", "fuse_qkv": "--fuse-qkv",
-            "hw": "--hw-backend", "trn2_kv_layout": "--trn2-kv-layout"}  # check_model's default names
+# Each layout field's native flag, the one table: check_model's default names, and LayoutOverrides' native names
+# (ckptconv.core.layout_flags).
+NATIVE_FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "vpp": "--vpp", "kvm": "--kv-size-multiplier",
+                "fuse_qkv": "--fuse-qkv", "hw": "--hw-backend", "trn2_kv_layout": "--trn2-kv-layout"}
 
 
 class Attention(str, Enum):
@@ -138,7 +140,7 @@ class ParallelLayout:
         if key == "attention":
             return {Attention.COALESCED: "--coalesce-qkv", Attention.QKV_LINEAR: "--qkv-linear"}.get(
                 value, "--no-qkv-linear")
-        return f"{_FLAG_OF.get(key, '--' + key)} {getattr(value, 'value', value)}"
+        return f"{NATIVE_FLAGS.get(key, '--' + key)} {getattr(value, 'value', value)}"
 
     def vocab_rows(self, spec: ModelSpec) -> int:
         """Rows of the embedding (and lm_head) over all tp ranks: vocab_size, padded to a multiple of tp."""

@@ -18,7 +18,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io import CheckedFiles
 from ckptconv.training import NXDTRAIN_KEY, USER_CONTENT_FILE, NxdOptimizer, NxdTagOptimizer, OptimFormat, nxd_position
 from nxdtrain.checkpoint.continuity import LABELS
-from nxdtrain.checkpoint.resume import TrainingState, damaged, load_small, training_state_of
+from nxdtrain.checkpoint.resume import TrainingState, damaged, load_side_file, training_state_of
 from nxdtrain.errors import TrainError
 
 
@@ -57,7 +57,7 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
     except ConversionError as exc:
         raise TrainError(f"--resume {tag}: {damaged(exc)}") from None
     try:
-        position = nxd_position(tag, optimizer_step, lambda path: load_small(path, checks))
+        position = nxd_position(tag, optimizer_step, lambda path: load_side_file(path, checks))
     except TrainError:
         raise
     except ConversionError as exc:

@@ -383,7 +383,7 @@ def read_optimizer_state(tag: str | Path, *, io: str = "mmap", check: bool = Tru
         optim.finish_checks(workers=1)
 
 
-def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | None:
+def nxd_optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | None:
     """What ``inspect`` says of a tag's ``optim/``: NxD's format read and summarised (the structure of every
     file; moment bytes are checked when read), or why it could not be read (nxdtrain's own tags hold
     another format); None without ``optim/``."""

@@ -539,9 +539,9 @@ def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
         return None, str(exc)
 
 
-def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
+def nxdtrain_optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
     """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
-    format (NxD's own: :func:`ckptconv.training.nxd_format.read.optimizer_summary`) or there is none."""
+    format (NxD's own: :func:`ckptconv.training.nxd_format.read.nxd_optimizer_summary`) or there is none."""
     if not (ckpt.root / OPTIM_DIR).is_dir():
         return None
     optim, _ = _tag_optimizer(ckpt, spec, layout, with_inv_freq)
