@@ -41,6 +41,8 @@ class Source:
 
     file: str | None
     key: str
+    # A model shard's (ep, tp, pp), where the plan names one; not part of the identity (equal sources are equal)
+    shard: ShardId | None = field(default=None, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,7 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
             for seg in record.segments:
                 slab, at = divmod(offset, slab_length) if record.slabs else (-1, offset)
                 if not seg.pad:  # padding rows are no HF range
-                    piece = Piece(Source(file, record.key), at, at + seg.length, slab=slab,
+                    piece = Piece(Source(file, record.key, shard=ShardId(ep, tp, pp)), at, at + seg.length, slab=slab,
                                   transposed=record.transposed)
                     out[seg.hf_key].append(_Placement(seg.hf_key, record.dim, seg.start, seg.stop, piece))
                 offset += seg.length

@@ -14,9 +14,7 @@ first file that reads it: every group is still checked, once in all rather than 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import OutFile, Plan, ReplicaGroup
 from ckptconv.engine.finalize import assign
 from ckptconv.io.nxd import TENSORS_SUFFIX
@@ -68,8 +66,7 @@ class TagPart:
         pieces = [p for s in self.shards for t in s.tensors for p in t.pieces]
         pieces += [a for p in pieces for a in p.alternates]  # copies averaged into a piece (--kv-replicas mean)
         pieces += [c for g in self.replicas for c in g.copies]
-        ranks = {parse_shard_name(Path(str(p.source.file)).name) for p in pieces}
-        return {r for r in ranks if r is not None}
+        return {(p.source.shard.tp, p.source.shard.pp) for p in pieces if p.source.shard is not None}
 
     def planned(self) -> Plan:
         """What this part plans the optimizer state of: its shards, and the replica groups it checks."""

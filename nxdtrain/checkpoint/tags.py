@@ -1,5 +1,6 @@
-"""A checkpoint directory's tags in NxD's layout: their names and markers, which ones a run wrote and may delete
-(retention, the completion of an interrupted NxD-format rewrite), and the one run allowed to write there.
+"""A checkpoint directory's tags: which ones a run wrote and may delete (retention, the completion of an interrupted
+NxD-format rewrite), and the one run allowed to write there. What a tag is (its name, its markers):
+:mod:`ckptconv.io.tags`; how it is written: :mod:`ckptconv.engine.tags`.
 
 A tag ``<checkpoint_dir>/step_<N>/`` holds::
 

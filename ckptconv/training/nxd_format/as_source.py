@@ -86,7 +86,7 @@ class NxdTagOptimizer:
     def _where(self, source: Source) -> tuple[int, int, int, str, str]:
         """(tp, pp, ep rank, component, name) of a read."""
         component, name = split_key(source.key)
-        ranks = shard_ranks(str(source.file).rsplit("/", 1)[-1])
+        ranks = source.shard  # (ep, tp, pp), from the plan
         if component is None or ranks is None:
             raise ConversionError(f"{self.optim.dir}: no optimizer tensor for {source.file}: {source.key}")
         self._fits(*ranks)  # its files parsed now if not yet, and its param groups compared with ours

@@ -106,7 +106,7 @@ class RowWindow(Source):
 
     @property
     def inner(self) -> Source:
-        return Source(self.file, self.key)
+        return Source(self.file, self.key, shard=self.shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +183,8 @@ def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.
     if any(p.alternates for p in tensor.pieces):
         raise ConversionError(f"{tensor.key}: averaged K/V replicas cannot be cut into ZeRO-1 chunks")
     if tensor.dim != 0:  # pieces side by side: each source windowed by rows
-        pieces = tuple(dataclasses.replace(p, source=RowWindow(p.source.file, p.source.key, start, count))
+        pieces = tuple(dataclasses.replace(p, source=RowWindow(p.source.file, p.source.key, start, count,
+                                                               shard=p.source.shard))
                        for p in tensor.pieces)
         return OutTensor(key, dtype, (count, *tensor.shape[1:]), tensor.dim, pieces)
     out, offset = [], 0

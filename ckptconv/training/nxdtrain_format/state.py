@@ -66,7 +66,7 @@ def state_key(name: str, component: str) -> str:
 
 def component_source(source: Source, component: str) -> Source:
     """Where ``component`` of the parameter stored at ``source`` lies (the plan's key for it)."""
-    return Source(source.file, f"{component}{_SEP}{source.key}")
+    return Source(source.file, f"{component}{_SEP}{source.key}", shard=source.shard)
 
 
 def split_key(key: str) -> tuple[str | None, str]:
