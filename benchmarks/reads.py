@@ -26,7 +26,7 @@ from benchmarks.reshard_optim import make_training_tag
 from benchmarks.synth import write_model
 from ckptconv.commands.api import RunOptions, reshard, to_nxd
 from ckptconv.core.layout import MODEL_DIR, ParallelLayout
-from ckptconv.io.nxd import OPTIM_DIR
+from ckptconv.io.tags import OPTIM_DIR
 
 _RECORDING: list[tuple[Path, Counter[str]]] = []  # (root, opens by relative path) while a count is on
 

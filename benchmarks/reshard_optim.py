@@ -32,8 +32,15 @@ from ckptconv.commands.api import RunOptions, to_nxd
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_read import load_shard
-from ckptconv.io.nxd_write import write_markers
-from ckptconv.training.state import FORMAT, MASTER, SCHEDULER_FILE, USER_CONTENT_FILE, stage_groups, state_key
+from ckptconv.io.tags import write_markers
+from ckptconv.training.nxdtrain_format.state import (
+    FORMAT,
+    MASTER,
+    SCHEDULER_FILE,
+    USER_CONTENT_FILE,
+    stage_groups,
+    state_key,
+)
 
 # torch AdamW's param-group fields, as nxdtrain's optimizer files record them
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": False, "maximize": False, "foreach": None,

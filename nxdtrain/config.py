@@ -26,7 +26,7 @@ from nxdtrain.errors import TrainError
 from nxdtrain.parallel.fsdp_checks import flag, sharding_limits, xla_refusal
 from nxdtrain.values import is_int
 
-OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_optimizer_write: nxd)
+OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_format.write: nxd)
 NXD_SCHEDULE = NXDT_SCHEDULES[0]  # CosineAnnealing: the schedule NxD's scheduler.pt can hold (nxd_trainer_files.COSINE)
 OPTIMIZERS = ("adamw", "sgd")
 # Ours, then NxDT's by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp; nxdtrain.schedules)

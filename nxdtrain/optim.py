@@ -155,7 +155,7 @@ class Optimizer:
         return [[name_of[id(p)] for p in group["params"]] for group in self._local().param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state in the neutral form (:mod:`ckptconv.training.state`, format 2): plain data and
+        """This rank's state in the neutral form (:mod:`ckptconv.training.nxdtrain_format.state`, format 2): plain data and
         tensors keyed by parameter name, loadable with ``torch.load(weights_only=True)``. With ZeRO-1 each
         dp rank saves the state, and the fp32 masters, of the parameters it owns."""
         local = self._local().state_dict()

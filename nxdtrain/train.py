@@ -31,7 +31,7 @@ from ckptconv.engine import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io import Flavour
 from ckptconv.training import DEFAULT_RULE
-from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_record
+from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_settings
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
@@ -186,7 +186,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     notes = data_notes + nxd_notes + resume_notes(source, layout, resume_state, zero1=config.parallel.zero1, dp=dp * cp,
                                       world=world_size, optimizer=config.optim.optimizer)
     run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
-    record = run_record(config, epochs=epochs, run=str(run_id))
+    record = run_settings(config, epochs=epochs, run=str(run_id))
     if resume_state is not None:  # the schedule and data order the tag recorded, or a refusal
         notes += check_resume(resume_state.run, resume_state.missing, record, tag=str(source.root),
                               override=config.checkpoint.override_schedule)

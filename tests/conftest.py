@@ -114,7 +114,7 @@ def default_workers_as_for_a_large_conversion(monkeypatch: pytest.MonkeyPatch) -
     """A conversion given no ``--workers`` runs one worker per 32 MiB written (``workers_for``): one for every
     model here. A test's own conversions run the whole default pool, as a conversion of a real model does, so they
     keep exercising concurrent bands (module- and session-scoped fixtures are set up before this patch and run the
-    rule's one worker; so do the CLI's subprocesses); ``tests/test_usable_cpus.py`` tests the rule itself."""
+    rule's one worker; so do the CLI's subprocesses); ``tests/engine/test_usable_cpus.py`` tests the rule itself."""
     monkeypatch.setattr(run_options, "BYTES_PER_DEFAULT_WORKER", 1)
 
 
@@ -166,7 +166,7 @@ def golden_dir() -> Path:
 def nxd_optimizers_made(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The model root of every ``NxdOptimizer`` made while the test runs: how often NxD's optimizer files are
     parsed (each making parses them)."""
-    from ckptconv.training.nxd_optimizer import NxdOptimizer
+    from ckptconv.training.nxd_format.read import NxdOptimizer
 
     made: list[Path] = []
     real = NxdOptimizer.__init__

@@ -28,7 +28,7 @@ from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_read import load_shard
-from ckptconv.io.nxd_write import write_markers
+from ckptconv.io.tags import write_markers
 
 H, I, E, TOP_K = 8, 12, 4, 2  # noqa: E741  hidden != expert intermediate
 STEP = 7

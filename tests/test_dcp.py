@@ -562,8 +562,8 @@ ADAMW_GROUP = {"lr": 7e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.
 
 def fake_training_tag(hf: Path, out: Path, *, weight_decay_norms: float = 0.0, **layout) -> Path:
     """Shards of ``layout`` with format-2 AdamW files whose moments are functions of the weights
-    (tests.test_training_state), torch AdamW's param groups, and nxdtrain's side files at step 5."""
-    from tests.test_training_state import _fake_tag
+    (tests.training.nxdtrain_format.test_state), torch AdamW's param groups, and nxdtrain's side files at step 5."""
+    from tests.training.nxdtrain_format.test_state import _fake_tag
 
     ckptconv.to_nxd(hf, out, options=QUIET, **layout)
     _fake_tag(out)

@@ -106,7 +106,7 @@ ROOMS_MAY_IMPORT = {
     "commands": {"core", "io", "engine", "training", "sources", "titan"},
     "cli": {"core", "io", "engine", "training", "sources", "titan", "commands"},
 }
-HALL = {"ckptconv", "ckptconv.errors"}
+HALL = {"ckptconv", "ckptconv.errors", "ckptconv.hall"}
 
 
 def _room(module: str) -> str | None:
@@ -230,3 +230,9 @@ def test_a_room_package_imports_none_of_its_modules_until_asked(tmp_path):
              "print(sorted(m for m in sys.modules if m.startswith('ckptconv.') and m.count('.') > 1), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "[] False"
+
+
+def test_no_module_imports_the_package_root():
+    """A room's ``__init__`` and every module take the version and ``lazy_exports`` from the ground floor
+    (``ckptconv.hall``): no import runs back up to the package root and its verbs."""
+    assert sorted(m for m, targets in _ckptconv_graph().items() if "ckptconv" in targets and m != "ckptconv") == []

@@ -49,10 +49,10 @@ from ckptconv.sources.nxd import (  # open_nxd also reached as ckptconv.commands
     check_files_read,
     open_nxd,
 )
-from ckptconv.training.nxd_optimizer import OPTIM_DIR
-from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
-from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.training.state import TagOptimizer, is_training_tag
+from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
+from ckptconv.training.nxd_format.read import OPTIM_DIR
+from ckptconv.training.nxd_format.write import DEFAULT_RULE, check_rule, check_written, describe_rule, rule_of
+from ckptconv.training.nxdtrain_format.state import TagOptimizer, is_training_tag
 from ckptconv.training.tag_parts import TagPart
 from ckptconv.training.tag_reshard import NxdFormat, TrainingTag, check_nxd_trainer
 
@@ -344,14 +344,14 @@ def reshard(
     change nothing is refused. ``hints``: the layout of an unrecorded source (``--source-hw-backend``...).
     ``masters``: as for :func:`to_hf`, but by default the shards.
 
-    A training tag (nxdtrain's, or NxD's own: :mod:`ckptconv.training.nxd_tag_optimizer`) gives an nxdtrain
-    training tag at the new layout: optimizer state (:mod:`ckptconv.training.state`) over ``dp`` ranks with ZeRO-1
+    A training tag (nxdtrain's, or NxD's own: :mod:`ckptconv.training.nxd_format.as_source`) gives an nxdtrain
+    training tag at the new layout: optimizer state (:mod:`ckptconv.training.nxdtrain_format.state`) over ``dp`` ranks with ZeRO-1
     (``zero1``; both default to the tag's) or one file per shard, step, consumed samples, schedule and options
-    (NxD's mapped by :mod:`ckptconv.training.position`). ``weights_only``: the shards alone.
+    (NxD's mapped by :mod:`ckptconv.training.nxd_format.position`). ``weights_only``: the shards alone.
 
-    ``optimizer_format="nxd"`` writes NxD's own format (:mod:`ckptconv.training.nxd_optimizer_write`), param groups
+    ``optimizer_format="nxd"`` writes NxD's own format (:mod:`ckptconv.training.nxd_format.write`), param groups
     by ``nxd_param_groups`` (default ``bias-norm``), read back; ``drop_masters`` accepts losing a bf16 model's fp32
-    state without ZeRO-1; ``nxd_trainer``: whose side files (:mod:`ckptconv.training.trainer_files`).
+    state without ZeRO-1; ``nxd_trainer``: whose side files (:mod:`ckptconv.training.nxd_format.side_files`).
     """
     run = Run("reshard", options)
     options, notes = run.options, run.notes
@@ -442,7 +442,7 @@ def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_
 def _refuse_ep_state(old: ParallelLayout, new: ParallelLayout, parted: bool,
                      training: TrainingTag) -> None:
     """What an expert-parallel training tag's reshard does not do yet, refused before anything is written."""
-    ep = max(old.ep, new.ep)  # NxD's own EP files' cases: ckptconv.training.nxd_optimizer_ep_write refuses them
+    ep = max(old.ep, new.ep)  # NxD's own EP files' cases: ckptconv.training.nxd_format.write_ep refuses them
     if ep > 1 and parted:
         training.optim.close()
         raise ConversionError(f"{training.ckpt.root}: ep {ep}, --part: a training tag with ep > 1 is resharded by "

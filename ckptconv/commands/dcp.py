@@ -34,6 +34,7 @@ from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import RunOptions
 from ckptconv.engine.run import Result, Run, file_identity, fingerprint
+from ckptconv.engine.tags import complete_as_tag, run_record
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
@@ -73,12 +74,11 @@ from ckptconv.titan.plans import (
     tied_copies,
 )
 from ckptconv.titan.state import ScheduleFlags, tag_state
-from ckptconv.training.state import (
+from ckptconv.training.nxdtrain_format.state import (
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
     TagReader,
 )
-from ckptconv.training.tag_files import complete_as_tag, run_record
 from ckptconv.training.tag_reshard import TrainingTag
 
 

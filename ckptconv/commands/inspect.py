@@ -12,10 +12,10 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
-from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.io.tags import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
-from ckptconv.training.nxd_optimizer import OPTIM_DIR, optimizer_summary
-from ckptconv.training.state import optimizer_summary as nxdtrain_optimizer_summary
+from ckptconv.training.nxd_format.read import OPTIM_DIR, nxd_optimizer_summary
+from ckptconv.training.nxdtrain_format.state import nxdtrain_optimizer_summary
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
@@ -29,7 +29,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
 
     An NxD training tag also reports ``weights_from`` (its model files, or the fp32 masters in
     ``optim/``: ``masters=True``, or an NxD tag whose model files hold no tensors) and ``optimizer``
-    (what :class:`ckptconv.training.nxd_optimizer.NxdOptimizer` reads there, or why it could not).
+    (what :class:`ckptconv.training.nxd_format.read.NxdOptimizer` reads there, or why it could not).
 
     Example:
         >>> inspect("llama-nxd")["layout"]["tp"]     # doctest: +SKIP
@@ -97,8 +97,8 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
         if check and source is not None:
             checked += source.finish_checks(only_read=False)
         # NxD's optimizer, already read for the weights' notes, or nxdtrain's (else why NxD's could not be read)
-        optimizer = (optimizer_summary(ckpt, check) if ckpt.nxd_optimizer is not None
-                     else nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or optimizer_summary(ckpt, check))
+        optimizer = (nxd_optimizer_summary(ckpt, check) if ckpt.nxd_optimizer is not None
+                     else nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or nxd_optimizer_summary(ckpt, check))
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {

@@ -11,7 +11,7 @@ from ckptconv.core.layout import HF_FILES_DIR
 from ckptconv.core.plan import Plan
 from ckptconv.io.hf import CONFIG, config_text
 from ckptconv.sources.masters import MasterWeights
-from ckptconv.training.nxd_optimizer import OPTIM_DIR
+from ckptconv.training.nxd_format.read import OPTIM_DIR
 
 
 def input_files(ckpt: Any) -> list[Path]:

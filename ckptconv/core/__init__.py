@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptconv import lazy_exports
+from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
     from ckptconv.core.layout import (

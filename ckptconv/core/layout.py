@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckptconv.errors import ConversionError, choice
 
@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from ckptconv.core.model_spec import ModelSpec
 
 
-_FLAG_OF = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "vpp": "--vpp", "kvm": "--kv-size-multiplier", "fuse_qkv": "--fuse-qkv",
-            "hw": "--hw-backend", "trn2_kv_layout": "--trn2-kv-layout"}  # check_model's default names
+# Each layout field's native flag, the one table: check_model's default names, and LayoutOverrides' native names
+# (ckptconv.core.layout_flags).
+NATIVE_FLAGS = {"tp": "--tp", "pp": "--pp", "ep": "--ep", "vpp": "--vpp", "kvm": "--kv-size-multiplier",
+                "fuse_qkv": "--fuse-qkv", "hw": "--hw-backend", "trn2_kv_layout": "--trn2-kv-layout"}
 
 
 class Attention(str, Enum):
@@ -138,7 +140,7 @@ class ParallelLayout:
         if key == "attention":
             return {Attention.COALESCED: "--coalesce-qkv", Attention.QKV_LINEAR: "--qkv-linear"}.get(
                 value, "--no-qkv-linear")
-        return f"{_FLAG_OF.get(key, '--' + key)} {getattr(value, 'value', value)}"
+        return f"{NATIVE_FLAGS.get(key, '--' + key)} {getattr(value, 'value', value)}"
 
     def vocab_rows(self, spec: ModelSpec) -> int:
         """Rows of the embedding (and lm_head) over all tp ranks: vocab_size, padded to a multiple of tp."""
@@ -228,6 +230,16 @@ def shard_name(*, tp_rank: int, pp_rank: int, dp_rank: int = 0, ep_rank: int | N
 def shard_file(*, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
     """A model shard's path relative to the checkpoint root: ``model/dp_rank_00_…pt``."""
     return f"{MODEL_DIR}/{shard_name(tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)}"
+
+
+class ShardId(NamedTuple):
+    """Which model shard a planned file is, (ep, tp, pp) ranks: a value the plan that names the file carries
+    (:attr:`ckptconv.core.plan.OutFile.shard`), so no rank is parsed back out of a file name inside the program;
+    names are parsed only where a directory is read."""
+
+    ep: int
+    tp: int
+    pp: int
 
 
 def layout_shard_file(layout: ParallelLayout, *, ep_rank: int, tp_rank: int, pp_rank: int) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
-from ckptconv.core.layout import Attention, Hardware, ParallelLayout, Trn2KvLayout, default_kvm
+from ckptconv.core.layout import NATIVE_FLAGS, Attention, Hardware, ParallelLayout, Trn2KvLayout, default_kvm
 from ckptconv.errors import ConversionError, choice
 
 OVERRIDE_FLAG = "--override-recorded-layout"
@@ -97,18 +97,18 @@ class LayoutOverrides(dict[str, Any]):
     """
 
     tp: int | None = field(default=None, metadata=_meta(
-        native="--tp", compat="--tp_size", kind="int", api="tp", what="tp", help="tensor-parallel degree (not given: the source's, else 1)"))
+        native=NATIVE_FLAGS["tp"], compat="--tp_size", kind="int", api="tp", what="tp", help="tensor-parallel degree (not given: the source's, else 1)"))
     pp: int | None = field(default=None, metadata=_meta(
-        native="--pp", compat="--pp_size", kind="int", api="pp", what="pp", help="pipeline-parallel degree (not given: the source's, else 1)"))
+        native=NATIVE_FLAGS["pp"], compat="--pp_size", kind="int", api="pp", what="pp", help="pipeline-parallel degree (not given: the source's, else 1)"))
     ep: int | None = field(default=None, metadata=_meta(
-        native="--ep", compat="--ep_size", kind="int", api="ep", what="ep",
+        native=NATIVE_FLAGS["ep"], compat="--ep_size", kind="int", api="ep", what="ep",
         help="expert-parallel degree of a mixture-of-experts model: each ep rank holds E / ep contiguous experts "
              "(not given: the source's, else 1)"))
     vpp: int | None = field(default=None, metadata=_meta(
-        native="--vpp", compat="--virtual_pp_size", kind="int", api="vpp", what="vpp",
+        native=NATIVE_FLAGS["vpp"], compat="--virtual_pp_size", kind="int", api="vpp", what="vpp",
         help="virtual pipeline stages per pp rank (not given: the source's, else 1)"))
     kvm: int | None = field(default=None, metadata=_meta(
-        native="--kv-size-multiplier", compat="--kv_size_multiplier", kind="int", api="kv_size_multiplier",
+        native=NATIVE_FLAGS["kvm"], compat="--kv_size_multiplier", kind="int", api="kv_size_multiplier",
         aliases=("--kv-replicator",), what="kv multiplier",
         help="K/V head replication (kv_replicator in NxDT YAML; default: what tp needs, tp / kv heads when tp "
              "exceeds them with --qkv-linear, else 1)"))
@@ -120,16 +120,16 @@ class LayoutOverrides(dict[str, Any]):
             Switch("--coalesce-qkv", "--coalesce_qkv", Attention.COALESCED,
                    "coalesced qkv_proj.weight (multi-head attention only)"))))
     fuse_qkv: bool | None = field(default=None, metadata=_meta(
-        native="--fuse-qkv", compat="--fuse_qkv", kind="bool", api="fuse_qkv", what="fuse_qkv",
+        native=NATIVE_FLAGS["fuse_qkv"], compat="--fuse_qkv", kind="bool", api="fuse_qkv", what="fuse_qkv",
         help="one fused weight_qkv per layer (needs --qkv-linear; NxDT's default)"))
     hw: Hardware | None = field(default=None, metadata=_meta(
-        native="--hw-backend", compat="--hw_backend", kind="choice", api="hw_backend", what="hw backend",
+        native=NATIVE_FLAGS["hw"], compat="--hw_backend", kind="choice", api="hw_backend", what="hw backend",
         choices=tuple(h.value for h in Hardware), help="head order (default trn1)",
         source="--source-hw-backend",
         source_help="the hardware SRC was written for, where it has no ckptconv.json and its K/V replicas "
                     "cannot tell (tiled: trn1, or trn2 by the official converter)"))
     trn2_kv_layout: Trn2KvLayout | None = field(default=None, metadata=_meta(
-        native="--trn2-kv-layout", compat="--trn2_kv_layout", kind="choice", api="trn2_kv_layout",
+        native=NATIVE_FLAGS["trn2_kv_layout"], compat="--trn2_kv_layout", kind="choice", api="trn2_kv_layout",
         what="trn2 K/V layout", choices=tuple(k.value for k in Trn2KvLayout), carried=False,
         help="trn2 K/V replica order: runtime (correct, default) or official (the official converter's)",
         source="--source-trn2-kv-layout", source_help="with --source-hw-backend trn2: SRC's K/V replica order"))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import Attention, ParallelLayout, layout_shard_file
+from ckptconv.core.layout import Attention, ParallelLayout, ShardId, layout_shard_file
 from ckptconv.core.mapping import (
     ShardRecord,
     all_ep_shard_records,
@@ -41,6 +41,8 @@ class Source:
 
     file: str | None
     key: str
+    # A model shard's (ep, tp, pp), where the plan names one; not part of the identity (equal sources are equal)
+    shard: ShardId | None = field(default=None, compare=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,13 @@ class OutFile:
     format: str                  # "torch" (torch.save zip), NESTED_TORCH or "safetensors"
     tensors: tuple[OutTensor, ...]
     plain: tuple[tuple[str, Any], ...] = ()  # torch files: plain values stored before the tensors
+    shard: ShardId | None = None  # a model shard's (ep, tp, pp), carried from the plan that named it
+
+    @property
+    def shard_id(self) -> ShardId:
+        """:attr:`shard`, which a model shard's plan always sets."""
+        assert self.shard is not None, f"{self.path}: planned without its shard identity"
+        return self.shard
 
     @property
     def nbytes(self) -> int:
@@ -188,7 +197,8 @@ def plan_to_nxd(
             _out_tensor(record, shapes, source_dtypes, dtype_policy, lambda key: Source(None, key))
             for record in records
         )
-        files.append(OutFile(layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp), "torch", tensors))
+        files.append(OutFile(layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp), "torch", tensors,
+                             shard=ShardId(ep, tp, pp)))
     return Plan(files)
 
 
@@ -239,7 +249,7 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
             for seg in record.segments:
                 slab, at = divmod(offset, slab_length) if record.slabs else (-1, offset)
                 if not seg.pad:  # padding rows are no HF range
-                    piece = Piece(Source(file, record.key), at, at + seg.length, slab=slab,
+                    piece = Piece(Source(file, record.key, shard=ShardId(ep, tp, pp)), at, at + seg.length, slab=slab,
                                   transposed=record.transposed)
                     out[seg.hf_key].append(_Placement(seg.hf_key, record.dim, seg.start, seg.stop, piece))
                 offset += seg.length
@@ -418,7 +428,7 @@ def plan_reshard(
     hf_dtypes = {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
     target = plan_to_nxd(spec, new, hf_dtypes, dtype_policy)
     files = [
-        OutFile(f.path, f.format, tuple(compose(t, tiles) for t in f.tensors))
+        replace(f, tensors=tuple(compose(t, tiles) for t in f.tensors))
         for f in target.files
     ]
     return Plan(files, replicas)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptconv import lazy_exports
+from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
     from ckptconv.engine import outdir
@@ -17,5 +17,18 @@ if TYPE_CHECKING:
     from ckptconv.engine.launcher import detect_launch, local_world_size
     from ckptconv.engine.options import NXD_PARAM_GROUPS, usable_cpus
     from ckptconv.engine.outdir import TMP_DIR
+    from ckptconv.engine.tags import (
+        RECORD_KEY,
+        TAG_ENTRIES,
+        claim_tag,
+        clear_tag,
+        complete_as_tag,
+        file_records,
+        finish_tag,
+        remove_tag,
+        run_record,
+        save_torch,
+        seal,
+    )
 
 __getattr__ = lazy_exports(__name__, __file__)

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.engine.launcher import detect_part, parse_part  # noqa: F401  (re-exported: where --part lived)
-from ckptconv.engine.outdir import TMP_DIR, OutLock, acquire, clear_tmp, copy_file, ensure_dir, write_bytes, write_text
+from ckptconv.engine.outdir import TMP_DIR, OutLock, acquire, copy_file, ensure_dir, write_bytes, write_text
+from ckptconv.engine.tags import seal
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import DEFAULT, FileRecord
-from ckptconv.io.metadata import Metadata, write_metadata
+from ckptconv.io.metadata import Metadata
 
 if TYPE_CHECKING:
     from ckptconv.core.plan import Plan
@@ -143,10 +144,7 @@ def _finalize(out: Path, spec: FinalizeSpec) -> dict[str, FileRecord]:
         copy_file(Path(source), ensure_dir(out, str(Path(rel).parent)) / Path(rel).name)
     for rel in [*spec.texts, *spec.blobs, *(rel for _, rel in spec.copies)]:
         files[rel] = FileRecord.of(out / rel, spec.hash)
-    if spec.metadata is not None:
-        meta = Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})
-        write_metadata(out, meta)  # its presence means the directory is complete (markers aside)
-    for rel in spec.markers:  # not in ckptconv.json: known names, written last (ckptconv.io.nxd_write.write_markers)
-        write_text(out / rel, "1")
-    clear_tmp(out)  # the lock goes when its holder releases it
+    meta = (Metadata(**spec.metadata, files={rel: rec.to_json() for rel, rec in files.items()})
+            if spec.metadata is not None else None)
+    seal(out, meta, spec.markers)  # ckptconv.json, the markers (a tag's: ckptconv.engine.tags), tmp cleared
     return files

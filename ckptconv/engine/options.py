@@ -112,9 +112,9 @@ class RunOptions:
         """The digest algorithm to record, or None for sizes only."""
         return None if self.hash == "none" else self.hash
 
-# `--nxd-param-groups`: the rules of ckptconv.training.nxd_optimizer_ranks.PARAM_GROUP_RULES and "one" (named here,
-# where the CLI can read them without importing torch; ckptconv.training.nxd_optimizer_write checks the two agree)
+# `--nxd-param-groups`: the rules of ckptconv.training.nxd_format.ranks.PARAM_GROUP_RULES and "one" (named here,
+# where the CLI can read them without importing torch; ckptconv.training.nxd_format.write checks the two agree)
 NXD_PARAM_GROUPS = ("bias-norm", "bias-LayerNorm", "bias", "one")
-# `--nxd-trainer`: whose side files an NxD-format tag gets (ckptconv.training.trainer_files): NxD's example trainers'
+# `--nxd-trainer`: whose side files an NxD-format tag gets (ckptconv.training.nxd_format.side_files): NxD's example trainers'
 # (scheduler.pt, user_content.pt with total_steps/batch_idx) or NxDT's (lightning's checkpoint dict)
 NXD_TRAINERS = ("nxd-example", "nxdt")

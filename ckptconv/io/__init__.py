@@ -8,22 +8,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptconv import lazy_exports
+from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
     from ckptconv.io.checked import CheckedFiles, check_whole_file
     from ckptconv.io.digest import DEFAULT, record_files
     from ckptconv.io.hf import CONFIG
     from ckptconv.io.metadata import METADATA_FILE, Metadata, add_version_flag, read_metadata, write_metadata
-    from ckptconv.io.nxd import (
+    from ckptconv.io.nxd import Flavour, resolve_checkpoint
+    from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
+    from ckptconv.io.nxd_write import save_shard
+    from ckptconv.io.tags import (
         CHECKPOINT_MARKER,
         DONE_MARKER,
-        Flavour,
+        OPTIM_DIR,
+        SCHEDULER_FILE,
+        TAG_MARKERS,
+        USER_CONTENT_FILE,
         completed_tags,
-        resolve_checkpoint,
+        is_step_tag,
+        newest_tag,
+        tag_name,
         tag_step,
+        write_markers,
     )
-    from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
-    from ckptconv.io.nxd_write import save_shard, write_markers
 
 __getattr__ = lazy_exports(__name__, __file__)

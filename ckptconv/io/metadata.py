@@ -23,7 +23,7 @@ FORMAT_VERSION = 1
 def tool_version() -> str:
     """The installed package's version (``ckptconv.__version__``, which the package metadata is built from;
     read without importlib.metadata, whose import alone costs the CLIs ~0.1 s of start-up)."""
-    from ckptconv import __version__
+    from ckptconv.hall import __version__
 
     return __version__
 

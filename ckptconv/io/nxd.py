@@ -1,5 +1,5 @@
-"""NxD checkpoint directories: the names of their files and markers, the serialization flavours, and finding the
-shards and the tag to read.
+"""NxD checkpoint directories: the names of their files, the serialization flavours, and finding the shards and the
+tag to read (what a tag is, its name and markers: :mod:`ckptconv.io.tags`).
 
 Three serialization flavours (docs/nxd-format.md §2): ``plain`` (torch.save of a dict), ``xser-inline``
 (the same bytes plus an empty ``<file>.tensors/``; what the official ``--save_xser`` writes), and
@@ -14,20 +14,16 @@ Example:
 
 from __future__ import annotations
 
-import re
 import warnings
 from enum import Enum
 from pathlib import Path
 
 from ckptconv.core.layout import MODEL_DIR, parse_ep_shard_name, parse_shard_name
 from ckptconv.errors import ConversionError
+from ckptconv.io.tags import CHECKPOINT_MARKER, DONE_MARKER, newest_tag
 
-DONE_MARKER = "done"
-CHECKPOINT_MARKER = "checkpoint"
 TENSORS_SUFFIX = ".tensors"
 INFO_SUFFIX = ".info.pt"
-OPTIM_DIR = "optim"  # a training tag's optimizer files (nxdtrain's: ckptconv.training.state; NxD's: nxd_optimizer)
-TAG_MARKERS = (CHECKPOINT_MARKER, DONE_MARKER)  # in writing order: a tag without ``done`` is never resumed from
 
 
 class Flavour(str, Enum):
@@ -47,39 +43,6 @@ def detect_flavour(path: Path) -> Flavour:
 
 # --------------------------------------------------------------------------------------------
 # Finding a checkpoint
-
-
-def tag_step(name: str) -> int | None:
-    """The step number in a tag name (``step_120``, ``x--step=120-consumed_samples=9.ckpt``)."""
-    m = re.search(r"(?:^step_|--step=)(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
-def completed_tags(root: Path) -> list[Path]:
-    """Tag directories under ``root`` that have a ``done`` marker, oldest first (step, then mtime)."""
-    tags = [p for p in root.iterdir() if p.is_dir() and (p / DONE_MARKER).is_file()]
-
-    def order(p: Path) -> tuple[int, float]:
-        step = tag_step(p.name)
-        return (step if step is not None else -1, (p / DONE_MARKER).stat().st_mtime)
-
-    return sorted(tags, key=order)
-
-
-def newest_tag(root: Path) -> tuple[Path | None, str | None]:
-    """The tag a checkpoint root resumes or exports from: the completed tag with the highest step
-    (the ``done`` marker's mtime only breaks ties), and a warning when NxD's own rule, the tag whose
-    ``done`` was modified last, would take another one (after a copy that lost the timestamps)."""
-    tags = completed_tags(root)
-    if not tags:
-        return None, None
-    ours = tags[-1]
-    by_mtime = max(tags, key=lambda p: (p / DONE_MARKER).stat().st_mtime)
-    if by_mtime == ours or (by_mtime / DONE_MARKER).stat().st_mtime == (ours / DONE_MARKER).stat().st_mtime:
-        return ours, None
-    return ours, (f"{root}: took {ours.name}, the highest step; NxD's load_checkpoint would take {by_mtime.name}, "
-                  f"whose '{DONE_MARKER}' marker was modified last (timestamps changed by a copy?); pass a tag "
-                  "directory to choose")
 
 
 def ep_shard_files(directory: Path) -> dict[tuple[int, int, int], Path]:
@@ -139,18 +102,11 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path, str]:
 
 
 __all__ = [
-    "CHECKPOINT_MARKER",
-    "DONE_MARKER",
     "Flavour",
     "INFO_SUFFIX",
-    "OPTIM_DIR",
-    "TAG_MARKERS",
     "TENSORS_SUFFIX",
-    "completed_tags",
     "detect_flavour",
-    "newest_tag",
     "resolve_checkpoint",
     "ep_shard_files",
     "shard_files",
-    "tag_step",
 ]

@@ -153,7 +153,7 @@ class WeightSource(Protocol):
 
 class ShardsWithMasters:
     """A :class:`WeightSource`: each model file with the fp32 masters an nxdtrain bf16 run keeps over it
-    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.state.use_masters`); keys they
+    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.nxdtrain_format.state.use_masters`); keys they
     lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
     conversion's fingerprint; ``owner`` (what reads them) is closed with the checkpoint."""
 
@@ -247,7 +247,7 @@ class NxdCheckpoint:
     def keep_nxd_optimizer(self, optim: Any) -> None:
         """Keep NxD's optimizer of this tag open for the callers that read it too (inspect's summary, a resume's
         optimizer state; see :func:`ckptconv.sources.masters.nxd_masters`): it is closed with this checkpoint, and
-        not before (after that its reads fail, :class:`ckptconv.training.nxd_optimizer.NxdOptimizer`)."""
+        not before (after that its reads fail, :class:`ckptconv.training.nxd_format.read.NxdOptimizer`)."""
         if self._nxd_optimizer is not None and self._nxd_optimizer is not optim:
             raise RuntimeError(f"{self.root}: keeps another NxD optimizer open already")
         self._nxd_optimizer = optim

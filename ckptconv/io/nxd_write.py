@@ -14,8 +14,8 @@ import torch
 from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
 from ckptconv.core.layout import parse_ep_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
-from ckptconv.io.atomic import move_into_place, write_text
-from ckptconv.io.nxd import INFO_SUFFIX, TAG_MARKERS, TENSORS_SUFFIX, Flavour
+from ckptconv.io.atomic import move_into_place
+from ckptconv.io.nxd import INFO_SUFFIX, TENSORS_SUFFIX, Flavour
 from ckptconv.io.safe_load import TensorReference
 from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.io.torchzip_pickle import map_tensor_at
@@ -127,12 +127,6 @@ def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
     return make
 
 
-def write_markers(tag_dir: Path) -> None:
-    """``checkpoint`` first, ``done`` last: a tag without ``done`` is never resumed from."""
-    for name in TAG_MARKERS:
-        write_text(tag_dir / name, "1")
-
-
 # --------------------------------------------------------------------------------------------
 # Whole shards in memory (training saves and loads one rank's state at a time)
 
@@ -188,4 +182,4 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-__all__ = ["TorchZipSink", "XserSplitSink", "save_shard", "sink_factory", "write_markers"]
+__all__ = ["TorchZipSink", "XserSplitSink", "save_shard", "sink_factory"]

@@ -1,6 +1,6 @@
 """The fp32 master weights in a training tag's ``optim/`` as its model weights, for ``to-hf``, ``reshard``,
 ``verify`` and ``inspect``: NxD's own (ZeRO-1 with ``use_master_weights_in_ckpt``, read through
-:mod:`ckptconv.training.nxd_optimizer`), and those an nxdtrain bf16 run keeps (``NxdCheckpoint.use_masters``).
+:mod:`ckptconv.training.nxd_format.read`), and those an nxdtrain bf16 run keeps (``NxdCheckpoint.use_masters``).
 
 A tag saved with ``avoid_saving_lower_precision_weights`` (xser) holds no model tensors at all: its
 weights are the masters, and they are read from there without being asked. Where a tag holds both,
@@ -21,8 +21,8 @@ from ckptconv.core.layout import ParallelLayout, parse_shard_name
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint, ShardsWithMasters
-from ckptconv.training.nxd_optimizer import OPTIM_DIR, NxdOptimizer
-from ckptconv.training.state import TagOptimizer, is_training_tag, use_masters
+from ckptconv.training.nxd_format.read import OPTIM_DIR, NxdOptimizer
+from ckptconv.training.nxdtrain_format.state import TagOptimizer, is_training_tag, use_masters
 
 
 class MasterShard:
@@ -171,7 +171,7 @@ def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool,
                      layout: ParallelLayout, with_inv_freq: bool) -> list[str]:
     """Point ``ckpt`` at the fp32 masters an nxdtrain bf16 run keeps in ``optim/`` when asked or preferred
     (after the shards were checked against ``ckptconv.json``, which records their dtype); they are found by
-    parameter, whichever dp rank saved them (:func:`ckptconv.training.state.use_masters`)."""
+    parameter, whichever dp rank saved them (:func:`ckptconv.training.nxdtrain_format.state.use_masters`)."""
     if ckpt.weight_source is not None or masters is False or not (masters or prefer):
         return []
     if use_masters(ckpt, spec, layout, with_inv_freq, required=bool(masters)) is None:

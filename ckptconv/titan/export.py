@@ -21,7 +21,7 @@ from ckptconv.sources.masters import nxdtrain_optimizer
 from ckptconv.titan.config_file import TitanRun
 from ckptconv.titan.plans import Tiles, plan_titan_optimizer
 from ckptconv.titan.state import ScheduleFlags, titan_values
-from ckptconv.training.state import OPTIM_DIR, is_training_tag, state_replicas
+from ckptconv.training.nxdtrain_format.state import OPTIM_DIR, is_training_tag, state_replicas
 from ckptconv.training.tag_reshard import TrainingTag
 
 

@@ -48,7 +48,7 @@ from ckptconv.titan.names import (
     titan_params,
     trained_params,
 )
-from ckptconv.training.state import OptimizerSource, optimizer_files, state_key, state_tensors
+from ckptconv.training.nxdtrain_format.state import OptimizerSource, optimizer_files, state_key, state_tensors
 
 Tiles = Mapping[str, tuple[int | None, tuple[Piece, ...]]]
 
@@ -183,7 +183,7 @@ def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
 def _read_from_dcp(plan: Plan, spec: ModelSpec) -> Plan:
     """A plan over HF-keyed sources, reading each range from its TorchTitan tensor instead."""
     tiles = titan_tiles(titan_params(spec), spec)
-    files = [OutFile(f.path, f.format, tuple(compose(t, tiles) for t in f.tensors)) for f in plan.files]
+    files = [dataclasses.replace(f, tensors=tuple(compose(t, tiles) for t in f.tensors)) for f in plan.files]
     return Plan(files, plan.replicas)
 
 

@@ -31,8 +31,8 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.titan.config_file import TitanRun
 from ckptconv.titan.names import PARAM_GROUP_FIELDS, param_group_key, trained_params
+from ckptconv.training.nxdtrain_format.state import is_matrix
 from ckptconv.training.schedules import Recorded, lr_at
-from ckptconv.training.state import is_matrix
 
 # The fields that choose torch's implementation, not the math: TorchTitan picks its own on its device.
 IMPLEMENTATION = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}

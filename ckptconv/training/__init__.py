@@ -1,5 +1,6 @@
-"""Training state: optimizer formats (nxdtrain's, NxD's own, read and written), how they ride a plan,
-training positions and schedules, the side files each trainer resumes from, and a tag reshard split into parts.
+"""Training state, a room per optimizer format (``nxdtrain_format/``: nxdtrain's; ``nxd_format/``: NxD's own, read
+and written, its side files and training position), the expert-parallel arithmetic both packages use (``ep``),
+learning-rate schedules, and a training tag's reshard split into parts.
 
 The names below are what the trainer (nxdtrain) uses of this room: its entry point.
 """
@@ -8,18 +9,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckptconv import lazy_exports
+from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
-    from ckptconv.training.nxd_optimizer import NxdOptimizer
-    from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-    from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE, NXD_OPTIMIZER_KEY, NXDTRAIN_KEY
-    from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-    from ckptconv.training.optim_placement import optimizer_ep_rank, shard_ranks
-    from ckptconv.training.position import nxd_position
-    from ckptconv.training.schedules import NXDT_SCHEDULES, lr_at, nxdt_lr
-    from ckptconv.training.state import FORMAT as OPTIMIZER_FORMAT
-    from ckptconv.training.state import (
+    from ckptconv.engine.tags import RECORD_KEY, run_record
+    from ckptconv.training.ep import check_zero1_ep, ep_fits, expert_data_rank, expert_dp_groups, optimizer_ep_rank
+    from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
+    from ckptconv.training.nxd_format.position import nxd_position
+    from ckptconv.training.nxd_format.ranks import OptimFormat
+    from ckptconv.training.nxd_format.read import NxdOptimizer
+    from ckptconv.training.nxd_format.write import DEFAULT_RULE, NXD_OPTIMIZER_KEY, NXDTRAIN_KEY
+    from ckptconv.training.nxdtrain_format.placement import shard_ranks
+    from ckptconv.training.nxdtrain_format.state import FORMAT as OPTIMIZER_FORMAT
+    from ckptconv.training.nxdtrain_format.state import (
         MASTER,
         OPTIM_DIR,
         SCHEDULER_FILE,
@@ -36,6 +38,6 @@ if TYPE_CHECKING:
         state_key,
         state_tensors,
     )
-    from ckptconv.training.tag_files import RECORD_KEY, run_record
+    from ckptconv.training.schedules import NXDT_SCHEDULES, lr_at, nxdt_lr
 
 __getattr__ = lazy_exports(__name__, __file__)

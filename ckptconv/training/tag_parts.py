@@ -14,20 +14,17 @@ first file that reads it: every group is still checked, once in all rather than 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from ckptconv.core.layout import parse_shard_name
 from ckptconv.core.plan import OutFile, Plan, ReplicaGroup
 from ckptconv.engine.finalize import assign
 from ckptconv.io.nxd import TENSORS_SUFFIX
-from ckptconv.training.state import optimizer_file
+from ckptconv.training.nxdtrain_format.state import optimizer_file
 
 
 def optimizer_paths(shard: OutFile, *, dp: int, zero1: bool) -> list[str]:
     """The optimizer files written beside a target shard: one per dp rank with ZeRO-1, else dp rank 0's."""
-    ranks = parse_shard_name(Path(shard.path).name)
-    assert ranks is not None, shard.path
-    return [optimizer_file(tp_rank=ranks[0], pp_rank=ranks[1], dp_rank=d) for d in range(dp if zero1 else 1)]
+    ranks = shard.shard_id
+    return [optimizer_file(tp_rank=ranks.tp, pp_rank=ranks.pp, dp_rank=d) for d in range(dp if zero1 else 1)]
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,7 @@ class TagPart:
         pieces = [p for s in self.shards for t in s.tensors for p in t.pieces]
         pieces += [a for p in pieces for a in p.alternates]  # copies averaged into a piece (--kv-replicas mean)
         pieces += [c for g in self.replicas for c in g.copies]
-        ranks = {parse_shard_name(Path(str(p.source.file)).name) for p in pieces}
-        return {r for r in ranks if r is not None}
+        return {(p.source.shard.tp, p.source.shard.pp) for p in pieces if p.source.shard is not None}
 
     def planned(self) -> Plan:
         """What this part plans the optimizer state of: its shards, and the replica groups it checks."""

@@ -1,7 +1,7 @@
 """``ckptconv reshard`` of a training tag: the optimizer files and side files beside the resharded shards.
 
 The shards' plan is extended by one format-2 optimizer file per target (tp, pp, dp) rank
-(:func:`ckptconv.training.state.plan_optimizer_files`), written by the same executor in bands: memory stays
+(:func:`ckptconv.training.nxdtrain_format.state.plan_optimizer_files`), written by the same executor in bands: memory stays
 within ``--max-memory`` however large the state. The replicas the weights must agree on (K/V heads under
 kv_size_multiplier, norms, a tied head) are checked for every moment too. ``scheduler.pt`` is copied,
 ``user_content.pt`` rewritten for the new layout, and the ``checkpoint``/``done`` markers written last.
@@ -19,15 +19,18 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import NESTED_TORCH, OutFile, Plan
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import NXD_TRAINERS
+from ckptconv.engine.tags import complete_as_tag, run_record
 from ckptconv.errors import ConversionError
 from ckptconv.io.checked import check_whole_file
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.nxd_write import TorchZipSink, XserSplitSink
 from ckptconv.io.safe_load import load_small_bytes
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_ep_write import plan_nxd_ep_optimizer_files
-from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from ckptconv.training.nxd_optimizer_write import (
+from ckptconv.training.nxd_format.as_source import NxdTagOptimizer
+from ckptconv.training.nxd_format.position import NxdPosition, nxd_position
+from ckptconv.training.nxd_format.ranks import OptimFormat
+from ckptconv.training.nxd_format.read import NxdOptimizer
+from ckptconv.training.nxd_format.side_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
+from ckptconv.training.nxd_format.write import (
     NXD_OPTIMIZER_KEY,
     NxdOptimizerPlan,
     WindowReader,
@@ -35,10 +38,8 @@ from ckptconv.training.nxd_optimizer_write import (
     nxd_groups,
     plan_nxd_optimizer_files,
 )
-from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-from ckptconv.training.optim_placement import shard_ranks
-from ckptconv.training.position import NxdPosition, nxd_position
-from ckptconv.training.state import (
+from ckptconv.training.nxd_format.write_ep import plan_nxd_ep_optimizer_files
+from ckptconv.training.nxdtrain_format.state import (
     OPTIM_DIR,
     SCHEDULER_FILE,
     USER_CONTENT_FILE,
@@ -51,8 +52,6 @@ from ckptconv.training.state import (
     resharded_user_content,
     state_replicas,
 )
-from ckptconv.training.tag_files import complete_as_tag, run_record
-from ckptconv.training.trainer_files import NXD_EXAMPLE, NXDT, SideFiles, from_nxd_tag, from_nxdtrain
 
 
 def _checked(ckpt: NxdCheckpoint, path: Path) -> bytes:
@@ -105,9 +104,8 @@ class NxdFormat:
 def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> OutFile:
     """A planned model shard as NxD's own save writes it: its keys in a live NxD model's parameter order (NxD's
     optimizer indices follow it), not the official converter's (fused qkv at the end), every tensor row-major."""
-    ranks = shard_ranks(Path(shard.path).name)
-    assert ranks is not None, shard.path
-    order = live_module_order(fmt.spec, layout, tp_rank=ranks[1], pp_rank=ranks[2], with_inv_freq=fmt.with_inv_freq)
+    ranks = shard.shard_id
+    order = live_module_order(fmt.spec, layout, tp_rank=ranks.tp, pp_rank=ranks.pp, with_inv_freq=fmt.with_inv_freq)
     by_key = {t.key: t for t in shard.tensors}
     if set(order) != set(by_key):  # a tied model's shards without lm_head, an ep rank > 0's experts: the order kept
         order = [k for k in order if k in by_key] + [k for k in by_key if k not in order]
@@ -150,8 +148,8 @@ class TrainingTag:
     @classmethod
     def open_nxd(cls, ckpt: NxdCheckpoint, *, dp: int | None, zero1: bool | None, io: str) -> TrainingTag:
         """A tag of NxD's own code (``optim/`` in NxD's format): its optimizer read through
-        :class:`~ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer`, its side files mapped by
-        :mod:`ckptconv.training.position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
+        :class:`~ckptconv.training.nxd_format.as_source.NxdTagOptimizer`, its side files mapped by
+        :mod:`ckptconv.training.nxd_format.position` into nxdtrain's ``user_content.pt`` and ``scheduler.pt``."""
         nxd = ckpt.nxd_optimizer or NxdOptimizer(ckpt, io=io, check=ckpt.checks.enabled)  # parsed for the weights?
         try:
             optim = NxdTagOptimizer(nxd)
@@ -232,7 +230,7 @@ class TrainingTag:
 
     def _extend_nxd(self, plan: Plan, spec: FinalizeSpec, new: ParallelLayout, notes: list[str],
                     fmt: NxdFormat) -> tuple[Plan, Any]:
-        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.training.nxd_optimizer_write`): NxD's tag keeps its own
+        """As :meth:`extend`, in NxD's own format (:mod:`ckptconv.training.nxd_format.write`): NxD's tag keeps its own
         ``scheduler.pt``/``user_content.pt`` (copied as they are) and param groups' lrs; nxdtrain's tag gets NxD's
         ``CosineAnnealing`` state and NxD's example keys, its own position kept under ``nxdtrain``."""
         from_nxd = self.scheduler_record is not None
@@ -265,7 +263,7 @@ class TrainingTag:
         return Plan(model_files + optim_files, replicas), WindowReader(TagReader(self.ckpt, self.optim))
 
     def _side_files(self, trainer: str, groups: int, fmt: NxdFormat, new: ParallelLayout) -> SideFiles:
-        """The side files for ``trainer`` (:mod:`ckptconv.training.trainer_files`), refused before a byte is written."""
+        """The side files for ``trainer`` (:mod:`ckptconv.training.nxd_format.side_files`), refused before a byte is written."""
         assert fmt.out is not None
         if self.position is None:  # nxdtrain's tag: its record at the new layout
             content = resharded_user_content(self.user_content, new, zero1=self.zero1)
@@ -281,7 +279,7 @@ class TrainingTag:
         target shard's files, whose index names follow from the shards and the rule alone."""
         fmt = self.nxd_format
         if self.written is not None and fmt is not None:
-            names = {f.path: index_order(in_live_order(f, fmt, new), fmt.rule) for f in shards}
+            names = {f.shard_id: index_order(in_live_order(f, fmt, new), fmt.rule) for f in shards}
             self.written = replace(self.written, names=names)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """A resume keeps the run: its learning-rate schedule and data order are recorded in every tag and compared.
 
-Every tag's ``user_content.pt`` holds the run record (:func:`run_record`): the schedule as resolved
+Every tag's ``user_content.pt`` holds the run's settings (:func:`run_settings`; its position is ckptconv.json's
+``ckptconv.engine.tags.run_record``): the schedule as resolved
 (a warmup fraction and ``--epochs`` already turned into steps, ``decay_steps`` defaulted from
 ``--steps``) and what fixes the data order. A resume whose record differs is refused in one line
 naming each old and new value, unless ``--override-schedule`` (Megatron's switch of that name),
@@ -39,7 +40,7 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def run_record(config: TrainConfig, *, epochs: int | None, run: str) -> dict[str, Any]:
+def run_settings(config: TrainConfig, *, epochs: int | None, run: str) -> dict[str, Any]:
     """What a tag records of the run (``config`` resolved: warmup and decay steps are step counts)."""
     optim = config.optim
     return {"schedule": optim.schedule, "lr": optim.lr, "min_lr": optim.min_lr, "warmup": int(optim.warmup),

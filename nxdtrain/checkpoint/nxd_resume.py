@@ -1,8 +1,8 @@
 """The training position of a tag written by NxD's own code (NxD's examples, NxDT), in nxdtrain's terms.
 
-NxD's optimizer files are read through :class:`ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer`; this module
+NxD's optimizer files are read through :class:`ckptconv.training.nxd_format.as_source.NxdTagOptimizer`; this module
 maps the side files (``torch.load(weights_only=True)``, checked against the tag's records where it has them):
-step, schedule and data position as :mod:`ckptconv.training.position` maps them (shared with ``ckptconv reshard``
+step, schedule and data position as :mod:`ckptconv.training.nxd_format.position` maps them (shared with ``ckptconv reshard``
 of NxD's tag); NxD's examples record no consumed samples, so the data continues at step x ``--gbs`` (said so).
 
 The RNG states and NxD's data order are never carried (said in one line).
@@ -18,7 +18,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io import CheckedFiles
 from ckptconv.training import NXDTRAIN_KEY, USER_CONTENT_FILE, NxdOptimizer, NxdTagOptimizer, OptimFormat, nxd_position
 from nxdtrain.checkpoint.continuity import LABELS
-from nxdtrain.checkpoint.resume import TrainingState, damaged, load_small, training_state_of
+from nxdtrain.checkpoint.resume import TrainingState, damaged, load_side_file, training_state_of
 from nxdtrain.errors import TrainError
 
 
@@ -57,7 +57,7 @@ def read_nxd_state(tag: Path, checks: CheckedFiles | None, *, gbs: int) -> tuple
     except ConversionError as exc:
         raise TrainError(f"--resume {tag}: {damaged(exc)}") from None
     try:
-        position = nxd_position(tag, optimizer_step, lambda path: load_small(path, checks))
+        position = nxd_position(tag, optimizer_step, lambda path: load_side_file(path, checks))
     except TrainError:
         raise
     except ConversionError as exc:

@@ -2,14 +2,13 @@
 
 A resume at another tp/pp/vpp/kvm/dp/ZeRO-1 needs no offline step: each rank plans the reshard of the
 tag to the run's layout (index arithmetic only), keeps the plan of its own shard, and reads just those
-slices of the tag's shards and optimizer files (:class:`ckptconv.training.state.TagOptimizer`: the
+slices of the tag's shards and optimizer files (:class:`ckptconv.training.nxdtrain_format.state.TagOptimizer`: the
 moments and fp32 masters of a parameter move exactly like its rows). The optimizer files may be of
 any dp size, with ZeRO-1 or without: state is looked up by parameter, wherever it was saved.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from ckptconv.training import (
     OptimizerSource,
     TagOptimizer,
     TagReader,
-    shard_ranks,
     state_tensors,
 )
 from nxdtrain.checkpoint.resume import damaged
@@ -55,8 +53,8 @@ class StageReader:
             by_path = {f.path: f for f in plan.files}
             self.tensors: dict[str, OutTensor] = {t.key: t for path in wanted for t in by_path[path].tensors}
             files = {str(p.source.file) for t in self.tensors.values() for p in t.pieces}
-            # (ep, tp, pp) of each shard's name (ep 0 for a name without one, legacy names too), None if not a shard
-            read_from = {shard_ranks(Path(f).name) for f in files}
+            # (ep, tp, pp) of each shard read, as the plan carries it (ckptconv.core.layout.ShardId)
+            read_from = {p.source.shard for t in self.tensors.values() for p in t.pieces}
             if source.nxd:  # NxD's masters-only tag: the weights are the fp32 masters in optim/ (its optimizer,
                 # parsed there, is kept open for the optimizer state below: one parse of NxD's files per rank,
                 # and of the files of the ranks this one reads only)

@@ -246,7 +246,7 @@ def saved_dp(source: ResumeSource) -> int:
 # Reading a tag's training state
 
 
-def load_small(path: Path, checks: CheckedFiles | None = None) -> Any:
+def load_side_file(path: Path, checks: CheckedFiles | None = None) -> Any:
     """``torch.load(weights_only=True)`` of a tag's side file, with the error a user can act on;
     with ``checks``, of its bytes checked against the tag's ckptconv.json."""
     try:
@@ -276,7 +276,7 @@ class TrainingState:
 def read_training_state(tag: Path, checks: CheckedFiles | None = None, *, gbs: int | None = None) -> TrainingState:
     """The tag's position; a tag without ``consumed_samples`` (``ckptconv reshard`` of NxD's tag, which records
     none) continues at step x ``gbs``, as a resume of NxD's tag itself does, and says so."""
-    return training_state_of(load_small(tag / USER_CONTENT_FILE, checks), load_small(tag / SCHEDULER_FILE, checks),
+    return training_state_of(load_side_file(tag / USER_CONTENT_FILE, checks), load_side_file(tag / SCHEDULER_FILE, checks),
                              tag, gbs=gbs)
 
 

@@ -13,24 +13,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptconv.core import HF_FILES_DIR, MODEL_DIR, ParallelLayout, layout_shard_file
-from ckptconv.engine import outdir
+from ckptconv.core import HF_FILES_DIR, ParallelLayout, layout_shard_file
+from ckptconv.engine import (
+    RECORD_KEY,
+    claim_tag,
+    clear_tag,
+    file_records,
+    finish_tag,
+    outdir,
+    remove_tag,
+    run_record,
+    save_torch,
+)
 from ckptconv.errors import ConversionError
 from ckptconv.io import (
-    CHECKPOINT_MARKER,
-    DONE_MARKER,
+    SCHEDULER_FILE,
+    USER_CONTENT_FILE,
     Flavour,
     Metadata,
     read_metadata,
-    record_files,
     save_shard,
-    write_markers,
+    tag_name,
     write_metadata,
 )
-from ckptconv.io import DEFAULT as DEFAULT_HASH
-from ckptconv.training import OPTIM_DIR, RECORD_KEY, SCHEDULER_FILE, USER_CONTENT_FILE, optimizer_ep_rank, run_record
+from ckptconv.training import optimizer_ep_rank
 from nxdtrain.checkpoint.resume import ResumeSource
-from nxdtrain.checkpoint.tags import MARKERS, NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune, remove_tag
+from nxdtrain.checkpoint.tags import NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune
 from nxdtrain.device import to_host
 from nxdtrain.errors import TrainError
 
@@ -46,17 +54,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _save_torch(obj: Any, path: Path) -> Path:
-    """torch.save to a temporary name in the same directory, then rename: never a half-written file."""
-    with outdir.atomic_target(path) as partial:
-        torch.save(obj, partial)
-    return path
-
-
-def _file_records(paths: list[Path], tag: Path) -> dict[str, dict[str, Any]]:
-    return {rel: rec.to_json() for rel, rec in record_files(paths, tag, DEFAULT_HASH).items()}
 
 
 # Bands of each rank's share of a rewrite in NxD's format: every rank of a node rewrites at once, beside the model
@@ -84,7 +81,7 @@ class TagWriter:
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None) -> Path:
-        tag = self.root / f"step_{step}"
+        tag = self.root / tag_name(step)
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier(group=self.host_group)
@@ -105,8 +102,8 @@ class TagWriter:
             state = to_host(optimizer.state_dict())
             if self.layout.ep > 1:  # which ep rank's experts the file holds (ckptconv.training's placement)
                 state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=optimizer_ep_rank(dp_rank, self.layout.ep))
-            written.append(_save_torch(state, path))
-        mine = (_file_records(written, tag), rng_state())
+            written.append(save_torch(state, path))
+        mine = (file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self.host_group)
         if rank == 0:
@@ -127,7 +124,7 @@ class TagWriter:
         staging = tag.with_name(f".{tag.name}{NXD_REWRITE_SUFFIX}")
         rank, world = dist.get_rank(), dist.get_world_size()
         if rank == 0 and staging.exists():  # an interrupted rewrite of this step: what ckptconv wrote there goes
-            outdir.remove_owned(staging, also=MARKERS, keep=())
+            clear_tag(staging)
         dist.barrier(group=self.host_group)
         layout = self.layout
         alone = layout.ep > 1  # ckptconv rewrites a tag at ep > 1 in one process (its --part splits dense tags only)
@@ -166,34 +163,18 @@ class TagWriter:
         wrote there), declare what this save writes, before any rank writes a byte."""
         if tag.exists() and os.path.realpath(tag) == os.path.realpath(self.source.root):
             raise TrainError(f"{tag}: is the checkpoint this run resumed from; it is not saved over")
-        lock = outdir.acquire(tag, fingerprint=f"nxdtrain-step-{step}")
-        try:
-            strangers = outdir.foreign(tag, MARKERS)
-            if strangers:
-                raise TrainError(f"{tag}: holds {strangers[0]!r}, which nxdtrain did not write; move it away "
-                                 "or use another --checkpoint-dir")
-            outdir.remove_owned(tag, also=MARKERS)  # an interrupted save of this same step, or a rerun: start it over
-            outdir.declare(tag, "tag", [MODEL_DIR, OPTIM_DIR, HF_FILES_DIR, SCHEDULER_FILE, USER_CONTENT_FILE,
-                                        CHECKPOINT_MARKER, DONE_MARKER])
-            outdir.ensure_dir(tag, MODEL_DIR)
-            outdir.ensure_dir(tag, OPTIM_DIR)
-            # The 'checkpoint' marker first: until 'done' follows, every reader sees an interrupted
-            # save (refused), never a directory of shards that looks complete.
-            outdir.write_text(tag / CHECKPOINT_MARKER, "1")
-        except BaseException:
-            lock.release()
-            raise
-        return lock
+        return claim_tag(tag, f"nxdtrain-step-{step}", lambda stranger: TrainError(
+            f"{tag}: holds {stranger!r}, which nxdtrain did not write; move it away or use another --checkpoint-dir"))
 
     def _finish(self, tag: Path, step: int, consumed: int, model: Any, scheduler: dict[str, Any],
                 gathered: list[Any], loss: float | None) -> None:
-        """Rank 0: side files, metadata, then the markers, then retention."""
+        """Rank 0: side files, their records, then ckptconv.json, the markers and retention (ckptconv.engine.tags)."""
         files: dict[str, dict[str, Any]] = {}
         for records, _ in gathered:
             files.update(records)
         side: list[Path] = [
-            _save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
-            _save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
+            save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
+            save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
                          "options": self.options, "layout": self.layout.to_json(), "run": self.record,
                          "loss": loss},
                         tag / USER_CONTENT_FILE),
@@ -203,17 +184,14 @@ class TagWriter:
             names = sorted(p.name for p in hf_src.iterdir() if not p.is_dir())
             for name, real in outdir.confined_files(self.source.root, HF_FILES_DIR, names, []):
                 side.append(outdir.copy_file(Path(real), outdir.ensure_dir(tag, HF_FILES_DIR) / name))
-        files.update(_file_records(side, tag))
+        files.update(file_records(side, tag))
         dtype = next(iter(model.state_dict().values())).dtype
-        write_metadata(tag, Metadata(
+        finish_tag(tag, Metadata(
             kind="nxd", hf_config=self.source.spec.config, files=files, layout=self.layout.to_json(),
             flavour=self.flavour.value, dtype=str(dtype).removeprefix("torch."),
             with_inv_freq=self.source.with_inv_freq,
             extra={RECORD_KEY: run_record(step, consumed, run=self.record.get("run"))},
-        ))
-        write_markers(tag)
-        outdir.clear_tmp(tag)  # complete: ckptconv.json lists the files, the markers are known names
-        prune(self.root, self.keep, run=str(self.record.get("run")))
+        ), retain=lambda: prune(self.root, self.keep, run=str(self.record.get("run"))))
 
 
 def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:

@@ -1,34 +1,33 @@
-"""A checkpoint directory's tags in NxD's layout: their names and markers, which ones a run wrote and may delete
-(retention, the completion of an interrupted NxD-format rewrite), and the one run allowed to write there.
+"""A checkpoint directory's tags: which ones a run wrote and may delete (retention, the completion of an interrupted
+NxD-format rewrite), and the one run allowed to write there. What a tag is (its name, its markers):
+:mod:`ckptconv.io.tags`; how it is written: :mod:`ckptconv.engine.tags`.
 
 A tag ``<checkpoint_dir>/step_<N>/`` holds::
 
     model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt   one shard per (tp, pp), written by ckptconv.io.nxd_write.save_shard
     optim/dp_rank_DD_tp_rank_XX_pp_rank_YY.pt   optimizer state by parameter name (+ fp32 masters with bf16; the
-                                                format of ckptconv.training.state); DD > 0 only with ZeRO-1
+                                                format of ckptconv.training.nxdtrain_format.state); DD > 0 only with ZeRO-1
     scheduler.pt, user_content.pt               step, consumed samples, RNG states, the run's options
     hf/                                         config.json and tokenizer files carried from the source
     ckptconv.json                               layout, flavour, dtype, size + digest of every file
-    checkpoint, done                            markers, written last (ckptconv.io.nxd_write.write_markers)
+    checkpoint, done                            markers, written last (ckptconv.io.tags.write_markers)
 
 Written by :mod:`nxdtrain.checkpoint.save`; resumed from by the rules of :mod:`nxdtrain.checkpoint.resume`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 from ckptconv.core import MODEL_DIR
-from ckptconv.engine import outdir
+from ckptconv.engine import RECORD_KEY, outdir, remove_tag
 from ckptconv.errors import ConversionError
-from ckptconv.io import CHECKPOINT_MARKER, DONE_MARKER, completed_tags, read_metadata, tag_step
-from ckptconv.training import RECORD_KEY, optimizer_file
+from ckptconv.io import DONE_MARKER, completed_tags, is_step_tag, read_metadata, tag_step
+from ckptconv.training import optimizer_file
 from nxdtrain.errors import TrainError
 from nxdtrain.preflight import check_writable
 
-MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
 # The hidden siblings of a tag while --optimizer-format nxd rewrites it: the rewrite, then the replaced tag.
 NXD_REWRITE_SUFFIX = ".nxd-format"
 REPLACED_SUFFIX = ".format2"
@@ -60,14 +59,6 @@ def finish_interrupted_rewrites(root: Path) -> list[str]:
     return said
 
 
-def remove_tag(tag: Path) -> None:
-    """Delete what nxdtrain wrote in ``tag`` (what its ckptconv.json lists, and the markers; ``done`` first, so a
-    crash halfway leaves a tag that is never resumed), and the directory when nothing foreign is left in it."""
-    outdir.remove_owned(tag, also=MARKERS, keep=())
-    with contextlib.suppress(OSError):
-        tag.rmdir()
-
-
 def run_of(tag: Path) -> str | None:
     """The id of the run that wrote ``tag`` (ckptconv.json ``extra.nxdtrain.run``); None: unknown (an older
     nxdtrain, another tool, no readable metadata)."""
@@ -89,8 +80,7 @@ def prune(root: Path, keep: int, *, run: str) -> list[Path]:
     Only what nxdtrain wrote there goes (what its ckptconv.json lists, and the markers); a tag
     holding anything else keeps that, and its directory.
     """
-    ours = [t for t in completed_tags(root)
-            if t.name.startswith("step_") and tag_step(t.name) is not None and run_of(t) == run]
+    ours = [t for t in completed_tags(root) if is_step_tag(t.name) and run_of(t) == run]
     doomed = ours[:-keep] if len(ours) > keep else []
     for tag in doomed:
         remove_tag(tag)

@@ -185,7 +185,7 @@ def test_masters_export_of_a_padded_bf16_run(tmp_path, nxd_model):
     gives the masters' 1003 real rows in fp32, `--no-masters` their bf16 rounding (the shards)."""
     from ckptconv.commands.api import RunOptions, to_hf
     from ckptconv.io.nxd_read import load_shard
-    from ckptconv.training.state import MASTER, state_key
+    from ckptconv.training.nxdtrain_format.state import MASTER, state_key
     from nxdtrain.checkpoint.tags import optim_file
 
     src = nxd_model("vocab1003", tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)

@@ -84,7 +84,7 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     from ckptconv.commands.inspect import inspect
     from ckptconv.core.plan import Source
     from ckptconv.sources.nxd import open_nxd
-    from ckptconv.training.state import use_masters
+    from ckptconv.training.nxdtrain_format.state import use_masters
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
@@ -108,7 +108,7 @@ def test_the_masters_and_the_optimizer_state_share_one_parse(tag, tmp_path, monk
     weights are still the fp32 masters of the optimizer files (torch.load as the reference)."""
     from ckptconv.commands.dcp import to_dcp
     from ckptconv.io.nxd_read import load_shard
-    from ckptconv.training import state as training_state
+    from ckptconv.training.nxdtrain_format import state as training_state
 
     made = []
     real = training_state.TagOptimizer.__init__

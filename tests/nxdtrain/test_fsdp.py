@@ -262,7 +262,7 @@ def test_offloading_on_cpu_has_no_effect_and_says_so():
 def test_bf16_sharded_equals_bf16_unsharded(tmp_path, nxd_model):
     """bf16 through FSDP's MixedPrecisionPolicy (fp32 sharded masters, bf16 compute, fp32 gradient reduction) trains
     as nxdtrain's own bf16 (bf16 parameters, fp32 masters); the tag holds bf16 weights and their fp32 masters."""
-    from ckptconv.training.state import MASTER, state_key
+    from ckptconv.training.nxdtrain_format.state import MASTER, state_key
 
     src = nxd_model("gqa", tp=2, pp=1, **LAYOUT)
     options = train_options(optimizer="adamw", tp=2, mbs=1, precision="bf16")

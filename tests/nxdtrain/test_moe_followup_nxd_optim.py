@@ -1,5 +1,5 @@
 """``nxdtrain run --optimizer-format nxd`` of an MoE model at ep 2 with ZeRO-1 (issue 30 follow-up): each save is
-rewritten in NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer's, ckptconv.training.nxd_optimizer_ep_write);
+rewritten in NxD's expert-parallel ZeRO-1 files (NeuronEPZero1Optimizer's, ckptconv.training.nxd_format.write_ep);
 ckptconv reads them back equal to the state the run saved in nxdtrain's own format, and a resume from the NxD-format
 tag continues with the uninterrupted run's losses (1e-5). What NxD's EP files cannot hold is refused before any
 process: ZeRO-1 off, a bf16 run's fp32 masters."""

@@ -20,7 +20,7 @@ import torch
 
 from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_format.read import NxdOptimizer
 from nxdtrain.checkpoint.resume import resolve_resume, resolve_start
 from nxdtrain.config import CheckpointConfig, TrainConfig
 from nxdtrain.errors import TrainError

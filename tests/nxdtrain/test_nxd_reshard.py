@@ -17,7 +17,7 @@ import torch
 from ckptconv.commands.api import reshard, to_hf
 from ckptconv.commands.dcp import to_dcp
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.training.state import is_training_tag
+from ckptconv.training.nxdtrain_format.state import is_training_tag
 from nxdtrain.checkpoint.resume import read_training_state, resolve_resume
 from nxdtrain.config import OptimConfig
 from nxdtrain.optim import lr_at
@@ -32,7 +32,7 @@ from tests.nxdtrain.test_nxd_resume import (
     step_3_at,
     step_lr,
 )
-from tests.test_nxd_optimizer import MASTER_CASES, QUIET, expected_model_weights, masters_only
+from tests.training.nxd_format.test_read import MASTER_CASES, QUIET, expected_model_weights, masters_only
 
 TP1 = ParallelLayout(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True)
 TP2 = ParallelLayout(tp=2, pp=1, attention="qkv_linear", fuse_qkv=True)
@@ -115,12 +115,12 @@ def test_run_resumes_the_resharded_tag(tmp_path: Path) -> None:
 
 
 def test_the_position_module_examples() -> None:
-    """ckptconv.training.position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
+    """ckptconv.training.nxd_format.position's docstring example (the mapping nxdtrain's resume of NxD's tag used to hold)."""
     import doctest
 
-    import ckptconv.training.position
+    import ckptconv.training.nxd_format.position
 
-    result = doctest.testmod(ckptconv.training.position)
+    result = doctest.testmod(ckptconv.training.nxd_format.position)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.training.nxd_optimizer import read_optimizer_state
+from ckptconv.training.nxd_format.read import read_optimizer_state
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
 from nxdtrain.checkpoint.resume import resolve_resume
@@ -31,7 +31,7 @@ from nxdtrain.model import LlamaStage
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.tp_group import TpGroup
 from tests.conftest import fixture_cases
-from tests.test_nxd_optimizer import tag_of
+from tests.training.nxd_format.test_read import tag_of
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nxdt-official"
 CASES = fixture_cases(FIXTURES)
@@ -175,8 +175,8 @@ def bf16_ulps_off(ours: dict[str, torch.Tensor], nxd: dict[str, torch.Tensor], h
     each intermediate (the two moments, the denominator, the update, the decayed weight) was rounded to 8 bits of
     mantissa, each rounding off by up to half an ulp of its own size; nxdtrain steps the widened values in fp32
     and rounds once. A handful of such roundings bound the difference by a few ulps of the largest operand
-    (measured: 3.0 at most, 2/3 of the elements equal; a zeroed exp_avg is 129 ulps off: tests/test_nxd_optimizer.py)."""
-    from tests.test_nxd_optimizer import bf16_ulp
+    (measured: 3.0 at most, 2/3 of the elements equal; a zeroed exp_avg is 129 ulps off: tests/training/nxd_format/test_read.py)."""
+    from tests.training.nxd_format.test_read import bf16_ulp
 
     worst = 0.0
     for name, value in ours.items():
@@ -189,7 +189,7 @@ def bf16_ulps_off(ours: dict[str, torch.Tensor], nxd: dict[str, torch.Tensor], h
 def test_bf16_moments_continue_within_a_few_bf16_ulps(tmp_path: Path) -> None:
     """ZeRO-1 off with a bf16 model: NxD's AdamW ran in bf16 (bf16 moments, no masters); nxdtrain's bf16 run
     steps fp32 masters widened from the weights with the moments widened, so its result rounded to bf16
-    is compared in bf16 ulps of the largest operand, as tests/test_nxd_optimizer.py does (measured: at most
+    is compared in bf16 ulps of the largest operand, as tests/training/nxd_format/test_read.py does (measured: at most
     3.0, two thirds of the elements equal)."""
     ours, nxd, moved = continue_step_3("plain_bf16", tmp_path)
     assert moved > 5e-3

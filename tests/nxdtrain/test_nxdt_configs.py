@@ -209,8 +209,8 @@ def test_norm_weight_decay_is_torch_adamw_with_the_norms_in_the_decayed_group(no
 
 def test_nxdts_grouping_with_the_key_false_is_a_param_group_rule():
     """NxD's format by rule ``bias`` (NxDT's groups with do_layer_norm_weight_decay false), written and read back."""
-    from ckptconv.training.nxd_optimizer_ranks import index_names
-    from ckptconv.training.nxd_optimizer_write import nxd_groups
+    from ckptconv.training.nxd_format.ranks import index_names
+    from ckptconv.training.nxd_format.write import nxd_groups
 
     names = ["model.layers.0.mlp.w", "model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight"]
     assert nxd_groups(names, "bias") == [names, []]

@@ -18,8 +18,8 @@ import torch
 from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
 from tests.nxdtrain.harness import run_world, train_options
-from tests.test_nxdt_side_files import NXDT_TAG, _as_ours
 from tests.torch_rows import rows
+from tests.training.nxd_format.test_side_files import NXDT_TAG, _as_ours
 
 TOL = 1e-5
 LAYOUT = dict(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptconv.training.state import MASTER, state_key
+from ckptconv.training.nxdtrain_format.state import MASTER, state_key
 from nxdtrain.train import export
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options

@@ -14,7 +14,7 @@ import torch
 
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
-from ckptconv.io.nxd_write import write_markers
+from ckptconv.io.tags import write_markers
 from nxdtrain import preflight
 from nxdtrain.cli import main
 from nxdtrain.config import TrainConfig

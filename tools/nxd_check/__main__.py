@@ -11,7 +11,7 @@ Commands (from the repository root)::
     # every fixture case's own tag; fails unless each matches its recorded case.json -> resume_by_nxd
     .venv-xla/bin/python -m tools.nxd_check fixtures
     # each case's tag rewritten by ckptconv's NxD-format writer, resumed by NxD, recorded in
-    # fixtures/nxdt-official/written_by_ckptconv.json (tests/test_nxd_written_proof.py keeps it tied to the writer)
+    # fixtures/nxdt-official/written_by_ckptconv.json (tests/training/nxd_format/test_nxd_loader_record.py keeps it tied to the writer)
     # fixture tags rewritten as NxDT's (--nxd-trainer nxdt), resumed through lightning 2.5.0's own restore, recorded
     # in the same file under resumed_by_lightning (lightning_resume.py)
     .venv-xla/bin/python -m tools.nxd_check lightning --ckptconv .venv/bin/ckptconv --out-root /tmp/l --writer-repo .

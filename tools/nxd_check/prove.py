@@ -3,7 +3,7 @@
 The record, ``fixtures/nxdt-official/written_by_ckptconv.json``, holds per case the writer's command (paths as
 ``{case}``/``{out}`` placeholders), the written tag's content (``tests.torch_rows.tag_tree``: key tree, dtypes,
 shapes, a sha256 of every tensor's values) and what NxD's ``load_checkpoint`` did with it both ways.
-``tests/test_nxd_written_proof.py`` re-runs the commands with the current writer and compares the content, so the
+``tests/training/nxd_format/test_nxd_loader_record.py`` re-runs the commands with the current writer and compares the content, so the
 proof stays tied to what the writer writes.
 """
 

@@ -18,8 +18,8 @@ import torch
 
 from benchmarks.reads import build_tags, opened_under, resume_reads
 from ckptconv.commands.api import RunOptions, reshard
-from ckptconv.core.layout import parse_rank_file, parse_shard_name
-from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.core.layout import parse_rank_file
+from ckptconv.training.nxd_format.read import NxdOptimizer
 from tests.nxdtrain.test_reshard_optimizer import tree_bytes
 
 TP, PP, DP = 4, 2, 2
@@ -90,13 +90,13 @@ def test_each_reshard_part_opens_the_ranks_of_its_files(tags: tuple[Path, Path],
     last reads every rank's written files back (the names of every optimizer index, not only its own files').
     Of the model files it opens tp rank 0's of every stage (the plan's dtypes) and those of the ranks whose
     optimizer state it reads (the same sources), not the world's 8."""
-    import ckptconv.training.nxd_optimizer_write
+    import ckptconv.training.nxd_format.write
 
     read_back: list[tuple[int, int]] = []
-    real_check = ckptconv.training.nxd_optimizer_write.check_written
+    real_check = ckptconv.training.nxd_format.write.check_written
 
     def recording(out: Path, plan: object) -> None:
-        read_back.extend(parse_shard_name(Path(p).name) for p in plan.names)  # type: ignore[attr-defined]
+        read_back.extend((s.tp, s.pp) for s in plan.names)  # type: ignore[attr-defined]
         real_check(out, plan)  # type: ignore[arg-type]
 
     monkeypatch.setattr("ckptconv.commands.api.check_written", recording)

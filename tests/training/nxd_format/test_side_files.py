@@ -14,7 +14,7 @@ import torch
 
 from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
-from ckptconv.training.trainer_files import (
+from ckptconv.training.nxd_format.side_files import (
     CHECKPOINT_CALLBACK,
     LINEAR,
     NXD_EXAMPLE,
@@ -25,7 +25,7 @@ from ckptconv.training.trainer_files import (
 )
 from tests.torch_rows import rows
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "nxdt-official"
 NXDT_CASE = FIXTURES / "nxdt_zero1_bf16_masters_xser"
 NXDT_TAG = NXDT_CASE / "ckpt" / "hf_llama--step=2-consumed_samples=8.0.ckpt"
 EXAMPLE_CASE = FIXTURES / "zero1_fp32"

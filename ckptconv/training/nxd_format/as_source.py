@@ -1,8 +1,8 @@
-"""NxD's own optimizer files seen as :class:`ckptconv.training.state.TagOptimizer` sees nxdtrain's.
+"""NxD's own optimizer files seen as :class:`ckptconv.training.nxdtrain_format.state.TagOptimizer` sees nxdtrain's.
 
 A resume reads a parameter's optimizer tensors through the reshard plan by ``Source(model shard file,
-"<component>:<key>")`` (:func:`ckptconv.training.state.component_source`), whatever wrote them. This
-adapter answers those reads from :class:`ckptconv.training.nxd_optimizer.NxdOptimizer` (plain AdamW, ZeRO-1 with or
+"<component>:<key>")`` (:func:`ckptconv.training.nxdtrain_format.state.component_source`), whatever wrote them. This
+adapter answers those reads from :class:`ckptconv.training.nxd_format.read.NxdOptimizer` (plain AdamW, ZeRO-1 with or
 without masters, xser, the DCP variant): AdamW's ``step``, ``exp_avg``, ``exp_avg_sq`` and, where NxD saved
 them, the fp32 (fp64) ``master`` weights, each row slice read only from the dp chunks that hold it.
 
@@ -21,17 +21,17 @@ import torch
 
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_files import MOMENTS
-from ckptconv.training.nxd_optimizer_ranks import OptimFormat
-from ckptconv.training.optim_placement import is_matrix, shard_ranks
-from ckptconv.training.state import MASTER, Hyper, split_key
+from ckptconv.training.nxd_format.files import MOMENTS
+from ckptconv.training.nxd_format.ranks import OptimFormat
+from ckptconv.training.nxd_format.read import NxdOptimizer
+from ckptconv.training.nxdtrain_format.placement import is_matrix, shard_ranks
+from ckptconv.training.nxdtrain_format.state import MASTER, Hyper, split_key
 
 STEP = "step"
 
 
 class NxdTagOptimizer:
-    """The reader interface of :class:`~ckptconv.training.state.TagOptimizer` over an :class:`NxdOptimizer`
+    """The reader interface of :class:`~ckptconv.training.nxdtrain_format.state.TagOptimizer` over an :class:`NxdOptimizer`
     (closed with this object)."""
 
     def __init__(self, optim: NxdOptimizer) -> None:
@@ -86,7 +86,7 @@ class NxdTagOptimizer:
     def _where(self, source: Source) -> tuple[int, int, int, str, str]:
         """(tp, pp, ep rank, component, name) of a read."""
         component, name = split_key(source.key)
-        ranks = shard_ranks(str(source.file).rsplit("/", 1)[-1])
+        ranks = source.shard  # (ep, tp, pp), from the plan
         if component is None or ranks is None:
             raise ConversionError(f"{self.optim.dir}: no optimizer tensor for {source.file}: {source.key}")
         self._fits(*ranks)  # its files parsed now if not yet, and its param groups compared with ours

@@ -31,9 +31,9 @@ import torch
 
 from ckptconv.engine.options import NXD_TRAINERS
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer_write import NXDTRAIN_KEY
+from ckptconv.training.nxd_format.write import NXDTRAIN_KEY
+from ckptconv.training.nxdtrain_format.state import SCHEDULER_FILE, USER_CONTENT_FILE
 from ckptconv.training.schedules import NXDT_SCHEDULES, Recorded, nxdt_lr
-from ckptconv.training.state import SCHEDULER_FILE, USER_CONTENT_FILE
 
 NXD_EXAMPLE, NXDT = NXD_TRAINERS
 COSINE, LINEAR = NXDT_SCHEDULES

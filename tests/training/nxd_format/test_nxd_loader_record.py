@@ -22,7 +22,7 @@ from ckptconv.cli.main import main as ckptconv
 from ckptconv.io.safe_load import load_small
 from tests.torch_rows import first_difference, placeholder_paths, tag_tree
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "nxdt-official"
 RECORD = json.loads((FIXTURES / "written_by_ckptconv.json").read_text())
 RERUN = (
     "writer output changed since NxD's loader checked it: rerun tools/nxd_check "

@@ -1,6 +1,6 @@
 """One of NxD's optimizer files (``optim/dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt``, plain torch zip or xser-split) as
 its structure, each stored tensor a leaf whose dtype and shape are known and whose bytes are read when asked; the keys
-such a file holds. Which parameter each leaf belongs to: :mod:`ckptconv.training.nxd_optimizer_ranks`.
+such a file holds. Which parameter each leaf belongs to: :mod:`ckptconv.training.nxd_format.ranks`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ What is written per target (tp, pp) rank (docs/nxd-optimizer-format.md; the stru
 
 Optimizer index ``i`` is the i-th parameter of the param groups taken in order, each group in the shard's
 key order; the groups come from a rule (:data:`PARAM_GROUP_RULES`, the same table
-:func:`ckptconv.training.nxd_optimizer_ranks.index_names` reads with). The files are planned like shards (every tensor a
+:func:`ckptconv.training.nxd_format.ranks.index_names` reads with). The files are planned like shards (every tensor a
 list of row ranges of the source, :mod:`ckptconv.core.plan`) and written by the executor in bands, nested
 structures through :class:`ckptconv.io.torchzip.TensorAt`.
 
@@ -29,19 +29,18 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import parse_shard_name
+from ckptconv.core.layout import ShardId
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.engine.options import NXD_PARAM_GROUPS
 from ckptconv.engine.slabs import slab_band, slab_pieces
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.io.torchzip import TensorAt, TensorMeta
-from ckptconv.training.nxd_optimizer import NxdOptimizer
-from ckptconv.training.nxd_optimizer_files import MOMENTS
-from ckptconv.training.nxd_optimizer_ranks import PARAM_GROUP_RULES
-from ckptconv.training.nxd_tag_optimizer import STEP
-from ckptconv.training.optim_placement import shard_ranks
-from ckptconv.training.state import (
+from ckptconv.training.nxd_format.as_source import STEP
+from ckptconv.training.nxd_format.files import MOMENTS
+from ckptconv.training.nxd_format.ranks import PARAM_GROUP_RULES
+from ckptconv.training.nxd_format.read import NxdOptimizer
+from ckptconv.training.nxdtrain_format.state import (
     MASTER,
     OptimizerSource,
     component_source,
@@ -107,7 +106,7 @@ class RowWindow(Source):
 
     @property
     def inner(self) -> Source:
-        return Source(self.file, self.key)
+        return Source(self.file, self.key, shard=self.shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +183,8 @@ def row_chunk(tensor: OutTensor, start: int, count: int, key: str, dtype: torch.
     if any(p.alternates for p in tensor.pieces):
         raise ConversionError(f"{tensor.key}: averaged K/V replicas cannot be cut into ZeRO-1 chunks")
     if tensor.dim != 0:  # pieces side by side: each source windowed by rows
-        pieces = tuple(dataclasses.replace(p, source=RowWindow(p.source.file, p.source.key, start, count))
+        pieces = tuple(dataclasses.replace(p, source=RowWindow(p.source.file, p.source.key, start, count,
+                                                               shard=p.source.shard))
                        for p in tensor.pieces)
         return OutTensor(key, dtype, (count, *tensor.shape[1:]), tensor.dim, pieces)
     out, offset = [], 0
@@ -274,6 +274,46 @@ def note_unwritten(fields: set[str], notes: list[str]) -> None:
         notes.append(f"param-group fields NxD 2.28's AdamW has not, not written: {', '.join(sorted(fields))}")
 
 
+def checked_state(shard_path: str, weights: Mapping[str, OutTensor], order: Sequence[str],
+                  optim: OptimizerSource) -> dict[str, dict[str, OutTensor]]:
+    """Each parameter's planned optimizer tensors (:func:`state_tensors`), refused unless they are AdamW's step and
+    moments (masters aside): what NxD's files hold."""
+    state = {n: state_tensors(weights[n], optim) for n in order}
+    for n in order:
+        if set(state[n]) - {MASTER} != {STEP, *MOMENTS}:
+            raise ConversionError(f"{shard_path}: {n!r} has optimizer state {sorted(state[n])}; NxD's files "
+                                  "hold AdamW's step, exp_avg and exp_avg_sq")
+    return state
+
+
+@dataclasses.dataclass
+class Zero1File:
+    """A ZeRO-1 file's per-index content as it is planned (NeuronZero1Optimizer's at ep 1; at ep > 1 both of
+    NeuronEPZero1Optimizer's, the expert indices at their offset)."""
+
+    tensors: list[OutTensor] = dataclasses.field(default_factory=list)
+    base_state: dict[int, dict[str, TensorAt]] = dataclasses.field(default_factory=dict)
+    shape_info: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+
+    def add(self, i: int, name: str, weight: OutTensor, parts: Mapping[str, OutTensor], optim: OptimizerSource, *,
+            world: int, rank: int, shard_path: str, dtypes: set[str]) -> tuple[torch.dtype, int]:
+        """Index ``i`` (:func:`zero1_entry`); its optimizer dtype joins ``dtypes``. Returns (dtype, chunk rows)."""
+        entry, dtype, rows = zero1_entry("base_state", i, weight, parts, optim, world=world, rank=rank,
+                                         shard_path=shard_path, name=name)
+        dtypes.add(str(dtype).removeprefix("torch."))
+        self.tensors += entry.values()
+        self.base_state[i] = {k: tensor_at(t) for k, t in entry.items()}
+        self.shape_info[i] = list(weight.shape)
+        return dtype, rows
+
+
+def note_drop_masters(notes: list[str], *, dropped: bool, kept: str) -> None:
+    """What ``--drop-masters`` did, at every ep: the masters ``dropped``, or nothing (``kept``: why)."""
+    notes.append("--drop-masters: the source's master weights are not written (NxD's expert-parallel ZeRO-1 files "
+                 "hold none; NxD's resume takes them from the weights)" if dropped else
+                 f"--drop-masters: nothing dropped ({kept})")
+
+
 def zero1_entry(where: str, i: int, weight: OutTensor, parts: Mapping[str, OutTensor], optim: OptimizerSource, *,
                 world: int, rank: int, shard_path: str, name: str) -> tuple[dict[str, OutTensor], torch.dtype, int]:
     """Optimizer index ``i`` of a ZeRO-1 file: its step, and rank ``rank``'s dim-0 chunk (of ``world``) of each
@@ -304,7 +344,7 @@ class NxdOptimizerPlan:
     dp: int
     masters: str          # "saved" (the source's), "weights" (the weights widened), "none" (ZeRO-1 off)
     dtype: str            # the optimizer dtype (ZeRO-1), or "parameter" (moments in the parameter's dtype)
-    names: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # model shard -> name per index
+    names: dict[ShardId, list[str]] = dataclasses.field(default_factory=dict)  # model shard -> name per index
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "nxd", "param_groups": self.rule, "param_groups_rule": describe_rule(self.rule),
@@ -353,9 +393,7 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
     ours = optim.hyper.param_groups
     written, names_of = _Written(), {}
     for shard in shards:
-        ranks = parse_shard_name(Path(shard.path).name)
-        assert ranks is not None, shard.path
-        tp, pp = ranks
+        tp, pp = shard.shard_id.tp, shard.shard_id.pp
         weights = {t.key: t for t in shard.tensors if not t.key.endswith("inv_freq")}
         shapes = {k: t.shape for k, t in weights.items()}
         groups = nxd_groups(list(weights), rule)
@@ -363,12 +401,8 @@ def plan_nxd_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, 
         hypers = [group_hyper(g, shapes, ours, i, rule) for i, g in enumerate(groups)]
         written.dropped.update(unwritten_fields(hypers))
         param_groups = numbered_groups(hypers, groups, zero1=zero1, lr=lr)
-        names_of[shard.path] = order
-        state = {n: state_tensors(weights[n], optim) for n in order}
-        for n in order:
-            if set(state[n]) - {MASTER} != {STEP, *MOMENTS}:
-                raise ConversionError(f"{shard.path}: {n!r} has optimizer state {sorted(state[n])}; NxD's files "
-                                      "hold AdamW's step, exp_avg and exp_avg_sq")
+        names_of[shard.shard_id] = order
+        state = checked_state(shard.path, weights, order, optim)
         for dp_rank in range(dp if zero1 else 1):
             out.append(_optimizer_file(shard.path, optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=dp_rank), order,
                                        weights, state, param_groups, optim, dp=dp, dp_rank=dp_rank, zero1=zero1,
@@ -384,40 +418,36 @@ def _optimizer_file(shard_path: str, path: str, order: list[str], weights: dict[
                     *, dp: int, dp_rank: int, zero1: bool, written: _Written) -> OutFile:
     """One dp rank's optimizer file of one (tp, pp) rank: torch AdamW's state dict, or with ``zero1``
     NeuronZero1Optimizer's (this dp rank's dim-0 chunk of every tensor, and its masters)."""
-    tensors: list[OutTensor] = []
-    by_index: dict[int, dict[str, TensorAt]] = {}
-    shape_info: dict[int, list[int]] = {}
+    z = Zero1File()
+    by_index: dict[int, dict[str, TensorAt]] = {}  # without ZeRO-1: torch AdamW's state
     masters: dict[int, TensorAt] = {}
     for i, name in enumerate(order):
         weight, parts = weights[name], state[name]
-        where = "base_state" if zero1 else "state"
         if zero1:
-            entry, dtype, rows = zero1_entry(where, i, weight, parts, optim, world=dp, rank=dp_rank,
-                                             shard_path=shard_path, name=name)
-            written.dtypes.add(str(dtype).removeprefix("torch."))
+            dtype, rows = z.add(i, name, weight, parts, optim, world=dp, rank=dp_rank, shard_path=shard_path,
+                                dtypes=written.dtypes)
             master = parts.get(MASTER, weight)
             written.masters_kind = "saved" if MASTER in parts else "weights"
             chunk = row_chunk(master, dp_rank * rows, rows, f"sharded_master_weights.{i}", dtype)
             masters[i] = tensor_at(chunk)
-            tensors += [*entry.values(), chunk]
-            shape_info[i] = list(weight.shape)
+            z.tensors.append(chunk)
         else:
-            entry = {STEP: dataclasses.replace(parts[STEP], key=f"{where}.{i}.step", dtype=torch.float32)}
+            entry = {STEP: dataclasses.replace(parts[STEP], key=f"state.{i}.step", dtype=torch.float32)}
             for m in MOMENTS:
                 if parts[m].dtype.itemsize > weight.dtype.itemsize:
                     written.narrowed.append(name)
-                entry[m] = dataclasses.replace(parts[m], key=f"{where}.{i}.{m}", dtype=weight.dtype)
+                entry[m] = dataclasses.replace(parts[m], key=f"state.{i}.{m}", dtype=weight.dtype)
             if MASTER in parts:
                 written.narrowed.append(name)
-            tensors += entry.values()
-        by_index[i] = {k: tensor_at(t) for k, t in entry.items()}
+            z.tensors += entry.values()
+            by_index[i] = {k: tensor_at(t) for k, t in entry.items()}
     plain: tuple[tuple[str, Any], ...]
     if zero1:
-        plain = (("state", {}), ("param_groups", param_groups), ("base_state", by_index),
-                 ("shape_info", shape_info), ("sharded_master_weights", masters))
+        plain = (("state", {}), ("param_groups", param_groups), ("base_state", z.base_state),
+                 ("shape_info", z.shape_info), ("sharded_master_weights", masters))
     else:
         plain = (("state", by_index), ("param_groups", param_groups))
-    return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
+    return OutFile(path, NESTED_TORCH, tuple(z.tensors), plain)
 
 
 def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_masters: bool, zero1: bool,
@@ -429,7 +459,7 @@ def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_master
                               "NxD's files only with ZeRO-1 (NxD keeps no fp32 copy without it): pass --zero1, or "
                               "--drop-masters to drop the masters and round the moments to the parameter dtype")
     if drop_masters and zero1:
-        notes.append("--drop-masters: nothing dropped (NxD's ZeRO-1 files keep the masters and fp32 moments)")
+        note_drop_masters(notes, dropped=False, kept="NxD's ZeRO-1 files keep the masters and fp32 moments")
     if written.narrowed:
         notes.append("--drop-masters: NxD's format without ZeRO-1 keeps no fp32 state: the fp32 masters were "
                      "dropped and the moments rounded to the parameters' dtype (a resume continues from the "
@@ -446,16 +476,14 @@ def _refuse_or_note(written: _Written, shards: Sequence[OutFile], *, drop_master
 
 
 def check_written(out: Path, plan: NxdOptimizerPlan) -> None:
-    """Read what was written back with NxD's reader (:class:`ckptconv.training.nxd_optimizer.NxdOptimizer`): every
+    """Read what was written back with NxD's reader (:class:`ckptconv.training.nxd_format.read.NxdOptimizer`): every
     optimizer index must be named as intended (the rule recorded must be the one the reader finds)."""
     with NxdOptimizer(NxdCheckpoint(out, io="read"), io="read") as optim:
-        for path, names in plan.names.items():
-            ranks = shard_ranks(Path(path).name)
-            assert ranks is not None
-            found = optim.names(ranks[1], ranks[2], ranks[0])
+        for ranks, names in plan.names.items():
+            found = optim.names(ranks.tp, ranks.pp, ranks.ep)
             if found != names:
                 first = next((i for i, (a, b) in enumerate(zip(found, names, strict=False)) if a != b), len(found))
-                at = f"tp rank {ranks[1]} pp rank {ranks[2]}" + (f" ep rank {ranks[0]}" if optim.ep > 1 else "")
+                at = f"tp rank {ranks.tp} pp rank {ranks.pp}" + (f" ep rank {ranks.ep}" if optim.ep > 1 else "")
                 raise ConversionError(f"{out}: read back, {at}'s optimizer index {first} names "
                                       f"{found[first] if first < len(found) else None!r}, written for "
                                       f"{names[first] if first < len(names) else None!r}")

@@ -25,11 +25,11 @@ from ckptconv.commands.inspect import inspect
 from ckptconv.commands.verify import verify
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError, UnsafeCheckpointError
-from ckptconv.training.nxd_optimizer import NxdOptimizer, read_optimizer_state
-from ckptconv.training.nxd_optimizer_ranks import OptimFormat
+from ckptconv.training.nxd_format.ranks import OptimFormat
+from ckptconv.training.nxd_format.read import NxdOptimizer, read_optimizer_state
 from tests.conftest import fixture_cases, hf_state, warns_no_tokenizer
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nxdt-official"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "nxdt-official"
 CASES = fixture_cases(FIXTURES)
 MASTER_CASES = [c for c in CASES if "masters" in c]
 QUIET = RunOptions(quiet=True, workers=1)

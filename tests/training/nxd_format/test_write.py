@@ -23,9 +23,9 @@ from ckptconv.commands.api import reshard, to_hf
 from ckptconv.engine.options import RunOptions
 from ckptconv.errors import ConversionError
 from ckptconv.io.safe_load import load_small
-from ckptconv.training.nxd_optimizer import NxdOptimizer
+from ckptconv.training.nxd_format.read import NxdOptimizer
 from tests.conftest import hf_state, warns_no_tokenizer
-from tests.test_nxd_optimizer import FIXTURES, reference, tag_of
+from tests.training.nxd_format.test_read import FIXTURES, reference, tag_of
 
 QUIET = RunOptions(quiet=True, workers=1)
 OPTIM = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"
@@ -78,7 +78,7 @@ def test_written_again_equals_nxds_files(case: str, tmp_path: Path) -> None:
         masters = ours.pop(MASTERS)
         model = _load(src / MODEL)
         with NxdOptimizer.open(src) as optim:
-            names = optim.names()  # NxD's optimizer index order (checked in tests/test_nxd_optimizer.py)
+            names = optim.names()  # NxD's optimizer index order (checked in tests/training/nxd_format/test_read.py)
         for i, master in masters.items():
             assert master.dtype == ours["base_state"][i]["exp_avg"].dtype
             assert torch.equal(master, model[names[i]].to(master.dtype)), i  # the weights widened

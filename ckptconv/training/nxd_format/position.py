@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
-from ckptconv.training.state import SCHEDULER_FILE, USER_CONTENT_FILE
+from ckptconv.training.nxdtrain_format.state import SCHEDULER_FILE, USER_CONTENT_FILE
 
 COSINE_KEYS = ("max_steps", "warmup_steps", "constant_steps", "min_lr", "base_lrs")
 

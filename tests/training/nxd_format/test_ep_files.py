@@ -279,3 +279,18 @@ def test_param_group_fields_nxd_lacks_are_left_out_and_named_at_ep2_as_at_ep1(mo
             groups = torch.load(path, weights_only=True)["param_groups"]
             assert groups and all("nesterov" not in g and "lr" in g for g in groups), path
     assert notes[1] == notes[2] == ["param-group fields NxD 2.28's AdamW has not, not written: nesterov"]
+
+
+def test_drop_masters_with_no_masters_to_drop_is_said_at_ep2_as_at_ep1(moe_hf, tmp_path: Path):
+    """``--drop-masters`` on a source that saved no masters (NxD's own EP tag) writes the same files as without it,
+    and says so at ep 2 as at ep 1 (the expert-parallel writer once said nothing: its notes were a copy of the ep-1
+    writer's that drifted)."""
+    src = _nxd_schedule(write_tag(moe_hf("mixtral"), tmp_path / "ep1", dp=2, zero1=True))
+    ckptconv.reshard(src, tmp_path / "nxd-ep2", ep=2, dp=2, optimizer_format="nxd", drop_masters=True, options=QUIET)
+    said = {}
+    for ep in (1, 2):
+        result = ckptconv.reshard(tmp_path / "nxd-ep2", tmp_path / f"again-ep{ep}", ep=ep, dp=2, zero1=True,
+                                  optimizer_format="nxd", drop_masters=True, options=QUIET)
+        said[ep] = [n for n in result.notes if n.startswith("--drop-masters")]
+    assert said == {1: ["--drop-masters: nothing dropped (NxD's ZeRO-1 files keep the masters and fp32 moments)"],
+                    2: ["--drop-masters: nothing dropped (the source saved no master weights)"]}

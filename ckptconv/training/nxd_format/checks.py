@@ -1,4 +1,4 @@
-"""Checks of a parsed NxD optimizer file's structure (:mod:`ckptconv.training.nxd_optimizer_files`): each failure
+"""Checks of a parsed NxD optimizer file's structure (:mod:`ckptconv.training.nxd_format.files`): each failure
 is one line naming the file and the key.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer_files import ADAMW_KEYS, Leaf, NumberLeaf
+from ckptconv.training.nxd_format.files import ADAMW_KEYS, Leaf, NumberLeaf
 
 
 def without_leaves(value: Any) -> Any:

@@ -1,25 +1,22 @@
 """Where a parameter's optimizer state is saved in nxdtrain's format-2 files: the ZeRO-1 partition of a stage's
 parameters over dp ranks, the file names, and (expert parallelism) which dp rank's file holds which ep rank's
-experts. No I/O: the files are planned (:func:`optimizer_files`) and written by the executor.
+experts (the ep arithmetic: :mod:`ckptconv.training.ep`). No I/O: the files are planned (:func:`optimizer_files`) and written by the executor.
 
     >>> zero1_partition([[("a", 6), ("b", 4), ("c", 4)], [("n", 1)]], 2)
     [[['a'], ['n']], [['b', 'c'], []]]
-    >>> [optimizer_ep_rank(d, 2) for d in range(4)]
-    [0, 1, 0, 1]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ckptconv.core.layout import parse_ep_shard_name, parse_shard_name, shard_name
 from ckptconv.core.plan import OutFile, OutTensor
-from ckptconv.errors import ConversionError
-from ckptconv.io.nxd import OPTIM_DIR
+from ckptconv.io.tags import OPTIM_DIR
+from ckptconv.training.ep import check_zero1_ep, expert_data_rank, optimizer_ep_rank
 
 FORMAT = 2
 
@@ -64,28 +61,13 @@ def shard_ranks(name: str) -> tuple[int, int, int] | None:
     return None if plain is None else (0, *plain)
 
 
-def optimizer_ep_rank(dp_rank: int, ep: int) -> int:
-    """The ep rank of the optimizer file of dp rank ``dp_rank`` (NxD's rank mesh ``[pp, dp_exp, ep, tp]`` in the
-    expert regions: ``dp_rank = dp_exp_rank * ep + ep_rank``); 0 without expert parallelism."""
-    return dp_rank % ep
-
-
-def check_zero1_ep(dp: int, ep: int) -> None:
-    """ZeRO-1 at ep > 1 partitions each ep rank's experts over its dp / ep expert-data-parallel ranks: dp must be a
-    multiple of ep (NxD's ``initialize_model_parallel`` refuses the world otherwise)."""
-    if ep > 1 and dp % ep:
-        raise ConversionError(f"--dp {dp} with ZeRO-1 at ep {ep}: dp must be a multiple of ep (each ep rank's "
-                              f"experts are ZeRO-1-partitioned over dp / ep ranks)")
-
-
 def ep_stages(shards: Sequence[OutFile]) -> tuple[dict[tuple[int, int], dict[int, OutFile]], int]:
     """The model shards by (tp, pp) stage and ep rank (ep rank 0 for names without one), in ``shards`` order, and
     the ep degree they make up."""
     stages: dict[tuple[int, int], dict[int, OutFile]] = {}
     for shard in shards:
-        ranks = shard_ranks(Path(shard.path).name)
-        assert ranks is not None, shard.path
-        stages.setdefault(ranks[1:], {})[ranks[0]] = shard
+        ranks = shard.shard_id
+        stages.setdefault((ranks.tp, ranks.pp), {})[ranks.ep] = shard
     return stages, 1 + max((e for stage in stages.values() for e in stage), default=0)
 
 
@@ -114,7 +96,7 @@ def optimizer_files(shards: Sequence[OutFile], state_of: StateOf, param_groups: 
         parts = [_Part(by_ep[0], experts, False, dp if zero1 else 1)]
         parts += [_Part(by_ep[e], experts, True, dp // ep if zero1 else 1) for e in range(ep) if ep > 1]
         for dp_rank in range(dp if zero1 else ep):
-            ep_rank, local = optimizer_ep_rank(dp_rank, ep), dp_rank // ep
+            ep_rank, local = optimizer_ep_rank(dp_rank, ep), expert_data_rank(dp_rank, ep)
             mine = [parts[0]] + ([parts[1 + ep_rank]] if ep > 1 else [])
             held = [(part, part.owned(dp_rank if i == 0 else local)) for i, part in enumerate(mine)]
             names = [n for part in mine for n in part.names]

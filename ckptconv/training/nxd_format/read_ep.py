@@ -19,7 +19,8 @@ from typing import Any
 from ckptconv.core.layout import shard_file
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint
-from ckptconv.training.nxd_optimizer_checks import (
+from ckptconv.training.ep import ep_fits, expert_dp_groups
+from ckptconv.training.nxd_format.checks import (
     adamw_state,
     checked_param_groups,
     chunk_error,
@@ -28,15 +29,15 @@ from ckptconv.training.nxd_optimizer_checks import (
     stored_shape,
     without_leaves,
 )
-from ckptconv.training.nxd_optimizer_files import MOMENTS, OFFSET_KEYS, ZERO1_KEYS, OptimFile, ep_offset
-from ckptconv.training.nxd_optimizer_ranks import Rank, Slot, index_names
+from ckptconv.training.nxd_format.files import MOMENTS, OFFSET_KEYS, ZERO1_KEYS, OptimFile, ep_offset
+from ckptconv.training.nxd_format.ranks import Rank, Slot, index_names
 
 
 def parse_ep_ranks(model: NxdCheckpoint, tp: int, pp: int, files: list[OptimFile], ep: int) -> dict[int, Rank]:
     """Every ep rank's state on rank (tp, pp) from its files (one per global dp rank), each index named from the
     model shards' key order (:func:`index_names`), every chunk's shape checked against NxD's partition."""
     dp = len(files)
-    if dp % ep:
+    if not ep_fits(dp, ep):
         raise ConversionError(f"{files[0].path.parent}: {dp} dp ranks' optimizer files at ep {ep}; NxD's "
                               "expert-data-parallel groups need dp to be a multiple of ep")
     declared = model.declared(shard_file(tp_rank=tp, pp_rank=pp, ep_rank=0))
@@ -50,8 +51,9 @@ def parse_ep_ranks(model: NxdCheckpoint, tp: int, pp: int, files: list[OptimFile
     where = str(files[0].path)
     names, naming = _named(split[0][0], files[0], 0, dense_names, {k: declared[k][1] for k in dense_names}, dp, where)
     ranks: dict[int, Rank] = {}
+    edp_groups = expert_dp_groups(dp, ep)[1]
     for e in range(ep):
-        mine = files[e::ep]  # dp ranks e, e + ep, ...: expert-data-parallel ranks 0, 1, ...
+        mine = [files[d] for d in edp_groups[e]]  # dp ranks e, e + ep, ...: expert-data-parallel ranks 0, 1, ...
         shard = model.declared(shard_file(tp_rank=tp, pp_rank=pp, ep_rank=e))
         offset = ep_offset(len(dense_names))
         expert_order, _ = _named(split[e][1], mine[0], offset, expert_names, {k: shard[k][1] for k in expert_names},

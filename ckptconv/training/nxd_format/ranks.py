@@ -16,7 +16,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint
 from ckptconv.io.nxd_read import NxdCheckpoint
-from ckptconv.training.nxd_optimizer_checks import (
+from ckptconv.training.nxd_format.checks import (
     adamw_state,
     checked_param_groups,
     chunk_error,
@@ -27,7 +27,7 @@ from ckptconv.training.nxd_optimizer_checks import (
     tensor_leaf,
     without_leaves,
 )
-from ckptconv.training.nxd_optimizer_files import MASTERS_KEY, MOMENTS, ZERO1_KEYS, DcpLeaf, Leaf, OptimFile
+from ckptconv.training.nxd_format.files import MASTERS_KEY, MOMENTS, ZERO1_KEYS, DcpLeaf, Leaf, OptimFile
 
 
 class OptimFormat(str, Enum):
@@ -42,7 +42,7 @@ class OptimFormat(str, Enum):
 
 # How NxD's and NxDT's examples split parameters into (decay, no-decay) groups; each keeps model order.
 # NxD's Llama example (the fixtures) tests names for "bias"/"norm"; other examples for "bias"/"LayerNorm".
-# One table for both directions: the reader tries each, the writer (ckptconv.training.nxd_optimizer_write) is told one.
+# One table for both directions: the reader tries each, the writer (ckptconv.training.nxd_format.write) is told one.
 PARAM_GROUP_RULES: dict[str, tuple[str, Callable[[str], bool]]] = {
     "bias-norm": ("names containing 'bias' or 'norm' in the no-decay group", lambda n: "bias" in n or "norm" in n),
     "bias-LayerNorm": ("names containing 'bias' or 'LayerNorm' in the no-decay group",

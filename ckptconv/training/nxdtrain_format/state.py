@@ -14,7 +14,7 @@ in bands like a shard)::
     ep: int, ep_rank: int,   (expert parallelism only: which ep rank's experts the file holds state of)
     "state.<name>.<component>": tensor, ...
 
-Which dp rank's file holds which parameter: :mod:`ckptconv.training.optim_placement`.
+Which dp rank's file holds which parameter: :mod:`ckptconv.training.nxdtrain_format.placement`.
 
 Format 1 files (nxdtrain before this format: a torch optimizer ``state_dict`` indexed by position) are read
 as lazily, by mapping positions back to names (:func:`neutral_from_format1`); what cannot be mapped is refused.
@@ -41,20 +41,21 @@ from ckptconv.core.mapping import all_ep_shard_records, expert_keys, hf_record_s
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, OutTensor, Piece, ReplicaGroup, Source
 from ckptconv.errors import ConversionError, IntegrityError
+from ckptconv.io import tags
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.metadata import METADATA_FILE
-from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.safe_load import PickledTensor
+from ckptconv.io.tags import OPTIM_DIR
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader, is_row_major
-from ckptconv.training.optim_placement import (
+from ckptconv.training.ep import optimizer_ep_rank
+from ckptconv.training.nxdtrain_format.placement import (
     FORMAT,
-    optimizer_ep_rank,
     optimizer_file,
     optimizer_files,
     stage_groups,
     zero1_partition,
 )
-from ckptconv.training.optim_placement import is_matrix as is_matrix  # where ckptconv.titan reads it
+from ckptconv.training.nxdtrain_format.placement import is_matrix as is_matrix  # where ckptconv.titan reads it
 
 MASTER = "master"
 _SEP = ":"  # "<component>:<nxd key>" names an optimizer tensor in a plan's Source
@@ -65,7 +66,7 @@ def state_key(name: str, component: str) -> str:
 
 def component_source(source: Source, component: str) -> Source:
     """Where ``component`` of the parameter stored at ``source`` lies (the plan's key for it)."""
-    return Source(source.file, f"{component}{_SEP}{source.key}")
+    return Source(source.file, f"{component}{_SEP}{source.key}", shard=source.shard)
 
 
 def split_key(key: str) -> tuple[str | None, str]:
@@ -215,7 +216,7 @@ class Hyper:
 
 class OptimizerSource(Protocol):
     """What a plan reads optimizer tensors through: :class:`TagOptimizer` (nxdtrain's files) or
-    :class:`ckptconv.training.nxd_tag_optimizer.NxdTagOptimizer` (NxD's own)."""
+    :class:`ckptconv.training.nxd_format.as_source.NxdTagOptimizer` (NxD's own)."""
 
     hyper: Hyper
 
@@ -467,12 +468,12 @@ def plan_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, d
 # --------------------------------------------------------------------------------------------
 # A training tag's side files (nxdtrain writes them; ckptconv reshard carries them)
 
-SCHEDULER_FILE, USER_CONTENT_FILE = "scheduler.pt", "user_content.pt"
+SCHEDULER_FILE, USER_CONTENT_FILE = tags.SCHEDULER_FILE, tags.USER_CONTENT_FILE  # the names: ckptconv.io.tags
 
 
 def is_training_tag(root: Path) -> bool:
     """A tag nxdtrain saved: its optimizer state (format 1 or 2) and side files beside the shards (not a
-    converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.training.nxd_optimizer reads)."""
+    converted directory, nor a tag of NxD's own, whose optimizer files ckptconv.training.nxd_format.read reads)."""
     first = root / optimizer_file(tp_rank=0, pp_rank=0, dp_rank=0)
     if not (first.is_file() and (root / USER_CONTENT_FILE).is_file()):
         return False
@@ -538,9 +539,9 @@ def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
         return None, str(exc)
 
 
-def optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
+def nxdtrain_optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
     """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
-    format (NxD's own: :func:`ckptconv.training.nxd_optimizer.optimizer_summary`) or there is none."""
+    format (NxD's own: :func:`ckptconv.training.nxd_format.read.nxd_optimizer_summary`) or there is none."""
     if not (ckpt.root / OPTIM_DIR).is_dir():
         return None
     optim, _ = _tag_optimizer(ckpt, spec, layout, with_inv_freq)

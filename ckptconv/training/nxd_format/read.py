@@ -14,11 +14,11 @@ What NxD writes (fixtures/nxdt-official/README.md describes each shape, made by 
 
 Only DCP names the parameters. In the others optimizer index i is the i-th parameter of the param groups
 taken in order; the names come from the model shard's key order split by the rule that made the groups
-(:func:`ckptconv.training.nxd_optimizer_ranks.index_names`, checked against every stored shape).
+(:func:`ckptconv.training.nxd_format.ranks.index_names`, checked against every stored shape).
 
 This module is the per-parameter view of them (:class:`NxdOptimizer`); an optimizer file's structure is parsed by
-:mod:`ckptconv.training.nxd_optimizer_files`, checked by :mod:`ckptconv.training.nxd_optimizer_checks`, and a rank's
-parameters are matched with their state by :mod:`ckptconv.training.nxd_optimizer_ranks`.
+:mod:`ckptconv.training.nxd_format.files`, checked by :mod:`ckptconv.training.nxd_format.checks`, and a rank's
+parameters are matched with their state by :mod:`ckptconv.training.nxd_format.ranks`.
 
     >>> with NxdOptimizer.open("ckpt/step_2") as optim:             # doctest: +SKIP
     ...     for p in optim.params():
@@ -40,11 +40,10 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.checked import CheckedFiles
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint
-from ckptconv.io.nxd import OPTIM_DIR
 from ckptconv.io.nxd_read import NxdCheckpoint
-from ckptconv.training.nxd_optimizer_ep import parse_ep_ranks
-from ckptconv.training.nxd_optimizer_files import MOMENTS, Leaf, OptimFile
-from ckptconv.training.nxd_optimizer_ranks import (
+from ckptconv.io.tags import OPTIM_DIR
+from ckptconv.training.nxd_format.files import MOMENTS, Leaf, OptimFile
+from ckptconv.training.nxd_format.ranks import (
     DcpRanks,
     OptimFormat,
     Rank,
@@ -53,6 +52,7 @@ from ckptconv.training.nxd_optimizer_ranks import (
     parse_dcp_rank,
     parse_rank,
 )
+from ckptconv.training.nxd_format.read_ep import parse_ep_ranks
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ def read_optimizer_state(tag: str | Path, *, io: str = "mmap", check: bool = Tru
         optim.finish_checks(workers=1)
 
 
-def optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | None:
+def nxd_optimizer_summary(model: NxdCheckpoint, check: bool) -> dict[str, Any] | None:
     """What ``inspect`` says of a tag's ``optim/``: NxD's format read and summarised (the structure of every
     file; moment bytes are checked when read), or why it could not be read (nxdtrain's own tags hold
     another format); None without ``optim/``."""

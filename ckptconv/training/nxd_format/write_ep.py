@@ -15,23 +15,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor
+from ckptconv.core.layout import ShardId
+from ckptconv.core.plan import NESTED_TORCH, OutFile
 from ckptconv.errors import ConversionError
-from ckptconv.training.nxd_optimizer_files import MOMENTS, ep_offset
-from ckptconv.training.nxd_optimizer_write import (
+from ckptconv.training.ep import check_zero1_ep, expert_data_rank, optimizer_ep_rank
+from ckptconv.training.nxd_format.files import ep_offset
+from ckptconv.training.nxd_format.write import (
     NxdOptimizerPlan,
+    Zero1File,
+    checked_state,
     group_hyper,
     index_order,
+    note_drop_masters,
     note_unwritten,
     numbered_groups,
     nxd_groups,
-    tensor_at,
     unwritten_fields,
-    zero1_entry,
 )
-from ckptconv.training.nxd_tag_optimizer import STEP
-from ckptconv.training.optim_placement import check_zero1_ep, ep_stages, optimizer_ep_rank, optimizer_file
-from ckptconv.training.state import MASTER, OptimizerSource, state_tensors
+from ckptconv.training.nxdtrain_format.placement import ep_stages, optimizer_file
+from ckptconv.training.nxdtrain_format.state import MASTER, OptimizerSource
 
 
 class _Part:
@@ -43,11 +45,7 @@ class _Part:
         self.weights = {t.key: t for t in shard.tensors if t.key in names}
         self.groups = nxd_groups([n for n in names if n in self.weights], rule)
         self.order = [n for g in self.groups for n in g]
-        self.state = {n: state_tensors(self.weights[n], optim) for n in self.order}
-        for n in self.order:
-            if set(self.state[n]) - {MASTER} != {STEP, *MOMENTS}:
-                raise ConversionError(f"{shard.path}: {n!r} has optimizer state {sorted(self.state[n])}; NxD's "
-                                      "files hold AdamW's step, exp_avg and exp_avg_sq")
+        self.state = checked_state(shard.path, self.weights, self.order, optim)
 
 
 def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSource, *, dp: int, zero1: bool, rule: str,
@@ -55,7 +53,7 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
                                 notes: list[str]) -> tuple[list[OutFile], NxdOptimizerPlan]:
     """NxD's EP ZeRO-1 optimizer files for the expert-parallel target shards ``shards`` (their names carry the ep
     rank; an ep rank > 0's shard holds its experts only). ``lr`` as for
-    :func:`ckptconv.training.nxd_optimizer_write.plan_nxd_optimizer_files`. The source's masters cannot be
+    :func:`ckptconv.training.nxd_format.write.plan_nxd_optimizer_files`. The source's masters cannot be
     carried (NxD's EP files hold none): refused unless ``drop_masters``."""
     stages, ep = ep_stages(shards)
     if not zero1:
@@ -63,7 +61,7 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
                               "(optim/dp_rank_00_ep_rank_EE_...) are not written; pass --zero1")
     check_zero1_ep(dp, ep)
     out: list[OutFile] = []
-    names_of: dict[str, list[str]] = {}
+    names_of: dict[ShardId, list[str]] = {}
     dtypes: set[str] = set()
     masters: list[str] = []
     unwritten: set[str] = set()
@@ -76,21 +74,20 @@ def plan_nxd_ep_optimizer_files(shards: Sequence[OutFile], optim: OptimizerSourc
         unwritten |= unwritten_fields(hypers)
         groups = [*numbered_groups(hypers, dense.groups, zero1=True, lr=lr),
                   *numbered_groups(hypers, parts[0].groups, zero1=True, lr=lr)]
-        names_of[by_ep[0].path] = dense.order + parts[0].order
+        names_of[by_ep[0].shard_id] = dense.order + parts[0].order
         for e in range(1, ep):
-            names_of[by_ep[e].path] = parts[e].order
+            names_of[by_ep[e].shard_id] = parts[e].order
         masters += [n for part in (dense, *parts) for n in part.order if MASTER in part.state[n]]
         for d in range(dp):
             e = optimizer_ep_rank(d, ep)
             path = optimizer_file(tp_rank=tp, pp_rank=pp, dp_rank=d)
-            out.append(_file(path, dense, parts[e], d, d // ep, groups, optim, dtypes))
+            out.append(_file(path, dense, parts[e], d, expert_data_rank(d, ep), groups, optim, dtypes))
     if masters and not drop_masters:
         raise ConversionError(f"{masters[0]!r}: NxD's expert-parallel ZeRO-1 files hold no master weights "
                               "(NeuronEPZero1Optimizer's state_dict drops them): pass --drop-masters to write the "
                               "moments without the source's masters")
-    if masters:
-        notes.append("--drop-masters: the source's master weights are not written (NxD's expert-parallel ZeRO-1 "
-                     "files hold none; NxD's resume takes them from the weights)")
+    if drop_masters:  # as at ep 1: what --drop-masters did is said, also when the source saved no masters
+        note_drop_masters(notes, dropped=bool(masters), kept="the source saved no master weights")
     note_unwritten(unwritten, notes)
     notes.append(f"NxD's expert-parallel ZeRO-1 state (NeuronEPZero1Optimizer): non-expert parameters over dp {dp}, "
                  f"each ep rank's experts over its {dp // ep} expert-data-parallel ranks; no master weights")
@@ -109,23 +106,15 @@ def _hypers(dense: _Part, experts: _Part, optim: OptimizerSource, rule: str) -> 
 def _file(path: str, dense: _Part, experts: _Part, dp_rank: int, edp_rank: int, param_groups: list[dict[str, Any]],
           optim: OptimizerSource, dtypes: set[str]) -> OutFile:
     """One dp rank's file: ``dp_rank``'s chunk of the non-expert state, ``edp_rank``'s of its ep rank's experts."""
-    tensors: list[OutTensor] = []
-    base_state: dict[int, dict[str, Any]] = {}
-    shape_info: dict[int, list[int]] = {}
+    z = Zero1File()
     offset = ep_offset(len(dense.order))
     for part, rank, first in ((dense, dp_rank, 0), (experts, edp_rank, offset)):
         for j, name in enumerate(part.order):
-            i = first + j
-            weight, state = part.weights[name], part.state[name]
-            entry, dtype, _ = zero1_entry("base_state", i, weight, state, optim, world=part.world, rank=rank,
-                                          shard_path=part.shard.path, name=name)
-            dtypes.add(str(dtype).removeprefix("torch."))
-            tensors += entry.values()
-            base_state[i] = {k: tensor_at(t) for k, t in entry.items()}
-            shape_info[i] = list(weight.shape)
+            z.add(first + j, name, part.weights[name], part.state[name], optim, world=part.world, rank=rank,
+                  shard_path=part.shard.path, dtypes=dtypes)
     plain: tuple[tuple[str, Any], ...] = (
         ("ep_param_id_offset", 1), ("ep_param_group_offset", len(dense.groups)), ("ep_base_state_offset", offset),
-        ("ep_shape_info_offset", offset), ("param_groups", param_groups), ("state", {}), ("base_state", base_state),
-        ("shape_info", shape_info))
-    return OutFile(path, NESTED_TORCH, tuple(tensors), plain)
+        ("ep_shape_info_offset", offset), ("param_groups", param_groups), ("state", {}), ("base_state", z.base_state),
+        ("shape_info", z.shape_info))
+    return OutFile(path, NESTED_TORCH, tuple(z.tensors), plain)
 

@@ -23,7 +23,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.sources.nxd import open_nxd
 from ckptconv.training import TagOptimizer
-from ckptconv.training.state import component_source
+from ckptconv.training.nxdtrain_format.state import component_source
 from tests.conftest import warns_no_tokenizer
 from tests.moe_tags import COMPONENTS, E, all_state, expected_expert, expert_in_tag, state_of, write_tag
 
@@ -212,7 +212,7 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(moe_hf, tmp_pat
 
 def test_nxds_own_ep_optimizer_files_are_refused_by_name(moe_hf, tmp_path: Path):
     """An ep > 1 tag whose optim/ is not NeuronEPZero1Optimizer's merged files (read by
-    tests/test_moe_nxd_optimizer.py): refused in one line naming the file and the key; --weights-only then works."""
+    tests/training/nxd_format/test_ep_files.py): refused in one line naming the file and the key; --weights-only then works."""
     ckptconv.to_nxd(moe_hf("mixtral"), tmp_path / "nxd", ep=2, options=QUIET)
     (tmp_path / "nxd" / "optim").mkdir()
     for d in range(2):  # NeuronZero1Optimizer's keys, as at ep 1

@@ -20,7 +20,7 @@ from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.io.nxd_write import TorchZipSink
 from ckptconv.sources.nxd import open_nxd
-from ckptconv.training.state import (
+from ckptconv.training.nxdtrain_format.state import (
     FORMAT,
     TagOptimizer,
     TagReader,
