@@ -3,7 +3,7 @@
 ``nxdtrain run --resume PATH`` loads the shards of a converted (or previously trained) checkpoint
 into a tp x pp x dp Llama on torch.distributed, trains it, writes NxD-layout checkpoints, and
 ``nxdtrain export`` turns one into a Hugging Face directory. The layout, mapping and I/O are
-ckptconv's. Public API (imported lazily, so ``import nxdtrain.config`` stays light):
+ckptconv's. Public API (imported lazily, so ``import nxdtrain.config.options`` stays light):
 
     >>> from nxdtrain import TrainConfig, train, export     # doctest: +SKIP
 """
@@ -16,7 +16,7 @@ from ckptconv import lazy_exports
 from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:  # imported on first use (ckptconv.lazy_exports)
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.model import LlamaStage
     from nxdtrain.train import export, prepare, train
 

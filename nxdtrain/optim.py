@@ -7,7 +7,7 @@ copied back into the parameters after each step). Weight decay applies to matric
 norm weights as well with ``--norm-weight-decay`` (their group takes the matrices' decay). With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
 torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 
-    >>> from nxdtrain.config import OptimConfig
+    >>> from nxdtrain.config.options import OptimConfig
     >>> cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup=2, schedule="linear")
     >>> [lr_at(s, cfg, decay_steps=6) for s in range(1, 7)]
     [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
@@ -24,7 +24,7 @@ from torch import nn
 
 from ckptconv.training import MASTER, OPTIMIZER_FORMAT, plain_group, state_key
 from ckptconv.training import lr_at as schedule_lr_at
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.expert_zero import ExpertZero
 
@@ -34,7 +34,7 @@ def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
 
     Warmup: ``lr·step/warmup`` for ``step <= warmup``. Then ``constant`` keeps ``lr``; ``linear``
     and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there. ``min_lr``
-    defaults to 0.1·lr (:class:`~nxdtrain.config.OptimConfig`), so the last step runs at lr 0 only when asked.
+    defaults to 0.1·lr (:class:`~nxdtrain.config.options.OptimConfig`), so the last step runs at lr 0 only when asked.
     """
     if 0 < cfg.warmup < 1:
         raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.data.epochs.resolve)")

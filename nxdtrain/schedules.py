@@ -11,7 +11,7 @@ NxDT steps a torch ``LRScheduler`` after every optimizer step, so optimizer step
 
 Ours (``cosine``, ``linear``, ``constant``) are :func:`nxdtrain.optim.lr_at`'s.
 
-    >>> from nxdtrain.config import OptimConfig
+    >>> from nxdtrain.config.options import OptimConfig
     >>> cfg = OptimConfig(lr=1.0, warmup=3, schedule="LinearAnnealingWithWarmUp")
     >>> [round(nxdt_lr(n, cfg, decay_steps=7), 4) for n in range(1, 9)]
     [0.0, 0.3333, 0.6667, 1.0, 0.75, 0.5, 0.25, 0.0]

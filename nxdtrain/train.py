@@ -6,7 +6,7 @@ torchrun or srun). :func:`prepare` does every check that needs no process group,
 
 Example (one process; ``nxdtrain run`` is the same call):
 
-    >>> from nxdtrain.config import TrainConfig
+    >>> from nxdtrain.config.options import TrainConfig
     >>> cfg = TrainConfig.from_flat({"resume": "llama-nxd", "steps": 10, "data": "synthetic",
     ...                              "seq_len": 128, "checkpoint_dir": "ckpt"})   # doctest: +SKIP
     >>> history = train(cfg)                                                      # doctest: +SKIP
@@ -46,7 +46,7 @@ from nxdtrain.checkpoint.resume import (
 )
 from nxdtrain.checkpoint.save import TagWriter, set_rng_state
 from nxdtrain.checkpoint.tags import check_checkpoint_dir, check_one_writer, claim_checkpoint_dir
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.data.check import CheckedData, checked_rows
 from nxdtrain.data.epochs import data_parallel
 from nxdtrain.data.epochs import resolve as resolve_length
@@ -71,13 +71,13 @@ from nxdtrain.parallel.dist import (
     local_world_size,
     stop_together,
 )
-from nxdtrain.parallel.fsdp_checks import check_degree
+from nxdtrain.config.fsdp_checks import check_degree
 from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, sharding_for, state_bytes
 from nxdtrain.parallel.grads import clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.offload import offloading
 from nxdtrain.parallel.sequence import check_seq_len
-from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
+from nxdtrain.config.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
 
 # What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
 # its workers, so that the data is checked once, before the first process, not again on every rank.

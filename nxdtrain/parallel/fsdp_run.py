@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nxdtrain.parallel.fsdp_checks import shard_degree
+from nxdtrain.config.fsdp_checks import shard_degree
 from nxdtrain.parallel.grads import GradPlan
 from nxdtrain.parallel.offload import NO_EFFECT as OFFLOAD_NO_EFFECT
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.data.rows import global_batches
 from nxdtrain.optim import lr_at, make_torch_optimizer, param_groups
 

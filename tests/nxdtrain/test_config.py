@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nxdtrain.cli import build_parser, load_config
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
 
 RUN_FLAGS = {
@@ -140,13 +140,13 @@ SECTION_OF = {
 
 
 def test_defaults_are_pinned():
-    from nxdtrain.config import leaf_fields
+    from nxdtrain.config.options import leaf_fields
 
     assert {f.name: f.default for _, f in leaf_fields()} == DEFAULTS
 
 
 def test_help_groups_every_flag_by_job_and_says_what_is_required():
-    from nxdtrain.config import GROUPS, REQUIRED_USAGE, flag_of, leaf_fields
+    from nxdtrain.config.options import GROUPS, REQUIRED_USAGE, flag_of, leaf_fields
 
     run = subparser("run")
     sections = {g.title: {s for a in g._group_actions for s in a.option_strings}

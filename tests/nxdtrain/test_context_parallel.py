@@ -147,7 +147,7 @@ def test_evaluation_with_cp(tmp_path, nxd_model):
 
 
 def _config(**options: Any) -> Any:
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
 
     return TrainConfig.from_flat({"no_checkpoint": True, **train_options(), **options})
 

@@ -9,7 +9,7 @@ import pytest
 
 from nxdtrain.checkpoint.continuity import check_resume, recorded_run
 from nxdtrain.checkpoint.resume import resolve_resume
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.nxdtrain.harness import run_world, train_options
@@ -103,7 +103,7 @@ def test_an_optimizer_flag_that_differs_from_the_tag_is_refused_naming_both(two_
 
 def test_optimizer_groups_values():
     from nxdtrain.checkpoint.continuity import optimizer_groups
-    from nxdtrain.config import OptimConfig
+    from nxdtrain.config.options import OptimConfig
 
     groups = [{"weight_decay": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "lr": 1.0},
               {"weight_decay": 0.0, "betas": (0.9, 0.95), "eps": 1e-8, "lr": 1.0}]

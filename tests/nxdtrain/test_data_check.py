@@ -165,7 +165,7 @@ def test_padded_rows_train_on_their_real_tokens_only(tmp_path, nxd_model, hf_mod
 def test_the_workers_use_the_launchers_check(tmp_path, nxd_model, monkeypatch):
     """--nproc's launcher checks the data (prepare) and hands what it found to its workers: their prepare reads
     the same rows (--long-rows split's pieces included) and says the same lines without checking again."""
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.train import prepare
     from tests.nxdtrain.harness import read_log, train_options
 

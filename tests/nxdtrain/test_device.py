@@ -93,7 +93,7 @@ def test_shard_saved_from_row_major_tensors_is_byte_identical(tmp_path, flavour)
 
 def test_log_every_reads_every_step_in_batches(tmp_path, nxd_model):
     """--log-every 3 logs the same per-step values as --log-every 1, read back at steps 3 and 4."""
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.train import train
     from tests.nxdtrain.harness import read_log, train_options
 

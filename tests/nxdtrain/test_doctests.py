@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model", "optim",
-           "preflight", "rope", "parallel.tp_group", "parallel.fsdp_checks", "values"]
+MODULES = ["config.options", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model", "optim",
+           "config.preflight", "rope", "parallel.tp_group", "config.fsdp_checks", "config.values"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nxdtrain.cli import PRELOAD, build_parser, load_config, main
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.data.epochs import resolve, run_length
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.dist import spawn
@@ -77,7 +77,7 @@ def test_run_length_and_warmup_reading():
 
 
 def test_fraction_must_be_resolved_and_missing_extras_say_what_to_install(monkeypatch, tmp_path):
-    from nxdtrain.config import OptimConfig
+    from nxdtrain.config.options import OptimConfig
     from nxdtrain.metrics import require_tensorboard
     from nxdtrain.optim import lr_at
     from nxdtrain.plot import plot_log

@@ -144,7 +144,7 @@ def measuring_worker(options: dict[str, Any], out: Path) -> None:
 
     import torch.distributed as dist
 
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.parallel.dist import detect_env, init_world
     from nxdtrain.train import Trainer, prepare
 
@@ -164,7 +164,7 @@ def state_bytes_at(tmp: Path, src: Path, nproc: int, **options: Any) -> list[dic
     import json
 
     from nxdtrain.cli import PRELOAD
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.parallel.dist import spawn
     from tests.nxdtrain.harness import WORLD_TIMEOUT
 
@@ -207,7 +207,7 @@ def test_model_states_per_rank_at_dp4(tmp_path, nxd_model):
     (dict(offload_activations=True, device="xla"), "--offload-activations with --device xla: save_on_cpu copies"),
 ])
 def test_refused_in_config(flags, message):
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.errors import TrainError
 
     with pytest.raises(TrainError, match="^" + re.escape(message)):
@@ -215,7 +215,7 @@ def test_refused_in_config(flags, message):
 
 
 def test_hybrid_degree_must_divide_dp(nxd_model):
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.errors import TrainError
     from nxdtrain.train import prepare
 
@@ -229,7 +229,7 @@ def test_hybrid_degree_must_divide_dp(nxd_model):
 
 def test_smp_keys_in_nxdt_yaml(tmp_path):
     from nxdtrain.errors import TrainError
-    from nxdtrain.yaml_config import read_yaml
+    from nxdtrain.config.yaml_config import read_yaml
 
     path = tmp_path / "run.yaml"
     path.write_text("distributed_strategy:\n  hybrid_shard_degree: 2\n  sm_activation_offloading: true\n")
@@ -281,7 +281,7 @@ def test_bf16_sharded_equals_bf16_unsharded(tmp_path, nxd_model):
 def test_auto_device_resolving_to_xla_is_refused(nxd_model, monkeypatch):
     """--device auto on a Neuron host (PJRT_DEVICE=NEURON) resolves to xla in prepare: refused there, before the
     world starts."""
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.errors import TrainError
     from nxdtrain.train import prepare
 

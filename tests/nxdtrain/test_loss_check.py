@@ -11,7 +11,7 @@ import pytest
 
 from nxdtrain.checkpoint.loss_check import ABOVE_GUESSING, ABOVE_RECORDED, verdict
 from nxdtrain.cli import PRELOAD
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import WORLD_TIMEOUT, convert, run_world, train_options

@@ -19,7 +19,7 @@ import torch
 
 from nxdtrain.checkpoint.loss_check import ABOVE_RECORDED, CAUSES, EXPERT_CAUSES
 from nxdtrain.cli import PRELOAD
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import WORLD_TIMEOUT, convert, run_world, train_options

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ckptconv
-from nxdtrain.config import NXD_SCHEDULE, TrainConfig
+from nxdtrain.config.options import NXD_SCHEDULE, TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.moe_tags import all_state

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import ckptconv
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.train import export
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.harness import convert, run_world, train_options

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.train import export
 from tests.conftest import warns_no_tokenizer
 from tests.nxdtrain.harness import convert, run_world, train_options

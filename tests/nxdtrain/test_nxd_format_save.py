@@ -22,7 +22,7 @@ from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_optimizer import NxdOptimizer
 from nxdtrain.checkpoint.resume import resolve_resume, resolve_start
-from nxdtrain.config import CheckpointConfig, TrainConfig
+from nxdtrain.config.options import CheckpointConfig, TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.nxdtrain.harness import run_world, train_options

@@ -19,7 +19,7 @@ from ckptconv.commands.dcp import to_dcp
 from ckptconv.core.layout import ParallelLayout
 from ckptconv.training.state import is_training_tag
 from nxdtrain.checkpoint.resume import read_training_state, resolve_resume
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.optim import lr_at
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.test_nxd_resume import (

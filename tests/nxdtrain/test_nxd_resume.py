@@ -25,7 +25,7 @@ from ckptconv.training.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
 from nxdtrain.checkpoint.resume import resolve_resume
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model import LlamaStage
 from nxdtrain.optim import Optimizer, lr_at

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.optim import Optimizer
 from tests.nxdtrain.test_yaml import config, error
@@ -140,7 +140,7 @@ def test_alignment_configs_are_refused_in_one_line(tmp_path, key):
 
 
 def test_the_acted_keys_are_nxdtrains_own():
-    from nxdtrain.yaml_config import EVALUATION, EXP_MANAGER, NXDT_KEYS, RECOMPUTE_KEYS
+    from nxdtrain.config.yaml_config import EVALUATION, EXP_MANAGER, NXDT_KEYS, RECOMPUTE_KEYS
     known = {".".join(k) for k in (*NXDT_KEYS, *EVALUATION, *RECOMPUTE_KEYS)} | {f"exp_manager.{k}" for k in EXP_MANAGER}
     assert [k for k in ACTED if k not in known and k != "seed"] == []
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.optim import lr_at
 from nxdtrain.parallel.grads import GradPlan, global_norm
 

@@ -15,9 +15,9 @@ import torch
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_write import write_markers
-from nxdtrain import preflight
+from nxdtrain.config import preflight
 from nxdtrain.cli import main
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.optim import lr_at
 from nxdtrain.train import prepare

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ckptconv.cli.main import main as ckptconv_main
 from ckptconv.commands.api import RunOptions, reshard
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.train import export, prepare
 from tests.conftest import warns_no_tokenizer
 from tests.nxdtrain.harness import run_world, train_options

@@ -10,7 +10,7 @@ import pytest
 
 from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.checkpoint.resume import resolve_resume
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.nxdtrain.harness import run_world, train_options

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.optim import lr_at
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.train import prepare
 from tests.nxdtrain.harness import run_world, train_options

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from nxdtrain.cli import PRELOAD
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT

@@ -25,7 +25,7 @@ import torch_xla.debug.metrics as met  # noqa: E402
 from ckptconv.core.layout import shard_file  # noqa: E402
 from ckptconv.io.nxd_read import load_shard  # noqa: E402
 from nxdtrain.checkpoint.tags import optim_file  # noqa: E402
-from nxdtrain.config import TrainConfig  # noqa: E402
+from nxdtrain.config.options import TrainConfig  # noqa: E402
 from nxdtrain.parallel.dist import detect_env, init_world  # noqa: E402
 from nxdtrain.train import Trainer, export, prepare, train  # noqa: E402
 from tests.conftest import hf_state, warns_no_tokenizer  # noqa: E402

@@ -1,6 +1,6 @@
 """What ``--shard-params`` / ``--hybrid-shard N`` / ``--offload-activations`` refuse, checked before any process starts.
 
-Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config` and ``prepare`` refuse a run in one line.
+Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config.options` and ``prepare`` refuse a run in one line.
 
     >>> shard_degree(shard_params=True, hybrid_shard=None, dp=4), shard_degree(shard_params=False, hybrid_shard=2, dp=4)
     (4, 2)
@@ -10,7 +10,7 @@ Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config` and `
 
 from __future__ import annotations
 
-from nxdtrain.values import is_int
+from nxdtrain.config.values import is_int
 
 # Why XLA is refused, in one place (config for --device xla, prepare for --device auto resolving to xla).
 XLA_WHY = ("torch's FSDP2 (fully_shard) keeps parameters as DTensors and overlaps their all-gathers and "

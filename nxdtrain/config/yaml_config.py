@@ -4,7 +4,7 @@ Top-level keys are our option names (``seq_len: 2048``, the flags' names with ``
 (``trainer``, ``exp_manager``, ``distributed_strategy``, ``data``, ``model``, ``precision``, ...) and top-level
 keys (``name``, ``seed``, ``compiler_flags``, ...). The file is read as NxDT reads it:
 
-* with OmegaConf (:mod:`nxdtrain.yaml_load`): ``${a.b.c}``, ``${.sibling}``, ``${multiply:...}`` and
+* with OmegaConf (:mod:`nxdtrain.config.yaml_load`): ``${a.b.c}``, ``${.sibling}``, ``${multiply:...}`` and
   ``${oc.env:VAR[,default]}`` mean what they mean in NxDT; in paths ``~``, ``$VAR`` and ``${VAR}`` (not a key of
   the file) are expanded as a shell would; every key of NxDT's example configs: docs/nxdt-configs.md;
 * NxDT keys that mean something here become options (:data:`NXDT_KEYS`, and ``exp_manager`` below); NxDT keys
@@ -19,7 +19,7 @@ keys (``name``, ``seed``, ``compiler_flags``, ...). The file is read as NxDT rea
   over ``resume_from_checkpoint``: a requeued job continues instead of starting over.
 
 Flags beat the file; a flag also replaces what the file derived for the same purpose (``--resume`` drops the
-file's ``--init``, see :data:`REPLACES`). Values are checked by :class:`~nxdtrain.config.TrainConfig`; an error
+file's ``--init``, see :data:`REPLACES`). Values are checked by :class:`~nxdtrain.config.options.TrainConfig`; an error
 about a value from the file names its key (``origins``).
 """
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nxdtrain.config import AUTO, NXDT_SCHEDULES, RECOMPUTE_MODULES, leaf_owners
+from nxdtrain.config.options import AUTO, NXDT_SCHEDULES, RECOMPUTE_MODULES, leaf_owners
 from nxdtrain.errors import TrainError
-from nxdtrain.yaml_load import load_tree
+from nxdtrain.config.yaml_load import load_tree
 
 # NxDT's nested keys -> our flat names (translated by _nxdt_value where the value differs).
 NXDT_KEYS: dict[tuple[str, ...], str] = {

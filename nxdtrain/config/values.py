@@ -1,5 +1,5 @@
 """Checks on plain option values, shared by the config and the modules it imports (a leaf: imports nothing of
-nxdtrain, so :mod:`nxdtrain.parallel.fsdp_checks` can use it without a circle through :mod:`nxdtrain.config`).
+nxdtrain, so :mod:`nxdtrain.config.fsdp_checks` can use it without a circle through :mod:`nxdtrain.config.options`).
 
     >>> is_int(2), is_int(True), is_int(2.0)
     (True, False, False)

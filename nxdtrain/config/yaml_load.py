@@ -8,7 +8,7 @@ OmegaConf's ``${oc.env:VAR[,default]}`` works as well. The only resolver registe
 (NxDT's files are resolved in NeMo's process, which registers it); nothing in a file is ever executed.
 
 nxdtrain's own flat files also allow a shell-style ``${VAR}`` in a path (expanded later, with ``~`` and ``$VAR``,
-by :mod:`nxdtrain.config`): a ``${NAME}`` whose NAME is not a top-level key of the file is kept as written.
+by :mod:`nxdtrain.config.options`): a ``${NAME}`` whose NAME is not a top-level key of the file is kept as written.
 
     >>> import tempfile, pathlib
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.yaml"

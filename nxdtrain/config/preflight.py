@@ -4,7 +4,7 @@
 are cheap): a run that would save nothing, an ``--export-hf`` target that the export at the end would
 refuse, directories this user cannot write.
 
-    >>> from nxdtrain.config import TrainConfig
+    >>> from nxdtrain.config.options import TrainConfig
     >>> config = TrainConfig.from_flat({"resume": "llama-nxd", "data": "synthetic", "no_checkpoint": True})
     >>> check_saves(config)  # allowed: asked for
     >>> synthetic_notice(config)[:29]
@@ -20,7 +20,7 @@ from ckptconv.core import HF_FILES_DIR
 from ckptconv.engine import TMP_DIR
 from ckptconv.errors import ConversionError
 from ckptconv.io import CONFIG, METADATA_FILE, Metadata, read_metadata
-from nxdtrain.config import SYNTHETIC, TrainConfig
+from nxdtrain.config.options import SYNTHETIC, TrainConfig
 from nxdtrain.errors import TrainError
 
 
