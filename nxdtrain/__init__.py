@@ -17,7 +17,7 @@ from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:  # imported on first use (ckptconv.lazy_exports)
     from nxdtrain.config.options import TrainConfig
-    from nxdtrain.model import LlamaStage
+    from nxdtrain.model.stage import LlamaStage
     from nxdtrain.train import export, prepare, train
 
 __all__ = ["TrainError", "TrainConfig", "train", "prepare", "export", "LlamaStage"]

@@ -24,7 +24,7 @@ from nxdtrain.config.options import GROUPS, REQUIRED_USAGE, TrainConfig, explain
 from nxdtrain.errors import TrainError
 from nxdtrain.config.yaml_config import read_yaml
 
-PRELOAD = ("nxdtrain.train", "nxdtrain.parallel.pipeline")  # what the processes of --nproc need, imported once
+PRELOAD = ("nxdtrain.train", "nxdtrain.model.pipeline")  # what the processes of --nproc need, imported once
 
 
 def _add_option(parser: Any, f: Any) -> None:

@@ -53,11 +53,11 @@ from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, local_gpu_limits, resolve_kind
 from nxdtrain.errors import TrainError
-from nxdtrain.gradient_groups import grad_plan
+from nxdtrain.model.gradient_groups import grad_plan
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
-from nxdtrain.model import LlamaStage
-from nxdtrain.moe import expert_zero, moe_parts, step_aux
-from nxdtrain.moe import refusal as moe_refusal
+from nxdtrain.model.stage import LlamaStage
+from nxdtrain.model.moe import expert_zero, moe_parts, step_aux
+from nxdtrain.model.moe import refusal as moe_refusal
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.context import CpGroup
 from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
@@ -323,7 +323,7 @@ class Trainer:
         self.grad_plan = on_local_rows(grad_plan(self.model, mesh, source.spec, plan.layout, self.experts),
                                        self.sharding, self.model)
         self.state_bytes: dict[str, int] | None = None  # model states on this rank (measured in the first step)
-        from nxdtrain.parallel.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
+        from nxdtrain.model.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
         data = cfg.data
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,

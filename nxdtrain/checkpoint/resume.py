@@ -59,7 +59,7 @@ from nxdtrain.checkpoint.continuity import recorded_run
 from nxdtrain.checkpoint.tags import finish_interrupted_rewrites, optim_file
 from nxdtrain.config.options import AUTO, CheckpointConfig, ParallelConfig
 from nxdtrain.errors import TrainError
-from nxdtrain.model import describe
+from nxdtrain.model.stage import describe
 from nxdtrain.config.preflight import check_model_config
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from nxdtrain.config.options import TrainConfig
 
 COLUMN = "input_ids"
-PAD = -1  # --pad: the positions after a short row's last token (never a token id; nxdtrain.parallel.pipeline ignores them)
+PAD = -1  # --pad: the positions after a short row's last token (never a token id; nxdtrain.model.pipeline ignores them)
 
 
 def row_where(source: Any, index: int) -> tuple[str, int]:

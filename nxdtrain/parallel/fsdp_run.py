@@ -30,7 +30,7 @@ def sharding_for(model: nn.Module, config: Any, mesh: Any, device: torch.device)
 
 
 def on_local_rows(plan: GradPlan, sharding: Sharding | None, model: nn.Module) -> GradPlan:
-    """``plan`` (:func:`nxdtrain.gradient_groups.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
+    """``plan`` (:func:`nxdtrain.model.gradient_groups.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
     return plan if sharding is None else sharding.local_plan(plan, dict(model.named_parameters()))
 
 

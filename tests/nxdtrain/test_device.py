@@ -15,7 +15,7 @@ from ckptconv.io.nxd_write import save_shard
 from nxdtrain import cli
 from nxdtrain.device import resolve_kind, to_host, torch_xla_api
 from nxdtrain.errors import TrainError
-from nxdtrain.model import LlamaStage
+from nxdtrain.model.stage import LlamaStage
 from nxdtrain.parallel.layers import TpGroup
 
 PP_REFUSAL = ("nxdtrain: error: --pp 2 with --device xla: torch.distributed.pipelining sends activations with "

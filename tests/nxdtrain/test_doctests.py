@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["config.options", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model", "optim",
-           "config.preflight", "rope", "parallel.tp_group", "config.fsdp_checks", "config.values"]
+MODULES = ["config.options", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model.stage", "optim",
+           "config.preflight", "model.rope", "parallel.tp_group", "config.fsdp_checks", "config.values"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -116,7 +116,7 @@ def _block_worker(out_dir: str) -> None:
     import transformers
 
     from ckptconv.core.model_spec import ModelSpec
-    from nxdtrain.moe import SparseMLP
+    from nxdtrain.model.moe import SparseMLP
     from nxdtrain.parallel.dist import detect_env, init_world
     from nxdtrain.parallel.experts import EpGroup
     from nxdtrain.parallel.layers import TpGroup

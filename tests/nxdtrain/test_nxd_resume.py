@@ -27,7 +27,7 @@ from nxdtrain.checkpoint.restore import StageReader
 from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
-from nxdtrain.model import LlamaStage
+from nxdtrain.model.stage import LlamaStage
 from nxdtrain.optim import Optimizer, lr_at
 from nxdtrain.parallel.tp_group import TpGroup
 from tests.conftest import fixture_cases

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core import EMBED, LM_HEAD, ModelSpec, ParallelLayout
-from nxdtrain.model import LlamaStage, rank_heads
+from nxdtrain.model.stage import LlamaStage, rank_heads
 from nxdtrain.parallel.dist import Mesh
 from nxdtrain.parallel.grads import GradPlan
 

@@ -41,7 +41,7 @@ from ckptconv.core import (
     shard_records,
 )
 from nxdtrain.errors import TrainError
-from nxdtrain.moe import AuxLoss, MicroBatch, SparseMLP
+from nxdtrain.model.moe import AuxLoss, MicroBatch, SparseMLP
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
 from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.layers import (
@@ -55,7 +55,7 @@ from nxdtrain.parallel.layers import (
 from nxdtrain.parallel.recompute import MODES as RECOMPUTE_MODES
 from nxdtrain.parallel.recompute import maybe_checkpoint
 from nxdtrain.parallel.ring_attention import ring_attention
-from nxdtrain.rope import apply_rope, cos_sin, inv_freq
+from nxdtrain.model.rope import apply_rope, cos_sin, inv_freq
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ class LlamaStage(nn.Module):
         super().__init__()
         self.cp = cp = cp or CpGroup()
         self.ep = ep = ep or EpGroup()
-        self.aux = aux  # MoE families: the router's aux loss (nxdtrain.moe)
+        self.aux = aux  # MoE families: the router's aux loss (nxdtrain.model.moe)
         assert recompute in RECOMPUTE_MODES, recompute
         self.recompute = recompute
         if layout.vpp != 1:
