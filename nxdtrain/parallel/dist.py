@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from ckptconv.engine import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
-from nxdtrain.errors import TrainError
+from nxdtrain.errors import TrainError, failure_line
 from nxdtrain.parallel.lifeline import die_with, start_time
 
 DEFAULT_PORT = 29500
@@ -377,14 +377,13 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world
     except Exception as exc:
         # Not printed here: every rank often fails alike (a bad row, a missing file), or because a peer
         # failed (a lost connection); the launcher prints the first message written, once.
-        from ckptconv.cli import debug_requested, describe
-
-        if debug_requested():
+        line, debug = failure_line(exc)
+        if debug:
             import traceback
 
             traceback.print_exc()
         with open(os.path.join(errors, ERROR_FILE.format(local_rank)), "w") as fh:
-            fh.write(" ".join(describe(exc)[0].split()))
+            fh.write(line)
         sys.exit(1)
 
 
