@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ckptconv.training.nxd_optimizer_ranks import OptimFormat
     from ckptconv.training.nxd_optimizer_write import DEFAULT_RULE, NXD_OPTIMIZER_KEY, NXDTRAIN_KEY
     from ckptconv.training.nxd_tag_optimizer import NxdTagOptimizer
-    from ckptconv.training.optim_placement import optimizer_ep_rank, shard_ranks
+    from ckptconv.training.optim_placement import expert_dp_groups, optimizer_ep_rank, shard_ranks
     from ckptconv.training.position import nxd_position
     from ckptconv.training.schedules import NXDT_SCHEDULES, lr_at, nxdt_lr
     from ckptconv.training.state import FORMAT as OPTIMIZER_FORMAT

@@ -70,6 +70,20 @@ def optimizer_ep_rank(dp_rank: int, ep: int) -> int:
     return dp_rank % ep
 
 
+def expert_dp_groups(dp: int, ep: int) -> tuple[list[list[int]], list[list[int]]] | None:
+    """NxD's expert mesh over ``dp`` data-parallel ranks as dp ranks: (the ep groups, one per dp_exp rank, each in ep
+    order; the expert-data-parallel groups, one per ep rank: the dp ranks holding the same experts); None when ``ep``
+    does not divide ``dp`` (expert parallelism is carved out of dp).
+
+        >>> expert_dp_groups(4, 2)
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    if dp % ep:
+        return None
+    edp = [[d for d in range(dp) if optimizer_ep_rank(d, ep) == e] for e in range(ep)]
+    return [list(ranks) for ranks in zip(*edp, strict=True)], edp
+
+
 def check_zero1_ep(dp: int, ep: int) -> None:
     """ZeRO-1 at ep > 1 partitions each ep rank's experts over its dp / ep expert-data-parallel ranks: dp must be a
     multiple of ep (NxD's ``initialize_model_parallel`` refuses the world otherwise)."""
