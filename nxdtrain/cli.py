@@ -21,8 +21,8 @@ from ckptconv.errors import ConversionError
 from ckptconv.io import add_version_flag
 from nxdtrain.commands import add_commands
 from nxdtrain.config.options import GROUPS, REQUIRED_USAGE, TrainConfig, explain, flag_of, leaf_fields
-from nxdtrain.errors import TrainError
 from nxdtrain.config.yaml_config import read_yaml
+from nxdtrain.errors import TrainError
 
 PRELOAD = ("nxdtrain.train", "nxdtrain.model.pipeline")  # what the processes of --nproc need, imported once
 

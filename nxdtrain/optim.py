@@ -210,3 +210,11 @@ class Optimizer:
                     self.master[name].copy_(master)
                     if self.mixed:
                         self.params[name].copy_(self.master[name])
+
+
+def expert_zero(model: Any, groups: tuple[Any, Any] | None, zero_group: Any) -> tuple[tuple[str, ...], Any] | None:
+    """ZeRO-1 at ep > 1: (this ep rank's expert parameters, their expert-data-parallel group), whose optimizer
+    state is sharded apart from the rest (nxdtrain.parallel.expert_zero); None otherwise."""
+    if zero_group is None or groups is None or model.ep.size == 1:
+        return None
+    return tuple(model.expert_params()), groups[1]

@@ -58,9 +58,9 @@ from ckptconv.training import (
 from nxdtrain.checkpoint.continuity import recorded_run
 from nxdtrain.checkpoint.tags import finish_interrupted_rewrites, optim_file
 from nxdtrain.config.options import AUTO, CheckpointConfig, ParallelConfig
+from nxdtrain.config.preflight import check_model_config
 from nxdtrain.errors import TrainError
 from nxdtrain.model.stage import describe
-from nxdtrain.config.preflight import check_model_config
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from ckptconv.engine import outdir
 from ckptconv.errors import ConversionError
 from ckptconv.io import CHECKPOINT_MARKER, DONE_MARKER, completed_tags, read_metadata, tag_step
 from ckptconv.training import RECORD_KEY, optimizer_file
-from nxdtrain.errors import TrainError
 from nxdtrain.config.preflight import check_writable
+from nxdtrain.errors import TrainError
 
 MARKERS = (DONE_MARKER, CHECKPOINT_MARKER)  # not listed in ckptconv.json, ours by name; done goes first
 # The hidden siblings of a tag while --optimizer-format nxd rewrites it: the rewrite, then the replaced tag.

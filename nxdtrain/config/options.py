@@ -21,10 +21,10 @@ from typing import Any
 
 from ckptconv.engine import NXD_PARAM_GROUPS
 from ckptconv.training import NXDT_SCHEDULES
-from nxdtrain.device import DEVICES, xla_limits
-from nxdtrain.errors import TrainError
 from nxdtrain.config.fsdp_checks import flag, sharding_limits, xla_refusal
 from nxdtrain.config.values import is_int
+from nxdtrain.device import DEVICES, xla_limits
+from nxdtrain.errors import TrainError
 
 OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_optimizer_write: nxd)
 NXD_SCHEDULE = NXDT_SCHEDULES[0]  # CosineAnnealing: the schedule NxD's scheduler.pt can hold (nxd_trainer_files.COSINE)

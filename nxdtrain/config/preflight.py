@@ -2,7 +2,7 @@
 
 ``prepare`` calls them once before ``--nproc`` starts any process (and again in each rank, where they
 are cheap): a run that would save nothing, an ``--export-hf`` target that the export at the end would
-refuse, directories this user cannot write.
+refuse, directories this user cannot write, an MoE run its experts cannot take (:func:`moe_refusal`).
 
     >>> from nxdtrain.config.options import TrainConfig
     >>> config = TrainConfig.from_flat({"resume": "llama-nxd", "data": "synthetic", "no_checkpoint": True})
@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ckptconv.core import HF_FILES_DIR
+from ckptconv.core import HF_FILES_DIR, ModelSpec
 from ckptconv.engine import TMP_DIR
 from ckptconv.errors import ConversionError
 from ckptconv.io import CONFIG, METADATA_FILE, Metadata, read_metadata
+from ckptconv.training import expert_dp_groups
 from nxdtrain.config.options import SYNTHETIC, TrainConfig
 from nxdtrain.errors import TrainError
 
@@ -100,3 +101,26 @@ def check_model_config(root: Path, hf_config: str | None = None, *, takes_hf_con
     fix = (f"pass --hf-config PATH/config.json (the HF model's), or copy it to {root / HF_FILES_DIR / CONFIG}"
            if takes_hf_config else f"copy the HF model's config.json to {root / HF_FILES_DIR / CONFIG}")
     raise TrainError(f"{root} has no {METADATA_FILE} and no {HF_FILES_DIR}/{CONFIG}, so the model is unknown; {fix}")
+
+
+def moe_refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
+            optimizer_format: str = "nxdtrain", shards: bool = False, zero1: bool = False) -> str | None:
+    """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
+    if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
+        return None
+    if expert_dp_groups(dp, ep) is None:
+        return f"--ep {ep} must divide the data-parallel size {dp} (expert parallelism is carved out of dp)"
+    if shards:
+        return (f"--shard-params / --hybrid-shard with a {spec.family.name} model: FSDP would shard each ep rank's "
+                "experts over all dp ranks, which hold different experts; use --zero1")
+    if cp > 1:
+        return (f"--context-parallel {cp} with a {spec.family.name} model: the router's aux loss counts a "
+                "micro-batch's whole sequence, which no cp rank holds; use --context-parallel 1")
+    if ep > 1 and optimizer_format == "nxd" and not zero1:
+        return (f"--optimizer-format nxd with --ep {ep} needs --zero1: NxD's expert-parallel optimizer files are its "
+                "ZeRO-1 optimizer's (NeuronEPZero1Optimizer), the only ones ckptconv writes at ep > 1")
+    if ep > 1 and device == "xla":
+        return f"--ep {ep} on xla: the all-to-all's splits are data-dependent (a host read per layer); use --ep 1"
+    if jitter := spec.config.get("router_jitter_noise") or 0:  # what nxdtrain's MoE block does not compute
+        return f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)"
+    return None

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from nxdtrain.config.options import AUTO, NXDT_SCHEDULES, RECOMPUTE_MODULES, leaf_owners
-from nxdtrain.errors import TrainError
 from nxdtrain.config.yaml_load import load_tree
+from nxdtrain.errors import TrainError
 
 # NxDT's nested keys -> our flat names (translated by _nxdt_value where the value differs).
 NXDT_KEYS: dict[tuple[str, ...], str] = {

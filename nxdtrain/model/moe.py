@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckptconv.core import ModelSpec, route_logits
-from ckptconv.training import optimizer_ep_rank
+from nxdtrain.config.options import DataConfig
 from nxdtrain.parallel.experts import EpGroup, by_expert, routed
 from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
 
@@ -201,48 +201,13 @@ class SparseMLP(nn.Module):
         return out
 
 
-def refusal(spec: ModelSpec, ep: int, *, dp: int, cp: int, device: str,
-            optimizer_format: str = "nxdtrain", shards: bool = False, zero1: bool = False) -> str | None:
-    """Why this MoE run (or ``--ep`` on a dense model) cannot run, in one line; None: it can. Before any process."""
-    if not spec.experts:  # --ep on a dense model: the layout's own check refuses it
-        return None
-    if dp % ep:
-        return f"--ep {ep} must divide the data-parallel size {dp} (expert parallelism is carved out of dp)"
-    if shards:
-        return (f"--shard-params / --hybrid-shard with a {spec.family.name} model: FSDP would shard each ep rank's "
-                "experts over all dp ranks, which hold different experts; use --zero1")
-    if cp > 1:
-        return (f"--context-parallel {cp} with a {spec.family.name} model: the router's aux loss counts a "
-                "micro-batch's whole sequence, which no cp rank holds; use --context-parallel 1")
-    if ep > 1 and optimizer_format == "nxd" and not zero1:
-        return (f"--optimizer-format nxd with --ep {ep} needs --zero1: NxD's expert-parallel optimizer files are its "
-                "ZeRO-1 optimizer's (NeuronEPZero1Optimizer), the only ones ckptconv writes at ep > 1")
-    if ep > 1 and device == "xla":
-        return f"--ep {ep} on xla: the all-to-all's splits are data-dependent (a host read per layer); use --ep 1"
-    if jitter := spec.config.get("router_jitter_noise") or 0:  # what nxdtrain's MoE block does not compute
-        return f"config.json: router_jitter_noise {jitter}: nxdtrain's router has no jitter (0 works)"
-    return None
-
-
-def moe_parts(spec: ModelSpec, mesh: Any, cfg: Any) -> tuple[EpGroup, AuxLoss | None, tuple[Any, Any] | None]:
-    """This rank's ep group, its aux loss and its (ep, expert-data-parallel) process groups; a dense model's: none.
-    Collective for MoE models (``mesh.expert_groups``)."""
+def aux_loss(spec: ModelSpec, data: DataConfig, *, inject: bool) -> AuxLoss | None:
+    """The router's aux loss of an MoE run over ``data``'s micro-batches (``inject``: this rank adds its gradient,
+    tp rank 0); None for a dense model."""
     if not spec.experts:
-        return EpGroup(), None, None
-    ep = cfg.parallel.ep
-    groups = mesh.expert_groups(ep)
-    data = cfg.data
+        return None
     sparse = sum(1 for layer in range(spec.layers) if spec.sparse(layer))
     # transformers' default coefficient (MixtralConfig, Qwen3MoeConfig) where config.json states none
     coef = float(spec.config.get("router_aux_loss_coef", 0.001))
-    aux = AuxLoss(spec.experts, spec.top_k, coef, microbatches=data.gbs // data.mbs,
-                  rows=sparse * data.mbs * data.seq_len, inject=mesh.coords.tp == 0)
-    return EpGroup(ep, optimizer_ep_rank(mesh.coords.dp, ep), groups[0]), aux, groups
-
-
-def expert_zero(model: Any, groups: tuple[Any, Any] | None, zero_group: Any) -> tuple[tuple[str, ...], Any] | None:
-    """ZeRO-1 at ep > 1: (this ep rank's expert parameters, their expert-data-parallel group), whose optimizer
-    state is sharded apart from the rest (nxdtrain.parallel.expert_zero); None otherwise."""
-    if zero_group is None or groups is None or model.ep.size == 1:
-        return None
-    return tuple(model.expert_params()), groups[1]
+    return AuxLoss(spec.experts, spec.top_k, coef, microbatches=data.gbs // data.mbs,
+                   rows=sparse * data.mbs * data.seq_len, inject=inject)

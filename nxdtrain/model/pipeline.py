@@ -26,8 +26,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from nxdtrain.data.rows import PAD
 from nxdtrain.errors import TrainError
-from nxdtrain.model.stage import LlamaStage
 from nxdtrain.model.moe import count_first
+from nxdtrain.model.stage import LlamaStage
 from nxdtrain.parallel.context import split_sequence
 from nxdtrain.parallel.layers import vocab_parallel_cross_entropy
 

@@ -42,6 +42,7 @@ from ckptconv.core import (
 )
 from nxdtrain.errors import TrainError
 from nxdtrain.model.moe import AuxLoss, MicroBatch, SparseMLP
+from nxdtrain.model.rope import apply_rope, cos_sin, inv_freq
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
 from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.layers import (
@@ -55,7 +56,6 @@ from nxdtrain.parallel.layers import (
 from nxdtrain.parallel.recompute import MODES as RECOMPUTE_MODES
 from nxdtrain.parallel.recompute import maybe_checkpoint
 from nxdtrain.parallel.ring_attention import ring_attention
-from nxdtrain.model.rope import apply_rope, cos_sin, inv_freq
 
 
 @dataclass(frozen=True)

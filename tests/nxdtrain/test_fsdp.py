@@ -228,8 +228,8 @@ def test_hybrid_degree_must_divide_dp(nxd_model):
 
 
 def test_smp_keys_in_nxdt_yaml(tmp_path):
-    from nxdtrain.errors import TrainError
     from nxdtrain.config.yaml_config import read_yaml
+    from nxdtrain.errors import TrainError
 
     path = tmp_path / "run.yaml"
     path.write_text("distributed_strategy:\n  hybrid_shard_degree: 2\n  sm_activation_offloading: true\n")

@@ -15,9 +15,9 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd_read import load_shard
 from ckptconv.io.nxd_write import save_shard
 from nxdtrain.errors import TrainError
+from nxdtrain.model.rope import inv_freq
 from nxdtrain.model.stage import LlamaStage
 from nxdtrain.parallel.layers import TpGroup, vocab_parallel_cross_entropy
-from nxdtrain.model.rope import inv_freq
 from tests.conftest import hf_state
 from tests.nxdtrain.harness import convert
 

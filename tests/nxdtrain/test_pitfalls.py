@@ -15,8 +15,8 @@ import torch
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_write import write_markers
-from nxdtrain.config import preflight
 from nxdtrain.cli import main
+from nxdtrain.config import preflight
 from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.optim import lr_at

@@ -12,9 +12,9 @@ from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd_read import load_shard
+from nxdtrain.model.pipeline import PipelineStep, stage_shapes
 from nxdtrain.model.stage import LlamaStage, SelfAttention, rank_heads
 from nxdtrain.parallel.layers import TpGroup
-from nxdtrain.model.pipeline import PipelineStep, stage_shapes
 from tests.nxdtrain.harness import convert
 
 
