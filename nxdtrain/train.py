@@ -46,7 +46,7 @@ from nxdtrain.checkpoint.resume import (
 )
 from nxdtrain.checkpoint.save import TagWriter, set_rng_state
 from nxdtrain.checkpoint.tags import check_checkpoint_dir, check_one_writer, claim_checkpoint_dir
-from nxdtrain.config.fsdp_checks import check_degree
+from nxdtrain.config.checks import check_degree
 from nxdtrain.config.options import TrainConfig
 from nxdtrain.config.preflight import (
     SYNTHETIC,
@@ -63,9 +63,8 @@ from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, local_gpu_limits, resolve_kind
 from nxdtrain.errors import TrainError
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
-from nxdtrain.model.gradient_groups import grad_plan
 from nxdtrain.model.moe import aux_loss, step_aux
-from nxdtrain.model.stage import LlamaStage
+from nxdtrain.model.stage import LlamaStage, grad_plan
 from nxdtrain.optim import Optimizer, expert_zero, lr_at
 from nxdtrain.parallel.context import CpGroup
 from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len

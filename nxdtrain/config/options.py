@@ -21,8 +21,7 @@ from typing import Any
 
 from ckptconv.engine import NXD_PARAM_GROUPS
 from ckptconv.training import NXDT_SCHEDULES
-from nxdtrain.config.fsdp_checks import flag, sharding_limits, xla_refusal
-from nxdtrain.config.values import is_int
+from nxdtrain.config.checks import flag, is_int, sharding_limits, xla_refusal
 from nxdtrain.device import DEVICES, xla_limits
 from nxdtrain.errors import TrainError
 

@@ -1,6 +1,6 @@
-"""The model a rank trains: one pipeline stage of a decoder on NxD's parameter names and shapes (stage.py), its
-dense and sparse MLPs (moe.py: the mixture-of-experts block and the router's aux loss), RoPE (rope.py), which
-gradients it sums with whom (gradient_groups.py), and one step's microbatches through the stages (pipeline.py).
+"""The model a rank trains: one pipeline stage of a decoder on NxD's names and shapes, its dense MLP and which
+gradients it sums with whom (stage.py); the sparse MLP and the router's aux loss (moe.py); RoPE (rope.py); one
+step's microbatches through the stages and the loss (pipeline.py).
 """
 
 from __future__ import annotations

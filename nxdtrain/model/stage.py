@@ -21,13 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckptconv.core import Attention as AttentionMode
 from ckptconv.core import (
+    EMBED,
+    LM_HEAD,
     ModelSpec,
     ParallelLayout,
     ShardRecord,
@@ -40,11 +42,14 @@ from ckptconv.core import (
     rms_norm,
     shard_records,
 )
+from ckptconv.core import Attention as AttentionMode
 from nxdtrain.errors import TrainError
 from nxdtrain.model.moe import AuxLoss, MicroBatch, SparseMLP
 from nxdtrain.model.rope import apply_rope, cos_sin, inv_freq
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
+from nxdtrain.parallel.dist import Mesh
 from nxdtrain.parallel.experts import EpGroup
+from nxdtrain.parallel.grads import GradPlan
 from nxdtrain.parallel.layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
@@ -400,3 +405,42 @@ class LlamaStage(nn.Module):
         """Replicated parameters whose gradient each tp rank holds only its heads' part of (per-head q/k norms:
         summed over tp)."""
         return [name for name, _ in self.named_parameters() if name.endswith(("q_norm.weight", "k_norm.weight"))]
+
+
+# Which gradients a rank sums with whom: the parallel.grads.GradPlan of one stage in a run's process groups
+# (dp x cp, K/V replicas, sequence-parallel norms, the tied embedding, MoE's expert groups).
+
+
+def grad_plan(model: LlamaStage, mesh: Mesh, spec: ModelSpec, layout: ParallelLayout,
+              experts: tuple[Any, Any] | None = None) -> GradPlan:
+    """Who sums which gradients with whom (see nxdtrain.parallel.grads) for ``model``, this rank's stage of the
+    run's ``layout``; ``experts``: MoE's (ep, expert-data-parallel) groups. Collective: every rank calls it."""
+    tp_rank = mesh.coords.tp
+    # Gradients are summed over dp x cp: the cp ranks of a replica each hold their chunks' share.
+    out = GradPlan(dp_group=mesh.dpcp_group, mp_group=mesh.mp_group)
+    names = {id(p): n for n, p in model.named_parameters()}
+    if model.tp.sequence_parallel and mesh.tp_group is not None:  # norm weights saw only their sequence slice
+        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_replicated())
+    elif model.tp_partial() and mesh.tp_group is not None:  # per-head q/k norms saw only this rank's heads
+        out.seq_group, out.seq_names = mesh.tp_group, tuple(model.tp_partial())
+    if tp_rank != 0:
+        out.uncounted.update({name: [] for name in model.tp_replicated()})
+    # Ranks holding the same K/V heads form a replica group (kv_size_multiplier > 1).
+    replicas: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(layout.tp):
+        replicas.setdefault(rank_heads(spec, layout, rank).kv, []).append(rank)
+    partition = list(replicas.values())
+    if any(len(part) > 1 for part in partition):
+        out.kv_group = mesh.tp_subgroups(partition)
+        out.kv_rows = [(names[id(p)], rows) for attn in model.attention_layers() for p, rows in attn.kv_rows()]
+        if next(part for part in partition if tp_rank in part)[0] != tp_rank:
+            for name, rows in out.kv_rows:
+                out.uncounted.setdefault(name, []).append(rows)
+    if experts is not None:  # MoE: each ep rank's experts are summed over the ranks holding the same ones
+        out.expert_names, (out.ep_group, out.edp_group) = tuple(model.expert_params()), experts
+    if spec.tied:
+        out.tied_group = mesh.first_last_stage_group()
+        out.tied_names = tuple(n for n in (EMBED, LM_HEAD) if n in names.values())
+        if LM_HEAD in out.tied_names:
+            out.uncounted[LM_HEAD] = []
+    return out

@@ -342,7 +342,7 @@ class Mesh:
         N): its global ranks (one row a shard group, NxD's dp order) and its process groups, outermost first. At
         degree = dp: the run's own dp group (at dp 1, where the run keeps none, a one-rank group made here); else
         the (replicate, shard) groups, made here: dp ranks ``k·N .. k·N + N - 1`` shard one copy, the ranks at the
-        same place in each copy replicate. Collective (pp and cp are 1: refused with sharding, fsdp_checks)."""
+        same place in each copy replicate. Collective (pp and cp are 1: refused with sharding, config.checks)."""
         everyone = group_ranks("dp", tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp)
         mine = next(ranks for ranks in everyone if self.rank in ranks)
         rows = [mine[k:k + degree] for k in range(0, self.dp, degree)]

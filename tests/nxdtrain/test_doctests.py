@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["config.options", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model.stage", "optim",
-           "config.preflight", "model.rope", "parallel.tp_group", "config.fsdp_checks", "config.values"]
+           "config.preflight", "model.rope", "parallel.tp_group", "config.checks"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,7 +1,11 @@
-"""What ``--shard-params`` / ``--hybrid-shard N`` / ``--offload-activations`` refuse, checked before any process starts.
+"""What a run's option values refuse, checked before any process starts: plain values (:func:`is_int`) and what
+``--shard-params`` / ``--hybrid-shard N`` / ``--offload-activations`` refuse.
 
-Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config.options` and ``prepare`` refuse a run in one line.
+Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config.options` and ``prepare`` refuse a run in
+one line.
 
+    >>> is_int(2), is_int(True), is_int(2.0)
+    (True, False, False)
     >>> shard_degree(shard_params=True, hybrid_shard=None, dp=4), shard_degree(shard_params=False, hybrid_shard=2, dp=4)
     (4, 2)
     >>> sharding_limits(shard_params=True, hybrid_shard=None, zero1=False, pp=2, cp=1)[:36]
@@ -10,7 +14,13 @@ Plain arithmetic on the options (no torch), so that :mod:`nxdtrain.config.option
 
 from __future__ import annotations
 
-from nxdtrain.config.values import is_int
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (YAML's ``true`` is no count of ranks or steps)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 # Why XLA is refused, in one place (config for --device xla, prepare for --device auto resolving to xla).
 XLA_WHY = ("torch's FSDP2 (fully_shard) keeps parameters as DTensors and overlaps their all-gathers and "
