@@ -30,7 +30,7 @@ from ckptconv.core import ParallelLayout
 from ckptconv.engine import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io import Flavour
-from ckptconv.training import DEFAULT_RULE
+from ckptconv.training import DEFAULT_RULE, lr_at
 from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_record
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
@@ -65,7 +65,7 @@ from nxdtrain.errors import TrainError
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
 from nxdtrain.model.moe import aux_loss, step_aux
 from nxdtrain.model.stage import LlamaStage, grad_plan
-from nxdtrain.optim import Optimizer, expert_zero, lr_at
+from nxdtrain.optim import Optimizer, expert_zero
 from nxdtrain.parallel.context import CpGroup
 from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
 from nxdtrain.parallel.dist import (

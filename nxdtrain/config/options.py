@@ -28,7 +28,7 @@ from nxdtrain.errors import TrainError
 OPTIMIZER_FORMATS = ("nxdtrain", "nxd")  # what a save writes in optim/ (ckptconv.training.nxd_optimizer_write: nxd)
 NXD_SCHEDULE = NXDT_SCHEDULES[0]  # CosineAnnealing: the schedule NxD's scheduler.pt can hold (nxd_trainer_files.COSINE)
 OPTIMIZERS = ("adamw", "sgd")
-# Ours, then NxDT's by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp; nxdtrain.schedules)
+# Ours, then NxDT's by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp; ckptconv.training.nxdt_lr)
 SCHEDULES = ("cosine", "linear", "constant", "CosineAnnealing", "LinearAnnealingWithWarmUp")
 NXDT_SCHEDULES = SCHEDULES[3:]
 PRECISIONS = ("auto", "fp32", "bf16")

@@ -77,12 +77,13 @@ def test_run_length_and_warmup_reading():
 
 
 def test_fraction_must_be_resolved_and_missing_extras_say_what_to_install(monkeypatch, tmp_path):
+    from ckptconv.errors import ConversionError
+    from ckptconv.training import lr_at
     from nxdtrain.config.options import OptimConfig
     from nxdtrain.metrics import require_tensorboard
-    from nxdtrain.optim import lr_at
     from nxdtrain.plot import plot_log
 
-    with pytest.raises(TrainError, match="--warmup 0.5 is a fraction of the run: resolve it first"):
+    with pytest.raises(ConversionError, match="--warmup 0.5 is a fraction of the run: resolve it first"):
         lr_at(1, OptimConfig(warmup=0.5), decay_steps=10)
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -17,10 +17,10 @@ import torch
 from ckptconv.commands.api import reshard, to_hf
 from ckptconv.commands.dcp import to_dcp
 from ckptconv.core.layout import ParallelLayout
+from ckptconv.training import lr_at
 from ckptconv.training.state import is_training_tag
 from nxdtrain.checkpoint.resume import read_training_state, resolve_resume
 from nxdtrain.config.options import OptimConfig
-from nxdtrain.optim import lr_at
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.nxdtrain.test_nxd_resume import (
     CASES,

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckptconv.core.layout import ParallelLayout
+from ckptconv.training import lr_at
 from ckptconv.training.nxd_optimizer import read_optimizer_state
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
@@ -28,7 +29,7 @@ from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.model.stage import LlamaStage
-from nxdtrain.optim import Optimizer, lr_at
+from nxdtrain.optim import Optimizer
 from nxdtrain.parallel.tp_group import TpGroup
 from tests.conftest import fixture_cases
 from tests.test_nxd_optimizer import tag_of

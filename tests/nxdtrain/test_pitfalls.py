@@ -15,11 +15,11 @@ import torch
 from ckptconv.io.digest import record_files
 from ckptconv.io.metadata import read_metadata, write_metadata
 from ckptconv.io.nxd_write import write_markers
+from ckptconv.training import lr_at
 from nxdtrain.cli import main
 from nxdtrain.config import preflight
 from nxdtrain.config.options import TrainConfig
 from nxdtrain.errors import TrainError
-from nxdtrain.optim import lr_at
 from nxdtrain.train import prepare
 from tests.conftest import warns_no_tokenizer
 from tests.nxdtrain.harness import train_options
