@@ -15,7 +15,7 @@ from nxdtrain.data.pack import pack
 from nxdtrain.errors import TrainError
 from tests.nxdtrain.harness import run_world, train_options
 
-CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "fixtures" / "corpus"
 TOKENIZER = CORPUS / "tokenizer.json"
 EOS = 0  # NUL: a byte the texts never contain
 B = lambda text: list(text.encode())  # noqa: E731  (the bundled tokenizer's ids are the UTF-8 bytes)

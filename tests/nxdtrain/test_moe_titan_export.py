@@ -120,7 +120,7 @@ def test_torchtitans_qwen3_moe_loads_the_trained_tags_dcp(tmp_path):
 def test_to_dcp_of_nxds_ep_zero1_files_carries_the_same_state(tmp_path):
     """A Qwen3-MoE run at ep 2 x dp 4 with ZeRO-1 saved in NxD's EP ZeRO-1 files (``--optimizer-format nxd``) and the
     same run saved in nxdtrain's format 2: their DCPs hold the same weights and AdamW state."""
-    from tests.nxdtrain.test_moe_followup_nxd_optim import _options
+    from tests.nxdtrain.checkpoint.test_moe_nxd_format_save import _options
 
     src = convert(make_moe(tmp_path / "hf", "qwen3_moe"), tmp_path / "converted")
     dcps = []

@@ -1,5 +1,5 @@
 """``ckptconv reshard`` of NxD's own training tags (fixtures/nxdt-official/, written by NxD 2.28): an nxdtrain
-training tag (format 2) with NxD's optimizer state, step and schedule, checked as tests/nxdtrain/test_nxd_resume.py
+training tag (format 2) with NxD's optimizer state, step and schedule, checked as tests/nxdtrain/checkpoint/test_nxd_resume.py
 checks a direct resume: each rank of the resharded tag continues step 3 with the recorded gradients to NxD's own
 step 3 (within an fp32 ulp; a fresh optimizer is off by about 1e-3 there)."""
 
@@ -22,7 +22,7 @@ from ckptconv.training.state import is_training_tag
 from nxdtrain.checkpoint.resume import read_training_state, resolve_resume
 from nxdtrain.config.options import OptimConfig
 from tests.conftest import hf_state, warns_no_tokenizer
-from tests.nxdtrain.test_nxd_resume import (
+from tests.nxdtrain.checkpoint.test_nxd_resume import (
     CASES,
     FP32_STATE,
     SCHEDULE,
@@ -195,7 +195,7 @@ def test_the_resharded_tag_resumes_as_nxds_tag_does(case: str, tmp_path: Path) -
     files declare bf16 weights; every reshard of NxD's tag recorded fp32, so its run trained in fp32), then step 3
     with the recorded gradients: the same model dtype and the same fp32 masters, bit for bit."""
     from nxdtrain.checkpoint.nxd_resume import read_nxd_state
-    from tests.nxdtrain.test_nxd_resume import restored
+    from tests.nxdtrain.checkpoint.test_nxd_resume import restored
 
     nxds = nxd_tag(case, tmp_path / "nxd")
     out = reshard(nxds, tmp_path / "same", tp=1, pp=1).out

@@ -6,7 +6,7 @@ import json
 import runpy
 from pathlib import Path
 
-CORPUS = Path(__file__).resolve().parents[2] / "fixtures" / "corpus"
+CORPUS = Path(__file__).resolve().parents[3] / "fixtures" / "corpus"
 
 
 def test_rebuild_is_reproducible_and_byte_level(tmp_path):

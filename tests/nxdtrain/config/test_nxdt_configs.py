@@ -17,9 +17,9 @@ from torch import nn
 from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.optim import Optimizer
-from tests.nxdtrain.test_yaml import config, error
+from tests.nxdtrain.config.test_yaml_config import config, error
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIXTURES = REPO / "fixtures" / "nxdt"
 PATH_KEYS = ("exp_dir", "resume_from_checkpoint", "train_dir", "model_config")
 

@@ -15,7 +15,7 @@ import pytest
 from nxdtrain.cli import build_parser, load_config
 from nxdtrain.errors import TrainError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STOCK = REPO / "fixtures" / "nxdt" / "hf_llama3_70B.yaml"
 
 

@@ -34,7 +34,7 @@ from nxdtrain.parallel.tp_group import TpGroup
 from tests.conftest import fixture_cases
 from tests.test_nxd_optimizer import tag_of
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "nxdt-official"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "nxdt-official"
 CASES = fixture_cases(FIXTURES)
 
 

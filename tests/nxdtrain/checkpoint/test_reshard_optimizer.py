@@ -20,8 +20,8 @@ from ckptconv.commands.api import RunOptions, reshard
 from nxdtrain.config.options import TrainConfig
 from nxdtrain.train import export, prepare
 from tests.conftest import warns_no_tokenizer
+from tests.nxdtrain.checkpoint.test_resume import tree_bytes
 from tests.nxdtrain.harness import run_world, train_options
-from tests.nxdtrain.test_resume import tree_bytes
 
 TOL = 1e-5
 SOURCE = dict(tp=2, pp=2, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=1)
