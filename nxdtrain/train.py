@@ -66,8 +66,7 @@ from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metri
 from nxdtrain.model.moe import aux_loss, step_aux
 from nxdtrain.model.stage import LlamaStage, grad_plan
 from nxdtrain.optim import Optimizer, expert_zero
-from nxdtrain.parallel.context import CpGroup
-from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
+from nxdtrain.parallel.context import CpGroup, check_seq_len
 from nxdtrain.parallel.dist import (
     LAUNCHER_ENV,
     Mesh,
@@ -83,7 +82,6 @@ from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, s
 from nxdtrain.parallel.grads import clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.offload import offloading
-from nxdtrain.parallel.sequence import check_seq_len
 
 # What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
 # its workers, so that the data is checked once, before the first process, not again on every rank.
@@ -161,9 +159,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
     if reason := check_degree(hybrid_shard=par.hybrid_shard, dp=dp):
         raise TrainError(reason)
-    if par.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
-        raise TrainError(reason)
-    if reason := check_cp_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
+    if reason := check_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
         raise TrainError(reason)
     window = source.spec.window
     if cp > 1 and window is not None and window < data.seq_len:  # the family's sliding window (Mistral)

@@ -55,7 +55,7 @@ class PipelineStep:
         self.tokens, self.microbatches = tokens_per_batch, microbatches
         self.schedule: Any = None
         if pp_size > 1:
-            inputs, outputs = stage_shapes(model, mbs=mbs, seq_len=seq_len)
+            inputs, outputs = exchanged_shapes(model, mbs=mbs, seq_len=seq_len)
             x, y = _examples(inputs, device), _examples(outputs, device)
             stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group, input_args=x, output_args=y,
                                   input_grads=None if model.is_first else x, output_grads=None if model.is_last else y)
@@ -128,7 +128,7 @@ class PipelineStep:
 Shape = tuple[tuple[int, ...], torch.dtype]
 
 
-def stage_shapes(model: LlamaStage, *, mbs: int, seq_len: int) -> tuple[Shape, Shape]:
+def exchanged_shapes(model: LlamaStage, *, mbs: int, seq_len: int) -> tuple[Shape, Shape]:
     """(input, output) shape and dtype of one microbatch through this stage (what the stages exchange)."""
     tp = model.tp
     dtype = next(model.parameters()).dtype

@@ -12,7 +12,7 @@ from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import ParallelLayout, shard_name
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.io.nxd_read import load_shard
-from nxdtrain.model.pipeline import PipelineStep, stage_shapes
+from nxdtrain.model.pipeline import PipelineStep, exchanged_shapes
 from nxdtrain.model.stage import LlamaStage, SelfAttention, rank_heads
 from nxdtrain.parallel.layers import TpGroup
 from tests.nxdtrain.harness import convert
@@ -106,5 +106,5 @@ def test_stage_shapes_are_the_sequence_slices_with_sp():
     for sp, seq in ((False, 16), (True, 8)):
         first = LlamaStage(SPEC, layout, tp=TpGroup(2, 1, sequence_parallel=sp), pp_rank=0)
         last = LlamaStage(SPEC, layout, tp=TpGroup(2, 1, sequence_parallel=sp), pp_rank=1)
-        assert stage_shapes(first, mbs=3, seq_len=16) == (((3, 16), torch.long), ((3, seq, 64), torch.float32))
-        assert stage_shapes(last, mbs=3, seq_len=16) == (((3, seq, 64), torch.float32), ((3, 16, 64), torch.float32))
+        assert exchanged_shapes(first, mbs=3, seq_len=16) == (((3, 16), torch.long), ((3, seq, 64), torch.float32))
+        assert exchanged_shapes(last, mbs=3, seq_len=16) == (((3, seq, 64), torch.float32), ((3, 16, 64), torch.float32))
