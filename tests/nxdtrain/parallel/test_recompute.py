@@ -100,7 +100,7 @@ def test_pp1_step_runs_each_microbatch_once(tmp_path, hf_model):
     assert all((got[n] - p.grad).abs().max() <= 1e-6 for n, p in stage.named_parameters())
 
 
-def test_stage_shapes_are_the_sequence_slices_with_sp():
+def test_exchanged_shapes_are_the_sequence_slices_with_sp():
     """What pipeline stages exchange: [mbs, seq/tp, hidden] with sequence parallelism, [mbs, seq, hidden] without."""
     layout = ParallelLayout(tp=2, pp=2, attention="qkv_linear")
     for sp, seq in ((False, 16), (True, 8)):
