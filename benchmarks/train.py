@@ -213,7 +213,7 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
     """One rank: nxdtrain's Trainer, the way ``nxdtrain.train.train`` drives it, with a probe around each step."""
     import torch.distributed as dist
 
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.parallel.dist import detect_env, init_world, local_world_size
     from nxdtrain.train import Trainer, prepare
 
@@ -241,7 +241,7 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     import torch
     from transformers import LlamaForCausalLM
 
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.data.rows import global_batches
     from nxdtrain.optim import make_torch_optimizer, param_groups
 

@@ -1,9 +1,10 @@
-"""nxdtrain: continual pretraining of Llama straight from NxD tensor x pipeline parallel shards.
+"""nxdtrain: continual pretraining straight from NxD tensor x pipeline (x expert) parallel shards.
 
-``nxdtrain run --resume PATH`` loads the shards of a converted (or previously trained) checkpoint
-into a tp x pp x dp Llama on torch.distributed, trains it, writes NxD-layout checkpoints, and
-``nxdtrain export`` turns one into a Hugging Face directory. The layout, mapping and I/O are
-ckptconv's. Public API (imported lazily, so ``import nxdtrain.config`` stays light):
+``nxdtrain run --resume PATH`` loads the shards of a converted (or previously trained) checkpoint of a dense
+decoder (Llama, Mistral, Qwen2, Qwen3) or a mixture of experts (Mixtral, Qwen3-MoE) into a tp x pp x dp (x cp, ep)
+model on torch.distributed, trains it, writes NxD-layout checkpoints, and ``nxdtrain export`` turns one into a
+Hugging Face directory. The layout, mapping and I/O are ckptconv's. Rooms: config/, parallel/, data/, model/,
+checkpoint/; the trainer at the top. Public API (imported lazily, so ``import nxdtrain.config`` stays light):
 
     >>> from nxdtrain import TrainConfig, train, export     # doctest: +SKIP
 """
@@ -16,8 +17,8 @@ from ckptconv import lazy_exports
 from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:  # imported on first use (ckptconv.lazy_exports)
-    from nxdtrain.config import TrainConfig
-    from nxdtrain.model import LlamaStage
+    from nxdtrain.config.options import TrainConfig
+    from nxdtrain.model.stage import LlamaStage
     from nxdtrain.train import export, prepare, train
 
 __all__ = ["TrainError", "TrainConfig", "train", "prepare", "export", "LlamaStage"]

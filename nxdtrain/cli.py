@@ -1,7 +1,7 @@
 """``nxdtrain`` command line: ``run`` trains, ``export`` writes an HF directory; ``data pack``, ``steps`` and
 ``plot`` are in :mod:`nxdtrain.commands`. Exit 0 ok, 1 error, 2 usage.
 
-The ``run`` flags are generated from :mod:`nxdtrain.config` (one flag per leaf option, its help
+The ``run`` flags are generated from :mod:`nxdtrain.config.options` (one flag per leaf option, its help
 from the field), so the flags, the YAML keys and the Python API cannot drift apart.
 
 Parsing and the config checks import no torch (a test checks ``sys.modules``): ``--version``,
@@ -20,11 +20,11 @@ from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.io import add_version_flag
 from nxdtrain.commands import add_commands
-from nxdtrain.config import GROUPS, REQUIRED_USAGE, TrainConfig, explain, flag_of, leaf_fields
+from nxdtrain.config.options import GROUPS, REQUIRED_USAGE, TrainConfig, explain, flag_of, leaf_fields
+from nxdtrain.config.yaml_config import read_yaml
 from nxdtrain.errors import TrainError
-from nxdtrain.yaml_config import read_yaml
 
-PRELOAD = ("nxdtrain.train", "nxdtrain.parallel.pipeline")  # what the processes of --nproc need, imported once
+PRELOAD = ("nxdtrain.train", "nxdtrain.model.pipeline")  # what the processes of --nproc need, imported once
 
 
 def _add_option(parser: Any, f: Any) -> None:

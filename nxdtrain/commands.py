@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from nxdtrain.config import LONG_ROWS
+from nxdtrain.config.options import LONG_ROWS
 from nxdtrain.errors import TrainError
 
 
@@ -77,7 +77,7 @@ def steps_report(*, data: str, gbs: int, mbs: int = 1, tp: int = 1, pp: int = 1,
                  seq_len: int | None = None, epochs: int = 1, warmup: float = 0.0, cp: int = 1,
                  long_rows: str = "cut") -> dict[str, Any]:
     """Everything ``nxdtrain steps`` prints; the numbers come from the functions ``run`` uses."""
-    from nxdtrain.config import OptimConfig
+    from nxdtrain.config.options import OptimConfig
     from nxdtrain.data.check import check_rows
     from nxdtrain.data.epochs import data_parallel, run_length
     from nxdtrain.data.rows import open_rows

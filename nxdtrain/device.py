@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from nxdtrain.errors import TrainError
 
-if TYPE_CHECKING:  # torch is imported where it is used: nxdtrain.config (flags, --help) needs none of this
+if TYPE_CHECKING:  # torch is imported where it is used: nxdtrain.config.options (flags, --help) needs none of this
     import torch
 
 DEVICES = ("auto", "cpu", "cuda", "xla")

@@ -1,4 +1,4 @@
-"""Optimizer, learning-rate schedule and fp32 master weights.
+"""Optimizer and fp32 master weights (the learning-rate schedule is ckptconv's, ``ckptconv.training.lr_at``).
 
 The optimizer always steps fp32 tensors: the parameters themselves with ``--precision fp32``,
 fp32 master copies with ``bf16`` (the bf16 parameters' gradients are accumulated into the
@@ -7,10 +7,9 @@ copied back into the parameters after each step). Weight decay applies to matric
 norm weights as well with ``--norm-weight-decay`` (their group takes the matrices' decay). With ZeRO-1 the optimizer state is sharded over the data-parallel ranks by
 torch's ``ZeroRedundancyOptimizer``; each dp rank then saves its own part.
 
-    >>> from nxdtrain.config import OptimConfig
-    >>> cfg = OptimConfig(lr=1.0, min_lr=0.0, warmup=2, schedule="linear")
-    >>> [lr_at(s, cfg, decay_steps=6) for s in range(1, 7)]
-    [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
+    >>> named = [("w", nn.Parameter(torch.zeros(2, 2))), ("norm", nn.Parameter(torch.zeros(2)))]
+    >>> [group["weight_decay"] for group in param_groups(named, 0.1)]
+    [0.1, 0.0]
 """
 
 from __future__ import annotations
@@ -23,22 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptconv.training import MASTER, OPTIMIZER_FORMAT, plain_group, state_key
-from ckptconv.training import lr_at as schedule_lr_at
-from nxdtrain.config import OptimConfig
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
 from nxdtrain.parallel.expert_zero import ExpertZero
-
-
-def lr_at(step: int, cfg: OptimConfig, *, decay_steps: int) -> float:
-    """Learning rate of the update that produces global step ``step`` (1-based).
-
-    Warmup: ``lr·step/warmup`` for ``step <= warmup``. Then ``constant`` keeps ``lr``; ``linear``
-    and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there. ``min_lr``
-    defaults to 0.1·lr (:class:`~nxdtrain.config.OptimConfig`), so the last step runs at lr 0 only when asked.
-    """
-    if 0 < cfg.warmup < 1:
-        raise TrainError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first (nxdtrain.data.epochs.resolve)")
-    return schedule_lr_at(step, cfg, decay_steps=decay_steps)
 
 
 def param_groups(named: list[tuple[str, nn.Parameter]], weight_decay: float, *,
@@ -210,3 +196,11 @@ class Optimizer:
                     self.master[name].copy_(master)
                     if self.mixed:
                         self.params[name].copy_(self.master[name])
+
+
+def expert_zero(model: Any, groups: tuple[Any, Any] | None, zero_group: Any) -> tuple[tuple[str, ...], Any] | None:
+    """ZeRO-1 at ep > 1: (this ep rank's expert parameters, their expert-data-parallel group), whose optimizer
+    state is sharded apart from the rest (nxdtrain.parallel.expert_zero); None otherwise."""
+    if zero_group is None or groups is None or model.ep.size == 1:
+        return None
+    return tuple(model.expert_params()), groups[1]

@@ -6,7 +6,7 @@ torchrun or srun). :func:`prepare` does every check that needs no process group,
 
 Example (one process; ``nxdtrain run`` is the same call):
 
-    >>> from nxdtrain.config import TrainConfig
+    >>> from nxdtrain.config.options import TrainConfig
     >>> cfg = TrainConfig.from_flat({"resume": "llama-nxd", "steps": 10, "data": "synthetic",
     ...                              "seq_len": 128, "checkpoint_dir": "ckpt"})   # doctest: +SKIP
     >>> history = train(cfg)                                                      # doctest: +SKIP
@@ -30,7 +30,7 @@ from ckptconv.core import ParallelLayout
 from ckptconv.engine import usable_cpus
 from ckptconv.errors import ConversionError
 from ckptconv.io import Flavour
-from ckptconv.training import DEFAULT_RULE
+from ckptconv.training import DEFAULT_RULE, lr_at
 from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_settings
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
@@ -46,21 +46,27 @@ from nxdtrain.checkpoint.resume import (
 )
 from nxdtrain.checkpoint.save import TagWriter, set_rng_state
 from nxdtrain.checkpoint.tags import check_checkpoint_dir, check_one_writer, claim_checkpoint_dir
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.checks import check_degree
+from nxdtrain.config.options import TrainConfig
+from nxdtrain.config.preflight import (
+    SYNTHETIC,
+    check_export_target,
+    check_model_config,
+    check_saves,
+    moe_refusal,
+    synthetic_notice,
+)
 from nxdtrain.data.check import CheckedData, checked_rows
 from nxdtrain.data.epochs import data_parallel
 from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, local_gpu_limits, resolve_kind
 from nxdtrain.errors import TrainError
-from nxdtrain.gradient_groups import grad_plan
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
-from nxdtrain.model import LlamaStage
-from nxdtrain.moe import expert_zero, moe_parts, step_aux
-from nxdtrain.moe import refusal as moe_refusal
-from nxdtrain.optim import Optimizer, lr_at
-from nxdtrain.parallel.context import CpGroup
-from nxdtrain.parallel.context import check_seq_len as check_cp_seq_len
+from nxdtrain.model.moe import aux_loss, step_aux
+from nxdtrain.model.stage import LlamaStage, grad_plan
+from nxdtrain.optim import Optimizer, expert_zero
+from nxdtrain.parallel.context import CpGroup, check_seq_len
 from nxdtrain.parallel.dist import (
     LAUNCHER_ENV,
     Mesh,
@@ -71,13 +77,11 @@ from nxdtrain.parallel.dist import (
     local_world_size,
     stop_together,
 )
-from nxdtrain.parallel.fsdp_checks import check_degree
+from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, sharding_for, state_bytes
 from nxdtrain.parallel.grads import clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.offload import offloading
-from nxdtrain.parallel.sequence import check_seq_len
-from nxdtrain.preflight import SYNTHETIC, check_export_target, check_model_config, check_saves, synthetic_notice
 
 # What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
 # its workers, so that the data is checked once, before the first process, not again on every rank.
@@ -155,9 +159,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
     if reason := check_degree(hybrid_shard=par.hybrid_shard, dp=dp):
         raise TrainError(reason)
-    if par.sequence_parallel and (reason := check_seq_len(data.seq_len, tp)):
-        raise TrainError(reason)
-    if reason := check_cp_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
+    if reason := check_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
         raise TrainError(reason)
     window = source.spec.window
     if cp > 1 and window is not None and window < data.seq_len:  # the family's sliding window (Mistral)
@@ -279,7 +281,7 @@ class Trainer:
         cfg, source = plan.config, plan.source
         self.plan, self.cfg, self.dev, self.device = plan, cfg, device, device.torch_device
         self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, cp=cfg.parallel.context_parallel,
-                                timeout_s=cfg.dist_timeout)
+                                ep=cfg.parallel.ep, timeout_s=cfg.dist_timeout)
         self.rank0 = mesh.rank == 0
         c = mesh.coords
         torch.manual_seed(cfg.seed)
@@ -288,7 +290,10 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.precision == "bf16" and not par.shards else torch.float32
         tp = TpGroup(mesh.tp, c.tp, mesh.tp_group, sequence_parallel=par.sequence_parallel and mesh.tp > 1)
         cp = CpGroup(mesh.cp, c.cp, mesh.cp_group, tuple(mesh.cp_ranks))
-        ep, aux, self.experts = moe_parts(source.spec, mesh, cfg)
+        # MoE: this rank's experts and their groups (collective), the router's aux loss; a dense model: none
+        self.experts: tuple[Any, Any] | None
+        ep, self.experts = mesh.experts() if source.spec.experts else (EpGroup(), None)
+        aux = aux_loss(source.spec, cfg.data, inject=c.tp == 0)
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
                                 dtype=dtype, recompute=par.activation_checkpointing, cp=cp,
                                 recompute_modules=par.modules(), ep=ep, aux=aux).to(self.device)
@@ -323,7 +328,7 @@ class Trainer:
         self.grad_plan = on_local_rows(grad_plan(self.model, mesh, source.spec, plan.layout, self.experts),
                                        self.sharding, self.model)
         self.state_bytes: dict[str, int] | None = None  # model states on this rank (measured in the first step)
-        from nxdtrain.parallel.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
+        from nxdtrain.model.pipeline import PipelineStep  # torch.distributed.pipelining takes seconds to import
 
         data = cfg.data
         self.pipeline = PipelineStep(self.model, pp_group=mesh.pp_group, pp_size=mesh.pp,

@@ -109,22 +109,26 @@ ROOMS_MAY_IMPORT = {
 HALL = {"ckptconv", "ckptconv.errors", "ckptconv.hall"}
 
 
-def _room(module: str) -> str | None:
-    """The room of a ckptconv module (``ckptconv.core.plan`` -> ``core``); None for the hall and unplaced modules."""
+def _room(module: str, rooms: dict[str, set[str]] = ROOMS_MAY_IMPORT, top: str | None = None) -> str | None:
+    """The room of a module (``ckptconv.core.plan`` -> ``core``); ``top`` for a top-level module when given (nxdtrain's
+    trainer); None for the hall and unplaced modules."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in ROOMS_MAY_IMPORT else None
+    if len(parts) > 1 and parts[1] in rooms:
+        return parts[1]
+    return top if len(parts) == 2 else None
 
 
-def layering_violations(graph: dict[str, set[str]]) -> list[str]:
-    """``a -> b`` for every import of a placed module that its room may not make."""
+def layering_violations(graph: dict[str, set[str]], rooms: dict[str, set[str]] = ROOMS_MAY_IMPORT,
+                        hall: set[str] = HALL, top: str | None = None) -> list[str]:
+    """``a -> b`` for every import of a placed module that its room may not make (the hall imports no room)."""
     out = []
     for name, targets in sorted(graph.items()):
-        room = _room(name)
+        room = "hall" if name in hall else _room(name, rooms, top)
         if room is None:
             continue
-        for target in sorted(targets - HALL):
-            other = _room(target)
-            if other is not None and other != room and other not in ROOMS_MAY_IMPORT[room]:
+        for target in sorted(targets - hall):
+            other = _room(target, rooms, top)
+            if other is not None and other != room and (room == "hall" or other not in rooms[room]):
                 out.append(f"{name} ({room}) -> {target} ({other})")
     return out
 
@@ -142,6 +146,49 @@ def test_a_planted_upward_import_is_named():
 def test_every_module_sits_in_a_room():
     loose = [m for m in _ckptconv_graph() if m not in HALL and _room(m) is None]
     assert loose == []
+
+
+# nxdtrain's floor plan (docs/architecture.md): the run's configuration at the bottom, then how the work is split and
+# the data, the model a rank trains, checkpoints; the trainer's top-level modules (train, optim, metrics, plots, the CLI)
+# may import every room and no room imports them. The hall: the root, the error, the device a run computes on.
+NXDTRAIN_ROOMS_MAY_IMPORT = {
+    "config": set(),
+    "parallel": {"config"},
+    "data": {"config"},
+    "model": {"config", "parallel", "data"},
+    "checkpoint": {"config", "parallel", "data", "model"},
+    "trainer": {"config", "parallel", "data", "model", "checkpoint"},
+}
+NXDTRAIN_HALL = {"nxdtrain", "nxdtrain.errors", "nxdtrain.device"}
+NXDTRAIN_TOP_LEVEL_MAX = 9  # modules at nxdtrain's top level, __init__ and the hall included
+
+
+@functools.cache
+def _nxdtrain_graph() -> dict[str, set[str]]:
+    return import_cycles.import_graph(import_cycles.module_files(REPO / "nxdtrain"))
+
+
+def test_each_nxdtrain_room_imports_only_the_rooms_below_it():
+    assert layering_violations(_nxdtrain_graph(), NXDTRAIN_ROOMS_MAY_IMPORT, NXDTRAIN_HALL, top="trainer") == []
+
+
+def test_a_planted_upward_import_of_nxdtrain_is_named():
+    graph = {"nxdtrain.parallel.pipeline": {"nxdtrain.model.stage", "nxdtrain.errors"},
+             "nxdtrain.errors": {"nxdtrain.train"}, "nxdtrain.model.stage": set(), "nxdtrain.train": set()}
+    assert layering_violations(graph, NXDTRAIN_ROOMS_MAY_IMPORT, NXDTRAIN_HALL, top="trainer") == [
+        "nxdtrain.errors (hall) -> nxdtrain.train (trainer)",
+        "nxdtrain.parallel.pipeline (parallel) -> nxdtrain.model.stage (model)"]
+
+
+def test_nxdtrain_s_top_level_is_small():
+    top = sorted(path.name for path in (REPO / "nxdtrain").glob("*.py"))
+    assert len(top) <= NXDTRAIN_TOP_LEVEL_MAX, top
+
+
+def test_nxdtrain_s_rooms_word_their_own_errors():
+    """No room of nxdtrain enters the converter's CLI (the hall's errors.py words a failed process's line)."""
+    rooms = [path for room in NXDTRAIN_ROOMS_MAY_IMPORT for path in sorted((REPO / "nxdtrain" / room).rglob("*.py"))]
+    assert [str(p.relative_to(REPO)) for p in rooms if any(m == "ckptconv.cli" for m, _ in _ckptconv_imports_of(p))] == []
 
 
 def test_ckptconv_never_imports_nxdtrain():

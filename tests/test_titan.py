@@ -263,7 +263,7 @@ def nxd_run(request, models, tmp_path_factory) -> dict:
 
 def batches(options: dict, hf: Path) -> list[torch.Tensor]:
     """The global batches nxdtrain trained on, step by step."""
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.data.rows import global_batches
 
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]

@@ -19,9 +19,9 @@ pytest.importorskip("torchtitan", reason="the TorchTitan lane: make setup-titan 
 import ckptconv  # noqa: E402
 from ckptconv.engine.options import RunOptions  # noqa: E402
 from ckptconv.titan.state import ScheduleFlags  # noqa: E402
-from nxdtrain.config import TrainConfig  # noqa: E402
+from nxdtrain.config.options import TrainConfig  # noqa: E402
 from nxdtrain.data.rows import global_batches  # noqa: E402
-from tests.nxdtrain.test_nxd_resume import nxd_tag, nxdtrain_run  # noqa: E402
+from tests.nxdtrain.checkpoint.test_nxd_resume import nxd_tag, nxdtrain_run  # noqa: E402
 from tests.titan_shims import cpu_device, generated_config, rows_dataloader, rows_tokenizer, sdpa_attention  # noqa: E402
 
 DATA = dict(data="synthetic", seq_len=16, gbs=4, mbs=1, seed=7)  # both trainers take these rows

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from ckptconv.errors import ConversionError
+
 # NxDT's schedules by their class names (NeMo's CosineAnnealing, NxDT's LinearAnnealingWithWarmUp)
 NXDT_SCHEDULES = ("CosineAnnealing", "LinearAnnealingWithWarmUp")
 
@@ -45,8 +47,11 @@ def lr_at(step: int, cfg: ScheduleConfig, *, decay_steps: int) -> float:
 
     Warmup: ``lr·step/warmup`` for ``step <= warmup``. Then ``constant`` keeps ``lr``; ``linear``
     and ``cosine`` go from ``lr`` to ``min_lr`` at ``step == decay_steps`` and stay there.
-    ``warmup`` is a step count here (nxdtrain resolves a fraction of the run before training).
+    ``warmup`` is a step count here (nxdtrain resolves a fraction of the run before training; one is refused).
     """
+    if 0 < cfg.warmup < 1:
+        raise ConversionError(f"--warmup {cfg.warmup} is a fraction of the run: resolve it first "
+                              "(nxdtrain.data.epochs.resolve)")
     if cfg.schedule in NXDT_SCHEDULES:  # NxDT's own step counting
         return nxdt_lr(step, cfg, decay_steps=decay_steps)
     if cfg.warmup and step <= cfg.warmup:
@@ -62,8 +67,22 @@ def lr_at(step: int, cfg: ScheduleConfig, *, decay_steps: int) -> float:
 
 
 def nxdt_lr(step: int, cfg: ScheduleConfig, *, decay_steps: int) -> float:
-    """Learning rate of optimizer step ``step`` (1-based) under the NxDT schedule ``cfg.schedule``
-    (see :mod:`nxdtrain.schedules` for their definitions)."""
+    """Learning rate of optimizer step ``step`` (1-based) under the NxDT schedule ``cfg.schedule``, as an NxDT YAML's
+    ``model.optim.sched.name`` selects it.
+
+    NxDT steps a torch ``LRScheduler`` after every optimizer step, so optimizer step ``n`` (1-based, our ``step``) runs
+    at the scheduler's index ``s = n - 1``. With ``W`` = warmup_steps, ``M`` = max_steps (our ``decay_steps``), ``lr``
+    the peak and ``min_lr`` the floor:
+
+    * ``CosineAnnealing`` (NeMo's, ``constant_steps: 0``): ``lr·(s+1)/(W+1)`` while ``s <= W`` (when ``W > 0``),
+      then ``min_lr + (lr - min_lr)·(1 + cos(π·(s-W)/(M-W)))/2``, and ``min_lr`` once ``s > M``.
+    * ``LinearAnnealingWithWarmUp`` (NxDT's, transformers' linear schedule): ``lr·s/W`` while ``s < W`` (so the
+      first step runs at 0), then ``lr·max(0, (M-s)/(M-W))``: down to 0, no minimum.
+
+        >>> cfg = Recorded(schedule="LinearAnnealingWithWarmUp", lr=1.0, min_lr=None, warmup=3)
+        >>> [round(nxdt_lr(n, cfg, decay_steps=7), 4) for n in range(1, 9)]
+        [0.0, 0.3333, 0.6667, 1.0, 0.75, 0.5, 0.25, 0.0]
+    """
     s, warmup, total = step - 1, int(cfg.warmup), decay_steps
     min_lr = cfg.min_lr or 0.0
     # the rate times the schedule's factor, in the order torch's LambdaLR/transformers and NeMo compute them

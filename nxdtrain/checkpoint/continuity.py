@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from nxdtrain.config import OptimConfig, TrainConfig
+from nxdtrain.config.options import OptimConfig, TrainConfig
 from nxdtrain.errors import TrainError
 
 SCHEDULE_KEYS = ("schedule", "lr", "min_lr", "warmup", "decay_steps", "norm_weight_decay")

@@ -57,10 +57,10 @@ from ckptconv.training import (
 )
 from nxdtrain.checkpoint.continuity import recorded_run
 from nxdtrain.checkpoint.tags import finish_interrupted_rewrites, optim_file
-from nxdtrain.config import AUTO, CheckpointConfig, ParallelConfig
+from nxdtrain.config.options import AUTO, CheckpointConfig, ParallelConfig
+from nxdtrain.config.preflight import check_model_config
 from nxdtrain.errors import TrainError
-from nxdtrain.model import describe
-from nxdtrain.preflight import check_model_config
+from nxdtrain.model.stage import describe
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from ckptconv.engine import RECORD_KEY, outdir, remove_tag
 from ckptconv.errors import ConversionError
 from ckptconv.io import DONE_MARKER, completed_tags, is_step_tag, read_metadata, tag_step
 from ckptconv.training import optimizer_file
+from nxdtrain.config.preflight import check_writable
 from nxdtrain.errors import TrainError
-from nxdtrain.preflight import check_writable
 
 # The hidden siblings of a tag while --optimizer-format nxd rewrites it: the rewrite, then the replaced tag.
 NXD_REWRITE_SUFFIX = ".nxd-format"

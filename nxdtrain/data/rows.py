@@ -33,10 +33,10 @@ from nxdtrain.data.epochs import epoch_samples
 from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
 
 COLUMN = "input_ids"
-PAD = -1  # --pad: the positions after a short row's last token (never a token id; nxdtrain.parallel.pipeline ignores them)
+PAD = -1  # --pad: the positions after a short row's last token (never a token id; nxdtrain.model.pipeline ignores them)
 
 
 def row_where(source: Any, index: int) -> tuple[str, int]:

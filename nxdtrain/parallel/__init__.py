@@ -1,3 +1,4 @@
-"""How the work is split over processes: the world and its groups in NxD's rank order, tp layers with NxD's
-names, sequence and context parallelism, ring attention, the pipeline schedule, recompute, gradient reductions.
+"""How the work is split over processes: the Mesh (NxD's rank order; tp, pp, dp, cp and ep axes), tp layers with NxD's
+names, sequence and context parallelism, ring attention, expert dispatch, FSDP wiring, recompute, gradient reductions.
+Imports nothing of nxdtrain above config/.
 """

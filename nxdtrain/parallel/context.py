@@ -62,7 +62,10 @@ def split_sequence(x: torch.Tensor, cp: CpGroup, dim: int = 1) -> torch.Tensor:
 
 
 def check_seq_len(seq_len: int, *, cp: int, tp: int, sequence_parallel: bool) -> str | None:
-    """Why ``seq_len`` cannot be split over ``cp`` (and then over tp with sequence parallelism), or None."""
+    """Why a row of ``seq_len`` tokens cannot be split: over tp with sequence parallelism, over ``cp``'s 2·cp chunks
+    (each split over tp with sequence parallelism), or None."""
+    if sequence_parallel and seq_len % tp:
+        return f"--sequence-parallel needs --seq-len divisible by --tp {tp}, got {seq_len}"
     if cp == 1:
         return None
     parts = 2 * cp * (tp if sequence_parallel else 1)

@@ -37,7 +37,9 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from ckptconv.engine import detect_launch, local_world_size  # noqa: F401  (local_world_size: re-exported)
-from nxdtrain.errors import TrainError
+from ckptconv.training import ep_fits, expert_dp_groups, optimizer_ep_rank
+from nxdtrain.errors import TrainError, failure_line
+from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.lifeline import die_with, start_time
 
 DEFAULT_PORT = 29500
@@ -254,13 +256,14 @@ class Mesh:
     the one it belongs to. A group of one rank is kept as ``None``: collectives over it are no-ops.
     """
 
-    def __init__(self, *, tp: int, pp: int, timeout_s: float, cp: int = 1) -> None:
+    def __init__(self, *, tp: int, pp: int, timeout_s: float, cp: int = 1, ep: int = 1) -> None:
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % (tp * pp * cp):
             raise TrainError(f"world size {world} is not a multiple of --tp {tp} x --pp {pp} x --context-parallel {cp}")
         self.tp, self.pp, self.cp, self.dp = tp, pp, cp, world // (tp * pp * cp)
+        self.ep = ep  # carved out of dp (NxD's expert mesh): its groups are made by expert_groups, for MoE models
         self.rank, self.world = rank, world
         self.coords = coords(rank, tp=tp, dp=self.dp, pp=pp, cp=cp)
         self._timeout = timedelta(seconds=timeout_s)
@@ -307,25 +310,38 @@ class Mesh:
         ]
         return self._mine(groups)
 
-    def expert_groups(self, ep: int) -> tuple[Any, Any]:
-        """(ep group, expert-data-parallel group) of this rank, NxD's ``[PP, DP_exp, EP, TP]`` expert mesh:
-        ``dp_rank = dp_exp_rank * ep + ep_rank``. The ep group: the ep ranks of one (pp, dp_exp, tp); the
-        expert-data-parallel group: the dp_exp ranks of one (pp, ep, tp), over which expert gradients are summed.
-        Collective; made only for MoE models (cp is 1: refused with experts, nxdtrain.train.prepare)."""
+    @property
+    def ep_rank(self) -> int:
+        """This rank's ep rank: which experts it holds (ckptconv's ``optimizer_ep_rank`` of its dp rank)."""
+        return optimizer_ep_rank(self.coords.dp, self.ep)
+
+    def expert_groups(self) -> tuple[Any, Any]:
+        """(ep group, expert-data-parallel group) of this rank, NxD's ``[PP, DP_exp, EP, TP]`` expert mesh
+        (ckptconv's ``expert_dp_groups``: ``dp_rank = dp_exp_rank * ep + ep_rank``). The ep group: the ep ranks of one
+        (pp, dp_exp, tp); the expert-data-parallel group: the dp_exp ranks of one (pp, ep, tp), over which expert
+        gradients are summed. Collective; made only for MoE models (cp is 1: refused with experts, moe_refusal)."""
+        if not ep_fits(self.dp, self.ep):
+            raise TrainError(f"--ep {self.ep} must divide the data-parallel size {self.dp}")
         sizes = {"tp": self.tp, "dp": self.dp, "cp": self.cp}
-        outer = self.dp // ep
-        ep_groups = [[rank_of(Coords(t, d * ep + e, p), **sizes) for e in range(ep)]
-                     for p in range(self.pp) for d in range(outer) for t in range(self.tp)]
-        edp_groups = [[rank_of(Coords(t, d * ep + e, p), **sizes) for d in range(outer)]
-                      for p in range(self.pp) for e in range(ep) for t in range(self.tp)]
+        ep_dp, edp_dp = expert_dp_groups(self.dp, self.ep)
+        ep_groups = [[rank_of(Coords(t, d, p), **sizes) for d in ranks]
+                     for p in range(self.pp) for ranks in ep_dp for t in range(self.tp)]
+        edp_groups = [[rank_of(Coords(t, d, p), **sizes) for d in ranks]
+                      for p in range(self.pp) for ranks in edp_dp for t in range(self.tp)]
         return self._mine(ep_groups), self._mine(edp_groups)
+
+    def experts(self) -> tuple[EpGroup, tuple[Any, Any]]:
+        """This rank's :class:`EpGroup` (the ep degree, its ep rank, its ep group) and its (ep, expert-data-parallel)
+        groups (:meth:`expert_groups`). Collective."""
+        groups = self.expert_groups()
+        return EpGroup(self.ep, self.ep_rank, groups[0]), groups
 
     def shard_groups(self, degree: int) -> tuple[list[list[int]], list[Any]]:
         """The FSDP mesh over this rank's dp ranks sharded in groups of ``degree`` (--shard-params: dp; --hybrid-shard
         N): its global ranks (one row a shard group, NxD's dp order) and its process groups, outermost first. At
         degree = dp: the run's own dp group (at dp 1, where the run keeps none, a one-rank group made here); else
         the (replicate, shard) groups, made here: dp ranks ``k·N .. k·N + N - 1`` shard one copy, the ranks at the
-        same place in each copy replicate. Collective (pp and cp are 1: refused with sharding, fsdp_checks)."""
+        same place in each copy replicate. Collective (pp and cp are 1: refused with sharding, config.checks)."""
         everyone = group_ranks("dp", tp=self.tp, dp=self.dp, pp=self.pp, cp=self.cp)
         mine = next(ranks for ranks in everyone if self.rank in ranks)
         rows = [mine[k:k + degree] for k in range(0, self.dp, degree)]
@@ -377,14 +393,13 @@ def _child(local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], world
     except Exception as exc:
         # Not printed here: every rank often fails alike (a bad row, a missing file), or because a peer
         # failed (a lost connection); the launcher prints the first message written, once.
-        from ckptconv.cli import debug_requested, describe
-
-        if debug_requested():
+        line, debug = failure_line(exc)
+        if debug:
             import traceback
 
             traceback.print_exc()
         with open(os.path.join(errors, ERROR_FILE.format(local_rank)), "w") as fh:
-            fh.write(" ".join(describe(exc)[0].split()))
+            fh.write(line)
         sys.exit(1)
 
 

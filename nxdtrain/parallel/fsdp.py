@@ -161,7 +161,7 @@ class _SavedOptimizer:
 
 
 def shard_stage(model: nn.Module, mesh: Mesh, *, device_type: str, degree: int, bf16: bool) -> Sharding:
-    """Wrap ``model`` (a :class:`nxdtrain.model.LlamaStage`, loaded) with ``fully_shard`` over ``mesh``'s dp ranks
+    """Wrap ``model`` (a :class:`nxdtrain.model.stage.LlamaStage`, loaded) with ``fully_shard`` over ``mesh``'s dp ranks
     (:func:`dp_mesh`): each decoder layer, then the root. Collective (at hybrid sharding, the groups it makes)."""
     device_mesh = dp_mesh(device_type, mesh, degree)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \

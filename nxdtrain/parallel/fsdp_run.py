@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nxdtrain.parallel.fsdp_checks import shard_degree
+from nxdtrain.config.checks import shard_degree
 from nxdtrain.parallel.grads import GradPlan
 from nxdtrain.parallel.offload import NO_EFFECT as OFFLOAD_NO_EFFECT
 
@@ -30,7 +30,7 @@ def sharding_for(model: nn.Module, config: Any, mesh: Any, device: torch.device)
 
 
 def on_local_rows(plan: GradPlan, sharding: Sharding | None, model: nn.Module) -> GradPlan:
-    """``plan`` (:func:`nxdtrain.gradient_groups.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
+    """``plan`` (:func:`nxdtrain.model.stage.grad_plan`) for this rank's rows (:meth:`Sharding.local_plan`)."""
     return plan if sharding is None else sharding.local_plan(plan, dict(model.named_parameters()))
 
 

@@ -2,7 +2,7 @@
 (``torch.autograd.graph.save_on_cpu``, pinned) and copied back to the accelerator when the backward needs them.
 
 On a CPU the activations are in host memory already: the option is accepted and has no effect (the run says so
-once); on xla it is refused before the run starts (:func:`nxdtrain.parallel.fsdp_checks.xla_refusal`).
+once); on xla it is refused before the run starts (:func:`nxdtrain.config.checks.xla_refusal`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from nxdtrain.config import RECOMPUTE as MODES  # noqa: F401  (re-exported: the modes, defined with the flag)
-from nxdtrain.config import RECOMPUTE_MODULES as NXDT_SELECTIVE_MODULES  # noqa: F401  (NxDT's module names)
+from nxdtrain.config.options import RECOMPUTE as MODES  # noqa: F401  (re-exported: the modes, defined with the flag)
+from nxdtrain.config.options import RECOMPUTE_MODULES as NXDT_SELECTIVE_MODULES  # noqa: F401  (NxDT's module names)
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:

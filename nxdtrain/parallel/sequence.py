@@ -28,13 +28,6 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def check_seq_len(seq_len: int, tp: int) -> str | None:
-    """The one-line reason ``--sequence-parallel`` cannot split ``seq_len`` over ``tp`` ranks, or None."""
-    if seq_len % tp:
-        return f"--sequence-parallel needs --seq-len divisible by --tp {tp}, got {seq_len}"
-    return None
-
-
 def _gather(x: torch.Tensor, tp: TpGroup) -> torch.Tensor:
     """``[b, s/tp, h]`` slices of all tp ranks -> ``[b, s, h]`` (rank order along the sequence)."""
     front = x.transpose(0, 1).contiguous()

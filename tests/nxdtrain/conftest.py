@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from tests.conftest import make_tiny_llama
 from tests.nxdtrain.harness import MODELS, convert
 from tests.nxdtrain.reference import train_reference

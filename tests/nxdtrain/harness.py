@@ -8,7 +8,7 @@ from typing import Any
 
 from ckptconv.commands.api import RunOptions, to_nxd
 from nxdtrain.cli import PRELOAD
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.data.rows import global_batches
 from nxdtrain.optim import make_torch_optimizer, param_groups
 from tests.conftest import hf_state

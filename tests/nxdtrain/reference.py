@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from nxdtrain.config import TrainConfig
+from ckptconv.training import lr_at
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.data.rows import global_batches
-from nxdtrain.optim import lr_at, make_torch_optimizer, param_groups
+from nxdtrain.optim import make_torch_optimizer, param_groups
 
 
 def train_reference(hf_dir: Path, cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -12,7 +12,7 @@ from ckptconv.commands.api import open_nxd
 from ckptconv.core.layout import shard_name
 from ckptconv.io.nxd_read import load_shard
 from nxdtrain.cli import main
-from nxdtrain.model import LlamaStage
+from nxdtrain.model.stage import LlamaStage
 from nxdtrain.parallel.layers import TpGroup
 from tests.conftest import warns_no_tokenizer
 

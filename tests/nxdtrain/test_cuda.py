@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nxdtrain.cli import PRELOAD
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import export, run_worker
 from tests.conftest import warns_no_tokenizer

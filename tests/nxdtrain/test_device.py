@@ -15,7 +15,7 @@ from ckptconv.io.nxd_write import save_shard
 from nxdtrain import cli
 from nxdtrain.device import resolve_kind, to_host, torch_xla_api
 from nxdtrain.errors import TrainError
-from nxdtrain.model import LlamaStage
+from nxdtrain.model.stage import LlamaStage
 from nxdtrain.parallel.layers import TpGroup
 
 PP_REFUSAL = ("nxdtrain: error: --pp 2 with --device xla: torch.distributed.pipelining sends activations with "
@@ -93,7 +93,7 @@ def test_shard_saved_from_row_major_tensors_is_byte_identical(tmp_path, flavour)
 
 def test_log_every_reads_every_step_in_batches(tmp_path, nxd_model):
     """--log-every 3 logs the same per-step values as --log-every 1, read back at steps 3 and 4."""
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.train import train
     from tests.nxdtrain.harness import read_log, train_options
 

@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["config", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model", "optim",
-           "preflight", "rope", "parallel.tp_group", "parallel.fsdp_checks", "values"]
+MODULES = ["config.options", "parallel.context", "data.rows", "device", "parallel.dist", "data.epochs", "model.stage", "optim",
+           "config.preflight", "model.rope", "parallel.tp_group", "config.checks"]
 
 
 @pytest.mark.parametrize("name", MODULES)

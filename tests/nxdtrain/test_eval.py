@@ -13,7 +13,7 @@ import torch
 
 from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.checkpoint.resume import resolve_start
-from nxdtrain.config import CheckpointConfig
+from nxdtrain.config.options import CheckpointConfig
 from nxdtrain.errors import TrainError
 
 SEQ, GBS = 16, 4

@@ -51,7 +51,7 @@ def test_family_trains_like_transformers(tmp_path, nxd_model, reference, name):
 
 
 def test_a_sliding_window_shorter_than_the_rows_is_refused_with_context_parallelism(nxd_model):
-    from nxdtrain.config import TrainConfig
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.errors import TrainError
     from nxdtrain.train import prepare
 

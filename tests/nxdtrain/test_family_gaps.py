@@ -22,10 +22,10 @@ from ckptconv.cli.main import main as ckptconv_main
 from ckptconv.io.dcp import DcpCheckpoint
 from nxdtrain.train import export
 from tests.conftest import hf_state, warns_no_tokenizer
+from tests.nxdtrain.checkpoint.test_resume import tree_bytes
 from tests.nxdtrain.harness import run_world, train_options
-from tests.nxdtrain.test_context_parallel import ADAMW
+from tests.nxdtrain.parallel.test_context import ADAMW
 from tests.nxdtrain.test_parity import assert_matches_reference, train_with_and_without_zero1
-from tests.nxdtrain.test_resume import tree_bytes
 
 FAMILIES = ["mistral", "qwen2", "qwen3"]
 TOL = 1e-5

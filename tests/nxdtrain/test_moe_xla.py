@@ -14,7 +14,7 @@ if torch_xla_api() is None:
 
 import torch_xla  # noqa: E402
 
-from nxdtrain.config import TrainConfig  # noqa: E402
+from nxdtrain.config.options import TrainConfig  # noqa: E402
 from nxdtrain.errors import TrainError  # noqa: E402
 from nxdtrain.train import prepare, train  # noqa: E402
 from tests.nxdtrain.harness import convert, read_log, train_options  # noqa: E402

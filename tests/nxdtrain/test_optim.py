@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from nxdtrain.config import OptimConfig
-from nxdtrain.optim import lr_at
+from ckptconv.training import lr_at
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.parallel.grads import GradPlan, global_norm
 
 

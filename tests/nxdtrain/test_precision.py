@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import nxdtrain.device as device
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 
 
 def config(**values) -> TrainConfig:

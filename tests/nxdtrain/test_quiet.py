@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.nxdtrain.test_signals import STOP_BOUND_S, descendants, kill_leftovers, wait_for
+from tests.nxdtrain.parallel.test_signals import STOP_BOUND_S, descendants, kill_leftovers, wait_for
 
 VOCAB = 128  # the tiny models' vocabulary
 

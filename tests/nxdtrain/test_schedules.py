@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxdtrain.config import OptimConfig
+from ckptconv.training import lr_at
+from nxdtrain.config.options import OptimConfig
 from nxdtrain.errors import TrainError
-from nxdtrain.optim import lr_at
 
 
 def test_linear_annealing_with_warmup_is_transformers_linear_schedule_stepped_after_each_update():

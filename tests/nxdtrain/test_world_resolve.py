@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from nxdtrain.cli import PRELOAD
-from nxdtrain.config import TrainConfig
+from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
 from nxdtrain.train import run_worker
+from tests.nxdtrain.checkpoint.test_nxd_resume import nxd_tag
 from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT
-from tests.nxdtrain.test_nxd_resume import nxd_tag
 
 # The schedule NxD's fixture tags recorded (their resume refuses another one).
 NXD_SCHEDULE = dict(schedule="CosineAnnealing", lr=0.01, min_lr=0.001, warmup=2, decay_steps=10)

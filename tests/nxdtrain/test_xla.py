@@ -25,12 +25,12 @@ import torch_xla.debug.metrics as met  # noqa: E402
 from ckptconv.core.layout import shard_file  # noqa: E402
 from ckptconv.io.nxd_read import load_shard  # noqa: E402
 from nxdtrain.checkpoint.tags import optim_file  # noqa: E402
-from nxdtrain.config import TrainConfig  # noqa: E402
+from nxdtrain.config.options import TrainConfig  # noqa: E402
 from nxdtrain.parallel.dist import detect_env, init_world  # noqa: E402
 from nxdtrain.train import Trainer, export, prepare, train  # noqa: E402
 from tests.conftest import hf_state, warns_no_tokenizer  # noqa: E402
 from tests.nxdtrain.harness import read_log, train_options  # noqa: E402
-from tests.nxdtrain.test_context_parallel import ADAMW  # noqa: E402
+from tests.nxdtrain.parallel.test_context import ADAMW  # noqa: E402
 
 # The XLA runtime starts before any backward of this process: autograd sizes its per-device queues at
 # its first backward, and a cpu run here comes first (one real run uses one device, so only tests need this).

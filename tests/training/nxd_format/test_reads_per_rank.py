@@ -20,7 +20,7 @@ from benchmarks.reads import build_tags, opened_under, resume_reads
 from ckptconv.commands.api import RunOptions, reshard
 from ckptconv.core.layout import parse_rank_file
 from ckptconv.training.nxd_format.read import NxdOptimizer
-from tests.nxdtrain.test_reshard_optimizer import tree_bytes
+from tests.nxdtrain.checkpoint.test_reshard_optimizer import tree_bytes
 
 TP, PP, DP = 4, 2, 2
 PROBE = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"  # nxdtrain's format or NxD's? (is_training_tag peeks at it)

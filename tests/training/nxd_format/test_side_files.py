@@ -1,7 +1,7 @@
 """``ckptconv reshard --optimizer-format nxd --nxd-trainer nxdt``: NxDT's side files, compared with what NxD 2.28
 and lightning 2.5.0 wrote in ``fixtures/nxdt-official/`` (the NxDT case's ``user_content.pt``, the NxD example
 cases' ``scheduler.pt``), and the refusals. nxdtrain's own tags (and their resume) are in
-``tests/nxdtrain/test_nxdt_trainer_files.py``.
+``tests/nxdtrain/checkpoint/test_nxdt_trainer_files.py``.
 """
 
 from __future__ import annotations
