@@ -30,7 +30,7 @@ def test_flag_sets_are_pinned():
     """Scripts depend on these names: a rename must be deliberate and show up here."""
     assert flags("to-nxd") == RUN_FLAGS | LAYOUT_FLAGS | {"--xser", "--config", "--dtype", "--verify",
                                                                "--revision", "--tokenizer"}
-    assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json",
+    assert flags("verify") == LAYOUT_FLAGS | {"--layers", "--tol", "--seed", "--files", "--config", "--json", "--quiet",
                                                "--revision", "--no-check", "--override-recorded-layout",
                                                "--masters", "--no-masters"}
     assert flags("to-hf") == RUN_FLAGS | LAYOUT_FLAGS | {"--config", "--max-shard-size", "--dtype", "--kv-replicas",

@@ -283,6 +283,7 @@ def _verify_parser(sub: Subparsers) -> None:
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     add_layout_flags(p)
     _masters_flag(p, "the shards")
+    p.add_argument("--quiet", action="store_true", help="no progress bar of the layers checked (shown on a terminal)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
@@ -391,7 +392,7 @@ def _run_verify(args: argparse.Namespace) -> Any:
 
     return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
                   hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
-                  masters=args.masters)
+                  masters=args.masters, progress=not (args.quiet or args.json) and sys.stderr.isatty())
 
 
 def _run_inspect(args: argparse.Namespace) -> Any:
@@ -555,8 +556,9 @@ def _main(args: argparse.Namespace) -> int:
         result = run(args)
     _print(result, getattr(args, "json", False))
     if isinstance(result, dict) and result.get("ok") is False:
+        said = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report
         for problem in result["problems"]:
-            print(f"ckptconv: verify failed: {problem}", file=sys.stderr)
+            print(f"ckptconv: {said}: {problem}", file=sys.stderr)
         return 1
     return 0
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ckptconv.commands.src_kind import open_hf, refuse_hf_source, refuse_nxd_source
-from ckptconv.commands.steps import config_as_written, dtype_name, input_files
+from ckptconv.commands.steps import EXPORTED_FROM, config_as_written, dtype_name, input_files, trained_record
 from ckptconv.core.fused_experts import check_hf_experts
 from ckptconv.core.layout import (
     HF_FILES_DIR,
@@ -296,12 +296,18 @@ def to_hf(
         spec_ = FinalizeSpec(
             identity,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=with_inv_freq,
-                          fingerprint=identity, extra={"from_layout": layout.to_json()}),
+                          fingerprint=identity, extra={"from_layout": layout.to_json(), **_trained_source(ckpt)}),
             texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
             copies=copies,
         )
         result = run.write(plan, ckpt, out, safetensors_sink, spec_, kv_replicas, sources=[Path(src), ckpt.root])
     return run.finish(result, layout.to_json())
+
+
+def _trained_source(ckpt: Any) -> dict[str, Any]:
+    """What an export records of the trained tag it came from (verify then knows the export is that tag's)."""
+    record = trained_record(ckpt.metadata)
+    return {} if record is None else {EXPORTED_FROM: {k: record.get(k) for k in ("step", "run")}}
 
 
 # --------------------------------------------------------------------------------------------
