@@ -10,19 +10,12 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return str(n)
+from ckptconv.core.human import human_bytes
 
 
 def _text(key: str, value: Any) -> str:
     if key in ("bytes", "bytes_written") and isinstance(value, int):
-        return f"{_size(value)} ({value:,} bytes)"
+        return f"{human_bytes(value)} ({value:,} bytes)"
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, list):

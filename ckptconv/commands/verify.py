@@ -42,6 +42,7 @@ from ckptconv.core.reference import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.engine.progress import byte_progress
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
@@ -315,6 +316,7 @@ def verify(
     from ckptconv.sources.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
+    refuse_unfinished(hf_dir)  # an interrupted export (the shards: open_nxd says the same)
     opened = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
     ckpt, spec, layout, notes = opened.ckpt, opened.spec, opened.layout, opened.notes
     generator = torch.Generator().manual_seed(seed)
