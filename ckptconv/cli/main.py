@@ -15,13 +15,12 @@ import json
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
-from ckptconv.cli.errors import DEBUG_HELP, run_guarded
+from ckptconv.cli.errors import DEBUG_HELP, run_guarded, warnings_as_notes
 from ckptconv.cli.layout_args import add_layout_flags, add_source_flags, did_you_mean, overrides_from, source_overrides
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
@@ -547,13 +546,12 @@ def console() -> NoReturn:
 
 
 def _main(args: argparse.Namespace) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        if getattr(args, "quiet", False) or getattr(args, "json", False):
-            warnings.simplefilter("ignore")
+    with warnings_as_notes("ckptconv", quiet=getattr(args, "quiet", False) or getattr(args, "json", False)) as said:
         check_sources(args)
         import_quietly(_LIBRARIES.get(args.command))
         result = run(args)
+        notes = (result if isinstance(result, dict) else result.to_json()).get("notes") or []
+        said.update(" ".join(str(note).split()) for note in notes)  # the result prints these itself
     _print(result, getattr(args, "json", False))
     if isinstance(result, dict) and result.get("ok") is False:
         said = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report

@@ -287,12 +287,12 @@ def to_hf(
                                ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
         copies = _with_tokenizer(kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
+        no_tokenizer = None
         if not has_tokenizer([target for _, target in copies]):
-            message = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
-                       "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
-                       "adds one")
-            warnings.warn(message, stacklevel=2)
-            notes.append(message)
+            no_tokenizer = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
+                            "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
+                            "adds one")
+            notes.append(no_tokenizer)
         spec_ = FinalizeSpec(
             identity,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=with_inv_freq,
@@ -301,6 +301,8 @@ def to_hf(
             copies=copies,
         )
         result = run.write(plan, ckpt, out, safetensors_sink, spec_, kv_replicas, sources=[Path(src), ckpt.root])
+    if no_tokenizer is not None:  # once written: an export refused for another reason warns of nothing else
+        warnings.warn(no_tokenizer, stacklevel=2)
     return run.finish(result, layout.to_json())
 
 
