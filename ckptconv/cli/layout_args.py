@@ -8,14 +8,17 @@ field added there is a flag of every command here, with the same help text.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from typing import Any
 
 from ckptconv.core.layout import Attention
-from ckptconv.core.layout_flags import LAYOUT_FIELDS, FieldFlags, LayoutOverrides, Switch
+from ckptconv.core.layout_flags import FROM_SOURCE, LAYOUT_FIELDS, FieldFlags, LayoutOverrides, Switch
 from ckptconv.errors import ConversionError
 
 COMPAT_BOOL_HELP = " (True/False as written; the flag alone means True)"
+# A source without a layout (an HF model: to-nxd) has none to keep; to-nxd refuses to guess the one to write.
+WITHOUT_SOURCE_LAYOUT = {"tp": "(not given: 1; to-nxd needs --tp or --pp)", "pp": "(not given: 1; to-nxd needs --tp or --pp)"}
 
 
 def parse_bool(text: str) -> bool:
@@ -32,9 +35,13 @@ def switch_dest(switch: Switch) -> str:
     return switch.native.removeprefix("--").replace("-", "_")
 
 
-def add_layout_flags(p: argparse.ArgumentParser, *, style: str = "native") -> None:
-    """Every layout field as a flag (default None: not given), spelled in ``style`` (native or compat)."""
+def add_layout_flags(p: argparse.ArgumentParser, *, style: str = "native", source_layout: bool = True) -> None:
+    """Every layout field as a flag (default None: not given), spelled in ``style`` (native or compat).
+    ``source_layout`` False: the command's source has no layout whose degrees a flag not given keeps (to-nxd)."""
     for name, spec in LAYOUT_FIELDS.items():
+        if not source_layout:
+            spec = dataclasses.replace(spec, help=spec.help.replace(
+                FROM_SOURCE, WITHOUT_SOURCE_LAYOUT.get(name, "(not given: 1)")))
         if spec.kind == "switch":
             for switch in spec.switches:
                 _add_bool(p, switch.compat if style == "compat" else switch.native, switch_dest(switch), switch.help,

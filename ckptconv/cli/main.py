@@ -109,7 +109,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion, and TorchTitan DCP")
+    parser = Parser(prog="ckptconv", description=DESCRIPTION)
     add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 Subparsers = Any  # argparse's _SubParsersAction (private)
+# What the tool is (pyproject.toml's description says the same; tests/test_cli_text.py holds both to every family)
+DESCRIPTION = ("Hugging Face <-> NxD (neuronx-distributed) tp x pp x ep shards <-> TorchTitan DCP: convert, reshard "
+               "and verify Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE checkpoints and their training state")
 
 
 def _to_nxd_parser(sub: Subparsers) -> None:
@@ -136,7 +139,7 @@ def _to_nxd_parser(sub: Subparsers) -> None:
                                "(.safetensors/.pt/.bin) with --config")
     p.add_argument("out", help="output directory (the shards go to OUT/model/)")
     _revision_flag(p)
-    add_layout_flags(p)
+    add_layout_flags(p, source_layout=False)  # an HF source has no layout to keep
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
