@@ -194,13 +194,30 @@ def test_the_wrong_kind_of_src_points_to_the_right_command(gqa: Path, tmp_path: 
 
 @pytest.mark.parametrize("typed,meant", [("--tp-size", "--tp"), ("--tp_size", "--tp"), ("--pp_size", "--pp"),
                                          ("--kv_size_multiplier", "--kv-size-multiplier"),
-                                         ("--hw_backend", "--hw-backend"), ("--virtual_pp_size", "--vpp")])
+                                         ("--hw_backend", "--hw-backend"), ("--virtual_pp_size", "--vpp"),
+                                         ("--tensor-parallel", "--tp"), ("--tensor-model-parallel-size", "--tp"),
+                                         ("--pipeline_parallel_size", "--pp"), ("--expert-parallel", "--ep")])
 def test_an_official_spelling_says_did_you_mean(typed: str, meant: str, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exc:
         main(["to-nxd", "src", "out", typed, "2"])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"ckptconv: error: unrecognized arguments: {typed} 2; {typed}: did you mean {meant}?")
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"ckptconv to-nxd: error: unrecognized arguments: {typed} 2; {typed}: did you mean {meant}?")
+    assert err.startswith("usage: ckptconv to-nxd [-h]")  # the command's usage, not the top level's
+
+
+def test_a_value_glued_to_a_flag_says_did_you_mean(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        main(["reshard", "src", "out", "--tp2", "--pp", "1"])
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "ckptconv reshard: error: unrecognized arguments: --tp2; --tp2: did you mean --tp 2?"
+    assert err.startswith("usage: ckptconv reshard [-h]")
+    with pytest.raises(SystemExit):
+        main(["inspect", "src", "--bogus"])  # no layout spelling: no hint, still the command's usage
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ckptconv inspect [-h]")
+    assert err.splitlines()[-1] == "ckptconv inspect: error: unrecognized arguments: --bogus"
 
 
 def test_reshard_to_the_same_layout_is_refused(gqa: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
 from ckptconv.cli.errors import DEBUG_HELP, run_guarded, warnings_as_notes
-from ckptconv.cli.layout_args import add_layout_flags, add_source_flags, did_you_mean, overrides_from, source_overrides
+from ckptconv.cli.layout_args import Parser, add_layout_flags, add_source_flags, overrides_from, source_overrides
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
 from ckptconv.engine.options import (
@@ -94,18 +94,6 @@ def _masters_flag(p: argparse.ArgumentParser, default: str) -> None:
 def _revision_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None,
                    help="for a hub id: branch, tag or commit (default main); looked up in the HF cache first")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with a hint for a layout flag spelled the official way (``--tp-size``: did you mean --tp?)."""
-
-    def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments:"):
-            hints = [f"{token}: did you mean {native}?" for token in message.split(":", 1)[1].split()
-                     if (native := did_you_mean(token)) is not None]
-            if hints:
-                message += "; " + "; ".join(hints)
-        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
