@@ -160,7 +160,7 @@ class Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             commands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
-            chosen = commands[0].choices.get(getattr(parsed, commands[0].dest, None)) if commands else None
+            chosen = commands[0].choices.get(str(getattr(parsed, commands[0].dest, ""))) if commands else None
             (chosen or self).error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 

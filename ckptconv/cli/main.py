@@ -545,9 +545,9 @@ def _main(args: argparse.Namespace) -> int:
         said.update(" ".join(str(note).split()) for note in notes)  # the result prints these itself
     _print(result, getattr(args, "json", False))
     if isinstance(result, dict) and result.get("ok") is False:
-        said = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report
+        verdict = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report
         for problem in result["problems"]:
-            print(f"ckptconv: {said}: {problem}", file=sys.stderr)
+            print(f"ckptconv: {verdict}: {problem}", file=sys.stderr)
         return 1
     return 0
 

@@ -13,8 +13,8 @@ from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
-from ckptconv.io.safetensors_io import TruncatedSafetensorsError
 from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.io.safetensors_io import TruncatedSafetensorsError
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_optimizer import OPTIM_DIR, optimizer_summary
 from ckptconv.training.state import optimizer_summary as nxdtrain_optimizer_summary
