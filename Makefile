@@ -24,7 +24,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch pinned first: a CPU wheel; an unpinned torch would pull several GB of CUDA packages.
+	# torch pinned first, so that .[dev] keeps it: the CPU wheel where pip is configured with one (this project's
+	# machines: a local wheel directory); from PyPI alone the pin is the CUDA build (README: the CPU index).
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# bytecode written once, as pip writes a regular install's: where PYTHONDONTWRITEBYTECODE is set, an editable
