@@ -24,7 +24,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch pinned first: a CPU wheel; an unpinned torch would pull several GB of CUDA packages.
+	# torch pinned first, so that .[dev] keeps it: the CPU wheel where pip is configured with one (this project's
+	# machines: a local wheel directory); from PyPI alone the pin is the CUDA build (README: the CPU index).
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	# bytecode written once, as pip writes a regular install's: where PYTHONDONTWRITEBYTECODE is set, an editable
@@ -116,7 +117,7 @@ demo: setup
 bench: setup
 	$(BIN)/python benchmarks/run.py
 
-# The 8B rows of `make bench` alone, 3 runs each (~5 minutes)
+# the 8B rows of `make bench` alone, 3 runs each (~5 minutes)
 bench-8b: setup
 	$(BIN)/python benchmarks/run.py --only-8b --repeat 3
 
@@ -124,13 +125,13 @@ bench-8b: setup
 bench-startup: setup
 	$(BIN)/python benchmarks/startup.py $(BENCH_ARGS)
 
-# nxdtrain tokens/s and per-process peak memory against a transformers loop (~20-30 min on 2 cores;
-# BENCH_ARGS=--quick for a smoke run), then the MoE table (Mixtral at ep 1 and ep 2, all-to-all bytes per step)
+# nxdtrain tokens/s and per-process peak memory against a transformers loop, then the MoE table (~20-30 min)
+# (2 cores; BENCH_ARGS=--quick for a smoke run; the MoE table: Mixtral at ep 1 and ep 2, all-to-all bytes per step)
 bench-train: setup
 	$(BIN)/python benchmarks/train.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/train_moe.py
 
-# The cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
+# the cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
 bench-checked: setup
 	$(BIN)/python benchmarks/run.py --checked-reads --repeat 5
 
@@ -139,8 +140,8 @@ bench-dcp: setup
 	$(BIN)/python benchmarks/run.py --dcp --repeat 3
 	$(BIN)/python benchmarks/reshard_optim.py bench-out/dcp-nxd-tag --shape 8b --layers 1 --vocab 16384 --to-dcp --nxd-tag
 
-# Files one rank opens (resume of an NxD tag; one --part of reshard --optimizer-format nxd, of NxD's tag and of
-# format 2) on a 70B-shaped tag with tiny tensors at tp 8 x pp 4 x dp 2: counts, not timings (~1 minute)
+# files one rank opens (an NxD tag's resume, one --part of reshard --optimizer-format nxd): counts (~1 minute)
+# (a 70B-shaped tag with tiny tensors at tp 8 x pp 4 x dp 2; the reshard of NxD's tag and of format 2)
 bench-reads: setup
 	$(BIN)/python -m benchmarks.reads bench-out/reads $(BENCH_ARGS)
 

@@ -1,4 +1,4 @@
-"""ckptconv: HF Llama (safetensors) <-> NxD tensor x pipeline parallel shards <-> TorchTitan DCP, streaming and verified.
+"""ckptconv: HF (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE) <-> NxD tp x pp x ep shards <-> TorchTitan DCP, streamed, verified.
 
 The public API is a handful of verbs; everything the CLI does is one of these calls:
 ``to_nxd``, ``to_hf``, ``reshard``, ``inspect``, ``to_dcp``, ``from_dcp`` (imported lazily, so that importing a submodule

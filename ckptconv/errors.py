@@ -14,6 +14,10 @@ class AmbiguousLayout(ConversionError):
     """Shards without a record that fit more than one layout (trn1 and the official trn2): flags must decide."""
 
 
+class UnfinishedOutput(ConversionError):
+    """A directory a ckptconv conversion was writing when it stopped (no ckptconv.json yet): rerun it to finish."""
+
+
 class VerificationError(ConversionError):
     """A check on data failed (replicas differ, hashes mismatch, numerics out of tolerance)."""
 

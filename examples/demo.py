@@ -7,18 +7,22 @@ training rows are ``fixtures/corpus/train.jsonl`` (byte-level tokens of a small 
 The demo fails (non-zero exit) if the round trip is not bit-exact or the logits differ, or if
 training does not lower the loss on rows it never saw. It draws the run's loss, learning rate and
 throughput into ``OUT_DIR/curves.png`` (``nxdtrain plot``) and prints its path.
+
+OUT_DIR is the demo's own: it declares what it writes there (as every ckptconv writer does,
+``ckptconv.engine.outdir``), a rerun replaces only that, and an OUT_DIR holding anything else is refused.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from ckptconv.engine import outdir
 
 REPO = Path(__file__).resolve().parents[1]
 CKPTCONV = [sys.executable, "-m", "ckptconv.cli"]
@@ -46,10 +50,30 @@ def logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
         return AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
 
 
+# Everything the demo writes in OUT_DIR, declared before the first of them is written.
+WRITES = ["hf", "nxd", "hf-back", "train", "train-log.jsonl", "curves.png", "hf-trained"]
+
+
+def claim(out: Path) -> str | None:
+    """Make OUT_DIR the demo's: refuse (the reason, one line) when it holds anything the demo did not declare,
+    else remove the demo's earlier output and declare what this run writes."""
+    if out.exists() and not out.is_dir():
+        return f"{out}: not a directory; choose another OUT_DIR"
+    strangers = outdir.foreign(out)
+    if strangers:
+        return (f"{out}: holds {strangers[0]!r}, which the demo did not write; choose another OUT_DIR "
+                "(the demo removes only its own earlier output)")
+    outdir.remove_owned(out, keep=())
+    out.mkdir(parents=True, exist_ok=True)
+    outdir.declare(out, "demo", WRITES)
+    return None
+
+
 def main(out: Path) -> int:
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    refused = claim(out)
+    if refused is not None:
+        print(f"demo: error: {refused}", file=sys.stderr)
+        return 1
     build_model(out / "hf")
     sh(*CKPTCONV, "to-nxd", str(out / "hf"), str(out / "nxd"), "--tp", "2", "--pp", "2",
        "--qkv-linear", "--fuse-qkv", "--kv-size-multiplier", "1")

@@ -98,3 +98,25 @@ def test_the_scan_catches_a_foreign_flag(tmp_path):
     module.write_text('def f(x):\n    raise TrainError(f"{x}: pass --overwrite to replace it")\n')
     (text,) = message_strings(module)
     assert FLAG.findall(text) == ["--overwrite"] and "--overwrite" not in cli_flags("nxdtrain")
+
+
+def test_what_the_tool_says_it_is_names_every_family():
+    """``ckptconv --help`` and the package's description say what the tool converts now: every registered family
+    (not "HF Llama"), and TorchTitan's DCP."""
+    from ckptconv.core.families import FAMILIES
+
+    project = (REPO / "pyproject.toml").read_text()
+    described = re.search(r'^description = "(.*)"$', project, re.M).group(1)  # type: ignore[union-attr]
+    for text in (ckptconv_parser().description or "", described):
+        assert [f.name for f in FAMILIES.values() if f.name not in text] == [], text
+        assert "DCP" in text and "HF Llama" not in text
+
+
+def test_to_nxd_help_says_what_a_degree_not_given_is():
+    """to-nxd reads an HF model, which has no layout: its --tp/--pp help does not promise "the source's"."""
+    sub = next(a for a in ckptconv_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    helps = {s: a.help for a in sub["to-nxd"]._actions for s in a.option_strings}
+    assert helps["--tp"] == helps["--pp"].replace("pipeline", "tensor") and "source" not in helps["--tp"] + helps["--pp"]
+    assert helps["--tp"] == "tensor-parallel degree (not given: 1; to-nxd needs --tp or --pp)"
+    reshard = {s: a.help for a in sub["reshard"]._actions for s in a.option_strings}
+    assert reshard["--tp"] == "tensor-parallel degree (not given: the source's, else 1)"

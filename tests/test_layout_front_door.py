@@ -4,6 +4,7 @@ what a command says when SRC is the wrong kind, a layout is missing, or a flag i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -13,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 import ckptconv
+from ckptconv.cli.layout_args import WITHOUT_SOURCE_LAYOUT
 from ckptconv.cli.main import build_parser, main
 from ckptconv.core.layout import ParallelLayout
-from ckptconv.core.layout_flags import LAYOUT_FIELDS, LayoutHints, LayoutOverrides, apply_layout
+from ckptconv.core.layout_flags import FROM_SOURCE, LAYOUT_FIELDS, LayoutHints, LayoutOverrides, apply_layout
 from ckptconv.errors import ConversionError
 
 QUIET = ckptconv.RunOptions(quiet=True, workers=2)
@@ -194,13 +196,30 @@ def test_the_wrong_kind_of_src_points_to_the_right_command(gqa: Path, tmp_path: 
 
 @pytest.mark.parametrize("typed,meant", [("--tp-size", "--tp"), ("--tp_size", "--tp"), ("--pp_size", "--pp"),
                                          ("--kv_size_multiplier", "--kv-size-multiplier"),
-                                         ("--hw_backend", "--hw-backend"), ("--virtual_pp_size", "--vpp")])
+                                         ("--hw_backend", "--hw-backend"), ("--virtual_pp_size", "--vpp"),
+                                         ("--tensor-parallel", "--tp"), ("--tensor-model-parallel-size", "--tp"),
+                                         ("--pipeline_parallel_size", "--pp"), ("--expert-parallel", "--ep")])
 def test_an_official_spelling_says_did_you_mean(typed: str, meant: str, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exc:
         main(["to-nxd", "src", "out", typed, "2"])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"ckptconv: error: unrecognized arguments: {typed} 2; {typed}: did you mean {meant}?")
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"ckptconv to-nxd: error: unrecognized arguments: {typed} 2; {typed}: did you mean {meant}?")
+    assert err.startswith("usage: ckptconv to-nxd [-h]")  # the command's usage, not the top level's
+
+
+def test_a_value_glued_to_a_flag_says_did_you_mean(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        main(["reshard", "src", "out", "--tp2", "--pp", "1"])
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "ckptconv reshard: error: unrecognized arguments: --tp2; --tp2: did you mean --tp 2?"
+    assert err.startswith("usage: ckptconv reshard [-h]")
+    with pytest.raises(SystemExit):
+        main(["inspect", "src", "--bogus"])  # no layout spelling: no hint, still the command's usage
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ckptconv inspect [-h]")
+    assert err.splitlines()[-1] == "ckptconv inspect: error: unrecognized arguments: --bogus"
 
 
 def test_reshard_to_the_same_layout_is_refused(gqa: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -228,7 +247,10 @@ def _subparser(command: str) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("command", ["to-nxd", "to-hf", "reshard", "to-dcp", "from-dcp", "verify"])
 def test_every_layout_field_is_a_flag_with_its_help(command: str):
     helps = {s: a.help for a in _subparser(command)._actions for s in a.option_strings}
-    for spec in LAYOUT_FIELDS.values():
+    for name, spec in LAYOUT_FIELDS.items():
+        if command == "to-nxd":  # an HF source has no layout: a degree not given is 1 (to-nxd needs --tp or --pp)
+            spec = dataclasses.replace(spec, help=spec.help.replace(FROM_SOURCE, WITHOUT_SOURCE_LAYOUT.get(
+                name, "(not given: 1)")))
         for flag, text in ([(s.native, s.help) for s in spec.switches] or [(spec.native, spec.help)]):
             assert helps.get(flag) == text, (command, flag)
         for alias in spec.aliases:

@@ -57,10 +57,10 @@ def test_verify_report_off_a_terminal_names_each_component():
     render(data, file=out)
     assert out.getvalue().splitlines() == [
         "verify (tolerance 0.0001, relative to the largest reference value)",
-        "layer 0 attention: max abs error 1.5e-07, relative 2.5e-08, ranks -",
-        "layer 0 mlp: max abs error 1.5e-07, relative 2.5e-08, ranks 1, 3",
-        "embedding: max abs error 1.5e-07, relative 2.5e-08, ranks -",
-        "lm_head: max abs error 1.5e-07, relative 2.5e-08, ranks -",
+        "layer 0 attention: max abs error 1.5e-07, relative 2.5e-08",  # no rank at fault: nothing said, no "ranks -"
+        "layer 0 mlp: max abs error 1.5e-07, relative 2.5e-08, differs on rank(s) 1, 3",
+        "embedding: max abs error 1.5e-07, relative 2.5e-08",
+        "lm_head: max abs error 1.5e-07, relative 2.5e-08",
         "FAILED: 1 problem(s)",
     ]
 

@@ -178,8 +178,7 @@ def test_to_hf_refuses_differing_kv_replicas_unless_told(gqa: Path, tmp_path: Pa
     original = load_shard(out / "model" / SHARD.format(2, 0))[key]
     edit_shard(out, 2, 0, lambda s: s.__setitem__(key, s[key] + 0.5))
     with pytest.raises(VerificationError) as err:
-        with warns_no_tokenizer():
-            ckptconv.to_hf(out, tmp_path / "back", options=QUIET)
+        ckptconv.to_hf(out, tmp_path / "back", options=QUIET)
     message = str(err.value)
     assert "model.layers.3.self_attn.k_proj.weight[0:8]" in message
     assert "tp_rank_02" in message and "tp_rank_00" in message and "max abs difference 0.5" in message
@@ -207,8 +206,7 @@ def test_to_hf_infers_trn2_from_replicas_and_refuses_to_guess_trn1(gqa: Path, tm
         assert main(argv) == 1
         assert "pass --hw-backend trn1, or --hw-backend trn2 --trn2-kv-layout official" in capsys.readouterr().err
         argv += ["--hw-backend", "trn1"]
-    with warns_no_tokenizer():
-        assert main(argv) == 0
+    assert main(argv) == 0  # the CLI says the missing tokenizer as a note of its result (tests/test_cli_notes.py)
     said = capsys.readouterr()
     text = said.out + said.err
     assert "kv_size_multiplier 2 from K/V rows" in said.out

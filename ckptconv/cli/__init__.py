@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
-    from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, debug_requested, describe, run_guarded
+    from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, debug_requested, describe, run_guarded, warnings_as_notes
+    from ckptconv.cli.layout_args import Parser
     from ckptconv.cli.report import key_values
 
 __getattr__ = lazy_exports(__name__, __file__)

@@ -3,7 +3,9 @@
 Every anticipated failure (bad input, I/O, permissions, a full disk, an interrupt) becomes one
 line on stderr, ``PROG: error: <file/key/flag>: <expected, found>``, and exit status 1 (130 for an
 interrupt). ``--debug`` or ``CKPTCONV_DEBUG=1`` shows the traceback instead; with ``--json`` a JSON
-object ``{"error": ..., "kind": ..., "exit": ...}`` is printed on stdout as well.
+object ``{"error": ..., "kind": ..., "exit": ...}`` is printed on stdout as well. Warnings raised on the way
+become notes (:func:`warnings_as_notes`): ``PROG: note: <text>``, once each, never Python's ``file:line:
+UserWarning:`` with a source line.
 
 Example:
     >>> run_guarded("ckptconv", lambda: 0)
@@ -12,12 +14,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 from ckptconv.errors import UnsafeCheckpointError
 from ckptconv.io.atomic import disk_full
@@ -90,3 +94,21 @@ def run_guarded(prog: str, call: Callable[[], int], *, as_json: bool = False, de
         return call()
     except (Exception, KeyboardInterrupt) as exc:
         return report(prog, exc, as_json=as_json, debug=debug, resume_hint=resume_hint)
+
+
+@contextlib.contextmanager
+def warnings_as_notes(prog: str, *, quiet: bool) -> Iterator[set[str]]:
+    """Collect the warnings raised inside; at the end (a failure included) print each as ``PROG: note: TEXT`` on
+    stderr, once, unless ``quiet``. The caller adds to the yielded set the notes its result prints itself, which are
+    then not said twice."""
+    said: set[str] = set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every one reaches the list; the same text is printed once below
+        try:
+            yield said
+        finally:
+            for warning in [] if quiet else caught:
+                text = _one_line(str(warning.message))
+                if text not in said:
+                    said.add(text)
+                    print(f"{prog}: note: {text}", file=sys.stderr)

@@ -8,14 +8,18 @@ field added there is a flag of every command here, with the same help text.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from ckptconv.core.layout import Attention
-from ckptconv.core.layout_flags import LAYOUT_FIELDS, FieldFlags, LayoutOverrides, Switch
+from ckptconv.core.layout_flags import FROM_SOURCE, LAYOUT_FIELDS, FieldFlags, LayoutOverrides, Switch
 from ckptconv.errors import ConversionError
 
 COMPAT_BOOL_HELP = " (True/False as written; the flag alone means True)"
+# A source without a layout (an HF model: to-nxd) has none to keep; to-nxd refuses to guess the one to write.
+WITHOUT_SOURCE_LAYOUT = {"tp": "(not given: 1; to-nxd needs --tp or --pp)", "pp": "(not given: 1; to-nxd needs --tp or --pp)"}
 
 
 def parse_bool(text: str) -> bool:
@@ -32,9 +36,13 @@ def switch_dest(switch: Switch) -> str:
     return switch.native.removeprefix("--").replace("-", "_")
 
 
-def add_layout_flags(p: argparse.ArgumentParser, *, style: str = "native") -> None:
-    """Every layout field as a flag (default None: not given), spelled in ``style`` (native or compat)."""
+def add_layout_flags(p: argparse.ArgumentParser, *, style: str = "native", source_layout: bool = True) -> None:
+    """Every layout field as a flag (default None: not given), spelled in ``style`` (native or compat).
+    ``source_layout`` False: the command's source has no layout whose degrees a flag not given keeps (to-nxd)."""
     for name, spec in LAYOUT_FIELDS.items():
+        if not source_layout:
+            spec = dataclasses.replace(spec, help=spec.help.replace(
+                FROM_SOURCE, WITHOUT_SOURCE_LAYOUT.get(name, "(not given: 1)")))
         if spec.kind == "switch":
             for switch in spec.switches:
                 _add_bool(p, switch.compat if style == "compat" else switch.native, switch_dest(switch), switch.help,
@@ -106,16 +114,60 @@ def _key(flag: str) -> str:
     return _WORD.sub("", flag.lower())
 
 
+# Layout degrees spelled out as other tools spell them (Megatron's --tensor-model-parallel-size, torchrun-style
+# --tensor-parallel 2), each with or without a -size / -degree ending.
+_SPELLED_OUT = {"tp": ("tensorparallel", "tensormodelparallel"), "pp": ("pipelineparallel", "pipelinemodelparallel"),
+                "ep": ("expertparallel", "expertmodelparallel"), "vpp": ("virtualpipeline", "virtualpipelineparallel")}
+_ENDINGS = ("", "size", "degree")
+
+
 def did_you_mean(token: str) -> str | None:
     """The native flag of a layout flag spelled another way (``--tp-size``, ``--tp_size``, ``--pp_size``,
-    ``--kv_size_multiplier``, ``--hw_backend``...): None when ``token`` is no such spelling."""
-    typed = _key(token.split("=", 1)[0])
-    if not typed:
-        return None
-    for spec in LAYOUT_FIELDS.values():
+    ``--kv_size_multiplier``, ``--hw_backend``, ``--tensor-parallel``...), with its value where it was glued on
+    (``--tp2``: ``--tp 2``): None when ``token`` is no such spelling.
+
+        >>> did_you_mean("--tp2"), did_you_mean("--tensor-model-parallel-size=8"), did_you_mean("--tp")
+        ('--tp 2', '--tp', None)
+    """
+    flag = token.split("=", 1)[0]
+    typed = _key(flag)
+    glued = re.fullmatch(r"([a-z]+?)(\d+)", typed)  # --tp2: a value glued to the flag
+    for candidate, value in [(typed, ""), *([(glued.group(1), f" {glued.group(2)}")] if glued else [])]:
+        native = _native_of(candidate) if candidate else None
+        if native is not None and (flag != native or value):
+            return native + value
+    return None
+
+
+def _native_of(typed: str) -> str | None:
+    """The native flag whose spellings (without punctuation or case) include ``typed``."""
+    for name, spec in LAYOUT_FIELDS.items():
         natives = [s.native for s in spec.switches] or [spec.native]
         compats = [s.compat for s in spec.switches] or [spec.compat]
         for native, compat in zip(natives, compats, strict=True):
-            if typed in (_key(compat), _key(native), _key(native) + "size") and token.split("=")[0] != native:
+            spelled = {_key(compat), _key(native), _key(native) + "size"}
+            spelled |= {word + ending for word in _SPELLED_OUT.get(name, ()) for ending in _ENDINGS}
+            if typed in spelled:
                 return native
     return None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a hint for a layout flag spelled the official way (``--tp-size``: did you mean --tp?), and an
+    unknown flag of a command answered with that command's usage (not the top level's)."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+            chosen = commands[0].choices.get(str(getattr(parsed, commands[0].dest, ""))) if commands else None
+            (chosen or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            hints = [f"{token}: did you mean {native}?" for token in message.split(":", 1)[1].split()
+                     if (native := did_you_mean(token)) is not None]
+            if hints:
+                message += "; " + "; ".join(hints)
+        super().error(message)

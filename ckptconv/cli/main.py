@@ -15,14 +15,13 @@ import json
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
-from ckptconv.cli.errors import DEBUG_HELP, run_guarded
-from ckptconv.cli.layout_args import add_layout_flags, add_source_flags, did_you_mean, overrides_from, source_overrides
+from ckptconv.cli.errors import DEBUG_HELP, run_guarded, warnings_as_notes
+from ckptconv.cli.layout_args import Parser, add_layout_flags, add_source_flags, overrides_from, source_overrides
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
 from ckptconv.engine.options import (
@@ -97,20 +96,8 @@ def _revision_flag(p: argparse.ArgumentParser) -> None:
                    help="for a hub id: branch, tag or commit (default main); looked up in the HF cache first")
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, with a hint for a layout flag spelled the official way (``--tp-size``: did you mean --tp?)."""
-
-    def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments:"):
-            hints = [f"{token}: did you mean {native}?" for token in message.split(":", 1)[1].split()
-                     if (native := did_you_mean(token)) is not None]
-            if hints:
-                message += "; " + "; ".join(hints)
-        super().error(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="ckptconv", description="HF Llama <-> NxD checkpoint conversion, and TorchTitan DCP")
+    parser = Parser(prog="ckptconv", description=DESCRIPTION)
     add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help for its flags)")
@@ -129,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 Subparsers = Any  # argparse's _SubParsersAction (private)
+# What the tool is (pyproject.toml's description says the same; tests/test_cli_text.py holds both to every family)
+DESCRIPTION = ("Hugging Face <-> NxD (neuronx-distributed) tp x pp x ep shards <-> TorchTitan DCP: convert, reshard "
+               "and verify Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE checkpoints and their training state")
 
 
 def _to_nxd_parser(sub: Subparsers) -> None:
@@ -137,7 +127,7 @@ def _to_nxd_parser(sub: Subparsers) -> None:
                                "(.safetensors/.pt/.bin) with --config")
     p.add_argument("out", help="output directory (the shards go to OUT/model/)")
     _revision_flag(p)
-    add_layout_flags(p)
+    add_layout_flags(p, source_layout=False)  # an HF source has no layout to keep
     p.add_argument("--xser", nargs="?", const="inline", choices=("inline", "split"), default=None,
                    help="xser flavour: inline (official --save_xser) or split (NxD training's)")
     p.add_argument("--config", help="HF config.json (needed for a single state-dict file)")
@@ -283,6 +273,7 @@ def _verify_parser(sub: Subparsers) -> None:
     p.add_argument("--config", help="HF config.json (when NXD_DIR has no ckptconv.json)")
     add_layout_flags(p)
     _masters_flag(p, "the shards")
+    p.add_argument("--quiet", action="store_true", help="no progress bar of the layers checked (shown on a terminal)")
     p.add_argument("--json", action="store_true", help=JSON_HELP)
 
 
@@ -391,7 +382,7 @@ def _run_verify(args: argparse.Namespace) -> Any:
 
     return verify(args.hf_dir, args.nxd_dir, layers=layers, tol=args.tol, seed=args.seed, config=args.config,
                   hints=hints, files=args.files, revision=args.revision, check=not args.no_check,
-                  masters=args.masters)
+                  masters=args.masters, progress=not (args.quiet or args.json) and sys.stderr.isatty())
 
 
 def _run_inspect(args: argparse.Namespace) -> Any:
@@ -546,17 +537,17 @@ def console() -> NoReturn:
 
 
 def _main(args: argparse.Namespace) -> int:
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        if getattr(args, "quiet", False) or getattr(args, "json", False):
-            warnings.simplefilter("ignore")
+    with warnings_as_notes("ckptconv", quiet=getattr(args, "quiet", False) or getattr(args, "json", False)) as said:
         check_sources(args)
         import_quietly(_LIBRARIES.get(args.command))
         result = run(args)
+        notes = (result if isinstance(result, dict) else result.to_json()).get("notes") or []
+        said.update(" ".join(str(note).split()) for note in notes)  # the result prints these itself
     _print(result, getattr(args, "json", False))
     if isinstance(result, dict) and result.get("ok") is False:
+        verdict = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report
         for problem in result["problems"]:
-            print(f"ckptconv: verify failed: {problem}", file=sys.stderr)
+            print(f"ckptconv: {verdict}: {problem}", file=sys.stderr)
         return 1
     return 0
 

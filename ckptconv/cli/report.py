@@ -10,19 +10,12 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return str(n)
+from ckptconv.core.human import human_bytes
 
 
 def _text(key: str, value: Any) -> str:
     if key in ("bytes", "bytes_written") and isinstance(value, int):
-        return f"{_size(value)} ({value:,} bytes)"
+        return f"{human_bytes(value)} ({value:,} bytes)"
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, list):
@@ -69,32 +62,46 @@ def key_values(rows: list[tuple[str, str]], *, title: str | None = None, right: 
 
 def _verify_rows(data: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
     rows = [(str(layer), name, c) for layer, checks in data["layers"].items() for name, c in checks.items()]
-    return rows + [("-", name, data[name]) for name in ("embedding", "lm_head")]
+    return rows + [("", name, data[name]) for name in ("embedding", "lm_head")]  # not a layer's
+
+
+def _verdict(data: dict[str, Any]) -> tuple[str, str]:
+    """(label, what) of a verify result's last line."""
+    if data["ok"]:
+        return "OK", "the shards compute what the HF model computes"
+    if "trained" in data:
+        return "DIFFERS", "by the training, not the conversion (see the first line)"
+    return "FAILED", f"{len(data['problems'])} problem(s)"
+
+
+def _rank_blame(ranks: list[int]) -> str:
+    """The ranks whose own piece differs, for a table cell ("none" when no rank was found at fault)."""
+    return ", ".join(map(str, ranks)) if ranks else "none"
 
 
 def _render_verify(data: dict[str, Any], out: TextIO) -> None:
     title = f"verify (tolerance {data['tol']:g}, relative to the largest reference value)"
-    verdict = ("OK: the shards compute what the HF model computes" if data["ok"]
-               else f"FAILED: {len(data['problems'])} problem(s)")
+    label, what = _verdict(data)
+    if "trained" in data:  # said before any number, so that no difference reads as the converter's fault
+        print(f"note: {data['trained']['message']}", file=out)
     if not out.isatty():
         print(title, file=out)
         for layer, name, c in _verify_rows(data):
-            where = f"layer {layer} {name}" if layer != "-" else name
-            ranks = ", ".join(map(str, c["ranks"])) or "-"
-            print(f"{where}: max abs error {c['max_abs']:.3g}, relative {c['rel']:.3g}, ranks {ranks}", file=out)
-        print(verdict, file=out)
+            where = f"layer {layer} {name}" if layer else name
+            ranks = f", differs on rank(s) {_rank_blame(c['ranks'])}" if c["ranks"] else ""
+            print(f"{where}: max abs error {c['max_abs']:.3g}, relative {c['rel']:.3g}{ranks}", file=out)
+        print(f"{label}: {what}", file=out)
         return
     from rich.console import Console
     from rich.table import Table
 
     console = Console(file=out)
     table = Table(title=title)
-    for column in ("layer", "component", "max abs error", "relative", "ranks"):
+    for column in ("layer", "component", "max abs error", "relative", "ranks that differ"):
         table.add_column(column, overflow="fold")
     for layer, name, c in _verify_rows(data):
         bad = c["rel"] > data["tol"] or c["ranks"]
-        table.add_row(layer, name, f"{c['max_abs']:.3g}", f"{c['rel']:.3g}", ", ".join(map(str, c["ranks"])) or "-",
+        table.add_row(layer, name, f"{c['max_abs']:.3g}", f"{c['rel']:.3g}", _rank_blame(c["ranks"]),
                       style="red" if bad else None)
     console.print(table)
-    console.print("[green]OK[/green]: the shards compute what the HF model computes" if data["ok"]
-                  else f"[red]FAILED[/red]: {len(data['problems'])} problem(s)")
+    console.print(f"[{'green' if data['ok'] else 'red'}]{label}[/]: {what}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ckptconv.commands.src_kind import open_hf, refuse_hf_source, refuse_nxd_source
-from ckptconv.commands.steps import config_as_written, dtype_name, input_files
+from ckptconv.commands.steps import EXPORTED_FROM, config_as_written, dtype_name, input_files, trained_record
 from ckptconv.core.fused_experts import check_hf_experts
 from ckptconv.core.layout import (
     HF_FILES_DIR,
@@ -287,21 +287,29 @@ def to_hf(
                                ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
         copies = _with_tokenizer(kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
+        no_tokenizer = None
         if not has_tokenizer([target for _, target in copies]):
-            message = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
-                       "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
-                       "adds one")
-            warnings.warn(message, stacklevel=2)
-            notes.append(message)
+            no_tokenizer = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "
+                            "cannot load it; ckptconv to-hf --tokenizer DIR (or to-nxd --tokenizer DIR before training) "
+                            "adds one")
+            notes.append(no_tokenizer)
         spec_ = FinalizeSpec(
             identity,
             metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=with_inv_freq,
-                          fingerprint=identity, extra={"from_layout": layout.to_json()}),
+                          fingerprint=identity, extra={"from_layout": layout.to_json(), **_trained_source(ckpt)}),
             texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
             copies=copies,
         )
         result = run.write(plan, ckpt, out, safetensors_sink, spec_, kv_replicas, sources=[Path(src), ckpt.root])
+    if no_tokenizer is not None:  # once written: an export refused for another reason warns of nothing else
+        warnings.warn(no_tokenizer, stacklevel=2)
     return run.finish(result, layout.to_json())
+
+
+def _trained_source(ckpt: Any) -> dict[str, Any]:
+    """What an export records of the trained tag it came from (verify then knows the export is that tag's)."""
+    record = trained_record(ckpt.metadata)
+    return {} if record is None else {EXPORTED_FROM: {k: record.get(k) for k in ("step", "run")}}
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ from typing import Any
 from ckptconv.core.mapping import stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
+from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
+from ckptconv.io.safetensors_io import TruncatedSafetensorsError
 from ckptconv.io.tags import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_format.read import OPTIM_DIR, nxd_optimizer_summary
@@ -38,6 +40,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     path = resolve_hf(path, revision=revision, flag="PATH")
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
+    refuse_unfinished(path)  # neither NxD nor HF yet: the conversion that writes it was interrupted
     try:
         return _inspect_nxd(path, config, check, masters)
     except IntegrityError:
@@ -45,6 +48,8 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     except ConversionError as nxd_error:
         try:
             return _inspect_hf(path, config)
+        except TruncatedSafetensorsError as cut:  # what inspect is for: say what is wrong with the files
+            return {"kind": "hf", "path": str(path), "complete": False, "problems": [str(cut)]}
         except ConversionError as hf_error:
             raise ConversionError(f"{path}: neither NxD ({nxd_error}) nor HF ({hf_error})") from None
 

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ckptconv.core.layout import MODEL_DIR, parse_shard_name
+from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import BIN_INDEX, BIN_SINGLE, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
@@ -63,7 +64,8 @@ def refuse_nxd_source(src: str | Path, command: str = "to-nxd") -> None:
 @contextmanager
 def open_hf(src: str | Path, *, config: str | Path | None = None, io: str = "mmap") -> Iterator[HfCheckpoint]:
     """:class:`HfCheckpoint` of SRC; a file that is no tensor file (``config.json``) is refused in one line
-    that names it and says what SRC must be."""
+    that names it and says what SRC must be; an interrupted export is named as such (rerun it)."""
+    refuse_unfinished(src)
     try:
         hf = HfCheckpoint(src, config=config, io=io)
     except NotSafetensorsError as e:

@@ -1,5 +1,5 @@
 """What the verbs of ckptconv.commands share beyond the run itself (:mod:`ckptconv.engine.run`): the input files a
-conversion reads, and the HF config a converted checkpoint records.
+conversion reads, the HF config a converted checkpoint records, and the training a tag records.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from ckptconv.core.layout import HF_FILES_DIR
 from ckptconv.core.plan import Plan
 from ckptconv.io.hf import CONFIG, config_text
 from ckptconv.sources.masters import MasterWeights
+from ckptconv.training import RECORD_KEY
 from ckptconv.training.nxd_format.read import OPTIM_DIR
+
+EXPORTED_FROM = "from_tag"  # an HF export's ckptconv.json: the record of the tag it was exported from
 
 
 def input_files(ckpt: Any) -> list[Path]:
@@ -40,3 +43,12 @@ def dtype_name(plan: Plan) -> str:
     names = sorted({str(t.dtype).removeprefix("torch.") for f in plan.files for t in f.tensors
                     if not t.key.endswith("inv_freq")})
     return names[0] if len(names) == 1 else ",".join(names)
+
+
+def trained_record(meta: Any, key: str = RECORD_KEY) -> dict[str, Any] | None:
+    """The run record of a tag that was trained (its ``ckptconv.json`` records step 1 or later), else None;
+    ``key`` EXPORTED_FROM: the record of the trained tag an HF export was made from."""
+    record = (getattr(meta, "extra", None) or {}).get(key)
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] < 1:
+        return None
+    return record

@@ -8,6 +8,10 @@ rank. Then the vocab-parallel embedding lookup and the ``lm_head`` logits. A hea
 the wrong K/V head, a fused QKV split at the wrong place, a column block from another rank or a
 norm from another layer all change (b) and are reported with the layer, component and ranks.
 
+A training tag that was trained (its ``ckptconv.json`` records step 1 or later) holds other weights than the HF model
+it started from: against that model verify says so first and blames no rank; against the tag's own export (which
+records the tag it came from) it checks the shards as usual.
+
 Example:
     >>> report = verify("llama-hf", "llama-nxd", layers=2)   # doctest: +SKIP
     >>> report["ok"]                                          # doctest: +SKIP
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ckptconv.commands.steps import EXPORTED_FROM, trained_record
 from ckptconv.commands.verify_moe import check_sparse_mlp, dense_sparse_mlp
 from ckptconv.core.layout import Attention, ParallelLayout, layer_pp_ranks
 from ckptconv.core.mapping import EMBED, FINAL_NORM, LM_HEAD, kv_heads, q_heads, stores_lm_head
@@ -37,9 +42,12 @@ from ckptconv.core.reference import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from ckptconv.engine.finalize import refuse_unfinished
+from ckptconv.engine.progress import byte_progress
 from ckptconv.errors import ConversionError
 from ckptconv.io.digest import FileRecord
 from ckptconv.io.hf import HfCheckpoint
+from ckptconv.io.metadata import read_metadata
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.nxd import open_nxd
 
@@ -288,6 +296,7 @@ def verify(
     revision: str | None = None,
     check: bool = True,
     masters: bool | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Compare the sharded computation with the dense HF one; see the module docstring.
 
@@ -298,36 +307,80 @@ def verify(
 
     ``tol`` defaults to 1e-4 relative, looser when the shards hold a lower precision than the HF
     weights (a cast, e.g. ``--dtype bf16``). With ``check`` every shard read from is checked
-    against its record (size, digest, zip CRC-32s; IntegrityError on a mismatch).
+    against its record (size, digest, zip CRC-32s; IntegrityError on a mismatch). ``progress``: a bar of the
+    layers checked on stderr.
+
+    A trained tag checked against another HF model than its own export: ``trained`` in the result (its steps and
+    what to compare it with instead), that first among the notes, no rank blamed, and one problem saying so.
     """
     from ckptconv.sources.hub import resolve_hf
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
+    refuse_unfinished(hf_dir)  # an interrupted export (the shards: open_nxd says the same)
     opened = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
     ckpt, spec, layout, notes = opened.ckpt, opened.spec, opened.layout, opened.notes
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []
+    trained = _trained_elsewhere(ckpt.metadata, hf_dir)
+    blame = (lambda c: c) if trained is None else _unblamed
     with ckpt, HfCheckpoint(hf_dir, config=config) as hf:
         if hf.spec != spec:
             raise ConversionError(f"{hf_dir} and {nxd_dir} describe different models: {hf.spec} vs {spec}")
         if tol is None:
             tol = _default_tol(hf, ckpt)
         shards = _Shards(ckpt, spec, layout)
-        for layer in _sample_layers(spec.layers, layers):
-            x = torch.randn(2, 16, spec.hidden, generator=generator)
-            checks = _check_layer(x, _hf_layer(hf, layer), shards, layer, tol)
-            results["layers"][layer] = {c.name: _as_json(c) for c in checks}
-            problems += [_problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
-        for vocab_check in _check_vocab(hf, shards, generator):
+        sampled = _sample_layers(spec.layers, layers)
+        with byte_progress(f"verify {Path(nxd_dir).name}", len(sampled), quiet=not progress, of="layers") as advance:
+            for layer in sampled:
+                x = torch.randn(2, 16, spec.hidden, generator=generator)
+                checks = [blame(c) for c in _check_layer(x, _hf_layer(hf, layer), shards, layer, tol)]
+                results["layers"][layer] = {c.name: _as_json(c) for c in checks}
+                problems += [_problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
+                advance(1)
+        for vocab_check in map(blame, _check_vocab(hf, shards, generator)):
             results[vocab_check.name] = _as_json(vocab_check)
             if not vocab_check.ok(tol):
                 problems.append(_problem(vocab_check.name, vocab_check, tol))
+        if trained is not None:
+            problems = _trained_problems(trained, problems, nxd_dir, hf_dir, notes)
+            results["trained"] = trained
         if files:
             problems += _check_files(ckpt)
         ckpt.finish_checks()
     results.update(ok=not problems, problems=problems, tol=tol, layout=layout.to_json())
     return results
+
+
+def _trained_elsewhere(meta: Any, hf_dir: Path) -> dict[str, Any] | None:
+    """``{"steps": N}`` when the shards are a tag trained N steps and ``hf_dir`` is not that tag's own export."""
+    record = trained_record(meta)
+    if record is None:
+        return None
+    exported = trained_record(read_metadata(hf_dir) if Path(hf_dir).is_dir() else None, EXPORTED_FROM)
+    if exported is not None and all(exported.get(k) == record.get(k) for k in ("step", "run")):
+        return None
+    return {"steps": record["step"]}
+
+
+def _unblamed(check: Check) -> Check:
+    """A check of trained weights against the model they started from: the difference is the training's, so no
+    rank and no component is blamed."""
+    check.ranks, check.detail = [], ""
+    return check
+
+
+def _trained_problems(trained: dict[str, Any], problems: list[str], nxd_dir: str | Path, hf_dir: str | Path,
+                      notes: list[str]) -> list[str]:
+    """What verify says first of a trained tag against another HF model (a note; the one problem if any differ)."""
+    steps = trained["steps"]
+    said = (f"{nxd_dir} is a training tag trained {steps} step{'s' if steps != 1 else ''} (its ckptconv.json records "
+            f"step {steps}) and {hf_dir} is not its export: their weights differ by the training, not by the "
+            f"conversion{f' ({len(problems)} checks differ)' if problems else ''}; to check the shards, verify them "
+            f"against an export of the same tag: ckptconv to-hf {nxd_dir} EXPORT, then ckptconv verify EXPORT {nxd_dir}")
+    trained["message"] = said
+    notes.insert(0, said)
+    return [said] if problems else []
 
 
 def _default_tol(hf: HfCheckpoint, ckpt: NxdCheckpoint) -> float:

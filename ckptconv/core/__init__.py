@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
+    from ckptconv.core.human import human_bytes, human_number
     from ckptconv.core.layout import (
         HF_FILES_DIR,
         MODEL_DIR,

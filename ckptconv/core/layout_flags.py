@@ -79,6 +79,9 @@ class FieldFlags:
         return self.compat if style == "compat" else self.native
 
 
+FROM_SOURCE = "(not given: the source's, else 1)"  # a degree's default where the source has a layout to keep
+
+
 def _meta(**kwargs: Any) -> dict[str, FieldFlags]:
     return {"flags": FieldFlags(**kwargs)}
 
@@ -97,16 +100,16 @@ class LayoutOverrides(dict[str, Any]):
     """
 
     tp: int | None = field(default=None, metadata=_meta(
-        native=NATIVE_FLAGS["tp"], compat="--tp_size", kind="int", api="tp", what="tp", help="tensor-parallel degree (not given: the source's, else 1)"))
+        native=NATIVE_FLAGS["tp"], compat="--tp_size", kind="int", api="tp", what="tp", help=f"tensor-parallel degree {FROM_SOURCE}"))
     pp: int | None = field(default=None, metadata=_meta(
-        native=NATIVE_FLAGS["pp"], compat="--pp_size", kind="int", api="pp", what="pp", help="pipeline-parallel degree (not given: the source's, else 1)"))
+        native=NATIVE_FLAGS["pp"], compat="--pp_size", kind="int", api="pp", what="pp", help=f"pipeline-parallel degree {FROM_SOURCE}"))
     ep: int | None = field(default=None, metadata=_meta(
         native=NATIVE_FLAGS["ep"], compat="--ep_size", kind="int", api="ep", what="ep",
         help="expert-parallel degree of a mixture-of-experts model: each ep rank holds E / ep contiguous experts "
-             "(not given: the source's, else 1)"))
+             f"{FROM_SOURCE}"))
     vpp: int | None = field(default=None, metadata=_meta(
         native=NATIVE_FLAGS["vpp"], compat="--virtual_pp_size", kind="int", api="vpp", what="vpp",
-        help="virtual pipeline stages per pp rank (not given: the source's, else 1)"))
+        help=f"virtual pipeline stages per pp rank {FROM_SOURCE}"))
     kvm: int | None = field(default=None, metadata=_meta(
         native=NATIVE_FLAGS["kvm"], compat="--kv_size_multiplier", kind="int", api="kv_size_multiplier",
         aliases=("--kv-replicator",), what="kv multiplier",

@@ -123,16 +123,20 @@ def run_plan(
     *,
     only_files: set[str] | None = None,
     state_file: str = STATE_FILE,
+    kept: list[str] | None = None,
 ) -> dict[str, FileRecord]:
     """Write the files of ``plan`` (or ``only_files`` of them) under ``out_dir``.
 
-    Returns {relative path: size and digest} of every file written or found done.
+    Returns {relative path: size and digest} of every file written or found done; ``kept`` (when given) receives
+    the plan's paths an earlier, interrupted run of the same plan had finished (not written again).
     """
     tmp = ensure_dir(out_dir, TMP_DIR)
     state = load_state(tmp / state_file, options.fingerprint)
     wanted = [i for i, f in enumerate(plan.files) if only_files is None or f.path in only_files]
     done = {path: recs for path, recs in state.items() if all(r.matches(out_dir / p) for p, r in recs.items())}
     todo = [i for i in wanted if plan.files[i].path not in done]
+    if kept is not None:
+        kept += [plan.files[i].path for i in wanted if plan.files[i].path in done]
 
     _check_replicas(plan.replicas, reader, options.replicas)
     if not todo:

@@ -16,11 +16,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptconv.engine.launcher import detect_part, parse_part  # noqa: F401  (re-exported: where --part lived)
-from ckptconv.engine.outdir import TMP_DIR, OutLock, acquire, copy_file, ensure_dir, write_bytes, write_text
+from ckptconv.engine.outdir import (
+    TMP_DIR,
+    BusyError,
+    OutLock,
+    acquire,
+    check_free,
+    copy_file,
+    describe_holder,
+    ensure_dir,
+    last_holder,
+    write_bytes,
+    write_text,
+)
 from ckptconv.engine.tags import seal
-from ckptconv.errors import ConversionError
+from ckptconv.errors import ConversionError, UnfinishedOutput
 from ckptconv.io.digest import DEFAULT, FileRecord
-from ckptconv.io.metadata import Metadata
+from ckptconv.io.metadata import METADATA_FILE, Metadata
 
 if TYPE_CHECKING:
     from ckptconv.core.plan import Plan
@@ -97,6 +109,25 @@ def pending_fingerprint(out: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return data.get("fingerprint") if isinstance(data, dict) else None
+
+
+def refuse_unfinished(path: str | Path) -> None:
+    """Raise :class:`UnfinishedOutput` when ``path`` is the OUT of a conversion that has not finished (its finalize
+    spec written, its ``ckptconv.json`` not yet): interrupted, it names the command to rerun (its lock's record);
+    still being written, the writer. Reading such a directory would only find files missing."""
+    root = Path(path)
+    if not root.is_dir() or (root / METADATA_FILE).exists() or pending_fingerprint(root) is None:
+        return
+    try:
+        check_free(root)
+    except BusyError as busy:
+        raise UnfinishedOutput(f"{root}: a conversion is writing it now ({describe_holder(busy.holder)}); wait for "
+                               "it to finish") from None
+    command = str(last_holder(root).get("command") or "")
+    command = command if " " in command else ""  # a command line with its arguments (not a bare `python -c`)
+    raise UnfinishedOutput(f"{root}: an interrupted conversion (no {METADATA_FILE} yet; {TMP_DIR}/ holds its progress); "
+                           f"rerun the same command to finish it{f' ({command})' if command else ''}: the files it "
+                           "finished are kept")
 
 
 def missing_parts(out: Path, spec: FinalizeSpec) -> list[int]:

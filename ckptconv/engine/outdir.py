@@ -240,6 +240,12 @@ def _busy(out: Path, holder: dict[str, Any]) -> BusyError:
                      "choose another OUT", holder)
 
 
+def last_holder(out: Path) -> dict[str, Any]:
+    """The record of the last process that held OUT's lock (pid, host, started, command), or {}: what an
+    interrupted run left to name the command to rerun."""
+    return _holder(out / TMP_DIR / LOCK_FILE)
+
+
 def check_free(out: Path) -> None:
     """Raise :class:`BusyError` when a live process holds OUT's lock (creates nothing; a lock left by a
     dead process is free: the kernel dropped its flock)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ckptconv.core.human import human_bytes
 from ckptconv.core.plan import NESTED_TORCH, Plan
 from ckptconv.engine import outdir
 from ckptconv.engine.execute import ExecOptions, run_plan
@@ -133,20 +134,26 @@ def write_plan(plan: Plan, reader: Any, out: Path, sinks: Any, options: RunOptio
         mine = assign_files(plan, part) if part_of is None else set(part_of.mine)
         total = sum(f.nbytes for f in plan.files if f.path in mine)
         workers = workers_for(total, options.workers)
+        kept: list[str] = []
         with byte_progress(f"{label} {out.name}", total, quiet=options.quiet) as advance:
             exec_options = ExecOptions(workers=workers, max_memory=options.max_memory, replicas=kv_replicas,
                                        fingerprint=spec.fingerprint, hash=spec.hash, progress=advance,
                                        write_io=options.write_io)
-            files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part))
+            files = run_plan(plan, reader, out, sinks, exec_options, only_files=mine, state_file=state_name(part),
+                             kept=kept)
         if hasattr(reader, "finish_checks"):  # every input file read from matches its record, before OUT is complete
             reader.finish_checks(workers=options.workers or default_workers())  # may read more than was written
         record_part(out, part, files)
         finalized = try_finalize(out, lock)
     count = len(plan.files) if part_of is None else part_of.count
     notes = [] if part[1] == 1 else [f"part {part[0]}/{part[1]}: {len(mine)} of {count} files"]
+    kept_bytes = sum(f.nbytes for f in plan.files if f.path in set(kept))
+    if kept:
+        notes.append(f"resumed: {len(kept)} file{'s' if len(kept) != 1 else ''} / {human_bytes(kept_bytes)} kept "
+                     "from the interrupted run; bytes_written counts only what this run wrote")
     if finalized is None:
         notes.append(f"other parts are still running; the last one (or `ckptconv finalize {out}`) finishes OUT")
-    return Result(out, finalized or files, total, 0.0, notes, finalized=finalized is not None)
+    return Result(out, finalized or files, total - kept_bytes, 0.0, notes, finalized=finalized is not None)
 
 
 def planned_outputs(plan: Plan, spec: FinalizeSpec) -> list[str]:
@@ -197,5 +204,8 @@ def _prepare_out(out: Path, identity: str, options: RunOptions) -> None:
     if (strangers or ours) and not options.overwrite:
         what = (f"another conversion ({meta.kind}, fingerprint {meta.fingerprint[:12]})" if meta is not None
                 else "files of an unfinished conversion" if ours else f"files ckptconv did not write ({strangers[0]!r})")
-        raise ConversionError(f"{out}: not empty; holds {what}; choose another OUT")
+        # Only ckptconv's own output may be replaced, and only when asked: the flag is named with what it deletes.
+        replace = "" if strangers else (", or pass --overwrite to delete that conversion's files and write this one"
+                                        " instead")
+        raise ConversionError(f"{out}: not empty; holds {what}; choose another OUT{replace}")
     outdir.remove_owned(out)  # only ours: listed in ckptconv.json or declared in the temporary directory

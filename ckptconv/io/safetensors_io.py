@@ -62,6 +62,10 @@ class NotSafetensorsError(SafetensorsFormatError):
     """The file's first 8 bytes cannot be a safetensors header length (a JSON or text file, say)."""
 
 
+class TruncatedSafetensorsError(SafetensorsFormatError):
+    """A well-formed header whose tensors need more bytes than the file holds: the file was cut short."""
+
+
 class SafetensorsWriteError(ValueError):
     """A write does not fit the layout (bad range, overlap, missing bytes)."""
 
@@ -198,6 +202,21 @@ def _parse_entry(path: str, key: str, raw: Any, data_len: int, start: int) -> Sa
     return SafetensorsEntry(key, dtype, tuple(shape), start + begin, expected)
 
 
+def _check_complete(path: str, header: dict[str, Any], start: int, size: int) -> None:
+    """A header whose tensors tile their data region from 0 (as every writer lays them out) in a file that ends
+    before that region does: the file is truncated, named with the size it should have. Other bad offsets are
+    left to :func:`_parse_entry`, which names the tensor."""
+    offsets = [v.get("data_offsets") if isinstance(v, dict) else None for v in header.values()]
+    if not offsets or not all(isinstance(o, list) and len(o) == 2 and all(type(x) is int for x in o) for o in offsets):
+        return
+    spans = sorted(tuple(o) for o in offsets if o is not None)
+    ends = [0, *(end for _, end in spans)]
+    if any(begin != before for (begin, _), before in zip(spans, ends, strict=False)) or start + ends[-1] <= size:
+        return
+    raise TruncatedSafetensorsError(f"{path}: truncated (an incomplete download?): the file is {size} bytes, its "
+                                    f"header needs {start + ends[-1]}; download or copy it again")
+
+
 def _check_overlaps(path: str, entries: list[SafetensorsEntry], start: int) -> None:
     spans = sorted((e.data_offset, e.data_offset + e.nbytes, e.key) for e in entries if e.nbytes)
     for (b0, e0, k0), (b1, e1, k1) in pairwise(spans):
@@ -247,6 +266,7 @@ class SafetensorsReader:
         if not (metadata is None or isinstance(metadata, dict) and all(type(v) is str for v in metadata.values())):
             raise _fail(path, f"__metadata__ must map str to str, got {metadata!r:.80}")
         start = 8 + n
+        _check_complete(path, header, start, size)
         entries = [_parse_entry(path, k, v, size - start, start) for k, v in header.items()]
         _check_overlaps(path, entries, start)
         entries.sort(key=lambda e: e.data_offset)  # stable: ties keep header order

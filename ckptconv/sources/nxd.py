@@ -23,6 +23,7 @@ from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides, apply_to_
 from ckptconv.core.mapping import all_ep_shard_records, hf_record_shape, hf_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
+from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.errors import ConversionError
 from ckptconv.io.hf import CONFIG
 from ckptconv.io.metadata import METADATA_FILE
@@ -86,6 +87,7 @@ def open_nxd(
     (``ckpt.stage_files()``) has its header opened and checked here, and the K/V replica order is not read; the
     caller checks the files it reads with :func:`check_files_read`. Without it every file is checked.
     """
+    refuse_unfinished(src)  # an interrupted conversion's OUT: rerun it, rather than hear of files missing
     ckpt = NxdCheckpoint(src, io=io, check=check)
     try:
         # NxD's masters before the checks (a masters-only tag has nothing else to check), nxdtrain's after

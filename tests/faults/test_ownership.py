@@ -83,9 +83,10 @@ def test_overwrite_replaces_only_an_earlier_conversion(hf_copy: Path, tmp_path: 
                                                         capsys: pytest.CaptureFixture[str]):
     out, fresh = tmp_path / "out", tmp_path / "fresh"
     assert _convert("to-nxd", hf_copy, out, "--tp", "2") == 0
-    assert _convert("to-nxd", hf_copy, out, "--tp", "1") == 1  # a different conversion: refused, no advice to destroy
-    err = one_line_error(capsys.readouterr().err)
-    assert "choose another OUT" in err and "--overwrite" not in err
+    assert _convert("to-nxd", hf_copy, out, "--tp", "1") == 1  # a different conversion: refused
+    err = one_line_error(capsys.readouterr().err)  # --overwrite named with what it deletes: ckptconv's own files
+    assert err.endswith("choose another OUT, or pass --overwrite to delete that conversion's files and write this one "
+                        "instead")
     earlier = tree(out)
     (out / "model" / "mine.txt").write_text("a user's file among ours")
     assert _convert("to-nxd", hf_copy, out, "--tp", "1", "--overwrite") == 1
