@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -85,7 +86,9 @@ class HfCheckpoint:
         self._lock = threading.Lock()
         self._index_path: Path | None = None
         self._where = self._index()
-        self.spec.check_counts(self._where, str(config_path))
+        mtp = self.spec.check_counts(self._where, str(config_path))
+        if mtp != self.spec.mtp_layers:  # the config's MTP layers are not in the weights (transformers drops them)
+            self.spec = dataclasses.replace(self.spec, mtp_layers=mtp)
         # quantized weights (config.json's quantization_config) read as plain ones, dequantized band by band
         self.quantized = Dequantized(self._quantized(str(config_path)))
         # fused experts (transformers' in-memory names) read as the per-expert tensors every plan names

@@ -78,6 +78,11 @@ def describe(config: dict[str, Any], source: str = "config.json") -> str | None:
     return None if found is None else str(found[1].describe(found[0]))
 
 
+def plain_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` of the dequantized weights (no ``quantization_config``)."""
+    return {k: v for k, v in config.items() if k != "quantization_config"}
+
+
 class Dequantized:
     """The quantized weights of one checkpoint, read as plain ones of ``dtype`` (bf16 unless set)."""
 

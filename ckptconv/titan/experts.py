@@ -16,14 +16,20 @@ import torch
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError
-from ckptconv.titan.names import MOE_BIAS
+from ckptconv.titan.names import MOE_BIAS, titan_params
 
 DROP_FLAG = "--drop-expert-bias"
 
 
+def bias_carried(spec: ModelSpec) -> bool:
+    """Whether ``expert_bias_E`` is an HF tensor of the family (DeepSeek-V3's ``e_score_correction_bias``), carried
+    both ways like any weight, rather than zeros HF has no place for."""
+    return any(p.buffer and not all(piece.zeros for piece in p.pieces) for p in titan_params(spec))
+
+
 def bias_note(spec: ModelSpec) -> list[str]:
-    """The one note ``to-dcp`` gives a mixture of experts (none for a dense model)."""
-    if not spec.experts:
+    """The one note ``to-dcp`` gives a mixture of experts (none for a dense model, or one whose bias is carried)."""
+    if not spec.experts or bias_carried(spec):
         return []
     aux = spec.config.get("router_aux_loss_coef")
     sparse = sum(1 for n in range(spec.layers) if spec.sparse(n))
@@ -37,7 +43,9 @@ def check_expert_bias(read_rows: Callable[[Source, int, int], torch.Tensor], key
                       where: str, *, drop: bool) -> list[str]:
     """Each sparse layer's ``expert_bias_E`` (of ``keys``: a run with ``load_balance_coeff`` None saves none) has no
     HF counterpart: zeros are dropped (said), a trained bias is refused naming the layer and its largest value unless
-    ``drop`` (then said, with that value)."""
+    ``drop`` (then said, with that value). A bias the family carries (:func:`bias_carried`) is not checked here."""
+    if bias_carried(spec):
+        return []
     largest, first = 0.0, ""
     for n in range(spec.layers):
         if spec.sparse(n) and MOE_BIAS.format(n) in keys:

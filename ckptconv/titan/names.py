@@ -21,6 +21,7 @@ the parameter's rows (an AdamW moment, an fp32 master) the same way.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class TitanModel:
     name: str
     complex_rope: bool
     extra_layer_rules: tuple[NameRule, ...] = ()
+    # a model whose keys a module of its own lists (``titan_params(spec)``, ``shared_copies(spec)``), imported when used
+    module: str | None = None
 
 
 def _qk_norms() -> tuple[NameRule, ...]:
@@ -80,7 +83,8 @@ GLOBAL_TAIL = (NameRule("model.norm.weight", "norm.weight"), NameRule(LM_HEAD, "
 # The families TorchTitan has a model for (by HF model_type), and that model.
 TITAN_MODELS = {"llama": TitanModel("llama3", complex_rope=True),
                 "qwen3": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
-                "qwen3_moe": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms())}
+                "qwen3_moe": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
+                "deepseek_v3": TitanModel("deepseek_v3", complex_rope=True, module="ckptconv.titan.deepseek_v3")}
 # Why a family with experts has no TorchTitan model (its MoE models upstream: qwen3, deepseek_v3, gpt_oss, ...).
 NO_TITAN_MOE = {"mixtral": ": there is no Mixtral model upstream (no TorchTitan module would load or train its "
                            "block_sparse_moe experts)"}
@@ -229,6 +233,10 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
     A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
     names in TorchTitan; two copies in DCP), both from HF's embedding.
     """
+    model = titan_model(spec)
+    if model.module is not None:
+        params: list[TitanParam] = importlib.import_module(model.module).titan_params(spec)
+        return params
     shapes = hf_shapes(spec, with_inv_freq=False)
     rules: list[NameRule | TitanParam] = [*GLOBAL_HEAD]
     for n in range(spec.layers):
@@ -246,6 +254,14 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
         shape = shapes[source]
         out.append(TitanParam(rule.titan, shape, (TitanPiece(source, 0, shape[0], rule.rope),)))
     return out
+
+
+def shared_copies(spec: ModelSpec) -> dict[str, str]:
+    """HF tensors that TorchTitan keeps once, as another HF tensor (copy -> the HF key it copies: DeepSeek-V3's MTP
+    embedding and head are the model's); written back from that one."""
+    model = titan_model(spec)
+    copies: dict[str, str] = {} if model.module is None else importlib.import_module(model.module).shared_copies(spec)
+    return copies
 
 
 def fused_qkv_param(spec: ModelSpec, layer: int) -> TitanParam:
@@ -285,7 +301,7 @@ def trained_params(spec: ModelSpec) -> list[TitanParam]:
         if (spec.tied and param.key == "lm_head.weight") or param.buffer:
             continue
         m = _LAYER.search(param.key)
-        if m is not None and param.key.endswith(("wq.weight", "wk.weight", "wv.weight")):
+        if m is not None and ".qkv_linear." in param.key and param.key.endswith(("wq.weight", "wk.weight", "wv.weight")):
             if param.key.endswith("wq.weight"):
                 out.append(fused_qkv_param(spec, int(m.group(1))))
             continue

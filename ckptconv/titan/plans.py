@@ -45,6 +45,7 @@ from ckptconv.titan.names import (
     inverse_rows,
     optimizer_key,
     rope_rows,
+    shared_copies,
     titan_params,
     trained_params,
 )
@@ -142,7 +143,7 @@ def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
     ranges: dict[str, list[tuple[int, Piece]]] = {}
     whole: dict[str, Piece] = {}
     for param in params:
-        if param.buffer:
+        if all(p.zeros for p in param.pieces):
             continue  # no HF tensor comes from it
         if param.slabs:  # stacked experts: each HF tensor is one whole slab
             for e, p in enumerate(param.pieces):
@@ -167,8 +168,11 @@ def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> d
     """dtype of each HF key (no ``lm_head`` when tied) as the TorchTitan tensor it comes from stores it."""
     held: dict[str, torch.dtype] = {}
     for param in titan_params(spec):
-        for piece in () if param.buffer else param.pieces:
-            held.setdefault(piece.hf_key, dcp_dtypes[param.key])
+        for piece in param.pieces:
+            if not piece.zeros:
+                held.setdefault(piece.hf_key, dcp_dtypes[param.key])
+    for copy, of in shared_copies(spec).items():
+        held[copy] = held[of]
     return {key: held[key] for key in hf_shapes(spec, with_inv_freq=False)}
 
 
@@ -183,6 +187,8 @@ def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
 def _read_from_dcp(plan: Plan, spec: ModelSpec) -> Plan:
     """A plan over HF-keyed sources, reading each range from its TorchTitan tensor instead."""
     tiles = titan_tiles(titan_params(spec), spec)
+    for copy, of in shared_copies(spec).items():  # an HF tensor TorchTitan keeps once (DeepSeek-V3's MTP embedding)
+        tiles = {**tiles, copy: tiles[of]}
     files = [OutFile(f.path, f.format, tuple(compose(t, tiles) for t in f.tensors)) for f in plan.files]
     return Plan(files, plan.replicas)
 
