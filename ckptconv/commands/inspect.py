@@ -13,6 +13,7 @@ from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.io.quantized import describe
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_optimizer import OPTIM_DIR, optimizer_summary
 from ckptconv.training.state import optimizer_summary as nxdtrain_optimizer_summary
@@ -56,6 +57,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         nbytes = sum(_numel(shapes[k]) * dtypes[k].itemsize for k in shapes)
         files = [p.name for p in hf.weight_files()]
         spec = hf.spec
+        quantized = _quantization(hf)
     return {
         "kind": "hf",
         "path": str(path),
@@ -67,7 +69,16 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         "files": files,
         "complete": True,
         "metadata": (path / METADATA_FILE).is_file() if path.is_dir() else False,
+        **quantized,
     }
+
+
+def _quantization(hf: HfCheckpoint) -> dict[str, Any]:
+    """What inspect says of quantized weights (read dequantized: ``dtypes`` and ``bytes`` count them so)."""
+    if not hf.quantized.tensors:
+        return {}
+    return {"quantization": f"{describe(hf.spec.config)}: {len(hf.quantized.tensors)} weights, read as "
+                            f"{str(hf.quantized.dtype).removeprefix('torch.')}"}
 
 
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:
@@ -151,6 +162,7 @@ def _model_summary(spec: Any) -> dict[str, Any]:
     return {
         "family": spec.model_type, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
         "head_dim": spec.head_dim, "intermediate": spec.intermediate, "vocab": spec.vocab, "tied": spec.tied,
+        **({"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}),
     }
 
 
