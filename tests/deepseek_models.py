@@ -5,7 +5,8 @@ Shapes that expose the bugs this family invites: 8 routed experts, top-2, in 4 g
 topk_group < n_group); hidden 32 != expert intermediate 16 != dense 48 != shared 32 (2 shared experts); MLA dims all
 distinct (nope 12, rope 8, v 10, kv_lora 16, q_lora 24); one dense layer then two sparse; YaRN factor 8 with a
 max_position of 256 over an original 32 (it changes the logits: tested); a trained (non-zero, distinct)
-``e_score_correction_bias``; every weight random and distinct (norms not ones). ``mtp=True`` adds one MTP layer as
+``e_score_correction_bias``; every weight random and distinct (norms not ones), router weights large enough that the
+choice varies by token. ``mtp=True`` adds one MTP layer as
 DeepSeek's release names it (``model.layers.3.*``: a sparse decoder layer, ``enorm``, ``hnorm``, ``eh_proj``
 ``[H, 2H]``, ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head`` equal to the model's), which
 transformers does not build.
@@ -46,8 +47,9 @@ def build_model(seed: int = 0, **kwargs: Any) -> Any:
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.05 * torch.randn_like(param))
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(E))
+        for layer in model.model.layers[1:]:  # scores that vary by token (every expert chosen), a bias that matters
+            layer.mlp.gate.weight.mul_(6.0)
+            layer.mlp.gate.e_score_correction_bias.copy_(0.05 * torch.randn(E))
     return model
 
 

@@ -21,7 +21,7 @@ def sdpa_attention(model_config: Any) -> Any:
     """``model_config`` with every layer's inner attention TorchTitan's SDPA module (in place; returned)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    for layer in model_config.layers:
+    for layer in [*model_config.layers, *getattr(model_config, "mtp_layers", [])]:  # DeepSeek-V3's MTP layers too
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return model_config
 
@@ -88,15 +88,18 @@ def rows_tokenizer() -> Any:
     return RowsTokenizer.Config()
 
 
-def rows_dataloader(batches: list[Any]) -> Any:
+def rows_dataloader(batches: list[Any], *, positions: bool = False) -> Any:
     """``Trainer.Config.dataloader``: yields TorchTitan's ``({"input": rows}, labels)`` for each global batch of
     token rows, in order: the labels are the rows shifted by one, the last position ignored (``IGNORE_INDEX``), so
-    the loss is the mean over the same next-token predictions nxdtrain's is."""
+    the loss is the mean over the same next-token predictions nxdtrain's is. ``positions``: each row one document
+    (``"positions"`` 0..seq-1, as TorchTitan's text loader gives them; its MTP loss needs them)."""
     from dataclasses import dataclass, field
 
     import torch
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.loss import IGNORE_INDEX
+
+    with_positions = positions
 
     class RowsDataLoader(BaseDataLoader):
         @dataclass(kw_only=True, slots=True)
@@ -112,7 +115,8 @@ def rows_dataloader(batches: list[Any]) -> Any:
                 self.taken += 1
                 labels = torch.full_like(rows, IGNORE_INDEX)
                 labels[:, :-1] = rows[:, 1:]
-                yield {"input": rows.clone()}, labels
+                extra = {"positions": torch.arange(rows.shape[1]).expand_as(rows).clone()} if with_positions else {}
+                yield {"input": rows.clone(), **extra}, labels
 
         def state_dict(self) -> dict[str, Any]:
             return {"taken": self.taken}

@@ -218,7 +218,7 @@ def continue_run() -> Trainer.Config:
         model_spec=model_spec,
         hf_assets_path=HF_ASSETS_PATH,
         dump_folder=DUMP_FOLDER,
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={vocab})),
+        loss={loss},
         optimizer=optimizer(),
         lr_scheduler=lr_scheduler(),
         training=TrainingConfig(local_batch_size=LOCAL_BATCH_SIZE, seq_len=SEQ_LEN, steps=STEPS,
@@ -262,7 +262,8 @@ def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
         seq_note="" if run is None or not run.seq_len else " (the source run's)",
         steps=run.total_steps if run is not None else 1000,
         steps_note=" (the source schedule's total steps)" if run is not None else " SET")
-    tail = _TAIL.format(flavor="debugmodel", vocab=spec.vocab, model_only=run is None,
+    loss = (own.loss(spec) if own else None) or f"ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={spec.vocab}))"
+    tail = _TAIL.format(flavor="debugmodel", loss=loss, model_only=run is None,
                         max_norm="" if run is None or run.max_norm is None else f", max_norm={run.max_norm!r}",
                         exclude="" if run is None else '\n            exclude_from_loading=["dataloader"],')
     body = [*_model_lines(spec), "", "", *_optimizer_lines(run), "", *_scheduler_lines(run)]

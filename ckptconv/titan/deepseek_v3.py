@@ -26,15 +26,15 @@ from ckptconv.core.mapping import EMBED, LM_HEAD, hf_shapes
 from ckptconv.core.plan import Piece, ReplicaGroup, Source
 from ckptconv.engine.execute import replica_bands
 from ckptconv.errors import ConversionError
-from ckptconv.titan.deepseek_v3_config import BUILDERS, MODEL_CLS, model_lines
+from ckptconv.titan.deepseek_v3_config import BUILDERS, MODEL_CLS, loss, model_lines
 from ckptconv.titan.names import TitanParam, TitanPiece, moe_params
 
 if TYPE_CHECKING:
     from ckptconv.core.model_spec import ModelSpec
     from ckptconv.engine.execute import TensorReader
 
-__all__ = ["BUILDERS", "MODEL_CLS", "carried_mtp", "check_mtp_copies", "model_lines", "mtp_found", "shared_copies",
-           "titan_params"]
+__all__ = ["BUILDERS", "MODEL_CLS", "carried_mtp", "check_mtp_copies", "loss", "model_lines", "mtp_found",
+           "shared_copies", "titan_params"]
 DROP_MTP = "--drop-mtp"
 MTP_OWN = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
            ("shared_head.norm.weight", "mtp_norm.weight"))

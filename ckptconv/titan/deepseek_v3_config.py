@@ -23,7 +23,13 @@ if TYPE_CHECKING:
     from ckptconv.core.model_spec import ModelSpec
 
 MODEL_CLS = "DeepSeekV3Model"
-BUILDERS = "_build_dsv3_layers, _build_mtp_layers"
+BUILDERS = "_build_dsv3_layers, _build_mtp_layers, MTPLoss"  # what the header imports from TorchTitan's module
+
+
+def loss(spec: ModelSpec) -> str | None:
+    """The loss of a model with MTP layers (its forward returns the main logits and one per MTP layer): TorchTitan's
+    ``MTPLoss`` (its default weight 0.3 on the MTP layers' mean loss); None: the default loss."""
+    return f"MTPLoss.Config(global_vocab_size={spec.vocab})" if spec.mtp_layers else None
 
 
 def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
