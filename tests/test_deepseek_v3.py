@@ -186,6 +186,10 @@ def test_fp8_blocks_convert_to_the_bytes_of_their_dequantized_twin(tmp_path: Pat
     q, s = stored[name], stored[name + "_scale_inv"]
     exact = q.float() * s.repeat_interleave(BLOCK, 0)[:q.shape[0]].repeat_interleave(BLOCK, 1)[:, :q.shape[1]]
     assert torch.equal(hf_state(tmp_path / "back32")[name], exact)
+    ckptconv.from_dcp(tmp_path / "dcp-fp32", tmp_path / "back16", dtype="bf16", options=QUIET)
+    for key, value in hf_state(tmp_path / "back16").items():  # --dtype bf16, but the router bias stays fp32
+        want = torch.float32 if key.endswith("e_score_correction_bias") else torch.bfloat16
+        assert value.dtype == want and torch.equal(value, twin[key].to(want)), key
     assert torch.equal(exact.bfloat16(), dequantize(q, s))
 
 

@@ -25,11 +25,12 @@ import torch
 from ckptconv.commands.api import DTYPES, dtype_policy, hf_side_copies, kept_hf_files, new_layout
 from ckptconv.commands.src_kind import open_hf
 from ckptconv.commands.steps import dtype_name, input_files
+from ckptconv.core.families.deepseek_v3 import BIAS
 from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.core.layout_flags import LayoutOverrides, as_hints, with_api_kwargs
 from ckptconv.core.mapping import check_source_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.plan import Plan, hf_sources
+from ckptconv.core.plan import DtypePolicy, Plan, hf_sources
 from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import RunOptions
@@ -174,7 +175,11 @@ def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: 
         plan = plan_to_dcp(spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
         identity = fingerprint("dcp", titan_record(spec), dtype, max_file_size, file_identity(hf.weight_files()),
                                drop_mtp)
-        spec_ = _dcp_finalize(plan, spec, identity, hf_side_copies(hf, notes), None, texts=texts)
+        copies = hf_side_copies(hf, notes)
+        if hf.quantized.tensors:  # hf/config.json: the dequantized model's (no quantization_config)
+            copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
+            texts[f"{HF_FILES_DIR}/{CONFIG}"] = config_text(plain_config(spec.config), hf.quantized.dtype)
+        spec_ = _dcp_finalize(plan, spec, identity, copies, None, texts=texts)
         return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
 
@@ -402,7 +407,7 @@ def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | No
 def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]], dtype: str,
                max_shard_size: int, run: Run, sources: list[Path]) -> Result:
     """A DCP checkpoint's model as HF safetensors."""
-    plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype))
+    plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=_keep_fp32_bias(dtype))
     identity = fingerprint("from-dcp-hf", dtype, max_shard_size,
                            file_identity([ckpt.root / DCP_METADATA, *ckpt.data_files()]))
     spec_ = FinalizeSpec(
@@ -413,6 +418,13 @@ def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple
         copies=kept,
     )
     return run.write(plan, ckpt, out, safetensors_sink, spec_, sources=sources)
+
+
+def _keep_fp32_bias(dtype: str) -> DtypePolicy:
+    """``--dtype``'s policy, except that DeepSeek-V3's router bias stays fp32 (as the release stores it and
+    transformers keeps it: a bf16 bias would move the expert choice)."""
+    policy = dtype_policy(dtype)
+    return lambda key, stored: stored if key.endswith(BIAS) else policy(key, stored)
 
 
 def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]],
