@@ -235,6 +235,10 @@ def test_to_nxd_is_refused_naming_to_dcp_and_kimi_k2_converts(tmp_path: Path, ca
         "ckptconv: error: DeepSeek-V3 (model_type 'deepseek_v3'): there is no NxD training model for it (multi-head "
         "latent attention, shared experts, a biased group-limited router); convert it for TorchTitan with to-dcp")
     assert not (tmp_path / "nxd").exists()
+    ckptconv.to_dcp(src, tmp_path / "dcp0", options=QUIET)  # nor from a DCP into NxD shards (nxdtrain's layout check)
+    assert main(["from-dcp", str(tmp_path / "dcp0"), str(tmp_path / "nxd"), "--to", "nxd", "--quiet"]) == 1
+    assert capsys.readouterr().err.strip().endswith("convert it for TorchTitan with to-dcp")
+    assert not (tmp_path / "nxd").exists()
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
     ckptconv.to_dcp(src, tmp_path / "dcp", options=QUIET)
