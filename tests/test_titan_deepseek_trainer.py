@@ -15,14 +15,7 @@ from ckptconv.core.reference_mla import decoder_layer, mtp_input  # noqa: E402
 from tests.conftest import hf_state  # noqa: E402
 from tests.deepseek_models import LAYERS, V, make_deepseek  # noqa: E402
 from tests.test_titan_deepseek import QUIET, TOLERANCE  # noqa: E402
-from tests.test_titan_trainer import torchrun_env  # noqa: E402
-from tests.titan_shims import (  # noqa: E402
-    cpu_device,
-    generated_config,
-    rows_dataloader,
-    rows_tokenizer,
-    sdpa_attention,
-)
+from tests.titan_shims import train_generated  # noqa: E402
 
 
 @pytest.mark.parametrize("mtp", [False, True])
@@ -38,36 +31,9 @@ def test_titans_own_trainer_trains_the_generated_deepseek_model(tmp_path, monkey
     text = (tmp_path / "dcp" / "torchtitan_config.py").read_text()
     assert ("loss=MTPLoss.Config(global_vocab_size=96)" in text) is mtp
     rows = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(4))
-    module = generated_config(tmp_path / "dcp")
-    for name, value in dict(LOCAL_BATCH_SIZE=2, SEQ_LEN=16, STEPS=1, MIXED_PRECISION_PARAM="float32",
-                            DUMP_FOLDER=str(tmp_path / "titan")).items():
-        monkeypatch.setattr(module, name, value)
-    config = module.continue_run()
-    sdpa_attention(config.model_spec.model)
-    config.tokenizer = rows_tokenizer()
-    config.dataloader = rows_dataloader([rows], positions=mtp)
-    config.training.disable_cuda_graphs = True
-    config.metrics.log_freq = 1
-    cpu_device(monkeypatch)
-    torchrun_env(monkeypatch)
-    import torch.distributed as dist
-
-    trainer = config.build()
-    losses: list[float] = []
-    log = trainer.metrics_processor.log
-
-    def record(step, global_avg_loss, *args, **kwargs):
-        losses.append(global_avg_loss)
-        return log(step, global_avg_loss, *args, **kwargs)
-
-    monkeypatch.setattr(trainer.metrics_processor, "log", record)
-    try:
-        trainer.train()
-        biases = {n: trainer.model_parts[0].layers[str(n)].moe.expert_bias_E.clone() for n in range(1, LAYERS)}
-    finally:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    losses, biases = train_generated(
+        tmp_path / "dcp", rows, monkeypatch, tmp_path / "titan", positions=mtp,  # TorchTitan's MTPLoss needs them
+        after=lambda t: {n: t.model_parts[0].layers[str(n)].moe.expert_bias_E.clone() for n in range(1, LAYERS)})
     reference = transformers.DeepseekV3ForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = reference(rows).logits

@@ -158,3 +158,43 @@ def load_generated_block(model: Any, out: Any, folder: Any) -> Any:
         assert ck.load() is True
     ck.close()
     return model.eval()
+
+
+def train_generated(out: Any, rows: Any, monkeypatch: Any, dump: Any, *, positions: bool = False,
+                    after: Any = None) -> tuple[list[float], Any]:
+    """TorchTitan's ``Trainer`` of OUT's ``continue_run()`` (the SET names: one batch of ``rows``, fp32 compute,
+    checkpoints under ``dump``; the shims above; the environment torchrun sets) trains one step: its logged losses,
+    and what ``after(trainer)`` returns before the trainer closes (its process group destroyed)."""
+    import torch.distributed as dist
+
+    from tests.test_titan_trainer import torchrun_env
+
+    module = generated_config(out)
+    for name, value in dict(LOCAL_BATCH_SIZE=rows.shape[0], SEQ_LEN=rows.shape[1], STEPS=1,
+                            MIXED_PRECISION_PARAM="float32", DUMP_FOLDER=str(dump)).items():
+        monkeypatch.setattr(module, name, value)
+    config = module.continue_run()
+    sdpa_attention(config.model_spec.model)
+    config.tokenizer = rows_tokenizer()
+    config.dataloader = rows_dataloader([rows], positions=positions)
+    config.training.disable_cuda_graphs = True
+    config.metrics.log_freq = 1
+    cpu_device(monkeypatch)
+    torchrun_env(monkeypatch)
+    trainer = config.build()
+    losses: list[float] = []
+    log = trainer.metrics_processor.log
+
+    def record(step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> Any:
+        losses.append(global_avg_loss)
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.metrics_processor, "log", record)
+    try:
+        trainer.train()
+        kept = None if after is None else after(trainer)
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return losses, kept
