@@ -68,6 +68,7 @@ class Family:
     # the router and the experts); ``layer_rules`` are then those of the dense layers the config may have.
     moe: MoeConfig | None = None
     sparse_rules: tuple[LayerRule, ...] = ()
+    no_nxd: str = ""  # why the family has no NxD layout (to-nxd, reshard and nxdtrain refuse it), if so
 
     def rules_for(self, config: dict[str, Any], layer: int) -> tuple[LayerRule, ...]:
         """The rules of decoder layer ``layer`` (a sparse layer's when the family has experts there)."""
@@ -105,6 +106,11 @@ class Family:
         for rule in (*self.layer_rules, *self.sparse_rules):
             shapes.update(rule.shapes(spec))
         return shapes
+
+    def check_nxd(self) -> None:
+        """Refuse, in one line, a family that has no NxD layout (:attr:`no_nxd` says why and where to go)."""
+        if self.no_nxd:
+            raise ConversionError(f"{self.name} (model_type {self.model_type!r}): {self.no_nxd}")
 
     def check_config(self, config: dict[str, Any], source: str) -> None:
         for refusal in self.refusals:
