@@ -169,7 +169,8 @@ class HfCheckpoint:
 
     def keys(self) -> list[str]:
         hidden = self._fused | self.quantized.hidden
-        return [key for key in self._where if key not in hidden] + list(self._views)
+        made = [key for key in self.quantized.tensors if key not in self._where]  # plain names no file stores
+        return [key for key in self._where if key not in hidden] + made + list(self._views)
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
         view = self._views.get(source.key)
