@@ -25,6 +25,7 @@ from typing import Any
 
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
+from ckptconv.titan import gpt_oss
 from ckptconv.titan.names import TITAN_VERSION, titan_model
 
 CONFIG_MODULE = "torchtitan_config"
@@ -241,24 +242,25 @@ def run_command(out_dir: str) -> str:
 def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
     """The text of ``torchtitan_config.py`` (``run`` None: a model-only DCP, ``initial_load_model_only=True``)."""
     model = titan_model(spec)
-    is_qwen = model.name == "qwen3"
+    is_qwen, is_gpt_oss = model.name == "qwen3", model.name == gpt_oss.MODEL
     seq_len = run.seq_len if run is not None and run.seq_len else 2048
+    build = ("_build_qwen3_layers" if is_qwen else "_build_llama3_layers") + (", _build_qwen3_moe_layers"
+                                                                              if spec.experts else "")
     header = _HEADER.format(
         version=TITAN_VERSION, what=what, command=run_command("<this folder>"),
         state="model only: initial_load_model_only=True" if run is None else
         f"model, AdamW state, lr schedule and step {run.step}: initial_load_model_only=False, the data loader "
         "excluded (TorchTitan's loader starts its data from the beginning)",
         rope_cls="ComplexRoPE" if model.complex_rope else "CosSinRoPE", model=model.name,
-        model_cls="Qwen3Model" if is_qwen else "Llama3Model",
-        build=("_build_qwen3_layers" if is_qwen else "_build_llama3_layers")
-        + (", _build_qwen3_moe_layers" if spec.experts else ""), seq_len=seq_len,
+        model_cls="GptOssModel" if is_gpt_oss else "Qwen3Model" if is_qwen else "Llama3Model",
+        build="_build_gptoss_layers, _make_gptoss_attn_config" if is_gpt_oss else build, seq_len=seq_len,
         moe_set='\nMOE_COMM_BACKEND = "standard"     # SET: the experts\' token dispatch (standard, deepep, ...)'
-        if spec.experts else "",
+        if spec.experts or is_gpt_oss else "",
         seq_note="" if run is None or not run.seq_len else " (the source run's)",
         steps=run.total_steps if run is not None else 1000,
         steps_note=" (the source schedule's total steps)" if run is not None else " SET")
     tail = _TAIL.format(flavor="debugmodel", vocab=spec.vocab, model_only=run is None,
                         max_norm="" if run is None or run.max_norm is None else f", max_norm={run.max_norm!r}",
                         exclude="" if run is None else '\n            exclude_from_loading=["dataloader"],')
-    body = [*_model_lines(spec), "", "", *_optimizer_lines(run), "", *_scheduler_lines(run)]
+    body = [*(gpt_oss.model_lines(spec) if is_gpt_oss else _model_lines(spec)), "", "", *_optimizer_lines(run), "", *_scheduler_lines(run)]
     return header + "\n".join(body) + "\n" + tail
