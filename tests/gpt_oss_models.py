@@ -47,3 +47,40 @@ def make_gpt_oss(out: Path, *, seed: int = 1, dtype: torch.dtype = torch.float32
     model = gpt_oss_model(seed, **overrides).to(dtype)
     model.save_pretrained(out)
     return out
+
+
+def make_mxfp4_pair(quantized: Path, twin: Path, *, seed: int = 3) -> tuple[Path, Path]:
+    """An MXFP4 GPT-OSS checkpoint (random FP4 codes and e8m0 scales for every expert weight, stored as ``*_blocks`` /
+    ``*_scales`` with ``quantization_config`` mxfp4, the rest bf16) and its twin: the same model with the experts
+    dequantized by transformers' own ``convert_moe_packed_tensors``, saved plain in bf16. Hidden = intermediate = 32
+    (MXFP4 blocks hold 32 values of a row)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    make_gpt_oss(twin, seed=seed, dtype=torch.bfloat16, intermediate_size=32)
+    state = {k: v.clone() for k, v in _load(twin).items()}
+    generator = torch.Generator().manual_seed(seed)
+    packed = dict(state)
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = state[key].shape  # plain [E, in, out]: MXFP4 stores [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(118, 130, (e, rows, cols // 32), dtype=torch.uint8, generator=generator)
+        del packed[key]
+        packed[key + "_blocks"], packed[key + "_scales"] = blocks, scales
+        state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    save_file(state, twin / "model.safetensors", metadata={"format": "pt"})
+    quantized.mkdir(parents=True, exist_ok=True)
+    save_file(packed, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((twin / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (quantized / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized, twin
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")

@@ -12,6 +12,7 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
+from ckptconv.io.quantized import describe
 from ckptconv.io.nxd import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_optimizer import OPTIM_DIR, optimizer_summary
@@ -56,6 +57,8 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         nbytes = sum(_numel(shapes[k]) * dtypes[k].itemsize for k in shapes)
         files = [p.name for p in hf.weight_files()]
         spec = hf.spec
+        quantized = sorted(hf.quantized.tensors)
+    extra = {"quantized": {"method": describe(spec.config), "tensors": quantized}} if quantized else {}
     return {
         "kind": "hf",
         "path": str(path),
@@ -67,6 +70,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         "files": files,
         "complete": True,
         "metadata": (path / METADATA_FILE).is_file() if path.is_dir() else False,
+        **extra,  # which weights are stored quantized (read as bf16): their plain names
     }
 
 
