@@ -154,3 +154,26 @@ def load_generated_block(model: Any, out: Any, folder: Any) -> Any:
         assert ck.load() is True
     ck.close()
     return model.eval()
+
+
+# ---- GPT-OSS on CPU -----------------------------------------------------------------------------------------
+
+
+def eager_flex(monkeypatch: Any) -> None:
+    """TorchTitan's ``FlexAttention`` (the one backend that gives GPT-OSS its sinks, through the log-sum-exp, and its
+    sliding-window block masks) run by torch's eager ``flex_attention``: its compiled kernel on CPU supports neither
+    ``return_lse`` nor a backward. Same module, masks, scale and sink rescale; only the kernel is not compiled."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(flex_attention))
+
+
+def gpt_oss_experts_in_model_dtype(monkeypatch: Any) -> None:
+    """TorchTitan 0.3.0's ``GptOssGroupedExperts`` returns its bf16 grouped-matmul output as bf16, which its MoE's
+    scatter-add into an fp32 model refuses (on GPU the model computes in bf16 under FSDP's mixed precision): its
+    output cast to the tokens' dtype, its arithmetic unchanged."""
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    forward = GptOssGroupedExperts.forward
+    monkeypatch.setattr(GptOssGroupedExperts, "forward", lambda self, x, counts: forward(self, x, counts).to(x.dtype))
