@@ -88,10 +88,11 @@ def rows_tokenizer() -> Any:
     return RowsTokenizer.Config()
 
 
-def rows_dataloader(batches: list[Any]) -> Any:
+def rows_dataloader(batches: list[Any], *, positions: bool = False) -> Any:
     """``Trainer.Config.dataloader``: yields TorchTitan's ``({"input": rows}, labels)`` for each global batch of
     token rows, in order: the labels are the rows shifted by one, the last position ignored (``IGNORE_INDEX``), so
-    the loss is the mean over the same next-token predictions nxdtrain's is."""
+    the loss is the mean over the same next-token predictions nxdtrain's is. ``positions``: each row's positions
+    too (one document per row), from which the trainer builds FlexAttention's masks (GPT-OSS's attention)."""
     from dataclasses import dataclass, field
 
     import torch
@@ -112,7 +113,8 @@ def rows_dataloader(batches: list[Any]) -> Any:
                 self.taken += 1
                 labels = torch.full_like(rows, IGNORE_INDEX)
                 labels[:, :-1] = rows[:, 1:]
-                yield {"input": rows.clone()}, labels
+                extra = {"positions": torch.arange(rows.shape[1]).repeat(rows.shape[0], 1)} if positions else {}
+                yield {"input": rows.clone(), **extra}, labels
 
         def state_dict(self) -> dict[str, Any]:
             return {"taken": self.taken}
@@ -177,3 +179,28 @@ def gpt_oss_experts_in_model_dtype(monkeypatch: Any) -> None:
 
     forward = GptOssGroupedExperts.forward
     monkeypatch.setattr(GptOssGroupedExperts, "forward", lambda self, x, counts: forward(self, x, counts).to(x.dtype))
+
+
+def math_flex(monkeypatch: Any) -> None:
+    """TorchTitan's ``FlexAttention`` with its kernel computed in plain torch, so that it has a CPU backward (the
+    trainer's step): the block mask's own ``mask_mod`` (causal, document, sliding window) evaluated over every
+    (query, key), softmax with the scale given, the log-sum-exp returned for the sinks' rescale. The forward is
+    checked against eager ``flex_attention`` in tests/test_titan_gpt_oss.py."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.models.common.attention import FlexAttention
+
+    def attend(q: Any, k: Any, v: Any, *, score_mod: Any = None, block_mask: Any, scale: Any, enable_gqa: bool,
+               return_aux: Any = None, kernel_options: Any = None) -> Any:
+        assert score_mod is None, "the lane's math kernel takes masks only"
+        if enable_gqa:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        seq, keys = q.shape[2], k.shape[2]
+        visible = create_mask(block_mask.mask_mod, q.shape[0], 1, seq, keys, device=q.device)
+        scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v, SimpleNamespace(lse=torch.logsumexp(scores, dim=-1))
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(attend))
