@@ -19,9 +19,9 @@ from tests.test_titan_gpt_oss import QUIET, TOLERANCE  # noqa: E402
 from tests.test_titan_trainer import torchrun_env  # noqa: E402
 from tests.titan_shims import (  # noqa: E402
     cpu_device,
-    math_flex,
     generated_config,
     gpt_oss_experts_in_model_dtype,
+    math_flex,
     rows_dataloader,
     rows_tokenizer,
 )

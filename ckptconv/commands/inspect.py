@@ -12,8 +12,8 @@ from ckptconv.core.plan import Source
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
-from ckptconv.io.quantized import describe
 from ckptconv.io.nxd import DONE_MARKER
+from ckptconv.io.quantized import describe
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_optimizer import OPTIM_DIR, optimizer_summary
 from ckptconv.training.state import optimizer_summary as nxdtrain_optimizer_summary

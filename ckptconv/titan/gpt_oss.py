@@ -54,7 +54,7 @@ def check_titan(spec: ModelSpec) -> None:
     if float(c.get("swiglu_alpha", ALPHA)) != ALPHA:
         raise ConversionError(f"config.json: swiglu_alpha is {c['swiglu_alpha']!r}; TorchTitan {MODEL}'s swiglu "
                               f"computes alpha {ALPHA} only")
-    windows = {layer_window(c, n) for n in range(spec.layers)} - {None}
+    windows = {w for n in range(spec.layers) if (w := layer_window(c, n)) is not None}
     if len(windows) > 1:
         raise ConversionError(f"config.json: sliding windows {sorted(windows)}; TorchTitan {MODEL} masks every "
                               "sliding layer with one window")
