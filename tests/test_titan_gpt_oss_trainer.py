@@ -16,52 +16,21 @@ from ckptconv.errors import ConversionError  # noqa: E402
 from tests.conftest import hf_state  # noqa: E402
 from tests.gpt_oss_models import make_gpt_oss  # noqa: E402
 from tests.test_titan_gpt_oss import QUIET, TOLERANCE  # noqa: E402
-from tests.test_titan_trainer import torchrun_env  # noqa: E402
-from tests.titan_shims import (  # noqa: E402
-    cpu_device,
-    generated_config,
-    gpt_oss_experts_in_model_dtype,
-    math_flex,
-    rows_dataloader,
-    rows_tokenizer,
-)
+from tests.test_titan_moe_trainer import train_generated_one_step  # noqa: E402
+from tests.titan_shims import gpt_oss_experts_in_model_dtype, math_flex, rows_dataloader  # noqa: E402
 
 
 def test_titans_own_trainer_trains_the_generated_gpt_oss_model(tmp_path, monkeypatch):
     hf = make_gpt_oss(tmp_path / "src")
     ckptconv.to_dcp(hf, tmp_path / "dcp", options=QUIET)
     rows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    module = generated_config(tmp_path / "dcp")
-    for name, value in dict(LOCAL_BATCH_SIZE=2, SEQ_LEN=16, STEPS=1, MIXED_PRECISION_PARAM="float32",
-                            DUMP_FOLDER=str(tmp_path / "titan")).items():
-        monkeypatch.setattr(module, name, value)
-    config = module.continue_run()
-    config.tokenizer = rows_tokenizer()
-    config.dataloader = rows_dataloader([rows], positions=True)
-    config.training.disable_cuda_graphs = True
-    config.metrics.log_freq = 1
-    cpu_device(monkeypatch)
-    math_flex(monkeypatch)
-    gpt_oss_experts_in_model_dtype(monkeypatch)
-    torchrun_env(monkeypatch)
-    import torch.distributed as dist
 
-    trainer = config.build()
-    losses: list[float] = []
-    log = trainer.metrics_processor.log
+    def prepare(config):
+        config.dataloader = rows_dataloader([rows], positions=True)  # the trainer builds FlexAttention's masks
+        math_flex(monkeypatch)
+        gpt_oss_experts_in_model_dtype(monkeypatch)
 
-    def record(step, global_avg_loss, *args, **kwargs):
-        losses.append(global_avg_loss)
-        return log(step, global_avg_loss, *args, **kwargs)
-
-    monkeypatch.setattr(trainer.metrics_processor, "log", record)
-    try:
-        trainer.train()
-        bias = trainer.model_parts[0].layers["0"].moe.expert_bias_E.clone()
-    finally:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    losses, bias = train_generated_one_step(tmp_path / "dcp", tmp_path / "titan", monkeypatch, prepare, rows)
     import transformers
 
     reference = transformers.GptOssForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()

@@ -4,6 +4,10 @@ own process group, where tests/test_titan_moe.py's module holds one. Runs in ``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -23,24 +27,20 @@ from tests.titan_shims import (  # noqa: E402
 )
 
 
-def test_titans_own_trainer_trains_the_generated_moe_model(tmp_path, monkeypatch):
-    """``torchtitan.train``'s Trainer from the generated ``continue_run()`` (model-only DCP of the HF model, the CPU
-    shims of tests/titan_shims.py) trains one step: its loss is transformers' on the same rows within the bf16 of
-    its expert matmuls, its load balancing moves expert_bias_E, and from-dcp of the checkpoint it saves refuses
-    that trained bias unless told to drop it."""
-    moe_hf = make_qwen3_moe(tmp_path / "src")
-    ckptconv.to_dcp(moe_hf, tmp_path / "dcp", options=QUIET)
-    rows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    module = generated_config(tmp_path / "dcp")
+def train_generated_one_step(dcp: Path, dump: Path, monkeypatch, prepare: Callable[[Any], None],
+                             rows: torch.Tensor) -> tuple[list[float], torch.Tensor]:
+    """``torchtitan.train``'s Trainer from DCP's generated ``continue_run()`` (one step of ``rows``, fp32, its
+    checkpoints under ``dump``; ``prepare(config)`` applies the CPU shims a model needs): its logged losses, and layer
+    0's ``expert_bias_E`` after the step."""
+    module = generated_config(dcp)
     for name, value in dict(LOCAL_BATCH_SIZE=2, SEQ_LEN=16, STEPS=1, MIXED_PRECISION_PARAM="float32",
-                            DUMP_FOLDER=str(tmp_path / "titan")).items():
+                            DUMP_FOLDER=str(dump)).items():
         monkeypatch.setattr(module, name, value)
     config = module.continue_run()
-    sdpa_attention(config.model_spec.model)
     config.tokenizer = rows_tokenizer()
-    config.dataloader = rows_dataloader([rows])
     config.training.disable_cuda_graphs = True
     config.metrics.log_freq = 1
+    prepare(config)
     cpu_device(monkeypatch)
     torchrun_env(monkeypatch)
     import torch.distributed as dist
@@ -61,6 +61,23 @@ def test_titans_own_trainer_trains_the_generated_moe_model(tmp_path, monkeypatch
         trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return losses, bias
+
+
+def test_titans_own_trainer_trains_the_generated_moe_model(tmp_path, monkeypatch):
+    """``torchtitan.train``'s Trainer from the generated ``continue_run()`` (model-only DCP of the HF model, the CPU
+    shims of tests/titan_shims.py) trains one step: its loss is transformers' on the same rows within the bf16 of
+    its expert matmuls, its load balancing moves expert_bias_E, and from-dcp of the checkpoint it saves refuses
+    that trained bias unless told to drop it."""
+    moe_hf = make_qwen3_moe(tmp_path / "src")
+    ckptconv.to_dcp(moe_hf, tmp_path / "dcp", options=QUIET)
+    rows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    def prepare(config):
+        sdpa_attention(config.model_spec.model)
+        config.dataloader = rows_dataloader([rows])
+
+    losses, bias = train_generated_one_step(tmp_path / "dcp", tmp_path / "titan", monkeypatch, prepare, rows)
     reference = hf_logits(moe_hf, rows)
     want = torch.nn.functional.cross_entropy(reference[:, :-1].reshape(-1, 128), rows[:, 1:].reshape(-1)).item()
     assert len(losses) == 1 and losses[0] == pytest.approx(want, rel=TOLERANCE), (losses, want)
