@@ -143,3 +143,26 @@ def test_mxfp4_refusals_name_the_tensor(tmp_path):
                                               r"needs uint8 \[4, 32, 1\]"):
         ckptconv.to_dcp(quantized, tmp_path / "o2", options=QUIET)
     assert not any((tmp_path / d).exists() and any((tmp_path / d).glob("*.distcp")) for d in ("o1", "o2"))
+
+
+def test_what_torchtitans_gpt_oss_cannot_compute_is_refused_in_one_line(tmp_path):
+    hf = make_gpt_oss(tmp_path / "alpha", swiglu_alpha=1.5)
+    with pytest.raises(ConversionError, match=r"^config.json: swiglu_alpha is 1.5; TorchTitan gpt_oss's swiglu "
+                                              r"computes alpha 1.702 only$"):
+        ckptconv.to_dcp(hf, tmp_path / "o1", options=QUIET)
+    config = json.loads((hf / "config.json").read_text())
+    config.update(swiglu_alpha=1.702, layer_types=["sliding_attention", "full_attention", "banded"])
+    (hf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=r"layer_types is \[.*'banded'\]; each layer's type must be one of "
+                                              r"sliding_attention, full_attention"):
+        ckptconv.to_dcp(hf, tmp_path / "o2", options=QUIET)
+    assert not any((tmp_path / d).exists() for d in ("o1", "o2"))
+
+
+def test_mxfp4_blocks_that_do_not_fit_the_config_are_refused(tmp_path):
+    quantized, _ = make_mxfp4_pair(tmp_path / "mxfp4", tmp_path / "twin")
+    key = "model.layers.0.mlp.experts.gate_up_proj"  # [E, H, 2I] = [4, 32, 64] plain: blocks [4, 64, 1, 16]
+    _rewrite(quantized, lambda s: s.update({key + "_blocks": torch.zeros(4, 64, 2, 16, dtype=torch.uint8),
+                                            key + "_scales": torch.zeros(4, 64, 2, dtype=torch.uint8)}))
+    with pytest.raises(ConversionError, match=rf"{key}.*\[4, 64, 64\].*\[4, 32, 64\]"):
+        ckptconv.to_dcp(quantized, tmp_path / "o", options=QUIET)
