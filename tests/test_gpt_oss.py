@@ -107,11 +107,12 @@ def test_to_nxd_and_reshard_refuse_gpt_oss_pointing_to_to_dcp(gpt_oss_hf, tmp_pa
 def test_mxfp4_converts_to_the_bytes_of_its_dequantized_twin(tmp_path):
     quantized, twin = make_mxfp4_pair(tmp_path / "mxfp4", tmp_path / "twin")
     info = ckptconv.inspect(quantized)
-    assert info["quantized"]["method"].startswith("mxfp4")
-    assert info["quantized"]["tensors"] == [f"model.layers.{n}.mlp.experts.{w}" for n in range(3)
-                                            for w in ("down_proj", "gate_up_proj")]
+    assert info["quantization"] == ("mxfp4 (FP4 e2m1 values in blocks of 32, an e8m0 scale per block): 6 weights, "
+                                    "read as bfloat16")
+    assert info["quantized_tensors"] == [f"model.layers.{n}.mlp.experts.{w}" for n in range(3)
+                                         for w in ("down_proj", "gate_up_proj")]
     assert info["dtypes"] == {"bfloat16": len(hf_state(twin))}  # read as bf16, shown under the plain names
-    assert "quantized" not in ckptconv.inspect(twin)
+    assert "quantization" not in ckptconv.inspect(twin)
     ckptconv.to_dcp(quantized, tmp_path / "dq", options=QUIET)
     ckptconv.to_dcp(twin, tmp_path / "dt", options=QUIET)
     data = sorted(p.name for p in (tmp_path / "dt").glob("*.distcp"))

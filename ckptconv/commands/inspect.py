@@ -57,8 +57,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         nbytes = sum(_numel(shapes[k]) * dtypes[k].itemsize for k in shapes)
         files = [p.name for p in hf.weight_files()]
         spec = hf.spec
-        quantized = sorted(hf.quantized.tensors)
-    extra = {"quantized": {"method": describe(spec.config), "tensors": quantized}} if quantized else {}
+        quantized = _quantization(hf)
     return {
         "kind": "hf",
         "path": str(path),
@@ -70,8 +69,17 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         "files": files,
         "complete": True,
         "metadata": (path / METADATA_FILE).is_file() if path.is_dir() else False,
-        **extra,  # which weights are stored quantized (read as bf16): their plain names
+        **quantized,
     }
+
+
+def _quantization(hf: HfCheckpoint) -> dict[str, Any]:
+    """What inspect says of quantized weights (read dequantized: ``dtypes`` and ``bytes`` count them so)."""
+    if not hf.quantized.tensors:
+        return {}
+    return {"quantization": f"{describe(hf.spec.config)}: {len(hf.quantized.tensors)} weights, read as "
+                            f"{str(hf.quantized.dtype).removeprefix('torch.')}",
+            "quantized_tensors": sorted(hf.quantized.tensors)}  # which weights are stored quantized (MXFP4, FP8)
 
 
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:

@@ -18,11 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 from ckptconv.core.families.gpt_oss import ALPHA, experts_of, layer_window
+from ckptconv.core.mapping import EMBED, LM_HEAD, hf_shapes
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.reference import rope_parameters
 from ckptconv.errors import ConversionError
+from ckptconv.titan.names import TitanParam, TitanPiece
 
 MODEL = "gpt_oss"
+# what torchtitan_config.py imports from torchtitan.models.gpt_oss (ckptconv.titan.config_file asks)
+MODEL_CLS = "GptOssModel"
+BUILDERS = "_build_gptoss_layers, _make_gptoss_attn_config"
 ZEROS, TRANSPOSED = "zeros", "transposed"  # a buffer HF has no counterpart of; stacked [out, in] of HF's [in, out]
 _EXPERTS = "moe.routed_experts.inner_experts."
 # (HF name under model.layers.N., TorchTitan's under layers.N., how), in TorchTitan's state_dict order
@@ -44,6 +49,40 @@ LAYER = (
 )
 # The parameters TorchTitan trains as one (its FusedQKVLinear): wqkv's rows are q, k, v (no head grouping)
 FUSED = {"attention.qkv_linear.wqkv.weight": "weight", "attention.qkv_linear.wqkv.bias": "bias"}
+
+
+def titan_params(spec: ModelSpec) -> list[TitanParam]:
+    """TorchTitan's gpt_oss keys (:data:`LAYER`), in its state_dict order: each HF tensor whole, the experts' weights
+    stacked slab by slab transposed (``[E, out, in]`` of HF's ``[E, in, out]``), ``expert_bias_E`` fp32 zeros."""
+    shapes = hf_shapes(spec, with_inv_freq=False)
+
+    def whole(hf: str, titan: str) -> TitanParam:
+        return TitanParam(titan, shapes[hf], (TitanPiece(hf, 0, shapes[hf][0]),))
+
+    out = [whole(EMBED, "tok_embeddings.weight")]
+    for n in range(spec.layers):
+        for hf_rel, titan_rel, how in LAYER:
+            hf, titan = f"model.layers.{n}.{hf_rel}", f"layers.{n}.{titan_rel}"
+            e = shapes[hf][0]
+            if how == ZEROS:
+                out.append(TitanParam(titan, (e,), (TitanPiece(hf, 0, e, zeros=True),), buffer=True))
+            elif how == TRANSPOSED:
+                _, rows, cols = shapes[hf]
+                pieces = tuple(TitanPiece(hf, 0, cols, slab=k, transposed=True) for k in range(e))
+                out.append(TitanParam(titan, (e, cols, rows), pieces, slabs=e))
+            else:
+                out.append(whole(hf, titan))
+    return [*out, whole("model.norm.weight", "norm.weight"), whole(EMBED if spec.tied else LM_HEAD, "lm_head.weight")]
+
+
+def shared_copies(spec: ModelSpec) -> dict[str, str]:
+    """No HF tensor of GPT-OSS is kept as another's copy."""
+    return {}
+
+
+def loss(spec: ModelSpec) -> None:
+    """TorchTitan's default cross-entropy (no loss of its own)."""
+    return None
 
 
 def check_titan(spec: ModelSpec) -> None:
@@ -96,7 +135,7 @@ def model_lines(spec: ModelSpec) -> list[str]:
         f"    rope = CosSinRoPE.Config(dim={spec.head_dim}, max_seq_len=max(SEQ_LEN, {max_pos}), {rope_args})",
         f"    layers = _build_gptoss_layers(dim=dim, n_layers={spec.layers}, hidden_dim={spec.intermediate}, "
         f"num_experts={experts}, top_k={top_k}, load_balance_coeff=1e-3, attn_backend=ATTN_BACKEND, fuse_qkv=True, "
-        "moe_comm_backend=MOE_COMM_BACKEND, rope=rope)",
+        "moe_comm_backend='standard', rope=rope)  # SET moe_comm_backend: the experts' token dispatch",
         f"    windows = {windows!r}  # layer_types: sliding_window on sliding_attention layers, None on full ones",
         "    for n, layer in enumerate(layers):  # the HF config's heads and windows (the builder's are the 120B's)",
         "        layer.attention = _make_gptoss_attn_config(dim=dim, layer_id=n, attn_backend=ATTN_BACKEND, "

@@ -21,6 +21,7 @@ the parameter's rows (an AdamW moment, an fp32 master) the same way.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -29,7 +30,6 @@ from functools import cache
 from ckptconv.core.mapping import EMBED, LM_HEAD, hf_shapes
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.titan import gpt_oss
 
 TITAN_VERSION = "0.3.0"
 TITAN_MODEL = "llama3"
@@ -43,6 +43,8 @@ class TitanModel:
     name: str
     complex_rope: bool
     extra_layer_rules: tuple[NameRule, ...] = ()
+    # a model whose keys a module of its own lists (``titan_params(spec)``, ``shared_copies(spec)``), imported when used
+    module: str | None = None
 
 
 def _qk_norms() -> tuple[NameRule, ...]:
@@ -82,7 +84,7 @@ GLOBAL_TAIL = (NameRule("model.norm.weight", "norm.weight"), NameRule(LM_HEAD, "
 TITAN_MODELS = {"llama": TitanModel("llama3", complex_rope=True),
                 "qwen3": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
                 "qwen3_moe": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
-                "gpt_oss": TitanModel(gpt_oss.MODEL, complex_rope=False)}
+                "gpt_oss": TitanModel("gpt_oss", complex_rope=False, module="ckptconv.titan.gpt_oss")}
 # Why a family with experts has no TorchTitan model (its MoE models upstream: qwen3, deepseek_v3, gpt_oss, ...).
 NO_TITAN_MOE = {"mixtral": ": there is no Mixtral model upstream (no TorchTitan module would load or train its "
                            "block_sparse_moe experts)"}
@@ -229,7 +231,7 @@ def moe_params(spec: ModelSpec, layer: int) -> list[TitanParam]:
 def moe_layers(spec: ModelSpec) -> list[int]:
     """The layers whose TorchTitan block is an MoE (with ``expert_bias_E``): the sparse ones, every GPT-OSS layer."""
     model = TITAN_MODELS.get(spec.family.model_type)
-    every = model is not None and model.name == gpt_oss.MODEL
+    every = model is not None and model.name == "gpt_oss"
     return [n for n in range(spec.layers) if every or spec.sparse(n)]
 
 
@@ -240,9 +242,11 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
     A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
     names in TorchTitan; two copies in DCP), both from HF's embedding.
     """
+    model = titan_model(spec)
+    if model.module is not None:
+        params: list[TitanParam] = importlib.import_module(model.module).titan_params(spec)
+        return params
     shapes = hf_shapes(spec, with_inv_freq=False)
-    if titan_model(spec).name == gpt_oss.MODEL:
-        return _gpt_oss_params(spec, shapes)
     rules: list[NameRule | TitanParam] = [*GLOBAL_HEAD]
     for n in range(spec.layers):
         for r in layer_rules(titan_model(spec)):
@@ -261,27 +265,12 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
     return out
 
 
-def _gpt_oss_params(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> list[TitanParam]:
-    """TorchTitan's gpt_oss keys (:data:`ckptconv.titan.gpt_oss.LAYER`): each HF tensor whole, the experts' weights
-    stacked slab by slab transposed (``[E, out, in]`` of HF's ``[E, in, out]``), ``expert_bias_E`` fp32 zeros."""
-    def whole(hf: str, titan: str) -> TitanParam:
-        shape = shapes[hf]
-        return TitanParam(titan, shape, (TitanPiece(hf, 0, shape[0]),))
-
-    out = [whole(EMBED, "tok_embeddings.weight")]
-    for n in range(spec.layers):
-        for hf_rel, titan_rel, how in gpt_oss.LAYER:
-            hf, titan = f"model.layers.{n}.{hf_rel}", f"layers.{n}.{titan_rel}"
-            e = shapes[hf][0]
-            if how == gpt_oss.ZEROS:
-                out.append(TitanParam(titan, (e,), (TitanPiece(hf, 0, e, zeros=True),), buffer=True))
-            elif how == gpt_oss.TRANSPOSED:
-                _, rows, cols = shapes[hf]
-                pieces = tuple(TitanPiece(hf, 0, cols, slab=k, transposed=True) for k in range(e))
-                out.append(TitanParam(titan, (e, cols, rows), pieces, slabs=e))
-            else:
-                out.append(whole(hf, titan))
-    return [*out, whole("model.norm.weight", "norm.weight"), whole(EMBED if spec.tied else LM_HEAD, "lm_head.weight")]
+def shared_copies(spec: ModelSpec) -> dict[str, str]:
+    """HF tensors that TorchTitan keeps once, as another HF tensor (copy -> the HF key it copies: DeepSeek-V3's MTP
+    embedding and head are the model's); written back from that one."""
+    model = titan_model(spec)
+    copies: dict[str, str] = {} if model.module is None else importlib.import_module(model.module).shared_copies(spec)
+    return copies
 
 
 def fused_qkv_param(spec: ModelSpec, layer: int, kind: str = "weight") -> TitanParam:
@@ -326,7 +315,7 @@ def trained_params(spec: ModelSpec) -> list[TitanParam]:
         if (spec.tied and param.key == "lm_head.weight") or param.buffer:
             continue
         m = _LAYER.search(param.key)
-        if m is not None and param.key.endswith(_SPLIT_QKV):
+        if m is not None and ".qkv_linear." in param.key and param.key.endswith(_SPLIT_QKV):
             if param.key.endswith(_SPLIT_QKV[::3]):  # wq.weight, wq.bias: the fused parameter in wq's slot
                 out.append(fused_qkv_param(spec, int(m.group(1)), param.key.rsplit(".", 1)[1]))
             continue
