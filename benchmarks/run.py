@@ -14,6 +14,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
     python benchmarks/run.py --moe [--layers L] [--repeat N]   # Mixtral-8x7B shapes: to-nxd and reshard across ep
     python benchmarks/run.py --deepseek [--experts N] [--repeat N]   # DeepSeek-V3 FP8 -> DCP, and TorchTitan's convert
+    python benchmarks/run.py --gpt-oss [--layers L] [--repeat N]   # GPT-OSS-120B shapes, MXFP4: to-dcp
     python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
 
 The training-state rows (reshard in both optimizer formats, to-dcp, from-dcp of a 6.85 GB training tag; marginal
@@ -37,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deepseek_v3 import deepseek_rows  # noqa: E402
+from gpt_oss import gpt_oss_rows  # noqa: E402
 from measure import drop_caches, du, measure  # noqa: E402
 from moe import moe_rows  # noqa: E402
 from synth import write_model  # noqa: E402
@@ -223,6 +225,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256, help="routed experts of the DeepSeek-V3 rows")
     parser.add_argument("--titan-limit", type=int, default=16 * 2**30,
                         help="address-space limit (bytes) of TorchTitan's convert_from_hf in the DeepSeek-V3 rows")
+    parser.add_argument("--gpt-oss", action="store_true", help="only the GPT-OSS-120B-shaped MXFP4 to-dcp row")
     parser.add_argument("--before", type=Path, default=None,
                         help="training-state rows: also run each command from this older source tree")
     args = parser.parse_args()
@@ -236,6 +239,11 @@ def main() -> None:
         rows, notes = deepseek_rows(OUT, convert, CPU_SECONDS, args.experts, args.repeat, args.titan_limit)
         print(text := table(rows, []) + "\n\n" + "\n".join(notes))
         (OUT / "deepseek.md").write_text(text + "\n")
+        return
+    if args.gpt_oss:
+        rows, notes = gpt_oss_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
+        print(text := table(rows, []) + "\n\n" + "\n".join(notes))
+        (OUT / "gpt_oss.md").write_text(text + "\n")
         return
     if args.training:
         text = training_rows(OUT, args.repeat, args.before)
@@ -280,6 +288,7 @@ def main() -> None:
     deepseek, deepseek_notes = deepseek_rows(OUT, convert, CPU_SECONDS, 16 if args.quick else args.experts, 1,
                                              args.titan_limit)
     rows += deepseek
+    rows += gpt_oss_rows(OUT, convert, CPU_SECONDS, 1 if args.quick else 2, repeat=1)[0]
 
     rss_rows: list[tuple[str, int]] = []
     for n_layers in ((2, 4) if args.quick else (2, 8)):

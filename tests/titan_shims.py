@@ -92,7 +92,8 @@ def rows_dataloader(batches: list[Any], *, positions: bool = False) -> Any:
     """``Trainer.Config.dataloader``: yields TorchTitan's ``({"input": rows}, labels)`` for each global batch of
     token rows, in order: the labels are the rows shifted by one, the last position ignored (``IGNORE_INDEX``), so
     the loss is the mean over the same next-token predictions nxdtrain's is. ``positions``: each row one document
-    (``"positions"`` 0..seq-1, as TorchTitan's text loader gives them; its MTP loss needs them)."""
+    (``"positions"`` 0..seq-1, as TorchTitan's text loader gives them): DeepSeek-V3's MTP loss needs them, and the
+    trainer builds GPT-OSS's FlexAttention masks from them."""
     from dataclasses import dataclass, field
 
     import torch
@@ -161,10 +162,11 @@ def load_generated_block(model: Any, out: Any, folder: Any) -> Any:
 
 
 def train_generated(out: Any, rows: Any, monkeypatch: Any, dump: Any, *, positions: bool = False,
-                    after: Any = None) -> tuple[list[float], Any]:
+                    attention: Any = None, after: Any = None) -> tuple[list[float], Any]:
     """TorchTitan's ``Trainer`` of OUT's ``continue_run()`` (the SET names: one batch of ``rows``, fp32 compute,
     checkpoints under ``dump``; the shims above; the environment torchrun sets) trains one step: its logged losses,
-    and what ``after(trainer)`` returns before the trainer closes (its process group destroyed)."""
+    and what ``after(trainer)`` returns before the trainer closes (its process group destroyed). ``attention(config)``
+    sets the CPU attention (default: :func:`sdpa_attention` in every layer; GPT-OSS's sinks need FlexAttention)."""
     import torch.distributed as dist
 
     from tests.test_titan_trainer import torchrun_env
@@ -174,7 +176,10 @@ def train_generated(out: Any, rows: Any, monkeypatch: Any, dump: Any, *, positio
                             MIXED_PRECISION_PARAM="float32", DUMP_FOLDER=str(dump)).items():
         monkeypatch.setattr(module, name, value)
     config = module.continue_run()
-    sdpa_attention(config.model_spec.model)
+    if attention is None:
+        sdpa_attention(config.model_spec.model)
+    else:
+        attention(config)
     config.tokenizer = rows_tokenizer()
     config.dataloader = rows_dataloader([rows], positions=positions)
     config.training.disable_cuda_graphs = True
@@ -198,3 +203,51 @@ def train_generated(out: Any, rows: Any, monkeypatch: Any, dump: Any, *, positio
         if dist.is_initialized():
             dist.destroy_process_group()
     return losses, kept
+
+
+# ---- GPT-OSS on CPU -----------------------------------------------------------------------------------------
+
+
+def eager_flex(monkeypatch: Any) -> None:
+    """TorchTitan's ``FlexAttention`` (the one backend that gives GPT-OSS its sinks, through the log-sum-exp, and its
+    sliding-window block masks) run by torch's eager ``flex_attention``: its compiled kernel on CPU supports neither
+    ``return_lse`` nor a backward. Same module, masks, scale and sink rescale; only the kernel is not compiled."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(flex_attention))
+
+
+def gpt_oss_experts_in_model_dtype(monkeypatch: Any) -> None:
+    """TorchTitan 0.3.0's ``GptOssGroupedExperts`` returns its bf16 grouped-matmul output as bf16, which its MoE's
+    scatter-add into an fp32 model refuses (on GPU the model computes in bf16 under FSDP's mixed precision): its
+    output cast to the tokens' dtype, its arithmetic unchanged."""
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    forward = GptOssGroupedExperts.forward
+    monkeypatch.setattr(GptOssGroupedExperts, "forward", lambda self, x, counts: forward(self, x, counts).to(x.dtype))
+
+
+def math_flex(monkeypatch: Any) -> None:
+    """TorchTitan's ``FlexAttention`` with its kernel computed in plain torch, so that it has a CPU backward (the
+    trainer's step): the block mask's own ``mask_mod`` (causal, document, sliding window) evaluated over every
+    (query, key), softmax with the scale given, the log-sum-exp returned for the sinks' rescale. The forward is
+    checked against eager ``flex_attention`` in tests/test_titan_gpt_oss.py."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.models.common.attention import FlexAttention
+
+    def attend(q: Any, k: Any, v: Any, *, score_mod: Any = None, block_mask: Any, scale: Any, enable_gqa: bool,
+               return_aux: Any = None, kernel_options: Any = None) -> Any:
+        assert score_mod is None, "the lane's math kernel takes masks only"
+        if enable_gqa:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        seq, keys = q.shape[2], k.shape[2]
+        visible = create_mask(block_mask.mask_mod, q.shape[0], 1, seq, keys, device=q.device)
+        scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v, SimpleNamespace(lse=torch.logsumexp(scores, dim=-1))
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(attend))

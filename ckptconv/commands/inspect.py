@@ -78,7 +78,8 @@ def _quantization(hf: HfCheckpoint) -> dict[str, Any]:
     if not hf.quantized.tensors:
         return {}
     return {"quantization": f"{describe(hf.spec.config)}: {len(hf.quantized.tensors)} weights, read as "
-                            f"{str(hf.quantized.dtype).removeprefix('torch.')}"}
+                            f"{str(hf.quantized.dtype).removeprefix('torch.')}",
+            "quantized_tensors": sorted(hf.quantized.tensors)}  # which weights are stored quantized (MXFP4, FP8)
 
 
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:

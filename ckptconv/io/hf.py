@@ -246,8 +246,10 @@ class HfCheckpoint:
 
 
 def config_text(config: dict[str, Any], dtype: torch.dtype) -> str:
-    """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5)."""
+    """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5), without a
+    ``quantization_config``."""
     config = dict(config)
+    config.pop("quantization_config", None)  # the weights written are plain (an MXFP4/FP8 source dequantized)
     name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = name
     config["dtype"] = name

@@ -29,7 +29,7 @@ import torch
 from ckptconv.errors import ConversionError
 
 # quant_method (config.json's quantization_config) -> the module that reads it (lazily imported: most models have none)
-METHODS: dict[str, str] = {"fp8": "ckptconv.io.fp8_blocks"}
+METHODS: dict[str, str] = {"fp8": "ckptconv.io.fp8_blocks", "mxfp4": "ckptconv.io.mxfp4"}
 DEFAULT_DTYPE = torch.bfloat16  # what a dequantized weight is read as unless the command says otherwise (--dtype)
 
 RawRead = Callable[[str, int, int], torch.Tensor]  # a stored tensor's rows [start, stop), as stored
