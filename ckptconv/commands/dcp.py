@@ -178,7 +178,7 @@ def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: 
         copies = hf_side_copies(hf, notes)
         if hf.quantized.tensors:  # hf/config.json: the dequantized model's (no quantization_config)
             copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
-            texts[f"{HF_FILES_DIR}/{CONFIG}"] = config_text(plain_config(spec.config), hf.quantized.dtype)
+            texts[f"{HF_FILES_DIR}/{CONFIG}"] = config_text(spec.config, hf.quantized.dtype)
         spec_ = _dcp_finalize(plan, spec, identity, copies, None, texts=texts)
         return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
@@ -414,7 +414,7 @@ def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple
         identity,
         metadata=dict(kind="hf", hf_config=plain_config(spec.config), dtype=dtype_name(plan), with_inv_freq=False,
                       fingerprint=identity, extra={"from": titan_record(spec)}),
-        texts={CONFIG: config_text(plain_config(spec.config), plan.files[0].tensors[0].dtype), **index_text(plan.files)},
+        texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
         copies=kept,
     )
     return run.write(plan, ckpt, out, safetensors_sink, spec_, sources=sources)

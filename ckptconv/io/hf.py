@@ -25,7 +25,7 @@ from ckptconv.core.families.moe import fused_views
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
-from ckptconv.io.quantized import Dequantized, Quantized, quantized_tensors
+from ckptconv.io.quantized import Dequantized, Quantized, plain_config, quantized_tensors
 from ckptconv.io.readers import FileReader, open_tensor_file
 
 CONFIG = "config.json"
@@ -248,8 +248,7 @@ class HfCheckpoint:
 def config_text(config: dict[str, Any], dtype: torch.dtype) -> str:
     """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5), without a
     ``quantization_config``."""
-    config = dict(config)
-    config.pop("quantization_config", None)  # the weights written are plain (an MXFP4/FP8 source dequantized)
+    config = plain_config(config)  # the weights written are plain (an MXFP4/FP8 source dequantized)
     name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = name
     config["dtype"] = name
