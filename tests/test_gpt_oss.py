@@ -16,7 +16,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.titan.names import optimizer_params, titan_params
 from tests.conftest import hf_state
-from tests.gpt_oss_models import E, make_gpt_oss, make_mxfp4_pair
+from tests.gpt_oss_models import E, gpt_oss_config, make_gpt_oss, make_mxfp4_pair
 
 pytest.importorskip("transformers")
 
@@ -167,3 +167,33 @@ def test_mxfp4_blocks_that_do_not_fit_the_config_are_refused(tmp_path):
                                             key + "_scales": torch.zeros(4, 64, 2, dtype=torch.uint8)}))
     with pytest.raises(ConversionError, match=rf"{key}.*\[4, 64, 64\].*\[4, 32, 64\]"):
         ckptconv.to_dcp(quantized, tmp_path / "o", options=QUIET)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_moe", "llama"])
+def test_every_moe_models_token_dispatch_is_the_one_set_name(family):
+    """The generated torchtitan_config.py of an MoE model (GPT-OSS too, whose spec has no MoE seam: every layer is
+    an MoE block) sets MOE_COMM_BACKEND once among the SET names and its model_config() builds the experts with it;
+    a dense model has neither."""
+    import ast
+
+    import transformers
+
+    from ckptconv.titan.config_file import config_module
+    from tests.deepseek_models import config_kwargs
+
+    config = {"gpt_oss": lambda: gpt_oss_config(),
+              "deepseek_v3": lambda: transformers.DeepseekV3Config(**config_kwargs()),
+              "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, head_dim=8,
+                                                               num_hidden_layers=2),
+              "llama": lambda: transformers.LlamaConfig(num_hidden_layers=2)}[family]().to_dict()
+    tree = ast.parse(config_module(ModelSpec.from_config(config), None, what="a test"))
+    set_at_top = [node for node in tree.body if isinstance(node, ast.Assign)
+                  and any(getattr(t, "id", None) == "MOE_COMM_BACKEND" for t in node.targets)]
+    model_config = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "model_config")
+    passed = [kw for node in ast.walk(model_config) if isinstance(node, ast.Call) for kw in node.keywords
+              if kw.arg == "moe_comm_backend"]
+    if family == "llama":
+        assert not set_at_top and not passed
+        return
+    assert len(set_at_top) == 1 and ast.literal_eval(set_at_top[0].value) == "standard"
+    assert passed and all(isinstance(kw.value, ast.Name) and kw.value.id == "MOE_COMM_BACKEND" for kw in passed)

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.titan.names import TITAN_VERSION, titan_model
+from ckptconv.titan.names import TITAN_VERSION, moe_layers, titan_model
 
 CONFIG_MODULE = "torchtitan_config"
 CONFIG_FILE = f"{CONFIG_MODULE}.py"
@@ -258,7 +258,7 @@ def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
         build=own.BUILDERS if own else ("_build_qwen3_layers" if is_qwen else "_build_llama3_layers")
         + (", _build_qwen3_moe_layers" if spec.experts else ""), seq_len=seq_len,
         moe_set='\nMOE_COMM_BACKEND = "standard"     # SET: the experts\' token dispatch (standard, deepep, ...)'
-        if spec.experts else "",
+        if moe_layers(spec) else "",  # any MoE block (GPT-OSS's every layer: its spec.experts is 0)
         seq_note="" if run is None or not run.seq_len else " (the source run's)",
         steps=run.total_steps if run is not None else 1000,
         steps_note=" (the source schedule's total steps)" if run is not None else " SET")

@@ -135,7 +135,7 @@ def model_lines(spec: ModelSpec) -> list[str]:
         f"    rope = CosSinRoPE.Config(dim={spec.head_dim}, max_seq_len=max(SEQ_LEN, {max_pos}), {rope_args})",
         f"    layers = _build_gptoss_layers(dim=dim, n_layers={spec.layers}, hidden_dim={spec.intermediate}, "
         f"num_experts={experts}, top_k={top_k}, load_balance_coeff=1e-3, attn_backend=ATTN_BACKEND, fuse_qkv=True, "
-        "moe_comm_backend='standard', rope=rope)  # SET moe_comm_backend: the experts' token dispatch",
+        "moe_comm_backend=MOE_COMM_BACKEND, rope=rope)",
         f"    windows = {windows!r}  # layer_types: sliding_window on sliding_attention layers, None on full ones",
         "    for n, layer in enumerate(layers):  # the HF config's heads and windows (the builder's are the 120B's)",
         "        layer.attention = _make_gptoss_attn_config(dim=dim, layer_id=n, attn_backend=ATTN_BACKEND, "
