@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.commands.api import DTYPES, dtype_policy, hf_side_copies, kept_hf_files, new_layout
+from ckptconv.commands.api import dequantized, dtype_policy, hf_side_copies, kept_hf_files, new_layout
 from ckptconv.commands.src_kind import open_hf
 from ckptconv.commands.steps import dtype_name, input_files
 from ckptconv.core.families.deepseek_v3 import BIAS
@@ -38,10 +38,10 @@ from ckptconv.engine.run import Result, Run, file_identity, fingerprint
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
 from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
-from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, index_text
+from ckptconv.io.hf import CONFIG, config_text, index_text
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
-from ckptconv.io.quantized import describe, plain_config
+from ckptconv.io.quantized import plain_config
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.nxd import model_spec_of, open_nxd
@@ -170,15 +170,13 @@ def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: 
         check_mtp_copies(hf, spec, str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
-        notes += bias_note(spec) + mtp_notes + _dequantized(hf, dtype)
+        notes += bias_note(spec) + mtp_notes
+        copies, plain = dequantized(hf, dtype, hf_side_copies(hf, notes), notes)
+        texts |= plain
         _model_only(notes, out, "an HF model holds no optimizer state")
         plan = plan_to_dcp(spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
         identity = fingerprint("dcp", titan_record(spec), dtype, max_file_size, file_identity(hf.weight_files()),
                                drop_mtp)
-        copies = hf_side_copies(hf, notes)
-        if hf.quantized.tensors:  # hf/config.json: the dequantized model's (no quantization_config)
-            copies = [c for c in copies if c[1] != f"{HF_FILES_DIR}/{CONFIG}"]
-            texts[f"{HF_FILES_DIR}/{CONFIG}"] = config_text(spec.config, hf.quantized.dtype)
         spec_ = _dcp_finalize(plan, spec, identity, copies, None, texts=texts)
         return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
@@ -223,16 +221,6 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
         result = run.write(plan, reader, out, sink_factory(layout_items(plan.files, placed)), spec_, kv_replicas,
                            sources=[Path(src), ckpt.root])
     return result, layout.to_json()
-
-
-def _dequantized(hf: HfCheckpoint, dtype: str) -> list[str]:
-    """Quantized weights read as ``dtype`` (bf16 for ``keep``), and the note that says so."""
-    if not hf.quantized.tensors:
-        return []
-    target = DTYPES.get(dtype) or hf.quantized.dtype  # --dtype keep: bf16
-    hf.dequantize_to(target)
-    return [f"{len(hf.quantized.tensors)} quantized weight(s) ({describe(hf.spec.config)}) dequantized to "
-            f"{str(target).removeprefix('torch.')} as they stream; config.json without its quantization_config"]
 
 
 def _dcp_finalize(plan: Plan, spec: ModelSpec, identity: str, copies: list[tuple[str, str]],
