@@ -198,8 +198,8 @@ def test_fp8_blocks_convert_to_the_bytes_of_their_dequantized_twin(tmp_path: Pat
               ".weight [32, 40] in blocks [16, 16] (quantization_config.weight_block_size) needs [2, 3]"),
     ("missing", "model.layers.0.self_attn.o_proj.weight is float8_e4m3fn but has no "
                 "model.layers.0.self_attn.o_proj.weight_scale_inv (expected float32 [2, 3] for blocks [16, 16])"),
-    ("method", "quantization_config.quant_method is 'awq'; ckptconv reads fp8 (dequantize the checkpoint first for "
-               "another method)"),
+    ("method", "quantization_config.quant_method is 'awq'; ckptconv reads fp8, mxfp4 (dequantize the checkpoint "
+               "first for another method)"),
     ("block", "quantization_config.weight_block_size must be [rows, cols] of positive integers, got [16]"),
 ])
 def test_fp8_refusals_are_one_line(tmp_path: Path, capsys, edit: str, message: str):
