@@ -100,7 +100,7 @@ def _layer_lines(spec: ModelSpec, build: str, head_dim: str) -> list[str]:
 def _model_lines(spec: ModelSpec) -> list[str]:
     """``model_config()``: TorchTitan's model config of ``spec`` built with its own layer builders."""
     model = titan_model(spec)
-    if model.module is not None:  # a model with a module of its own (DeepSeek-V3)
+    if model.module is not None:  # a model with a module of its own (DeepSeek-V3, GPT-OSS)
         lines: list[str] = importlib.import_module(model.module).model_lines(spec)
         return lines
     c = spec.config
