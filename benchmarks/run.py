@@ -13,6 +13,8 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --only-8b [--repeat N]                      # the 8B rows alone (make bench-8b)
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
     python benchmarks/run.py --moe [--layers L] [--repeat N]   # Mixtral-8x7B shapes: to-nxd and reshard across ep
+    python benchmarks/run.py --deepseek [--experts N] [--repeat N]   # DeepSeek-V3 FP8 -> DCP, and TorchTitan's convert
+    python benchmarks/run.py --gpt-oss [--layers L] [--repeat N]   # GPT-OSS-120B shapes, MXFP4: to-dcp
     python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
 
 The training-state rows (reshard in both optimizer formats, to-dcp, from-dcp of a 6.85 GB training tag; marginal
@@ -35,6 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from deepseek_v3 import deepseek_rows  # noqa: E402
+from gpt_oss import gpt_oss_rows  # noqa: E402
 from measure import drop_caches, du, measure  # noqa: E402
 from moe import moe_rows  # noqa: E402
 from synth import write_model  # noqa: E402
@@ -217,6 +221,11 @@ def main() -> None:
     parser.add_argument("--only-8b", action="store_true", help="only the 8B rows, each run --repeat times")
     parser.add_argument("--moe", action="store_true", help="only the Mixtral-8x7B-shaped rows (--layers layers)")
     parser.add_argument("--training", action="store_true", help="only the training-state rows (6.85 GB tag)")
+    parser.add_argument("--deepseek", action="store_true", help="only the DeepSeek-V3 rows (FP8 671B layer shapes)")
+    parser.add_argument("--experts", type=int, default=256, help="routed experts of the DeepSeek-V3 rows")
+    parser.add_argument("--titan-limit", type=int, default=16 * 2**30,
+                        help="address-space limit (bytes) of TorchTitan's convert_from_hf in the DeepSeek-V3 rows")
+    parser.add_argument("--gpt-oss", action="store_true", help="only the GPT-OSS-120B-shaped MXFP4 to-dcp row")
     parser.add_argument("--before", type=Path, default=None,
                         help="training-state rows: also run each command from this older source tree")
     args = parser.parse_args()
@@ -225,6 +234,16 @@ def main() -> None:
         moe, notes = moe_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
         print(text := table(moe, []) + "\n\n" + "\n".join(notes))
         (OUT / "moe.md").write_text(text + "\n")
+        return
+    if args.deepseek:
+        rows, notes = deepseek_rows(OUT, convert, CPU_SECONDS, args.experts, args.repeat, args.titan_limit)
+        print(text := table(rows, []) + "\n\n" + "\n".join(notes))
+        (OUT / "deepseek.md").write_text(text + "\n")
+        return
+    if args.gpt_oss:
+        rows, notes = gpt_oss_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
+        print(text := table(rows, []) + "\n\n" + "\n".join(notes))
+        (OUT / "gpt_oss.md").write_text(text + "\n")
         return
     if args.training:
         text = training_rows(OUT, args.repeat, args.before)
@@ -266,6 +285,10 @@ def main() -> None:
     # --quick: 3 layers, not 2: the 8B rows delete their model, which at 2 layers is the --quick big model (pp 2: >= 2)
     rows += small_rows(small, 3 if args.quick else 8, repeat=1)
     rows += moe_rows(OUT, convert, CPU_SECONDS, 1 if args.quick else 2, repeat=1)[0]
+    deepseek, deepseek_notes = deepseek_rows(OUT, convert, CPU_SECONDS, 16 if args.quick else args.experts, 1,
+                                             args.titan_limit)
+    rows += deepseek
+    rows += gpt_oss_rows(OUT, convert, CPU_SECONDS, 1 if args.quick else 2, repeat=1)[0]
 
     rss_rows: list[tuple[str, int]] = []
     for n_layers in ((2, 4) if args.quick else (2, 8)):
@@ -280,7 +303,8 @@ def main() -> None:
             shutil.rmtree(src)
     shutil.rmtree(l70)
 
-    text = table(rows, rss_rows) + "\n\n" + training_rows(OUT, args.repeat, args.before)
+    text = (table(rows, rss_rows) + "\n\n" + "\n".join(deepseek_notes) + "\n\n"
+            + training_rows(OUT, args.repeat, args.before))
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
     print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "
           f"total {time.perf_counter() - started:.0f} s")

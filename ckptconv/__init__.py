@@ -1,4 +1,5 @@
-"""ckptconv: HF (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE) <-> NxD tp x pp x ep shards <-> TorchTitan DCP, streamed, verified.
+"""ckptconv: HF (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE) <-> NxD tp x pp x ep shards <-> TorchTitan DCP (those and
+DeepSeek-V3, GPT-OSS), streamed, verified.
 
 The public API is a handful of verbs; everything the CLI does is one of these calls:
 ``to_nxd``, ``to_hf``, ``reshard``, ``inspect``, ``to_dcp``, ``from_dcp`` (imported lazily, so that importing a submodule

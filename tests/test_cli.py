@@ -46,7 +46,7 @@ def test_flag_sets_are_pinned():
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout",
                                                             "--weights-only", "--masters", "--no-masters", "--schedule", "--lr",
-                                                            "--min-lr", "--warmup", "--decay-steps"}
+                                                            "--min-lr", "--warmup", "--decay-steps", "--drop-mtp"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check", "--weights-only",
                                                               "--consumed-samples", "--drop-expert-bias"}

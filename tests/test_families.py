@@ -174,10 +174,10 @@ def test_mistral_window_mask_matches_transformers():
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"model_type": "gemma"}, "config.json: model_type is 'gemma'; supported: llama, mistral, qwen2, qwen3"),
-    ({"model_type": "deepseek_v3"},
-     "config.json: model_type is 'deepseek_v3' (a mixture-of-experts model with shared experts and a biased "
+    ({"model_type": "deepseek_v2"},
+     "config.json: model_type is 'deepseek_v2' (a mixture-of-experts model with shared experts and a "
      "group-limited router, not supported yet); supported: llama"),
-    ({"model_type": "gpt_oss"}, "config.json: model_type is 'gpt_oss' (a mixture-of-experts model with attention sinks"),
+    ({"model_type": "deepseek_v3"}, "config.json: n_routed_experts must be a positive integer, got None"),
     ({"model_type": "qwen3_moe"}, "config.json: num_experts must be a positive integer, got None"),
     ({"model_type": "qwen2", "use_sliding_window": True},
      "config.json: use_sliding_window is True; sliding-window layers are not supported (only full attention)"),
@@ -210,7 +210,7 @@ def test_torchtitan_dcp_is_refused_for_other_families(family_models, tiny_models
     """to-dcp from HF or from NxD shards, and from-dcp under the family's config: one line naming the family and
     the families TorchTitan has."""
     message = (f"TorchTitan 0.3.0 has no model for {NAMES[family]} (model_type '{family}'); the families it has: "
-               "llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
+               "llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3), deepseek_v3 (deepseek_v3), gpt_oss (gpt_oss)")
     src = family_models(family)
     nxd = convert(src, tmp_path / "nxd", tp=2, attention="qkv_linear")
     capsys.readouterr()  # transformers' save_pretrained progress bar

@@ -184,7 +184,7 @@ def test_mixtral_is_refused_naming_why(qwen3_moe_hf, tmp_path, capsys):
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
             "ckptconv: error: TorchTitan 0.3.0 has no model for Mixtral (model_type 'mixtral'): there is no Mixtral "
             "model upstream (no TorchTitan module would load or train its block_sparse_moe experts); the families it "
-            "has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
+            "has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3), deepseek_v3 (deepseek_v3), gpt_oss (gpt_oss)")
         assert not (tmp_path / "dcp").exists()
     ckptconv.to_dcp(qwen3_moe_hf, tmp_path / "qwen-dcp", options=QUIET)
     # nor back, under its config

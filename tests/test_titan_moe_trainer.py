@@ -13,14 +13,7 @@ import ckptconv  # noqa: E402
 from ckptconv.errors import ConversionError  # noqa: E402
 from tests.test_titan_moe import QUIET, TOLERANCE, hf_logits  # noqa: E402
 from tests.test_titan_moe_names import make_qwen3_moe  # noqa: E402
-from tests.test_titan_trainer import torchrun_env  # noqa: E402
-from tests.titan_shims import (  # noqa: E402
-    cpu_device,
-    generated_config,
-    rows_dataloader,
-    rows_tokenizer,
-    sdpa_attention,
-)
+from tests.titan_shims import train_generated  # noqa: E402
 
 
 def test_titans_own_trainer_trains_the_generated_moe_model(tmp_path, monkeypatch):
@@ -31,36 +24,8 @@ def test_titans_own_trainer_trains_the_generated_moe_model(tmp_path, monkeypatch
     moe_hf = make_qwen3_moe(tmp_path / "src")
     ckptconv.to_dcp(moe_hf, tmp_path / "dcp", options=QUIET)
     rows = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
-    module = generated_config(tmp_path / "dcp")
-    for name, value in dict(LOCAL_BATCH_SIZE=2, SEQ_LEN=16, STEPS=1, MIXED_PRECISION_PARAM="float32",
-                            DUMP_FOLDER=str(tmp_path / "titan")).items():
-        monkeypatch.setattr(module, name, value)
-    config = module.continue_run()
-    sdpa_attention(config.model_spec.model)
-    config.tokenizer = rows_tokenizer()
-    config.dataloader = rows_dataloader([rows])
-    config.training.disable_cuda_graphs = True
-    config.metrics.log_freq = 1
-    cpu_device(monkeypatch)
-    torchrun_env(monkeypatch)
-    import torch.distributed as dist
-
-    trainer = config.build()
-    losses: list[float] = []
-    log = trainer.metrics_processor.log
-
-    def record(step, global_avg_loss, *args, **kwargs):
-        losses.append(global_avg_loss)
-        return log(step, global_avg_loss, *args, **kwargs)
-
-    monkeypatch.setattr(trainer.metrics_processor, "log", record)
-    try:
-        trainer.train()
-        bias = trainer.model_parts[0].layers["0"].moe.expert_bias_E.clone()
-    finally:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    losses, bias = train_generated(tmp_path / "dcp", rows, monkeypatch, tmp_path / "titan",
+                                   after=lambda t: t.model_parts[0].layers["0"].moe.expert_bias_E.clone())
     reference = hf_logits(moe_hf, rows)
     want = torch.nn.functional.cross_entropy(reference[:, :-1].reshape(-1, 128), rows[:, 1:].reshape(-1)).item()
     assert len(losses) == 1 and losses[0] == pytest.approx(want, rel=TOLERANCE), (losses, want)

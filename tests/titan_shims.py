@@ -21,7 +21,7 @@ def sdpa_attention(model_config: Any) -> Any:
     """``model_config`` with every layer's inner attention TorchTitan's SDPA module (in place; returned)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    for layer in model_config.layers:
+    for layer in [*model_config.layers, *getattr(model_config, "mtp_layers", [])]:  # DeepSeek-V3's MTP layers too
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     return model_config
 
@@ -88,15 +88,19 @@ def rows_tokenizer() -> Any:
     return RowsTokenizer.Config()
 
 
-def rows_dataloader(batches: list[Any]) -> Any:
+def rows_dataloader(batches: list[Any], *, positions: bool = False) -> Any:
     """``Trainer.Config.dataloader``: yields TorchTitan's ``({"input": rows}, labels)`` for each global batch of
     token rows, in order: the labels are the rows shifted by one, the last position ignored (``IGNORE_INDEX``), so
-    the loss is the mean over the same next-token predictions nxdtrain's is."""
+    the loss is the mean over the same next-token predictions nxdtrain's is. ``positions``: each row one document
+    (``"positions"`` 0..seq-1, as TorchTitan's text loader gives them): DeepSeek-V3's MTP loss needs them, and the
+    trainer builds GPT-OSS's FlexAttention masks from them."""
     from dataclasses import dataclass, field
 
     import torch
     from torchtitan.components.dataloader import BaseDataLoader
     from torchtitan.components.loss import IGNORE_INDEX
+
+    with_positions = positions
 
     class RowsDataLoader(BaseDataLoader):
         @dataclass(kw_only=True, slots=True)
@@ -112,7 +116,8 @@ def rows_dataloader(batches: list[Any]) -> Any:
                 self.taken += 1
                 labels = torch.full_like(rows, IGNORE_INDEX)
                 labels[:, :-1] = rows[:, 1:]
-                yield {"input": rows.clone()}, labels
+                extra = {"positions": torch.arange(rows.shape[1]).expand_as(rows).clone()} if with_positions else {}
+                yield {"input": rows.clone(), **extra}, labels
 
         def state_dict(self) -> dict[str, Any]:
             return {"taken": self.taken}
@@ -154,3 +159,95 @@ def load_generated_block(model: Any, out: Any, folder: Any) -> Any:
         assert ck.load() is True
     ck.close()
     return model.eval()
+
+
+def train_generated(out: Any, rows: Any, monkeypatch: Any, dump: Any, *, positions: bool = False,
+                    attention: Any = None, after: Any = None) -> tuple[list[float], Any]:
+    """TorchTitan's ``Trainer`` of OUT's ``continue_run()`` (the SET names: one batch of ``rows``, fp32 compute,
+    checkpoints under ``dump``; the shims above; the environment torchrun sets) trains one step: its logged losses,
+    and what ``after(trainer)`` returns before the trainer closes (its process group destroyed). ``attention(config)``
+    sets the CPU attention (default: :func:`sdpa_attention` in every layer; GPT-OSS's sinks need FlexAttention)."""
+    import torch.distributed as dist
+
+    from tests.test_titan_trainer import torchrun_env
+
+    module = generated_config(out)
+    for name, value in dict(LOCAL_BATCH_SIZE=rows.shape[0], SEQ_LEN=rows.shape[1], STEPS=1,
+                            MIXED_PRECISION_PARAM="float32", DUMP_FOLDER=str(dump)).items():
+        monkeypatch.setattr(module, name, value)
+    config = module.continue_run()
+    if attention is None:
+        sdpa_attention(config.model_spec.model)
+    else:
+        attention(config)
+    config.tokenizer = rows_tokenizer()
+    config.dataloader = rows_dataloader([rows], positions=positions)
+    config.training.disable_cuda_graphs = True
+    config.metrics.log_freq = 1
+    cpu_device(monkeypatch)
+    torchrun_env(monkeypatch)
+    trainer = config.build()
+    losses: list[float] = []
+    log = trainer.metrics_processor.log
+
+    def record(step: int, global_avg_loss: float, *args: Any, **kwargs: Any) -> Any:
+        losses.append(global_avg_loss)
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.metrics_processor, "log", record)
+    try:
+        trainer.train()
+        kept = None if after is None else after(trainer)
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return losses, kept
+
+
+# ---- GPT-OSS on CPU -----------------------------------------------------------------------------------------
+
+
+def eager_flex(monkeypatch: Any) -> None:
+    """TorchTitan's ``FlexAttention`` (the one backend that gives GPT-OSS its sinks, through the log-sum-exp, and its
+    sliding-window block masks) run by torch's eager ``flex_attention``: its compiled kernel on CPU supports neither
+    ``return_lse`` nor a backward. Same module, masks, scale and sink rescale; only the kernel is not compiled."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(flex_attention))
+
+
+def gpt_oss_experts_in_model_dtype(monkeypatch: Any) -> None:
+    """TorchTitan 0.3.0's ``GptOssGroupedExperts`` returns its bf16 grouped-matmul output as bf16, which its MoE's
+    scatter-add into an fp32 model refuses (on GPU the model computes in bf16 under FSDP's mixed precision): its
+    output cast to the tokens' dtype, its arithmetic unchanged."""
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    forward = GptOssGroupedExperts.forward
+    monkeypatch.setattr(GptOssGroupedExperts, "forward", lambda self, x, counts: forward(self, x, counts).to(x.dtype))
+
+
+def math_flex(monkeypatch: Any) -> None:
+    """TorchTitan's ``FlexAttention`` with its kernel computed in plain torch, so that it has a CPU backward (the
+    trainer's step): the block mask's own ``mask_mod`` (causal, document, sliding window) evaluated over every
+    (query, key), softmax with the scale given, the log-sum-exp returned for the sinks' rescale. The forward is
+    checked against eager ``flex_attention`` in tests/test_titan_gpt_oss.py."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.models.common.attention import FlexAttention
+
+    def attend(q: Any, k: Any, v: Any, *, score_mod: Any = None, block_mask: Any, scale: Any, enable_gqa: bool,
+               return_aux: Any = None, kernel_options: Any = None) -> Any:
+        assert score_mod is None, "the lane's math kernel takes masks only"
+        if enable_gqa:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        seq, keys = q.shape[2], k.shape[2]
+        visible = create_mask(block_mask.mask_mod, q.shape[0], 1, seq, keys, device=q.device)
+        scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v, SimpleNamespace(lse=torch.logsumexp(scores, dim=-1))
+
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(attend))

@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 Subparsers = Any  # argparse's _SubParsersAction (private)
 # What the tool is (pyproject.toml's description says the same; tests/test_cli_text.py holds both to every family)
 DESCRIPTION = ("Hugging Face <-> NxD (neuronx-distributed) tp x pp x ep shards <-> TorchTitan DCP: convert, reshard "
-               "and verify Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE checkpoints and their training state")
+               "and verify Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE checkpoints and their training state; "
+               "DeepSeek-V3 and GPT-OSS (FP8, MXFP4) into TorchTitan and back")
 
 
 def _to_nxd_parser(sub: Subparsers) -> None:
@@ -228,6 +229,9 @@ def _to_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--weights-only", action="store_true",
                    help="training tag: write the model only (no AdamW state, lr schedule or step)")
     _masters_flag(p, "when present")
+    p.add_argument("--drop-mtp", action="store_true",
+                   help="DeepSeek-V3: leave out the multi-token-prediction layers (num_nextn_predict_layers; "
+                        "carried by default into TorchTitan's mtp_layers)")
     g = p.add_argument_group("a schedule the tag does not record (NxDT's LinearAnnealingWithWarmUp saves only its "
                              "peak lr; nxdtrain's names; one that differs from what the tag records is refused)")
     g.add_argument("--schedule", choices=TAG_SCHEDULES, default=None, help="the run's learning-rate schedule")
@@ -359,7 +363,7 @@ def _run_to_dcp(args: argparse.Namespace) -> Any:
     schedule = ScheduleFlags(args.schedule, args.lr, args.min_lr, args.warmup, args.decay_steps)
     return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision, schedule=schedule,
                   dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                  weights_only=args.weights_only, masters=args.masters, options=options)
+                  weights_only=args.weights_only, masters=args.masters, drop_mtp=args.drop_mtp, options=options)
 
 
 def _run_from_dcp(args: argparse.Namespace) -> Any:

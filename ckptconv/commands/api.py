@@ -42,6 +42,7 @@ from ckptconv.errors import ConversionError, VerificationError, choice
 from ckptconv.io.hf import CONFIG, HfCheckpoint, config_text, has_tokenizer, index_text, tokenizer_side_files
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory
+from ckptconv.io.quantized import describe, plain_config
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.masters import nxdtrain_optimizer
@@ -142,14 +143,16 @@ def to_nxd(
     with open_hf(src, config=config, io=options.io) as hf:
         target = new_layout(flags, hf.spec, notes)
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(src))
+        copies, plain = dequantized(hf, dtype, hf_side_copies(hf, notes), notes)
         plan = plan_to_nxd(hf.spec, target, hf.dtypes(), dtype_policy(dtype))
         identity = fingerprint("nxd", target.to_json(), dtype, flavour.value, file_identity(hf.weight_files()),
                                _tokenizer_identity(tokenizer))
-        copies = _with_tokenizer(hf_side_copies(hf, notes), tokenizer, f"{HF_FILES_DIR}/", notes)
+        copies = _with_tokenizer(copies, tokenizer, f"{HF_FILES_DIR}/", notes)
         if not has_tokenizer([Path(path).name for _, path in copies]):
             notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
                          "pass --tokenizer DIR")
         hf_config, copies, texts = config_as_written(hf.spec.config, dtype, plan, copies)
+        texts = {**plain, **texts}  # a --dtype cast's config.json (also without quantization_config) wins
         spec = FinalizeSpec(
             identity,
             metadata=dict(kind="nxd", hf_config=hf_config, layout=target.to_json(), flavour=flavour.value,
@@ -227,6 +230,21 @@ def _tokenizer_identity(tokenizer: str | Path | None) -> list[tuple[str, int, in
     return file_identity(sorted(p for p in Path(tokenizer).iterdir() if p.is_file()))
 
 
+def dequantized(hf: HfCheckpoint, dtype: str, copies: list[tuple[str, str]], notes: list[str]
+                ) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """Quantized HF weights (config.json's ``quantization_config``) read as ``dtype`` (bf16 for ``keep``), said in
+    one note: (``copies`` without the source's config.json, the kept ``hf/config.json`` of the dequantized model).
+    Call before planning (``hf.dtypes()`` then gives the dequantized dtype)."""
+    if not hf.quantized.tensors:
+        return copies, {}
+    target = DTYPES.get(dtype) or hf.quantized.dtype  # --dtype keep: bf16
+    hf.dequantize_to(target)
+    notes.append(f"{len(hf.quantized.tensors)} quantized weight(s) ({describe(hf.spec.config)}) dequantized to "
+                 f"{str(target).removeprefix('torch.')} as they stream; config.json without its quantization_config")
+    kept = f"{HF_FILES_DIR}/{CONFIG}"
+    return [c for c in copies if c[1] != kept], {kept: config_text(hf.spec.config, target)}
+
+
 def hf_side_copies(hf: HfCheckpoint, notes: list[str]) -> list[tuple[str, str]]:
     """config.json and tokenizer/generation files, kept under OUT/hf/ so to-hf can restore them."""
     copies = [(str(hf.config_path.resolve()), f"{HF_FILES_DIR}/{CONFIG}")]
@@ -295,7 +313,7 @@ def to_hf(
             notes.append(no_tokenizer)
         spec_ = FinalizeSpec(
             identity,
-            metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=with_inv_freq,
+            metadata=dict(kind="hf", hf_config=plain_config(spec.config), dtype=dtype_name(plan), with_inv_freq=with_inv_freq,
                           fingerprint=identity, extra={"from_layout": layout.to_json(), **_trained_source(ckpt)}),
             texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
             copies=copies,

@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
-from ckptconv.commands.api import dtype_policy, hf_side_copies, kept_hf_files, new_layout
+from ckptconv.commands.api import dequantized, dtype_policy, hf_side_copies, kept_hf_files, new_layout
 from ckptconv.commands.src_kind import open_hf
 from ckptconv.commands.steps import dtype_name, input_files
+from ckptconv.core.families.deepseek_v3 import BIAS
 from ckptconv.core.layout import HF_FILES_DIR, MODEL_DIR, Attention, Hardware, ParallelLayout, Trn2KvLayout
 from ckptconv.core.layout_flags import LayoutOverrides, as_hints, with_api_kwargs
 from ckptconv.core.mapping import check_source_shapes, stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.plan import Plan, hf_sources
+from ckptconv.core.plan import DtypePolicy, Plan, hf_sources
 from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import RunOptions
@@ -41,10 +42,12 @@ from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_i
 from ckptconv.io.hf import CONFIG, config_text, index_text
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
+from ckptconv.io.quantized import plain_config
 from ckptconv.io.safetensors_sink import safetensors_sink
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.sources.nxd import model_spec_of, open_nxd
 from ckptconv.titan.config_file import CONFIG_FILE, TitanRun, config_module, run_command
+from ckptconv.titan.deepseek_v3 import carried_mtp, check_mtp_copies, mtp_found
 from ckptconv.titan.experts import bias_note, check_expert_bias
 from ckptconv.titan.export import TitanState, open_training, refuse_flags_without_state, titan_state
 from ckptconv.titan.names import (
@@ -109,6 +112,7 @@ def to_dcp(
     weights_only: bool = False,
     masters: bool | None = None,
     schedule: ScheduleFlags | None = None,
+    drop_mtp: bool = False,
     options: RunOptions | None = None,
 ) -> Result:
     """Write the model of ``src`` (an HF dir/file or hub id, a converted NxD dir, a training tag or a
@@ -116,7 +120,9 @@ def to_dcp(
     ``out/torchtitan_config.py``, the TorchTitan run that continues it; of a training tag (nxdtrain's, NxD's
     examples', NxDT's; unless ``weights_only``) also its AdamW state, lr schedule position and step, as TorchTitan's
     own keys. ``schedule``: a schedule the tag does not record (nxdtrain's flag names).
-    ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``."""
+    ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``.
+    ``drop_mtp``: leave out the multi-token-prediction layers (DeepSeek-V3's ``num_nextn_predict_layers``).
+    Quantized HF weights (FP8 blocks) are dequantized as they stream, to bf16 unless ``dtype`` names another."""
     run = Run("to-dcp", options)
     out = Path(out)
     flags = schedule or ScheduleFlags()
@@ -130,7 +136,7 @@ def to_dcp(
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
         refuse_flags_without_state(flags, str(src), weights_only)
-        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, run), None
+        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, run, drop_mtp), None
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
@@ -153,20 +159,25 @@ def _model_only(notes: list[str], out: Path, why: str) -> None:
 
 
 def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: str | None, dtype: str,
-               max_file_size: int, run: Run) -> Result:
+               max_file_size: int, run: Run, drop_mtp: bool) -> Result:
     """An HF model as a TorchTitan DCP checkpoint (the model only)."""
     options, notes = run.options, run.notes
     hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
     with open_hf(hf_src, config=config, io=options.io) as hf:
-        texts = _config_text(hf.spec, None, f"training from the HF model {src}")
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
+        spec, mtp_notes = carried_mtp(hf.spec, drop=drop_mtp)
+        texts = _config_text(spec, None, f"training from the HF model {src}")
+        check_mtp_copies(hf, spec, str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
-        notes += bias_note(hf.spec)
+        notes += bias_note(spec) + mtp_notes
+        copies, plain = dequantized(hf, dtype, hf_side_copies(hf, notes), notes)
+        texts |= plain
         _model_only(notes, out, "an HF model holds no optimizer state")
-        plan = plan_to_dcp(hf.spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
-        identity = fingerprint("dcp", titan_record(hf.spec), dtype, max_file_size, file_identity(hf.weight_files()))
-        spec_ = _dcp_finalize(plan, hf.spec, identity, hf_side_copies(hf, notes), None, texts=texts)
+        plan = plan_to_dcp(spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
+        identity = fingerprint("dcp", titan_record(spec), dtype, max_file_size, file_identity(hf.weight_files()),
+                               drop_mtp)
+        spec_ = _dcp_finalize(plan, spec, identity, copies, None, texts=texts)
         return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
 
@@ -223,7 +234,7 @@ def _dcp_finalize(plan: Plan, spec: ModelSpec, identity: str, copies: list[tuple
         extra["from_layout"] = source_layout
     return FinalizeSpec(
         identity,
-        metadata=dict(kind="dcp", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=False,
+        metadata=dict(kind="dcp", hf_config=plain_config(spec.config), dtype=dtype_name(plan), with_inv_freq=False,
                       fingerprint=identity, extra=extra),
         blobs={DCP_METADATA: base64.b64encode(metadata).decode()},
         texts=texts,
@@ -242,8 +253,8 @@ def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "re
     ckpt = DcpCheckpoint(src, io=io, check=check)
     try:
         notes = [f"reading {ckpt.root} ({ckpt.found_as})"]
-        spec = model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no HF "
-                             "config; pass --config PATH/config.json (the model's HF config)")
+        spec = mtp_found(model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no "
+                                       "HF config; pass --config PATH/config.json (the model's HF config)"), ckpt.keys())
         notes += check_titan_keys(ckpt, spec, carried)
     except BaseException:
         ckpt.close()
@@ -384,17 +395,24 @@ def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | No
 def _dcp_to_hf(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]], dtype: str,
                max_shard_size: int, run: Run, sources: list[Path]) -> Result:
     """A DCP checkpoint's model as HF safetensors."""
-    plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype))
+    plan = plan_dcp_to_hf(spec, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=_keep_fp32_bias(dtype))
     identity = fingerprint("from-dcp-hf", dtype, max_shard_size,
                            file_identity([ckpt.root / DCP_METADATA, *ckpt.data_files()]))
     spec_ = FinalizeSpec(
         identity,
-        metadata=dict(kind="hf", hf_config=spec.config, dtype=dtype_name(plan), with_inv_freq=False,
+        metadata=dict(kind="hf", hf_config=plain_config(spec.config), dtype=dtype_name(plan), with_inv_freq=False,
                       fingerprint=identity, extra={"from": titan_record(spec)}),
         texts={CONFIG: config_text(spec.config, plan.files[0].tensors[0].dtype), **index_text(plan.files)},
         copies=kept,
     )
     return run.write(plan, ckpt, out, safetensors_sink, spec_, sources=sources)
+
+
+def _keep_fp32_bias(dtype: str) -> DtypePolicy:
+    """``--dtype``'s policy, except that DeepSeek-V3's router bias stays fp32 (as the release stores it and
+    transformers keeps it: a bf16 bias would move the expert choice)."""
+    policy = dtype_policy(dtype)
+    return lambda key, stored: stored if key.endswith(BIAS) else policy(key, stored)
 
 
 def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tuple[str, str]],

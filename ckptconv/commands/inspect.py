@@ -13,6 +13,7 @@ from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.errors import AmbiguousLayout, ConversionError, IntegrityError
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
+from ckptconv.io.quantized import describe
 from ckptconv.io.safetensors_io import TruncatedSafetensorsError
 from ckptconv.io.tags import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
@@ -61,6 +62,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         nbytes = sum(_numel(shapes[k]) * dtypes[k].itemsize for k in shapes)
         files = [p.name for p in hf.weight_files()]
         spec = hf.spec
+        quantized = _quantization(hf)
     return {
         "kind": "hf",
         "path": str(path),
@@ -72,7 +74,17 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
         "files": files,
         "complete": True,
         "metadata": (path / METADATA_FILE).is_file() if path.is_dir() else False,
+        **quantized,
     }
+
+
+def _quantization(hf: HfCheckpoint) -> dict[str, Any]:
+    """What inspect says of quantized weights (read dequantized: ``dtypes`` and ``bytes`` count them so)."""
+    if not hf.quantized.tensors:
+        return {}
+    return {"quantization": f"{describe(hf.spec.config)}: {len(hf.quantized.tensors)} weights, read as "
+                            f"{str(hf.quantized.dtype).removeprefix('torch.')}",
+            "quantized_tensors": sorted(hf.quantized.tensors)}  # which weights are stored quantized (MXFP4, FP8)
 
 
 def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bool | None) -> dict[str, Any]:
@@ -156,6 +168,7 @@ def _model_summary(spec: Any) -> dict[str, Any]:
     return {
         "family": spec.model_type, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
         "head_dim": spec.head_dim, "intermediate": spec.intermediate, "vocab": spec.vocab, "tied": spec.tied,
+        **({"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}),
     }
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from ckptconv.core.layout import HF_FILES_DIR
 from ckptconv.core.plan import Plan
 from ckptconv.io.hf import CONFIG, config_text
+from ckptconv.io.quantized import plain_config
 from ckptconv.sources.masters import MasterWeights
 from ckptconv.training import RECORD_KEY
 from ckptconv.training.nxd_format.read import OPTIM_DIR
@@ -30,8 +31,10 @@ def config_as_written(config: dict[str, Any], dtype: str, plan: Plan, copies: li
                        ) -> tuple[dict[str, Any], list[tuple[str, str]], dict[str, str]]:
     """(HF config to record, side-file copies, texts) of a converted checkpoint: after a deliberate
     ``--dtype`` cast the written dtype becomes the model's, in ckptconv.json and in the kept
-    ``hf/config.json`` (so ``to-hf --dtype source`` keeps it); otherwise all as they were."""
+    ``hf/config.json`` (so ``to-hf --dtype source`` keeps it); otherwise all as they were. The weights written are
+    plain: the config recorded has no ``quantization_config`` (a quantized source is dequantized as read)."""
     name = dtype_name(plan)
+    config = plain_config(config)
     if dtype == "keep" or "," in name:
         return config, copies, {}
     config = {**config, "torch_dtype": name, "dtype": name}

@@ -92,6 +92,7 @@ class ParallelLayout:
 
         ``name(field)``: how an error names a value (default: as a flag, ``--tp 4``); a caller that knows
         which values the user did not give names them otherwise (``the source's tp 2``)."""
+        spec.family.check_nxd()  # a family without an NxD layout (DeepSeek-V3, GPT-OSS) is refused before any layout value
         n = name or self._as_flag
         divisible = [("num_attention_heads", spec.heads)]
         if spec.dense_mlp_layers:

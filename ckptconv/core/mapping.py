@@ -61,8 +61,14 @@ def hf_key_order(layers: int, *, with_inv_freq: bool, family: Family = LLAMA,
 
 
 def key_order(spec: ModelSpec, *, with_inv_freq: bool) -> list[str]:
-    """:func:`hf_key_order` of ``spec``'s model (its sparse and dense layers told apart by its config)."""
-    return hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family, config=spec.config)
+    """:func:`hf_key_order` of ``spec``'s model (its sparse and dense layers told apart by its config), its MTP layers
+    (:attr:`ModelSpec.mtp_layers`) after the decoder layers: each a decoder layer, then its own tensors."""
+    keys = hf_key_order(spec.layers, with_inv_freq=with_inv_freq, family=spec.family, config=spec.config)
+    family, mtp = spec.family, []
+    for layer in range(spec.layers, spec.layers + spec.mtp_layers):
+        names = (*family.layer_keys_of(spec.config, layer), *family.mtp_keys())
+        mtp += [LAYER_PREFIX.format(layer) + n for n in names if n not in family.optional_layer_keys]
+    return keys[:-2] + mtp + keys[-2:]
 
 
 def hf_shapes(spec: ModelSpec, *, with_inv_freq: bool) -> dict[str, tuple[int, ...]]:

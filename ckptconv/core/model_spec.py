@@ -39,6 +39,7 @@ class ModelSpec:
     experts: int = 0               # routed experts per sparse layer (0: a dense model)
     expert_intermediate: int = 0   # one expert's intermediate size
     top_k: int = 0                 # experts per token
+    mtp_layers: int = 0            # multi-token-prediction layers the weights carry after the decoder layers
     config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,9 +53,10 @@ class ModelSpec:
                 f"num_key_value_heads ({self.kv_heads})"
             )
 
-    def check_counts(self, keys: Iterable[str], source: str) -> None:
+    def check_counts(self, keys: Iterable[str], source: str) -> int:
         """The layer count agrees with the tensors present, before anything is sized by it
-        (a ``num_hidden_layers: 1000000000`` config must fail here, not after gigabytes of plan).
+        (a ``num_hidden_layers: 1000000000`` config must fail here, not after gigabytes of plan). The MTP layers the
+        config states may follow them, or be absent (transformers drops them): returns how many are present.
 
         >>> spec = ModelSpec.from_config({"hidden_size": 8, "num_attention_heads": 2,
         ...     "intermediate_size": 8, "vocab_size": 8, "num_hidden_layers": 3})
@@ -64,10 +66,13 @@ class ModelSpec:
         ckptconv.errors.ConversionError: config.json: num_hidden_layers is 3 but the weights hold 2 layers (0-1)
         """
         found = {int(m.group(1)) for key in keys if (m := _LAYER_KEY.search(key))}
-        if len(found) != self.layers or (found and max(found) != self.layers - 1):
-            span = f" ({min(found)}-{max(found)})" if found else ""
-            raise ConversionError(f"{source}: num_hidden_layers is {self.layers} but the weights hold "
-                                  f"{len(found)} layers{span}")
+        for total in {self.layers, self.layers + self.mtp_layers}:
+            if len(found) == total and (not found or max(found) == total - 1):
+                return total - self.layers
+        span = f" ({min(found)}-{max(found)})" if found else ""
+        mtp = f" and {self.mtp_layers} MTP layer(s) ({self.family.mtp_key})" if self.mtp_layers else ""
+        raise ConversionError(f"{source}: num_hidden_layers is {self.layers}{mtp} but the weights hold "
+                              f"{len(found)} layers{span}")
 
     @property
     def family(self) -> Family:
@@ -114,9 +119,9 @@ class ModelSpec:
             if value is not None and (type(value) is not int or value <= 0):
                 raise ConversionError(f"{source}: {key} must be a positive integer, got {value!r}")
         heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
+        kv_heads = (config.get(family.kv_heads_key) if family.kv_heads_key else None) or heads
         hidden = config["hidden_size"]
-        head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
+        head_dim = config.get(family.head_dim_key) or (hidden // heads if heads else 0)
         moe = _moe_numbers(family, config, source)
         return cls(
             hidden=hidden,
@@ -129,6 +134,7 @@ class ModelSpec:
             tied=bool(config.get("tie_word_embeddings", False)),
             model_type=family.model_type,
             config=dict(config),
+            mtp_layers=_mtp_layers(family, config, source),
             **moe,
         )
 
@@ -144,6 +150,14 @@ class ModelSpec:
         if not isinstance(config, dict):
             raise ConversionError(f"{path}: expected a JSON object, got {type(config).__name__}")
         return cls.from_config(config, source=str(path))
+
+
+def _mtp_layers(family: Family, config: dict[str, Any], source: str) -> int:
+    """The MTP layers a family's config states (0 for a family without)."""
+    value = config.get(family.mtp_key) or 0 if family.mtp_key else 0
+    if type(value) is not int or value < 0:
+        raise ConversionError(f"{source}: {family.mtp_key} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _moe_numbers(family: Family, config: dict[str, Any], source: str) -> dict[str, int]:

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -24,6 +25,7 @@ from ckptconv.core.families.moe import fused_views
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
+from ckptconv.io.quantized import Dequantized, Quantized, plain_config, quantized_tensors
 from ckptconv.io.readers import FileReader, open_tensor_file
 
 CONFIG = "config.json"
@@ -84,7 +86,11 @@ class HfCheckpoint:
         self._lock = threading.Lock()
         self._index_path: Path | None = None
         self._where = self._index()
-        self.spec.check_counts(self._where, str(config_path))
+        mtp = self.spec.check_counts(self._where, str(config_path))
+        if mtp != self.spec.mtp_layers:  # the config's MTP layers are not in the weights (transformers drops them)
+            self.spec = dataclasses.replace(self.spec, mtp_layers=mtp)
+        # quantized weights (config.json's quantization_config) read as plain ones, dequantized band by band
+        self.quantized = Dequantized(self._quantized(str(config_path)))
         # fused experts (transformers' in-memory names) read as the per-expert tensors every plan names
         self._views = fused_views(self.spec, set(self._where))
         self._fused = {view.key for view in self._views.values()}
@@ -100,6 +106,16 @@ class HfCheckpoint:
             if expected is not None and tuple(shape) != expected:
                 raise ConversionError(f"{self.path}: fused experts {key!r} have shape {list(shape)}, config.json "
                                       f"implies {list(expected)}")
+
+    def _quantized(self, source: str) -> dict[str, Quantized]:
+        if "quantization_config" not in self.spec.config:
+            return {}
+        stored = {key: self._raw_info(key)[:2] for key in self._where}
+        return quantized_tensors(self.spec.config, stored, source)
+
+    def dequantize_to(self, dtype: torch.dtype) -> None:
+        """Read quantized weights as ``dtype`` (default bf16), dequantized straight into it."""
+        self.quantized.dtype = dtype
 
     # -- discovery ------------------------------------------------------------------------
 
@@ -155,18 +171,25 @@ class HfCheckpoint:
     # -- TensorReader -----------------------------------------------------------------------
 
     def keys(self) -> list[str]:
-        return [key for key in self._where if key not in self._fused] + list(self._views)
+        hidden = self._fused | self.quantized.hidden
+        made = [key for key in self.quantized.tensors if key not in self._where]  # plain names no file stores
+        return [key for key in self._where if key not in hidden] + made + list(self._views)
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
         view = self._views.get(source.key)
         if view is not None:
             dtype, shape, cm = self.info(Source(None, view.key))
             return (dtype, shape, cm) if view.expert is None else (dtype, (view.stop - view.start, shape[2]), False)
-        file = self._file(source.key)
+        if source.key in self.quantized:
+            return self.quantized.info(source.key)
+        return self._raw_info(source.key)
+
+    def _raw_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...], bool]:
+        file = self._file(key)
         try:
-            return self._reader(file).info(source.key)
+            return self._reader(file).info(key)
         except KeyError:
-            raise self._misplaced(source.key, file) from None
+            raise self._misplaced(key, file) from None
 
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         view = self._views.get(source.key)
@@ -176,11 +199,16 @@ class HfCheckpoint:
             rows = self.read_rows(Source(None, view.key), view.expert, view.expert + 1)[0]
             rows = rows[view.start + start:view.start + stop]
             return rows if out is None else out.copy_(rows)
-        file = self._file(source.key)
+        if source.key in self.quantized:
+            return self.quantized.read_rows(self._raw_rows, source.key, start, stop, out)
+        return self._raw_rows(source.key, start, stop, out)
+
+    def _raw_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        file = self._file(key)
         try:
-            return self._reader(file).read_rows(source.key, start, stop, out)
+            return self._reader(file).read_rows(key, start, stop, out)
         except KeyError:
-            raise self._misplaced(source.key, file) from None
+            raise self._misplaced(key, file) from None
 
     def _misplaced(self, key: str, file: Path) -> ConversionError:
         where = f"{self._index_path} says {key!r} is in {file.name}" if self._index_path else f"{key!r} should be in {file}"
@@ -218,8 +246,9 @@ class HfCheckpoint:
 
 
 def config_text(config: dict[str, Any], dtype: torch.dtype) -> str:
-    """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5)."""
-    config = dict(config)
+    """``config.json`` with the dtype actually written (both spellings: transformers 4 and 5), without a
+    ``quantization_config``."""
+    config = plain_config(config)  # the weights written are plain (an MXFP4/FP8 source dequantized)
     name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = name
     config["dtype"] = name

@@ -20,12 +20,13 @@ the module builds TorchTitan's own layers (``_build_llama3_layers``/``_build_qwe
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
-from ckptconv.titan.names import TITAN_VERSION, titan_model
+from ckptconv.titan.names import TITAN_VERSION, moe_layers, titan_model
 
 CONFIG_MODULE = "torchtitan_config"
 CONFIG_FILE = f"{CONFIG_MODULE}.py"
@@ -99,6 +100,9 @@ def _layer_lines(spec: ModelSpec, build: str, head_dim: str) -> list[str]:
 def _model_lines(spec: ModelSpec) -> list[str]:
     """``model_config()``: TorchTitan's model config of ``spec`` built with its own layer builders."""
     model = titan_model(spec)
+    if model.module is not None:  # a model with a module of its own (DeepSeek-V3, GPT-OSS)
+        lines: list[str] = importlib.import_module(model.module).model_lines(spec)
+        return lines
     c = spec.config
     rope = titan_rope(c, complex_rope=model.complex_rope)
     eps = float(c.get("rms_norm_eps", 1e-6))
@@ -214,7 +218,7 @@ def continue_run() -> Trainer.Config:
         model_spec=model_spec,
         hf_assets_path=HF_ASSETS_PATH,
         dump_folder=DUMP_FOLDER,
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={vocab})),
+        loss={loss},
         optimizer=optimizer(),
         lr_scheduler=lr_scheduler(),
         training=TrainingConfig(local_batch_size=LOCAL_BATCH_SIZE, seq_len=SEQ_LEN, steps=STEPS,
@@ -242,6 +246,7 @@ def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
     """The text of ``torchtitan_config.py`` (``run`` None: a model-only DCP, ``initial_load_model_only=True``)."""
     model = titan_model(spec)
     is_qwen = model.name == "qwen3"
+    own = None if model.module is None else importlib.import_module(model.module)  # its model class and builders
     seq_len = run.seq_len if run is not None and run.seq_len else 2048
     header = _HEADER.format(
         version=TITAN_VERSION, what=what, command=run_command("<this folder>"),
@@ -249,15 +254,16 @@ def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
         f"model, AdamW state, lr schedule and step {run.step}: initial_load_model_only=False, the data loader "
         "excluded (TorchTitan's loader starts its data from the beginning)",
         rope_cls="ComplexRoPE" if model.complex_rope else "CosSinRoPE", model=model.name,
-        model_cls="Qwen3Model" if is_qwen else "Llama3Model",
-        build=("_build_qwen3_layers" if is_qwen else "_build_llama3_layers")
+        model_cls=own.MODEL_CLS if own else "Qwen3Model" if is_qwen else "Llama3Model",
+        build=own.BUILDERS if own else ("_build_qwen3_layers" if is_qwen else "_build_llama3_layers")
         + (", _build_qwen3_moe_layers" if spec.experts else ""), seq_len=seq_len,
         moe_set='\nMOE_COMM_BACKEND = "standard"     # SET: the experts\' token dispatch (standard, deepep, ...)'
-        if spec.experts else "",
+        if moe_layers(spec) else "",  # any MoE block (GPT-OSS's every layer: its spec.experts is 0)
         seq_note="" if run is None or not run.seq_len else " (the source run's)",
         steps=run.total_steps if run is not None else 1000,
         steps_note=" (the source schedule's total steps)" if run is not None else " SET")
-    tail = _TAIL.format(flavor="debugmodel", vocab=spec.vocab, model_only=run is None,
+    loss = (own.loss(spec) if own else None) or f"ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={spec.vocab}))"
+    tail = _TAIL.format(flavor="debugmodel", loss=loss, model_only=run is None,
                         max_norm="" if run is None or run.max_norm is None else f", max_norm={run.max_norm!r}",
                         exclude="" if run is None else '\n            exclude_from_loading=["dataloader"],')
     body = [*_model_lines(spec), "", "", *_optimizer_lines(run), "", *_scheduler_lines(run)]

@@ -21,6 +21,7 @@ the parameter's rows (an AdamW moment, an fp32 master) the same way.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class TitanModel:
     name: str
     complex_rope: bool
     extra_layer_rules: tuple[NameRule, ...] = ()
+    # a model whose keys a module of its own lists (``titan_params(spec)``, ``shared_copies(spec)``), imported when used
+    module: str | None = None
 
 
 def _qk_norms() -> tuple[NameRule, ...]:
@@ -80,7 +83,9 @@ GLOBAL_TAIL = (NameRule("model.norm.weight", "norm.weight"), NameRule(LM_HEAD, "
 # The families TorchTitan has a model for (by HF model_type), and that model.
 TITAN_MODELS = {"llama": TitanModel("llama3", complex_rope=True),
                 "qwen3": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
-                "qwen3_moe": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms())}
+                "qwen3_moe": TitanModel("qwen3", complex_rope=False, extra_layer_rules=_qk_norms()),
+                "deepseek_v3": TitanModel("deepseek_v3", complex_rope=True, module="ckptconv.titan.deepseek_v3"),
+                "gpt_oss": TitanModel("gpt_oss", complex_rope=False, module="ckptconv.titan.gpt_oss")}
 # Why a family with experts has no TorchTitan model (its MoE models upstream: qwen3, deepseek_v3, gpt_oss, ...).
 NO_TITAN_MOE = {"mixtral": ": there is no Mixtral model upstream (no TorchTitan module would load or train its "
                            "block_sparse_moe experts)"}
@@ -177,6 +182,8 @@ class TitanPiece:
     stop: int
     rope: bool = False
     zeros: bool = False  # zeros (``hf_key`` only names a tensor of the model): a buffer HF has no counterpart of
+    slab: int = -1  # rows of slab ``slab`` of a stacked HF tensor (GPT-OSS's experts), ``transposed`` if so
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +229,13 @@ def moe_params(spec: ModelSpec, layer: int) -> list[TitanParam]:
             TitanParam(MOE_ROUTER.format(layer), (e_, h), (TitanPiece(router, 0, e_),))]
 
 
+def moe_layers(spec: ModelSpec) -> list[int]:
+    """The layers whose TorchTitan block is an MoE (with ``expert_bias_E``): the sparse ones, every GPT-OSS layer."""
+    model = TITAN_MODELS.get(spec.family.model_type)
+    every = model is not None and model.name == "gpt_oss"
+    return [n for n in range(spec.layers) if every or spec.sparse(n)]
+
+
 def titan_params(spec: ModelSpec) -> list[TitanParam]:
     """The model keys TorchTitan's model of the family (:func:`titan_model`) saves for ``spec``, in its
     state_dict order (a sparse layer's MoE block, :func:`moe_params`, in the slot of ``feed_forward``).
@@ -229,6 +243,10 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
     A tied model saves both ``tok_embeddings.weight`` and ``lm_head.weight`` (one tensor under two
     names in TorchTitan; two copies in DCP), both from HF's embedding.
     """
+    model = titan_model(spec)
+    if model.module is not None:
+        params: list[TitanParam] = importlib.import_module(model.module).titan_params(spec)
+        return params
     shapes = hf_shapes(spec, with_inv_freq=False)
     rules: list[NameRule | TitanParam] = [*GLOBAL_HEAD]
     for n in range(spec.layers):
@@ -248,17 +266,27 @@ def titan_params(spec: ModelSpec) -> list[TitanParam]:
     return out
 
 
-def fused_qkv_param(spec: ModelSpec, layer: int) -> TitanParam:
-    """The fused ``wqkv`` parameter of ``layer`` (what TorchTitan's optimizer state is keyed by):
-    for each KV group, its q heads, its k head, its v head; q and k rows in RoPE order."""
+def shared_copies(spec: ModelSpec) -> dict[str, str]:
+    """HF tensors that TorchTitan keeps once, as another HF tensor (copy -> the HF key it copies: DeepSeek-V3's MTP
+    embedding and head are the model's); written back from that one."""
+    model = titan_model(spec)
+    copies: dict[str, str] = {} if model.module is None else importlib.import_module(model.module).shared_copies(spec)
+    return copies
+
+
+def fused_qkv_param(spec: ModelSpec, layer: int, kind: str = "weight") -> TitanParam:
+    """The fused ``wqkv`` parameter of ``layer`` (what TorchTitan's optimizer state is keyed by; ``kind`` "bias":
+    GPT-OSS's fused bias): for each KV group, its q heads, its k head, its v head; q and k rows in RoPE order."""
     hd, group, rope = spec.head_dim, spec.group, titan_model(spec).complex_rope
     prefix = f"model.layers.{layer}.self_attn."
     pieces = []
     for g in range(spec.kv_heads):
-        pieces.append(TitanPiece(prefix + "q_proj.weight", g * group * hd, (g + 1) * group * hd, rope=rope))
-        pieces.append(TitanPiece(prefix + "k_proj.weight", g * hd, (g + 1) * hd, rope=rope))
-        pieces.append(TitanPiece(prefix + "v_proj.weight", g * hd, (g + 1) * hd))
-    return TitanParam(FUSED_QKV.format(layer), (spec.q_rows + 2 * spec.kv_rows, spec.hidden), tuple(pieces))
+        pieces.append(TitanPiece(prefix + f"q_proj.{kind}", g * group * hd, (g + 1) * group * hd, rope=rope))
+        pieces.append(TitanPiece(prefix + f"k_proj.{kind}", g * hd, (g + 1) * hd, rope=rope))
+        pieces.append(TitanPiece(prefix + f"v_proj.{kind}", g * hd, (g + 1) * hd))
+    rows = spec.q_rows + 2 * spec.kv_rows
+    return TitanParam(FUSED_QKV.format(layer).replace(".weight", f".{kind}"),
+                      (rows, spec.hidden) if kind == "weight" else (rows,), tuple(pieces))
 
 
 def family(key: str) -> str:
@@ -276,6 +304,9 @@ LR_SCHEDULER_KEYS = ("lr_scheduler.last_epoch",)
 TRAIN_STATE_KEYS = ("train_state.step", "train_state.ntokens_seen")
 
 
+_SPLIT_QKV = ("wq.weight", "wk.weight", "wv.weight", "wq.bias", "wk.bias", "wv.bias")
+
+
 def trained_params(spec: ModelSpec) -> list[TitanParam]:
     """The parameters TorchTitan's optimizer state is keyed by, in its order: the model's, with q/k/v
     as the fused ``wqkv`` (:func:`fused_qkv_param`), no ``lm_head`` when tied (it is the embedding) and no
@@ -285,9 +316,9 @@ def trained_params(spec: ModelSpec) -> list[TitanParam]:
         if (spec.tied and param.key == "lm_head.weight") or param.buffer:
             continue
         m = _LAYER.search(param.key)
-        if m is not None and param.key.endswith(("wq.weight", "wk.weight", "wv.weight")):
-            if param.key.endswith("wq.weight"):
-                out.append(fused_qkv_param(spec, int(m.group(1))))
+        if m is not None and ".qkv_linear." in param.key and param.key.endswith(_SPLIT_QKV):
+            if param.key.endswith(_SPLIT_QKV[::3]):  # wq.weight, wq.bias: the fused parameter in wq's slot
+                out.append(fused_qkv_param(spec, int(m.group(1)), param.key.rsplit(".", 1)[1]))
             continue
         out.append(param)
     return out

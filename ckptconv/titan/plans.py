@@ -45,6 +45,7 @@ from ckptconv.titan.names import (
     inverse_rows,
     optimizer_key,
     rope_rows,
+    shared_copies,
     titan_params,
     trained_params,
 )
@@ -58,8 +59,8 @@ def titan_tensor(param: TitanParam, spec: ModelSpec, dtype: torch.dtype, *, key:
     """One TorchTitan tensor (under ``key``, default its parameter name) from HF-keyed sources (stacked experts
     slab by slab; a buffer fp32 zeros)."""
     perm = rope_rows(spec.head_dim)
-    pieces = tuple(Piece(source_of(p.hf_key), p.start, p.stop, row_perm=perm if p.rope else (), zeros=p.zeros)
-                   for p in param.pieces)
+    pieces = tuple(Piece(source_of(p.hf_key), p.start, p.stop, row_perm=perm if p.rope else (), zeros=p.zeros,
+                         slab=p.slab, transposed=p.transposed) for p in param.pieces)
     return OutTensor(key or param.key, torch.float32 if param.buffer else dtype, param.shape, param.dim, pieces,
                      slabs=param.slabs)
 
@@ -142,8 +143,10 @@ def titan_tiles(params: Iterable[TitanParam], spec: ModelSpec,
     ranges: dict[str, list[tuple[int, Piece]]] = {}
     whole: dict[str, Piece] = {}
     for param in params:
-        if param.buffer:
+        if all(p.zeros for p in param.pieces):
             continue  # no HF tensor comes from it
+        if param.slabs and param.pieces[0].transposed:  # HF's stacked experts: read by stacked_from_dcp
+            continue
         if param.slabs:  # stacked experts: each HF tensor is one whole slab
             for e, p in enumerate(param.pieces):
                 whole.setdefault(p.hf_key, Piece(source_of(param.key), 0, p.stop - p.start, slab=e))
@@ -167,8 +170,11 @@ def hf_dtypes_from_dcp(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype]) -> d
     """dtype of each HF key (no ``lm_head`` when tied) as the TorchTitan tensor it comes from stores it."""
     held: dict[str, torch.dtype] = {}
     for param in titan_params(spec):
-        for piece in () if param.buffer else param.pieces:
-            held.setdefault(piece.hf_key, dcp_dtypes[param.key])
+        for piece in param.pieces:
+            if not piece.zeros:
+                held.setdefault(piece.hf_key, dcp_dtypes[param.key])
+    for copy, of in shared_copies(spec).items():
+        held[copy] = held[of]
     return {key: held[key] for key in hf_shapes(spec, with_inv_freq=False)}
 
 
@@ -180,10 +186,25 @@ def tied_copies(spec: ModelSpec) -> ReplicaGroup | None:
     return ReplicaGroup(EMBED, 0, 0, spec.vocab, copies)
 
 
+def _stacked(tensor: OutTensor, held: dict[str, TitanParam]) -> OutTensor | None:
+    """An HF tensor stacked ``[E, in, out]`` (GPT-OSS's experts; ``held``: the TorchTitan tensor holding each, by HF
+    key) read slab by slab, each slab transposed; None for any other tensor."""
+    param = held.get(tensor.key)
+    if param is None:
+        return None
+    pieces = tuple(Piece(Source(None, param.key), 0, tensor.shape[1], slab=e, transposed=True) for e in range(param.slabs))
+    return dataclasses.replace(tensor, pieces=pieces, slabs=param.slabs)
+
+
 def _read_from_dcp(plan: Plan, spec: ModelSpec) -> Plan:
     """A plan over HF-keyed sources, reading each range from its TorchTitan tensor instead."""
-    tiles = titan_tiles(titan_params(spec), spec)
-    files = [dataclasses.replace(f, tensors=tuple(compose(t, tiles) for t in f.tensors)) for f in plan.files]
+    params = titan_params(spec)
+    tiles = titan_tiles(params, spec)
+    for copy, of in shared_copies(spec).items():  # an HF tensor TorchTitan keeps once (DeepSeek-V3's MTP embedding)
+        tiles = {**tiles, copy: tiles[of]}
+    held = {p.pieces[0].hf_key: p for p in params if p.slabs and p.pieces[0].transposed}
+    files = [dataclasses.replace(f, tensors=tuple(_stacked(t, held) or compose(t, tiles) for t in f.tensors))
+             for f in plan.files]
     return Plan(files, plan.replicas)
 
 

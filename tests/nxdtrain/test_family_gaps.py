@@ -141,7 +141,7 @@ def test_to_dcp_of_a_training_tag_names_the_family(straight, tmp_path, capsys):
         assert ckptconv_main(["to-dcp", tag, str(tmp_path / "dcp"), "--quiet", *flags]) == 1
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
             f"ckptconv: error: TorchTitan 0.3.0 has no model for {names[family]} (model_type '{family}'); the "
-            "families it has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3)")
+            "families it has: llama (llama3), qwen3 (qwen3), qwen3_moe (qwen3), deepseek_v3 (deepseek_v3), gpt_oss (gpt_oss)")
         assert not (tmp_path / "dcp").exists()
 
 

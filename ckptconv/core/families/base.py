@@ -68,6 +68,13 @@ class Family:
     # the router and the experts); ``layer_rules`` are then those of the dense layers the config may have.
     moe: MoeConfig | None = None
     sparse_rules: tuple[LayerRule, ...] = ()
+    no_nxd: str = ""  # why the family has no NxD layout (to-nxd, reshard and nxdtrain refuse it), if so
+    # Multi-token prediction: the config key of the MTP layers after the decoder layers (``model.layers.{L + i}``: a
+    # sparse layer plus ``mtp_rules``' tensors); None: the family has none.
+    mtp_key: str | None = None
+    mtp_rules: tuple[LayerRule, ...] = ()
+    kv_heads_key: str | None = "num_key_value_heads"  # None: as many kv heads as q heads (MLA)
+    head_dim_key: str = "head_dim"  # the rotated head dim (DeepSeek-V3: qk_rope_head_dim)
 
     def rules_for(self, config: dict[str, Any], layer: int) -> tuple[LayerRule, ...]:
         """The rules of decoder layer ``layer`` (a sparse layer's when the family has experts there)."""
@@ -79,7 +86,10 @@ class Family:
         """HF names of layer ``layer``'s tensors (without ``model.layers.N.``), in HF module order."""
         names: list[str] = []
         for rule in self.rules_for(config, layer):
-            of = getattr(rule, "hf_names_of", None)
+            of, names_for = getattr(rule, "hf_names_of", None), getattr(rule, "hf_names_for", None)
+            if names_for is not None:  # names that depend on the config (DeepSeek-V3's q form)
+                names += names_for(config)
+                continue
             names += of(self.moe.experts(config)) if of is not None and self.moe is not None else rule.hf_names
         return tuple(names)
 
@@ -102,9 +112,18 @@ class Family:
 
     def layer_shapes(self, spec: ModelSpec) -> Shapes:
         shapes: Shapes = {}
-        for rule in (*self.layer_rules, *self.sparse_rules):
+        for rule in (*self.layer_rules, *self.sparse_rules, *self.mtp_rules):
             shapes.update(rule.shapes(spec))
         return shapes
+
+    def check_nxd(self) -> None:
+        """Refuse, in one line, a family that has no NxD layout (:attr:`no_nxd` says why and where to go)."""
+        if self.no_nxd:
+            raise ConversionError(f"{self.name} (model_type {self.model_type!r}): {self.no_nxd}")
+
+    def mtp_keys(self) -> tuple[str, ...]:
+        """HF names of an MTP layer's own tensors (besides its decoder layer's), without ``model.layers.N.``."""
+        return tuple(name for rule in self.mtp_rules for name in rule.hf_names)
 
     def check_config(self, config: dict[str, Any], source: str) -> None:
         for refusal in self.refusals:
