@@ -42,8 +42,9 @@ def _add_option(parser: Any, f: Any) -> None:
     parser.add_argument(flag_of(f), *meta["aliases"], **kwargs)
 
 
-DESCRIPTION = ("continual pretraining from NxD shards of Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE models "
-               "(NxD's tp x pp x ep layout, AdamW, ZeRO-1), with exports to Hugging Face")
+# What the trainer is (docs/trainer.md's opening says the same; tests/test_cli_text.py holds both to the families)
+DESCRIPTION = ("continual pretraining from NxD shards (tp x pp, ep for the mixtures of experts) of Llama, Mistral, "
+               "Qwen2, Qwen3, Mixtral and Qwen3-MoE models, with exports to Hugging Face")
 # The flags nxdtrain export shares with ckptconv to-hf, worded as there
 TOKENIZER_HELP = ("directory whose tokenizer files (tokenizer.json, tokenizer_config.json, ...) go with the "
                   "export, replacing the tag's")
