@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, run_guarded
+from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, Parser, reported, run_guarded, warnings_as_notes
 from ckptconv.errors import ConversionError
 from ckptconv.io import add_version_flag
 from nxdtrain.commands import add_commands
@@ -42,6 +42,14 @@ def _add_option(parser: Any, f: Any) -> None:
     parser.add_argument(flag_of(f), *meta["aliases"], **kwargs)
 
 
+# What the trainer is (docs/trainer.md's opening says the same; tests/test_cli_text.py holds both to the families)
+DESCRIPTION = ("continual pretraining from NxD shards (tp x pp, ep for the mixtures of experts) of Llama, Mistral, "
+               "Qwen2, Qwen3, Mixtral and Qwen3-MoE models, with exports to Hugging Face")
+# The flags nxdtrain export shares with ckptconv to-hf, worded as there
+TOKENIZER_HELP = ("directory whose tokenizer files (tokenizer.json, tokenizer_config.json, ...) go with the "
+                  "export, replacing the tag's")
+QUIET_HELP = "no progress or notes on stderr (the result, notes included, still prints)"
+JSON_HELP = "print the result as JSON on stdout"
 RUN_DESCRIPTION = ("Continue training an NxD checkpoint. Every run needs a weights source (--resume), rows (--data, "
                    "or --data synthetic for random tokens) and a place for its tags (--checkpoint-dir, or "
                    "--no-checkpoint to save nothing); each may come from --config FILE.yaml instead of a flag.")
@@ -59,7 +67,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nxdtrain", description="continual pretraining from NxD shards")
+    # ckptconv's parser: a layout flag spelled another way (--tp2, --tp_size) gets "did you mean", an unknown flag
+    # of a command that command's usage
+    parser = Parser(prog="nxdtrain", description=DESCRIPTION)
     add_version_flag(parser)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
@@ -75,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a step_<N> tag, or a checkpoint root (its newest completed tag)")
     export.add_argument("out", metavar="OUT",
                         help="new HF directory (empty, or an earlier HF export, which is replaced)")
+    export.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
+    export.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    export.add_argument("--json", action="store_true", help=JSON_HELP)
     add_commands(sub)  # data pack, steps, plot
     return parser
 
@@ -118,8 +131,8 @@ def _train(config: TrainConfig, *, debug: bool) -> int:
 def _export(args: argparse.Namespace) -> int:
     from nxdtrain.train import export
 
-    result = export(args.src, args.out, quiet=False)
-    print(f"exported {args.src} -> {result.out} ({len(result.files)} files)")
+    reported("nxdtrain", lambda: export(args.src, args.out, quiet=args.quiet or args.json, tokenizer=args.tokenizer),
+             as_json=args.json, quiet=args.quiet)  # printed as ckptconv to-hf prints its result
     return 0
 
 
@@ -131,9 +144,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # One line per failure (ckptconv's handler); --debug or CKPTCONV_DEBUG=1 shows the traceback.
-    return run_guarded("nxdtrain", lambda: _dispatch(args), debug=args.debug,
+    # One line per failure (ckptconv's handler); --debug or CKPTCONV_DEBUG=1 shows the traceback. A warning (no
+    # tokenizer in an export...) is said once as "nxdtrain: note:", never as Python's file:line: UserWarning.
+    return run_guarded("nxdtrain", lambda: _noted(args), debug=args.debug, as_json=getattr(args, "json", False),
                        resume_hint="rerun with --resume CHECKPOINT_DIR to continue from the last tag")
+
+
+def _noted(args: argparse.Namespace) -> int:
+    with warnings_as_notes("nxdtrain", quiet=getattr(args, "quiet", False) or getattr(args, "json", False)):
+        return _dispatch(args)
 
 
 if __name__ == "__main__":

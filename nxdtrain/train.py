@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptconv.cli import warnings_as_notes
 from ckptconv.core import ParallelLayout
 from ckptconv.engine import usable_cpus
 from ckptconv.errors import ConversionError
@@ -533,13 +534,16 @@ def train(config: TrainConfig, data_checks: DataChecks | None = None,
             lock.release()
     if env.rank == 0 and config.export_hf:
         target = last_tag or Path(config.checkpoint.checkpoint_dir or "")
-        export(target, config.export_hf, label="--export-hf")
+        with warnings_as_notes("nxdtrain", quiet=False):  # in a process of --nproc too: a note, not a UserWarning
+            export(target, config.export_hf, label="--export-hf")
         note(f"exported {target} to {config.export_hf}")
     return history
 
 
-def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str = "OUT") -> Any:
-    """``nxdtrain export``: a tag (or a checkpoint root's newest completed tag) to an HF directory, via ckptconv.
+def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str = "OUT",
+           tokenizer: str | Path | None = None) -> Any:
+    """``nxdtrain export``: a tag (or a checkpoint root's newest completed tag) to an HF directory, via ckptconv's
+    to-hf (``tokenizer``: its ``--tokenizer DIR``).
 
     An earlier HF export in OUT (a ckptconv.json of kind "hf") is replaced; anything else there is an error.
     """
@@ -552,7 +556,7 @@ def export(src: str | Path, out: str | Path, *, quiet: bool = True, label: str =
     previous = read_metadata(out) if out.is_dir() else None
     # part=(0, 1): this one process writes the whole export, even inside a torchrun/srun world.
     options = RunOptions(part=(0, 1), quiet=quiet, overwrite=previous is not None and previous.kind == "hf")
-    return to_hf(src, out, options=options)
+    return to_hf(src, out, tokenizer=tokenizer, options=options)
 
 
 def run_worker(config: TrainConfig, data_checks: DataChecks | None = None, resolved: Resolved | None = None) -> None:

@@ -112,6 +112,19 @@ def test_what_the_tool_says_it_is_names_every_family():
         assert "DCP" in text and "HF Llama" not in text
 
 
+# What nxdtrain trains: the families with NxD shards (DeepSeek-V3 and GPT-OSS go into TorchTitan and back only)
+TRAINED = ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen3-MoE")
+
+
+def test_what_the_trainer_says_it_is_names_every_family_it_trains():
+    """``nxdtrain --help`` and docs/trainer.md's opening say what it trains now, not "a Llama model"."""
+    trainer = (REPO / "docs" / "trainer.md").read_text()
+    opening = trainer.split("\n## ", 1)[0]
+    for text in (nxdtrain_parser().description or "", opening):
+        assert [name for name in TRAINED if name not in text] == [], text
+        assert "a Llama model" not in text and "HF Llama" not in text and ") Llama on" not in text
+
+
 def test_to_nxd_help_says_what_a_degree_not_given_is():
     """to-nxd reads an HF model, which has no layout: its --tp/--pp help does not promise "the source's"."""
     sub = next(a for a in ckptconv_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -13,6 +13,6 @@ from ckptconv.hall import lazy_exports
 if TYPE_CHECKING:
     from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, debug_requested, describe, run_guarded, warnings_as_notes
     from ckptconv.cli.layout_args import Parser
-    from ckptconv.cli.report import key_values
+    from ckptconv.cli.report import key_values, reported
 
 __getattr__ = lazy_exports(__name__, __file__)

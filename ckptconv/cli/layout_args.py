@@ -153,21 +153,31 @@ def _native_of(typed: str) -> str | None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with a hint for a layout flag spelled the official way (``--tp-size``: did you mean --tp?), and an
-    unknown flag of a command answered with that command's usage (not the top level's)."""
+    """argparse, with a hint for a layout flag spelled the official way (``--tp-size``: did you mean --tp?) where the
+    command has that flag, and an unknown flag of a command (``data pack`` too) answered with that command's usage
+    (not the top level's). Both CLIs parse with it."""
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            commands = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
-            chosen = commands[0].choices.get(str(getattr(parsed, commands[0].dest, ""))) if commands else None
-            (chosen or self).error(f"unrecognized arguments: {' '.join(extras)}")
+            _command_of(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
             hints = [f"{token}: did you mean {native}?" for token in message.split(":", 1)[1].split()
-                     if (native := did_you_mean(token)) is not None]
+                     if (native := did_you_mean(token)) is not None
+                     and native.split()[0] in self._option_string_actions]
             if hints:
                 message += "; " + "; ".join(hints)
         super().error(message)
+
+
+def _command_of(parser: argparse.ArgumentParser, parsed: Any) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser ``parsed`` chose: ``nxdtrain data pack``'s, not ``data``'s."""
+    while commands := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
+        chosen = commands[0].choices.get(str(getattr(parsed, commands[0].dest, "")))
+        if chosen is None:
+            break
+        parser = chosen
+    return parser

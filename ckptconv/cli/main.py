@@ -11,7 +11,6 @@ import argparse
 import atexit
 import gc
 import importlib
-import json
 import os
 import re
 import sys
@@ -20,8 +19,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
-from ckptconv.cli.errors import DEBUG_HELP, run_guarded, warnings_as_notes
+from ckptconv.cli.errors import DEBUG_HELP, run_guarded
 from ckptconv.cli.layout_args import Parser, add_layout_flags, add_source_flags, overrides_from, source_overrides
+from ckptconv.cli.report import reported
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
 from ckptconv.engine.options import (
@@ -486,16 +486,6 @@ def _positive_int(flag: str, text: str) -> int:
     return value
 
 
-def _print(result: Any, as_json: bool) -> None:
-    data = result if isinstance(result, dict) else result.to_json()
-    if as_json:
-        print(json.dumps(data, indent=1))
-        return
-    from ckptconv.cli.report import render
-
-    render(data)
-
-
 _EXIT_STATUS: list[int] = []
 
 
@@ -541,13 +531,12 @@ def console() -> NoReturn:
 
 
 def _main(args: argparse.Namespace) -> int:
-    with warnings_as_notes("ckptconv", quiet=getattr(args, "quiet", False) or getattr(args, "json", False)) as said:
+    def call() -> Any:
         check_sources(args)
         import_quietly(_LIBRARIES.get(args.command))
-        result = run(args)
-        notes = (result if isinstance(result, dict) else result.to_json()).get("notes") or []
-        said.update(" ".join(str(note).split()) for note in notes)  # the result prints these itself
-    _print(result, getattr(args, "json", False))
+        return run(args)
+
+    result = reported("ckptconv", call, as_json=getattr(args, "json", False), quiet=getattr(args, "quiet", False))
     if isinstance(result, dict) and result.get("ok") is False:
         verdict = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report
         for problem in result["problems"]:

@@ -7,10 +7,31 @@ words fold) inside the table; nothing is replaced by an ellipsis. ``--json`` doe
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
+from ckptconv.cli.errors import warnings_as_notes
 from ckptconv.core.human import human_bytes
+
+
+def reported(prog: str, call: Callable[[], Any], *, as_json: bool, quiet: bool) -> Any:
+    """``call()``'s result printed on stdout (:func:`render`, or JSON), the warnings raised meanwhile said as
+    ``PROG: note:`` lines (none with ``quiet`` or ``as_json``), each once and never again where the result's own notes
+    say it; the result returned. Both CLIs print a conversion's result this way."""
+    with warnings_as_notes(prog, quiet=quiet or as_json) as said:
+        result = call()
+        said.update(" ".join(str(note).split()) for note in _data(result).get("notes") or [])
+    if as_json:
+        print(json.dumps(_data(result), indent=1))
+    else:
+        render(_data(result))
+    return result
+
+
+def _data(result: Any) -> dict[str, Any]:
+    return result if isinstance(result, dict) else result.to_json()
 
 
 def _text(key: str, value: Any) -> str:

@@ -18,22 +18,15 @@ from pathlib import Path
 from ckptconv.core.layout import MODEL_DIR, parse_shard_name
 from ckptconv.engine.finalize import refuse_unfinished
 from ckptconv.errors import ConversionError
-from ckptconv.io.hf import BIN_INDEX, BIN_SINGLE, CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, HfCheckpoint
+from ckptconv.io.hf import HfCheckpoint, is_hf_dir
 from ckptconv.io.metadata import METADATA_FILE, read_metadata
 from ckptconv.io.safetensors_io import NotSafetensorsError
 
 HF_SRC = ("an HF model directory, a hub id org/name, or one state-dict file (.safetensors, .pt, .bin) "
           "with --config")
 NXD_SRC = "NxD shards: a directory holding model/, a model/ directory, a training tag, or a checkpoint root"
-_HF_WEIGHTS = (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, BIN_INDEX, BIN_SINGLE)
 _NXD_READERS = {"to-hf": "converts NxD shards to HF", "reshard": "converts NxD shards to another layout",
                 "to-dcp": "", "verify": "", "nxd-compat": ""}
-
-
-def is_hf_dir(path: Path) -> bool:
-    """An HF model folder: config.json beside its weights (or their index), and no NxD ``model/``."""
-    return (path.is_dir() and (path / CONFIG).is_file() and not (path / MODEL_DIR).is_dir()
-            and any((path / name).is_file() for name in _HF_WEIGHTS))
 
 
 def is_nxd_dir(path: Path) -> bool:

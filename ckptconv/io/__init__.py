@@ -13,7 +13,7 @@ from ckptconv.hall import lazy_exports
 if TYPE_CHECKING:
     from ckptconv.io.checked import CheckedFiles, check_whole_file
     from ckptconv.io.digest import DEFAULT, record_files
-    from ckptconv.io.hf import CONFIG
+    from ckptconv.io.hf import CONFIG, is_hf_dir
     from ckptconv.io.metadata import METADATA_FILE, Metadata, add_version_flag, read_metadata, write_metadata
     from ckptconv.io.nxd import Flavour, resolve_checkpoint
     from ckptconv.io.nxd_read import NxdCheckpoint, load_shard

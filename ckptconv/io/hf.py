@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ckptconv.core.families.moe import fused_views
+from ckptconv.core.layout import MODEL_DIR
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
@@ -33,6 +34,15 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
+_WEIGHTS = (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, BIN_INDEX, BIN_SINGLE)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """An HF model folder: config.json beside its weights (or their index), and no NxD ``model/``."""
+    return (path.is_dir() and (path / CONFIG).is_file() and not (path / MODEL_DIR).is_dir()
+            and any((path / name).is_file() for name in _WEIGHTS))
+
+
 # Small files a model directory carries besides weights; copied through conversions.
 SIDE_FILES = (
     "generation_config.json",

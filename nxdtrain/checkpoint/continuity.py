@@ -21,11 +21,15 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from ckptconv.core import human_number
 from nxdtrain.config.options import OptimConfig, TrainConfig
 from nxdtrain.errors import TrainError
 
 SCHEDULE_KEYS = ("schedule", "lr", "min_lr", "warmup", "decay_steps", "norm_weight_decay")
 ORDER_KEYS = ("seed", "shuffle")
+# Who wrote a tag that records no run: scheduler.pt's "from" (ckptconv from-dcp writes "torchtitan" there), its words
+ORIGIN = "from"
+ORIGINS = {"torchtitan": "from TorchTitan's DCP, which holds no schedule"}
 NORMS_BEFORE = False  # a tag that records no norm_weight_decay: nxdtrain never decayed norm weights before it
 LABELS = {"schedule": "schedule", "lr": "peak lr", "min_lr": "min lr", "warmup": "warmup steps",
           "decay_steps": "decay steps", "norm_weight_decay": "weight decay on norm weights", "seed": "seed", "shuffle": "shuffle", "epochs": "epochs"}
@@ -55,7 +59,7 @@ def recorded_run(user: dict[str, Any], scheduler: dict[str, Any]) -> tuple[dict[
     if isinstance(record, dict):
         return {"norm_weight_decay": NORMS_BEFORE, **record}, []
     options = user.get("options") or {}
-    pieced: dict[str, Any] = {"norm_weight_decay": NORMS_BEFORE}
+    pieced: dict[str, Any] = {"norm_weight_decay": NORMS_BEFORE, ORIGIN: scheduler.get(ORIGIN)}
     for key in SCHEDULE_KEYS:
         if key in scheduler:
             pieced[key] = scheduler[key]
@@ -80,12 +84,13 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``'<what> OLD -> NEW'`` for each recorded value this run changes (:func:`changed_keys`)."""
-    return [f"{LABELS[key]} {old[key]:g} -> {new[key]:g}" if _numbers(old[key], new[key])
-            else f"{LABELS[key]} {old[key]} -> {new[key]}" for key in changed_keys(old, new)]
+    return [f"{LABELS[key]} {_value(old[key])} -> {_value(new[key])}" for key in changed_keys(old, new)]
 
 
-def _numbers(*values: Any) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+def _value(value: Any) -> str:
+    """A recorded value as the notes say it: a number without its binary noise (``0.0003``, not
+    ``0.00030000000000000003``)."""
+    return human_number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def check_resume(old: dict[str, Any], missing: list[str], new: dict[str, Any], *, tag: str,
@@ -94,8 +99,9 @@ def check_resume(old: dict[str, Any], missing: list[str], new: dict[str, Any], *
     ``--override-schedule`` was not given."""
     notes = []
     if missing:
-        assumed = ", ".join(f"{LABELS[k]} {new[k]}" for k in missing)
-        notes.append(f"{tag} records no {', '.join(LABELS[k] for k in missing)} (an older tag): assuming this "
+        assumed = ", ".join(f"{LABELS[k]} {_value(new[k])}" for k in missing)
+        origin = ORIGINS.get(str(old.get(ORIGIN)), "an older tag")
+        notes.append(f"{tag} records no {', '.join(LABELS[k] for k in missing)} ({origin}): assuming this "
                      f"run's ({assumed})")
     keys = changed_keys(old, new)
     if not keys:

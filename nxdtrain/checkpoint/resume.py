@@ -43,6 +43,7 @@ from ckptconv.io import (
     NxdCheckpoint,
     check_whole_file,
     completed_tags,
+    is_hf_dir,
     load_shard,
     resolve_checkpoint,
 )
@@ -118,6 +119,9 @@ def resolve_resume(path: str, *, weights_only: bool, flag: str = "--resume",
     given = Path(path)
     if not given.exists():
         raise TrainError(f"{flag} {path}: no such directory")
+    if is_hf_dir(given):  # the likeliest first mistake: the model as downloaded, not yet converted
+        raise TrainError(f"{flag} {path}: this is a Hugging Face checkpoint (config.json and its weights, no NxD "
+                         f"shards): convert it with `ckptconv to-nxd {path} OUT --tp N` first, then {flag} OUT")
     tags = completed_tags(given) if given.is_dir() and (given / MODEL_DIR).is_dir() else []
     if tags:
         # Shards and tags in one directory (an older nxdtrain let --checkpoint-dir be the converted input):

@@ -121,3 +121,33 @@ def test_optimizer_groups_values():
                    {"weight_decay": 0.0, "betas": (0.9, 0.99), "eps": 1e-8, "lr": 1.0}]
     assert notes == ["--override-schedule: AdamW changes at this resume: --weight-decay 0.1 (T records 0.01); "
                      "--beta2 0.99 (T records 0.95)"]
+
+
+def test_a_tag_from_torchtitan_names_its_origin_and_says_numbers_without_noise(two_steps, tmp_path):
+    """An nxdtrain tag through TorchTitan's DCP and back (from-dcp --to nxd): its scheduler.pt says it came from
+    TorchTitan, whose DCP holds no schedule; the resume says so (not "an older tag"), and the min lr it assumes is
+    0.0003, not 0.00030000000000000003 (3e-3 x 0.1 in binary)."""
+    import torch
+
+    import ckptconv
+
+    _, ck, options = two_steps
+    quiet = ckptconv.RunOptions(quiet=True)
+    ckptconv.to_dcp(ck / "step_2", tmp_path / "dcp", options=quiet)
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "tag", to="nxd", config=ck / "step_2" / "hf" / "config.json",
+                      consumed_samples=8, options=quiet)
+    assert torch.load(tmp_path / "tag" / "scheduler.pt", weights_only=True)["from"] == "torchtitan"
+    min_lr = 3e-3 * 0.1
+    assert str(min_lr) == "0.00030000000000000003"
+    config = TrainConfig.from_flat({**options, "min_lr": min_lr, "resume": str(tmp_path / "tag"),
+                                    "checkpoint_dir": str(tmp_path / "ck")})
+    notes = [n for n in prepare(config, world_size=1).resume_notes if "records no" in n]
+    assert notes == [f"{tmp_path / 'tag'} records no schedule, min lr, warmup steps, decay steps, seed, shuffle (from "
+                     "TorchTitan's DCP, which holds no schedule): assuming this run's (schedule cosine, min lr 0.0003, "
+                     "warmup steps 1, decay steps 4, seed 7, shuffle True)"]
+
+
+def test_changed_numbers_are_said_without_binary_noise():
+    old = {"schedule": "cosine", "lr": 1e-3, "min_lr": 1e-4, "warmup": 1, "decay_steps": 4, "seed": 7, "shuffle": True}
+    notes = check_resume(old, [], {**old, "min_lr": 3e-3 * 0.1}, tag="T", override=True)
+    assert notes == ["--override-schedule: the run changes at this resume: min lr 0.0001 -> 0.0003"]

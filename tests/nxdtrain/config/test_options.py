@@ -25,6 +25,7 @@ RUN_FLAGS = {
     "--no-xser", "--optimizer-format", "--nxd-param-groups", "--no-checkpoint", "--init", "--eval-data", "--eval-every", "--eval-batches",
     "--long-rows", "--pad", "--no-pad", "--override-schedule", "--no-override-schedule", "--allow-high-loss", "--no-allow-high-loss",
 }
+EXPORT_FLAGS = {"--tokenizer", "--quiet", "--json"}
 
 
 def subparser(command: str):
@@ -36,6 +37,13 @@ def test_flag_set_is_pinned():
     """Scripts depend on these names: a rename must be deliberate and show up here."""
     assert {s for a in subparser("run")._actions for s in a.option_strings} - {"-h", "--help"} == RUN_FLAGS
     assert [a.dest for a in subparser("export")._actions if not a.option_strings] == ["src", "out"]
+    # export's flags are ckptconv to-hf's of the same name (issue 44)
+    exported = {s for a in subparser("export")._actions for s in a.option_strings} - {"-h", "--help"}
+    assert exported == EXPORT_FLAGS
+    from ckptconv.cli.main import build_parser as ckptconv_parser
+
+    to_hf = next(a for a in ckptconv_parser()._actions if a.dest == "command").choices["to-hf"]  # type: ignore[attr-defined]
+    assert EXPORT_FLAGS <= {s for a in to_hf._actions for s in a.option_strings}
 
 
 def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):
