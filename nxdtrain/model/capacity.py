@@ -46,7 +46,7 @@ def routing(spec: ModelSpec, moe: MoeConfig, *, sequence_parallel: bool) -> tupl
     assert family is not None
     notes = []
     if moe.num_experts is not None and moe.num_experts != spec.experts:
-        raise TrainError(f"--num-experts {moe.num_experts} (NxDT's model.moe.num_experts): the checkpoint's "
+        raise TrainError(f"--num-experts {moe.num_experts}: the checkpoint's "
                          f"config.json has {spec.experts} experts; set it to {spec.experts}")
     top_k = spec.top_k if moe.moe_top_k is None else moe.moe_top_k
     if top_k > spec.experts:
