@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdtrain.errors import TrainError
+from nxdtrain.extras import require
 
 # (jsonl field, panel label, y axis starts at 0) in panel order
 PANELS = (("loss", "loss", False), ("lr", "learning rate", True), ("tokens_per_s", "tokens/s", True))
@@ -48,10 +49,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_log(log: str | Path, out: str | Path, *, title: str | None = None) -> Any:
     """Draw the curves of ``log`` into the PNG ``out``; return the matplotlib figure (its lines hold the data)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise TrainError("nxdtrain plot needs matplotlib: pip install 'ckptconv[viz]'") from None
+    matplotlib = require("matplotlib", "nxdtrain plot")
     matplotlib.use("Agg")  # files only: never open a window
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

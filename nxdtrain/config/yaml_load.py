@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nxdtrain.errors import TrainError
+from nxdtrain.extras import require
 
 # NeMo's resolver that NxDT's example configs use (model_parallel_size: ${multiply:tp, pp}).
 RESOLVERS = {"multiply": lambda x, y: x * y}
@@ -66,6 +67,7 @@ def _raw(tree: Any, dotted: str) -> Any:
 def load_tree(path: Path) -> Any:
     """The file's mapping, every interpolation resolved as OmegaConf resolves it; a one-line TrainError naming the
     file (and the key) otherwise."""
+    require("omegaconf", f"--config {path} (read as NxDT reads YAML, with OmegaConf)")
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
     from yaml import YAMLError

@@ -31,6 +31,7 @@ import torch
 
 from nxdtrain.data.epochs import epoch_samples
 from nxdtrain.errors import TrainError
+from nxdtrain.extras import require
 
 if TYPE_CHECKING:
     from nxdtrain.config.options import TrainConfig
@@ -195,7 +196,7 @@ class ConcatRows:
 
 def load_column(path: Path, column: str) -> Any:
     """A ``save_to_disk`` directory's rows (a DatasetDict's 'train' split), reduced to ``column``."""
-    import datasets
+    datasets = require("datasets", f"--data {path} (a save_to_disk dataset)")
 
     _thread_lock_for_tqdm()
     data: Any = datasets.load_from_disk(str(path))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ckptconv.core.model_spec import ModelSpec
-from nxdtrain.config.options import MoeConfig, TrainConfig
+from nxdtrain.config.options import MoeConfig
 from nxdtrain.model.capacity import Routing, routing
 from tests.nxdtrain.harness import run_world, train_options
 
