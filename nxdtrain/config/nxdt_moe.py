@@ -34,7 +34,7 @@ def nxdt_moe(moe: dict[str, Any], where: str) -> tuple[dict[str, tuple[Any, str]
     for key, (option, default) in NXDT_MOE_DEFAULTS.items():
         out[option] = (moe.get(key, default), f"model.moe.{key}" if key in moe else f"model.moe ({key} absent: "
                                                                                     f"NxDT's default {default})")
-    out["aux_loss_scale"] = ("nxd", "model.moe (NxD's load_balancing_loss_func)")
+    out["aux_loss_scale"] = ("nxd", "model.moe")
     frequency = moe.get("frequency", 1)
     if frequency != 1:
         raise TrainError(f"{where}: model.moe.frequency {frequency!r}: NxDT's Mixtral makes only layers 0, "

@@ -179,18 +179,18 @@ def test_nxdt_mixtral_file_trains_with_only_its_paths_changed_and_resume_keeps_t
     edited = tmp_path / "run.yaml"
     edited.write_text(text)
     argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--config", str(edited), "--nproc", "2",
-            "--gbs", "4", "--steps", "2", "--precision", "fp32"]
+            "--gbs", "4", "--decay-steps", "10", "--steps", "2", "--precision", "fp32"]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert "model.moe.capacity_factor (run.yaml) 1.5: each expert takes at most" in run.stderr
     tag = next((tmp_path / "runs").glob("*/checkpoints/step_2"))
     record = torch.load(tag / "user_content.pt", weights_only=True)["run"]["moe"]
     assert record == {"capacity_factor": 1.5, "top_k": 2, "normalize": True, "aux_coef": 0.01, "aux_scale": "nxd"}
-    again = subprocess.run([*argv[:-3], "--steps", "3", "--precision", "fp32", "--capacity-factor", "1.0"],
+    again = subprocess.run([*argv[:-4], "--steps", "3", "--precision", "fp32", "--capacity-factor", "1.0"],
                            capture_output=True, text=True, timeout=600)
     assert again.returncode != 0
     assert "--capacity-factor 1.5 -> 1.0; resume with the recorded values, or pass --override-moe" in again.stderr
-    ok = subprocess.run([*argv[:-3], "--steps", "3", "--precision", "fp32", "--capacity-factor", "1.0",
+    ok = subprocess.run([*argv[:-4], "--steps", "3", "--precision", "fp32", "--capacity-factor", "1.0",
                          "--override-moe"], capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0, ok.stderr
     assert "--override-moe: the routing changes at this resume: --capacity-factor 1.5 -> 1.0" in ok.stderr
