@@ -65,7 +65,7 @@ NXDT_STEP_TAGS = ("global_step", "throughput")  # the step itself, and tokens/s 
 
 def require_tensorboard() -> None:
     """Fail with one line, before training, when --tensorboard cannot write (the optional extra is missing)."""
-    from nxdtrain.extras import require
+    from nxdtrain.config.extras import require
 
     require("tensorboard", "--tensorboard")  # torch.utils.tensorboard needs it
 

@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.extras import require
 from nxdtrain.errors import TrainError
-from nxdtrain.extras import require
 
 # (jsonl field, panel label, y axis starts at 0) in panel order
 PANELS = (("loss", "loss", False), ("lr", "learning rate", True), ("tokens_per_s", "tokens/s", True))

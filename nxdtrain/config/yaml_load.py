@@ -23,8 +23,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.extras import require
 from nxdtrain.errors import TrainError
-from nxdtrain.extras import require
 
 # NeMo's resolver that NxDT's example configs use (model_parallel_size: ${multiply:tp, pp}).
 RESOLVERS = {"multiply": lambda x, y: x * y}

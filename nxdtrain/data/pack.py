@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.extras import require
 from nxdtrain.data.rows import load_column
 from nxdtrain.errors import TrainError
-from nxdtrain.extras import require
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from nxdtrain.config.extras import require
 from nxdtrain.data.epochs import epoch_samples
 from nxdtrain.errors import TrainError
-from nxdtrain.extras import require
 
 if TYPE_CHECKING:
     from nxdtrain.config.options import TrainConfig
