@@ -65,12 +65,9 @@ NXDT_STEP_TAGS = ("global_step", "throughput")  # the step itself, and tokens/s 
 
 def require_tensorboard() -> None:
     """Fail with one line, before training, when --tensorboard cannot write (the optional extra is missing)."""
-    try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-    except ImportError:
-        from nxdtrain.errors import TrainError
+    from nxdtrain.config.extras import require
 
-        raise TrainError("--tensorboard needs the tensorboard package: pip install 'ckptconv[viz]'") from None
+    require("tensorboard", "--tensorboard")  # torch.utils.tensorboard needs it
 
 
 def note(message: str) -> None:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.extras import require
 from nxdtrain.errors import TrainError
 
 # (jsonl field, panel label, y axis starts at 0) in panel order
@@ -48,10 +49,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_log(log: str | Path, out: str | Path, *, title: str | None = None) -> Any:
     """Draw the curves of ``log`` into the PNG ``out``; return the matplotlib figure (its lines hold the data)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise TrainError("nxdtrain plot needs matplotlib: pip install 'ckptconv[viz]'") from None
+    matplotlib = require("matplotlib", "nxdtrain plot")
     matplotlib.use("Agg")  # files only: never open a window
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

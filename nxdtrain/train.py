@@ -34,6 +34,7 @@ from ckptconv.io import Flavour
 from ckptconv.training import DEFAULT_RULE, lr_at
 from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_settings
 from nxdtrain.checkpoint.loss_check import refusal, verdict
+from nxdtrain.checkpoint.moe_record import check_moe_resume, moe_record
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
 from nxdtrain.checkpoint.restore import StageReader
 from nxdtrain.checkpoint.resume import (
@@ -64,6 +65,7 @@ from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, local_gpu_limits, resolve_kind
 from nxdtrain.errors import TrainError
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
+from nxdtrain.model.capacity import run_routing
 from nxdtrain.model.moe import aux_loss, step_aux
 from nxdtrain.model.stage import LlamaStage, grad_plan
 from nxdtrain.optim import Optimizer, expert_zero
@@ -170,6 +172,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device, shards=par.shards,
                           optimizer_format=config.checkpoint.optimizer_format, zero1=par.zero1):
         raise TrainError(why)
+    moe, moe_notes = run_routing(source.spec, config)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
         raise TrainError(f"--pp-schedule 1f1b needs at least --pp {pp} microbatches per data-parallel rank, got "
                          f"{microbatches} (gbs / (mbs x dp)); raise --gbs, lower --mbs or use --pp-schedule gpipe")
@@ -190,6 +193,13 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
                                       world=world_size, optimizer=config.optim.optimizer)
     run_id = (resume_state.run.get("run") if resume_state is not None else None) or new_run_id()
     record = run_settings(config, epochs=epochs, run=str(run_id))
+    notes += moe_notes
+    if moe is not None:  # MoE: the routing is recorded, and a resume keeps it unless --override-moe
+        record["moe"] = moe_record(moe)
+        if resume_state is not None:
+            notes += check_moe_resume(resume_state.run.get("moe"), record["moe"],
+                                      moe_record(run_routing(source.spec, None)[0] or moe), tag=str(source.root),
+                                      override=config.moe.override_moe)
     if resume_state is not None:  # the schedule and data order the tag recorded, or a refusal
         notes += check_resume(resume_state.run, resume_state.missing, record, tag=str(source.root),
                               override=config.checkpoint.override_schedule)
@@ -294,10 +304,11 @@ class Trainer:
         # MoE: this rank's experts and their groups (collective), the router's aux loss; a dense model: none
         self.experts: tuple[Any, Any] | None
         ep, self.experts = mesh.experts() if source.spec.experts else (EpGroup(), None)
-        aux = aux_loss(source.spec, cfg.data, inject=c.tp == 0)
+        moe = run_routing(source.spec, cfg)[0]
+        aux = aux_loss(source.spec, cfg.data, inject=c.tp == 0, routing=moe)
         self.model = LlamaStage(source.spec, plan.layout, tp=tp, pp_rank=c.pp, with_inv_freq=source.with_inv_freq,
                                 dtype=dtype, recompute=par.activation_checkpointing, cp=cp,
-                                recompute_modules=par.modules(), ep=ep, aux=aux).to(self.device)
+                                recompute_modules=par.modules(), ep=ep, aux=aux, routing=moe).to(self.device)
         # ep > 1: a rank's tensors come from two files (ep rank 0's and its own experts'), through the plan
         resharding = not same_layout(source.layout, plan.layout) or plan.layout.ep > 1
         stage = StageReader(source, plan.layout, tp_rank=c.tp, pp_rank=c.pp, ep_rank=ep.rank,

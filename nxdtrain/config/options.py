@@ -33,6 +33,7 @@ SCHEDULES = ("cosine", "linear", "constant", "CosineAnnealing", "LinearAnnealing
 NXDT_SCHEDULES = SCHEDULES[3:]
 PRECISIONS = ("auto", "fp32", "bf16")
 PP_SCHEDULES = ("1f1b", "gpipe")
+AUX_SCALES = ("transformers", "nxd")  # MoE aux loss: x E (transformers) or x E / top_k (NxD's loss_function.py)
 MIN_LR_FRACTION = 0.1  # --min-lr default, as a fraction of --lr (NxDT's examples decay to a tenth too)
 RECOMPUTE = ("none", "selective", "full")  # activation checkpointing modes (nxdtrain.parallel.recompute)
 # What --activation-checkpointing selective recomputes, by NxDT's module names (nxdtrain.parallel.recompute)
@@ -333,6 +334,38 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """MoE routing as NxDT's model.moe sets it (nxdtrain.model.capacity); defaults: the checkpoint's config.json."""
+
+    capacity_factor: float | None = option(None, "MoE: drop tokens as NxD does: each expert takes at most "
+                                           "ceil(T x top_k x F / E) of a micro-batch's T tokens, counted in token "
+                                           "order, the rest of its slots dropped; unset or 0: dropless; >= E / top_k: "
+                                           "full capacity, dropless too", group="model and layout")
+    moe_top_k: int | None = option(None, "MoE: experts per token (default: config.json's num_experts_per_tok)",
+                                   group="model and layout")
+    normalize_top_k_affinities: bool | None = option(None, "MoE: renormalize each token's kept experts' weights to "
+                                                           "sum 1 (default: the family's rule)",
+                                                     group="model and layout")
+    router_aux_loss_coef: float | None = option(None, "MoE: the aux loss's coefficient (default: config.json's, "
+                                                      "else 0.001)", group="model and layout")
+    output_router_logits: bool = option(True, "MoE: train with the router's aux loss", group="model and layout")
+    aux_loss_scale: str = option("transformers", "MoE: the aux loss as transformers defines it (x E) or as NxD's "
+                                 "load_balancing_loss_func (x E / top_k, what an NxDT YAML's model.moe sets)",
+                                 choices=AUX_SCALES, group="model and layout")
+    num_experts: int | None = option(None, "MoE: the experts the checkpoint must have (NxDT's model.moe.num_experts; "
+                                           "checked, never changed)", group="model and layout")
+    override_moe: bool = option(False, "resume with another --capacity-factor, --moe-top-k or aux loss than the tag "
+                                       "recorded; without it such a resume is refused", group="model and layout")
+
+    def __post_init__(self) -> None:
+        cf = self.capacity_factor
+        _check(cf is None or cf >= 0, f"--capacity-factor must be >= 0, got {cf!r}")
+        _check(self.moe_top_k is None or (is_int(self.moe_top_k) and self.moe_top_k >= 1),
+               f"--moe-top-k must be an integer >= 1, got {self.moe_top_k!r}")
+        _choice("--aux-loss-scale", self.aux_loss_scale, AUX_SCALES)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """A whole training run. ``nxdtrain run`` flags and YAML keys are the leaf field names."""
 
@@ -362,6 +395,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     # Not an option: where values came from when not from a flag (name -> "KEY (FILE)"), so that later
     # messages name the YAML key the user wrote (:func:`explain`).
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False, metadata={"internal": True})
@@ -455,7 +489,7 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type] = {"parallel": ParallelConfig, "optim": OptimConfig, "data": DataConfig,
-                             "checkpoint": CheckpointConfig}
+                             "checkpoint": CheckpointConfig, "moe": MoeConfig}
 
 
 def leaf_fields() -> list[tuple[str | None, dataclasses.Field[Any]]]:

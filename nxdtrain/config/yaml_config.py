@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.nxdt_moe import MOE_KEYS, nxdt_moe
 from nxdtrain.config.options import AUTO, NXDT_SCHEDULES, RECOMPUTE_MODULES, leaf_owners
 from nxdtrain.config.yaml_load import load_tree
 from nxdtrain.errors import TrainError
@@ -114,7 +115,7 @@ NXDT_IGNORED: dict[str, tuple[str, ...]] = {
                   "neuron_rt_stochastic_rounding_en", "parallel_layers_reduce_dtype"),
 }
 # Subtrees of NxDT features nxdtrain does not have: every key under them is noted, none is an error.
-NXDT_IGNORED_TREES = {("model", "fusions"), ("model", "moe"), ("data", "tokenizer")}
+NXDT_IGNORED_TREES = {("model", "fusions"), ("data", "tokenizer")}
 NXDT_SECTIONS = frozenset(path[0] for path in NXDT_KEYS) | {"model_alignment_strategy"}
 # NxDT's HF models (hf_models/base_model.py -> utils/model_utils.py) build two param groups themselves: names with
 # "bias" (and "norm" with do_layer_norm_weight_decay) at weight decay 0, the rest at this, whatever model.optim says.
@@ -188,6 +189,10 @@ def _known(section: str) -> list[str]:
     prefix = tuple(section.split(".")) if section else ()
     keys = {p[depth] for p in (*NXDT_KEYS, *EVALUATION, *NXDT_IGNORED_TREES) if p[:depth] == prefix and len(p) > depth}
     keys.update(NXDT_IGNORED.get(section, ()))
+    if section == "model.moe":
+        keys.update(MOE_KEYS)
+    elif section == "model":
+        keys.add("moe")
     if section == "exp_manager":
         keys.update(EXP_MANAGER)
     if not section:
@@ -203,6 +208,7 @@ class _Reader:
         self.unknown: list[str] = []
         self.found_evaluation: dict[tuple[str, ...], Any] = {}
         self.found_recompute: dict[str, Any] = {}
+        self.found_moe: dict[str, Any] = {}
 
     def read(self) -> YamlOptions:
         self.refuse_alignment()
@@ -219,6 +225,7 @@ class _Reader:
                 self.unknown.append(_nearest(str(key), [*owners, *_known("")]))
         self.evaluation(self.found_evaluation)
         self.recompute(self.found_recompute)
+        self.moe()
         self.nxdt_checks()
         if self.unknown:
             raise TrainError(f"--config {self.path}: unknown keys {'; '.join(self.unknown)} (top-level keys are "
@@ -265,6 +272,8 @@ class _Reader:
                 self.found_evaluation[path] = value
             elif path in RECOMPUTE_KEYS:
                 self.found_recompute[path[-1]] = value
+            elif path[:2] == ("model", "moe") and len(path) == 3 and path[2] in MOE_KEYS:
+                self.found_moe[path[2]] = value
             elif any(path[:len(t)] == t for t in NXDT_IGNORED_TREES) or path[-1] in NXDT_IGNORED.get(
                     ".".join(path[:-1]), ()):
                 self.ignored.append(dotted)
@@ -355,6 +364,16 @@ class _Reader:
         self.set("activation_checkpointing", granularity, key)
         if granularity == "selective":
             self.set("recompute_modules", ",".join(map(str, names)), names_key)
+
+    def moe(self) -> None:
+        """``model.moe`` as NxDT's Mixtral reads it (nxdtrain.config.nxdt_moe)."""
+        model = self.tree.get("model")
+        if not isinstance(model, dict) or not isinstance(model.get("moe"), dict):
+            return
+        values, notes = nxdt_moe(self.found_moe, f"--config {self.path}")
+        for option, (value, key) in values.items():
+            self.set(option, value, key)
+        self.out.notes.extend(notes)
 
     def nxdt_checks(self) -> None:
         """Keys NxDT reads together, where nxdtrain cannot do what NxDT does with their combination."""

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.extras import require
 from nxdtrain.errors import TrainError
 
 # NeMo's resolver that NxDT's example configs use (model_parallel_size: ${multiply:tp, pp}).
@@ -66,6 +67,7 @@ def _raw(tree: Any, dotted: str) -> Any:
 def load_tree(path: Path) -> Any:
     """The file's mapping, every interpolation resolved as OmegaConf resolves it; a one-line TrainError naming the
     file (and the key) otherwise."""
+    require("omegaconf", f"--config {path} (read as NxDT reads YAML, with OmegaConf)")
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
     from yaml import YAMLError

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from nxdtrain.config.extras import require
 from nxdtrain.data.rows import load_column
 from nxdtrain.errors import TrainError
 
@@ -84,7 +85,7 @@ def load_tokenizer(spec: str | Path, *, eos_id: int | None = None) -> LoadedToke
         except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
             raise TrainError(f"--tokenizer {spec}: not a tokenizers JSON file ({exc})") from None
     else:
-        from transformers import AutoTokenizer
+        AutoTokenizer = require("transformers", f"--tokenizer {spec} (a tokenizer directory)").AutoTokenizer
 
         directory = path.parent if path.is_file() else tokenizer_dir(path)
         if not any((directory / f).exists() for f in TOKENIZER_FILES):
@@ -336,7 +337,7 @@ def pack(inputs: Iterable[str | Path], out: str | Path, *, tokenizer: str | Path
          workers: int = 1, text_field: str = "text", txt_docs: str = "file", eos_id: int | None = None,
          progress: bool = False) -> PackSummary:
     """Pack ``inputs`` into ``out`` (a ``save_to_disk`` directory with an ``input_ids`` column)."""
-    import datasets
+    datasets = require("datasets", "nxdtrain pack (writes a save_to_disk dataset)")
 
     if seq_len < 2:
         raise TrainError(f"--seq-len must be an integer >= 2, got {seq_len}")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from nxdtrain.config.extras import require
 from nxdtrain.data.epochs import epoch_samples
 from nxdtrain.errors import TrainError
 
@@ -195,7 +196,7 @@ class ConcatRows:
 
 def load_column(path: Path, column: str) -> Any:
     """A ``save_to_disk`` directory's rows (a DatasetDict's 'train' split), reduced to ``column``."""
-    import datasets
+    datasets = require("datasets", f"--data {path} (a save_to_disk dataset)")
 
     _thread_lock_for_tqdm()
     data: Any = datasets.load_from_disk(str(path))

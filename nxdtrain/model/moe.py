@@ -29,6 +29,7 @@ from torch import nn
 
 from ckptconv.core import ModelSpec, route_logits
 from nxdtrain.config.options import DataConfig
+from nxdtrain.model.capacity import Routing, dropped_weights, kept, slots
 from nxdtrain.parallel.experts import EpGroup, by_expert, routed
 from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
 
@@ -65,6 +66,7 @@ class AuxLoss:
     coef: float
     microbatches: int  # of the whole global batch (gbs / mbs)
     rows: int
+    scale: float = 1.0  # 1 / top_k for NxD's load_balancing_loss_func (x E / top_k), 1 for transformers' (x E)
     inject: bool = True  # tp rank 0's gradient counts: the router logits' gather sums the tp ranks' gradients
     batches: list[MicroBatch] = field(default_factory=list)
     cursor: int = 0
@@ -92,7 +94,7 @@ class AuxLoss:
     def gradient(self, batch: MicroBatch) -> torch.Tensor:
         """d(coef * aux / microbatches) / dP (zero on tp ranks > 0, whose gradients the gather adds to rank 0's)."""
         scale = self.coef / self.microbatches if self.inject else 0.0
-        return scale * self.experts * batch.all_counts() / self.rows ** 2
+        return scale * self.scale * self.experts * batch.all_counts() / self.rows ** 2
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -128,7 +130,7 @@ def step_aux(aux: AuxLoss, pp_group: Any, dp_group: Any, device: torch.device) -
     stats = torch.stack([b.stats(aux.experts, device) for b in aux.batches[:aux.cursor]])
     if pp_group is not None:
         dist.all_reduce(stats, group=pp_group)
-    value = aux.experts * (stats[:, 0] * stats[:, 1]).sum() / aux.rows ** 2 / aux.microbatches
+    value = aux.scale * aux.experts * (stats[:, 0] * stats[:, 1]).sum() / aux.rows ** 2 / aux.microbatches
     if dp_group is not None:
         dist.all_reduce(value, group=dp_group)
     return value
@@ -162,14 +164,16 @@ class _Router(nn.Module):
 class SparseMLP(nn.Module):
     """The sparse block of decoder layer ``layer`` for tp rank ``tp.rank`` and ep rank ``ep.rank``."""
 
-    def __init__(self, spec: ModelSpec, layer: int, tp: TpGroup, ep: EpGroup, *, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, tp: TpGroup, ep: EpGroup, *, dtype: torch.dtype,
+                 routing: Routing | None = None) -> None:
         super().__init__()
         moe = spec.family.moe
         assert moe is not None
         self.layer, self.tp, self.ep = layer, tp, ep
-        self.experts, self.top_k = spec.experts, spec.top_k
+        self.routing = routing or Routing(spec.top_k, moe.norm_topk(spec.config))
+        self.experts, self.top_k = spec.experts, self.routing.top_k
         self.per_rank = spec.experts // ep.size
-        self.normalize, self.cast_back = moe.norm_topk(spec.config), moe.cast_topk
+        self.normalize, self.cast_back = self.routing.normalize, moe.cast_topk
         self.router = _Router(spec.experts, spec.hidden, dtype)
         self.expert_mlps = _ExpertMlps(self.per_rank, spec.hidden, spec.expert_intermediate // tp.size, dtype)
 
@@ -181,6 +185,10 @@ class SparseMLP(nn.Module):
         flat = h.reshape(-1, h.shape[-1])
         weights, indices = route_logits(logits.reshape(-1, self.experts), self.top_k, normalize=self.normalize,
                                         cast_back=self.cast_back)
+        if self.routing.capacity is not None:  # NxD's token dropping, over this rank's micro-batch (all tp alike)
+            cap = slots(len(indices), self.top_k, self.experts, self.routing.capacity)
+            keep = kept(indices, self.experts, cap, h.shape[0], self.routing.seq_major)
+            weights = dropped_weights(weights, keep, self.normalize)
         op = self.expert_mlps.mlp_op
         gate_up, down = op.gate_up_proj.weight, op.down_proj.weight
 
@@ -201,13 +209,19 @@ class SparseMLP(nn.Module):
         return out
 
 
-def aux_loss(spec: ModelSpec, data: DataConfig, *, inject: bool) -> AuxLoss | None:
+def aux_loss(spec: ModelSpec, data: DataConfig, *, inject: bool, routing: Routing | None = None) -> AuxLoss | None:
     """The router's aux loss of an MoE run over ``data``'s micro-batches (``inject``: this rank adds its gradient,
-    tp rank 0); None for a dense model."""
+    tp rank 0); None for a dense model or a run without it (``--no-output-router-logits``)."""
     if not spec.experts:
         return None
+    moe = spec.family.moe
+    assert moe is not None
+    # without a routing: config.json's coefficient, else transformers' default (MixtralConfig, Qwen3MoeConfig)
+    routing = routing or Routing(spec.top_k, moe.norm_topk(spec.config),
+                                 coef=float(spec.config.get("router_aux_loss_coef", 0.001)))
+    if not routing.aux:
+        return None
     sparse = sum(1 for layer in range(spec.layers) if spec.sparse(layer))
-    # transformers' default coefficient (MixtralConfig, Qwen3MoeConfig) where config.json states none
-    coef = float(spec.config.get("router_aux_loss_coef", 0.001))
-    return AuxLoss(spec.experts, spec.top_k, coef, microbatches=data.gbs // data.mbs,
-                   rows=sparse * data.mbs * data.seq_len, inject=inject)
+    return AuxLoss(spec.experts, routing.top_k, routing.coef, microbatches=data.gbs // data.mbs,
+                   rows=sparse * data.mbs * data.seq_len, scale=1 / routing.top_k if routing.aux_per_k else 1.0,
+                   inject=inject)

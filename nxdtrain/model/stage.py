@@ -44,6 +44,7 @@ from ckptconv.core import (
 )
 from ckptconv.core import Attention as AttentionMode
 from nxdtrain.errors import TrainError
+from nxdtrain.model.capacity import Routing
 from nxdtrain.model.moe import AuxLoss, MicroBatch, SparseMLP
 from nxdtrain.model.rope import apply_rope, cos_sin, inv_freq
 from nxdtrain.parallel.context import CpGroup, zigzag_positions
@@ -226,11 +227,11 @@ def _act_multiply(gate_up: torch.Tensor) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, tp: TpGroup, heads: RankHeads, *,
                  eps: float, dtype: torch.dtype, carried_inv_freq: torch.Tensor | None, cp: CpGroup,
-                 layer: int = 0, ep: EpGroup | None = None) -> None:
+                 layer: int = 0, ep: EpGroup | None = None, routing: Routing | None = None) -> None:
         super().__init__()
         self.self_attn = SelfAttention(spec, layout, tp, heads, dtype=dtype, carried_inv_freq=carried_inv_freq, cp=cp)
-        self.mlp: MLP | SparseMLP = (SparseMLP(spec, layer, tp, ep or EpGroup(), dtype=dtype) if spec.sparse(layer)
-                                     else MLP(spec, tp, dtype=dtype))
+        self.mlp: MLP | SparseMLP = (SparseMLP(spec, layer, tp, ep or EpGroup(), dtype=dtype, routing=routing)
+                                     if spec.sparse(layer) else MLP(spec, tp, dtype=dtype))
         self.input_layernorm = RMSNorm(spec.hidden, eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden, eps, dtype)
 
@@ -277,7 +278,7 @@ class LlamaStage(nn.Module):
     def __init__(self, spec: ModelSpec, layout: ParallelLayout, *, tp: TpGroup, pp_rank: int,
                  with_inv_freq: bool = False, dtype: torch.dtype = torch.float32, recompute: str = "none",
                  cp: CpGroup | None = None, recompute_modules: tuple[str, ...] = ("CoreAttention",),
-                 ep: EpGroup | None = None, aux: AuxLoss | None = None) -> None:
+                 ep: EpGroup | None = None, aux: AuxLoss | None = None, routing: Routing | None = None) -> None:
         super().__init__()
         self.cp = cp = cp or CpGroup()
         self.ep = ep = ep or EpGroup()
@@ -302,7 +303,7 @@ class LlamaStage(nn.Module):
             self.model.embed_tokens = ParallelEmbedding(vocab_local, spec.hidden, tp, dtype=dtype)
         self.model.layers = nn.ModuleDict({
             str(i): DecoderLayer(spec, layout, tp, heads, eps=eps, dtype=dtype, carried_inv_freq=carried, cp=cp,
-                                 layer=i, ep=ep)
+                                 layer=i, ep=ep, routing=routing)
             for i in self.layer_ids
         })
         if self.is_last:

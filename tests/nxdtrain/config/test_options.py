@@ -24,6 +24,9 @@ RUN_FLAGS = {
     "--resume", "--weights-only", "--no-weights-only", "--hf-config", "--checkpoint-dir", "--checkpoint-freq", "--keep", "--xser",
     "--no-xser", "--optimizer-format", "--nxd-param-groups", "--no-checkpoint", "--init", "--eval-data", "--eval-every", "--eval-batches",
     "--long-rows", "--pad", "--no-pad", "--override-schedule", "--no-override-schedule", "--allow-high-loss", "--no-allow-high-loss",
+    "--capacity-factor", "--moe-top-k", "--normalize-top-k-affinities", "--no-normalize-top-k-affinities",
+    "--router-aux-loss-coef", "--output-router-logits", "--no-output-router-logits", "--aux-loss-scale",
+    "--num-experts", "--override-moe", "--no-override-moe",
 }
 EXPORT_FLAGS = {"--tokenizer", "--quiet", "--json"}
 
@@ -134,6 +137,8 @@ DEFAULTS = {
     "eval_batches": None, "resume": None, "init": None, "weights_only": False, "hf_config": None, "checkpoint_dir": None,
     "checkpoint_freq": 0, "keep": 2, "xser": False, "no_checkpoint": False, "optimizer_format": "nxdtrain",
     "nxd_param_groups": None, "override_schedule": False, "allow_high_loss": False,
+    "capacity_factor": None, "moe_top_k": None, "normalize_top_k_affinities": None, "router_aux_loss_coef": None,
+    "output_router_logits": True, "aux_loss_scale": "transformers", "num_experts": None, "override_moe": False,
 }
 # Where a newcomer looks for each job's flags in `nxdtrain run --help`.
 SECTION_OF = {
