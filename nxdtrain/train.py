@@ -147,16 +147,23 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     device = _resolve_device(config)
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint) if resolved is None else resolved.source
-    layout = run_layout(config.parallel, source.layout, source.spec)
     try:
-        layout.check_model(source.spec)
+        asked = run_layout(config.parallel, source.layout, source.spec)  # not given: the shards'
+        asked.check_model(source.spec)
     except ConversionError as exc:
         raise TrainError(f"{source.flag} {source.given}: this run's layout: {exc}") from None
+    layout, given = asked.layout, config
+    config = config.with_layout(tp=layout.tp, pp=layout.pp, ep=layout.ep)
+    if device == "xla":  # --device auto's check again, now with the shards' pp where --pp was not given
+        _resolve_device(config)
     tp, pp = layout.tp, layout.pp
     data = config.data
     par = config.parallel
     cp = par.context_parallel
-    dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
+    try:
+        dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
+    except TrainError as exc:  # a degree not given is the shards'; the message says so
+        raise TrainError(given.layout_explained(str(exc))) from None
     if reason := check_degree(hybrid_shard=par.hybrid_shard, dp=dp):
         raise TrainError(reason)
     if reason := check_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
