@@ -85,11 +85,11 @@ class ParallelConfig:
     """How the model is split: tp x pp (a source of another layout is resharded on load), context parallel, and
     dp = world / (tp·pp·cp)."""
 
-    tp: int | None = option(None, "tensor-parallel degree of this run (not given: the shards'); another tp than "
-                                  "the --resume's is resharded on load, each rank reading its slices",
+    tp: int | None = option(None, "tensor-parallel degree of this run (not given: the shards'); a --resume saved at "
+                                  "another tp is resharded on load, each rank reading its slices",
                             group="model and layout")
-    pp: int | None = option(None, "pipeline-parallel degree of this run (not given: the shards'); another pp than "
-                                  "the --resume's is resharded on load, each rank reading its slices",
+    pp: int | None = option(None, "pipeline-parallel degree of this run (not given: the shards'); a --resume saved at "
+                                  "another pp is resharded on load, each rank reading its slices",
                             group="model and layout")
     kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards' at "
                                        "their tp and attention, else what tp needs (tp / kv heads when tp exceeds "
