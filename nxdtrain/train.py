@@ -173,7 +173,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
-    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device, shards=par.shards,
+    if why := moe_refusal(source.spec, layout.ep, dp=dp, cp=cp, device=device, shards=par.shards,
                           optimizer_format=config.checkpoint.optimizer_format, zero1=par.zero1):
         raise TrainError(why)
     if config.parallel.pp_schedule == "1f1b" and microbatches < pp:
@@ -205,8 +205,8 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1 (with --shard-params, which "
                          "replaces --zero1: --optimizer-format nxdtrain): NxD keeps a bf16 run's fp32 masters and "
                          "moments only in its ZeRO-1 optimizer's files")
-    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and par.ep > 1:
-        raise TrainError(f"--optimizer-format nxd with --ep {par.ep} and --precision bf16: NxD's expert-parallel ZeRO-1 "
+    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and layout.ep > 1:
+        raise TrainError(f"--optimizer-format nxd with --ep {layout.ep} and --precision bf16: NxD's expert-parallel ZeRO-1 "
                          "files hold no fp32 masters, so each save would lose them; use --precision fp32 or "
                          "--optimizer-format nxdtrain")
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -288,7 +288,7 @@ class Trainer:
         cfg, source = plan.config, plan.source
         self.plan, self.cfg, self.dev, self.device = plan, cfg, device, device.torch_device
         self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, cp=cfg.parallel.context_parallel,
-                                ep=cfg.parallel.ep, timeout_s=cfg.dist_timeout)
+                                ep=plan.layout.ep, timeout_s=cfg.dist_timeout)
         self.rank0 = mesh.rank == 0
         c = mesh.coords
         torch.manual_seed(cfg.seed)

@@ -28,13 +28,15 @@ from ckptconv.core import (
     LM_HEAD,
     MODEL_DIR,
     Attention,
+    LayoutOverrides,
     ModelSpec,
     ParallelLayout,
+    ResolvedLayout,
     Source,
+    apply_layout,
     shard_file,
     stores_lm_head,
 )
-from ckptconv.core.layout_flags import LayoutOverrides, ResolvedLayout, apply_layout
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io import (
     DONE_MARKER,
