@@ -150,16 +150,23 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     device = _resolve_device(config)
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint) if resolved is None else resolved.source
-    layout = run_layout(config.parallel, source.layout, source.spec)
     try:
-        layout.check_model(source.spec)
+        asked = run_layout(config.parallel, source.layout, source.spec)  # not given: the shards'
+        asked.check_model(source.spec)
     except ConversionError as exc:
         raise TrainError(f"{source.flag} {source.given}: this run's layout: {exc}") from None
+    layout, given = asked.layout, config
+    config = config.with_layout(tp=layout.tp, pp=layout.pp, ep=layout.ep)
+    if device == "xla":  # --device auto's check again, now with the shards' pp where --pp was not given
+        _resolve_device(config)
     tp, pp = layout.tp, layout.pp
     data = config.data
     par = config.parallel
     cp = par.context_parallel
-    dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
+    try:
+        dp, microbatches = data_parallel(world=world_size, tp=tp, pp=pp, gbs=data.gbs, mbs=data.mbs, cp=cp)
+    except TrainError as exc:  # a degree not given is the shards'; the message says so
+        raise TrainError(given.layout_explained(str(exc))) from None
     if reason := check_degree(hybrid_shard=par.hybrid_shard, dp=dp):
         raise TrainError(reason)
     if reason := check_seq_len(data.seq_len, cp=cp, tp=tp, sequence_parallel=par.sequence_parallel):
@@ -169,7 +176,7 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError(f"config.json: sliding_window {window} < --seq-len {data.seq_len} with --context-parallel "
                          f"{cp}: ring attention has no window mask; use --context-parallel 1 or rows of at most "
                          f"{window} tokens")
-    if why := moe_refusal(source.spec, par.ep, dp=dp, cp=cp, device=device, shards=par.shards,
+    if why := moe_refusal(source.spec, layout.ep, dp=dp, cp=cp, device=device, shards=par.shards,
                           optimizer_format=config.checkpoint.optimizer_format, zero1=par.zero1):
         raise TrainError(why)
     moe, moe_notes = run_routing(source.spec, config)
@@ -209,8 +216,8 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
         raise TrainError("--optimizer-format nxd with --precision bf16 needs --zero1 (with --shard-params, which "
                          "replaces --zero1: --optimizer-format nxdtrain): NxD keeps a bf16 run's fp32 masters and "
                          "moments only in its ZeRO-1 optimizer's files")
-    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and par.ep > 1:
-        raise TrainError(f"--optimizer-format nxd with --ep {par.ep} and --precision bf16: NxD's expert-parallel ZeRO-1 "
+    if config.checkpoint.optimizer_format == "nxd" and config.precision == "bf16" and layout.ep > 1:
+        raise TrainError(f"--optimizer-format nxd with --ep {layout.ep} and --precision bf16: NxD's expert-parallel ZeRO-1 "
                          "files hold no fp32 masters, so each save would lose them; use --precision fp32 or "
                          "--optimizer-format nxdtrain")
     # The outputs last: what the run writes, checked before its first step (not after the last one).
@@ -292,7 +299,7 @@ class Trainer:
         cfg, source = plan.config, plan.source
         self.plan, self.cfg, self.dev, self.device = plan, cfg, device, device.torch_device
         self.mesh = mesh = Mesh(tp=plan.layout.tp, pp=plan.layout.pp, cp=cfg.parallel.context_parallel,
-                                ep=cfg.parallel.ep, timeout_s=cfg.dist_timeout)
+                                ep=plan.layout.ep, timeout_s=cfg.dist_timeout)
         self.rank0 = mesh.rank == 0
         c = mesh.coords
         torch.manual_seed(cfg.seed)

@@ -146,6 +146,27 @@ def test_apply_layout_names_each_value_by_its_origin():
         apply_layout(ParallelLayout(tp=4), LayoutOverrides(tp=2, style="compat"), recorded_at="rec.json")
 
 
+def test_apply_layout_training_rules():
+    """A training run's target (nxdtrain): the kv multiplier stays the shards' at their tp and attention (here one
+    that tp does not need: 4 where 2 would do), vpp is 1, the trn2 K/V order and, at their tp, the vocabulary padding
+    are the shards'; a converter's target recomputes them."""
+    shards = ParallelLayout(tp=2, pp=2, vpp=2, kvm=4, attention="qkv_linear", hw="trn2", trn2_kv_layout="official",
+                            padded_vocab=256)
+    kept = apply_layout(shards, LayoutOverrides(), kv_heads=1, training=True)
+    assert kept.layout == dataclasses.replace(shards, vpp=1) and kept.given() == []
+    assert kept.name("tp") == "the source's tp 2"
+    converter = apply_layout(shards, LayoutOverrides(), kv_heads=1)
+    assert (converter.layout.kvm, converter.layout.vpp, converter.layout.trn2_kv_layout.value,
+            converter.layout.padded_vocab) == (2, 2, "runtime", None)
+    resharded = apply_layout(shards, LayoutOverrides(tp=4), kv_heads=1, training=True)
+    assert (resharded.layout.kvm, resharded.layout.padded_vocab, resharded.name("tp")) == (4, None, "--tp 4")
+    separate = apply_layout(shards, LayoutOverrides(attention="separate"), kv_heads=2, training=True)
+    assert (separate.layout.kvm, separate.layout.fuse_qkv, separate.name("kvm")) == (
+        1, False, "the kv multiplier 1 that tp 2 needs")
+    given = apply_layout(shards, LayoutOverrides(kvm=2, vpp=2), kv_heads=1, training=True)
+    assert (given.layout.kvm, given.layout.vpp) == (2, 2)
+
+
 def test_layout_hints_keep_working_as_a_dict():
     hints = LayoutHints({"hw": "trn2", "tp": None}, override=True, style="compat")
     assert isinstance(hints, LayoutOverrides) and hints.override

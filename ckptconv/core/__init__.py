@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         parse_shard_name,
         shard_file,
     )
+    from ckptconv.core.layout_flags import LayoutOverrides, ResolvedLayout, apply_layout
     from ckptconv.core.mapping import (
         EMBED,
         LM_HEAD,

@@ -12,7 +12,11 @@ base layout with the one function :func:`apply_layout`:
   not given is what tp needs (:func:`ckptconv.core.layout.default_kvm`);
 - a *source* described by its ``ckptconv.json`` (to-hf, verify, to-dcp, reshard's source, nxd-compat's
   merge): what it records wins; a flag that contradicts it is refused, naming both values, unless
-  ``--override-recorded-layout`` says to read the shards that way (and the notes say so).
+  ``--override-recorded-layout`` says to read the shards that way (and the notes say so);
+- a *training run* resuming shards (nxdtrain, ``training=True``): a target, with the training rules: the kv
+  multiplier not given stays the shards' while tp and attention do (a resume does not re-replicate K/V), vpp is 1
+  (nxdtrain's schedules have no virtual stages), the trn2 K/V order and, at the shards' tp, the vocabulary padding
+  are the shards'.
 
 An error names a value as the user's (``--tp 4``) only where the user gave it; otherwise it says
 ``the source's tp 2`` or ``the default --tp 1``.
@@ -261,31 +265,38 @@ class ResolvedLayout:
 
 
 def apply_layout(base: ParallelLayout, flags: LayoutOverrides, *, base_is: str = "source",
-                 kv_heads: int | None = None, recorded_at: str | None = None) -> ResolvedLayout:
+                 kv_heads: int | None = None, recorded_at: str | None = None,
+                 training: bool = False) -> ResolvedLayout:
     """``flags`` laid over ``base``: the one way every command does it.
 
     ``base_is``: ``source`` (a checkpoint's layout) or ``default`` (no layout to start from: tp 1 x pp 1).
     Without ``recorded_at`` the result is a *target*: given values replace the base's, the kv multiplier
     not given is what tp needs over ``kv_heads`` KV heads, and the vocabulary padding is left to be
     recomputed. With ``recorded_at`` (the ``ckptconv.json`` that records ``base``) the flags *describe*
-    that source: a value contradicting the record is refused unless ``flags.override``.
+    that source: a value contradicting the record is refused unless ``flags.override``. ``training``: the
+    target is a training run's (the rules of the module docstring).
     """
     if recorded_at is not None:
         return _describe_recorded(base, flags, recorded_at)
     origins = {name: base_is for name in LAYOUT_FIELDS}
     values: dict[str, Any] = {name: getattr(base, name) for name in LAYOUT_FIELDS}
     for name, spec in LAYOUT_FIELDS.items():
-        if not spec.carried:
+        if not spec.carried and not training:
             values[name], origins[name] = getattr(ParallelLayout(), name), "default"
+    if training:
+        values["vpp"], origins["vpp"] = 1, "default"
     for name, value in flags.given().items():
         values[name], origins[name] = value, "given"
     if flags.attention not in (None, Attention.QKV_LINEAR) and flags.fuse_qkv is None:
         values["fuse_qkv"], origins["fuse_qkv"] = False, "default"  # fused weight_qkv exists on qkv_linear only
-    if flags.kvm is None and kv_heads is not None:
+    same_split = values["tp"] == base.tp and values["attention"] is base.attention
+    if flags.kvm is None and kv_heads is not None and not (training and same_split):
         values["kvm"], origins["kvm"] = default_kvm(values["tp"], kv_heads, values["attention"]), "needed"
     resolved = ResolvedLayout(ParallelLayout(), origins, flags.style)
     _check_pairs(values, resolved)
-    return replace(resolved, layout=ParallelLayout(**values))
+    # Else the padding is recomputed for the target's tp (a training run at the shards' tp keeps their rows).
+    padded = base.padded_vocab if training and values["tp"] == base.tp else None
+    return replace(resolved, layout=ParallelLayout(**values, padded_vocab=padded))
 
 
 def _check_pairs(values: dict[str, Any], resolved: ResolvedLayout) -> None:

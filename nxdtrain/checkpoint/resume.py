@@ -8,7 +8,7 @@ another layout, dp size or ZeRO-1 setting are resharded on load (:mod:`nxdtrain.
 requeued job passes every time) takes the newest completed tag in ``--checkpoint-dir`` when there is one,
 else ``--init PATH`` by the same rules (:func:`resolve_start`).
 
-A resume's layout: the flags', else the shards' (:func:`run_layout`); what it reshards or cannot carry is said before
+A resume's layout: the flags', else the shards' (:func:`run_layout`, ckptconv's rule); what it reshards or cannot carry is said before
 any step (:func:`resume_notes`).
 """
 
@@ -28,10 +28,12 @@ from ckptconv.core import (
     LM_HEAD,
     MODEL_DIR,
     Attention,
+    LayoutOverrides,
     ModelSpec,
     ParallelLayout,
+    ResolvedLayout,
     Source,
-    default_kvm,
+    apply_layout,
     shard_file,
     stores_lm_head,
 )
@@ -184,25 +186,23 @@ def damaged(exc: ConversionError) -> str:
     return str(exc)
 
 
-def run_layout(cfg: ParallelConfig, shards: ParallelLayout, spec: ModelSpec) -> ParallelLayout:
-    """The run's layout: tp/pp from the flags; attention, fusion and kvm from the flags or else the shards
-    (kvm: the shards' at their tp, else what the run's tp needs: tp / kv heads when tp > kv heads)."""
-    if cfg.qkv_linear is None:
-        attention = shards.attention
-    elif cfg.qkv_linear:
+def run_layout(cfg: ParallelConfig, shards: ParallelLayout, spec: ModelSpec) -> ResolvedLayout:
+    """The run's layout: the flags laid over the shards' by ckptconv's rule for a training run
+    (:func:`ckptconv.core.layout_flags.apply_layout` with ``training=True``): what is not given is the shards'
+    (tp, pp, ep, attention, fusion; the kv multiplier while tp and attention stay, else what tp needs)."""
+    return apply_layout(shards, run_flags(cfg, shards), kv_heads=spec.kv_heads, training=True)
+
+
+def run_flags(cfg: ParallelConfig, shards: ParallelLayout) -> LayoutOverrides:
+    """nxdtrain's layout flags as ckptconv's overrides; ``--no-qkv-linear`` means separate q/k/v only where the
+    shards are on qkv_linear (coalesced shards stay coalesced)."""
+    attention = None
+    if cfg.qkv_linear:
         attention = Attention.QKV_LINEAR
-    else:
-        attention = shards.attention if shards.attention is not Attention.QKV_LINEAR else Attention.SEPARATE
-    kvm = cfg.kv_replicator
-    if kvm is None:
-        kvm = shards.kvm if cfg.tp == shards.tp and attention is shards.attention else default_kvm(
-            cfg.tp, spec.kv_heads, attention)
-    return ParallelLayout(
-        tp=cfg.tp, pp=cfg.pp, vpp=1, kvm=kvm, attention=attention, ep=cfg.ep,
-        fuse_qkv=(shards.fuse_qkv and attention is Attention.QKV_LINEAR) if cfg.fuse_qkv is None else cfg.fuse_qkv,
-        hw=shards.hw, trn2_kv_layout=shards.trn2_kv_layout,
-        padded_vocab=shards.padded_vocab if cfg.tp == shards.tp else None,  # else: reshard (check_layout says so)
-    )
+    elif cfg.qkv_linear is False and shards.attention is Attention.QKV_LINEAR:
+        attention = Attention.SEPARATE
+    return LayoutOverrides(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, kvm=cfg.kv_replicator, attention=attention,
+                           fuse_qkv=cfg.fuse_qkv)
 
 
 LAYOUT_FIELDS = ("tp", "pp", "vpp", "kvm", "attention", "fuse_qkv", "ep")

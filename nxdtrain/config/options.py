@@ -86,12 +86,15 @@ class ParallelConfig:
     """How the model is split: tp x pp (a source of another layout is resharded on load), context parallel, and
     dp = world / (tp·pp·cp)."""
 
-    tp: int = option(1, "tensor-parallel degree of this run (not read from the shards); a --resume saved at another "
-                        "tp is resharded on load, each rank reading its slices", group="model and layout")
-    pp: int = option(1, "pipeline-parallel degree of this run (not read from the shards); a --resume saved at "
-                        "another pp is resharded on load, each rank reading its slices", group="model and layout")
+    tp: int | None = option(None, "tensor-parallel degree of this run (not given: the shards'); a --resume saved at "
+                                  "another tp is resharded on load, each rank reading its slices",
+                            group="model and layout")
+    pp: int | None = option(None, "pipeline-parallel degree of this run (not given: the shards'); a --resume saved at "
+                                  "another pp is resharded on load, each rank reading its slices",
+                            group="model and layout")
     kv_replicator: int | None = option(None, "K/V head replication (kv_size_multiplier); default: the shards' at "
-                                       "their tp, else tp / kv heads",
+                                       "their tp and attention, else what tp needs (tp / kv heads when tp exceeds "
+                                       "them)",
                                        aliases=("--kv-size-multiplier",), group="model and layout")
     qkv_linear: bool | None = option(None, "GQA QKV layer (weight_q/k/v or weight_qkv); default: the shards'",
                                      group="model and layout")
@@ -119,8 +122,9 @@ class ParallelConfig:
                                                  "(act(gate) x up), LlamaRMSNorm (every RMSNorm), LlamaDecoderLayer "
                                                  "(whole layers)", aliases=("--activations-checkpoint-recompute",),
                                            group="parallelism")
-    ep: int = option(1, "expert-parallel degree (MoE families): carved out of data parallel (must divide it), each ep "
-                        "rank holding E / ep experts, tokens sent to them by all-to-all",
+    ep: int | None = option(None, "expert-parallel degree (MoE families; not given: the shards'): carved out of data "
+                                  "parallel (must divide it), each ep rank holding E / ep experts, tokens sent to "
+                                  "them by all-to-all",
                      aliases=("--expert-model-parallel-size",), group="parallelism")
     context_parallel: int = option(1, "split every row's sequence over this many ranks (zigzag chunks, ring "
                                       "attention); needs --seq-len divisible by 2 x N",
@@ -130,16 +134,16 @@ class ParallelConfig:
                                         "> 1 needs it", group="parallelism")
 
     def __post_init__(self) -> None:
-        _check(is_int(self.tp) and self.tp >= 1, f"--tp must be an integer >= 1, got {self.tp!r}")
-        _check(is_int(self.pp) and self.pp >= 1, f"--pp must be an integer >= 1, got {self.pp!r}")
-        _check(is_int(self.ep) and self.ep >= 1, f"--ep must be an integer >= 1, got {self.ep!r}")
+        for name in ("tp", "pp", "ep"):  # None: the shards' (resolved by prepare, nxdtrain.checkpoint.resume.run_layout)
+            value = getattr(self, name)
+            _check(value is None or (is_int(value) and value >= 1), f"--{name} must be an integer >= 1, got {value!r}")
         _check(is_int(self.context_parallel) and self.context_parallel >= 1,
                f"--context-parallel must be an integer >= 1, got {self.context_parallel!r}")
         _check(self.ring_attention or self.context_parallel == 1,
                f"--context-parallel {self.context_parallel} needs ring attention (model.fusions.ring_attention: true), "
                "the only context-parallel attention nxdtrain has; drop --no-ring-attention or use --context-parallel 1")
         _check((why := sharding_limits(shard_params=self.shard_params, hybrid_shard=self.hybrid_shard,
-                                       zero1=self.zero1, pp=self.pp, cp=self.context_parallel)) is None, str(why))
+                                       zero1=self.zero1, pp=self.pp or 1, cp=self.context_parallel)) is None, str(why))
         _check(self.kv_replicator is None or (is_int(self.kv_replicator) and self.kv_replicator >= 1),
                f"--kv-replicator must be an integer >= 1, got {self.kv_replicator!r}")
         _check(not (self.fuse_qkv and self.qkv_linear is False), "--fuse-qkv needs --qkv-linear; drop --no-qkv-linear")
@@ -428,8 +432,23 @@ class TrainConfig:
     def xla_why(self) -> str | None:
         """Why this run cannot train on xla, in one line, or None (the config for ``--device xla``, ``prepare`` for
         ``--device auto`` resolving to xla)."""
-        return (xla_limits(pp=self.parallel.pp, optimizer=self.optim.optimizer, cp=self.parallel.context_parallel)
+        return (xla_limits(pp=self.parallel.pp or 1, optimizer=self.optim.optimizer, cp=self.parallel.context_parallel)
                 or self.parallel.xla_refusal())
+
+    def with_layout(self, *, tp: int, pp: int, ep: int) -> TrainConfig:
+        """The run's tp, pp and ep, the shards' where not given (``prepare`` resolves them before dp = world /
+        (tp x pp x cp)): the checks of the other options run again with them, and a refusal names a value the user
+        did not give as the shards'."""
+        try:
+            return dataclasses.replace(self, parallel=dataclasses.replace(self.parallel, tp=tp, pp=pp, ep=ep))
+        except TrainError as exc:
+            raise TrainError(self.layout_explained(str(exc))) from None
+
+    def layout_explained(self, message: str) -> str:
+        """``message`` with ``--tp``/``--pp``/``--ep`` not given named as the shards' (:func:`explain`); call it on
+        the config before :meth:`with_layout`."""
+        from_shards = {k: f"the shards' {k}" for k in ("tp", "pp", "ep") if getattr(self.parallel, k) is None}
+        return explain(message, {**from_shards, **self.origins})
 
     def with_precision(self, device: str, recorded: str | None) -> tuple[TrainConfig, str]:
         """``--precision auto`` resolved for ``device`` (a resumed checkpoint's ``recorded`` precision first),

@@ -104,6 +104,44 @@ def test_resume_cases_and_errors(tmp_path, nxd_model):
         resolve_resume(str(broken), weights_only=False)
 
 
+def test_layout_not_given_is_the_tags(tmp_path, nxd_model):
+    """A tp-2 tag resumed without --tp keeps tp 2 (as ckptconv's verbs keep the source's layout): nothing resharded,
+    nothing said, dp = world / the tag's tp; --tp 1 reshards and says so once (an older nxdtrain took tp 1 silently)."""
+    src = nxd_model("gqa", tp=2, pp=1, attention="qkv_linear", fuse_qkv=True, kv_size_multiplier=2)
+    run_world(2, resume=str(src), checkpoint_dir=str(tmp_path / "run"), log_jsonl=str(tmp_path / "a.jsonl"),
+              **train_options(tp=2, steps=1, decay_steps=3))
+    tag = tmp_path / "run" / "step_1"
+    shards = resolve_resume(str(tag), weights_only=False).layout
+    assert (shards.tp, shards.kvm, shards.fuse_qkv) == (2, 2, True)  # what the tag records (ckptconv.json)
+    options = train_options(resume=str(tag), checkpoint_dir=str(tmp_path / "next"), decay_steps=3)
+    kept = prepare(TrainConfig.from_flat(options), world_size=4)
+    assert (kept.layout, kept.dp, kept.config.parallel.tp, kept.config.parallel.pp) == (shards, 2, 2, 1)
+    assert not [note for note in kept.resume_notes if "resharding" in note], kept.resume_notes
+    asked = prepare(TrainConfig.from_flat({**options, "tp": 1}), world_size=4)
+    assert asked.dp == 4
+    assert [note for note in asked.resume_notes if "resharding" in note] == [
+        "resharding on load (weights and optimizer state, each rank reads its slices of the tag): tp 2 pp 1 kvm 2 "
+        "qkv_linear fused, no ZeRO-1 -> tp 1 pp 1 kvm 1 qkv_linear fused, no ZeRO-1"]
+
+
+def test_refusals_name_the_shards_values_the_user_did_not_give(tmp_path, nxd_model):
+    """A check that needs the run's pp names the shards' pp when --pp was not given, the flag when it was."""
+    src = nxd_model("gqa", tp=1, pp=2, attention="separate")
+    options = train_options(resume=str(src), no_checkpoint=True, shard_params=True)
+    with pytest.raises(TrainError, match=r"^--shard-params with the shards' pp 2: FSDP2 is not wired"):
+        prepare(TrainConfig.from_flat(options), world_size=2)
+    with pytest.raises(TrainError, match=r"^--shard-params with --pp 2: FSDP2 is not wired"):
+        TrainConfig.from_flat({**options, "pp": 2})
+    assert prepare(TrainConfig.from_flat({**options, "pp": 1}), world_size=2).layout.pp == 1
+    tp2 = nxd_model("gqa", tp=2, pp=1, attention="qkv_linear", kv_size_multiplier=2)
+    alone = train_options(resume=str(tp2), no_checkpoint=True)
+    with pytest.raises(TrainError, match=r"^world size 1 \(--nproc or the launcher's\) is not a multiple of the "
+                                         r"shards' tp 2 x the shards' pp 1$"):
+        prepare(TrainConfig.from_flat(alone), world_size=1)
+    with pytest.raises(TrainError, match=r"is not a multiple of --tp 2 x the shards' pp 1$"):
+        prepare(TrainConfig.from_flat({**alone, "tp": 2}), world_size=1)
+
+
 @pytest.mark.parametrize("flags,run", [
     (dict(tp=1), "tp 1 pp 1 kvm 1 qkv_linear"),
     (dict(tp=2, fuse_qkv=True), "tp 2 pp 1 kvm 2 qkv_linear fused"),

@@ -126,11 +126,11 @@ def test_errors_name_the_flag(options, message):
 # Every leaf's default, as scripts rely on it (data: none since --data synthetic must be asked for).
 DEFAULTS = {
     "steps": 1000, "epochs": None, "seed": 1234, "precision": "auto", "nproc": None, "log_jsonl": None,
-    "tensorboard": None, "export_hf": None, "dist_timeout": 1800.0, "device": "auto", "log_every": 1, "tp": 1, "pp": 1,
+    "tensorboard": None, "export_hf": None, "dist_timeout": 1800.0, "device": "auto", "log_every": 1, "tp": None, "pp": None,
     "kv_replicator": None, "qkv_linear": None, "fuse_qkv": None, "pp_schedule": "1f1b", "zero1": False,
     "shard_params": False, "hybrid_shard": None, "offload_activations": False,
     "sequence_parallel": False, "activation_checkpointing": "none", "recompute_modules": None,
-    "ep": 1, "context_parallel": 1, "ring_attention": True,
+    "ep": None, "context_parallel": 1, "ring_attention": True,
     "optimizer": "adamw", "lr": 0.0003, "min_lr": None, "warmup": 0, "schedule": "cosine", "decay_steps": None,
     "weight_decay": 0.0, "norm_weight_decay": False, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, "clip_grad": 1.0, "data": None, "seq_len": 1024,
     "long_rows": "cut", "pad": False, "gbs": 8, "mbs": 1, "shuffle": True, "eval_data": None, "eval_every": 0,
