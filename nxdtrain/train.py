@@ -142,6 +142,20 @@ def _resolve_device(config: TrainConfig) -> str:
     return device
 
 
+def _run_layout(config: TrainConfig, source: ResumeSource, device: str) -> tuple[ParallelLayout, TrainConfig]:
+    """The run's layout (a degree not given: the shards') and the config with it, checked against the model."""
+    try:
+        asked = run_layout(config.parallel, source.layout, source.spec)  # not given: the shards'
+        asked.check_model(source.spec)
+    except ConversionError as exc:
+        raise TrainError(f"{source.flag} {source.given}: this run's layout: {exc}") from None
+    layout = asked.layout
+    config = config.with_layout(tp=layout.tp, pp=layout.pp, ep=layout.ep)
+    if device == "xla":  # --device auto's check again, now with the shards' pp where --pp was not given
+        _resolve_device(config)
+    return layout, config
+
+
 def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None = None,
             resolved: Resolved | None = None) -> RunPlan:
     """Resolve ``--resume``, check the layout, the batch arithmetic, the data and the output directories; raise
@@ -150,15 +164,8 @@ def prepare(config: TrainConfig, world_size: int, data_checks: DataChecks | None
     device = _resolve_device(config)
     check_one_writer(config.checkpoint.checkpoint_dir)  # first: a live run there is the refusal that matters
     source = resolve_start(config.checkpoint) if resolved is None else resolved.source
-    try:
-        asked = run_layout(config.parallel, source.layout, source.spec)  # not given: the shards'
-        asked.check_model(source.spec)
-    except ConversionError as exc:
-        raise TrainError(f"{source.flag} {source.given}: this run's layout: {exc}") from None
-    layout, given = asked.layout, config
-    config = config.with_layout(tp=layout.tp, pp=layout.pp, ep=layout.ep)
-    if device == "xla":  # --device auto's check again, now with the shards' pp where --pp was not given
-        _resolve_device(config)
+    given = config
+    layout, config = _run_layout(config, source, device)
     tp, pp = layout.tp, layout.pp
     data = config.data
     par = config.parallel
