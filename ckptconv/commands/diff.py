@@ -55,7 +55,7 @@ def open_side(path: str | Path, stack: contextlib.ExitStack, *, config: str | Pa
 
 def is_dcp(path: Path) -> bool:
     """A DCP directory (``.metadata``) or a TorchTitan checkpoint root (``step-N`` directories)."""
-    from ckptconv.io.dcp import METADATA, _STEP_DIR
+    from ckptconv.io.dcp import _STEP_DIR, METADATA
 
     return path.is_dir() and ((path / METADATA).is_file()
                               or any(_STEP_DIR.match(p.name) and p.is_dir() for p in path.iterdir()))
@@ -94,7 +94,7 @@ def _nxd_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None
 
 def _dcp_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None, io: str, check: bool) -> Side:
     from ckptconv.commands.dcp import open_dcp
-    from ckptconv.titan.names import OPTIMIZER_STATE_FIELDS, optimizer_key, trained_params
+    from ckptconv.titan.names import OPTIMIZER_STATE_FIELDS, trained_params
     from ckptconv.titan.plans import plan_dcp_to_hf, titan_tiles
     from ckptconv.training.nxdtrain_format.state import state_key
 
@@ -112,8 +112,7 @@ def _dcp_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None
         whole = {t.key: t for f in _whole_hf_plan(spec, {k: t.dtype for k, t in weights.items()}, 2**62,
                                                   lambda _k, d: d).files for t in f.tensors}
         for component in OPTIMIZER_STATE_FIELDS[1:]:
-            tiles = titan_tiles(trained_params(spec), spec,
-                                source_of=lambda key, c=component: Source(None, optimizer_key(key, c)))
+            tiles = titan_tiles(trained_params(spec), spec, source_of=_optimizer_source(component))
             for key, tensor in whole.items():
                 if key not in tiles:
                     continue
@@ -127,6 +126,14 @@ def _dcp_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None
                     state[state_key(key, "step")] = OutTensor(state_key(key, "step"), dtypes[step], (), 0,
                                                               (Piece(Source(None, step), 0, 1),))
     return Side(str(path), "dcp", ckpt, {**weights, **state}, notes)
+
+
+def _optimizer_source(component: str) -> Callable[[str], Any]:
+    """Where TorchTitan keeps ``component`` of the parameter ``key`` (its table read backwards onto the moments)."""
+    from ckptconv.core.plan import Source
+    from ckptconv.titan.names import optimizer_key
+
+    return lambda key: Source(None, optimizer_key(key, component))
 
 
 # --------------------------------------------------------------------------------------------
