@@ -42,6 +42,8 @@ def open_side(path: str | Path, stack: contextlib.ExitStack, *, config: str | Pa
     path = Path(path)
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
+    from ckptconv.commands.inspect_dcp import is_dcp
+
     if is_dcp(path):
         return _dcp_side(path, stack, config, io, check)
     try:
@@ -51,14 +53,6 @@ def open_side(path: str | Path, stack: contextlib.ExitStack, *, config: str | Pa
             return _hf_side(path, stack, config, io)
         except ConversionError as hf_error:
             raise ConversionError(f"{path}: neither DCP, NxD ({nxd_error}) nor HF ({hf_error})") from None
-
-
-def is_dcp(path: Path) -> bool:
-    """A DCP directory (``.metadata``) or a TorchTitan checkpoint root (``step-N`` directories)."""
-    from ckptconv.io.dcp import _STEP_DIR, METADATA
-
-    return path.is_dir() and ((path / METADATA).is_file()
-                              or any(_STEP_DIR.match(p.name) and p.is_dir() for p in path.iterdir()))
 
 
 def _hf_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None, io: str) -> Side:
