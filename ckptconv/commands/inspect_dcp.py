@@ -105,6 +105,8 @@ def infer_titan_model(keys: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         if out["qk_norm"]:
             head_dim = keys["layers.0.attention.q_norm.weight"][0]
             out.update(head_dim=head_dim, heads=q[0] // head_dim, kv_heads=k[0] // head_dim)
+    if fused := keys.get("layers.0.attention.qkv_linear.wqkv.weight"):
+        out["qkv_rows"] = fused[0]  # heads and kv heads fused: their split is not stored
     if "layers.0.feed_forward.w1.weight" in keys:
         out["intermediate"] = keys["layers.0.feed_forward.w1.weight"][0]
     experts = [s for key, s in keys.items() if key.endswith("moe.routed_experts.inner_experts.w1_EFD")]
