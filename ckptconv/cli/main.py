@@ -268,9 +268,10 @@ def _from_dcp_parser(sub: Subparsers) -> None:
 
 
 def _verify_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
+    p = sub.add_parser("verify", help="check that NxD shards (or a TorchTitan DCP) compute what the HF model computes")
     p.add_argument("hf_dir", help="the HF model directory, or hub id org/name (see --revision)")
-    p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root)")
+    p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root), or a DCP "
+                                   "directory or TorchTitan checkpoint root")
     _revision_flag(p)
     p.add_argument("--layers", default="all", help="'all' or a number of layers to sample evenly (default all)")
     p.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4; looser after a cast)")
@@ -284,8 +285,9 @@ def _verify_parser(sub: Subparsers) -> None:
 
 
 def _inspect_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
-    p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
+    p = sub.add_parser("inspect", help="describe an HF, NxD or DCP checkpoint")
+    p.add_argument("path", help="an HF or NxD directory, a training tag or root, a DCP directory or TorchTitan "
+                                "checkpoint root, or hub id org/name")
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (when PATH has none)")
     _masters_flag(p, "the shards")
