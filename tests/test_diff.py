@@ -102,3 +102,28 @@ def test_bands_are_bounded_and_give_the_same_answer(three: dict[str, Path]) -> N
     """A budget of a few rows: every tensor compared in many bands (RoPE periods kept whole), same verdicts."""
     small = ckptconv.diff(three["hf"], three["dcp"], max_memory=4096)
     assert small["ok"] and small["counts"] == ckptconv.diff(three["hf"], three["dcp"])["counts"]
+
+
+def test_inspect_hf_and_dcp_json_field_by_field(three: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The same model as HF and DCP: each field against safetensors' / the config's own account."""
+    state = load_file(three["hf"] / "model.safetensors")
+    config = json.loads((three["hf"] / "config.json").read_text())
+    model = {"family": "llama", "layers": config["num_hidden_layers"], "hidden": config["hidden_size"],
+             "heads": config["num_attention_heads"], "kv_heads": config["num_key_value_heads"],
+             "head_dim": config["head_dim"], "intermediate": config["intermediate_size"],
+             "vocab": config["vocab_size"], "tied": False}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert main(["inspect", str(three["hf"]), "--json"]) == 0
+    hf = json.loads(capsys.readouterr().out)
+    assert hf == {"kind": "hf", "path": str(three["hf"]), "model": model, "tensors": len(state),
+                  "parameters": sum(t.numel() for t in state.values()), "bytes": nbytes,
+                  "dtypes": {"float32": len(state)}, "files": ["model.safetensors"], "complete": True,
+                  "metadata": False}
+    assert main(["inspect", str(three["dcp"]), "--json"]) == 0
+    dcp = json.loads(capsys.readouterr().out)
+    assert dcp == {"kind": "dcp", "path": str(three["dcp"]), "root": str(three["dcp"]), "found_as": "directory",
+                   "holds": {"model": len(state), "optimizer": 0, "lr_scheduler": 0, "train_state": 0, "dataloader": 0},
+                   "model": {**model, "from": "config"}, "tensors": len(state),
+                   "parameters": sum(t.numel() for t in state.values()), "bytes": nbytes,
+                   "dtypes": {"float32": len(state)}, "files": ["__0_0.distcp"], "metadata": True, "complete": True,
+                   "problems": []}
