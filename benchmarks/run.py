@@ -208,7 +208,7 @@ def diff_rows(small: str, layers: int, repeat: int) -> list[Row]:
     hf = model(f"hf-{small}-{layers}l", small, layers)
     nxd, dcp = OUT / f"nxd-{small}-diff", OUT / f"dcp-{small}-diff"
     for argv in (["to-nxd", str(hf), str(nxd), "--tp", "8", "--pp", "2", "--qkv-linear"], ["to-dcp", str(nxd), str(dcp)]):
-        if subprocess.run([*CKPTCONV, *argv, "--quiet"]).returncode != 0:
+        if subprocess.run([*CKPTCONV, *argv, "--quiet"], stdout=subprocess.DEVNULL).returncode != 0:
             raise SystemExit(f"bench: {' '.join(argv)} failed")
     row = diff_row(f"diff {small} x{layers} layers: tp 8 pp 2 shards vs their DCP", nxd, dcp, repeat)
     shutil.rmtree(nxd)

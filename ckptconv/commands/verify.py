@@ -33,6 +33,7 @@ from ckptconv.commands.verify_checks import as_json as _as_json
 from ckptconv.commands.verify_checks import close as _close
 from ckptconv.commands.verify_checks import compare as _compare
 from ckptconv.commands.verify_checks import default_tol as _default_tol
+from ckptconv.commands.verify_checks import hf_layer as _hf_layer
 from ckptconv.commands.verify_checks import problem as _problem
 from ckptconv.commands.verify_checks import sample_layers as _sample_layers
 from ckptconv.commands.verify_dcp import verify_dcp
@@ -116,16 +117,6 @@ class _Shards:
         else:
             w["q"], w["k"], w["v"] = (t(f"self_attn.{p}_proj.{kind}") for p in "qkv")
         return w
-
-
-def _hf_layer(hf: HfCheckpoint, layer: int) -> dict[str, torch.Tensor]:
-    prefix = f"model.layers.{layer}."
-    out = {}
-    for key in hf.keys():
-        if key.startswith(prefix) and not key.endswith("inv_freq"):
-            _, shape, _ = hf.info(Source(None, key))
-            out[key[len(prefix):]] = hf.read_rows(Source(None, key), 0, shape[0]).reshape(shape).float()
-    return out
 
 
 def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards, layer: int, tol: float) -> list[Check]:

@@ -67,3 +67,17 @@ def sample_layers(layers: int, which: int | str) -> list[int]:
     if count == 1:
         return [0]
     return sorted({round(i * (layers - 1) / (count - 1)) for i in range(count)})
+
+
+def read_whole(reader: Any, key: str) -> torch.Tensor:
+    """A tensor of an HF or DCP reader (``Source(None, key)``), whole, in fp32."""
+    from ckptconv.core.plan import Source
+
+    _, shape, _ = reader.info(Source(None, key))
+    return reader.read_rows(Source(None, key), 0, shape[0] if shape else 1).reshape(shape).float()
+
+
+def hf_layer(hf: Any, layer: int) -> dict[str, torch.Tensor]:
+    """One HF layer's weights by their names without ``model.layers.N.`` (no ``inv_freq``), in fp32."""
+    prefix = f"model.layers.{layer}."
+    return {k[len(prefix):]: read_whole(hf, k) for k in hf.keys() if k.startswith(prefix) and not k.endswith("inv_freq")}

@@ -15,10 +15,18 @@ from typing import Any
 
 import torch
 
-from ckptconv.commands.verify_checks import Check, as_json, compare, default_tol, problem, sample_layers
+from ckptconv.commands.verify_checks import (
+    Check,
+    as_json,
+    compare,
+    default_tol,
+    hf_layer,
+    problem,
+    read_whole,
+    sample_layers,
+)
 from ckptconv.core.mapping import EMBED, FINAL_NORM, LM_HEAD
 from ckptconv.core.model_spec import ModelSpec
-from ckptconv.core.plan import Source
 from ckptconv.core.reference import (
     apply_rope,
     attention_heads,
@@ -59,7 +67,7 @@ def verify_dcp(hf_dir: Path, dcp_dir: str | Path, *, layers: int | str, tol: flo
         with byte_progress(f"verify {Path(dcp_dir).name}", len(sampled), quiet=not progress, of="layers") as advance:
             for layer in sampled:
                 x = torch.randn(2, 16, spec.hidden, generator=generator)
-                checks = _check_layer(x, spec, _hf_layer(hf, layer), _titan_layer(ckpt, layer), complex_rope, tol)
+                checks = _check_layer(x, spec, hf_layer(hf, layer), _titan_layer(ckpt, layer), complex_rope, tol)
                 results["layers"][layer] = {c.name: as_json(c) for c in checks}
                 problems += [problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
                 advance(1)
@@ -72,19 +80,9 @@ def verify_dcp(hf_dir: Path, dcp_dir: str | Path, *, layers: int | str, tol: flo
     return results
 
 
-def _full(reader: Any, key: str) -> torch.Tensor:
-    _, shape, _ = reader.info(Source(None, key))
-    return reader.read_rows(Source(None, key), 0, shape[0] if shape else 1).reshape(shape).float()
-
-
-def _hf_layer(hf: HfCheckpoint, layer: int) -> dict[str, torch.Tensor]:
-    prefix = f"model.layers.{layer}."
-    return {k[len(prefix):]: _full(hf, k) for k in hf.keys() if k.startswith(prefix) and not k.endswith("inv_freq")}
-
-
 def _titan_layer(ckpt: DcpCheckpoint, layer: int) -> dict[str, torch.Tensor]:
     prefix = f"layers.{layer}."
-    return {k[len(prefix):]: _full(ckpt, k) for k, e in ckpt.entries.items() if k.startswith(prefix) and e.is_tensor}
+    return {k[len(prefix):]: read_whole(ckpt, k) for k, e in ckpt.entries.items() if k.startswith(prefix) and e.is_tensor}
 
 
 def _complex_rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -144,12 +142,12 @@ def _check_layer(x: torch.Tensor, spec: ModelSpec, hf_w: dict[str, torch.Tensor]
 
 def _check_vocab(hf: HfCheckpoint, ckpt: DcpCheckpoint, spec: ModelSpec, generator: torch.Generator) -> list[Check]:
     eps = float(spec.config.get("rms_norm_eps", 1e-6))
-    embed, titan_embed = _full(hf, EMBED), _full(ckpt, "tok_embeddings.weight")
+    embed, titan_embed = read_whole(hf, EMBED), read_whole(ckpt, "tok_embeddings.weight")
     ids = torch.randint(0, spec.vocab, (2, 16), generator=generator)
     checks = [compare("embedding", titan_embed[ids], embed[ids])]
     x = torch.randn(2, 16, spec.hidden, generator=generator)
-    head = embed if spec.tied else _full(hf, LM_HEAD)
-    expected = rms_norm(x, _full(hf, FINAL_NORM), eps) @ head.t()
-    titan_head = _full(ckpt, "lm_head.weight") if "lm_head.weight" in ckpt.entries else titan_embed
-    checks.append(compare("lm_head", rms_norm(x, _full(ckpt, "norm.weight"), eps) @ titan_head.t(), expected))
+    head = embed if spec.tied else read_whole(hf, LM_HEAD)
+    expected = rms_norm(x, read_whole(hf, FINAL_NORM), eps) @ head.t()
+    titan_head = read_whole(ckpt, "lm_head.weight") if "lm_head.weight" in ckpt.entries else titan_embed
+    checks.append(compare("lm_head", rms_norm(x, read_whole(ckpt, "norm.weight"), eps) @ titan_head.t(), expected))
     return checks
