@@ -47,11 +47,17 @@ from ckptconv.io.hf import HfCheckpoint
 def verify_dcp(hf_dir: Path, dcp_dir: str | Path, *, layers: int | str, tol: float | None, seed: int,
                config: str | Path | None, check: bool, progress: bool) -> dict[str, Any]:
     """What :func:`ckptconv.commands.verify.verify` returns, for a DCP directory or TorchTitan root."""
-    from ckptconv.commands.dcp import open_dcp
+    from ckptconv.sources.nxd import model_spec_of
     from ckptconv.titan.names import titan_model
 
-    ckpt, spec, notes = open_dcp(dcp_dir, config=config, check=check, carried=("optimizer", "lr_scheduler",
-                                                                                  "train_state", "dataloader"))
+    ckpt = DcpCheckpoint(dcp_dir, check=check)  # a key the model needs and the DCP lacks: named when read
+    try:
+        spec = model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no HF config; "
+                             "pass --config PATH/config.json (the model's HF config)")
+    except BaseException:
+        ckpt.close()
+        raise
+    notes = [f"reading {ckpt.root} ({ckpt.found_as})"]
     generator = torch.Generator().manual_seed(seed)
     results: dict[str, Any] = {"layers": {}, "notes": notes}
     problems: list[str] = []
