@@ -123,7 +123,7 @@ def table(rows: list[Row], rss_rows: list[tuple[str, int]]) -> str:
     for r in rows:
         spread = f"{r.ratios[0]:.2f}-{r.ratios[-1]:.2f}x" if len(r.runs) > 1 else ""
         lines.append(f"| {r.case} | {len(r.runs)} | {r.seconds:.1f} | {r.cp_seconds:.1f} | {r.ratio:.2f}x | {spread} | "
-                     f"{gb(r.bytes_read)} | {gb(r.bytes_written)} | {r.bytes_written / r.seconds / 1e6:.0f} MB/s | "
+                     f"{gb(r.bytes_read)} | {gb(r.bytes_written)} | {(r.bytes_written or r.bytes_read) / r.seconds / 1e6:.0f} MB/s | "
                      f"{r.peak_rss / 2**20:.0f} MiB |")
     if rss_rows:
         lines += ["", "| peak RSS, to-nxd with default settings | MiB |", "| --- | ---: |"]
@@ -191,8 +191,33 @@ def dcp_only(repeat: int) -> None:
     (OUT / "dcp.md").write_text(text + "\n")
 
 
+def diff_row(case: str, a: Path, b: Path, repeat: int = 1) -> Row:
+    """``ckptconv diff A B`` against ``cp -r`` of both folders (what it reads), each run right after its cp."""
+    runs, peak = [], 0
+    for _ in range(repeat):
+        baseline = cp_time(a) + cp_time(b)
+        seconds, rss = timed([*CKPTCONV, "diff", str(a), str(b), "--quiet"])
+        runs.append((seconds, baseline))
+        peak = max(peak, rss)
+        print(f"{case}: {seconds:.1f} s, cp -r of both {baseline:.1f} s ({seconds / baseline:.2f}x)", flush=True)
+    return Row(case, runs, du(a) + du(b), 0, peak)
+
+
+def diff_rows(small: str, layers: int, repeat: int) -> list[Row]:
+    """diff of NxD shards (tp 8 pp 2) against their TorchTitan DCP, 8B layer shapes."""
+    hf = model(f"hf-{small}-{layers}l", small, layers)
+    nxd, dcp = OUT / f"nxd-{small}-diff", OUT / f"dcp-{small}-diff"
+    for argv in (["to-nxd", str(hf), str(nxd), "--tp", "8", "--pp", "2", "--qkv-linear"], ["to-dcp", str(nxd), str(dcp)]):
+        if subprocess.run([*CKPTCONV, *argv, "--quiet"], stdout=subprocess.DEVNULL).returncode != 0:
+            raise SystemExit(f"bench: {' '.join(argv)} failed")
+    row = diff_row(f"diff {small} x{layers} layers: tp 8 pp 2 shards vs their DCP", nxd, dcp, repeat)
+    shutil.rmtree(nxd)
+    shutil.rmtree(dcp)
+    return [row]
+
+
 def small_rows(small: str, layers: int, repeat: int) -> list[Row]:
-    """The 8B rows: to-nxd tp 8 pp 2, to-hf back, reshard to tp 4 pp 1."""
+    """The 8B rows: to-nxd tp 8 pp 2, to-hf back, reshard to tp 4 pp 1; diff of the shards against their DCP."""
     rows = []
     l8 = model(f"hf-{small}-{layers}l", small, layers)
     nxd8 = OUT / f"nxd-{small}"
@@ -206,6 +231,7 @@ def small_rows(small: str, layers: int, repeat: int) -> list[Row]:
                                                                      "--pp", "1"], nxd8, resharded, repeat))
     shutil.rmtree(resharded)
     shutil.rmtree(nxd8)
+    rows += diff_rows(small, layers, repeat)
     shutil.rmtree(l8)
     return rows
 
@@ -219,6 +245,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers of the 70B model for --checked-reads, of the Mixtral model for --moe")
     parser.add_argument("--dcp", action="store_true", help="only to-dcp / from-dcp of the 70B shapes (4 layers)")
     parser.add_argument("--only-8b", action="store_true", help="only the 8B rows, each run --repeat times")
+    parser.add_argument("--diff", action="store_true", help="only the diff row (8B shapes, --layers layers)")
     parser.add_argument("--moe", action="store_true", help="only the Mixtral-8x7B-shaped rows (--layers layers)")
     parser.add_argument("--training", action="store_true", help="only the training-state rows (6.85 GB tag)")
     parser.add_argument("--deepseek", action="store_true", help="only the DeepSeek-V3 rows (FP8 671B layer shapes)")
@@ -259,6 +286,12 @@ def main() -> None:
         return
     if args.checked_reads:
         checked_reads(args.repeat, args.layers)
+        return
+    if args.diff:
+        rows = diff_rows("8b", args.layers, args.repeat)
+        shutil.rmtree(OUT / f"hf-8b-{args.layers}l")
+        print(text := table(rows, []) + f"\n\npage cache dropped before each run: {drop_caches()}")
+        (OUT / "diff.md").write_text(text + "\n")
         return
     if args.dcp:
         dcp_only(args.repeat)

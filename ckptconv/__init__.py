@@ -2,7 +2,7 @@
 DeepSeek-V3, GPT-OSS), streamed, verified.
 
 The public API is a handful of verbs; everything the CLI does is one of these calls:
-``to_nxd``, ``to_hf``, ``reshard``, ``inspect``, ``to_dcp``, ``from_dcp`` (imported lazily, so that importing a submodule
+``to_nxd``, ``to_hf``, ``reshard``, ``inspect``, ``to_dcp``, ``from_dcp``, ``diff`` (imported lazily, so that importing a submodule
 such as ``ckptconv.core.mapping`` stays cheap).
 """
 
@@ -16,12 +16,13 @@ from ckptconv.hall import __version__, lazy_exports, type_checking_imports  # no
 if TYPE_CHECKING:  # the verbs, imported on first use (lazy_exports below)
     from ckptconv.commands.api import reshard, to_hf, to_nxd
     from ckptconv.commands.dcp import from_dcp, to_dcp
+    from ckptconv.commands.diff import diff
     from ckptconv.commands.inspect import inspect
     from ckptconv.engine.options import RunOptions
 
 
 __all__ = ["ConversionError", "VerificationError", "__version__", "RunOptions", "to_nxd", "to_hf", "reshard",
-           "inspect", "to_dcp", "from_dcp"]
+           "inspect", "to_dcp", "from_dcp", "diff"]
 
 
 __getattr__ = lazy_exports(__name__, __file__)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
+from ckptconv.cli.diff_args import add_diff_parser, run_diff
 from ckptconv.cli.errors import DEBUG_HELP, run_guarded
 from ckptconv.cli.layout_args import Parser, add_layout_flags, add_source_flags, overrides_from, source_overrides
 from ckptconv.cli.report import reported
@@ -104,11 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_to_nxd_parser, _to_hf_parser, _reshard_parser, _to_dcp_parser, _from_dcp_parser, _verify_parser,
                 _inspect_parser, _finalize_parser, _compat_parser):
         add(sub)
+    add_diff_parser(sub, parse_size, JSON_HELP)
     for command in sub.choices.values():  # --debug also after the subcommand
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     for name in ("to-hf", "verify", "nxd-compat", "to-dcp", "reshard"):  # flags that describe an NxD source
         sub.choices[name].add_argument(OVERRIDE_FLAG, action="store_true", help=OVERRIDE_HELP)
-    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp"):  # read NxD/DCP
+    for name in ("to-hf", "reshard", "verify", "inspect", "nxd-compat", "to-dcp", "from-dcp", "diff"):  # read NxD/DCP
         sub.choices[name].add_argument(
             "--no-check", action="store_true",
             help="do not check input files against ckptconv.json (size, digest) and their zip CRC-32s (forensics)")
@@ -266,9 +268,10 @@ def _from_dcp_parser(sub: Subparsers) -> None:
 
 
 def _verify_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("verify", help="check that NxD shards compute what the HF model computes")
+    p = sub.add_parser("verify", help="check that NxD shards (or a TorchTitan DCP) compute what the HF model computes")
     p.add_argument("hf_dir", help="the HF model directory, or hub id org/name (see --revision)")
-    p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root)")
+    p.add_argument("nxd_dir", help="the NxD shards to check (a converted dir, a tag or a checkpoint root), or a DCP "
+                                   "directory or TorchTitan checkpoint root")
     _revision_flag(p)
     p.add_argument("--layers", default="all", help="'all' or a number of layers to sample evenly (default all)")
     p.add_argument("--tol", type=float, default=None, help="relative tolerance (default 1e-4; looser after a cast)")
@@ -282,8 +285,9 @@ def _verify_parser(sub: Subparsers) -> None:
 
 
 def _inspect_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("inspect", help="describe an HF or NxD checkpoint")
-    p.add_argument("path", help="an HF or NxD directory, a training tag or root, or hub id org/name")
+    p = sub.add_parser("inspect", help="describe an HF, NxD or DCP checkpoint")
+    p.add_argument("path", help="an HF or NxD directory, a training tag or root, a DCP directory or TorchTitan "
+                                "checkpoint root, or hub id org/name")
     _revision_flag(p)
     p.add_argument("--config", help="HF config.json (when PATH has none)")
     _masters_flag(p, "the shards")
@@ -406,7 +410,7 @@ def _run_finalize(args: argparse.Namespace) -> Any:
 COMMANDS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "to-nxd": _run_to_nxd, "to-hf": _run_to_hf, "reshard": _run_reshard, "to-dcp": _run_to_dcp,
     "from-dcp": _run_from_dcp, "verify": _run_verify, "inspect": _run_inspect, "finalize": _run_finalize,
-    "nxd-compat": lambda args: run_compat(args, _options(args)),
+    "nxd-compat": lambda args: run_compat(args, _options(args)), "diff": run_diff,
 }
 
 
@@ -423,7 +427,8 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 _SOURCES = {"to-nxd": [("src", True, "no such file or directory")], "to-hf": [("src", False, "no such directory")],
             "reshard": [("src", False, "no such directory")], "to-dcp": [("src", True, "no such file or directory")],
             "from-dcp": [("src", False, "no such directory")], "inspect": [("path", True, "no such file or directory")],
-            "verify": [("nxd_dir", False, "no such directory"), ("hf_dir", True, "no such file or directory")]}
+            "verify": [("nxd_dir", False, "no such directory"), ("hf_dir", True, "no such file or directory")],
+            "diff": [("a", False, "no such file or directory"), ("b", False, "no such file or directory")]}
 
 
 # The library each conversion imports (and with it torch)
@@ -538,7 +543,8 @@ def _main(args: argparse.Namespace) -> int:
 
     result = reported("ckptconv", call, as_json=getattr(args, "json", False), quiet=getattr(args, "quiet", False))
     if isinstance(result, dict) and result.get("ok") is False:
-        verdict = "verify" if "trained" in result else "verify failed"  # a trained tag: no conversion fault to report
+        # diff's differences are its answer; a trained tag has no conversion fault to report
+        verdict = "diff" if args.command == "diff" else "verify" if "trained" in result else "verify failed"
         for problem in result["problems"]:
             print(f"ckptconv: {verdict}: {problem}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""``ckptconv inspect``: what a directory holds (HF or NxD), its layout, dtypes, sizes, completeness."""
+"""``ckptconv inspect``: what a directory holds (HF, NxD or DCP), its layout, dtypes, sizes, completeness."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ckptconv.commands.inspect_dcp import inspect_dcp, is_dcp, model_summary
 from ckptconv.core.mapping import stores_lm_head
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import Source
@@ -23,7 +24,10 @@ from ckptconv.training.nxdtrain_format.state import nxdtrain_optimizer_summary
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,
             check: bool = True, masters: bool | None = None) -> dict[str, Any]:
-    """Describe an HF or NxD checkpoint (or hub id ``org/name``); for NxD, also check that its files are intact.
+    """Describe an HF, NxD or DCP checkpoint (or hub id ``org/name``); for NxD, also check that its files are intact.
+
+    A DCP directory or a TorchTitan checkpoint root: its steps and the newest complete one, what the step holds
+    (model, optimizer, lr_scheduler, train_state, dataloader), the model (:mod:`ckptconv.commands.inspect_dcp`).
 
     With ``check`` (the default) every NxD shard is read once: its size and digest against
     ``ckptconv.json`` and every torch zip record's CRC-32; a mismatch raises IntegrityError naming
@@ -42,6 +46,8 @@ def inspect(path: str | Path, *, config: str | Path | None = None, revision: str
     if not path.exists():
         raise ConversionError(f"{path}: no such file or directory")
     refuse_unfinished(path)  # neither NxD nor HF yet: the conversion that writes it was interrupted
+    if is_dcp(path):
+        return inspect_dcp(path, config, check)
     try:
         return _inspect_nxd(path, config, check, masters)
     except IntegrityError:
@@ -66,7 +72,7 @@ def _inspect_hf(path: Path, config: str | Path | None) -> dict[str, Any]:
     return {
         "kind": "hf",
         "path": str(path),
-        "model": _model_summary(spec),
+        "model": model_summary(spec),
         "tensors": len(shapes),
         "parameters": params,
         "bytes": nbytes,
@@ -123,7 +129,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
             "path": str(path),
             "root": str(ckpt.root),
             "found_as": ckpt.found_as,
-            "model": _model_summary(spec),
+            "model": model_summary(spec),
             "layout": {**layout.to_json(), **({"hw": "trn1|trn2-official", "trn2_kv_layout": None} if undecided else {})},
             "lm_head": _lm_head_form(spec, ckpt.keys(ckpt.file_of(tp_rank=0, pp_rank=layout.pp - 1))),
             "flavour": ckpt.flavour.value,
@@ -162,14 +168,6 @@ def _lm_head_form(spec: ModelSpec, last_stage_keys: list[str]) -> str:
     if stores_lm_head(spec, last_stage_keys):
         return "tied: lm_head.weight is a copy of the embedding"
     return "tied: no lm_head.weight (the official converter's form); the embedding is the output projection"
-
-
-def _model_summary(spec: Any) -> dict[str, Any]:
-    return {
-        "family": spec.model_type, "layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "kv_heads": spec.kv_heads,
-        "head_dim": spec.head_dim, "intermediate": spec.intermediate, "vocab": spec.vocab, "tied": spec.tied,
-        **({"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}),
-    }
 
 
 def _numel(shape: tuple[int, ...]) -> int:

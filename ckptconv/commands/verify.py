@@ -21,13 +21,22 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ckptconv.commands.inspect_dcp import is_dcp
 from ckptconv.commands.steps import EXPORTED_FROM, trained_record
+from ckptconv.commands.verify_checks import Check
+from ckptconv.commands.verify_checks import as_json as _as_json
+from ckptconv.commands.verify_checks import close as _close
+from ckptconv.commands.verify_checks import compare as _compare
+from ckptconv.commands.verify_checks import default_tol as _default_tol
+from ckptconv.commands.verify_checks import hf_layer as _hf_layer
+from ckptconv.commands.verify_checks import problem as _problem
+from ckptconv.commands.verify_checks import sample_layers as _sample_layers
+from ckptconv.commands.verify_dcp import verify_dcp
 from ckptconv.commands.verify_moe import check_sparse_mlp, dense_sparse_mlp
 from ckptconv.core.layout import Attention, ParallelLayout, layer_pp_ranks
 from ckptconv.core.mapping import EMBED, FINAL_NORM, LM_HEAD, kv_heads, q_heads, stores_lm_head
@@ -51,34 +60,7 @@ from ckptconv.io.metadata import read_metadata
 from ckptconv.io.nxd_read import NxdCheckpoint
 from ckptconv.sources.nxd import open_nxd
 
-DEFAULT_TOL = 1e-4  # relative to the largest reference value; both sides compute in fp32
 # When the shards were cast (e.g. fp32 HF -> bf16 shards) the weights themselves differ by the cast.
-CAST_TOL = {torch.bfloat16: 3e-2, torch.float16: 3e-3}
-
-
-@dataclass
-class Check:
-    name: str
-    max_abs: float
-    rel: float
-    ranks: list[int] = field(default_factory=list)  # ranks whose own piece disagrees
-    detail: str = ""
-
-    def ok(self, tol: float) -> bool:
-        return self.rel <= tol and not self.ranks
-
-
-def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor) -> Check:
-    if actual.shape != expected.shape:
-        return Check(name, float("inf"), float("inf"), detail=f"shape {list(actual.shape)} vs {list(expected.shape)}")
-    diff = (actual - expected).abs().max().item() if actual.numel() else 0.0
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    return Check(name, diff, diff / scale if scale else diff)
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
-    check = _compare("", actual, expected)
-    return check.rel <= tol
 
 
 class _Shards:
@@ -135,16 +117,6 @@ class _Shards:
         else:
             w["q"], w["k"], w["v"] = (t(f"self_attn.{p}_proj.{kind}") for p in "qkv")
         return w
-
-
-def _hf_layer(hf: HfCheckpoint, layer: int) -> dict[str, torch.Tensor]:
-    prefix = f"model.layers.{layer}."
-    out = {}
-    for key in hf.keys():
-        if key.startswith(prefix) and not key.endswith("inv_freq"):
-            _, shape, _ = hf.info(Source(None, key))
-            out[key[len(prefix):]] = hf.read_rows(Source(None, key), 0, shape[0]).reshape(shape).float()
-    return out
 
 
 def _check_layer(x: torch.Tensor, hf_w: dict[str, torch.Tensor], shards: _Shards, layer: int, tol: float) -> list[Check]:
@@ -272,17 +244,6 @@ def _check_vocab(hf: HfCheckpoint, shards: _Shards, generator: torch.Generator) 
     return checks
 
 
-def _sample_layers(layers: int, which: int | str) -> list[int]:
-    if which == "all" or (isinstance(which, int) and which >= layers):
-        return list(range(layers))
-    count = int(which)
-    if count < 1:
-        raise ConversionError(f"--layers must be 'all' or a positive count, got {which!r}")
-    if count == 1:
-        return [0]
-    return sorted({round(i * (layers - 1) / (count - 1)) for i in range(count)})
-
-
 def verify(
     hf_dir: str | Path,
     nxd_dir: str | Path,
@@ -317,6 +278,9 @@ def verify(
 
     hf_dir = resolve_hf(hf_dir, revision=revision, flag="HF_DIR")
     refuse_unfinished(hf_dir)  # an interrupted export (the shards: open_nxd says the same)
+    if is_dcp(Path(nxd_dir)):  # a DCP directory or TorchTitan root: TorchTitan's layout, checked the same way
+        return verify_dcp(hf_dir, nxd_dir, layers=layers, tol=tol, seed=seed, config=config, check=check,
+                          progress=progress)
     opened = open_nxd(nxd_dir, config=config, hints=hints, check=check, masters=masters)
     ckpt, spec, layout, notes = opened.ckpt, opened.spec, opened.layout, opened.notes
     generator = torch.Generator().manual_seed(seed)
@@ -381,25 +345,6 @@ def _trained_problems(trained: dict[str, Any], problems: list[str], nxd_dir: str
     trained["message"] = said
     notes.insert(0, said)
     return [said] if problems else []
-
-
-def _default_tol(hf: HfCheckpoint, ckpt: NxdCheckpoint) -> float:
-    hf_dtypes = set(hf.dtypes().values())
-    shard_dtypes = set(ckpt.dtypes().values())
-    if shard_dtypes <= hf_dtypes:
-        return DEFAULT_TOL
-    return max([CAST_TOL.get(d, DEFAULT_TOL) for d in shard_dtypes - hf_dtypes] + [DEFAULT_TOL])
-
-
-def _as_json(check: Check) -> dict[str, Any]:
-    return {"max_abs": check.max_abs, "rel": check.rel, "ranks": check.ranks, "detail": check.detail}
-
-
-def _problem(where: str, check: Check, tol: float) -> str:
-    text = f"{where}: max abs error {check.max_abs:.3g} (relative {check.rel:.3g}, tolerance {tol:g})"
-    if check.detail:
-        text += f"; {check.detail}"
-    return text
 
 
 def _check_files(ckpt: NxdCheckpoint) -> list[str]:

@@ -425,9 +425,9 @@ def _write_band(
         if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
             band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]
         elif unit.shared_sources:
-            band = _column_band(tensor, start, stop, reader, cache, phase)
+            band = column_band(tensor, start, stop, reader, cache, phase)
         else:
-            band = _row_band(tensor, start, stop, reader, phase)
+            band = row_band(tensor, start, stop, reader, phase)
         if band.dtype != tensor.dtype:
             band = _SCRATCH.get(tensor.dtype, tuple(band.shape), phase).copy_(band)
         if tensor.column_major:  # storage order of a column-major tensor is its transpose
@@ -448,7 +448,7 @@ def _file_phase(sink: Sink, tensor: OutTensor, offset: int, nbytes: int) -> int 
     return file_offset(tensor.key, offset) % _Scratch.PAGE
 
 
-def _row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader, phase: int | None = None) -> torch.Tensor:
+def row_band(tensor: OutTensor, start: int, stop: int, reader: TensorReader, phase: int | None = None) -> torch.Tensor:
     """Output rows [start, stop), each piece read straight into its place in one buffer (at ``phase``, see
     _Scratch.get)."""
     if not tensor.shape:  # 0-dim: one piece, the whole thing
@@ -491,7 +491,7 @@ def _read_piece_rows(reader: TensorReader, piece: Piece, shift: int, n: int, tar
         target.copy_(reader.read_rows(piece.source, piece.start + shift, piece.start + shift + n))
 
 
-def _column_band(
+def column_band(
     tensor: OutTensor, start: int, stop: int, reader: TensorReader, cache: dict[Source, torch.Tensor],
     phase: int | None = None,
 ) -> torch.Tensor:
