@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
 from ckptconv.cli.errors import DEBUG_HELP, run_guarded, warnings_as_notes
+from ckptconv.cli.every import every_flags, every_said
 from ckptconv.cli.layout_args import Parser, add_layout_flags, add_source_flags, overrides_from, source_overrides
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
 from ckptconv.engine.launcher import detect_part, parse_part
@@ -262,7 +263,9 @@ def _from_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--drop-expert-bias", action="store_true",
                    help="Qwen3-MoE: write the model without the routing bias TorchTitan's load balancing trained "
                         "(expert_bias_E; HF has none; without this flag a non-zero bias is refused)")
+    every_flags(p, "step-N")
     _run_flags(p)
+
 
 
 def _verify_parser(sub: Subparsers) -> None:
@@ -370,13 +373,16 @@ def _run_from_dcp(args: argparse.Namespace) -> Any:
     layout, options = overrides_from(args), _options(args)
     if args.to == "hf":  # refused before torch is imported (from_dcp says the same)
         layout.refuse_given("pass --to nxd to write NxD shards of that layout")
-    from ckptconv.commands.dcp import from_dcp
+    say = every_said(args, "ckptconv")
+    from ckptconv.commands.dcp import from_dcp, from_dcp_every
 
-    return from_dcp(args.src, args.out, to=args.to, config=args.config, layout=layout,
-                    flavour=None if args.xser is None else _flavour(args.xser), dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, weights_only=args.weights_only,
-                    consumed_samples=args.consumed_samples, drop_expert_bias=args.drop_expert_bias,
-                    options=options)
+    kwargs = dict(to=args.to, config=args.config, layout=layout, flavour=None if args.xser is None else
+                  _flavour(args.xser), dtype=args.dtype, max_shard_size=args.max_shard_size,
+                  weights_only=args.weights_only, consumed_samples=args.consumed_samples,
+                  drop_expert_bias=args.drop_expert_bias, options=options)
+    if args.every:
+        return from_dcp_every(args.src, args.out, watch=args.watch, say=say, **kwargs).to_json()
+    return from_dcp(args.src, args.out, **kwargs)
 
 
 def _run_verify(args: argparse.Namespace) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,13 @@ from ckptconv.core.plan import DtypePolicy, Plan, hf_sources
 from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import RunOptions
+from ckptconv.engine.outdir import check_separate
 from ckptconv.engine.run import Result, Run, file_identity, fingerprint
+from ckptconv.engine.snapshots import Snapshots, export_every
 from ckptconv.engine.tags import complete_as_tag, run_record
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
-from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
+from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory, step_dirs
 from ckptconv.io.hf import CONFIG, config_text, index_text
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
@@ -378,6 +381,22 @@ def from_dcp(
             result = _dcp_to_nxd(ckpt, spec, out, kept, flags, choice(Flavour, flavour or Flavour.PLAIN, "flavour"),
                                  dtype, bool(carried), consumed_samples, run, [Path(src), ckpt.root])
     return run.finish(result)
+
+
+def from_dcp_every(src: str | Path, out: str | Path, *, watch: float | None = None,
+                   say: Callable[[str], None] | None = None, **kwargs: Any) -> Snapshots:
+    """``from-dcp --every``: each completed ``step-N`` of the TorchTitan checkpoint folder ``src`` not yet exported,
+    exported by :func:`from_dcp` (``kwargs``) into ``out/step-N`` (:func:`ckptconv.engine.snapshots.export_every`:
+    resumable, idempotent; ``watch`` seconds: again until Ctrl-C)."""
+    root, out = Path(src), Path(out)
+    if (root / DCP_METADATA).is_file():
+        raise ConversionError(f"{src}: is one step (it holds {DCP_METADATA}); --every takes the checkpoint folder "
+                              "that holds the step-N directories")
+    if not root.is_dir():
+        raise ConversionError(f"{src}: no such directory")
+    check_separate([root], out)
+    return export_every(lambda: step_dirs(root, completed=True), lambda step, into: from_dcp(step, into, **kwargs),
+                        out, watch=watch, say=say)
 
 
 def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | None, weights_only: bool,
