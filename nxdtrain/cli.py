@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, run_guarded
+from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, every_flags, every_said, run_guarded
 from ckptconv.errors import ConversionError
 from ckptconv.io import add_version_flag
 from nxdtrain.commands import add_commands
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a step_<N> tag, or a checkpoint root (its newest completed tag)")
     export.add_argument("out", metavar="OUT",
                         help="new HF directory (empty, or an earlier HF export, which is replaced)")
+    every_flags(export, "step_<N> tag (its done marker)")
     add_commands(sub)  # data pack, steps, plot
     return parser
 
@@ -116,8 +117,14 @@ def _train(config: TrainConfig, *, debug: bool) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from nxdtrain.train import export
+    say = every_said(args, "nxdtrain")
+    from nxdtrain.train import export, export_snapshots
 
+    if args.every:
+        done = export_snapshots(args.src, args.out, watch=args.watch, say=say, quiet=False)
+        print(f"exported {len(done.exported)} step(s) of {args.src} into {done.out} ({len(done.up_to_date)} exported "
+              f"before, {len(done.skipped)} removed by the run)")
+        return 0
     result = export(args.src, args.out, quiet=False)
     print(f"exported {args.src} -> {result.out} ({len(result.files)} files)")
     return 0
