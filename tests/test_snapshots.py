@@ -120,7 +120,7 @@ def test_a_step_the_run_deletes_is_skipped_with_a_note_and_the_others_are_export
     done = export_every(lambda: step_dirs(run, completed=True), export, out, say=lines.append)
     assert (done.exported, done.skipped) == ([1, 3], [2])
     assert done.notes == ["step-2: removed by the run while it was exported (its checkpoint retention: "
-                          "keep_latest_k, --num-kept); skipped"]
+                          "TorchTitan's keep_latest_k, nxdtrain's --keep); skipped"]
     assert lines[1] == done.notes[0] and sorted(p.name for p in out.iterdir()) == ["step-1", "step-3"]
 
 

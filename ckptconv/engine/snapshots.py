@@ -127,8 +127,8 @@ def _removed(source: Path, target: Path) -> str:
         with contextlib.suppress(OSError):
             (target / outdir.TMP_DIR).rmdir()
             target.rmdir()
-    return (f"{source.name}: removed by the run while it was exported (its checkpoint retention: keep_latest_k, "
-            "--num-kept); skipped")
+    return (f"{source.name}: removed by the run while it was exported (its checkpoint retention: "
+            "TorchTitan's keep_latest_k, nxdtrain's --keep); skipped")
 
 
 @contextlib.contextmanager
