@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from ckptconv.errors import ConversionError
 
-
 EVERY_HELP = ("SRC is a run's checkpoint folder: export each completed {step} not yet in OUT into OUT/step-N (one "
               "line each; a step half-exported by a killed call is redone, an exported one skipped, one the run "
               "deleted meanwhile skipped with a note)")

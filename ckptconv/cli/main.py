@@ -225,6 +225,9 @@ def _to_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_DCP_FILE_SIZE,
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory whose tokenizer files go into OUT/hf/, the generated config's HF_ASSETS_PATH "
+                        "(TorchTitan needs one; default: the source's, said when it has none)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     p.add_argument("--weights-only", action="store_true",
@@ -366,7 +369,8 @@ def _run_to_dcp(args: argparse.Namespace) -> Any:
     schedule = ScheduleFlags(args.schedule, args.lr, args.min_lr, args.warmup, args.decay_steps)
     return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision, schedule=schedule,
                   dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                  weights_only=args.weights_only, masters=args.masters, drop_mtp=args.drop_mtp, options=options)
+                  weights_only=args.weights_only, masters=args.masters, drop_mtp=args.drop_mtp,
+                  tokenizer=args.tokenizer, options=options)
 
 
 def _run_from_dcp(args: argparse.Namespace) -> Any:
