@@ -16,7 +16,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ckptconv.cli import DEBUG_ENV, DEBUG_HELP, Parser, reported, run_guarded, warnings_as_notes
+from ckptconv.cli import (
+    DEBUG_ENV,
+    DEBUG_HELP,
+    Parser,
+    every_flags,
+    every_said,
+    reported,
+    run_guarded,
+    warnings_as_notes,
+)
 from ckptconv.errors import ConversionError
 from ckptconv.io import add_version_flag
 from nxdtrain.commands import add_commands
@@ -88,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--tokenizer", metavar="DIR", default=None, help=TOKENIZER_HELP)
     export.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     export.add_argument("--json", action="store_true", help=JSON_HELP)
+    every_flags(export, "step_<N> tag (its done marker)")
     add_commands(sub)  # data pack, steps, plot
     return parser
 
@@ -129,8 +139,17 @@ def _train(config: TrainConfig, *, debug: bool) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from nxdtrain.train import export
+    say = every_said(args, "nxdtrain")
+    from nxdtrain.train import export, export_snapshots
 
+    if args.every:
+        if args.tokenizer:  # each step's export would need it copied: not built, so refused rather than dropped
+            raise ConversionError("--tokenizer with --every: export the steps without it, or each step with "
+                                  "`nxdtrain export TAG OUT --tokenizer DIR`")
+        done = export_snapshots(args.src, args.out, watch=args.watch, say=say, quiet=args.quiet or args.json)
+        print(f"exported {len(done.exported)} step(s) of {args.src} into {done.out} ({len(done.up_to_date)} exported "
+              f"before, {len(done.skipped)} removed by the run)")
+        return 0
     reported("nxdtrain", lambda: export(args.src, args.out, quiet=args.quiet or args.json, tokenizer=args.tokenizer),
              as_json=args.json, quiet=args.quiet)  # printed as ckptconv to-hf prints its result
     return 0

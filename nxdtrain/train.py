@@ -588,3 +588,29 @@ def run_worker(config: TrainConfig, data_checks: DataChecks | None = None, resol
     """Entry point of a process started by ``--nproc`` (:func:`nxdtrain.parallel.dist.spawn` reports its error once); the
     data was checked and --resume resolved by the launcher (``data_checks``, ``resolved``)."""
     train(config, data_checks, resolved)
+
+
+def export_snapshots(root: str | Path, out: str | Path, *, watch: float | None = None, say: Any = None,
+                     quiet: bool = True) -> Any:
+    """``nxdtrain export ROOT OUT --every``: each completed tag of the checkpoint root (its ``done`` marker) not yet
+    exported, to HF in ``OUT/step-N`` (:func:`ckptconv.engine.export_every`: resumable, idempotent; ``watch``
+    seconds: again until Ctrl-C). Returns its :class:`~ckptconv.engine.snapshots.Snapshots`."""
+    from ckptconv import RunOptions, to_hf
+    from ckptconv.engine import export_every, outdir
+    from ckptconv.io import DONE_MARKER, completed_tags, tag_step
+
+    root, out = Path(root), Path(out)
+    if not root.is_dir() or (root / DONE_MARKER).exists() or (root / "model").is_dir():
+        raise TrainError(f"{root}: not a checkpoint root; --every takes the --checkpoint-dir that holds the "
+                         "step_<N> tags" + ("" if root.is_dir() else " (no such directory)"))
+    outdir.check_separate([root], out)
+    options = RunOptions(part=(0, 1), quiet=quiet)  # one process writes each step, even inside a torchrun world
+
+    def one(tag: Path, into: Path) -> Any:
+        check_model_config(tag, takes_hf_config=False)
+        return to_hf(tag, into, options=options)
+
+    def steps() -> list[tuple[int, Path]]:
+        return [(step, tag) for tag in completed_tags(root) if (step := tag_step(tag.name)) is not None]
+
+    return export_every(steps, one, out, watch=watch, say=say, prog="nxdtrain")

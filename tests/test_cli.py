@@ -46,10 +46,12 @@ def test_flag_sets_are_pinned():
     assert flags("to-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--revision", "--config", "--dtype", "--max-file-size",
                                                             "--kv-replicas", "--no-check", "--override-recorded-layout",
                                                             "--weights-only", "--masters", "--no-masters", "--schedule", "--lr",
-                                                            "--min-lr", "--warmup", "--decay-steps", "--drop-mtp"}
+                                                            "--min-lr", "--warmup", "--decay-steps", "--drop-mtp",
+                                                            "--tokenizer"}
     assert flags("from-dcp") == RUN_FLAGS | LAYOUT_FLAGS | {"--to", "--config", "--xser", "--dtype",
                                                               "--max-shard-size", "--no-check", "--weights-only",
-                                                              "--consumed-samples", "--drop-expert-bias"}
+                                                              "--consumed-samples", "--drop-expert-bias", "--every",
+                                                              "--watch"}
     assert flags("inspect") == {"--config", "--json", "--revision", "--no-check", "--masters", "--no-masters"}
     assert flags("finalize") == {"--json"}
     assert flags("nxd-compat") == RUN_FLAGS | {

@@ -147,7 +147,7 @@ def load_generated_block(model: Any, out: Any, folder: Any) -> Any:
     import warnings
     from pathlib import Path
 
-    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import CheckpointManager
 
     folder = Path(folder)
     block = generated_config(out).continue_run().checkpoint

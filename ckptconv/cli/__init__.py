@@ -12,6 +12,7 @@ from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
     from ckptconv.cli.errors import DEBUG_ENV, DEBUG_HELP, debug_requested, describe, run_guarded, warnings_as_notes
+    from ckptconv.cli.every import every_flags, every_said
     from ckptconv.cli.layout_args import Parser
     from ckptconv.cli.report import key_values, reported
 

@@ -21,6 +21,7 @@ from ckptconv.cli.compat import build_parser as build_compat_parser
 from ckptconv.cli.compat import run_compat
 from ckptconv.cli.diff_args import add_diff_parser, run_diff
 from ckptconv.cli.errors import DEBUG_HELP, run_guarded
+from ckptconv.cli.every import every_flags, every_said
 from ckptconv.cli.layout_args import Parser, add_layout_flags, add_source_flags, overrides_from, source_overrides
 from ckptconv.cli.report import reported
 from ckptconv.core.layout_flags import OVERRIDE_FLAG, LayoutOverrides
@@ -226,6 +227,9 @@ def _to_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help=DTYPE_HELP)
     p.add_argument("--max-file-size", type=parse_size, default=DEFAULT_DCP_FILE_SIZE,
                    help="per .distcp data file (default 1GB: several files are written in parallel)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory whose tokenizer files go into OUT/hf/, the generated config's HF_ASSETS_PATH "
+                        "(TorchTitan needs one; default: the source's, said when it has none)")
     p.add_argument("--kv-replicas", choices=("error", "first"), default="error",
                    help="NxD source: when copies of a K/V head (or norm) differ: fail (default) or keep the first")
     p.add_argument("--weights-only", action="store_true",
@@ -264,6 +268,7 @@ def _from_dcp_parser(sub: Subparsers) -> None:
     p.add_argument("--drop-expert-bias", action="store_true",
                    help="Qwen3-MoE: write the model without the routing bias TorchTitan's load balancing trained "
                         "(expert_bias_E; HF has none; without this flag a non-zero bias is refused)")
+    every_flags(p, "step-N")
     _run_flags(p)
 
 
@@ -367,20 +372,24 @@ def _run_to_dcp(args: argparse.Namespace) -> Any:
     schedule = ScheduleFlags(args.schedule, args.lr, args.min_lr, args.warmup, args.decay_steps)
     return to_dcp(args.src, args.out, config=args.config, hints=hints, revision=args.revision, schedule=schedule,
                   dtype=args.dtype, max_file_size=args.max_file_size, kv_replicas=args.kv_replicas,
-                  weights_only=args.weights_only, masters=args.masters, drop_mtp=args.drop_mtp, options=options)
+                  weights_only=args.weights_only, masters=args.masters, drop_mtp=args.drop_mtp,
+                  tokenizer=args.tokenizer, options=options)
 
 
 def _run_from_dcp(args: argparse.Namespace) -> Any:
     layout, options = overrides_from(args), _options(args)
     if args.to == "hf":  # refused before torch is imported (from_dcp says the same)
         layout.refuse_given("pass --to nxd to write NxD shards of that layout")
-    from ckptconv.commands.dcp import from_dcp
+    say = every_said(args, "ckptconv")
+    from ckptconv.commands.dcp import from_dcp, from_dcp_every
 
-    return from_dcp(args.src, args.out, to=args.to, config=args.config, layout=layout,
-                    flavour=None if args.xser is None else _flavour(args.xser), dtype=args.dtype,
-                    max_shard_size=args.max_shard_size, weights_only=args.weights_only,
-                    consumed_samples=args.consumed_samples, drop_expert_bias=args.drop_expert_bias,
-                    options=options)
+    kwargs = dict(to=args.to, config=args.config, layout=layout, flavour=None if args.xser is None else
+                  _flavour(args.xser), dtype=args.dtype, max_shard_size=args.max_shard_size,
+                  weights_only=args.weights_only, consumed_samples=args.consumed_samples,
+                  drop_expert_bias=args.drop_expert_bias, options=options)
+    if args.every:
+        return from_dcp_every(args.src, args.out, watch=args.watch, say=say, **kwargs).to_json()
+    return from_dcp(args.src, args.out, **kwargs)
 
 
 def _run_verify(args: argparse.Namespace) -> Any:

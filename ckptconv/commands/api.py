@@ -146,8 +146,8 @@ def to_nxd(
         copies, plain = dequantized(hf, dtype, hf_side_copies(hf, notes), notes)
         plan = plan_to_nxd(hf.spec, target, hf.dtypes(), dtype_policy(dtype))
         identity = fingerprint("nxd", target.to_json(), dtype, flavour.value, file_identity(hf.weight_files()),
-                               _tokenizer_identity(tokenizer))
-        copies = _with_tokenizer(copies, tokenizer, f"{HF_FILES_DIR}/", notes)
+                               tokenizer_identity(tokenizer))
+        copies = with_tokenizer(copies, tokenizer, f"{HF_FILES_DIR}/", notes)
         if not has_tokenizer([Path(path).name for _, path in copies]):
             notes.append(f"no tokenizer beside {src}: {out}/{HF_FILES_DIR}/ keeps none, so exports will have none; "
                          "pass --tokenizer DIR")
@@ -212,7 +212,7 @@ def kept_hf_files(root: Path, notes: list[str], *, into: str, skip: str = "") ->
     return [(source, into + name) for name, source in outdir.confined_files(root, HF_FILES_DIR, names, notes)]
 
 
-def _with_tokenizer(copies: list[tuple[str, str]], tokenizer: str | Path | None, into: str,
+def with_tokenizer(copies: list[tuple[str, str]], tokenizer: str | Path | None, into: str,
                     notes: list[str]) -> list[tuple[str, str]]:
     """``copies`` with the side files of the ``--tokenizer`` directory instead of same-named ones."""
     if tokenizer is None:
@@ -224,7 +224,7 @@ def _with_tokenizer(copies: list[tuple[str, str]], tokenizer: str | Path | None,
     return [c for c in copies if c[1] not in targets] + [(source, into + name) for name, source in found]
 
 
-def _tokenizer_identity(tokenizer: str | Path | None) -> list[tuple[str, int, int]] | None:
+def tokenizer_identity(tokenizer: str | Path | None) -> list[tuple[str, int, int]] | None:
     if tokenizer is None:
         return None
     return file_identity(sorted(p for p in Path(tokenizer).iterdir() if p.is_file()))
@@ -301,10 +301,10 @@ def to_hf(
                           max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean", fused_experts=fused)
         identity = fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas, *(["fused"] if fused else []),
-                               file_identity(input_files(ckpt)), _tokenizer_identity(tokenizer),
+                               file_identity(input_files(ckpt)), tokenizer_identity(tokenizer),
                                ckpt.masters_identity())
         # config.json is rewritten with the dtype written; the tokenizer files come along as they are
-        copies = _with_tokenizer(kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
+        copies = with_tokenizer(kept_hf_files(ckpt.root, notes, into="", skip=CONFIG), tokenizer, "", notes)
         no_tokenizer = None
         if not has_tokenizer([target for _, target in copies]):
             no_tokenizer = (f"{out} will have no tokenizer ({ckpt.root}/{HF_FILES_DIR}/ holds none), so AutoTokenizer "

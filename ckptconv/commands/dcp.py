@@ -17,12 +17,21 @@ from __future__ import annotations
 
 import base64
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckptconv.commands.api import dequantized, dtype_policy, hf_side_copies, kept_hf_files, new_layout
+from ckptconv.commands.api import (
+    dequantized,
+    dtype_policy,
+    hf_side_copies,
+    kept_hf_files,
+    new_layout,
+    tokenizer_identity,
+    with_tokenizer,
+)
 from ckptconv.commands.src_kind import open_hf
 from ckptconv.commands.steps import dtype_name, input_files
 from ckptconv.core.families.deepseek_v3 import BIAS
@@ -34,12 +43,14 @@ from ckptconv.core.plan import DtypePolicy, Plan, hf_sources
 from ckptconv.engine.execute import replica_bands
 from ckptconv.engine.finalize import FinalizeSpec
 from ckptconv.engine.options import RunOptions
+from ckptconv.engine.outdir import check_separate
 from ckptconv.engine.run import Result, Run, file_identity, fingerprint
+from ckptconv.engine.snapshots import Snapshots, export_every
 from ckptconv.engine.tags import complete_as_tag, run_record
 from ckptconv.errors import ConversionError, choice
 from ckptconv.io.dcp import METADATA as DCP_METADATA
-from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory
-from ckptconv.io.hf import CONFIG, config_text, index_text
+from ckptconv.io.dcp import DcpCheckpoint, encode_metadata, layout_items, save_id_of, sink_factory, step_dirs
+from ckptconv.io.hf import CONFIG, config_text, has_tokenizer, index_text
 from ckptconv.io.nxd import Flavour
 from ckptconv.io.nxd_write import sink_factory as nxd_sink_factory
 from ckptconv.io.quantized import plain_config
@@ -113,6 +124,7 @@ def to_dcp(
     masters: bool | None = None,
     schedule: ScheduleFlags | None = None,
     drop_mtp: bool = False,
+    tokenizer: str | Path | None = None,
     options: RunOptions | None = None,
 ) -> Result:
     """Write the model of ``src`` (an HF dir/file or hub id, a converted NxD dir, a training tag or a
@@ -122,7 +134,9 @@ def to_dcp(
     own keys. ``schedule``: a schedule the tag does not record (nxdtrain's flag names).
     ``masters``: the weights from a bf16 run's fp32 masters (default: when present), as for ``to_hf``.
     ``drop_mtp``: leave out the multi-token-prediction layers (DeepSeek-V3's ``num_nextn_predict_layers``).
-    Quantized HF weights (FP8 blocks) are dequantized as they stream, to bf16 unless ``dtype`` names another."""
+    Quantized HF weights (FP8 blocks) are dequantized as they stream, to bf16 unless ``dtype`` names another.
+    ``tokenizer``: a directory whose tokenizer files go into ``out/hf/`` (the config's ``HF_ASSETS_PATH``) instead of
+    the source's (a source without one is said in the notes)."""
     run = Run("to-dcp", options)
     out = Path(out)
     flags = schedule or ScheduleFlags()
@@ -136,21 +150,38 @@ def to_dcp(
             raise ConversionError(f"{src}: an HF model has no parallel layout; layout flags ({', '.join(given)}) "
                                   "describe NxD sources only")
         refuse_flags_without_state(flags, str(src), weights_only)
-        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, run, drop_mtp), None
+        result, layout_json = _hf_to_dcp(src, out, config, revision, dtype, max_file_size, run, drop_mtp,
+                                         tokenizer), None
     else:
         if revision is not None:
             raise ConversionError(f"--revision is for hub ids; {src} is a local NxD checkpoint")
         result, layout_json = _nxd_to_dcp(src, out, config=config, hints=hints, dtype=dtype,
                                           max_file_size=max_file_size, kv_replicas=kv_replicas,
-                                          weights_only=weights_only, masters=masters, flags=flags, run=run)
+                                          weights_only=weights_only, masters=masters, flags=flags, run=run,
+                                          tokenizer=tokenizer)
     run.notes.append(f"continue in TorchTitan (set the SET names in {out / CONFIG_FILE} first: data, tokenizer, "
-                     f"batch, parallelism): {run_command(str(out.resolve()))}")
+                     f"batch, steps, parallelism, attention): {run_command(str(out.resolve()))}")
     return run.finish(result, layout_json)
 
 
-def _config_text(spec: ModelSpec, titan_run: TitanRun | None, what: str) -> dict[str, str]:
-    """``torchtitan_config.py`` (refused here, before anything is written, where TorchTitan cannot run the model)."""
-    return {CONFIG_FILE: config_module(spec, titan_run, what=what)}
+def _config_text(spec: ModelSpec, titan_run: TitanRun | None, what: str, *, dtypes: dict[str, torch.dtype],
+                 masters: bool, copies: list[tuple[str, str]], notes: list[str], out: Path) -> dict[str, str]:
+    """``torchtitan_config.py`` (refused here, before anything is written, where TorchTitan cannot run the model),
+    with the source's precision and whether ``hf/`` holds a tokenizer (said in the notes when it does not)."""
+    tokenizer = has_tokenizer([Path(rel).name for _, rel in copies])
+    if not tokenizer:
+        notes.append(f"no tokenizer: {out / HF_FILES_DIR}/ holds none, and TorchTitan needs one at HF_ASSETS_PATH "
+                     "(tokenizer.json, or vocab + merges); pass --tokenizer DIR, or set HF_ASSETS_PATH in "
+                     f"{out / CONFIG_FILE}")
+    return {CONFIG_FILE: config_module(spec, titan_run, what=what, precision=_precision(dtypes, masters),
+                                       tokenizer=tokenizer)}
+
+
+def _precision(dtypes: dict[str, torch.dtype], masters: bool) -> str:
+    """The compute dtype of the source's run: float32 when every floating weight is (a bf16 run's fp32 masters
+    read as its weights do not count), else TorchTitan's default bfloat16."""
+    floating = {d for d in dtypes.values() if d.is_floating_point}
+    return "float32" if floating == {torch.float32} and not masters else "bfloat16"
 
 
 def _model_only(notes: list[str], out: Path, why: str) -> None:
@@ -159,31 +190,32 @@ def _model_only(notes: list[str], out: Path, why: str) -> None:
 
 
 def _hf_to_dcp(src: str | Path, out: Path, config: str | Path | None, revision: str | None, dtype: str,
-               max_file_size: int, run: Run, drop_mtp: bool) -> Result:
+               max_file_size: int, run: Run, drop_mtp: bool, tokenizer: str | Path | None) -> Result:
     """An HF model as a TorchTitan DCP checkpoint (the model only)."""
     options, notes = run.options, run.notes
     hf_src = resolve_hf(src, revision=revision, quiet=options.quiet)
     with open_hf(hf_src, config=config, io=options.io) as hf:
         with_inv_freq = check_source_shapes(hf.spec, hf.shapes(), str(hf_src))
         spec, mtp_notes = carried_mtp(hf.spec, drop=drop_mtp)
-        texts = _config_text(spec, None, f"training from the HF model {src}")
         check_mtp_copies(hf, spec, str(hf_src))
         if with_inv_freq:
             notes.append("rotary inv_freq buffers dropped (TorchTitan recomputes its RoPE cache)")
         notes += bias_note(spec) + mtp_notes
         copies, plain = dequantized(hf, dtype, hf_side_copies(hf, notes), notes)
-        texts |= plain
+        copies = with_tokenizer(copies, tokenizer, f"{HF_FILES_DIR}/", notes)
+        texts = _config_text(spec, None, f"training from the HF model {src}", dtypes=hf.dtypes(), masters=False,
+                             copies=copies, notes=notes, out=out) | plain
         _model_only(notes, out, "an HF model holds no optimizer state")
         plan = plan_to_dcp(spec, hf.dtypes(), dtype_policy=dtype_policy(dtype), max_file_size=max_file_size)
         identity = fingerprint("dcp", titan_record(spec), dtype, max_file_size, file_identity(hf.weight_files()),
-                               drop_mtp)
+                               drop_mtp, tokenizer_identity(tokenizer))
         spec_ = _dcp_finalize(plan, spec, identity, copies, None, texts=texts)
         return run.write(plan, hf, out, sink_factory(layout_items(plan.files)), spec_, sources=[Path(hf_src)])
 
 
 def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints: Any, dtype: str,
                 max_file_size: int, kv_replicas: str, weights_only: bool, masters: bool | None,
-                flags: ScheduleFlags, run: Run) -> tuple[Result, dict[str, Any]]:
+                flags: ScheduleFlags, run: Run, tokenizer: str | Path | None) -> tuple[Result, dict[str, Any]]:
     """NxD shards (of a training tag: with its AdamW state, schedule and step) as a TorchTitan DCP checkpoint."""
     options, read_notes = run.options, run.notes
     # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf; NxD's optimizer stays open
@@ -207,15 +239,20 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
         state = (TitanState() if training is None else
                  titan_state(spec, tiles, replicas, training, flags, str(ckpt.root)))
         read_notes += state.notes
-        texts = _config_text(spec, state.run, f"the run of {src}")
         plan = plan_to_dcp(spec, hf_dtypes_of(tiles, shard_dtypes), dtype_policy=dtype_policy(dtype),
                            max_file_size=max_file_size, tiles=tiles, replicas=replicas + state.replicas,
                            state=state.tensors)
         placed = {plan.files[0].path: state.values}  # the small values lead the first file, as DCP's writer puts them
         identity = fingerprint("dcp", titan_record(spec), layout.to_json(), dtype, max_file_size, kv_replicas,
                                file_identity(input_files(ckpt)), ckpt.masters_identity(),
-                               None if training is None else training.identity(), flags.given())
-        copies = kept_hf_files(ckpt.root, read_notes, into=f"{HF_FILES_DIR}/")
+                               None if training is None else training.identity(), flags.given(),
+                               tokenizer_identity(tokenizer))
+        copies = with_tokenizer(kept_hf_files(ckpt.root, read_notes, into=f"{HF_FILES_DIR}/"), tokenizer,
+                                f"{HF_FILES_DIR}/", read_notes)
+        texts = _config_text(spec, state.run, f"the run of {src}", dtypes=shard_dtypes,
+                             masters=ckpt.masters_identity() is not None or any("master weights in" in n
+                                                                                for n in opened.notes),
+                             copies=copies, notes=read_notes, out=out)
         spec_ = _dcp_finalize(plan, spec, identity, copies, layout.to_json(), placed, texts=texts)
         reader = ckpt if training is None else TagReader(ckpt, training.optim)
         result = run.write(plan, reader, out, sink_factory(layout_items(plan.files, placed)), spec_, kv_replicas,
@@ -378,6 +415,22 @@ def from_dcp(
             result = _dcp_to_nxd(ckpt, spec, out, kept, flags, choice(Flavour, flavour or Flavour.PLAIN, "flavour"),
                                  dtype, bool(carried), consumed_samples, run, [Path(src), ckpt.root])
     return run.finish(result)
+
+
+def from_dcp_every(src: str | Path, out: str | Path, *, watch: float | None = None,
+                   say: Callable[[str], None] | None = None, **kwargs: Any) -> Snapshots:
+    """``from-dcp --every``: each completed ``step-N`` of the TorchTitan checkpoint folder ``src`` not yet exported,
+    exported by :func:`from_dcp` (``kwargs``) into ``out/step-N`` (:func:`ckptconv.engine.snapshots.export_every`:
+    resumable, idempotent; ``watch`` seconds: again until Ctrl-C)."""
+    root, out = Path(src), Path(out)
+    if (root / DCP_METADATA).is_file():
+        raise ConversionError(f"{src}: is one step (it holds {DCP_METADATA}); --every takes the checkpoint folder "
+                              "that holds the step-N directories")
+    if not root.is_dir():
+        raise ConversionError(f"{src}: no such directory")
+    check_separate([root], out)
+    return export_every(lambda: step_dirs(root, completed=True), lambda step, into: from_dcp(step, into, **kwargs),
+                        out, watch=watch, say=say)
 
 
 def _check_from_dcp(to: str, flags: LayoutOverrides, flavour: str | Flavour | None, weights_only: bool,

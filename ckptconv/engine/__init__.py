@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ckptconv.engine.launcher import detect_launch, local_world_size
     from ckptconv.engine.options import NXD_PARAM_GROUPS, usable_cpus
     from ckptconv.engine.outdir import TMP_DIR
+    from ckptconv.engine.snapshots import export_every, stop_on_interrupt
     from ckptconv.engine.tags import (
         RECORD_KEY,
         TAG_ENTRIES,

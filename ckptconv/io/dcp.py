@@ -196,6 +196,13 @@ def sink_factory(items: Mapping[str, list[Item]]):  # type: ignore[no-untyped-de
 # Reading
 
 
+def step_dirs(root: Path, *, completed: bool = False) -> list[tuple[int, Path]]:
+    """(N, directory) of a TorchTitan checkpoint folder's ``step-N`` saves, by step; ``completed``: only those
+    holding ``.metadata`` (DCP renames it into place last, after every data file: TorchTitan's own test)."""
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    return [(n, p) for n, p in found if (p / METADATA).is_file()] if completed else found
+
+
 def resolve_dcp(path: str | Path) -> tuple[Path, str]:
     """(the DCP directory, how it was found): PATH itself when it holds ``.metadata``, else its
     newest ``step-N`` subdirectory that does (a TorchTitan checkpoint folder).
@@ -208,7 +215,7 @@ def resolve_dcp(path: str | Path) -> tuple[Path, str]:
         raise ConversionError(f"{path}: no such directory" if not path.exists() else f"{path}: expected a DCP directory")
     if (path / METADATA).is_file():
         return path, "directory"
-    found = sorted((int(m.group(1)), p) for p in path.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    found = step_dirs(path)
     steps = [(n, p) for n, p in found if (p / METADATA).is_file()]
     newest = steps[-1][0] if steps else -1
     unfinished = [p.name for n, p in found if n > newest and not (p / METADATA).is_file()]

@@ -30,6 +30,8 @@ from ckptconv.titan.names import TITAN_VERSION, moe_layers, titan_model
 
 CONFIG_MODULE = "torchtitan_config"
 CONFIG_FILE = f"{CONFIG_MODULE}.py"
+# the TorchTitan main the generated file was last checked against (docs/torchtitan.md)
+TITAN_MAIN_CHECKED = "2026-08-21 (b5bcd76c66d0)"
 NORM_PATTERN = r"norm\.weight$"  # TorchTitan's param-group patterns are searched (re.search) in each FQN
 
 
@@ -117,7 +119,7 @@ def _model_lines(spec: ModelSpec) -> list[str]:
         "def model_config() -> " + cls + ".Config:",
         f'    """TorchTitan\'s {model.name} for the HF config this DCP was written from (hf/config.json)."""',
         f"    dim, vocab, eps = {spec.hidden}, {spec.vocab}, {eps!r}",
-        f"    rope = {rope_cls}.Config(dim={spec.head_dim}, max_seq_len=max(SEQ_LEN, {max_pos}), {rope_args})",
+        f"    rope = {rope_cls}.Config(dim={spec.head_dim}, **_rope_length({rope_cls}, max(SEQ_LEN, {max_pos})), {rope_args})",
         *_layer_lines(spec, build, head_dim),
         "    for layer in layers:  # the HF config's norm eps (the builders' default may differ)",
         "        for norm in (layer.attention_norm, layer.ffn_norm, getattr(layer.attention, 'qk_norm', None)):",
@@ -173,31 +175,53 @@ Run it (this folder on PYTHONPATH; set the SET names first):
 The checkpoint block loads the DCP in this folder ({state}).
 """
 
+import dataclasses
+import importlib.metadata
 import os
 from functools import partial
 
 import torch
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig, default_adamw
-from torchtitan.config import ParallelismConfig, TrainingConfig
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-from torchtitan.models.common import {rope_cls}, Embedding, Linear, RMSNorm
-from torchtitan.models.{model} import {model_cls}, {build}, model_registry
-from torchtitan.trainer import Trainer
+
+# ---- which TorchTitan: chosen by what the installed one has (its main still calls itself 0.2.2, so its version
+# cannot tell); checked against 0.3.0 and main as of {checked}
+try:
+    _VERSION = importlib.metadata.version("torchtitan")
+except importlib.metadata.PackageNotFoundError:
+    _VERSION = "(not installed)"
+try:
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig, default_adamw
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.hf_datasets import text_datasets
+    from torchtitan.models.common import {rope_cls}, Embedding, Linear, RMSNorm
+    from torchtitan.models.{model} import {model_cls}, {build}, model_registry
+    from torchtitan.trainer import Trainer
+except ImportError as exc:
+    raise SystemExit(f"{{__file__}}: TorchTitan {{_VERSION}} cannot serve this file ({{exc}}): it needs TorchTitan "
+                     "0.3.0 or later (its config registry: torchtitan.trainer, torchtitan.models.common)") from None
+_GRAIN = not hasattr(text_datasets, "HuggingFaceTextDataLoader")  # main past #4088: one Grain data loader
+if _GRAIN:
+    from torchtitan.components.data import ConcatThenSplitPackingConfig, GrainDataLoader
+_TRAINING_FIELDS = {{f.name for f in dataclasses.fields(TrainingConfig)}}
+_TOKEN_BUDGET = "max_context_length" in _TRAINING_FIELDS  # main past #4121: batches of tokens, not rows
+if not _TOKEN_BUDGET and "seq_len" not in _TRAINING_FIELDS:
+    raise SystemExit(f"{{__file__}}: TorchTitan {{_VERSION}}: its TrainingConfig has neither seq_len (0.3.0) nor "
+                     "max_context_length (main); this file cannot say the batch to it")
 
 # ---- SET: what ckptconv cannot know --------------------------------------------------------------------
-DATASET = "c4"                  # SET: a dataset TorchTitan's HuggingFaceTextDataLoader knows
-DATASET_PATH = None             # SET: or its local path
+DATASET = "c4"                  # SET: a dataset TorchTitan knows (its text_datasets.DATASETS: c4, c4_test, ...)
+DATASET_PATH = None             # SET: or that dataset's files at a local path
 HERE = os.path.dirname(os.path.abspath(__file__))  # the DCP to-dcp wrote (this file lies beside it)
-HF_ASSETS_PATH = os.path.join(HERE, "hf")  # SET: the tokenizer (to-dcp copied the source's HF files here)
+HF_ASSETS_PATH = os.path.join(HERE, "hf")  # SET: the tokenizer's folder{tokenizer_note}
 LOCAL_BATCH_SIZE = 8            # SET
 SEQ_LEN = {seq_len!r}                 # SET{seq_note}
-STEPS = {steps!r}                   # training.steps: the step TorchTitan stops at{steps_note}
+STEPS = {steps!r}                   # SET: training.steps, the step TorchTitan stops at{steps_note}
 DATA_PARALLEL_SHARD_DEGREE = -1  # SET: parallelism (FSDP over all ranks by default)
 TENSOR_PARALLEL_DEGREE = 1       # SET
-ATTN_BACKEND = "flex"            # TorchTitan's attention backend: flex, flex_flash or varlen{moe_set}
-MIXED_PRECISION_PARAM = "bfloat16"  # FSDP's compute dtype ("float32" computes in fp32)
+ATTN_BACKEND = "flex"            # SET: flex, flex_flash, varlen (all three need a GPU: FlexAttention has no CPU
+                                 # backward) or sdpa (runs on a CPU too){moe_set}
+MIXED_PRECISION_PARAM = {precision!r}  # the compute dtype{precision_note}
 DUMP_FOLDER = "./outputs"       # where TorchTitan writes its own checkpoints
 INITIAL_LOAD_PATH = HERE
 # ---------------------------------------------------------------------------------------------------------
@@ -209,6 +233,30 @@ _NORM_INIT = {{"weight": torch.nn.init.ones_}}
 '''
 
 _TAIL = '''
+def _rope_length(rope, n: int) -> dict:
+    """The RoPE's context length under the installed TorchTitan's name (main renamed max_seq_len, #4121)."""
+    fields = {{f.name for f in dataclasses.fields(rope.Config)}}
+    return {{"max_context_length" if "max_context_length" in fields else "max_seq_len": n}}
+
+
+def _training(**kwargs) -> TrainingConfig:
+    """LOCAL_BATCH_SIZE rows of SEQ_LEN tokens per dp rank: 0.3.0's fields, or main's token budget (#4121)."""
+    if _TOKEN_BUDGET:
+        return TrainingConfig(num_tokens_per_microbatch_per_dp_rank=LOCAL_BATCH_SIZE * SEQ_LEN,
+                              max_context_length=SEQ_LEN, **kwargs)
+    return TrainingConfig(local_batch_size=LOCAL_BATCH_SIZE, seq_len=SEQ_LEN, **kwargs)
+
+
+def _dataloader():
+    """DATASET (at DATASET_PATH) through 0.3.0's HuggingFaceTextDataLoader or main's Grain loader (#4088)."""
+    if not _GRAIN:
+        return text_datasets.HuggingFaceTextDataLoader.Config(dataset=DATASET, dataset_path=DATASET_PATH)
+    dataset = text_datasets.DATASETS[DATASET]
+    if DATASET_PATH is not None:
+        dataset = dataclasses.replace(dataset, source=dataclasses.replace(dataset.source, path=DATASET_PATH))
+    return GrainDataLoader.Config(dataset=ConcatThenSplitPackingConfig(dataset=dataset))
+
+
 def continue_run() -> Trainer.Config:
     """TorchTitan's Trainer.Config that continues the run from INITIAL_LOAD_PATH."""
     model_spec = model_registry("{flavor}")
@@ -221,9 +269,8 @@ def continue_run() -> Trainer.Config:
         loss={loss},
         optimizer=optimizer(),
         lr_scheduler=lr_scheduler(),
-        training=TrainingConfig(local_batch_size=LOCAL_BATCH_SIZE, seq_len=SEQ_LEN, steps=STEPS,
-                                mixed_precision_param=MIXED_PRECISION_PARAM{max_norm}),
-        dataloader=HuggingFaceTextDataLoader.Config(dataset=DATASET, dataset_path=DATASET_PATH),
+        training=_training(steps=STEPS, mixed_precision_param=MIXED_PRECISION_PARAM{max_norm}),
+        dataloader=_dataloader(),
         parallelism=ParallelismConfig(data_parallel_shard_degree=DATA_PARALLEL_SHARD_DEGREE,
                                       tensor_parallel_degree=TENSOR_PARALLEL_DEGREE),
         checkpoint=CheckpointManager.Config(
@@ -242,29 +289,54 @@ def run_command(out_dir: str) -> str:
             "--config continue_run")
 
 
-def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str) -> str:
-    """The text of ``torchtitan_config.py`` (``run`` None: a model-only DCP, ``initial_load_model_only=True``)."""
+def excluded(names: list[str]) -> list[str]:
+    """``exclude_from_loading``: TorchTitan's main refuses the optimizer left out while the lr scheduler is loaded
+    (its #4168: the schedule's state belongs to the optimizer's); refused here too, so no file says it."""
+    if "optimizer" in names and "lr_scheduler" not in names:
+        raise ConversionError(f"exclude_from_loading {names}: lr_scheduler must be excluded when optimizer is "
+                              "(TorchTitan refuses it)")
+    return names
+
+
+def _steps_note(run: TitanRun | None) -> str:
+    if run is None:
+        return ""
+    if run.total_steps <= run.step:
+        return (f" (the source's total; its run is at step {run.step} already, so TorchTitan would stop at once: "
+                "raise it to train)")
+    return f" (the source's total: {run.total_steps}; the run is at step {run.step})"
+
+
+def config_module(spec: ModelSpec, run: TitanRun | None, *, what: str, precision: str = "bfloat16",
+                  tokenizer: bool = True) -> str:
+    """The text of ``torchtitan_config.py`` (``run`` None: a model-only DCP, ``initial_load_model_only=True``).
+    ``precision``: the source's compute dtype (``float32`` for a run trained in fp32); ``tokenizer``: whether
+    ``hf/`` holds one."""
     model = titan_model(spec)
     is_qwen = model.name == "qwen3"
     own = None if model.module is None else importlib.import_module(model.module)  # its model class and builders
     seq_len = run.seq_len if run is not None and run.seq_len else 2048
+    rope_cls = "ComplexRoPE" if model.complex_rope else "CosSinRoPE"
     header = _HEADER.format(
-        version=TITAN_VERSION, what=what, command=run_command("<this folder>"),
+        version=TITAN_VERSION, what=what, command=run_command("<this folder>"), checked=TITAN_MAIN_CHECKED,
         state="model only: initial_load_model_only=True" if run is None else
         f"model, AdamW state, lr schedule and step {run.step}: initial_load_model_only=False, the data loader "
         "excluded (TorchTitan's loader starts its data from the beginning)",
-        rope_cls="ComplexRoPE" if model.complex_rope else "CosSinRoPE", model=model.name,
+        rope_cls=rope_cls, model=model.name,
         model_cls=own.MODEL_CLS if own else "Qwen3Model" if is_qwen else "Llama3Model",
         build=own.BUILDERS if own else ("_build_qwen3_layers" if is_qwen else "_build_llama3_layers")
         + (", _build_qwen3_moe_layers" if spec.experts else ""), seq_len=seq_len,
         moe_set='\nMOE_COMM_BACKEND = "standard"     # SET: the experts\' token dispatch (standard, deepep, ...)'
         if moe_layers(spec) else "",  # any MoE block (GPT-OSS's every layer: its spec.experts is 0)
         seq_note="" if run is None or not run.seq_len else " (the source run's)",
-        steps=run.total_steps if run is not None else 1000,
-        steps_note=" (the source schedule's total steps)" if run is not None else " SET")
+        steps=run.total_steps if run is not None else 1000, steps_note=_steps_note(run),
+        tokenizer_note=" (to-dcp copied the source's HF files here)" if tokenizer else
+        " (hf/ holds NO tokenizer: point this at one, or rerun to-dcp with --tokenizer DIR)",
+        precision=precision, precision_note=" (the source's: its weights are float32)" if precision == "float32"
+        else " (TorchTitan's default; \"float32\" computes in fp32)")
     loss = (own.loss(spec) if own else None) or f"ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={spec.vocab}))"
     tail = _TAIL.format(flavor="debugmodel", loss=loss, model_only=run is None,
                         max_norm="" if run is None or run.max_norm is None else f", max_norm={run.max_norm!r}",
-                        exclude="" if run is None else '\n            exclude_from_loading=["dataloader"],')
+                        exclude="" if run is None else f"\n            exclude_from_loading={excluded(['dataloader'])!r},")
     body = [*_model_lines(spec), "", "", *_optimizer_lines(run), "", *_scheduler_lines(run)]
     return header + "\n".join(body) + "\n" + tail

@@ -80,7 +80,7 @@ def model_lines(spec: ModelSpec) -> list[str]:
         f"def model_config() -> {MODEL_CLS}.Config:",
         '    """TorchTitan\'s deepseek_v3 for the HF config this DCP was written from (hf/config.json)."""',
         f"    dim, vocab, eps = {spec.hidden}, {spec.vocab}, {eps!r}",
-        f"    rope = ComplexRoPE.Config(dim={spec.head_dim}, max_seq_len=max(SEQ_LEN, {max_pos}), {rope_args})",
+        f"    rope = ComplexRoPE.Config(dim={spec.head_dim}, **_rope_length(ComplexRoPE, max(SEQ_LEN, {max_pos})), {rope_args})",
         f"    layers = _build_dsv3_layers(n_layers={spec.layers}, n_dense_layers={sum(not spec.sparse(n) for n in range(spec.layers))}, "
         f"dim=dim, n_heads={spec.heads},",
         f"        q_lora_rank={q_lora(c)}, kv_lora_rank={dim(c, 'kv_lora_rank')}, "

@@ -132,7 +132,7 @@ def model_lines(spec: ModelSpec) -> list[str]:
         "def model_config() -> GptOssModel.Config:",
         '    """TorchTitan\'s gpt_oss for the HF config this DCP was written from (hf/config.json)."""',
         f"    dim, vocab, eps = {spec.hidden}, {spec.vocab}, {eps!r}",
-        f"    rope = CosSinRoPE.Config(dim={spec.head_dim}, max_seq_len=max(SEQ_LEN, {max_pos}), {rope_args})",
+        f"    rope = CosSinRoPE.Config(dim={spec.head_dim}, **_rope_length(CosSinRoPE, max(SEQ_LEN, {max_pos})), {rope_args})",
         f"    layers = _build_gptoss_layers(dim=dim, n_layers={spec.layers}, hidden_dim={spec.intermediate}, "
         f"num_experts={experts}, top_k={top_k}, load_balance_coeff=1e-3, attn_backend=ATTN_BACKEND, fuse_qkv=True, "
         "moe_comm_backend=MOE_COMM_BACKEND, rope=rope)",
