@@ -18,8 +18,9 @@ from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:  # imported on first use (ckptconv.lazy_exports)
     from nxdtrain.config.options import TrainConfig
+    from nxdtrain.checkpoint.export import export
     from nxdtrain.model.stage import LlamaStage
-    from nxdtrain.train import export, prepare, train
+    from nxdtrain.train import prepare, train
 
 __all__ = ["TrainError", "TrainConfig", "train", "prepare", "export", "LlamaStage"]
 

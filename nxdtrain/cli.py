@@ -140,7 +140,7 @@ def _train(config: TrainConfig, *, debug: bool) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     say = every_said(args, "nxdtrain")
-    from nxdtrain.train import export, export_snapshots
+    from nxdtrain.checkpoint.export import export, export_snapshots
 
     if args.every:
         if args.tokenizer:  # each step's export would need it copied: not built, so refused rather than dropped
