@@ -412,7 +412,7 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     others are terminated and the first error written is printed once (``nxdtrain: error: ...``;
     with ``--debug`` every process prints its traceback); a run past ``timeout_s`` is terminated too (exit code 124). SIGTERM or
     SIGINT to this process is forwarded to every worker, and the launcher waits for them all
-    (killing those still alive after :data:`STOP_GRACE_S`) before it returns 128 + the signal: a
+    (killing those still alive after :data:`STOP_GRACE_S`: time to finish a save) before it returns 128 + the signal: a
     supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind. A
     launcher killed by SIGKILL takes them along too (:mod:`nxdtrain.parallel.lifeline`).
     """
@@ -431,7 +431,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
         with _Forwarding(context) as forwarding:
             failed = _wait(context, forwarding, deadline)
             if forwarding.signum is not None:
-                _terminate(context, grace_s=STOP_GRACE_S)
+                # Not signalled again: the workers finish a save in progress and stop together (parallel.preempt).
+                _terminate(context, grace_s=STOP_GRACE_S, signalled=True)
                 name = signal.Signals(forwarding.signum).name
                 print(f"nxdtrain: {name}: stopped all {nprocs} processes; tags without a 'done' marker are never "
                       "resumed", file=sys.stderr)
@@ -519,10 +520,11 @@ class _Forwarding:
             signal.signal(signum, handler)
 
 
-def _terminate(context: Any, grace_s: float = 5.0) -> None:
-    """SIGTERM the workers still alive, wait up to ``grace_s`` for all, then SIGKILL the rest and reap them."""
+def _terminate(context: Any, grace_s: float = 5.0, signalled: bool = False) -> None:
+    """SIGTERM the workers still alive (unless ``signalled`` already), wait up to ``grace_s`` for all, then SIGKILL
+    the rest and reap them."""
     for process in context.processes:
-        if process.is_alive():
+        if process.is_alive() and not signalled:
             process.terminate()
     deadline = time.monotonic() + grace_s
     for process in context.processes:
