@@ -29,7 +29,6 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass
@@ -41,6 +40,7 @@ from ckptconv.training import ep_fits, expert_dp_groups, optimizer_ep_rank
 from nxdtrain.errors import TrainError, failure_line
 from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.lifeline import die_with, start_time
+from nxdtrain.parallel.preempt import handle, restore
 
 DEFAULT_PORT = 29500
 # Set in the processes spawn() starts: the file their process group meets in (a free port found first could
@@ -509,15 +509,11 @@ class _Forwarding:
                     pass
 
     def __enter__(self) -> _Forwarding:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # Python delivers signals to the main thread only; its caller handles them there
-        for signum in FORWARDED:
-            self._previous[signum] = signal.signal(signum, self._forward)
+        self._previous = handle(FORWARDED, self._forward)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        restore(self._previous)
 
 
 def _terminate(context: Any, grace_s: float = 5.0, signalled: bool = False) -> None:

@@ -23,6 +23,19 @@ from typing import Any
 STOPS = (signal.SIGTERM, signal.SIGINT)
 
 
+def handle(signums: tuple[int, ...], handler: Any) -> dict[int, Any]:
+    """``handler`` for ``signums`` in this process; the handlers it replaced (for :func:`restore`). Off the main
+    thread nothing changes (Python runs handlers there only; its caller handles them there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signum: signal.signal(signum, handler) for signum in signums}
+
+
+def restore(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 class Preemption:
     """While active (``with``), SIGTERM and SIGINT to this process are recorded, not acted on."""
 
@@ -37,15 +50,11 @@ class Preemption:
         self.signum = self.signum or signum
 
     def __enter__(self) -> Preemption:
-        if threading.current_thread() is threading.main_thread():  # Python runs handlers there only
-            for signum in STOPS:
-                self._previous[signum] = signal.signal(signum, self._record)
+        self._previous = handle(STOPS, self._record)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        restore(self._previous)
 
     def requested(self) -> bool:
         """Collective over the world: whether any rank got a signal (then ``agreed`` is the highest one)."""

@@ -17,7 +17,7 @@ from tests.nxdtrain.parallel.test_signals import (
     alive,
     completed,
     descendants,
-    kill_leftovers,
+    end,
     start_launcher,
     wait_for,
 )
@@ -70,12 +70,7 @@ def test_sigterm_during_a_save_completes_the_tag_and_its_resume_matches(tmp_path
         assert "nxdtrain: SIGTERM: every rank stopped after step 2;" in err, err
         assert "saved " in err and "Traceback" not in err
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()
-        launcher.stderr.close()
-        kill_leftovers(workers | descendants(launcher.pid))
+        end(launcher, workers)
     assert tags(root) == completed(root) == {"step_2"}  # completed, and nothing started after it
     assert (root / "step_2" / "checkpoint").is_file()
     assert sorted(losses(log)) == [1, 2]
@@ -129,10 +124,5 @@ def test_sigterm_to_one_rank_between_saves_stops_both_at_the_same_step(tmp_path,
         assert stopped[0].startswith(f"nxdtrain: SIGTERM: every rank stopped after step {last};"), err
         assert "Traceback" not in err and "timed out" not in err.lower()
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()
-        launcher.stderr.close()
-        kill_leftovers(workers | descendants(launcher.pid))
+        end(launcher, workers)
     assert tags(root) == completed(root)  # no tag started and left without 'done'

@@ -74,6 +74,17 @@ def kill_leftovers(pids: set[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def end(launcher: subprocess.Popen, workers: set[int]) -> None:
+    """However the test went: the launcher ended, its pipes closed (never read when the test passes), nothing it
+    started left alive."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+    launcher.stdout.close()
+    launcher.stderr.close()
+    kill_leftovers(workers | descendants(launcher.pid))
+
+
 def start_launcher(src: Path, root: Path, log: Path, *, checkpoint_freq: int) -> subprocess.Popen:
     """`nxdtrain run --nproc 2` training (for ever) from ``src`` into ``root``, in a session of its own."""
     argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
@@ -104,12 +115,7 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, nxd_model):
         for name in tags:  # what is complete is intact (checked reads of every file)
             assert ckptconv_main(["inspect", str(root / name), "--json"]) == 0
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()  # its pipes: never read when the test passes
-        launcher.stderr.close()
-        kill_leftovers(workers | descendants(launcher.pid))
+        end(launcher, workers)
 
 
 def test_sigkill_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_model, capsys):
@@ -186,9 +192,4 @@ def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(t
         wait_for(lambda: not alive(workers), KILL_BOUND_S, f"workers {sorted(alive(workers))} to die with the launcher")
         outdir.check_free(root)  # the dead run's lock is free again
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()  # its pipes: never read when the test passes
-        launcher.stderr.close()
-        kill_leftovers(workers | descendants(launcher.pid))
+        end(launcher, workers)
