@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ from nxdtrain.parallel.fsdp_run import local_all, memory_notes, on_local_rows, s
 from nxdtrain.parallel.grads import clip_gradients, global_norm, reduce_gradients
 from nxdtrain.parallel.layers import TpGroup
 from nxdtrain.parallel.offload import offloading
+from nxdtrain.parallel.preempt import Preemption
 
 # What the checks of --data and of --eval-data (None: no evaluation) found: the launcher of --nproc passes them to
 # its workers, so that the data is checked once, before the first process, not again on every rank.
@@ -489,9 +491,11 @@ class Trainer:
             note(f"saved {tag}")
         return tag
 
-    def run(self) -> tuple[list[StepMetrics], Path | None]:
-        """Train to ``--steps``; return the per-step metrics and the last tag written (if any)."""
+    def run(self, stop: Preemption | None = None) -> tuple[list[StepMetrics], Path | None]:
+        """Train to ``--steps``, or until ``stop`` is agreed (nxdtrain.parallel.preempt: at a step boundary, never
+        inside a save, no save after it); return the per-step metrics and the last tag written (if any)."""
         cfg = self.cfg
+        stop = stop or Preemption(self.mesh.host_group, self.device)
         freq = cfg.checkpoint.checkpoint_freq
         start = self.step
         if start < cfg.steps:  # before the log is opened: a stopped start writes nothing
@@ -506,6 +510,8 @@ class Trainer:
             started = time.perf_counter()
             every = cfg.data.eval_every
             for step in range(start + 1, cfg.steps + 1):
+                if stop.requested():
+                    break
                 pending.append(self.train_step(step))
                 if every and step % every == 0:
                     evaluating = time.perf_counter()
@@ -518,12 +524,16 @@ class Trainer:
                         log.record(metrics)
                         self.last_loss = metrics.loss
                     pending = []
+                if saving and stop.requested():
+                    break
                 if saving:
                     last_tag = self.save()
                 if not pending:  # tokens/s counts training only, not logging or saving
                     started = time.perf_counter()
         finally:
             log.close()
+        if stop.agreed:  # stopped: no save starts after the signal
+            return history, last_tag
         if self.writer is not None and self.saved_step != self.step:  # the final state is always saved
             last_tag = self.save()
         if self.rank0 and self.step == start:
@@ -551,12 +561,18 @@ def train(config: TrainConfig, data_checks: DataChecks | None = None,
             lock = claim_checkpoint_dir(directory, f"nxdtrain run --checkpoint-dir {directory} (rank 0 of "
                                                    f"{env.world_size}{f', launcher pid {launcher}' if launcher else ''})")
         trainer = Trainer(plan, device)
-        history, last_tag = trainer.run()
-        dist.barrier(group=trainer.mesh.host_group)
+        with Preemption(trainer.mesh.host_group, trainer.device) as stop:  # SIGTERM/SIGINT: every rank, one step
+            history, last_tag = trainer.run(stop)
+            if stop.agreed and env.rank == 0:  # before the barrier: the launcher may end rank 0 once the others exit
+                note(f"{signal.Signals(stop.agreed).name}: every rank stopped after step {trainer.step}; the newest "
+                     "tag with a 'done' marker holds the run")
+            dist.barrier(group=trainer.mesh.host_group)
     finally:
         dist.destroy_process_group()
         if lock is not None:
             lock.release()
+    if stop.agreed:  # 128 + the signal, as a process the signal ended; nothing exported
+        raise SystemExit(128 + stop.agreed)
     if env.rank == 0 and config.export_hf:
         target = last_tag or Path(config.checkpoint.checkpoint_dir or "")
         with warnings_as_notes("nxdtrain", quiet=False):  # in a process of --nproc too: a note, not a UserWarning

@@ -103,6 +103,7 @@ class TagWriter:
             if self.layout.ep > 1:  # which ep rank's experts the file holds (ckptconv.training's placement)
                 state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=optimizer_ep_rank(dp_rank, self.layout.ep))
             written.append(save_torch(state, path))
+        _test_hold(rank)
         mine = (file_records(written, tag), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self.host_group)
@@ -192,6 +193,25 @@ class TagWriter:
             with_inv_freq=self.source.with_inv_freq,
             extra={RECORD_KEY: run_record(step, consumed, run=self.record.get("run"))},
         ), retain=lambda: prune(self.root, self.keep, run=str(self.record.get("run"))))
+
+
+HOLD_ENV = "NXDTRAIN_TEST_HOLD_SAVE"  # test-only: a directory; see _test_hold
+HOLD_S = 5.0
+
+
+def _test_hold(rank: int) -> None:
+    """Test-only hook (tests/nxdtrain/parallel/test_preempt.py): with ``NXDTRAIN_TEST_HOLD_SAVE=DIR``, the first save
+    of each rank stops for HOLD_S seconds after writing its files, once it has created ``DIR/rank-R``: a signal
+    sent then falls inside a save."""
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        try:
+            (Path(hold) / f"rank-{rank}").touch(exist_ok=False)
+        except FileExistsError:
+            return
+        import time
+
+        time.sleep(HOLD_S)
 
 
 def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:

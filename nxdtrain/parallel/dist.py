@@ -29,7 +29,6 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass
@@ -41,6 +40,7 @@ from ckptconv.training import ep_fits, expert_dp_groups, optimizer_ep_rank
 from nxdtrain.errors import TrainError, failure_line
 from nxdtrain.parallel.experts import EpGroup
 from nxdtrain.parallel.lifeline import die_with, start_time
+from nxdtrain.parallel.preempt import handle, restore
 
 DEFAULT_PORT = 29500
 # Set in the processes spawn() starts: the file their process group meets in (a free port found first could
@@ -412,7 +412,7 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
     others are terminated and the first error written is printed once (``nxdtrain: error: ...``;
     with ``--debug`` every process prints its traceback); a run past ``timeout_s`` is terminated too (exit code 124). SIGTERM or
     SIGINT to this process is forwarded to every worker, and the launcher waits for them all
-    (killing those still alive after :data:`STOP_GRACE_S`) before it returns 128 + the signal: a
+    (killing those still alive after :data:`STOP_GRACE_S`: time to finish a save) before it returns 128 + the signal: a
     supervisor (``timeout``, Slurm, a shell's ``kill``) never leaves headless workers behind. A
     launcher killed by SIGKILL takes them along too (:mod:`nxdtrain.parallel.lifeline`).
     """
@@ -431,7 +431,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *, timeout
         with _Forwarding(context) as forwarding:
             failed = _wait(context, forwarding, deadline)
             if forwarding.signum is not None:
-                _terminate(context, grace_s=STOP_GRACE_S)
+                # Not signalled again: the workers finish a save in progress and stop together (parallel.preempt).
+                _terminate(context, grace_s=STOP_GRACE_S, signalled=True)
                 name = signal.Signals(forwarding.signum).name
                 print(f"nxdtrain: {name}: stopped all {nprocs} processes; tags without a 'done' marker are never "
                       "resumed", file=sys.stderr)
@@ -508,21 +509,18 @@ class _Forwarding:
                     pass
 
     def __enter__(self) -> _Forwarding:
-        if threading.current_thread() is not threading.main_thread():
-            return self  # Python delivers signals to the main thread only; its caller handles them there
-        for signum in FORWARDED:
-            self._previous[signum] = signal.signal(signum, self._forward)
+        self._previous = handle(FORWARDED, self._forward)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        restore(self._previous)
 
 
-def _terminate(context: Any, grace_s: float = 5.0) -> None:
-    """SIGTERM the workers still alive, wait up to ``grace_s`` for all, then SIGKILL the rest and reap them."""
+def _terminate(context: Any, grace_s: float = 5.0, signalled: bool = False) -> None:
+    """SIGTERM the workers still alive (unless ``signalled`` already), wait up to ``grace_s`` for all, then SIGKILL
+    the rest and reap them."""
     for process in context.processes:
-        if process.is_alive():
+        if process.is_alive() and not signalled:
             process.terminate()
     deadline = time.monotonic() + grace_s
     for process in context.processes:

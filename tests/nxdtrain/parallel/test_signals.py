@@ -1,5 +1,6 @@
-"""Signals with real processes: SIGTERM to the --nproc launcher stops every worker; a worker killed
-during a save leaves a tag that nothing reads as complete."""
+"""Signals with real processes: SIGTERM to the --nproc launcher stops every worker; a worker killed (SIGKILL: what
+ends a save the grace time did not cover) during a save leaves a tag that nothing reads as complete. SIGTERM during a
+save: tests/nxdtrain/parallel/test_preempt.py."""
 
 from __future__ import annotations
 
@@ -73,6 +74,17 @@ def kill_leftovers(pids: set[int]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def end(launcher: subprocess.Popen, workers: set[int]) -> None:
+    """However the test went: the launcher ended, its pipes closed (never read when the test passes), nothing it
+    started left alive."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+    launcher.stdout.close()
+    launcher.stderr.close()
+    kill_leftovers(workers | descendants(launcher.pid))
+
+
 def start_launcher(src: Path, root: Path, log: Path, *, checkpoint_freq: int) -> subprocess.Popen:
     """`nxdtrain run --nproc 2` training (for ever) from ``src`` into ``root``, in a session of its own."""
     argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
@@ -103,16 +115,12 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, nxd_model):
         for name in tags:  # what is complete is intact (checked reads of every file)
             assert ckptconv_main(["inspect", str(root / name), "--json"]) == 0
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()  # its pipes: never read when the test passes
-        launcher.stderr.close()
-        kill_leftovers(workers | descendants(launcher.pid))
+        end(launcher, workers)
 
 
-def test_sigterm_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_model, capsys):
-    """The worker is held inside its save (after its shard is written) and then sent SIGTERM."""
+def test_sigkill_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_model, capsys):
+    """The worker is held inside its save (after its shard is written) and then sent SIGKILL (SIGTERM would wait
+    for the save to end: test_preempt.py)."""
     src = nxd_model("mha", tp=1, pp=1, attention="separate")
     root, flag = tmp_path / "ckpt", tmp_path / "saving"
     script = textwrap.dedent(f"""
@@ -133,9 +141,9 @@ def test_sigterm_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_mo
                               text=True, start_new_session=True)
     try:
         wait_for(flag.is_file, 180, "the save to start")
-        worker.send_signal(signal.SIGTERM)
+        worker.send_signal(signal.SIGKILL)
         worker.communicate(timeout=STOP_BOUND_S)
-        assert worker.returncode != 0
+        assert worker.returncode == -signal.SIGKILL
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -184,9 +192,4 @@ def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(t
         wait_for(lambda: not alive(workers), KILL_BOUND_S, f"workers {sorted(alive(workers))} to die with the launcher")
         outdir.check_free(root)  # the dead run's lock is free again
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        launcher.stdout.close()  # its pipes: never read when the test passes
-        launcher.stderr.close()
-        kill_leftovers(workers | descendants(launcher.pid))
+        end(launcher, workers)
