@@ -17,8 +17,8 @@ from ckptconv import lazy_exports
 from nxdtrain.errors import TrainError
 
 if TYPE_CHECKING:  # imported on first use (ckptconv.lazy_exports)
-    from nxdtrain.config.options import TrainConfig
     from nxdtrain.checkpoint.export import export
+    from nxdtrain.config.options import TrainConfig
     from nxdtrain.model.stage import LlamaStage
     from nxdtrain.train import prepare, train
 

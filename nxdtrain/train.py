@@ -34,6 +34,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.io import Flavour
 from ckptconv.training import DEFAULT_RULE, lr_at
 from nxdtrain.checkpoint.continuity import check_resume, new_run_id, optimizer_groups, run_settings
+from nxdtrain.checkpoint.export import export
 from nxdtrain.checkpoint.loss_check import refusal, verdict
 from nxdtrain.checkpoint.moe_record import check_moe_resume, moe_record
 from nxdtrain.checkpoint.nxd_resume import read_nxd_state
@@ -64,7 +65,6 @@ from nxdtrain.data.epochs import resolve as resolve_length
 from nxdtrain.data.rows import Batches, RowSource, open_rows
 from nxdtrain.device import Device, local_gpu_limits, resolve_kind
 from nxdtrain.errors import TrainError
-from nxdtrain.checkpoint.export import export
 from nxdtrain.metrics import PendingStep, StepLog, StepMetrics, note, read_metrics, require_tensorboard
 from nxdtrain.model.capacity import run_routing
 from nxdtrain.model.moe import aux_loss, step_aux
