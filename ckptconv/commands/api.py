@@ -159,7 +159,7 @@ def to_nxd(
                           dtype=dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=identity),
             texts=texts, copies=copies,
         )
-        result = run.write(plan, hf, out, sink_factory(flavour), spec, sources=[Path(src)])
+        result = run.write(plan, hf, out, sink_factory(flavour, ep=target.ep), spec, sources=[Path(src)])
     if verify_layers and result.finalized:
         _verify_after(src, out, config, verify_layers, result.notes)
     return run.finish(result, target.to_json())
@@ -494,7 +494,7 @@ def _write_reshard(plan: Plan, ckpt: Any, training: TrainingTag | None, spec: Mo
     """Write the resharded weights and, of a training tag, its optimizer files read beside them (a part: its own
     files only); an NxD-format tag's indices read back as written."""
     reader: Any = ckpt
-    sinks = sink_factory(target_flavour)
+    sinks = sink_factory(target_flavour, ep=new.ep)
     part: TagPart | None = None
     options, notes = run.options, run.notes
     with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write

@@ -447,7 +447,7 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
                       extra={"from": titan_record(spec)}),
         copies=kept,
     )
-    sinks = nxd_sink_factory(target)
+    sinks = nxd_sink_factory(target, ep=layout.ep)
     if state is not None:  # a training tag: its side files, the run's record, then the markers
         complete_as_tag(spec_, side={USER_CONTENT_FILE: {**state.user_content, "layout": layout.to_json()},
                                      SCHEDULER_FILE: state.scheduler},

@@ -183,7 +183,7 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(moe_hf, tmp_pat
     read, each parameter's state read in the rank's layout: equal to the state of the weight it reads there."""
     from ckptconv.core import ParallelLayout, all_ep_shard_records, layout_shard_file, plan_reshard
     from ckptconv.engine import read_tensor
-    from ckptconv.training import TagReader, shard_ranks, state_tensors
+    from ckptconv.training import TagReader, state_tensors
 
     src = write_tag(moe_hf("qwen3_moe"), tmp_path / "src", ep=2, dp=4, zero1=True)
     opened = open_nxd(src)
@@ -195,7 +195,7 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(moe_hf, tmp_pat
             for ep in range(run.ep):
                 wanted = layout_shard_file(run, ep_rank=ep, tp_rank=run.tp - 1, pp_rank=0)
                 tensors = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
-                read_from = {shard_ranks(Path(str(p.source.file)).name) for t in tensors.values() for p in t.pieces}
+                read_from = {p.source.shard for t in tensors.values() for p in t.pieces}  # (ep, tp, pp), from the plan
                 optim = TagOptimizer(src, opened.spec, opened.layout, with_inv_freq=opened.with_inv_freq,
                                      only={r for r in read_from if r is not None})
                 try:
