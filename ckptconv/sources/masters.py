@@ -168,13 +168,13 @@ def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool,
 
 
 def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, spec: ModelSpec,
-                     layout: ParallelLayout, with_inv_freq: bool) -> list[str]:
+                     layout: ParallelLayout) -> list[str]:
     """Point ``ckpt`` at the fp32 masters an nxdtrain bf16 run keeps in ``optim/`` when asked or preferred
     (after the shards were checked against ``ckptconv.json``, which records their dtype); they are found by
     parameter, whichever dp rank saved them (:func:`ckptconv.training.nxdtrain_format.state.use_masters`)."""
     if ckpt.weight_source is not None or masters is False or not (masters or prefer):
         return []
-    if use_masters(ckpt, spec, layout, with_inv_freq, required=bool(masters)) is None:
+    if use_masters(ckpt, spec, layout, required=bool(masters)) is None:
         return []
     why = "--masters" if masters else "--no-masters exports the shards"
     return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "
