@@ -157,7 +157,7 @@ def test_module_order_puts_per_layer_inv_freq_right_after_o_proj():
 
 
 def test_separate_shard_order_with_inv_freq():
-    records = shard_records(spec(layers=1), ParallelLayout(tp=2), tp_rank=1, pp_rank=0, with_inv_freq=True)
+    records = shard_records(spec(layers=1), ParallelLayout(tp=2, with_inv_freq=True), tp_rank=1, pp_rank=0)
     assert [r.key for r in records] == [
         "model.embed_tokens.weight",
         "model.layers.0.self_attn.q_proj.weight",
@@ -182,3 +182,14 @@ def test_official_tied_shards_have_no_lm_head():
     assert stores_lm_head(s, ["model.norm.weight"]) is False
     assert stores_lm_head(s, ["model.norm.weight", "lm_head.weight"]) is True
     assert stores_lm_head(spec(), []) is True  # untied: lm_head is always part of the shards
+
+
+def test_with_inv_freq_is_a_fact_read_not_part_of_the_layouts_identity():
+    """Whether the shards hold inv_freq travels on the layout read, but ckptconv.json's layout record, equality
+    and hashing (fingerprints, plan keys) are those of the sharding alone: the bytes written do not change."""
+    plain, read = ParallelLayout(tp=2), ParallelLayout(tp=2, with_inv_freq=True)
+    assert plain == read and hash(plain) == hash(read)
+    assert read.to_json() == plain.to_json() and "with_inv_freq" not in read.to_json()
+    keys = {r.key for r in shard_records(spec(layers=1), read, tp_rank=0, pp_rank=0)}
+    assert keys - {r.key for r in shard_records(spec(layers=1), plain, tp_rank=0, pp_rank=0)} == {
+        "model.layers.0.self_attn.rotary_emb.inv_freq"}

@@ -159,7 +159,7 @@ def to_nxd(
                           dtype=dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=identity),
             texts=texts, copies=copies,
         )
-        result = run.write(plan, hf, out, sink_factory(flavour), spec, sources=[Path(src)])
+        result = run.write(plan, hf, out, sink_factory(flavour, ep=target.ep), spec, sources=[Path(src)])
     if verify_layers and result.finalized:
         _verify_after(src, out, config, verify_layers, result.notes)
     return run.finish(result, target.to_json())
@@ -297,8 +297,7 @@ def to_hf(
     with ckpt:
         fused = check_hf_experts(hf_experts, spec)
         dtype = export_dtype(dtype, spec.config, ckpt.dtypes(), notes)  # notes: said once, in the result
-        plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq,
-                          max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
+        plan = plan_to_hf(spec, layout, ckpt.dtypes(), max_shard_size=max_shard_size, dtype_policy=dtype_policy(dtype),
                           average_replicas=kv_replicas == "mean", fused_experts=fused)
         identity = fingerprint("hf", layout.to_json(), dtype, max_shard_size, kv_replicas, *(["fused"] if fused else []),
                                file_identity(input_files(ckpt)), tokenizer_identity(tokenizer),
@@ -391,7 +390,7 @@ def reshard(
     parted = options.part[1] > 1  # a part checks one model file per stage, then the files it reads (below)
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       stages_only=parted, keep_nxd_optimizer=True)  # NxD's tag: its state moves too
-    ckpt, spec, old, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, old = opened.ckpt, opened.spec, opened.layout  # old: the layout read, with its with_inv_freq
     notes += opened.notes
     with ckpt:
         resolved = apply_layout(old, flags, kv_heads=spec.kv_heads)
@@ -401,23 +400,22 @@ def reshard(
         _refuse_no_change(ckpt, old, new, flags, changes=[
             target_flavour is not ckpt.flavour, dtype != "keep", masters is True, kv_replicas != "error",
             dp is not None, zero1 is not None, optimizer_format != "nxdtrain", weights_only])
-        plan = plan_reshard(spec, old, new, ckpt.dtypes(stages_only=parted), with_inv_freq=with_inv_freq,
-                            dtype_policy=dtype_policy(dtype))
-        training = _reshard_training(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, weights_only=weights_only,
+        plan = plan_reshard(spec, old, new, ckpt.dtypes(stages_only=parted), dtype_policy=dtype_policy(dtype))
+        training = _reshard_training(ckpt, spec, old, dp=dp, zero1=zero1, weights_only=weights_only,
                                      optimizer_format=optimizer_format, options=options, new=new)
         if parted and training is None:  # the weights alone: split by the run's write, so every file is checked here
-            check_files_read(ckpt, spec, old, with_inv_freq, ckpt.files)
+            check_files_read(ckpt, spec, old, ckpt.files)
         if training is not None and optimizer_format == "nxd":
             training.nxd_format = NxdFormat(_param_groups(training, rule, nxd_param_groups, notes), drop_masters,
-                                            spec, with_inv_freq, nxd_trainer, out)
-        spec_ = _reshard_spec(ckpt, spec, old, new, plan, training, dtype, target_flavour, with_inv_freq, notes)
-        result = _write_reshard(plan, ckpt, training, spec, old, new, with_inv_freq, out, run, spec_,
+                                            spec, old.with_inv_freq, nxd_trainer, out)
+        spec_ = _reshard_spec(ckpt, spec, old, new, plan, training, dtype, target_flavour, notes)
+        result = _write_reshard(plan, ckpt, training, spec, old, new, out, run, spec_,
                                 target_flavour, kv_replicas, [Path(src), ckpt.root])
     return run.finish(result, new.to_json())
 
 
 def _reshard_spec(ckpt: Any, spec: ModelSpec, old: ParallelLayout, new: ParallelLayout, plan: Plan,
-                  training: TrainingTag | None, dtype: str, target_flavour: Flavour, with_inv_freq: bool,
+                  training: TrainingTag | None, dtype: str, target_flavour: Flavour,
                   notes: list[str]) -> FinalizeSpec:
     """What completes a reshard's OUT: its fingerprint, ``ckptconv.json`` and the HF files kept under ``hf/``."""
     identity = fingerprint("reshard", old.to_json(), new.to_json(), dtype, target_flavour.value,
@@ -425,7 +423,7 @@ def _reshard_spec(ckpt: Any, spec: ModelSpec, old: ParallelLayout, new: Parallel
     hf_config, copies, texts = config_as_written(spec.config, dtype, plan,
                                                  kept_hf_files(ckpt.root, notes, into=f"{HF_FILES_DIR}/"))
     metadata = dict(kind="nxd", hf_config=hf_config, layout=new.to_json(), flavour=target_flavour.value,
-                    dtype=dtype_name(plan), with_inv_freq=with_inv_freq, fingerprint=identity)
+                    dtype=dtype_name(plan), with_inv_freq=old.with_inv_freq, fingerprint=identity)
     return FinalizeSpec(identity, metadata=metadata, texts=texts, copies=copies)
 
 
@@ -442,7 +440,7 @@ def _refuse_no_change(ckpt: Any, old: ParallelLayout, new: ParallelLayout, flags
         "--optimizer-format, --dp, --zero1 to change something else)")
 
 
-def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *, dp: int | None,
+def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, *, dp: int | None,
                       zero1: bool | None, weights_only: bool, optimizer_format: str,
                       options: RunOptions, new: ParallelLayout) -> TrainingTag | None:
     """The training state that moves with the weights (nxdtrain's tag, or NxD's own into nxdtrain's format), or
@@ -450,7 +448,7 @@ def _reshard_training(ckpt: Any, spec: ModelSpec, old: ParallelLayout, with_inv_
     training = None
     parted = options.part[1] > 1
     if not weights_only and is_training_tag(ckpt.root):
-        training = TrainingTag.open(ckpt, spec, old, with_inv_freq, dp=dp, zero1=zero1, io=options.io,
+        training = TrainingTag.open(ckpt, spec, old, dp=dp, zero1=zero1, io=options.io,
                                     optim=nxdtrain_optimizer(ckpt),  # a part: its own ranks' files added below
                                     only={(0, 0)} if parted else None)
     elif not weights_only and (ckpt.root / OPTIM_DIR).is_dir():  # NxD's own tag: into nxdtrain's format
@@ -489,19 +487,19 @@ def _param_groups(training: TrainingTag, rule: str | None, asked: str | None, no
 
 
 def _write_reshard(plan: Plan, ckpt: Any, training: TrainingTag | None, spec: ModelSpec, old: ParallelLayout,
-                   new: ParallelLayout, with_inv_freq: bool, out: Path, run: Run, spec_: FinalizeSpec,
+                   new: ParallelLayout, out: Path, run: Run, spec_: FinalizeSpec,
                    target_flavour: Flavour, kv_replicas: str, sources: list[Path]) -> Result:
     """Write the resharded weights and, of a training tag, its optimizer files read beside them (a part: its own
     files only); an NxD-format tag's indices read back as written."""
     reader: Any = ckpt
-    sinks = sink_factory(target_flavour)
+    sinks = sink_factory(target_flavour, ep=new.ep)
     part: TagPart | None = None
     options, notes = run.options, run.notes
     with training or contextlib.nullcontext():  # a training tag: its optimizer files closed after the write
         if training is not None:  # the optimizer files join the plan, read beside the weights
             if options.part[1] > 1:  # one of several parts: the optimizer state of its own files only
                 part = TagPart.split(plan, options.part, dp=training.dp, zero1=training.zero1)
-                check_files_read(ckpt, spec, old, with_inv_freq,
+                check_files_read(ckpt, spec, old,
                                  [shard_file(tp_rank=tp, pp_rank=pp) for tp, pp in part.sources()])
                 everything, whole = planned_outputs(plan, spec_), plan
                 if isinstance(training.optim, TagOptimizer):  # nxdtrain's files: those this part reads

@@ -221,11 +221,11 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
     # the fp32 masters of a bf16 run (nxdtrain's or NxD's) are its weights, as for to-hf; NxD's optimizer stays open
     opened = open_nxd(src, config=config, hints=hints, io=options.io, check=options.check, masters=masters,
                       prefer_masters=True, keep_nxd_optimizer=True)
-    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, layout = opened.ckpt, opened.spec, opened.layout
     read_notes += opened.notes
     with ckpt, contextlib.ExitStack() as stack:
         titan_model(spec)  # a family TorchTitan has no model for: refused before the tag's state is opened
-        training = None if weights_only else open_training(ckpt, spec, layout, with_inv_freq, io=options.io)
+        training = None if weights_only else open_training(ckpt, spec, layout, io=options.io)
         read_notes += bias_note(spec)
         if training is not None:
             stack.enter_context(training)
@@ -234,7 +234,7 @@ def _nxd_to_dcp(src: str | Path, out: Path, *, config: str | Path | None, hints:
             if not weights_only:
                 _model_only(read_notes, out, f"{ckpt.root} is not a training tag")
         shard_dtypes = ckpt.dtypes()
-        tiles, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq,
+        tiles, replicas = hf_sources(spec, layout,
                                      lm_head_copy=stores_lm_head(spec, shard_dtypes))
         state = (TitanState() if training is None else
                  titan_state(spec, tiles, replicas, training, flags, str(ckpt.root)))
@@ -500,7 +500,7 @@ def _dcp_to_nxd(ckpt: DcpCheckpoint, spec: ModelSpec, out: Path, kept: list[tupl
                       extra={"from": titan_record(spec)}),
         copies=kept,
     )
-    sinks = nxd_sink_factory(target)
+    sinks = nxd_sink_factory(target, ep=layout.ep)
     if state is not None:  # a training tag: its side files, the run's record, then the markers
         complete_as_tag(spec_, side={USER_CONTENT_FILE: {**state.user_content, "layout": layout.to_json()},
                                      SCHEDULER_FILE: state.scheduler},

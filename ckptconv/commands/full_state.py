@@ -19,10 +19,10 @@ def to_full_state(src: str | Path, out: str | Path, *, config: str | Path, hints
     run = Run("to-full-state", options)
     out = Path(out)
     opened = open_nxd(src, config=config, hints=hints, io=run.options.io, check=run.options.check)
-    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, layout = opened.ckpt, opened.spec, opened.layout
     run.notes += opened.notes
     with ckpt:
-        plan = plan_to_full_state(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
+        plan = plan_to_full_state(spec, layout, ckpt.dtypes())
         identity = fingerprint("full", layout.to_json(), sorted(str(p) for p in ckpt.files.values()))
         # The official tool writes checkpoint.pt and nothing else; so do we (no ckptconv.json).
         result = run.write(plan, ckpt, out, sink_factory(Flavour.PLAIN), FinalizeSpec(identity),

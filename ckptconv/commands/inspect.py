@@ -103,8 +103,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
         opened = open_nxd(path, config=config, check=check, hints={"hw": "trn1"}, masters=masters,
                           keep_nxd_optimizer=True)
         undecided = str(exc)
-    ckpt, spec, layout, with_inv_freq, notes = (opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq,
-                                                opened.notes)
+    ckpt, spec, layout, notes = opened.ckpt, opened.spec, opened.layout, opened.notes
     if undecided is not None:
         notes = [n for n in notes if "trn1" not in n] + [f"hw undecided: {undecided}"]  # trn1 was only a stand-in
     with ckpt:
@@ -121,7 +120,7 @@ def _inspect_nxd(path: Path, config: str | Path | None, check: bool, masters: bo
             checked += source.finish_checks(only_read=False)
         # NxD's optimizer, already read for the weights' notes, or nxdtrain's (else why NxD's could not be read)
         optimizer = (nxd_optimizer_summary(ckpt, check) if ckpt.nxd_optimizer is not None
-                     else nxdtrain_optimizer_summary(ckpt, spec, layout, with_inv_freq) or nxd_optimizer_summary(ckpt, check))
+                     else nxdtrain_optimizer_summary(ckpt, spec, layout) or nxd_optimizer_summary(ckpt, check))
         meta = read_metadata(ckpt.root)
         complete, problems = _completeness(ckpt.root, meta, ckpt.found_as)
         return {

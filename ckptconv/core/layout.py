@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -65,6 +65,9 @@ class ParallelLayout:
     # (None: vocab_size rounded up to a multiple of tp). Another tool's padding (NxDT: to 128 x tp) is read as stored.
     padded_vocab: int | None = None
     ep: int = 1  # expert-parallel degree (MoE families): each ep rank holds a contiguous block of E / ep experts
+    # Whether the shards hold rotary_emb.inv_freq: a fact of the shards read (or of the HF state written), not of
+    # the parallelism, so neither recorded (to_json) nor part of a layout's identity (equality, fingerprints).
+    with_inv_freq: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", choice(Attention, self.attention, "attention"))
@@ -174,6 +177,7 @@ class ParallelLayout:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["with_inv_freq"]  # what was read, not how it is sharded
         if data["padded_vocab"] is None:  # unpadded layouts are recorded as before
             del data["padded_vocab"]
         if data["ep"] == 1:  # so are layouts without expert parallelism

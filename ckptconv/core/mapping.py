@@ -93,8 +93,8 @@ def stores_lm_head(spec: ModelSpec, nxd_keys: Iterable[str]) -> bool:
 
 
 def shard_records(
-    spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int, with_inv_freq: bool = False,
-    lm_head_copy: bool = True, ep_rank: int = 0,
+    spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int, lm_head_copy: bool = True,
+    ep_rank: int = 0,
 ) -> list[ShardRecord]:
     """The records of shard (tp_rank, pp_rank) of expert-parallel rank ``ep_rank`` in the official key order.
 
@@ -114,25 +114,24 @@ def shard_records(
         records.append(ShardRecord(EMBED, 0, vocab))
     for layer, owner in enumerate(pp_of_layer):
         if owner == pp_rank:
-            records += _layer_records(spec, layout, layer, tp_rank, ep_rank, with_inv_freq)
+            records += _layer_records(spec, layout, layer, tp_rank, ep_rank)
     if pp_rank == layout.pp - 1 and ep_rank == 0:
         records.append(_whole(FINAL_NORM, spec.hidden))
         if not spec.tied:
             records.append(ShardRecord(LM_HEAD, 0, vocab_segments(LM_HEAD, spec.vocab, rows, layout.tp, tp_rank)))
         elif lm_head_copy:  # a tied model has no lm_head in HF; our last stage gets its own copy of the embedding
             records.append(ShardRecord(LM_HEAD, 0, vocab))
-    return _in_file_order(records, key_order(spec, with_inv_freq=with_inv_freq))
+    return _in_file_order(records, key_order(spec, with_inv_freq=layout.with_inv_freq))
 
 
-def _layer_records(spec: ModelSpec, layout: ParallelLayout, layer: int, tp_rank: int, ep_rank: int,
-                   with_inv_freq: bool) -> list[ShardRecord]:
+def _layer_records(spec: ModelSpec, layout: ParallelLayout, layer: int, tp_rank: int, ep_rank: int) -> list[ShardRecord]:
     optional = spec.family.optional_layer_keys
     prefix = LAYER_PREFIX.format(layer)
     out: list[ShardRecord] = []
     for rule in spec.family.rules_for(spec.config, layer):
         if _is_expert(rule):
             out += rule.records(spec, layout, prefix, tp_rank, ep_rank=ep_rank)  # type: ignore[call-arg]
-        elif ep_rank == 0 and (with_inv_freq or not (rule.hf_names and set(rule.hf_names) <= optional)):
+        elif ep_rank == 0 and (layout.with_inv_freq or not (rule.hf_names and set(rule.hf_names) <= optional)):
             out += rule.records(spec, layout, prefix, tp_rank)
     return out
 
@@ -165,13 +164,12 @@ def _in_file_order(records: list[ShardRecord], module_order: list[str], *, at_en
     return in_slot + [r for r in records if at_end and r.at_end]
 
 
-def live_module_order(spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int,
-                      with_inv_freq: bool = False) -> list[str]:
+def live_module_order(spec: ModelSpec, layout: ParallelLayout, *, tp_rank: int, pp_rank: int) -> list[str]:
     """The keys of shard (tp_rank, pp_rank) in the order of a live NxD model's parameters (what NxD's own
     save writes, and what its optimizer indices follow): every key in the slot of its first HF source key,
     a fused ``weight_qkv`` included (the official converter appends those at the end instead)."""
-    records = shard_records(spec, layout, tp_rank=tp_rank, pp_rank=pp_rank, with_inv_freq=with_inv_freq)
-    order = key_order(spec, with_inv_freq=with_inv_freq)
+    records = shard_records(spec, layout, tp_rank=tp_rank, pp_rank=pp_rank)
+    order = key_order(spec, with_inv_freq=layout.with_inv_freq)
     return [r.key for r in _in_file_order(records, order, at_end=False)]
 
 
@@ -185,7 +183,7 @@ def hf_record_shape(record: ShardRecord, hf_shape: tuple[int, ...]) -> tuple[int
 
 
 def all_shard_records(
-    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
+    spec: ModelSpec, layout: ParallelLayout, *, lm_head_copy: bool = True
 ) -> dict[tuple[int, int], list[ShardRecord]]:
     """Every shard's records, keyed by (tp_rank, pp_rank), in file order (pp-major): :func:`all_ep_shard_records`
     without its ep index, for a layout without expert parallelism (a (tp, pp) key cannot name an ep rank)."""
@@ -193,7 +191,7 @@ def all_shard_records(
     if layout.ep > 1:
         raise ConversionError(f"this command does not handle expert parallelism yet (ep {layout.ep}); ep 1 works")
     return {(tp, pp): records for (_, tp, pp), records in
-            all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy).items()}
+            all_ep_shard_records(spec, layout, lm_head_copy=lm_head_copy).items()}
 
 
 def check_source_shapes(
@@ -218,14 +216,13 @@ def check_source_shapes(
 
 
 def all_ep_shard_records(
-    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
+    spec: ModelSpec, layout: ParallelLayout, *, lm_head_copy: bool = True
 ) -> dict[tuple[int, int, int], list[ShardRecord]]:
     """Every shard's records keyed by (ep_rank, tp_rank, pp_rank), in NxD's rank order (pp, then ep, then tp): the
     one keying of a layout's shards (ep rank 0 alone without expert parallelism)."""
     layout.check_model(spec)
     return {
-        (ep, tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, ep_rank=ep, with_inv_freq=with_inv_freq,
-                                    lm_head_copy=lm_head_copy)
+        (ep, tp, pp): shard_records(spec, layout, tp_rank=tp, pp_rank=pp, ep_rank=ep, lm_head_copy=lm_head_copy)
         for pp in range(layout.pp)
         for ep in range(layout.ep)
         for tp in range(layout.tp)

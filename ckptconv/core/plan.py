@@ -187,12 +187,12 @@ def plan_to_nxd(
     dtype_policy: DtypePolicy = keep_dtype,
 ) -> Plan:
     """Shards for ``layout`` from an HF state whose keys and dtypes are ``source_dtypes``."""
-    with_inv_freq = any(k.endswith("inv_freq") for k in source_dtypes)
-    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    layout = replace(layout, with_inv_freq=any(k.endswith("inv_freq") for k in source_dtypes))  # as the source
+    shapes = hf_shapes(spec, with_inv_freq=layout.with_inv_freq)
     files = []
     # pp-major, like NxD's rank order (all_shard_records' order): the executor finishes, and
     # hashes, files in this order.
-    for (ep, tp, pp), records in all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq).items():
+    for (ep, tp, pp), records in all_ep_shard_records(spec, layout).items():
         tensors = tuple(
             _out_tensor(record, shapes, source_dtypes, dtype_policy, lambda key: Source(None, key))
             for record in records
@@ -236,11 +236,10 @@ class _Placement:
     piece: Piece  # where in the shards this HF range lives
 
 
-def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
-                lm_head_copy: bool) -> dict[str, list[_Placement]]:
+def _placements(spec: ModelSpec, layout: ParallelLayout, *, lm_head_copy: bool) -> dict[str, list[_Placement]]:
     """Every HF range's locations in the shards, grouped by HF key, in rank order."""
     out: dict[str, list[_Placement]] = defaultdict(list)
-    records_of = all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    records_of = all_ep_shard_records(spec, layout, lm_head_copy=lm_head_copy)
     for (ep, tp, pp), records in records_of.items():
         file = layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp)
         for record in records:
@@ -257,7 +256,7 @@ def _placements(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
 
 
 def hf_sources(
-    spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool = False, lm_head_copy: bool = True
+    spec: ModelSpec, layout: ParallelLayout, *, lm_head_copy: bool = True
 ) -> tuple[dict[str, tuple[int, tuple[Piece, ...]]], list[ReplicaGroup]]:
     """For each HF key: (dim, pieces that tile it, first copy of each range); plus all replica groups.
 
@@ -265,10 +264,10 @@ def hf_sources(
     :func:`ckptconv.core.mapping.stores_lm_head`); ignored when untied. Raises if the shards do not
     cover some HF range exactly once (an internal inconsistency).
     """
-    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    shapes = hf_shapes(spec, with_inv_freq=layout.with_inv_freq)
     tiles: dict[str, tuple[int, tuple[Piece, ...]]] = {}
     replicas: list[ReplicaGroup] = []
-    for hf_key, placements in _placements(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy).items():
+    for hf_key, placements in _placements(spec, layout, lm_head_copy=lm_head_copy).items():
         by_range: dict[tuple[int, int], list[_Placement]] = {}
         for p in placements:
             by_range.setdefault((p.start, p.stop), []).append(p)
@@ -294,7 +293,6 @@ def plan_to_hf(
     layout: ParallelLayout,
     shard_dtypes: dict[str, torch.dtype],
     *,
-    with_inv_freq: bool = False,
     max_shard_size: int = 5 * 10**9,
     dtype_policy: DtypePolicy = keep_dtype,
     average_replicas: bool = False,
@@ -306,8 +304,8 @@ def plan_to_hf(
     range (K/V head, norm, tied lm_head) is exported as the mean of its copies. ``fused_experts``: a mixture of
     experts' layers in transformers' fused form (:mod:`ckptconv.core.fused_experts`).
     """
-    tensors = _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, dtype_policy, column_major_o=False)
-    _, replicas = hf_sources(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
+    tensors = _hf_tensors(spec, layout, shard_dtypes, dtype_policy, column_major_o=False)
+    _, replicas = hf_sources(spec, layout, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     if average_replicas:
         tensors = [_with_alternates(t, replicas) for t in tensors]
     if fused_experts:
@@ -341,7 +339,6 @@ def plan_to_full_state(
     layout: ParallelLayout,
     shard_dtypes: dict[str, torch.dtype],
     *,
-    with_inv_freq: bool = False,
     filename: str = "checkpoint.pt",
 ) -> Plan:
     """The official ``--convert_to_full_state`` output: one torch file with HF keys.
@@ -350,12 +347,12 @@ def plan_to_full_state(
     (in the shard order of :func:`ckptconv.core.mapping.shard_records`) expanded in place into its HF
     keys. A tied model gets no ``lm_head.weight``, with or without a copy in the shards.
     """
-    tensors = {t.key: t for t in _hf_tensors(spec, layout, shard_dtypes, with_inv_freq, keep_dtype,
+    tensors = {t.key: t for t in _hf_tensors(spec, layout, shard_dtypes, keep_dtype,
                                              column_major_o=layout.attention is Attention.QKV_LINEAR)}
     ordered: list[OutTensor] = []
     seen: set[str] = set()
     # every expert in its module slot, as at ep 1 (the pieces still read each expert from its ep rank's shards)
-    records = all_shard_records(spec, replace(layout, ep=1), with_inv_freq=with_inv_freq,
+    records = all_shard_records(spec, replace(layout, ep=1),
                                 lm_head_copy=stores_lm_head(spec, shard_dtypes))
     for pp in range(layout.pp):
         for record in records[(0, pp)]:
@@ -370,13 +367,12 @@ def _hf_tensors(
     spec: ModelSpec,
     layout: ParallelLayout,
     shard_dtypes: dict[str, torch.dtype],
-    with_inv_freq: bool,
     dtype_policy: DtypePolicy,
     *,
     column_major_o: bool,
 ) -> list[OutTensor]:
-    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
-    tiles, _ = hf_sources(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
+    shapes = hf_shapes(spec, with_inv_freq=layout.with_inv_freq)
+    tiles, _ = hf_sources(spec, layout, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     out = []
     for hf_key, shape in shapes.items():
         dim, pieces = tiles[hf_key]
@@ -417,14 +413,13 @@ def plan_reshard(
     new: ParallelLayout,
     shard_dtypes: dict[str, torch.dtype],
     *,
-    with_inv_freq: bool = False,
     dtype_policy: DtypePolicy = keep_dtype,
 ) -> Plan:
     """Shards for ``new`` read straight from shards in ``old``: the to-hf plan composed with to-nxd.
 
     A tied model's target shards get our ``lm_head.weight`` copy whether the source has one or not.
     """
-    tiles, replicas = hf_sources(spec, old, with_inv_freq=with_inv_freq, lm_head_copy=stores_lm_head(spec, shard_dtypes))
+    tiles, replicas = hf_sources(spec, old, lm_head_copy=stores_lm_head(spec, shard_dtypes))
     hf_dtypes = {key: shard_dtypes[pieces[0].source.key] for key, (_, pieces) in tiles.items()}
     target = plan_to_nxd(spec, new, hf_dtypes, dtype_policy)
     files = [

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ckptconv.core.layout import MODEL_DIR, parse_ep_shard_name, parse_shard_name, shard_file, shard_name
+from ckptconv.core.layout import MODEL_DIR, ShardId, parse_shard_name, shard_file, shard_name
 from ckptconv.core.plan import Source
 from ckptconv.errors import ConversionError, IntegrityError
 from ckptconv.io.checked import CheckedFiles, check_whole_file
@@ -194,6 +194,9 @@ class NxdCheckpoint:
         self.ranks = sorted({(tp, pp) for _, tp, pp in shards})
         ep_of = (lambda ep: ep) if by_ep else (lambda ep: None)
         self.files = {shard_file(tp_rank=tp, pp_rank=pp, ep_rank=ep_of(ep)): p for (ep, tp, pp), p in shards.items()}
+        # each file's ranks as read from the directory, so no caller parses them back out of its name
+        self.shard_of = {shard_file(tp_rank=tp, pp_rank=pp, ep_rank=ep_of(ep)): ShardId(ep, tp, pp)
+                         for ep, tp, pp in shards}
         self.tp = 1 + max(tp for _, tp, _ in shards)
         self.pp = 1 + max(pp for _, _, pp in shards)
         missing = [
@@ -345,15 +348,13 @@ class NxdCheckpoint:
         """Each of ``files`` (model file names) declares the keys and dtypes its stage's first file declares
         (what :meth:`dtypes` and a plan assume of every file); else ConversionError naming both files."""
         for file in sorted(files):
-            ep_ranks = parse_ep_shard_name(Path(file).name)
-            ranks = parse_shard_name(Path(file).name) if ep_ranks is None else ep_ranks[1:]
-            assert ranks is not None, file
-            first = self.stage_files()[ranks[1]]
+            ranks = self.shard_of[file]
+            first = self.stage_files()[ranks.pp]
             if file == first:
                 continue
             mine = {key: dtype for key, (dtype, _) in self.declared(file).items()}
             theirs = {key: dtype for key, (dtype, _) in self.declared(first).items()}
-            if ep_ranks is not None and ep_ranks[0] > 0:  # an ep rank > 0 holds only its experts (NxD's rule)
+            if ranks.ep > 0:  # an ep rank > 0 holds only its experts (NxD's rule)
                 theirs = {key: dtype for key, dtype in theirs.items() if key in mine}
             if mine == theirs:
                 continue

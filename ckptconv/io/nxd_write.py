@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
-from ckptconv.core.layout import parse_ep_shard_name
 from ckptconv.core.plan import NESTED_TORCH, OutFile, OutTensor, Piece, Source
 from ckptconv.io.atomic import move_into_place
 from ckptconv.io.nxd import INFO_SUFFIX, TENSORS_SUFFIX, Flavour
@@ -58,8 +57,9 @@ class XserSplitSink:
     optimizer state) keeps its structure, each TensorAt a TensorReference numbered depth-first, as NxD's xser
     save numbers them."""
 
-    def __init__(self, out_file: OutFile, tmp: Path) -> None:
+    def __init__(self, out_file: OutFile, tmp: Path, *, ep: int = 1) -> None:
         self.path = tmp / out_file.path
+        self.ep = ep  # the layout's expert-parallel degree (expert_parallel_keys)
         self.tensor_dir = Path(str(self.path) + TENSORS_SUFFIX)
         self.tensor_dir.mkdir(parents=True, exist_ok=True)
         self.out_file = out_file
@@ -96,7 +96,7 @@ class XserSplitSink:
         else:
             refs = {t.key: TensorReference(self.tid[t.key]) for t in self.out_file.tensors}
         by_tid = sorted(self.out_file.tensors, key=lambda t: self.tid[t.key])
-        experts = expert_parallel_keys(self.out_file)
+        experts = expert_parallel_keys(self.out_file, self.ep)
         info = {self.tid[t.key]: {"dtype": t.dtype, "shape": torch.Size(t.shape),
                                   "expert_model_parallel": t.key in experts} for t in by_tid}
         info_path = Path(str(self.path) + INFO_SUFFIX)
@@ -105,23 +105,23 @@ class XserSplitSink:
         return [self.tensor_dir, info_path, self.path]
 
 
-def expert_parallel_keys(out_file: OutFile) -> frozenset[str]:
+def expert_parallel_keys(out_file: OutFile, ep: int) -> frozenset[str]:
     """The keys NxD's xser save marks ``expert_model_parallel`` in ``out_file``'s ``.info.pt``: the stacked expert
-    weights (``ExpertFusedLinear._mark_expert_parallel_weights``), marked only when ep > 1, which is when a model
-    shard's name carries its ep rank. NxD's loader reads a marked tensor from the file's own ep rank, the rest from
-    ep rank 0's."""
-    if parse_ep_shard_name(Path(out_file.path).name) is None:
+    weights (``ExpertFusedLinear._mark_expert_parallel_weights``), marked only when the layout's ``ep`` > 1, in a
+    model shard (optimizer files carry no marks). NxD's loader reads a marked tensor from the file's own ep rank,
+    the rest from ep rank 0's."""
+    if ep == 1:
         return frozenset()
     return frozenset(t.key for t in out_file.tensors if t.key.endswith((NXD_GATE_UP, NXD_DOWN)))
 
 
-def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
-    """The executor's sink factory for NxD shards of ``flavour``."""
+def sink_factory(flavour: Flavour, *, ep: int = 1):  # type: ignore[no-untyped-def]
+    """The executor's sink factory for NxD shards of ``flavour``, of a layout of expert-parallel degree ``ep``."""
     flavour = Flavour(flavour)
 
     def make(out_file: OutFile, tmp: Path):  # type: ignore[no-untyped-def]
         if flavour is Flavour.XSER_SPLIT:
-            return XserSplitSink(out_file, tmp)
+            return XserSplitSink(out_file, tmp, ep=ep)
         return TorchZipSink(out_file, tmp, empty_tensors_dir=flavour is Flavour.XSER_INLINE)
 
     return make
@@ -132,12 +132,13 @@ def sink_factory(flavour: Flavour):  # type: ignore[no-untyped-def]
 
 
 def save_shard(path: Path, state: Mapping[str, torch.Tensor], flavour: Flavour | str = Flavour.PLAIN, *,
-               column_major: Collection[str] | None = None) -> list[Path]:
+               column_major: Collection[str] | None = None, ep: int = 1) -> list[Path]:
     """Write one rank's shard from memory, byte-identical to ``torch.save`` for ``plain``.
 
     Tensors may live on any device: each is copied to the CPU only when it is written, one at a
     time. ``column_major``: the keys stored column-major; by default read from each tensor's
-    strides (an XLA tensor reports contiguous strides whatever its layout, so its caller says).
+    strides (an XLA tensor reports contiguous strides whatever its layout, so its caller says). ``ep``: the
+    layout's expert-parallel degree (xser marks the expert weights when > 1: :func:`expert_parallel_keys`).
     Written under a temp directory beside ``path`` with the final basename (torch.save output
     depends on it) and renamed into place, the main ``.pt`` last. Returns the paths written.
     """
@@ -161,7 +162,7 @@ def save_shard(path: Path, state: Mapping[str, torch.Tensor], flavour: Flavour |
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    sink = sink_factory(flavour)(out_file, tmp)
+    sink = sink_factory(flavour, ep=ep)(out_file, tmp)
     for t_out in out_file.tensors:
         t = _own_storage(state[t_out.key])
         data = t.t().contiguous() if t_out.column_major else t.contiguous()

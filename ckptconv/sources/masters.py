@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import torch
 
-from ckptconv.core.layout import ParallelLayout, parse_shard_name
+from ckptconv.core.layout import ParallelLayout
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint, ShardsWithMasters
@@ -31,10 +31,10 @@ class MasterShard:
     def __init__(self, optim: NxdOptimizer, file: str, model_keys: list[str]) -> None:
         self.optim = optim
         self.file = file
-        ranks = parse_shard_name(file.rsplit("/", 1)[-1])
-        if ranks is None or ranks not in optim.rank_ids():
+        shard = optim.model.shard_of.get(file)  # its ranks, as the model directory was read
+        if shard is None or shard.ep != 0 or (shard.tp, shard.pp) not in optim.rank_ids():
             raise ConversionError(f"{optim.dir}: no optimizer state for the model shard {file}")
-        self.tp, self.pp = ranks
+        self.tp, self.pp = shard.tp, shard.pp
         names = set(optim.names(self.tp, self.pp))
         missing = [k for k in model_keys if k not in names]
         if missing:
@@ -109,7 +109,7 @@ def nxd_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, io: 
                               f"only as the master weights in {OPTIM_DIR}/; drop --no-masters")
     if masters is False:
         return []
-    ranks = sorted(r for r in (parse_shard_name(f.rsplit("/", 1)[-1]) for f in only or ()) if r is not None)
+    ranks = sorted((s.tp, s.pp) for s in (ckpt.shard_of.get(f) for f in only or ()) if s is not None and s.ep == 0)
     optim = _nxd_optimizer(ckpt, io=io, check=check, needed=bool(unsaved), first=ranks[0] if ranks else None)
     if optim is None:
         return []
@@ -168,13 +168,13 @@ def _nxd_optimizer(ckpt: NxdCheckpoint, *, io: str, check: bool, needed: bool,
 
 
 def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool, spec: ModelSpec,
-                     layout: ParallelLayout, with_inv_freq: bool) -> list[str]:
+                     layout: ParallelLayout) -> list[str]:
     """Point ``ckpt`` at the fp32 masters an nxdtrain bf16 run keeps in ``optim/`` when asked or preferred
     (after the shards were checked against ``ckptconv.json``, which records their dtype); they are found by
     parameter, whichever dp rank saved them (:func:`ckptconv.training.nxdtrain_format.state.use_masters`)."""
     if ckpt.weight_source is not None or masters is False or not (masters or prefer):
         return []
-    if use_masters(ckpt, spec, layout, with_inv_freq, required=bool(masters)) is None:
+    if use_masters(ckpt, spec, layout, required=bool(masters)) is None:
         return []
     why = "--masters" if masters else "--no-masters exports the shards"
     return [f"weights from the fp32 master weights in {ckpt.root}/{OPTIM_DIR}/ (nxdtrain, a bf16 run), not the "

@@ -13,7 +13,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,13 @@ class OpenedNxd:
 
     ckpt: NxdCheckpoint  # the shards, opened lazily, reads checked unless check=False
     spec: ModelSpec  # the model (--config, ckptconv.json's HF config, or hf/config.json)
-    layout: ParallelLayout  # as ckptconv.json records it, else inferred from the shards
-    with_inv_freq: bool  # whether the shards hold rotary_emb.inv_freq
+    layout: ParallelLayout  # as ckptconv.json records it, else inferred from the shards; with_inv_freq as read
     notes: list[str]  # how the checkpoint was read and understood, one line each, for the report
+
+    @property
+    def with_inv_freq(self) -> bool:
+        """Whether the shards hold rotary_emb.inv_freq (the layout read says it)."""
+        return self.layout.with_inv_freq
 
 
 def open_nxd(
@@ -95,19 +99,19 @@ def open_nxd(
         checked = ckpt.stage_files() if stages_only else sorted(ckpt.files)
         weights = nxd_masters(ckpt, masters, prefer=prefer_masters, io=io, check=check, keep=keep_nxd_optimizer,
                               only=checked if stages_only else None)
-        spec, layout, with_inv_freq, notes = _understand(ckpt, config, as_hints(hints), checked)
+        spec, layout, notes = _understand(ckpt, config, as_hints(hints), checked)
         notes[1:1] = weights
-        notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters, spec=spec, layout=layout,
-                                  with_inv_freq=with_inv_freq)
+        notes += nxdtrain_masters(ckpt, masters, prefer=prefer_masters, spec=spec, layout=layout)
     except BaseException:
         ckpt.close()  # refused: no file stays open
         raise
-    return OpenedNxd(ckpt, spec, layout, with_inv_freq, notes)
+    return OpenedNxd(ckpt, spec, layout, notes)
 
 
 def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutOverrides,
-                files: list[str]) -> tuple[ModelSpec, ParallelLayout, bool, list[str]]:
-    """``files``: the model files checked (every file, or one per stage: open_nxd's ``stages_only``)."""
+                files: list[str]) -> tuple[ModelSpec, ParallelLayout, list[str]]:
+    """``files``: the model files checked (every file, or one per stage: open_nxd's ``stages_only``). The layout
+    returned carries whether the shards hold inv_freq (as recorded, else as the first file holds)."""
     from ckptconv.sources.infer import check_replica_order, infer_layout
 
     notes = [f"reading {ckpt.root} ({ckpt.found_as}, {ckpt.flavour.value})"]
@@ -118,15 +122,14 @@ def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutOve
     if meta is not None and meta.layout is not None:
         where = str(ckpt.root / METADATA_FILE)
         recorded, overridden = apply_to_record(meta.layout, hints, where)
-        layout = ParallelLayout.from_json(recorded)
-        with_inv_freq = meta.with_inv_freq
+        layout = replace(ParallelLayout.from_json(recorded), with_inv_freq=meta.with_inv_freq)
         notes.append(f"layout from {METADATA_FILE}")
         notes.extend(overridden)
         if len(files) == len(ckpt.files):  # it reads a K head of every tp rank; a part's replica groups check
             check_replica_order(ckpt, spec, layout, f"{where} and {OVERRIDE_FLAG}" if overridden else where)
     else:
         layout, inferred = infer_layout(ckpt, spec, hints)
-        with_inv_freq = any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0]))
+        layout = replace(layout, with_inv_freq=any(k.endswith("inv_freq") for k in ckpt.keys(sorted(ckpt.files)[0])))
         notes.extend(f"inferred {n}" for n in inferred)
     if (layout.tp, layout.pp, layout.ep) != (ckpt.tp, ckpt.pp, ckpt.ep):
         ep = ckpt.ep > 1 or layout.ep > 1  # a dense model's message names no ep
@@ -136,17 +139,16 @@ def _understand(ckpt: NxdCheckpoint, config: str | Path | None, hints: LayoutOve
 
         raise ConversionError(f"{ckpt.model_dir}: holds {grid(ckpt.tp, ckpt.pp, ckpt.ep)} shards, but the layout says "
                               f"{grid(layout.tp, layout.pp, layout.ep)}")
-    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None,
+    check_shards(ckpt, spec, layout, recorded_dtype=meta.dtype if meta is not None else None,
                  files=files)
-    return spec, layout, with_inv_freq, notes
+    return spec, layout, notes
 
 
-def check_files_read(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool,
-                     files: Collection[str]) -> None:
+def check_files_read(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, files: Collection[str]) -> None:
     """What :func:`open_nxd` with ``stages_only`` left unchecked of the model files a part reads: their keys and
     shapes (:func:`check_shards`), and that they declare their stage's keys and dtypes (``check_stages``)."""
     meta = ckpt.metadata
-    check_shards(ckpt, spec, layout, with_inv_freq, recorded_dtype=meta.dtype if meta is not None else None,
+    check_shards(ckpt, spec, layout, recorded_dtype=meta.dtype if meta is not None else None,
                  files=files)
     ckpt.check_stages(files)
 
@@ -157,7 +159,7 @@ def _spec_source(ckpt: NxdCheckpoint, config: str | Path | None, meta: Any) -> s
     return str(ckpt.root / (METADATA_FILE if meta is not None and meta.hf_config else f"{HF_FILES_DIR}/{CONFIG}"))
 
 
-def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
+def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, *,
                  recorded_dtype: str | None = None, files: Collection[str] | None = None) -> None:
     """Every shard holds exactly the keys and shapes the layout implies (else: reshard hint), in the
     dtype ckptconv.json records when it records one.
@@ -166,9 +168,9 @@ def check_shards(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, w
     its tp-0 shard decides which, and every other last-stage shard must agree. ``files``: only these (default all).
     """
     allowed = set(recorded_dtype.split(",")) if recorded_dtype else None
-    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    shapes = hf_shapes(spec, with_inv_freq=layout.with_inv_freq)
     lm_head_copy = stores_lm_head(spec, ckpt.keys(layout_shard_file(layout, ep_rank=0, tp_rank=0, pp_rank=layout.pp - 1)))
-    records_of = all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+    records_of = all_ep_shard_records(spec, layout, lm_head_copy=lm_head_copy)
     for (ep, tp, pp), records in records_of.items():
         file = layout_shard_file(layout, ep_rank=ep, tp_rank=tp, pp_rank=pp)
         if files is not None and file not in files:

@@ -25,11 +25,10 @@ from ckptconv.training.nxdtrain_format.state import OPTIM_DIR, is_training_tag, 
 from ckptconv.training.tag_reshard import TrainingTag
 
 
-def open_training(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
-                  io: str) -> TrainingTag | None:
+def open_training(ckpt: NxdCheckpoint, spec: ModelSpec, layout: ParallelLayout, *, io: str) -> TrainingTag | None:
     """The tag's training state (nxdtrain's, or NxD's/NxDT's own ``optim/``), or None where there is none."""
     if is_training_tag(ckpt.root):
-        return TrainingTag.open(ckpt, spec, layout, with_inv_freq, dp=None, zero1=None, io=io,
+        return TrainingTag.open(ckpt, spec, layout, dp=None, zero1=None, io=io,
                                 optim=nxdtrain_optimizer(ckpt))
     if (ckpt.root / OPTIM_DIR).is_dir():
         return TrainingTag.open_nxd(ckpt, dp=None, zero1=None, io=io)

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ckptconv.training.nxd_format.ranks import OptimFormat
     from ckptconv.training.nxd_format.read import NxdOptimizer
     from ckptconv.training.nxd_format.write import DEFAULT_RULE, NXD_OPTIMIZER_KEY, NXDTRAIN_KEY
-    from ckptconv.training.nxdtrain_format.placement import shard_ranks
     from ckptconv.training.nxdtrain_format.state import FORMAT as OPTIMIZER_FORMAT
     from ckptconv.training.nxdtrain_format.state import (
         MASTER,

@@ -105,7 +105,8 @@ def in_live_order(shard: OutFile, fmt: NxdFormat, layout: ParallelLayout) -> Out
     """A planned model shard as NxD's own save writes it: its keys in a live NxD model's parameter order (NxD's
     optimizer indices follow it), not the official converter's (fused qkv at the end), every tensor row-major."""
     ranks = shard.shard_id
-    order = live_module_order(fmt.spec, layout, tp_rank=ranks.tp, pp_rank=ranks.pp, with_inv_freq=fmt.with_inv_freq)
+    order = live_module_order(fmt.spec, replace(layout, with_inv_freq=fmt.with_inv_freq), tp_rank=ranks.tp,
+                              pp_rank=ranks.pp)
     by_key = {t.key: t for t in shard.tensors}
     if set(order) != set(by_key):  # a tied model's shards without lm_head, an ep rank > 0's experts: the order kept
         order = [k for k in order if k in by_key] + [k for k in by_key if k not in order]
@@ -129,7 +130,7 @@ class TrainingTag:
     position: NxdPosition | None = None              # NxD's tag: its side files as read
 
     @classmethod
-    def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, with_inv_freq: bool, *,
+    def open(cls, ckpt: NxdCheckpoint, spec: ModelSpec, old: ParallelLayout, *,
              dp: int | None, zero1: bool | None, io: str, optim: TagOptimizer | None = None,
              only: set[tuple[int, int]] | None = None) -> TrainingTag:
         """``optim``: the tag's optimizer files, where they are open already (the weights from their masters);
@@ -139,8 +140,7 @@ class TrainingTag:
         content = _load(ckpt, path)
         if not isinstance(content, dict) or "step" not in content:
             raise ConversionError(f"{path}: not nxdtrain's user content (expected a dict with 'step')")
-        optim = optim or TagOptimizer(ckpt.root, spec, old, with_inv_freq=with_inv_freq,
-                                      lm_head_copy=lm_head_copy_of(ckpt, spec, old), checks=ckpt.checks, io=io,
+        optim = optim or TagOptimizer(ckpt.root, spec, old, lm_head_copy=lm_head_copy_of(ckpt, spec, old), checks=ckpt.checks, io=io,
                                       only=only)
         on, size = _placement(optim, dp, zero1)
         return cls(ckpt, optim, content, size, on)

@@ -47,7 +47,7 @@ class StageReader:
         try:
             self.shards = NxdCheckpoint(source.root, io="read")
             dtypes = self._planning_dtypes()
-            plan = plan_reshard(source.spec, source.layout, run, dtypes, with_inv_freq=source.with_inv_freq)
+            plan = plan_reshard(source.spec, source.layout, run, dtypes)
             # An ep rank > 0 holds ep rank 0's tensors but its own experts (NxD keeps the rest in ep rank 0's files).
             wanted = [layout_shard_file(run, ep_rank=e, tp_rank=tp_rank, pp_rank=pp_rank) for e in sorted({0, ep_rank})]
             by_path = {f.path: f for f in plan.files}
@@ -64,7 +64,7 @@ class StageReader:
                 self.optim = NxdTagOptimizer(self.shards.nxd_optimizer or NxdOptimizer(self.shards, io="read"))
             elif optimizer:
                 self.optim = TagOptimizer(
-                    source.root, source.spec, source.layout, with_inv_freq=source.with_inv_freq,
+                    source.root, source.spec, source.layout,
                     lm_head_copy=stores_lm_head(source.spec, dtypes), checks=self.shards.checks, io="read",
                     only={r for r in read_from if r is not None})
         except ConversionError as exc:
@@ -79,7 +79,7 @@ class StageReader:
         spec, layout = self.source.spec, self.source.layout
         last = layout_shard_file(layout, ep_rank=0, tp_rank=0, pp_rank=layout.pp - 1)
         copy = not spec.tied or stores_lm_head(spec, self.shards.keys(last))
-        records = all_ep_shard_records(spec, layout, with_inv_freq=self.source.with_inv_freq, lm_head_copy=copy)
+        records = all_ep_shard_records(spec, layout, lm_head_copy=copy)
         return {r.key: torch.float32 for shard in records.values() for r in shard}
 
     def error(self, exc: ConversionError) -> TrainError:

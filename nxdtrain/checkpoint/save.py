@@ -95,7 +95,7 @@ class TagWriter:
         if first:
             tensors, column_major = _shard_to_save(model)
             name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
-            written += save_shard(tag / name, tensors, self.flavour, column_major=column_major)
+            written += save_shard(tag / name, tensors, self.flavour, column_major=column_major, ep=self.layout.ep)
         if first or self.zero1:
             dp_rank = self.zero_rank if self.zero1 else ep_rank
             path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp_rank)

@@ -20,7 +20,7 @@ Example (offline, no process group: building, loading and saving need none):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -289,7 +289,8 @@ class LlamaStage(nn.Module):
             raise TrainError(f"layout {describe(layout)}: virtual pipeline stages are not supported by nxdtrain; "
                              "reshard with ckptconv reshard --vpp 1")
         assert tp.size == layout.tp, (tp, layout)
-        self.spec, self.layout, self.tp, self.pp_rank = spec, layout, tp, pp_rank
+        # the run's layout, its shards holding inv_freq as the source's did
+        self.spec, self.layout, self.tp, self.pp_rank = spec, replace(layout, with_inv_freq=with_inv_freq), tp, pp_rank
         self.with_inv_freq = with_inv_freq
         self.is_first, self.is_last = pp_rank == 0, pp_rank == layout.pp - 1
         eps = _check_arch(spec.config)
@@ -333,12 +334,11 @@ class LlamaStage(nn.Module):
         if self.ep.rank == 0:
             return list(mine.values())
         return [mine.get(r.key, r) for r in shard_records(self.spec, self.layout, tp_rank=self.tp.rank,
-                                                          pp_rank=self.pp_rank, with_inv_freq=self.with_inv_freq)]
+                                                          pp_rank=self.pp_rank)]
 
     def file_records(self) -> list[ShardRecord]:
         """What this rank's shard file holds (at ep rank > 0: its experts only)."""
-        return shard_records(self.spec, self.layout, tp_rank=self.tp.rank, pp_rank=self.pp_rank,
-                             with_inv_freq=self.with_inv_freq, ep_rank=self.ep.rank)
+        return shard_records(self.spec, self.layout, tp_rank=self.tp.rank, pp_rank=self.pp_rank, ep_rank=self.ep.rank)
 
     def _check_matches_shard(self) -> None:
         shapes = hf_shapes(self.spec, with_inv_freq=self.with_inv_freq)

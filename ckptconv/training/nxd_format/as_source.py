@@ -24,7 +24,7 @@ from ckptconv.errors import ConversionError
 from ckptconv.training.nxd_format.files import MOMENTS
 from ckptconv.training.nxd_format.ranks import OptimFormat
 from ckptconv.training.nxd_format.read import NxdOptimizer
-from ckptconv.training.nxdtrain_format.placement import is_matrix, shard_ranks
+from ckptconv.training.nxdtrain_format.placement import is_matrix
 from ckptconv.training.nxdtrain_format.state import MASTER, Hyper, split_key
 
 STEP = "step"
@@ -95,13 +95,6 @@ class NxdTagOptimizer:
     def components_of(self, source: Source) -> list[str]:
         """The optimizer tensors the parameter stored at ``source`` has in NxD's files."""
         return list(self.components)
-
-    def names_with(self, shard: str, component: str) -> list[str]:
-        ranks = shard_ranks(shard.rsplit("/", 1)[-1])
-        if ranks is None or component not in self.components:
-            return []
-        self._fits(*ranks)
-        return self.optim.names(ranks[1], ranks[2], ranks[0])
 
     def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]:
         tp, pp, ep, component, name = self._where(source)

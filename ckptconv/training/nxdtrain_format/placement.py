@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.core.layout import parse_ep_shard_name, parse_shard_name, shard_name
+from ckptconv.core.layout import shard_name
 from ckptconv.core.plan import OutFile, OutTensor
 from ckptconv.io.tags import OPTIM_DIR
 from ckptconv.training.ep import check_zero1_ep, expert_data_rank, optimizer_ep_rank
@@ -50,15 +50,6 @@ def stage_groups(names: Sequence[str], shapes: Mapping[str, Sequence[int]]) -> l
 
     return [[(n, numel(n)) for n in names if is_matrix(shapes[n])],
             [(n, numel(n)) for n in names if not is_matrix(shapes[n])]]
-
-
-def shard_ranks(name: str) -> tuple[int, int, int] | None:
-    """``(ep_rank, tp_rank, pp_rank)`` of a model shard's file name (ep rank 0 for a name without one), else None."""
-    ranks = parse_ep_shard_name(name)
-    if ranks is not None:
-        return ranks
-    plain = parse_shard_name(name)
-    return None if plain is None else (0, *plain)
 
 
 def ep_stages(shards: Sequence[OutFile]) -> tuple[dict[tuple[int, int], dict[int, OutFile]], int]:

@@ -190,16 +190,14 @@ def _stored_or_pickled(value: Any) -> bool:
     return isinstance(value, (StoredTensor, PickledTensor))
 
 
-def stage_shapes(spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
-                 lm_head_copy: bool = True) -> dict[tuple[int, int, int], dict[str, tuple[int, ...]]]:
+def stage_shapes(spec: ModelSpec, layout: ParallelLayout, *, lm_head_copy: bool = True) -> dict[tuple[int, int, int], dict[str, tuple[int, ...]]]:
     """Per shard (ep, tp, pp): every parameter's shape in the shards of ``layout`` (buffers such as inv_freq left
     out); ep rank 0 alone without expert parallelism."""
-    shapes = hf_shapes(spec, with_inv_freq=with_inv_freq)
+    shapes = hf_shapes(spec, with_inv_freq=layout.with_inv_freq)
     return {
         ranks: {r.key: hf_record_shape(r, shapes[r.segments[0].hf_key]) for r in records
                 if not r.key.endswith("inv_freq")}
-        for ranks, records in all_ep_shard_records(spec, layout, with_inv_freq=with_inv_freq,
-                                                   lm_head_copy=lm_head_copy).items()
+        for ranks, records in all_ep_shard_records(spec, layout, lm_head_copy=lm_head_copy).items()
     }
 
 
@@ -240,14 +238,13 @@ class TagOptimizer:
     experts of ep rank ``d % ep`` (:func:`optimizer_ep_rank`, docs/nxd-optimizer-format.md).
     """
 
-    def __init__(self, root: Path, spec: ModelSpec, layout: ParallelLayout, *, with_inv_freq: bool,
-                 lm_head_copy: bool = True, checks: CheckedFiles | None = None, io: str = "mmap",
+    def __init__(self, root: Path, spec: ModelSpec, layout: ParallelLayout, *, lm_head_copy: bool = True, checks: CheckedFiles | None = None, io: str = "mmap",
                  only: Iterable[tuple[int, ...]] | None = None) -> None:
         """``only``: open just the files these shards' state lies in (what one training rank reads): ``(tp, pp)``
         every ep rank's, ``(ep, tp, pp)`` that ep rank's (see :meth:`widen`)."""
         self.root, self.layout = root, layout
         self._experts = expert_keys(spec) if layout.ep > 1 else frozenset()
-        shapes = stage_shapes(spec, layout, with_inv_freq=with_inv_freq, lm_head_copy=lm_head_copy)
+        shapes = stage_shapes(spec, layout, lm_head_copy=lm_head_copy)
         directory = root / OPTIM_DIR
         found: dict[tuple[int, int, int], Path] = {}
         for path in sorted(directory.iterdir()) if directory.is_dir() else []:
@@ -525,13 +522,11 @@ def lm_head_copy_of(ckpt: Any, spec: ModelSpec, layout: ParallelLayout) -> bool:
     return stores_lm_head(spec, ckpt.keys(layout_shard_file(layout, ep_rank=0, tp_rank=0, pp_rank=layout.pp - 1)))
 
 
-def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
-                   with_inv_freq: bool) -> tuple[TagOptimizer | None, str]:
+def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout) -> tuple[TagOptimizer | None, str]:
     """The TagOptimizer of ``ckpt``'s ``optim/``, or None and why where its files are not nxdtrain's (NxD's
     format, say); a damaged file of ours still raises IntegrityError."""
     try:
-        return TagOptimizer(ckpt.root, spec, layout, with_inv_freq=with_inv_freq,
-                            lm_head_copy=lm_head_copy_of(ckpt, spec, layout),
+        return TagOptimizer(ckpt.root, spec, layout, lm_head_copy=lm_head_copy_of(ckpt, spec, layout),
                             checks=ckpt.checks, io=ckpt.io), ""
     except IntegrityError:
         raise
@@ -539,12 +534,12 @@ def _tag_optimizer(ckpt: Any, spec: ModelSpec, layout: ParallelLayout,
         return None, str(exc)
 
 
-def nxdtrain_optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool) -> dict[str, Any] | None:
+def nxdtrain_optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayout) -> dict[str, Any] | None:
     """What ``inspect`` says of an nxdtrain tag's ``optim/`` (format 1 or 2), or None where it holds another
     format (NxD's own: :func:`ckptconv.training.nxd_format.read.nxd_optimizer_summary`) or there is none."""
     if not (ckpt.root / OPTIM_DIR).is_dir():
         return None
-    optim, _ = _tag_optimizer(ckpt, spec, layout, with_inv_freq)
+    optim, _ = _tag_optimizer(ckpt, spec, layout)
     if optim is None:
         return None
     try:
@@ -557,8 +552,7 @@ def nxdtrain_optimizer_summary(ckpt: Any, spec: ModelSpec, layout: ParallelLayou
         optim.close()
 
 
-def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_freq: bool, *,
-                required: bool) -> TagOptimizer | None:
+def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, *, required: bool) -> TagOptimizer | None:
     """Make ``ckpt`` (an NxdCheckpoint) read its weights from the fp32 masters a bf16 nxdtrain run keeps with its
     optimizer state (format 2 or 1, any dp or ZeRO-1; closed with ``ckpt``); return the TagOptimizer, or None
     (an error when ``required``) where the tag has no masters: no ``optim/``, an fp32 run, other files."""
@@ -571,7 +565,7 @@ def use_masters(ckpt: Any, spec: ModelSpec, layout: ParallelLayout, with_inv_fre
 
     if not directory.is_dir():
         return none(f"{directory}: missing")
-    optim, why = _tag_optimizer(ckpt, spec, layout, with_inv_freq)
+    optim, why = _tag_optimizer(ckpt, spec, layout)
     if optim is None:
         return none(why)
     if MASTER not in optim.hyper.components:

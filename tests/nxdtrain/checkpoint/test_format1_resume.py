@@ -89,7 +89,7 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
     opened = open_nxd(tag, prefer_masters=True)
-    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, layout = opened.ckpt, opened.spec, opened.layout
     with ckpt:
         assert ckpt.weight_source is not None and ckpt.weight_source.label == "nxdtrain's master weights"
         for key in ("model.norm.weight", "model.layers.0.self_attn.qkv_proj.weight_qkv"):
@@ -97,7 +97,7 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
             read = ckpt.read_rows(Source(file, key), 0, rows)
             assert read.dtype == torch.float32 and torch.equal(read, saved[key]), key
         with pytest.raises(RuntimeError, match=r"read from another source already \(nxdtrain's master weights\)"):
-            use_masters(ckpt, spec, layout, with_inv_freq, required=True)
+            use_masters(ckpt, spec, layout, required=True)
     assert inspect(tag)["weights_from"] == "model files"
     assert inspect(tag, masters=True)["weights_from"] == "optim/ (nxdtrain's master weights)"
 

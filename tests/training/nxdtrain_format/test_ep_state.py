@@ -126,7 +126,7 @@ def test_one_ranks_files_only(moe_hf, tmp_path: Path):
     expert_shard, dense_shard = (f"model/dp_rank_00_ep_rank_{e:02d}_tp_rank_00_pp_rank_00.pt" for e in (1, 0))
     expert, dense = "model.layers.1.mlp.expert_mlps.mlp_op.down_proj.weight", "model.norm.weight"
     with opened.ckpt:
-        optim = TagOptimizer(src, opened.spec, opened.layout, with_inv_freq=opened.with_inv_freq, only={(1, 0, 0)})
+        optim = TagOptimizer(src, opened.spec, opened.layout, only={(1, 0, 0)})
         try:
             assert sorted(f.path.name[:10] for f in optim.files) == ["dp_rank_01", "dp_rank_03"]
             got = optim.read_rows(component_source(Source(expert_shard, expert), "exp_avg"), 0, 2)
@@ -183,7 +183,7 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(moe_hf, tmp_pat
     read, each parameter's state read in the rank's layout: equal to the state of the weight it reads there."""
     from ckptconv.core import ParallelLayout, all_ep_shard_records, layout_shard_file, plan_reshard
     from ckptconv.engine import read_tensor
-    from ckptconv.training import TagReader, shard_ranks, state_tensors
+    from ckptconv.training import TagReader, state_tensors
 
     src = write_tag(moe_hf("qwen3_moe"), tmp_path / "src", ep=2, dp=4, zero1=True)
     opened = open_nxd(src)
@@ -195,8 +195,8 @@ def test_one_training_ranks_resume_reads_its_state_at_another_ep(moe_hf, tmp_pat
             for ep in range(run.ep):
                 wanted = layout_shard_file(run, ep_rank=ep, tp_rank=run.tp - 1, pp_rank=0)
                 tensors = {t.key: t for f in plan.files if f.path == wanted for t in f.tensors}
-                read_from = {shard_ranks(Path(str(p.source.file)).name) for t in tensors.values() for p in t.pieces}
-                optim = TagOptimizer(src, opened.spec, opened.layout, with_inv_freq=opened.with_inv_freq,
+                read_from = {p.source.shard for t in tensors.values() for p in t.pieces}  # (ep, tp, pp), from the plan
+                optim = TagOptimizer(src, opened.spec, opened.layout,
                                      only={r for r in read_from if r is not None})
                 try:
                     reader = TagReader(ckpt, optim)

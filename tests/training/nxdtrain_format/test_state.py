@@ -72,10 +72,10 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(source: Path, out: Path, new: ParallelLayout, *, dp: int, zero1: bool) -> Plan:
     opened = open_nxd(source)
-    ckpt, spec, old, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, old = opened.ckpt, opened.spec, opened.layout
     with ckpt:
-        optim = TagOptimizer(source, spec, old, with_inv_freq=with_inv_freq)
-        plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq)
+        optim = TagOptimizer(source, spec, old)
+        plan = plan_reshard(spec, old, new, ckpt.dtypes())
         full = Plan(plan.files + plan_optimizer_files(plan.files, optim, dp=dp, zero1=zero1),
                     plan.replicas + state_replicas(plan.replicas, optim))
         run_plan(full, TagReader(ckpt, optim), out, TrainingTag.sinks(_torch_sink), ExecOptions(workers=2))
@@ -174,7 +174,7 @@ def test_optimizer_file_of_unknown_format_is_refused(source, tmp_path):
     spec, layout = opened.spec, opened.layout
     with pytest.raises(ConversionError, match=r"dp_rank_00_tp_rank_00_pp_rank_00.pt: optimizer state format 7; this "
                                               r"ckptconv reads formats 1 and 2"):
-        TagOptimizer(copy, spec, layout, with_inv_freq=False)
+        TagOptimizer(copy, spec, layout)
 
 
 def _as_format1(root: Path) -> None:
@@ -207,11 +207,11 @@ def test_format1_tag_reshards_like_format2(source, tmp_path):
 def test_moments_by_hf_name(source):
     """The same records give every HF tensor's moments whole (what a TorchTitan export with optimizer state reads)."""
     opened = open_nxd(source)
-    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, layout = opened.ckpt, opened.spec, opened.layout
     with ckpt:
-        optim = TagOptimizer(source, spec, layout, with_inv_freq=with_inv_freq)
+        optim = TagOptimizer(source, spec, layout)
         reader = TagReader(ckpt, optim)
-        plan = plan_to_hf(spec, layout, ckpt.dtypes(), with_inv_freq=with_inv_freq)
+        plan = plan_to_hf(spec, layout, ckpt.dtypes())
         tensors = [t for f in plan.files for t in f.tensors]
         assert {t.key for t in tensors} == set(hf_state(source.parent / "hf"))
         for tensor in tensors:
@@ -227,10 +227,10 @@ def test_optimizer_sources_report_where_their_bytes_lie(source):
     """The executor reads each file front to back by these positions (so checked reads hash what it reads, not the
     file a second time): every moment's position is where torch's own file holds its storage's bytes."""
     opened = open_nxd(source)
-    ckpt, spec, layout, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, layout = opened.ckpt, opened.spec, opened.layout
     found = 0
     with ckpt:
-        optim = TagOptimizer(source, spec, layout, with_inv_freq=with_inv_freq)
+        optim = TagOptimizer(source, spec, layout)
         reader = TagReader(ckpt, optim)
         for shard in sorted((source / "model").iterdir()):
             data = (source / "optim" / shard.name).read_bytes()
@@ -273,11 +273,11 @@ def test_moments_of_a_padded_vocabulary(tmp_path):
     assert all(torch.equal(want[k], got[k]) for k in tensors)
     # What a training rank reads on its own (read_tensor, nxdtrain's resume at tp 4): the same rows.
     opened = open_nxd(src, check=False)
-    ckpt, spec, old, with_inv_freq = opened.ckpt, opened.spec, opened.layout, opened.with_inv_freq
+    ckpt, spec, old = opened.ckpt, opened.spec, opened.layout
     with ckpt:
-        optim = TagOptimizer(src, spec, old, with_inv_freq=with_inv_freq)
+        optim = TagOptimizer(src, spec, old)
         new = ParallelLayout.from_json(json.loads((tmp_path / "tp4/ckptconv.json").read_text())["layout"])
-        plan = plan_reshard(spec, old, new, ckpt.dtypes(), with_inv_freq=with_inv_freq)
+        plan = plan_reshard(spec, old, new, ckpt.dtypes())
         embed = next(t for f in plan.files if f.path.endswith("tp_rank_03_pp_rank_00.pt") for t in f.tensors
                      if t.key == "model.embed_tokens.weight")
         assert torch.equal(read_tensor(state_tensors(embed, optim)["exp_avg"], TagReader(ckpt, optim)), rows)
