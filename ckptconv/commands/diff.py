@@ -73,9 +73,9 @@ def _nxd_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None
 
     opened = open_nxd(path, config=config, io=io, check=check, masters=False)
     ckpt = stack.enter_context(opened.ckpt)
-    plan = plan_to_hf(opened.spec, opened.layout, ckpt.dtypes(), with_inv_freq=opened.with_inv_freq)
+    plan = plan_to_hf(opened.spec, opened.layout, ckpt.dtypes())
     weights = {t.key: t for f in plan.files for t in f.tensors}
-    training = open_training(ckpt, opened.spec, opened.layout, opened.with_inv_freq, io=io)
+    training = open_training(ckpt, opened.spec, opened.layout, io=io)
     if training is None:
         return Side(str(path), "nxd", ckpt, weights, list(opened.notes))
     stack.enter_context(training)
