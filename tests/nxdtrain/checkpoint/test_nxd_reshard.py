@@ -177,7 +177,8 @@ def test_run_resumes_pipeline_tags(tmp_path: Path) -> None:
                      for name, (layout, _) in zip(("tp2pp2", "vpp2"), PIPELINES, strict=True)]
     logs = []
     for k, tag in enumerate(tags):
-        said, log = _resumed_run(tag, tmp_path / f"run{k}.jsonl", "--pp", "2")
+        # --tp 1 given: a degree not given is now the shards' (tp 2 for the tp2pp2 tag)
+        said, log = _resumed_run(tag, tmp_path / f"run{k}.jsonl", "--tp", "1", "--pp", "2")
         if k == 2:
             assert "resharding on load" in said and "vpp 2" in said
         logs.append(log)
