@@ -229,10 +229,11 @@ def mutated(key: str, **fields: object) -> dict:
 
 
 MALFORMED = {
-    "truncated_data": (good_header(), b"\0" * 10, None, "b", "outside data region"),
+    # a header whose last tensor ends past the file: truncated, said with both sizes (an incomplete download?)
+    "truncated_data": (good_header(), b"\0" * 10, None, None, "truncated (an incomplete download?): the file is"),
     "header_len_too_big": (good_header(), b"\0" * 12, 10**6, None, "header length 1000000"),
     "header_len_huge": (good_header(), b"\0" * 12, 2**63, None, "header length"),
-    "offsets_out_of_range": (mutated("b", data_offsets=[8, 16]), b"\0" * 12, None, "b", "[0, 12]"),
+    "offsets_out_of_range": (mutated("b", data_offsets=[8, 16]), b"\0" * 12, None, None, "its header needs 146"),
     "negative_offset": (mutated("a", data_offsets=[-4, 4]), b"\0" * 12, None, "a", "outside"),
     "overlap": (mutated("b", dtype="F32", shape=[1], data_offsets=[4, 8]), b"\0" * 12, None, "b", "overlaps 'a'"),
     "unknown_dtype": (mutated("a", dtype="F12"), b"\0" * 12, None, "a", "unknown dtype 'F12'"),

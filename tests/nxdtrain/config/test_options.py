@@ -29,6 +29,7 @@ RUN_FLAGS = {
     "--num-experts", "--override-moe", "--no-override-moe",
 }
 EXPORT_FLAGS = {"--tokenizer", "--quiet", "--json"}
+EVERY_FLAGS = {"--every", "--watch"}  # from-dcp's of the same name (issue 43)
 
 
 def subparser(command: str):
@@ -42,11 +43,12 @@ def test_flag_set_is_pinned():
     assert [a.dest for a in subparser("export")._actions if not a.option_strings] == ["src", "out"]
     # export's flags are ckptconv to-hf's of the same name (issue 44)
     exported = {s for a in subparser("export")._actions for s in a.option_strings} - {"-h", "--help"}
-    assert exported == EXPORT_FLAGS
+    assert exported == EXPORT_FLAGS | EVERY_FLAGS
     from ckptconv.cli.main import build_parser as ckptconv_parser
 
-    to_hf = next(a for a in ckptconv_parser()._actions if a.dest == "command").choices["to-hf"]  # type: ignore[attr-defined]
-    assert EXPORT_FLAGS <= {s for a in to_hf._actions for s in a.option_strings}
+    verbs = next(a for a in ckptconv_parser()._actions if a.dest == "command").choices  # type: ignore[attr-defined]
+    assert EXPORT_FLAGS <= {s for a in verbs["to-hf"]._actions for s in a.option_strings}
+    assert EVERY_FLAGS <= {s for a in verbs["from-dcp"]._actions for s in a.option_strings}
 
 
 def test_yaml_nxdt_keys_then_flags(tmp_path, capsys):

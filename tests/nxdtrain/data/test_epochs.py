@@ -89,7 +89,7 @@ def test_fraction_must_be_resolved_and_missing_extras_say_what_to_install(monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(TrainError, match=r"^--tensorboard needs the tensorboard package: pip install 'ckptconv\[viz\]'$"):
         require_tensorboard()
-    with pytest.raises(TrainError, match=r"^nxdtrain plot needs matplotlib: pip install 'ckptconv\[viz\]'$"):
+    with pytest.raises(TrainError, match=r"^nxdtrain plot needs the matplotlib package: pip install 'ckptconv\[viz\]'$"):
         plot_log(tmp_path / "log.jsonl", tmp_path / "c.png")
 
 

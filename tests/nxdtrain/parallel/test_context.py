@@ -157,8 +157,9 @@ def _config(**options: Any) -> Any:
      "--seq-len 20 must be a multiple of 2 x --context-parallel 4 = 8 (each cp rank holds 2 equal chunks of a row)"),
     (dict(context_parallel=2, seq_len=20, tp=2, sequence_parallel=True), 4,
      "--seq-len 20 must be a multiple of 2 x --context-parallel 2 x --tp 2 (sequence parallel) = 8"),
-    (dict(context_parallel=2), 3, "world size 3 (--nproc or the launcher's) is not a multiple of --tp 1 x --pp 1 x "
-                                  "--context-parallel 2"),
+    (dict(context_parallel=2), 3, "world size 3 (--nproc or the launcher's) is not a multiple of the shards' tp 1 x "
+                                  "the shards' pp 1 x --context-parallel 2"),  # tp, pp not given: the shards'
+
 ], ids=["seq-len", "seq-len-sp", "world"])
 def test_refused_before_starting(nxd_model, options, world, message):
     from nxdtrain.errors import TrainError
