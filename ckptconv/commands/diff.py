@@ -101,10 +101,10 @@ def _dcp_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None
     state: dict[str, OutTensor] = {}
     if any(k.startswith("optimizer.state.") for k in dtypes):
         from ckptconv.core.plan import Piece, Source
-        from ckptconv.titan.plans import _whole_hf_plan
+        from ckptconv.titan.plans import whole_hf_plan
 
-        whole = {t.key: t for f in _whole_hf_plan(spec, {k: t.dtype for k, t in weights.items()}, 2**62,
-                                                  lambda _k, d: d).files for t in f.tensors}
+        whole = {t.key: t for f in whole_hf_plan(spec, {k: t.dtype for k, t in weights.items()}, 2**62,
+                                                 lambda _k, d: d).files for t in f.tensors}
         for component in OPTIMIZER_STATE_FIELDS[1:]:
             tiles = titan_tiles(trained_params(spec), spec, source_of=_optimizer_source(component))
             for key, tensor in whole.items():

@@ -212,12 +212,12 @@ def plan_dcp_to_hf(spec: ModelSpec, dcp_dtypes: dict[str, torch.dtype], *, max_s
                    dtype_policy: DtypePolicy = keep_dtype) -> Plan:
     """HF safetensors files from TorchTitan's model keys."""
     dtypes = hf_dtypes_from_dcp(spec, dcp_dtypes)
-    hf_plan = _whole_hf_plan(spec, dtypes, max_shard_size, dtype_policy)
+    hf_plan = whole_hf_plan(spec, dtypes, max_shard_size, dtype_policy)
     return _read_from_dcp(hf_plan, spec)
 
 
-def _whole_hf_plan(spec: ModelSpec, dtypes: dict[str, torch.dtype], max_shard_size: int,
-                   dtype_policy: DtypePolicy) -> Plan:
+def whole_hf_plan(spec: ModelSpec, dtypes: dict[str, torch.dtype], max_shard_size: int,
+                  dtype_policy: DtypePolicy) -> Plan:
     """The HF files, each tensor one whole HF-keyed piece (the rows are then remapped)."""
     shapes = hf_shapes(spec, with_inv_freq=False)
     tensors = [OutTensor(key, dtype_policy(key, dtypes[key]), shape, 0, (Piece(Source(None, key), 0, shape[0]),))
