@@ -97,7 +97,7 @@ $(TITAN_STAMP): pyproject.toml Makefile
 # The main lane collects test_titan.py and skips it (no torchtitan there).
 TITAN_TESTS := tests/test_titan.py tests/test_titan_config.py tests/test_titan_trainer.py tests/test_titan_moe.py tests/test_titan_moe_trainer.py \
 	tests/nxdtrain/test_moe_titan_export.py tests/test_titan_deepseek.py tests/test_titan_deepseek_trainer.py \
-	tests/test_titan_gpt_oss.py tests/test_titan_gpt_oss_trainer.py tests/test_titan_config_imports.py
+	tests/test_titan_gpt_oss.py tests/test_titan_gpt_oss_trainer.py tests/test_titan_config_imports.py tests/test_titan_walk.py
 # the TorchTitan lane: TorchTitan's own code loads what to-dcp writes
 test-titan: setup-titan
 	$(TITAN_BIN)/python -m pytest -q -n 0 $(TITAN_TESTS)
