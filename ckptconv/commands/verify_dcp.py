@@ -5,8 +5,15 @@ read by :mod:`ckptconv.io.dcp` without TorchTitan or torch's DCP package.
 Each sampled layer runs twice on the same random input: the HF dense layer (:func:`ckptconv.core.reference.
 dense_layer`) and TorchTitan's attention and feed-forward from the DCP's tensors; attention, mlp and output are
 compared, and a mismatch is blamed on the heads whose outputs differ or on the norm weights. The embedding and the
-output projection are checked on random token ids and hidden states. Dense llama3 / qwen3 models; a fused ``wqkv``
-and experts are refused (not yet checked)."""
+output projection are checked on random token ids and hidden states.
+
+llama3 and qwen3, dense or with experts (Qwen3-MoE): a sparse layer's ``moe`` block (router ``[E, H]``, experts
+stacked ``w1_EFD``/``w3_EFD`` ``[E, I, H]`` and ``w2_EDF`` ``[E, H, I]``, HF orientation) routes and runs as the HF
+block does (:func:`ckptconv.core.reference.sparse_mlp`), each expert is also run alone against the HF experts so a
+corrupted or misplaced one is named (:func:`ckptconv.commands.verify_moe.expert_notes`), and a nonzero
+``expert_bias_E`` (TorchTitan routes with it, HF has none) fails the layer. A fused ``wqkv`` (TorchTitan's
+``FusedQKVLinear`` parameter, saved without its split hook) is split as that module splits it: for each KV group,
+its q heads, its k head, its v head. DeepSeek-V3 and GPT-OSS are refused with a pointer to ``ckptconv diff``."""
 
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import torch
 from ckptconv.commands.verify_checks import (
     Check,
     as_json,
+    close,
     compare,
     default_tol,
     hf_layer,
@@ -25,6 +33,7 @@ from ckptconv.commands.verify_checks import (
     read_whole,
     sample_layers,
 )
+from ckptconv.commands.verify_moe import dense_sparse_mlp, expert_notes, hf_experts
 from ckptconv.core.mapping import EMBED, FINAL_NORM, LM_HEAD
 from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.reference import (
@@ -37,18 +46,19 @@ from ckptconv.core.reference import (
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
+    sparse_mlp,
 )
 from ckptconv.engine.progress import byte_progress
 from ckptconv.errors import ConversionError
 from ckptconv.io.dcp import DcpCheckpoint
 from ckptconv.io.hf import HfCheckpoint
+from ckptconv.titan.names import MOE_BIAS, MOE_ROUTER, MOE_W1, MOE_W2, MOE_W3, titan_model
 
 
 def verify_dcp(hf_dir: Path, dcp_dir: str | Path, *, layers: int | str, tol: float | None, seed: int,
                config: str | Path | None, check: bool, progress: bool) -> dict[str, Any]:
     """What :func:`ckptconv.commands.verify.verify` returns, for a DCP directory or TorchTitan root."""
     from ckptconv.sources.nxd import model_spec_of
-    from ckptconv.titan.names import titan_model
 
     ckpt = DcpCheckpoint(dcp_dir, check=check)  # a key the model needs and the DCP lacks: named when read
     try:
@@ -64,16 +74,18 @@ def verify_dcp(hf_dir: Path, dcp_dir: str | Path, *, layers: int | str, tol: flo
     with ckpt, HfCheckpoint(hf_dir, config=config) as hf:
         if hf.spec != spec:
             raise ConversionError(f"{hf_dir} and {dcp_dir} describe different models: {hf.spec} vs {spec}")
-        if any(spec.sparse(n) for n in range(spec.layers)) or "layers.0.attention.qkv_linear.wqkv.weight" in ckpt.entries:
-            raise ConversionError(f"{dcp_dir}: verify checks dense TorchTitan models with separate wq/wk/wv; "
-                                  "compare this one with ckptconv diff HF DCP")
-        complex_rope = titan_model(spec).complex_rope
+        model = titan_model(spec)
+        if model.module is not None:
+            raise ConversionError(f"{dcp_dir}: verify checks TorchTitan's llama3 and qwen3 (dense or MoE), not its "
+                                  f"{model.name}; compare this one with ckptconv diff HF DCP")
+        complex_rope = model.complex_rope
         tol = default_tol(hf, ckpt) if tol is None else tol
         sampled = sample_layers(spec.layers, layers)
         with byte_progress(f"verify {Path(dcp_dir).name}", len(sampled), quiet=not progress, of="layers") as advance:
             for layer in sampled:
                 x = torch.randn(2, 16, spec.hidden, generator=generator)
-                checks = _check_layer(x, spec, hf_layer(hf, layer), _titan_layer(ckpt, layer), complex_rope, tol)
+                checks = _check_layer(x, spec, layer, hf_layer(hf, layer), _titan_layer(ckpt, spec, layer), complex_rope,
+                                      tol)
                 results["layers"][layer] = {c.name: as_json(c) for c in checks}
                 problems += [problem(f"layer {layer} {c.name}", c, tol) for c in checks if not c.ok(tol)]
                 advance(1)
@@ -86,9 +98,27 @@ def verify_dcp(hf_dir: Path, dcp_dir: str | Path, *, layers: int | str, tol: flo
     return results
 
 
-def _titan_layer(ckpt: DcpCheckpoint, layer: int) -> dict[str, torch.Tensor]:
+def _titan_layer(ckpt: DcpCheckpoint, spec: ModelSpec, layer: int) -> dict[str, torch.Tensor]:
+    """One layer's model tensors by their names without ``layers.N.``, a fused ``wqkv`` split into wq/wk/wv."""
     prefix = f"layers.{layer}."
-    return {k[len(prefix):]: read_whole(ckpt, k) for k, e in ckpt.entries.items() if k.startswith(prefix) and e.is_tensor}
+    w = {k[len(prefix):]: read_whole(ckpt, k) for k, e in ckpt.entries.items() if k.startswith(prefix) and e.is_tensor}
+    for kind in ("weight", "bias"):
+        fused = w.pop(f"attention.qkv_linear.wqkv.{kind}", None)
+        if fused is not None:
+            w.update(_split_wqkv(fused, spec, f"{ckpt.root}: {prefix}attention.qkv_linear.wqkv.{kind}", kind))
+    return w
+
+
+def _split_wqkv(fused: torch.Tensor, spec: ModelSpec, where: str, kind: str) -> dict[str, torch.Tensor]:
+    """wq/wk/wv of TorchTitan's fused ``wqkv``: rows grouped by KV head, each group its q heads, its k head, its v
+    head (``FusedQKVLinear``'s split on save)."""
+    rows, hd, group = spec.q_rows + 2 * spec.kv_rows, spec.head_dim, spec.group
+    if fused.shape[0] != rows:
+        raise ConversionError(f"{where}: {fused.shape[0]} rows, expected {rows} (q {spec.q_rows} + k and v "
+                              f"{spec.kv_rows} each)")
+    grouped = fused.reshape(spec.kv_heads, group + 2, hd, *fused.shape[1:])
+    parts = {"wq": grouped[:, :group], "wk": grouped[:, group], "wv": grouped[:, group + 1]}
+    return {f"attention.qkv_linear.{p}.{kind}": t.reshape(-1, *fused.shape[1:]) for p, t in parts.items()}
 
 
 def _complex_rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -118,17 +148,24 @@ def _titan_attention(h: torch.Tensor, w: dict[str, torch.Tensor], spec: ModelSpe
     return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
-def _check_layer(x: torch.Tensor, spec: ModelSpec, hf_w: dict[str, torch.Tensor], w: dict[str, torch.Tensor],
-                 complex_rope: bool, tol: float) -> list[Check]:
+def _check_layer(x: torch.Tensor, spec: ModelSpec, layer: int, hf_w: dict[str, torch.Tensor],
+                 w: dict[str, torch.Tensor], complex_rope: bool, tol: float) -> list[Check]:
     eps = float(spec.config.get("rms_norm_eps", 1e-6))
-    dense = dense_layer(x, hf_w, spec.config, spec.head_dim, window=spec.window)
+    sparse = spec.sparse(layer)
+    dense = dense_layer(x, hf_w, spec.config, spec.head_dim, window=spec.window,
+                        mlp_of=dense_sparse_mlp(spec, hf_w) if sparse else None)
     heads = _titan_attention(rms_norm(x, w["attention_norm.weight"], eps), w, spec, complex_rope, eps)
     attention = heads @ w["attention.wo.weight"].t()
     x1 = x + attention
     h2 = rms_norm(x1, w["ffn_norm.weight"], eps)
-    m = mlp(h2, w["feed_forward.w1.weight"], w["feed_forward.w3.weight"], w["feed_forward.w2.weight"])
+    extra: list[Check] = []
+    if sparse:
+        m, mlp_detail, extra = _titan_moe(h2, spec, w, hf_w, tol)
+    else:
+        m, mlp_detail = mlp(h2, w["feed_forward.w1.weight"], w["feed_forward.w3.weight"], w["feed_forward.w2.weight"]), ""
     checks = [compare("attention", attention, dense["attention"]), compare("mlp", m, dense["mlp"]),
-              compare("output", x1 + m, dense["output"])]
+              compare("output", x1 + m, dense["output"]), *extra]
+    checks[1].detail = mlp_detail
     # blame: the heads whose outputs differ (from the HF norm's input, so a norm fault is not a head fault)
     hf_heads = _titan_attention(rms_norm(x, hf_w["input_layernorm.weight"], eps), w, spec, complex_rope, eps)
     cos, sin = rope_cos_sin(rope_inv_freq(spec.config, spec.head_dim), x.shape[1])
@@ -144,6 +181,34 @@ def _check_layer(x: torch.Tensor, spec: ModelSpec, hf_w: dict[str, torch.Tensor]
                f"norm weights {', '.join(bad_norms)} differ" if bad_norms else ""]
     checks[0].detail = "; ".join(d for d in details if d)
     return checks
+
+
+def _titan_moe(h2: torch.Tensor, spec: ModelSpec, w: dict[str, torch.Tensor], hf_w: dict[str, torch.Tensor],
+               tol: float) -> tuple[torch.Tensor, str, list[Check]]:
+    """A sparse layer's MoE block from TorchTitan's tensors, routed as the HF block routes: its output, what differs
+    (router, experts by name), and a failing ``expert_bias`` check where TorchTitan's routing bias is not zero."""
+    moe = spec.family.moe
+    assert moe is not None
+    router = w[_in_layer(MOE_ROUTER)]
+    stacks = [w[_in_layer(key)] for key in (MOE_W1, MOE_W3, MOE_W2)]  # gate, up, down
+    experts = {e: (stacks[0][e], stacks[1][e], stacks[2][e]) for e in range(spec.experts)}
+    out = sparse_mlp(h2, router, experts, spec.top_k, normalize=moe.norm_topk(spec.config), cast_back=moe.cast_topk)
+    flat = h2.reshape(-1, spec.hidden)
+    expected = {e: mlp(flat, *expert) for e, expert in hf_experts(spec, hf_w).items()}
+    notes = [] if close(router, hf_w[moe.names.router], tol) else ["router differs"]
+    notes += expert_notes(flat, experts, expected, lambda a, b: close(a, b, tol))
+    bias = w.get(_in_layer(MOE_BIAS))
+    extra = []
+    if bias is not None and bool(bias.any()):
+        largest = bias.abs().max().item()
+        extra.append(Check("expert_bias", largest, float("inf"), detail="expert_bias_E is not zero: TorchTitan adds "
+                           "it to the router's scores to choose experts, HF has no such bias"))
+    return out, "; ".join(notes), extra
+
+
+def _in_layer(key: str) -> str:
+    """A layer key's name within its layer (``layers.{}.moe.router.gate.weight`` -> ``moe.router.gate.weight``)."""
+    return key.split("{}.", 1)[1]
 
 
 def _check_vocab(hf: HfCheckpoint, ckpt: DcpCheckpoint, spec: ModelSpec, generator: torch.Generator) -> list[Check]:

@@ -9,8 +9,10 @@ expert it should be, so a swapped expert is named with the expert it holds. A st
 converter's defect) has the wrong shape when H != I and is refused, named, when the shards are opened
 (:func:`ckptconv.sources.nxd.open_nxd`).
 
-    >>> _expert_notes({0: 1, 1: 0, 2: 2, 3: -1}, ep=1, tp=0)  # what each local expert's output matched
+    >>> _expert_notes({0: 1, 1: 0, 2: 2, 3: -1}, " on ep rank 1 tp rank 0")  # what each local expert's output matched
     ['experts 0 and 1 swapped on ep rank 1 tp rank 0', 'expert 3 on ep rank 1 tp rank 0 differs (its output matches no expert: gate/up/down blocks wrong)']
+
+:func:`expert_notes` is that naming for any set of experts (verify of a DCP calls it with every expert of a layer).
 """
 
 from __future__ import annotations
@@ -78,10 +80,10 @@ def check_sparse_mlp(shards: Any, layer: int, h2: torch.Tensor, h2_of_tp: list[t
                       for name, key in (("gate_up_proj", NXD_GATE_UP), ("down_proj", NXD_DOWN))}
             local = _rank_experts(stacks, range(ep * per, (ep + 1) * per))
             total += routed_experts(h, weights, indices, local)
-            held = {e: _which(mlp(flat, *w), expected, e, close) for e, w in local.items()}
-            if any(e != h_e for e, h_e in held.items()):
+            misplaced = expert_notes(flat, local, expected, close, f" on ep rank {ep} tp rank {tp}")
+            if misplaced:
                 bad.add(tp)
-                notes += _expert_notes(held, ep, tp)
+                notes += misplaced
     return total.view_as(h2), sorted(bad), "; ".join(notes)
 
 
@@ -95,6 +97,15 @@ def _rank_experts(stacks: dict[str, torch.Tensor], experts: range) -> dict[int, 
     return out
 
 
+def expert_notes(flat: torch.Tensor, experts: dict[int, Expert], expected: dict[int, torch.Tensor], close: Close,
+                 where: str = "") -> list[str]:
+    """Each of ``experts`` computed alone on tokens ``flat``, against ``expected`` (expert -> the HF expert's output
+    on them): what is wrong, naming the experts (swapped, holding another's weights, matching none); ``where``: the
+    place said after an expert (" on ep rank 1 tp rank 0")."""
+    held = {e: _which(mlp(flat, *w), expected, e, close) for e, w in experts.items()}
+    return _expert_notes(held, where)
+
+
 def _which(actual: torch.Tensor, expected: dict[int, torch.Tensor], claimed: int, close: Close) -> int:
     """The expert whose output ``actual`` is: ``claimed`` when it matches, another expert's index, or -1."""
     if close(actual, expected[claimed]):
@@ -102,17 +113,16 @@ def _which(actual: torch.Tensor, expected: dict[int, torch.Tensor], claimed: int
     return next((e for e, value in expected.items() if close(actual, value)), -1)
 
 
-def _expert_notes(held: dict[int, int], ep: int, tp: int) -> list[str]:
-    where = f"ep rank {ep} tp rank {tp}"
+def _expert_notes(held: dict[int, int], where: str) -> list[str]:
     notes, done = [], set()
     for e, other in sorted(held.items()):
         if e == other or e in done:
             continue
         if other >= 0 and held.get(other) == e:
-            notes.append(f"experts {e} and {other} swapped on {where}")
+            notes.append(f"experts {e} and {other} swapped{where}")
             done.add(other)
         elif other >= 0:
-            notes.append(f"expert {e} on {where} holds expert {other}'s weights")
+            notes.append(f"expert {e}{where} holds expert {other}'s weights")
         else:
-            notes.append(f"expert {e} on {where} differs (its output matches no expert: gate/up/down blocks wrong)")
+            notes.append(f"expert {e}{where} differs (its output matches no expert: gate/up/down blocks wrong)")
     return notes
