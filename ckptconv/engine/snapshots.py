@@ -7,6 +7,9 @@ idempotent by the rules every output follows (:mod:`ckptconv.engine.run`): a ste
 (written last) is done and skipped without reopening its source; one killed half-way is resumed by the next call.
 A step still being written is never listed; one the run deletes (TorchTitan's ``keep_latest_k``, nxdtrain's
 retention) before or while it is exported is skipped with a note, and what this tool had written of it is removed.
+So is a half-export an earlier call left when it was killed, once the run has deleted its step (the step is older
+than the newest one listed and no longer listed): only what this tool wrote (its ``.ckptconv-tmp`` claim and the files
+declared there), and never while another call holds it.
 
 ``watch``: poll again every so many seconds until ``stop`` is set (:func:`stop_on_interrupt` sets it on Ctrl-C; the
 step in flight is finished first, a second Ctrl-C abandons it, resumable).
@@ -18,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import sys
 import threading
@@ -39,6 +43,9 @@ Export = Callable[[Path, Path], Any]  # the one-shot export of one step into its
 def snapshot_name(step: int) -> str:
     """The folder of OUT that holds step ``step``'s export."""
     return f"step-{step}"
+
+
+_SNAPSHOT = re.compile(r"step-(\d+)")  # snapshot_name's folders
 
 
 @dataclass
@@ -75,7 +82,14 @@ def _every(steps: Steps, export: Export, out: Path, watch: float | None, stop: t
     done = Snapshots(out)
     seen: set[int] = set()
     while True:
-        for step, source in _listing(steps):
+        listing = _listing(steps)
+        for step, target in _orphans(out, listing):
+            gone = _orphan_removed(step, target)
+            if gone:
+                done.skipped.append(step)
+                done.notes.append(gone)
+                tell(gone)
+        for step, source in listing:
             if step in seen:
                 continue
             seen.add(step)
@@ -118,17 +132,54 @@ def _one(step: int, source: Path, export: Export, done: Snapshots, tell: Callabl
     tell(gone)
 
 
+RETENTION = "its checkpoint retention: TorchTitan's keep_latest_k, nxdtrain's --keep"
+
+
 def _removed(source: Path, target: Path) -> str:
     """The note for a step the run deleted under the export; what the export had written of it is removed (ours
     only: :func:`ckptconv.engine.outdir.remove_owned`), so nothing of it is left to look like a snapshot."""
     if target.is_dir():
-        with outdir.acquire(target, fingerprint="snapshot-removed"):
-            outdir.remove_owned(target)
+        _remove_ours(target)
+    return f"{source.name}: removed by the run while it was exported ({RETENTION}); skipped"
+
+
+def _remove_ours(target: Path) -> None:
+    """What this tool wrote in ``target`` (under its lock), then ``target`` itself if nothing else is left in it."""
+    with outdir.acquire(target, fingerprint="snapshot-removed"):
+        outdir.remove_owned(target)
+    for empty in (target / outdir.TMP_DIR, target):  # each only when empty (the lock's release may have done the first)
         with contextlib.suppress(OSError):
-            (target / outdir.TMP_DIR).rmdir()
-            target.rmdir()
-    return (f"{source.name}: removed by the run while it was exported (its checkpoint retention: "
-            "TorchTitan's keep_latest_k, nxdtrain's --keep); skipped")
+            empty.rmdir()
+
+
+def _orphans(out: Path, listing: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
+    """OUT's half-exported ``step-N`` folders (our claim in them, no ``ckptconv.json``) whose step the root no longer
+    lists though a newer one is listed: the run deleted it (a step older than a completed one is never still being
+    written)."""
+    listed = {step for step, _ in listing}
+    if not listed or not out.is_dir():
+        return []
+    found = []
+    for target in sorted(out.iterdir()):
+        named = _SNAPSHOT.fullmatch(target.name)
+        if named is None or target.is_symlink() or not target.is_dir():
+            continue
+        step = int(named.group(1))
+        if (step not in listed and step < max(listed) and (target / outdir.TMP_DIR).is_dir()
+                and read_metadata(target) is None):
+            found.append((step, target))
+    return found
+
+
+def _orphan_removed(step: int, target: Path) -> str | None:
+    """The note for a half-export whose step the run deleted, its files (ours only) removed; None when another
+    call holds it (it is in flight there)."""
+    try:
+        _remove_ours(target)
+    except outdir.BusyError:
+        return None
+    return (f"{snapshot_name(step)}: half-exported by an earlier call that was stopped, and removed by the run since "
+            f"({RETENTION}); what ckptconv wrote of it is removed")
 
 
 @contextlib.contextmanager
