@@ -17,6 +17,9 @@ def add_diff_parser(sub: Any, parse_size: Callable[[str], int], json_help: str) 
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, of B's values (default 0: exact)")
     p.add_argument("--max-memory", type=parse_size, default=2 << 30,
                    help="memory for the bands compared at once, both sides (default 2GiB)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tensors compared at once, each in its share of --max-memory (default: the usable cores, "
+                        "at least 8)")
     p.add_argument("--io", choices=("mmap", "read"), default="read", help="input reads: read (default) or mmap")
     p.add_argument("--quiet", action="store_true", help="no progress bar of the tensors compared")
     p.add_argument("--json", action="store_true", help=json_help)
@@ -26,7 +29,7 @@ def run_diff(args: argparse.Namespace) -> Any:
     from ckptconv.commands.diff import diff
 
     result = diff(args.a, args.b, config=args.config, atol=args.atol, rtol=args.rtol, max_memory=args.max_memory,
-                  io=args.io, check=not args.no_check, progress=not (args.quiet or args.json) and sys.stderr.isatty())
+                  io=args.io, check=not args.no_check, workers=args.workers, progress=not (args.quiet or args.json) and sys.stderr.isatty())
     if args.json:
         return result
     # on a terminal: the tensors that are not equal (the JSON lists them all)

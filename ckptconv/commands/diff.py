@@ -4,14 +4,16 @@ Each side is read through the plan its converter uses to write HF (:func:`ckptco
 shards and tags, :func:`ckptconv.titan.plans.plan_dcp_to_hf` for DCP, the identity for HF), so the comparison
 sees what ``to-hf`` of either side would write, without writing it. A training state's AdamW tensors are named
 ``state.<hf key>.<component>`` on both sides (a tag's read like its weight, a DCP's through TorchTitan's table
-backwards). Tensors are compared in row bands of at most ``max_memory`` (both sides' bands, in float64).
+backwards). Tensors are compared in row bands of at most ``max_memory`` (both sides' bands, in float64), on
+``workers`` threads at once, each within its share of ``max_memory``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 
 from ckptconv.core.plan import OutTensor, compose
 from ckptconv.engine.execute import column_band, read_tensor, row_band
+from ckptconv.engine.options import default_workers
 from ckptconv.engine.progress import byte_progress
 from ckptconv.errors import ConversionError
 
@@ -215,13 +218,15 @@ def diff(
     io: str = "read",
     check: bool = True,
     progress: bool = False,
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """Compare two checkpoints of the same model in any formats (HF, NxD shards or tags, DCP) under HF names.
 
     Every tensor of either side is ``equal`` (bitwise as values), ``close`` (within ``atol + rtol * |b|``),
     ``differ``, ``shape`` (shapes differ), ``extra`` (only in A) or ``missing`` (only in B); AdamW state
     (``state.<hf key>.{exp_avg,exp_avg_sq,step}``) is compared where both sides have it, and only said to be
-    one-sided otherwise. ``ok`` is True when nothing differs, is missing or extra.
+    one-sided otherwise. ``ok`` is True when nothing differs, is missing or extra. ``workers``: tensors compared at
+    once (default :func:`ckptconv.engine.options.default_workers`), each in bands of its share of ``max_memory``.
 
     Example:
         >>> diff("llama-hf", "llama-dcp")["ok"]     # doctest: +SKIP
@@ -232,7 +237,8 @@ def diff(
         sb = open_side(b, stack, config=config, io=io, check=check)
         keys = [*sa.tensors, *(k for k in sb.tensors if k not in sa.tensors)]
         with byte_progress(f"diff {Path(a).name} {Path(b).name}", len(keys), quiet=not progress, of="tensors") as advance:
-            results = list(_compare(sa, sb, keys, atol=atol, rtol=rtol, max_memory=max_memory, advance=advance))
+            results = _compare(sa, sb, keys, atol=atol, rtol=rtol, max_memory=max_memory,
+                               workers=default_workers() if workers is None else workers, advance=advance)
     counts: dict[str, int] = {}
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -250,17 +256,28 @@ def diff(
     }
 
 
-def _compare(sa: Side, sb: Side, keys: list[str], *, atol: float, rtol: float, max_memory: int,
-             advance: Callable[[int], None]) -> Iterator[TensorDiff]:
-    for key in keys:
+def _compare(sa: Side, sb: Side, keys: list[str], *, atol: float, rtol: float, max_memory: int, workers: int,
+             advance: Callable[[int], None]) -> list[TensorDiff]:
+    """Every key's :class:`TensorDiff`, in ``keys``' order; ``workers`` tensors at once (the readers are read from
+    several threads as the executor reads them), each in bands of its share of ``max_memory``."""
+    if workers < 1:
+        raise ConversionError(f"--workers {workers}: the tensors compared at once, a number >= 1")
+    share = max_memory // (2 * workers)
+
+    def one(key: str) -> TensorDiff:
         if key not in sb.tensors:
-            yield TensorDiff(key, "extra")
-        elif key not in sa.tensors:
-            yield TensorDiff(key, "missing")
-        else:
-            yield compare_tensor(sa.tensors[key], sa.reader, sb.tensors[key], sb.reader, atol=atol, rtol=rtol,
-                                 max_memory=max_memory // 2)
-        advance(1)
+            return TensorDiff(key, "extra")
+        if key not in sa.tensors:
+            return TensorDiff(key, "missing")
+        return compare_tensor(sa.tensors[key], sa.reader, sb.tensors[key], sb.reader, atol=atol, rtol=rtol,
+                              max_memory=share)
+
+    results = []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for result in pool.map(one, keys):
+            results.append(result)
+            advance(1)
+    return results
 
 
 def _problem(r: TensorDiff) -> str:
