@@ -75,6 +75,9 @@ def _help_text(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
 
 
 def _default(program: str, action: argparse.Action) -> str:
+    rule = getattr(action, "default_rule", None)  # a flag whose parser states its own machine rule
+    if rule is not None:
+        return str(rule)
     for flag in action.option_strings:
         if (program, flag) in MACHINE_DEFAULTS:
             module, name = MACHINE_DEFAULTS[(program, flag)]

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ckptconv.engine.options import MIN_DEFAULT_WORKERS
+
 
 def add_diff_parser(sub: Any, parse_size: Callable[[str], int], json_help: str) -> None:
     p = sub.add_parser("diff", help="compare two checkpoints of one model in any formats (HF, NxD, DCP) tensor by tensor")
@@ -17,9 +19,10 @@ def add_diff_parser(sub: Any, parse_size: Callable[[str], int], json_help: str) 
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, of B's values (default 0: exact)")
     p.add_argument("--max-memory", type=parse_size, default=2 << 30,
                    help="memory for the bands compared at once, both sides (default 2GiB)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="tensors compared at once, each in its share of --max-memory (default: the usable cores, "
-                        "at least 8)")
+    rule = f"the usable cores, at least {MIN_DEFAULT_WORKERS}"
+    workers = p.add_argument("--workers", type=int, default=None,
+                             help=f"tensors compared at once, each in its share of --max-memory (default: {rule})")
+    workers.default_rule = rule  # docs/cli.md's default column (tools/cli_reference.py)
     p.add_argument("--io", choices=("mmap", "read"), default="read", help="input reads: read (default) or mmap")
     p.add_argument("--quiet", action="store_true", help="no progress bar of the tensors compared")
     p.add_argument("--json", action="store_true", help=json_help)
