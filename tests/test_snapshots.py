@@ -75,25 +75,31 @@ def test_every_exports_the_completed_steps_once_and_leaves_the_unfinished_one(ro
     assert (done.exported, done.up_to_date) == ([], [1, 2, 3])
 
 
-def test_a_kill_in_the_middle_of_an_export_is_redone_by_the_next_call(root, tmp_path):
-    base, models = root
-    out = tmp_path / "snaps"
+def kill_at_step_2(argv: list[str]) -> subprocess.CompletedProcess:
+    """``ckptconv ARGV`` in a child process SIGKILLed (as the OOM killer would) once the first file of OUT/step-2 is
+    in place."""
     script = textwrap.dedent(f"""
         import os, signal, sys
         import ckptconv.engine.execute as execute
         original = execute.move_into_place
         def killing(sink, tmp, out_dir):
             moved = original(sink, tmp, out_dir)
-            if out_dir.name == "step-2":  # the first file of step-2 is in place: killed as the OOM killer would
+            if out_dir.name == "step-2":
                 os.kill(os.getpid(), signal.SIGKILL)
             return moved
         execute.move_into_place = killing
         from ckptconv.cli.main import main
-        sys.exit(main(["from-dcp", {str(base)!r}, {str(out)!r}, "--every", "--quiet", "--max-shard-size",
-                       {SHARD!r}, "--workers", "1"]))
+        sys.exit(main({argv!r}))
     """)
-    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_a_kill_in_the_middle_of_an_export_is_redone_by_the_next_call(root, tmp_path):
+    base, models = root
+    out = tmp_path / "snaps"
+    killed = kill_at_step_2(["from-dcp", str(base), str(out), "--every", "--quiet", "--max-shard-size", SHARD,
+                             "--workers", "1"])
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert (out / "step-1" / "ckptconv.json").is_file()
     half = out / "step-2"

@@ -4,12 +4,8 @@ a folder of OUT that ckptconv did not claim is left alone."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,10 +14,9 @@ import ckptconv
 from ckptconv.commands.api import RunOptions
 from ckptconv.commands.dcp import from_dcp_every
 from ckptconv.engine import outdir
+from tests.test_snapshots import SHARD, kill_at_step_2
 
 QUIET = RunOptions(quiet=True)
-SHARD = "20KB"  # several safetensors files per step, so the kill falls between two of them
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -30,22 +25,8 @@ def killed(tiny_models, tmp_path) -> tuple[Path, Path]:
     run, out = tmp_path / "run" / "checkpoint", tmp_path / "snaps"
     for n in (1, 2, 3):
         ckptconv.to_dcp(tiny_models(f"orphan-{n}", layers=2, seed=60 + n), run / f"step-{n}", options=QUIET)
-    script = textwrap.dedent(f"""
-        import os, signal, sys
-        import ckptconv.engine.execute as execute
-        original = execute.move_into_place
-        def killing(sink, tmp, out_dir):
-            moved = original(sink, tmp, out_dir)
-            if out_dir.name == "step-2":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return moved
-        execute.move_into_place = killing
-        from ckptconv.cli.main import main
-        sys.exit(main(["from-dcp", {str(run)!r}, {str(out)!r}, "--every", "--quiet", "--max-shard-size",
-                       {SHARD!r}, "--workers", "1"]))
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = kill_at_step_2(["from-dcp", str(run), str(out), "--every", "--quiet", "--max-shard-size", SHARD,
+                           "--workers", "1"])
     assert done.returncode == -signal.SIGKILL, done.stderr
     half = out / "step-2"
     assert not (half / "ckptconv.json").exists() and any(half.glob("*.safetensors"))
