@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ckptconv.cli.main import main
 from ckptconv.commands.dcp import to_dcp
 from ckptconv.commands.verify import verify
 from ckptconv.core.model_spec import ModelSpec
@@ -48,6 +49,7 @@ def _resaved(hf: Path, dcp: Path, out: Path, change) -> Path:
 
 def test_a_clean_moe_dcp_passes(moe: tuple[Path, Path]) -> None:
     hf, dcp = moe
+    assert main(["verify", str(hf), str(dcp), "--quiet"]) == 0
     result = verify(hf, dcp)
     assert result["ok"], result["problems"]
     assert sorted(result["layers"]) == [0, 1, 2]  # layer 1 dense (mlp_only_layers), 0 and 2 sparse
@@ -134,3 +136,14 @@ def test_a_fused_wqkv_dcp_is_checked_head_by_head(family: str, tmp_path: Path) -
     said = [p.split(":")[0] for p in result["problems"]]
     assert said[0] == "layer 3 attention" and set(said) <= {"layer 3 attention", "layer 3 mlp", "layer 3 output"}
     assert result["layers"][3]["attention"]["detail"] == "Q/K/V heads 1, 2 differ"
+
+
+def test_a_gpt_oss_dcp_is_refused_naming_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.gpt_oss_models import make_gpt_oss
+
+    hf = make_gpt_oss(tmp_path / "hf")
+    to_dcp(hf, tmp_path / "dcp", options=QUIET)
+    assert main(["verify", str(hf), str(tmp_path / "dcp"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert (f"{tmp_path / 'dcp'}: verify checks TorchTitan's llama3 and qwen3 (dense or MoE), not its gpt_oss; "
+            "compare this one with ckptconv diff HF DCP") in err
