@@ -242,3 +242,25 @@ def test_fused_hf_input_reads_only_its_rows_into_the_budget(big_mixtral: Path, t
     ckptconv.to_nxd(big_mixtral, tmp_path / "c", tp=2, ep=2, options=SMALL)
     _same_files(tmp_path / "a" / "model", tmp_path / "c" / "model")
     _same_files(tmp_path / "b" / "model", tmp_path / "c" / "model")
+
+
+def test_dcp_bands_of_experts_larger_than_the_share_keep_to_it(tmp_path: Path, ledger: _Ledger):
+    """Qwen3-MoE to TorchTitan's DCP and back, at 4 MiB: every band within the share, the DCP's files those of the
+    default budget, and from-dcp --to hf (stacked [E, ...] sources read a part of a slab at a time) equal to HF's."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(hidden_size=BIG_H, intermediate_size=64, moe_intermediate_size=BIG_I,
+                                         num_experts=E, num_experts_per_tok=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=64, vocab_size=32, num_hidden_layers=1,
+                                         norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    ckptconv.to_dcp(tmp_path / "hf", tmp_path / "dcp", options=SMALL)
+    _within_share(ledger)
+    ckptconv.to_dcp(tmp_path / "hf", tmp_path / "dcp-wide", options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "dcp", tmp_path / "dcp-wide")
+    ledger.budgets.clear()
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", to="hf", options=SMALL)
+    _within_share(ledger)
+    back, source = load_file(tmp_path / "back" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)

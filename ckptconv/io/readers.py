@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -94,12 +93,8 @@ class TorchFileReader:
     def read_slab_rows(self, key: str, slab: int, start: int, stop: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start, stop) of ``key[slab]`` (one matrix of a stacked tensor), reading only their bytes."""
-        st = self._entry(key)
-        if len(st.shape) < 2 or not 0 <= slab < st.shape[0]:
-            raise ValueError(f"{self.path}: {key!r} of shape {list(st.shape)} has no slab {slab}")
-        within = replace(st, shape=st.shape[1:], stride=st.stride[1:],
-                         storage_offset=st.storage_offset + slab * st.stride[0])
-        return self._reader.read_stored_rows(within, start, stop, out)
+        self._entry(key)
+        return self._reader.read_slab_rows(key, slab, start, stop, out)
 
     def position(self, key: str) -> int:
         """File offset of the tensor's first byte."""
