@@ -14,7 +14,8 @@ bytes (intermediate = experts x expert intermediate) and the same attention:
 Each command also runs on a tiny model of the same family and layout (its start-up); the figures are marginal
 (command minus start-up), as in ``training_rows.py``: marginal CPU s/GB of the source, marginal wall against ``cp -r``
 of the source run right before, peak RSS; the MoE row's ratio to its dense twin's marginal CPU. Warm page cache,
-``sync`` after each command; with ``--before DIR`` every command runs from that tree too, alternating which goes first.
+``sync`` after each command; with ``--before DIR`` every MoE command runs from that tree too, alternating which goes
+first (the dense twins run from this tree only: the change is in the expert paths).
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def moe_cost_rows(out: Path, repeat: int, before: Path | None) -> str:
                     shutil.rmtree(copy, ignore_errors=True)
                     baseline = measure(["cp", "-r", str(src), str(copy)])
                     shutil.rmtree(copy)
-                    for tree, root in trees if i % 2 == 0 else trees[::-1]:
+                    order = trees if i % 2 == 0 else trees[::-1]
+                    for tree, root in order if kind == "moe" else order[:1] if order[0][0] == "after" else order[1:]:
                         row = rows.setdefault((family, label, kind, tree), Row(command, tree, du(src) / 1e9))
                         row.cp.append(baseline)
                         args = argv if kind == "moe" else _layout(argv, {})
@@ -221,8 +223,8 @@ def table(rows: dict[tuple[str, str, str, str], Row]) -> str:
     lines = ["| command | tree | runs | wall s (start-up) | cp -r s | marginal ratio to cp (range) | "
              "marginal CPU s/GB (cp's) | peak RSS | MoE CPU / dense CPU |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for (family, label, kind, tree), row in rows.items():
-        dense = rows.get((family, label, "dense", tree))
+    for (family, label, kind, _), row in rows.items():
+        dense = rows.get((family, label, "dense", "after"))
         ratio = f"{_cpu_per_gb(row) / _cpu_per_gb(dense):.2f}x" if kind == "moe" and dense else ""
         lines.append(row.line() + f" {ratio} |")
     return "\n".join(lines) + "\n"

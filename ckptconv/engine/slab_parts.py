@@ -68,13 +68,14 @@ def slab_work(tensors: list[OutTensor], reader: Rows, share: int) -> SlabWork:
 
 
 def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader: Rows, share: int) -> Parts | None:
-    """The parts that keep a band of ``tensors`` (split by slab in ``split``) near ``share`` bytes: the outputs' part
-    in half of it, three chunk buffers of an eighth each; None for a group of other than matrices."""
+    """The parts that keep a band of ``tensors`` (split by slab in ``split``) within ``share`` bytes: three chunk
+    buffers of about a 32nd of it each (a read of a few MB is as fast as a larger one), the outputs' part in the rest
+    (at least half); None for a group of other than matrices."""
     shapes = [slab_shape(t) for t in tensors]
     if any(len(shape) != 2 for shape in shapes):
         return None
     widest = max(t.dtype.itemsize for t in tensors)
-    goal = max(share // 8, 1)
+    goal = max(share // 32, 1)
     chunk: dict[tuple[Source, int], int] = {}
     buffer = 0
     for pieces in split:
@@ -91,12 +92,17 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
             whole = piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
             chunk[(piece.source, piece.slab)] = rows = matrix[0] if whole else max(1, min(matrix[0], goal // row))
             buffer = max(buffer, rows * row)
-    out_bytes = sum(nbytes_of(t.dtype, shape) for t, shape in zip(tensors, shapes, strict=True))
     room = max(share - 3 * (buffer + ALIGN), share // 2)
-    count = max(1, min(-(-out_bytes // room), min(shape[0] for shape in shapes)))
-    most = sum(nbytes_of(t.dtype, (-(-shape[0] // count), shape[1])) + ALIGN
-               for t, shape in zip(tensors, shapes, strict=True))
-    return Parts(count, chunk, buffer, most + 3 * (buffer + ALIGN))
+    fewest = min(shape[0] for shape in shapes)  # a part has at least a row of every tensor
+
+    def outputs(count: int) -> int:  # the largest part's outputs: ceil(rows / count) rows of each
+        return sum(nbytes_of(t.dtype, (-(-shape[0] // count), shape[1])) + ALIGN
+                   for t, shape in zip(tensors, shapes, strict=True))
+
+    count = max(1, min(-(-outputs(1) // room), fewest))
+    while outputs(count) > room and count < fewest:
+        count += 1
+    return Parts(count, chunk, buffer, outputs(count) + 3 * (buffer + ALIGN))
 
 
 def slab_writes(work: SlabWork, tensors: list[OutTensor], band: int, reader: Rows,
