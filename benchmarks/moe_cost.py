@@ -209,8 +209,9 @@ def moe_cost_rows(out: Path, repeat: int, before: Path | None) -> str:
                                                 tree_env(root), cwd=out))
                             shutil.rmtree(target)
                         r, c = row.runs[-1], row.cp[-1]
-                        print(f"{command} [{tree}]: {r.wall:.1f} s (start-up {row.startup[-1].wall:.1f}), cp -r "
-                              f"{c.wall:.1f} s; CPU {r.cpu:.1f} s, peak RSS {r.rss / 2**20:.0f} MiB", flush=True)
+                        s = row.startup[-1]
+                        print(f"{command} [{tree}]: {r.wall:.1f} s (start-up {s.wall:.1f}), cp -r {c.wall:.1f} s; "
+                              f"CPU {r.cpu:.1f} s (start-up {s.cpu:.1f}), peak RSS {r.rss / 2**20:.0f} MiB", flush=True)
     return table(rows)
 
 
