@@ -264,3 +264,13 @@ def test_dcp_bands_of_experts_larger_than_the_share_keep_to_it(tmp_path: Path, l
     _within_share(ledger)
     back, source = load_file(tmp_path / "back" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
     assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+def test_cast_parts_equal_whole_slabs(big_mixtral: Path, tmp_path: Path, ledger: _Ledger):
+    """--dtype bf16 of fp32 experts cut into parts: the cast meets the transposes in each part's scratch; the shards
+    equal those built a whole slab at a time."""
+    ckptconv.to_nxd(big_mixtral, tmp_path / "a", tp=2, ep=2, dtype="bf16", options=SMALL)
+    _within_share(ledger)
+    ckptconv.to_nxd(big_mixtral, tmp_path / "b", tp=2, ep=2, dtype="bf16",
+                    options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "a" / "model", tmp_path / "b" / "model")
