@@ -189,7 +189,21 @@ def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int,
                                          out=scratch.rows(dtype, (stop - start, shape[-1])))
         else:
             rows = reader.read_rows(source, start, stop, out=scratch.rows(dtype, (stop - start, shape[-1])))
+        flipped = _flipped(rows, needed, scratch)
         for job in needed:
             a, b = max(start, job.rows[0]), min(stop, job.rows[1])
-            copy_compact(job.target.narrow(0, a - job.rows[0], b - a), rows[a - start:b - start, job.cols[0]:job.cols[1]],
-                         scratch)
+            target = job.target.narrow(0, a - job.rows[0], b - a)
+            if flipped is not None and target.stride(-1) != 1:  # rows of the chunk transposed once for all
+                target.t().copy_(flipped[job.cols[0]:job.cols[1], a - start:b - start])
+            else:
+                copy_compact(target, rows[a - start:b - start, job.cols[0]:job.cols[1]], scratch)
+
+
+def _flipped(rows: torch.Tensor, jobs: list[_Job], scratch: Scratch3) -> torch.Tensor | None:
+    """The chunk ``rows`` transposed (compact), when the jobs that take it transposed use all of its columns: every
+    tp rank's columns of an expert's ``down_proj``. One blocked transpose of the chunk, then a row copy per job,
+    instead of compacting each job's columns, transposing them and copying the result into place."""
+    flipping = [job for job in jobs if job.target.stride(-1) != 1]
+    if not flipping or sum(job.cols[1] - job.cols[0] for job in flipping) < rows.size(1):
+        return None
+    return scratch.source(rows.dtype, (rows.size(1), rows.size(0))).copy_(rows.t())
