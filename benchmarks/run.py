@@ -13,6 +13,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --only-8b [--repeat N]                      # the 8B rows alone (make bench-8b)
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
     python benchmarks/run.py --moe [--layers L] [--repeat N]   # Mixtral-8x7B shapes: to-nxd and reshard across ep
+    python benchmarks/run.py --moe-cost [--repeat N] [--before DIR]   # MoE vs dense of the same bytes vs cp (47)
     python benchmarks/run.py --deepseek [--experts N] [--repeat N]   # DeepSeek-V3 FP8 -> DCP, and TorchTitan's convert
     python benchmarks/run.py --gpt-oss [--layers L] [--repeat N]   # GPT-OSS-120B shapes, MXFP4: to-dcp
     python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
@@ -41,6 +42,7 @@ from deepseek_v3 import deepseek_rows  # noqa: E402
 from gpt_oss import gpt_oss_rows  # noqa: E402
 from measure import drop_caches, du, measure  # noqa: E402
 from moe import moe_rows  # noqa: E402
+from moe_cost import moe_cost_rows  # noqa: E402
 from synth import write_model  # noqa: E402
 from training_rows import training_rows  # noqa: E402
 
@@ -247,6 +249,8 @@ def main() -> None:
     parser.add_argument("--only-8b", action="store_true", help="only the 8B rows, each run --repeat times")
     parser.add_argument("--diff", action="store_true", help="only the diff row (8B shapes, --layers layers)")
     parser.add_argument("--moe", action="store_true", help="only the Mixtral-8x7B-shaped rows (--layers layers)")
+    parser.add_argument("--moe-cost", action="store_true",
+                        help="only the MoE rows against a dense model and cp of the same bytes (issue 47; --before)")
     parser.add_argument("--training", action="store_true", help="only the training-state rows (6.85 GB tag)")
     parser.add_argument("--deepseek", action="store_true", help="only the DeepSeek-V3 rows (FP8 671B layer shapes)")
     parser.add_argument("--experts", type=int, default=256, help="routed experts of the DeepSeek-V3 rows")
@@ -254,13 +258,18 @@ def main() -> None:
                         help="address-space limit (bytes) of TorchTitan's convert_from_hf in the DeepSeek-V3 rows")
     parser.add_argument("--gpt-oss", action="store_true", help="only the GPT-OSS-120B-shaped MXFP4 to-dcp row")
     parser.add_argument("--before", type=Path, default=None,
-                        help="training-state rows: also run each command from this older source tree")
+                        help="training-state and --moe-cost rows: also run each command from this older source tree")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     if args.moe:
         moe, notes = moe_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
         print(text := table(moe, []) + "\n\n" + "\n".join(notes))
         (OUT / "moe.md").write_text(text + "\n")
+        return
+    if args.moe_cost:
+        text = moe_cost_rows(OUT, args.repeat, args.before)
+        print(f"\n{text}")
+        (OUT / "moe-cost.md").write_text(text)
         return
     if args.deepseek:
         rows, notes = deepseek_rows(OUT, convert, CPU_SECONDS, args.experts, args.repeat, args.titan_limit)

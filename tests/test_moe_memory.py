@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import ckptconv
 from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
@@ -147,3 +147,130 @@ def test_to_hf_reads_each_expert_slab_once(mixtral: Path, tmp_path: Path, ledger
     assert ledger.outside == [] and max(ledger.overflows) == 0
     back, source = load_file(tmp_path / "hf" / "model.safetensors"), load_file(mixtral / "model.safetensors")
     assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+# Issue 47: an expert matrix larger than a worker's share of --max-memory. Bands are then parts of slabs; every band
+# is budgeted within the share (a band over it is what the test fails on), builds nothing outside its arena, and the
+# bytes written are those of an unconstrained run (itself checked against HF's tensors above and in test_moe.py).
+BIG_H, BIG_I = 256, 1536  # fp32: 1.5 MiB an expert matrix; --max-memory 4 MiB at 1 worker: a 2 MiB share a band
+SMALL = ckptconv.RunOptions(quiet=True, workers=1, max_memory=4 << 20)
+SHARE = 2 << 20
+
+
+def _big_mixtral(out: Path, fused: bool) -> Path:
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=BIG_H, intermediate_size=BIG_I, num_local_experts=E,
+                                        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=64, vocab_size=32, num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(out)
+    if fused:  # transformers' in-memory names: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
+        (out / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")
+        assert any(k.endswith("experts.gate_up_proj") for k in model.state_dict())
+    return out
+
+
+@pytest.fixture(scope="module")
+def big_mixtral(tmp_path_factory) -> Path:
+    return _big_mixtral(tmp_path_factory.mktemp("big-mixtral"), fused=False)
+
+
+def _same_files(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file() and p.name != "ckptconv.json")
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file() and p.name != "ckptconv.json")
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def _within_share(ledger: _Ledger) -> None:
+    assert max(ledger.budgets) <= SHARE, f"a band budgeted {max(ledger.budgets)} bytes, past the {SHARE}-byte share"
+    assert ledger.outside == [] and max(ledger.overflows) == 0, "a band's buffers outside what it was budgeted"
+
+
+def test_bands_of_experts_larger_than_the_share_keep_to_it(big_mixtral: Path, tmp_path: Path, ledger: _Ledger):
+    """to-nxd, reshard across tp and ep, and to-hf, each at 4 MiB: every band within its 2 MiB share (an expert's
+    down_proj group, of both tp ranks, took 5.25 MiB), the same bytes as at the default budget."""
+    wide = ckptconv.RunOptions(quiet=True, workers=2)
+    ckptconv.to_nxd(big_mixtral, tmp_path / "nxd", tp=2, ep=2, options=SMALL)
+    _within_share(ledger)
+    ckptconv.to_nxd(big_mixtral, tmp_path / "nxd-wide", tp=2, ep=2, options=wide)
+    _same_files(tmp_path / "nxd", tmp_path / "nxd-wide")
+
+    ledger.budgets.clear()
+    ckptconv.reshard(tmp_path / "nxd", tmp_path / "ep4", tp=1, ep=4, options=SMALL)
+    _within_share(ledger)
+    ckptconv.reshard(tmp_path / "nxd-wide", tmp_path / "ep4-wide", tp=1, ep=4, options=wide)
+    _same_files(tmp_path / "ep4", tmp_path / "ep4-wide")
+
+    ledger.budgets.clear()
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "ep4", tmp_path / "hf", options=SMALL)
+    _within_share(ledger)
+    back, source = load_file(tmp_path / "hf" / "model.safetensors"), load_file(big_mixtral / "model.safetensors")
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+def test_fused_hf_input_reads_only_its_rows_into_the_budget(big_mixtral: Path, tmp_path: Path, ledger: _Ledger,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """A fused checkpoint (experts.gate_up_proj [E, 2I, H]): each expert's gate and up rows read once, into the
+    band's arena (the whole fused slab was read per piece, in fresh memory), within the share at 4 MiB, and the
+    shards those of per-expert input."""
+    from ckptconv.io.safetensors_io import SafetensorsReader
+
+    fused = _big_mixtral(tmp_path / "fused", fused=True)
+    loaded: list[int] = []
+    load = SafetensorsReader._load
+
+    def counted(self, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if getattr(ledger.in_band, "on", False):
+            loaded.append(n)
+        return load(self, offset, n, dtype, shape)
+
+    monkeypatch.setattr(SafetensorsReader, "_load", counted)
+    ckptconv.to_nxd(fused, tmp_path / "a", tp=2, ep=2, options=ckptconv.RunOptions(quiet=True, workers=2))
+    assert loaded == [], "fused expert bytes read into fresh memory, outside the band's budget"
+    assert ledger.outside == [] and max(ledger.overflows) == 0
+    assert sum(v for k, v in ledger.bytes.items() if ".experts." in k) == 3 * E * BIG_H * BIG_I * 4, \
+        "an expert's fused rows read more than once"
+    ledger.budgets.clear()
+    ckptconv.to_nxd(fused, tmp_path / "b", tp=2, ep=2, options=SMALL)  # parts of slabs: within the share
+    _within_share(ledger)
+    assert loaded == []
+    ckptconv.to_nxd(big_mixtral, tmp_path / "c", tp=2, ep=2, options=SMALL)
+    _same_files(tmp_path / "a" / "model", tmp_path / "c" / "model")
+    _same_files(tmp_path / "b" / "model", tmp_path / "c" / "model")
+
+
+def test_dcp_bands_of_experts_larger_than_the_share_keep_to_it(tmp_path: Path, ledger: _Ledger):
+    """Qwen3-MoE to TorchTitan's DCP and back, at 4 MiB: every band within the share, the DCP's files those of the
+    default budget, and from-dcp --to hf (stacked [E, ...] sources read a part of a slab at a time) equal to HF's."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(hidden_size=BIG_H, intermediate_size=64, moe_intermediate_size=BIG_I,
+                                         num_experts=E, num_experts_per_tok=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=64, vocab_size=32, num_hidden_layers=1,
+                                         norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    ckptconv.to_dcp(tmp_path / "hf", tmp_path / "dcp", options=SMALL)
+    _within_share(ledger)
+    ckptconv.to_dcp(tmp_path / "hf", tmp_path / "dcp-wide", options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "dcp", tmp_path / "dcp-wide")
+    ledger.budgets.clear()
+    ckptconv.from_dcp(tmp_path / "dcp", tmp_path / "back", to="hf", options=SMALL)
+    _within_share(ledger)
+    back, source = load_file(tmp_path / "back" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+def test_cast_parts_equal_whole_slabs(big_mixtral: Path, tmp_path: Path, ledger: _Ledger):
+    """--dtype bf16 of fp32 experts cut into parts: the cast meets the transposes in each part's scratch; the shards
+    equal those built a whole slab at a time."""
+    ckptconv.to_nxd(big_mixtral, tmp_path / "a", tp=2, ep=2, dtype="bf16", options=SMALL)
+    _within_share(ledger)
+    ckptconv.to_nxd(big_mixtral, tmp_path / "b", tp=2, ep=2, dtype="bf16",
+                    options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "a" / "model", tmp_path / "b" / "model")

@@ -73,7 +73,9 @@ def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
     after another, earliest file first, so files complete (and are recorded) while the rest converts. Within a
     group, by the position of the unit's tensor in its file, so every file of the group is written front to back
     at once and its digest hashes the bands as they arrive; ties in the order their sources lie in their files
-    (checked reads then hash what the workers read as it comes)."""
+    (checked reads then hash what the workers read as it comes). Where sources have positions, the files that read
+    slabs of one stacked source (two target ep ranks' experts from one source ep rank) form a group too, run in the
+    order of the bytes they read: source files are then read front to back, not hashed out of order."""
     parent: dict[int, int] = {}
 
     def find(i: int) -> int:
@@ -81,16 +83,32 @@ def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
             i = parent[i]
         return i
 
+    def join(i: int, j: int) -> bool:
+        a, b = find(i), find(j)
+        parent[max(a, b)] = min(a, b)
+        return a != b
+
     for tensors in units:
         for i, _ in tensors[1:]:
-            a, b = find(tensors[0][0]), find(i)
-            parent[max(a, b)] = min(a, b)
+            join(tensors[0][0], i)
+    by_source = set()
+    if position is not None:
+        reader_of: dict[Source, int] = {}
+        for tensors in units:
+            for i, tensor in tensors:
+                for piece in tensor.pieces if tensor.by_slab else ():
+                    if piece.slab >= 0 and join(reader_of.setdefault(piece.source, i), i):
+                        by_source.add(i)
+        by_source = {find(i) for i in by_source}
     files = {i for tensors in units for i, _ in tensors}
     index = {(i, t.key): n for i in files for n, t in enumerate(plan.files[i].tensors)}
 
-    def key(n: int) -> tuple[int, int, int, int]:
+    def key(n: int) -> tuple[int, ...]:
         file_index, at = min((i, index[(i, t.key)]) for i, t in units[n])
-        first = plan.files[file_index].tensors[at].pieces[0].source
-        return find(file_index), at, file_index, position(first) if position is not None else 0
+        piece = plan.files[file_index].tensors[at].pieces[0]
+        where = position(piece.source) if position is not None else 0
+        if find(file_index) in by_source:
+            return find(file_index), where, piece.slab, at, file_index
+        return find(file_index), at, file_index, where
 
     return sorted(range(len(units)), key=key)

@@ -26,7 +26,8 @@ from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, So
 from ckptconv.engine.claims import band_extent, claim_band, row_bytes, unit_order
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
-from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
+from ckptconv.engine.slab_parts import SlabWork, slab_work, slab_writes
+from ckptconv.engine.slabs import slab_band, slab_groups
 from ckptconv.engine.state_file import load_state, save_state
 from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io import direct_io
@@ -103,7 +104,7 @@ class _Unit:
     rows: int
     band_rows: int
     row_bytes: int  # bytes in memory per row of a band (sources + output)
-    slab_bands: SlabBands | None = None  # a slab unit's pieces split by slab, and scratch sizes (ckptconv.engine.slabs)
+    slab_work: SlabWork | None = None  # a slab unit's bands: whole slabs or parts (ckptconv.engine.slab_parts)
 
     @property
     def shared_sources(self) -> bool:
@@ -274,7 +275,7 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
-    units = row_split + _slab_units(stacked, reader) + _column_units(by_source, reader, band_bytes)
+    units = row_split + _slab_units(stacked, reader, band_bytes) + _column_units(by_source, reader, band_bytes)
     return [units[n] for n in unit_order([u.tensors for u in units], plan, getattr(reader, "position", None))]
 
 
@@ -298,13 +299,14 @@ def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_byt
     return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)
 
 
-def _slab_units(stacked: list[tuple[int, OutTensor]], reader: TensorReader) -> list[_Unit]:
-    """Stacked tensors (NxD's experts), or ones read from stacked sources: one slab index per band, of every tensor
-    that shares its source matrices (ckptconv.engine.slabs), budgeted at every buffer the band builds."""
+def _slab_units(stacked: list[tuple[int, OutTensor]], reader: TensorReader, band_bytes: int) -> list[_Unit]:
+    """Stacked tensors (NxD's experts), or ones read from stacked sources: one slab index (or part of one, beyond
+    ``band_bytes``) per band, of every tensor that shares its source matrices (ckptconv.engine.slabs), budgeted at
+    every buffer the band builds."""
     units = []
     for group in slab_groups(stacked):
-        bands = slab_bands([t for _, t in group], reader)
-        units.append(_Unit(group, group[0][1].slabs or 1, 1, bands.nbytes, bands))
+        work = slab_work([t for _, t in group], reader, band_bytes)
+        units.append(_Unit(group, (group[0][1].slabs or 1) * work.per_slab, 1, work.nbytes, work))
     return units
 
 
@@ -415,15 +417,13 @@ def _write_band(
 ) -> None:
     cache: dict[Source, torch.Tensor] = {}
     slabs = []
-    if unit.by_slab:
-        bands = unit.slab_bands
-        split, scratch = (bands.pieces, bands.scratch[start]) if bands is not None else (None, None)
-        slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get, split, scratch)
+    if unit.slab_work is not None:  # one slab, or part of one, of each tensor, built in this band's arena
+        slabs = slab_writes(unit.slab_work, [t for _, t in unit.tensors], start, reader, _SCRATCH.get)
     for n, (file_index, tensor) in enumerate(unit.tensors):
         offset, nbytes = band_extent(tensor, start, stop)
         phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
-        if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
-            band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]
+        if slabs:
+            offset, band = slabs[n]
         elif unit.shared_sources:
             band = column_band(tensor, start, stop, reader, cache, phase)
         else:

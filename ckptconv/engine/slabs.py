@@ -89,12 +89,12 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
         nbytes = 3 * (scratch[k] + ALIGN)
         sources: set[tuple[Source, int]] = set()
         for tensor, pieces in zip(tensors, split, strict=True):
-            nbytes += _nbytes(tensor.dtype, _slab_shape(tensor)) + ALIGN
+            nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + ALIGN
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
                     sources.add((piece.source, piece.slab))
                     dtype, shape, _ = reader.info(piece.source)
-                    nbytes += _nbytes(dtype, shape[1:] if piece.slab >= 0 else shape) + ALIGN
+                    nbytes += nbytes_of(dtype, shape[1:] if piece.slab >= 0 else shape) + ALIGN
         most = max(most, nbytes)
     return SlabBands(split, scratch, most)
 
@@ -109,7 +109,7 @@ def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[l
     and its tensor's dtype."""
     most = 0
     for tensor, pieces in zip(tensors, split, strict=True):
-        rows, cols = _slab_shape(tensor)
+        rows, cols = slab_shape(tensor)
         other = rows if tensor.transposed != (tensor.dim == 1) else cols  # the piece's uncut dim, in HF orientation
         for piece in pieces[k]:
             size = max(reader.info(piece.source)[0].itemsize, tensor.dtype.itemsize)
@@ -126,16 +126,16 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
     if split is None:
         split = [slab_pieces(tensor) for tensor in tensors]
     cache: dict[tuple[Source, int], torch.Tensor] = {}
-    scratch = _Scratch2(get, tensors, k, reader, split, scratch_bytes)
+    scratch = Scratch3(get, tensors, k, reader, split, scratch_bytes)
     outs = []
     for tensor, pieces in zip(tensors, split, strict=True):
-        out = get(tensor.dtype, _slab_shape(tensor))
+        out = get(tensor.dtype, slab_shape(tensor))
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
         for piece in pieces[k]:
             target = matrix.narrow(tensor.dim, offset, piece.length)
             if _shared(piece, tensor.dim):
-                _copy(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
+                copy_compact(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
             else:  # rows of an HF matrix: read straight into place when the layout allows
                 dtype = reader.info(piece.source)[0]
                 if target.is_contiguous() and dtype == tensor.dtype:
@@ -143,13 +143,13 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
                 else:
                     rows = reader.read_rows(piece.source, piece.start, piece.stop,
                                             out=scratch.rows(dtype, tuple(target.shape)))
-                    _copy(target, rows, scratch)
+                    copy_compact(target, rows, scratch)
             offset += piece.length
         outs.append(out)
     return outs
 
 
-class _Scratch2:
+class Scratch3:
     """Three reusable matrices of a band (rows read, a compacted source, a target), for transposes that need
     compact operands; sized by :func:`_scratch_bytes`."""
 
@@ -163,7 +163,7 @@ class _Scratch2:
             size = self.size if self.size is not None else _scratch_bytes(self.tensors, self.k, self.reader,
                                                                           self.split)
             self.buffers = [self.get(torch.uint8, (size,)) for _ in range(3)]
-        return self.buffers[index][:_nbytes(dtype, shape)].view(dtype).view(shape)
+        return self.buffers[index][:nbytes_of(dtype, shape)].view(dtype).view(shape)
 
     def rows(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self._buffer(0, dtype, shape)
@@ -175,7 +175,7 @@ class _Scratch2:
         return self._buffer(2, dtype, shape)
 
 
-def _copy(target: torch.Tensor, src: torch.Tensor, scratch: _Scratch2) -> None:
+def copy_compact(target: torch.Tensor, src: torch.Tensor, scratch: Scratch3) -> None:
     """``target.copy_(src)`` for matrices either of which may be a transposed view. torch transposes fast (in
     cache-sized blocks) only into a contiguous matrix from the transpose of a contiguous one of the same dtype; a
     strided transpose is ~8x slower (bf16, measured): so the operands are made compact in scratch first."""
@@ -199,7 +199,7 @@ def _shared(piece: Piece, dim: int) -> bool:
     return piece.viewed or dim != 0
 
 
-def _slab_shape(tensor: OutTensor) -> tuple[int, ...]:
+def slab_shape(tensor: OutTensor) -> tuple[int, ...]:
     return tensor.shape[1:] if tensor.slabs else tensor.shape
 
 
@@ -218,7 +218,7 @@ def slab_pieces(tensor: OutTensor) -> list[list[Piece]]:
     return split
 
 
-def _nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+def nbytes_of(dtype: torch.dtype, shape: Iterable[int]) -> int:
     numel = 1
     for n in shape:
         numel *= n

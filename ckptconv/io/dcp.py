@@ -453,6 +453,18 @@ class DcpCheckpoint:
             result[index].copy_(part)
         return result
 
+    def read_slab_rows(self, source: Source, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of one slab of a stacked tensor (an expert's matrix): only their bytes when one chunk
+        holds the whole slab (else the slab is assembled whole and cut)."""
+        entry = self.entry(source.key)
+        for chunk in entry.chunks:
+            first = chunk.offsets[0]
+            if first <= slab < first + chunk.sizes[0] and tuple(chunk.sizes[1:]) == tuple(entry.size[1:]):
+                return self._item(chunk).read_slab_rows("", slab - first, start, stop, out)
+        rows = self.read_rows(source, slab, slab + 1)[0, start:stop]
+        return rows if out is None else out.copy_(rows)
+
     def position(self, source: Source) -> int:
         """Where a key's first chunk starts in its file (reads then go front to back)."""
         return self.entry(source.key).chunks[0].offset

@@ -206,6 +206,10 @@ class HfCheckpoint:
         if view is not None:
             if view.expert is None:
                 return self.read_rows(Source(None, view.key), start, stop, out)
+            file = self._where.get(view.key)
+            within = getattr(self._reader(file), "read_slab_rows", None) if file is not None else None
+            if within is not None and view.key not in self.quantized:  # only the view's rows (into out: the budget)
+                return within(view.key, view.expert, view.start + start, view.start + stop, out)
             rows = self.read_rows(Source(None, view.key), view.expert, view.expert + 1)[0]
             rows = rows[view.start + start:view.start + stop]
             return rows if out is None else out.copy_(rows)

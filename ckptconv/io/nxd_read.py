@@ -315,6 +315,17 @@ class NxdCheckpoint:
         assert source.file is not None
         return self._reader(source.file).read_rows(source.key, start, stop, out)
 
+    def read_slab_rows(self, source: Source, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of one slab of a stacked tensor (an expert's matrix), only their bytes where the shard
+        is one torch zip (else the slab is read whole and cut)."""
+        assert source.file is not None
+        reader = self._reader(source.file)
+        if isinstance(reader, TorchFileReader):
+            return reader.read_slab_rows(source.key, slab, start, stop, out)
+        rows = reader.read_rows(source.key, slab, slab + 1)[0, start:stop]
+        return rows if out is None else out.copy_(rows)
+
     def position(self, source: Source) -> int:
         """Where a tensor's bytes start in its file (an execution order that reads files front to back)."""
         assert source.file is not None

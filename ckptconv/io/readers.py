@@ -54,6 +54,10 @@ class SafetensorsFileReader:
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._reader.read_rows(key, start, stop, out)
 
+    def read_slab_rows(self, key: str, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._reader.read_slab_rows(key, slab, start, stop, out)
+
     def read(self, key: str) -> torch.Tensor:
         return self._reader.read(key)
 
@@ -85,6 +89,12 @@ class TorchFileReader:
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         self._entry(key)
         return self._reader.read_rows(key, start, stop, out)
+
+    def read_slab_rows(self, key: str, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of ``key[slab]`` (one matrix of a stacked tensor), reading only their bytes."""
+        self._entry(key)
+        return self._reader.read_slab_rows(key, slab, start, stop, out)
 
     def position(self, key: str) -> int:
         """File offset of the tensor's first byte."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +271,16 @@ class TorchZipReader:
         torch.Size([2, 8])
         """
         return self.read_stored_rows(self._tensor(key), start, stop, out)
+
+    def read_slab_rows(self, key: str, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of ``key[slab]`` (one matrix of a stacked tensor), reading only their bytes."""
+        st = self._tensor(key)
+        if len(st.shape) < 2 or not 0 <= slab < st.shape[0]:
+            raise ValueError(f"{self.path}: {key!r} of shape {list(st.shape)} has no slab {slab}")
+        within = replace(st, shape=st.shape[1:], stride=st.stride[1:],
+                         storage_offset=st.storage_offset + slab * st.stride[0])
+        return self.read_stored_rows(within, start, stop, out)
 
     def read_stored_rows(self, st: StoredTensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`read_rows` of a tensor found by :meth:`locate` (or :meth:`entry`)."""

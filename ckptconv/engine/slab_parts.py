@@ -1,0 +1,209 @@
+"""Slab bands cut into parts, so that a stacked expert group keeps to a worker's share of ``--max-memory``.
+
+A slab group (:mod:`ckptconv.engine.slabs`) builds one slab index of every tensor of the group per band: an expert's
+source matrix and every tp rank's slab of it. When that is more than a worker's share of the budget, each slab is
+cut into parts: part ``j`` of ``n`` is stored rows ``[R*j//n, R*(j+1)//n)`` of every tensor's slab (one extent of its
+file), and its sources are read in chunks of stored rows, each chunk once for every tensor of the group that needs
+it. Rows within a slab are read alone where the reader can (``read_slab_rows``: safetensors, torch zip shards); else
+that slab is read whole (one expert matrix, counted in the part's bytes). A smaller budget costs more parts and, for
+sources cut by columns (a transposed piece), more reads of the same rows; never more memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ckptconv.core.plan import OutTensor, Piece, Source
+from ckptconv.engine.slabs import (
+    ALIGN,
+    Alloc,
+    Rows,
+    Scratch3,
+    SlabBands,
+    build_slabs,
+    copy_compact,
+    nbytes_of,
+    slab_bands,
+    slab_shape,
+)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """How a group's slabs are cut: ``count`` parts per slab; ``chunk``: source rows read at once per (source,
+    slab); ``buffer``: the bytes of each of the part's three scratch matrices (the chunk read, a compacted source,
+    a target); ``nbytes``: the most one part takes from the allocator."""
+
+    count: int
+    chunk: dict[tuple[Source, int], int]
+    buffer: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SlabWork:
+    """A slab group's bands: whole slabs (``parts`` None) or parts of them."""
+
+    bands: SlabBands
+    parts: Parts | None
+
+    @property
+    def per_slab(self) -> int:
+        return self.parts.count if self.parts is not None else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.parts.nbytes if self.parts is not None else self.bands.nbytes
+
+
+def slab_work(tensors: list[OutTensor], reader: Rows, share: int) -> SlabWork:
+    """How to build ``tensors`` (one slab group) within ``share`` bytes a band: whole slabs when one fits, else
+    parts of them (:func:`plan_parts`)."""
+    bands = slab_bands(tensors, reader)
+    parts = plan_parts(tensors, bands.pieces, reader, share) if bands.nbytes > share else None
+    return SlabWork(bands, parts)
+
+
+def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader: Rows, share: int) -> Parts | None:
+    """The parts that keep a band of ``tensors`` (split by slab in ``split``) within ``share`` bytes: three chunk
+    buffers of about a 32nd of it each (a read of a few MB is as fast as a larger one), the outputs' part in the rest
+    (at least half); None for a group of other than matrices."""
+    shapes = [slab_shape(t) for t in tensors]
+    if any(len(shape) != 2 for shape in shapes):
+        return None
+    widest = max(t.dtype.itemsize for t in tensors)
+    goal = max(share // 32, 1)
+    chunk: dict[tuple[Source, int], int] = {}
+    buffer = 0
+    for pieces in split:
+        for piece in (p for slab in pieces for p in slab):
+            if piece.zeros or piece.alternates or piece.row_perm:
+                return None
+            if (piece.source, piece.slab) in chunk:
+                continue
+            dtype, shape, column_major = reader.info(piece.source)
+            matrix = shape[1:] if piece.slab >= 0 else shape
+            if len(matrix) != 2 or column_major:
+                return None
+            row = matrix[1] * max(dtype.itemsize, widest)
+            whole = piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
+            chunk[(piece.source, piece.slab)] = rows = matrix[0] if whole else max(1, min(matrix[0], goal // row))
+            buffer = max(buffer, rows * row)
+    room = max(share - 3 * (buffer + ALIGN), share // 2)
+    fewest = min(shape[0] for shape in shapes)  # a part has at least a row of every tensor
+
+    def outputs(count: int) -> int:  # the largest part's outputs: ceil(rows / count) rows of each
+        return sum(nbytes_of(t.dtype, (-(-shape[0] // count), shape[1])) + ALIGN
+                   for t, shape in zip(tensors, shapes, strict=True))
+
+    count = max(1, min(-(-outputs(1) // room), fewest))
+    while outputs(count) > room and count < fewest:
+        count += 1
+    return Parts(count, chunk, buffer, outputs(count) + 3 * (buffer + ALIGN))
+
+
+def slab_writes(work: SlabWork, tensors: list[OutTensor], band: int, reader: Rows,
+                get: Alloc) -> list[tuple[int, torch.Tensor]]:
+    """Band ``band`` of a slab group (slab ``band // per_slab``, its part ``band % per_slab``): for each tensor, the
+    byte offset in the tensor and the bytes to write there, built in buffers from ``get``."""
+    slab, part = divmod(band, work.per_slab)
+    if work.parts is None:
+        built = build_slabs(tensors, slab, reader, get, work.bands.pieces, work.bands.scratch[slab])
+        return [(slab * _slab_bytes(t), b.unsqueeze(0) if t.slabs else b) for t, b in zip(tensors, built, strict=True)]
+    writes = []
+    for tensor, (first, rows) in zip(tensors, build_part(tensors, work.bands.pieces, slab, part, work.parts, reader,
+                                                         get), strict=True):
+        writes.append((slab * _slab_bytes(tensor) + first * nbytes_of(tensor.dtype, slab_shape(tensor)[1:]), rows))
+    return writes
+
+
+def _slab_bytes(tensor: OutTensor) -> int:
+    return nbytes_of(tensor.dtype, slab_shape(tensor)) if tensor.slabs else 0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A target block and the source rectangle (stored rows, columns) that fills it, in the source's orientation."""
+
+    target: torch.Tensor
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+
+def build_part(tensors: list[OutTensor], split: list[list[list[Piece]]], slab: int, part: int, parts: Parts,
+               reader: Rows, get: Alloc) -> list[tuple[int, torch.Tensor]]:
+    """Part ``part`` of slab ``slab`` of each of ``tensors``: (its first stored row, those rows), built in place in
+    buffers from ``get``; each source's rows read in chunks, each chunk once for every tensor needing it."""
+    scratch = Scratch3(get, tensors, slab, reader, split, parts.buffer)
+    jobs: dict[tuple[Source, int], list[_Job]] = {}
+    outs = []
+    for tensor, pieces in zip(tensors, split, strict=True):
+        rows, cols = slab_shape(tensor)
+        first, stop = rows * part // parts.count, rows * (part + 1) // parts.count
+        out = get(tensor.dtype, (stop - first, cols))
+        outs.append((first, out))
+        for piece, job in _regions(tensor, pieces[slab], out, first, stop):
+            jobs.setdefault((piece.source, piece.slab), []).append(job)
+    for (source, index), todo in jobs.items():
+        _fill(reader, source, index, todo, parts.chunk[(source, index)], scratch)
+    return outs
+
+
+def _regions(tensor: OutTensor, pieces: list[Piece], out: torch.Tensor, first: int,
+             stop: int) -> Iterator[tuple[Piece, _Job]]:
+    """What each piece of a slab puts into ``out``, stored rows [first, stop) of the slab."""
+    matrix = out.t() if tensor.transposed else out  # HF orientation, where pieces are cut along tensor.dim
+    cut = 1 if tensor.transposed else 0  # the axis of matrix that holds the part's rows
+    offset = 0
+    for piece in pieces:
+        lo, hi = offset, offset + piece.length
+        if cut == tensor.dim:
+            lo, hi = max(lo, first), min(hi, stop)
+        if lo < hi:
+            target = matrix.narrow(tensor.dim, lo - (first if cut == tensor.dim else 0), hi - lo)
+            along = (piece.start + lo - offset, piece.start + hi - offset)
+            other = (0, target.size(1 - tensor.dim)) if cut == tensor.dim else (first, stop)
+            rows, cols = (along, other) if tensor.dim == 0 else (other, along)
+            yield piece, (_Job(target.t(), cols, rows) if piece.transposed else _Job(target, rows, cols))
+        offset += piece.length
+
+
+def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int, scratch: Scratch3) -> None:
+    """Fill ``jobs`` from ``source`` (its ``slab``), reading the rows they need ``chunk`` rows at a time."""
+    dtype, shape, _ = reader.info(source)
+    lo, hi = min(job.rows[0] for job in jobs), max(job.rows[1] for job in jobs)
+    matrix_rows = shape[-2]
+    whole = slab >= 0 and chunk == matrix_rows and not hasattr(reader, "read_slab_rows")
+    for start in range(lo, hi, chunk):
+        stop = min(start + chunk, hi)
+        needed = [job for job in jobs if job.rows[0] < stop and start < job.rows[1]]
+        if not needed:
+            continue
+        if whole:  # the reader reads whole slabs only
+            rows = reader.read_rows(source, slab, slab + 1, out=scratch.rows(dtype, (1, *shape[1:])))[0, start:stop]
+        elif slab >= 0:
+            rows = reader.read_slab_rows(source, slab, start, stop,  # type: ignore[attr-defined]
+                                         out=scratch.rows(dtype, (stop - start, shape[-1])))
+        else:
+            rows = reader.read_rows(source, start, stop, out=scratch.rows(dtype, (stop - start, shape[-1])))
+        flipped = _flipped(rows, needed, scratch)
+        for job in needed:
+            a, b = max(start, job.rows[0]), min(stop, job.rows[1])
+            target = job.target.narrow(0, a - job.rows[0], b - a)
+            if flipped is not None and target.stride(-1) != 1:  # rows of the chunk transposed once for all
+                target.t().copy_(flipped[job.cols[0]:job.cols[1], a - start:b - start])
+            else:
+                copy_compact(target, rows[a - start:b - start, job.cols[0]:job.cols[1]], scratch)
+
+
+def _flipped(rows: torch.Tensor, jobs: list[_Job], scratch: Scratch3) -> torch.Tensor | None:
+    """The chunk ``rows`` transposed (compact), when the jobs that take it transposed use all of its columns: every
+    tp rank's columns of an expert's ``down_proj``. One blocked transpose of the chunk, then a row copy per job,
+    instead of compacting each job's columns, transposing them and copying the result into place."""
+    flipping = [job for job in jobs if job.target.stride(-1) != 1]
+    if not flipping or sum(job.cols[1] - job.cols[0] for job in flipping) < rows.size(1):
+        return None
+    return scratch.source(rows.dtype, (rows.size(1), rows.size(0))).copy_(rows.t())
