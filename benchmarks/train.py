@@ -237,9 +237,10 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
 
 
 def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, checkpointing: bool, out: Path) -> None:
-    """The reference: LlamaForCausalLM, the same global batches in the same microbatches, AdamW, clipping."""
+    """The reference: the checkpoint's transformers class (LlamaForCausalLM; an MoE's with its router aux loss,
+    ``output_router_logits``), the same global batches in the same microbatches, AdamW, clipping."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from nxdtrain.config.options import TrainConfig
     from nxdtrain.data.rows import global_batches
@@ -249,7 +250,8 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     cfg = TrainConfig.from_flat({**options, "resume": hf_dir})
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    router = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -261,7 +263,7 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     for index, ids in enumerate(batches[:warmup + steps]):
         started = time.perf_counter()
         for chunk in ids.to(device).tensor_split(micro):
-            (model(input_ids=chunk, labels=chunk).loss / micro).backward()
+            (model(input_ids=chunk, labels=chunk, **router).loss / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
         optimizer.step()
         optimizer.zero_grad()

@@ -30,7 +30,8 @@ from torch import nn
 from ckptconv.core import ModelSpec, route_logits
 from nxdtrain.config.options import DataConfig
 from nxdtrain.model.capacity import Routing, dropped_weights, kept, slots
-from nxdtrain.parallel.experts import EpGroup, by_expert, routed
+from nxdtrain.model.grouped import grouped_mlp
+from nxdtrain.parallel.experts import EpGroup, by_mask, routed
 from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
 
 
@@ -196,10 +197,15 @@ class SparseMLP(nn.Module):
             gate, up = (rows @ gate_up[e]).chunk(2, dim=-1)
             return (F.silu(gate) * up) @ down[e]
 
-        def local(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-            return by_expert(rows, ids, self.per_rank, expert)
+        def grouped(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+            return grouped_mlp(rows, gate_up, down, sizes)
 
-        out = leave_tp(routed(flat, weights, indices, self.ep, self.per_rank, local).view_as(h), self.tp)
+        def masked(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return by_mask(rows, ids, self.per_rank, expert)
+
+        out = routed(flat, weights, indices, self.ep, self.per_rank, grouped,
+                     masked if flat.device.type == "xla" else None)
+        out = leave_tp(out.view_as(h), self.tp)
         if aux is not None and batch is not None:
             sums = aux.record(batch, self.layer, logits)
             # On every tp rank (a zero gradient on ranks > 0): the same autograd graph on each, so that their

@@ -58,44 +58,57 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> 
 
 
 def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: EpGroup, per_rank: int,
-           experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+           experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+           masked: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{indices[t, j]}(x[t])`` for this rank's tokens ``x`` ``(tokens, H)``, each
-    expert computed on the ep rank holding it (``per_rank`` experts each); ``experts(rows, local_ids)`` computes
-    this rank's experts on the rows sent to it. Outputs are added per token in ascending expert order, as
-    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them."""
+    expert computed on the ep rank holding it (``per_rank`` experts each); ``experts(rows, sizes)`` computes this
+    rank's experts on rows grouped by expert, ``sizes[e]`` rows of local expert e after those of e - 1 (``masked(rows,
+    local_ids)`` instead on xla: :func:`by_mask`). Outputs are added per token in ascending expert order, as
+    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them.
+
+    The per-expert counts say everything the receiver needs: one all-to-all of them (rank r's counts of the experts
+    rank s holds go to s), one host sync for the splits, and the rows travel; what rank s receives from rank r is in
+    expert order, so s knows each row's expert without being sent it. At ep 1 the sorted rows are already grouped."""
     k = indices.shape[-1]
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, hence by the rank that owns it
-    token, expert = order // k, flat[order]
+    token = order // k
     rows = x.index_select(0, token)
-    if ep.size > 1:
-        send_counts = torch.bincount(expert // per_rank, minlength=ep.size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+    if masked is not None:  # xla: no data-dependent shapes (nor ep > 1)
+        out = masked(rows, flat.index_select(0, order))
+    elif ep.size > 1:
+        counts = torch.bincount(flat, minlength=ep.size * per_rank)
+        received = torch.empty_like(counts)  # [source rank, local expert]
+        dist.all_to_all_single(received, counts, group=ep.group)
+        sent_by_expert, got = (c.view(ep.size, per_rank) for c in torch.stack([counts, received]).cpu())
+        send, recv = sent_by_expert.sum(1).tolist(), got.sum(1).tolist()  # the one host sync (.cpu above)
         rows = _AllToAll.apply(rows, send, recv, ep.group)
-        ids = _exchange(expert, send, recv, ep.group)
-        out = _AllToAll.apply(experts(rows, ids - ep.rank * per_rank), recv, send, ep.group)
+        perm = _expert_major(got)
+        grouped = experts(rows.index_select(0, perm.to(rows.device)), got.sum(0).tolist())
+        back = torch.empty_like(perm).index_copy_(0, perm, torch.arange(len(perm)))
+        out = _AllToAll.apply(grouped.index_select(0, back.to(rows.device)), recv, send, ep.group)
     else:
-        out = experts(rows, expert)
+        out = experts(rows, torch.bincount(flat, minlength=per_rank).tolist())
     y = out * weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
 
-def by_expert(rows: torch.Tensor, ids: torch.Tensor, count: int,
-              expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-    """``expert(rows of id e, e)`` for each local expert e, put back in the rows' order.
+def _expert_major(got: torch.Tensor) -> torch.Tensor:
+    """The received rows (source-major, expert order within each source: ``got[source, expert]`` rows) in expert-major
+    order, sources in rank order within an expert: the order a stable sort by expert gives."""
+    starts = (got.reshape(-1).cumsum(0) - got.reshape(-1)).view_as(got)
+    spans = [torch.arange(int(starts[r, e]), int(starts[r, e] + got[r, e]))
+             for e in range(got.shape[1]) for r in range(got.shape[0])]
+    return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
 
-    On xla, shapes must not depend on the routing (XLA:CPU aborts on bincount; a data-dependent split would
-    compile a graph per routing): every local expert runs on every row and a mask keeps the row's own expert,
-    ``count`` times the experts' FLOPs. Exact: the other experts add zeros.
-    """
-    if rows.device.type == "xla":
-        out = torch.zeros_like(rows)
-        for e in range(count):
-            out = out + expert(rows, e) * (ids == e).unsqueeze(-1).to(rows.dtype)
-        return out
-    perm = torch.argsort(ids, stable=True)
-    pieces = rows.index_select(0, perm).split(torch.bincount(ids, minlength=count).tolist())
-    done = torch.cat([expert(piece, e) for e, piece in enumerate(pieces)])
-    return done.new_zeros(done.shape).index_copy(0, perm, done)
+
+def by_mask(rows: torch.Tensor, ids: torch.Tensor, count: int,
+            expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """``expert(rows of id e, e)`` for each local expert e, on xla, where shapes must not depend on the routing
+    (XLA:CPU aborts on bincount; a data-dependent split would compile a graph per routing): every local expert runs
+    on every row and a mask keeps the row's own expert, ``count`` times the experts' FLOPs. Exact: the other experts
+    add zeros."""
+    out = torch.zeros_like(rows)
+    for e in range(count):
+        out = out + expert(rows, e) * (ids == e).unsqueeze(-1).to(rows.dtype)
+    return out
