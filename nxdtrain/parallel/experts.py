@@ -64,16 +64,20 @@ def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: Ep
     expert computed on the ep rank holding it (``per_rank`` experts each); ``experts(rows, sizes)`` computes this
     rank's experts on rows grouped by expert, ``sizes[e]`` rows of local expert e after those of e - 1 (``masked(rows,
     local_ids)`` instead on xla: :func:`by_mask`). Outputs are added per token in ascending expert order, as
-    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them.
+    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them (a sum of two
+    is the same either way; from three slots on, each token's slots are sorted by expert first).
 
     The per-expert counts say everything the receiver needs: one all-to-all of them (rank r's counts of the experts
     rank s holds go to s), one host sync for the splits, and the rows travel; what rank s receives from rank r is in
     expert order, so s knows each row's expert without being sent it. At ep 1 the sorted rows are already grouped."""
     k = indices.shape[-1]
+    if k > 2:  # each token's slots in ascending expert order: its k outputs are then added in that order below
+        indices, slots = indices.sort(dim=-1, stable=True)
+        weights = weights.gather(-1, slots)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, hence by the rank that owns it
-    token = order // k
-    rows = x.index_select(0, token)
+    back = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    rows = _Dispatch.apply(x, order, back, k)
     if masked is not None:  # xla: no data-dependent shapes (nor ep > 1)
         out = masked(rows, flat.index_select(0, order))
     elif ep.size > 1:
@@ -83,14 +87,42 @@ def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: Ep
         sent_by_expert, got = (c.view(ep.size, per_rank) for c in torch.stack([counts, received]).cpu())
         send, recv = sent_by_expert.sum(1).tolist(), got.sum(1).tolist()  # the one host sync (.cpu above)
         rows = _AllToAll.apply(rows, send, recv, ep.group)
-        perm = _expert_major(got)
-        grouped = experts(rows.index_select(0, perm.to(rows.device)), got.sum(0).tolist())
-        back = torch.empty_like(perm).index_copy_(0, perm, torch.arange(len(perm)))
-        out = _AllToAll.apply(grouped.index_select(0, back.to(rows.device)), recv, send, ep.group)
+        perm = _expert_major(got).to(rows.device)
+        unperm = torch.empty_like(perm).index_copy_(0, perm, torch.arange(len(perm), device=perm.device))
+        grouped = experts(_Permute.apply(rows, perm, unperm), got.sum(0).tolist())
+        out = _AllToAll.apply(_Permute.apply(grouped, unperm, perm), recv, send, ep.group)
     else:
         out = experts(rows, torch.bincount(flat, minlength=per_rank).tolist())
-    y = out * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+    by_slot = _Permute.apply(out, back, order).view(len(x), k, -1)  # (token, slot) order again
+    return (by_slot * weights.unsqueeze(-1)).to(x.dtype).sum(1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[order // k]``: each token's row once per slot, in expert order. Backward: the k gradients of a token
+    summed in slot order (autograd's ``index_select`` backward would zero a buffer and scatter-add into it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, back: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.back, ctx.k = back, k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        by_slot = grad.index_select(0, ctx.back)
+        return by_slot.view(-1, ctx.k, by_slot.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse is ``back``; backward: ``grad[back]``, a copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, perm: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.back = back
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.index_select(0, ctx.back), None, None
 
 
 def _expert_major(got: torch.Tensor) -> torch.Tensor:
