@@ -162,8 +162,14 @@ class Probe:
     def __init__(self, warmup: int, memory: HostMemory | CudaMemory) -> None:
         self.warmup, self.memory, self.times, self.hwm_warmup, self.rss_start = warmup, memory, [], 0, 0
         self.profiler: Any = None
+        self.cpu: list[float] = []  # this process's CPU seconds (all its threads) per timed step
+        self.cpu_mark = time.process_time()
 
     def step(self, index: int, seconds: float) -> None:
+        now = time.process_time()
+        if index >= self.warmup:
+            self.cpu.append(now - self.cpu_mark)
+        self.cpu_mark = now
         if index < self.warmup:
             if index == self.warmup - 1:
                 self.hwm_warmup, self.rss_start = self.memory.peak(), self.memory.current()
@@ -175,7 +181,7 @@ class Probe:
     def write(self, out: Path, rank: int, states: dict[str, int] | None = None) -> None:
         hwm = self.memory.peak()
         data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start,
-                "states": sum((states or {}).values())}
+                "states": sum((states or {}).values()), "cpu": self.cpu}
         (out / f"rank{rank}.json").write_text(json.dumps(data))
         if self.profiler is not None:
             self.profiler.stop()

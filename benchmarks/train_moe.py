@@ -13,8 +13,8 @@ hidden 256, 8 heads, 2 K/V heads, 8 experts of intermediate 512, top-2, vocab 40
 rows, one micro-batch per rank; fp32, AdamW): nxdtrain, TorchTitan 0.3.0's own trainer (``Trainer.train()`` of the
 ``torchtitan_config.py`` that ``ckptconv to-dcp`` writes, with the TorchTitan lane's CPU shims:
 tests/titan_train_bench.py, run by the TorchTitan venv's python; "skipped" without one) and a transformers
-``Qwen3MoeForCausalLM`` loop (router aux loss on), in one process and in a 2-process world (nxdtrain dp 2 x ep 2;
-TorchTitan FSDP 2 without ep: its ep 2's uneven all-to-all fails in gloo on CPU; the transformers loop has one
+``Qwen3MoeForCausalLM`` loop (router aux loss on), in one process and in a 2-process world (nxdtrain dp 2 x ep 2; TorchTitan
+data parallel 2 by DDP: its FSDP and its ep fail in gloo on CPU, tests/titan_train_bench.py; the transformers loop has one
 process only). ``--before DIR`` adds nxdtrain rows of
 another tree (main at a branch point). Every row runs in fresh processes, the rows alternated, ``--repeats`` times;
 tokens/s is the median step's, the table the median over repeats.
@@ -155,13 +155,15 @@ def one_row(args: argparse.Namespace) -> int:
                      preload=(*PRELOAD, "transformers"))
     if code == 0:
         result = collect(work, args.nproc, args.one, "none", args.gbs * args.seq, 0.0, None)
-        out.write_text(json.dumps({"step_s": result.step_s, "tokens_per_step": args.gbs * args.seq}))
+        ranks = [json.loads((work / f"rank{r}.json").read_text())["cpu"] for r in range(args.nproc)]
+        cpu = [sum(step) for step in zip(*ranks, strict=True)]  # the world's CPU seconds per step
+        out.write_text(json.dumps({"step_s": result.step_s, "cpu_s": cpu, "tokens_per_step": args.gbs * args.seq}))
     return code
 
 
 def _row(kind: str, nproc: int, tree: str, args: argparse.Namespace, forms: tuple[Path, Path, Path],
-         out: Path) -> float | str:
-    """tokens/s of one row in fresh processes, or why there is none."""
+         out: Path) -> tuple[float, float] | str:
+    """(tokens per second, tokens per CPU-second of the world) of one row in fresh processes, or why there is none."""
     hf, nxd, dcp = forms
     shape = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--seq", str(args.seq), "--gbs",
              str(args.gbs), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -182,7 +184,8 @@ def _row(kind: str, nproc: int, tree: str, args: argparse.Namespace, forms: tupl
         tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
         return f"failed: {tail[0][:120]}"
     data = json.loads(out.read_text())
-    return data["tokens_per_step"] / statistics.median(data["step_s"])
+    return data["tokens_per_step"] / statistics.median(data["step_s"]), data["tokens_per_step"] / statistics.median(
+        data["cpu_s"])
 
 
 def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]], list[str]]:
@@ -190,7 +193,7 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
     here = str(REPO)
     trees = [("nxdtrain", here)] + ([("nxdtrain before", args.before)] if args.before else [])
     kinds = [*trees, ("torchtitan", ""), ("transformers", "")]
-    results: dict[tuple[str, int], list[float | str]] = {}
+    results: dict[tuple[str, int], list[tuple[float, float] | str]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-train-vs-") as tmp:
         root = Path(tmp)
         forms = build_qwen3(root, args)
@@ -204,26 +207,31 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
                     out = root / f"{label.replace(' ', '-')}-{nproc}-{repeat}.json"
                     value = _row(kind, nproc, tree, args, forms, out)
                     results.setdefault((label, nproc), []).append(value)
-                    shown = f"{value:8.0f} tok/s" if isinstance(value, float) else value
-                    print(f"repeat {repeat}, {nproc} process(es), {label}: {shown}", flush=True)
+                    shown = value if isinstance(value, str) else f"{value[0]:8.0f} tok/s {value[1]:8.0f} tok/CPU-s"
+                    print(f"repeat {repeat}, {nproc} process(es), {label}: {shown} (load {os.getloadavg()[0]:.1f})",
+                          flush=True)
     rows = []
     for (label, nproc), values in results.items():
-        numbers = [v for v in values if isinstance(v, float)]
-        rows.append({"row": label, "procs": nproc, "tokens_per_s": values,
-                     "median": statistics.median(numbers) if numbers else None,
+        numbers = [v for v in values if not isinstance(v, str)]
+        rows.append({"row": label, "procs": nproc, "measured": values,
+                     "tokens_per_s": statistics.median(v[0] for v in numbers) if numbers else None,
+                     "tokens_per_cpu_s": statistics.median(v[1] for v in numbers) if numbers else None,
                      "note": next((v for v in values if isinstance(v, str)), "")})
-    lines = ["| world | trainer | tokens/s (median of repeats) | repeats | nxdtrain / this |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| world | trainer | tokens/s | each repeat | nxdtrain / this | tokens per CPU-s | nxdtrain / this |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        ours = next(r["median"] for r in rows if r["row"] == "nxdtrain" and r["procs"] == row["procs"])
-        ratio = f"{ours / row['median']:.2f}x" if ours and row["median"] else ""
-        median = f"{row['median']:.0f}" if row["median"] else row["note"]
-        each = ", ".join(f"{v:.0f}" if isinstance(v, float) else "-" for v in row["tokens_per_s"])
+        ours = next(r for r in rows if r["row"] == "nxdtrain" and r["procs"] == row["procs"])
+        cells = []
+        for key in ("tokens_per_s", "tokens_per_cpu_s"):
+            mine = row[key]
+            cells += [f"{mine:.0f}" if mine else row["note"],
+                      f"{ours[key] / mine:.2f}x" if ours[key] and mine else ""]
+        each = ", ".join("-" if isinstance(v, str) else f"{v[0]:.0f}" for v in row["measured"])
         world = "1 process" if row["procs"] == 1 else "2 processes"
-        lines.append(f"| {world} | {row['row']} | {median} | {each} | {ratio} |")
+        lines.append(f"| {world} | {row['row']} | {cells[0]} | {each} | {cells[1]} | {cells[2]} | {cells[3]} |")
     text = (f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, 8 experts top-2, seq {args.seq}, global batch "
-            f"{args.gbs} rows (one micro-batch per rank), fp32, AdamW; load before the run: {os.getloadavg()[0]:.2f}"
-            "\n\n" + "\n".join(lines) + "\n")
+            f"{args.gbs} rows (one micro-batch per rank), fp32, AdamW; medians over {args.repeats} alternated "
+            f"repeats; load at the end: {os.getloadavg()[0]:.2f}\n\n" + "\n".join(lines) + "\n")
     failed = [f"{r['row']} ({r['procs']})" for r in rows if r["note"].startswith("failed")]
     return text, rows, failed
 

@@ -5,10 +5,12 @@ timed per ``train_step``. benchmarks/train_moe.py runs this file by path with th
 
     .venv-titan/bin/python tests/titan_train_bench.py DCP OUT.json --batch 8 --seq 256 --steps 3 --warmup 1 --nproc 2
 
-With ``--nproc 2`` it starts itself once per rank (the environment torchrun sets) with FSDP over both ranks (and
-``--ep 2``: expert parallel, TorchTitan's ep borrowing the dp ranks; on CPU its uneven all-to-all fails in gloo's
-``alltoall``, checked with torch 2.14.1); each rank trains ``batch / nproc`` rows. Rank 0 writes
-``{"step_s": [...], "tokens_per_step": N}`` (the timed steps after the warmup) to OUT.json.
+With ``--nproc 2`` it starts itself once per rank (the environment torchrun sets), data parallel over both ranks
+by DDP (``data_parallel_replicate_degree``): on CPU with torch 2.14.1, FSDP's reduce-scatter asks gloo for
+``PREMUL_SUM``, which it lacks, and TorchTitan's expert parallel (``--ep 2``) sends its uneven all-to-all through
+gloo's ``alltoall``, which takes equal sizes only; each rank trains ``batch / nproc`` rows. The launcher writes
+``{"step_s": [...], "cpu_s": [...], "tokens_per_step": N}`` to OUT.json: the timed steps after the warmup, each the
+slowest rank's wall seconds and the ranks' CPU seconds summed.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def _rank(args: argparse.Namespace) -> None:
     with pytest.MonkeyPatch.context() as mp:
         module = generated_config(args.dcp)
         for name, value in dict(LOCAL_BATCH_SIZE=local, SEQ_LEN=args.seq, STEPS=steps, MIXED_PRECISION_PARAM="float32",
-                                DUMP_FOLDER=str(args.dump), DATA_PARALLEL_SHARD_DEGREE=args.nproc).items():
+                                DUMP_FOLDER=str(args.dump), DATA_PARALLEL_SHARD_DEGREE=1).items():
             mp.setattr(module, name, value)
         config = module.continue_run()
+        # DDP: FSDP's reduce-scatter asks gloo for PREMUL_SUM, which it lacks (torch 2.14.1)
+        config.parallelism.data_parallel_replicate_degree = args.nproc
         config.parallelism.expert_parallel_degree = args.ep
         sdpa_attention(config.model_spec.model)
         config.tokenizer = rows_tokenizer()
@@ -54,12 +58,14 @@ def _rank(args: argparse.Namespace) -> None:
         cpu_device(mp)
         trainer = config.build()
         seconds: list[float] = []
+        cpu_s: list[float] = []  # this process's CPU seconds (all its threads) per step
         step = trainer.train_step
 
         def timed(*a: object, **kw: object) -> object:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             out = step(*a, **kw)
             seconds.append(time.perf_counter() - started)
+            cpu_s.append(time.process_time() - cpu)
             return out
 
         mp.setattr(trainer, "train_step", timed)
@@ -70,8 +76,8 @@ def _rank(args: argparse.Namespace) -> None:
             trainer.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"step_s": seconds[args.warmup:], "tokens_per_step": args.batch * args.seq}))
+    mine = Path(f"{args.out}.rank{rank}")
+    mine.write_text(json.dumps({"step_s": seconds[args.warmup:], "cpu_s": cpu_s[args.warmup:]}))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -86,7 +92,14 @@ def _launch(args: argparse.Namespace) -> int:
                "TITAN_BENCH_RANK": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env=env))
     codes = [p.wait(timeout=args.timeout) for p in procs]
-    return max(abs(c) for c in codes)
+    if max(abs(c) for c in codes):
+        return max(abs(c) for c in codes)
+    ranks = [json.loads(Path(f"{args.out}.rank{r}").read_text()) for r in range(args.nproc)]
+    # a step ends when its slowest rank ends; the world's CPU is every rank's
+    step_s = [max(times) for times in zip(*(r["step_s"] for r in ranks), strict=True)]
+    cpu_s = [sum(times) for times in zip(*(r["cpu_s"] for r in ranks), strict=True)]
+    args.out.write_text(json.dumps({"step_s": step_s, "cpu_s": cpu_s, "tokens_per_step": args.batch * args.seq}))
+    return 0
 
 
 def main() -> int:
