@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from nxdtrain.model.grouped import grouped_mlp
 from nxdtrain.parallel.experts import EpGroup, routed
 
-E, H, I, T = 6, 16, 24, 40
+E, H, INTER, T = 6, 16, 24, 40
 
 
 def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e: int) -> torch.Tensor:
@@ -24,7 +24,7 @@ def _expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e: in
 def _leaves(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
-                 for shape in ((T, H), (E, H, 2 * I), (E, I, H)))
+                 for shape in ((T, H), (E, H, 2 * INTER), (E, INTER, H)))
 
 
 def _grads(out: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
