@@ -192,6 +192,7 @@ class Probe:
 
 
 PROFILE_ENV = "BENCH_TRAIN_PROFILE"  # set by --profile; the forkserver's children inherit it
+THREADS_ENV = "BENCH_TRAIN_THREADS"  # torch threads per process, when set (train_moe.py --threads)
 
 
 def _start_profiler() -> Any:
@@ -212,7 +213,8 @@ def _threads(nproc: int) -> None:
 
     from ckptconv.engine.options import usable_cpus
 
-    torch.set_num_threads(max(1, usable_cpus() // nproc))  # what nxdtrain.train does
+    # what nxdtrain.train does, unless the benchmark fixes the threads per process (train_moe.py --threads)
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or 0) or max(1, usable_cpus() // nproc))
 
 
 def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: ckptconv, nxdtrain, benchmarks
 
-from benchmarks.train import OUT, collect, hf_worker, nxd_worker  # noqa: E402  (sets MALLOC_MMAP_THRESHOLD_ first)
+from benchmarks.train import OUT, THREADS_ENV, collect, hf_worker, nxd_worker  # noqa: E402  (sets MALLOC_MMAP_THRESHOLD_)
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -177,7 +177,7 @@ def _row(kind: str, nproc: int, tree: str, args: argparse.Namespace, forms: tupl
         src = nxd if kind == "nxdtrain" else hf
         command = [sys.executable, __file__, "--one", kind, "--nproc", str(nproc), "--src", str(src), "--one-out",
                    str(out), "--tree", tree, *shape]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **({THREADS_ENV: str(args.threads)} if args.threads else {})}
     done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           timeout=args.timeout)
     if done.returncode != 0 or not out.exists():
@@ -199,7 +199,7 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
         forms = build_qwen3(root, args)
         for repeat in range(args.repeats):
             order = kinds if repeat % 2 == 0 else kinds[::-1]
-            for nproc in (1, 2):
+            for nproc in (int(n) for n in args.worlds.split(",")):
                 for label, tree in order:
                     kind = label.split()[0]
                     if kind == "transformers" and nproc > 1:
@@ -230,7 +230,8 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
         world = "1 process" if row["procs"] == 1 else "2 processes"
         lines.append(f"| {world} | {row['row']} | {cells[0]} | {each} | {cells[1]} | {cells[2]} | {cells[3]} |")
     text = (f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, 8 experts top-2, seq {args.seq}, global batch "
-            f"{args.gbs} rows (one micro-batch per rank), fp32, AdamW; medians over {args.repeats} alternated "
+            f"{args.gbs} rows (one micro-batch per rank), fp32, AdamW; torch threads per process: "
+            f"{args.threads or 'CPUs / processes'}; medians over {args.repeats} alternated "
             f"repeats; load at the end: {os.getloadavg()[0]:.2f}\n\n" + "\n".join(lines) + "\n")
     failed = [f"{r['row']} ({r['procs']})" for r in rows if r["note"].startswith("failed")]
     return text, rows, failed
@@ -252,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", help="another tree (main at a branch point): its nxdtrain in the trainers table")
     parser.add_argument("--titan-python", default=str(REPO / ".venv-titan" / "bin" / "python"),
                         help="the TorchTitan venv's python (make setup-titan)")
+    parser.add_argument("--worlds", default="1,2", help="the trainers table's process counts (1, 2 or both)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per process for every trainer (default: the CPUs / processes)")
     parser.add_argument("--one", choices=("nxdtrain", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)

@@ -34,7 +34,8 @@ def _rank(args: argparse.Namespace) -> None:
 
     from tests.titan_shims import cpu_device, generated_config, rows_dataloader, rows_tokenizer, sdpa_attention
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.nproc))  # what nxdtrain does per rank
+    # what nxdtrain does per rank, unless benchmarks/train_moe.py --threads fixes it (BENCH_TRAIN_THREADS)
+    torch.set_num_threads(int(os.environ.get("BENCH_TRAIN_THREADS") or 0) or max(1, len(os.sched_getaffinity(0)) // args.nproc))
     local = args.batch // args.nproc
     steps = args.warmup + args.steps
     rank = int(os.environ["RANK"])
