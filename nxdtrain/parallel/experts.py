@@ -3,8 +3,8 @@
 NxD carves the ep ranks out of data parallel (mesh ``[PP, DP_exp, EP, TP]`` in expert regions): data-parallel rank
 ``dp = dp_exp * EP + ep_rank`` holds experts ``[ep_rank E/EP, (ep_rank+1) E/EP)``, and the ranks that differ only in
 ``ep_rank`` (same pp, tp and dp_exp) form an ep group. Every rank of the group routes its own rows; each
-(token, slot) assignment goes, hidden state and expert id, to the rank holding its expert, which computes it and
-sends the output back. The exchange is ``all_to_all_single`` with uneven splits: gloo has it on CPU (checked:
+(token, slot) assignment's hidden state goes to the rank holding its expert, which computes it and sends the output
+back (the per-expert counts, exchanged first, tell the receiver each row's expert). The exchange is ``all_to_all_single`` with uneven splits: gloo has it on CPU (checked:
 torch 2.13), NCCL on GPU; its backward is the same exchange the other way. The tp ranks of an ep rank hold the
 same tokens and each its ``I/tp`` columns of every expert, so each exchanges with the same tp rank of its peers and
 the partial outputs are summed over tp afterwards, as for a dense row-parallel layer.
