@@ -162,8 +162,14 @@ class Probe:
     def __init__(self, warmup: int, memory: HostMemory | CudaMemory) -> None:
         self.warmup, self.memory, self.times, self.hwm_warmup, self.rss_start = warmup, memory, [], 0, 0
         self.profiler: Any = None
+        self.cpu: list[float] = []  # this process's CPU seconds (all its threads) per timed step
+        self.cpu_mark = time.process_time()
 
     def step(self, index: int, seconds: float) -> None:
+        now = time.process_time()
+        if index >= self.warmup:
+            self.cpu.append(now - self.cpu_mark)
+        self.cpu_mark = now
         if index < self.warmup:
             if index == self.warmup - 1:
                 self.hwm_warmup, self.rss_start = self.memory.peak(), self.memory.current()
@@ -175,7 +181,7 @@ class Probe:
     def write(self, out: Path, rank: int, states: dict[str, int] | None = None) -> None:
         hwm = self.memory.peak()
         data = {"times": self.times, "peak_kib": max(hwm, self.hwm_warmup), "act_kib": hwm - self.rss_start,
-                "states": sum((states or {}).values())}
+                "states": sum((states or {}).values()), "cpu": self.cpu}
         (out / f"rank{rank}.json").write_text(json.dumps(data))
         if self.profiler is not None:
             self.profiler.stop()
@@ -186,6 +192,7 @@ class Probe:
 
 
 PROFILE_ENV = "BENCH_TRAIN_PROFILE"  # set by --profile; the forkserver's children inherit it
+THREADS_ENV = "BENCH_TRAIN_THREADS"  # torch threads per process, when set (train_moe.py --threads)
 
 
 def _start_profiler() -> Any:
@@ -206,7 +213,8 @@ def _threads(nproc: int) -> None:
 
     from ckptconv.engine.options import usable_cpus
 
-    torch.set_num_threads(max(1, usable_cpus() // nproc))  # what nxdtrain.train does
+    # what nxdtrain.train does, unless the benchmark fixes the threads per process (train_moe.py --threads)
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or 0) or max(1, usable_cpus() // nproc))
 
 
 def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> None:
@@ -237,9 +245,10 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
 
 
 def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, checkpointing: bool, out: Path) -> None:
-    """The reference: LlamaForCausalLM, the same global batches in the same microbatches, AdamW, clipping."""
+    """The reference: the checkpoint's transformers class (LlamaForCausalLM; an MoE's with its router aux loss,
+    ``output_router_logits``), the same global batches in the same microbatches, AdamW, clipping."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from nxdtrain.config.options import TrainConfig
     from nxdtrain.data.rows import global_batches
@@ -249,7 +258,8 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     cfg = TrainConfig.from_flat({**options, "resume": hf_dir})
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device)
+    router = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -261,7 +271,7 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     for index, ids in enumerate(batches[:warmup + steps]):
         started = time.perf_counter()
         for chunk in ids.to(device).tensor_split(micro):
-            (model(input_ids=chunk, labels=chunk).loss / micro).backward()
+            (model(input_ids=chunk, labels=chunk, **router).loss / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
         optimizer.step()
         optimizer.zero_grad()

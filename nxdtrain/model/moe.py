@@ -12,7 +12,8 @@ The aux loss is transformers' ``load_balancing_loss_func`` over one micro-batch'
 probabilities of e, both over every sparse layer and token of the micro-batch (``R`` rows in all),
 ``aux = E * sum_e C_e P_e / R^2``. Its gradient reaches the router through ``P`` only (``C`` counts), scaled by
 ``router_aux_loss_coef`` and divided by the global batch's micro-batches (averaged like the cross-entropy); it is
-added in the backward by :class:`_AuxGrad` at each sparse layer, so that the schedules' loss stays the cross-entropy.
+added in the backward by :class:`_AuxGrad` at each sparse layer (the same ``dP`` for every layer, computed once per
+micro-batch), so that the schedules' loss stays the cross-entropy.
 ``C`` must be whole when the backward starts: at pp 1 the micro-batch's forward has counted every layer; at pp > 1
 a forward without gradients counts them first (:func:`count_first`) and the stages sum their counts.
 """
@@ -30,7 +31,8 @@ from torch import nn
 from ckptconv.core import ModelSpec, route_logits
 from nxdtrain.config.options import DataConfig
 from nxdtrain.model.capacity import Routing, dropped_weights, kept, slots
-from nxdtrain.parallel.experts import EpGroup, by_expert, routed
+from nxdtrain.model.grouped import grouped_mlp
+from nxdtrain.parallel.experts import EpGroup, by_mask, routed
 from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
 
 
@@ -41,6 +43,7 @@ class MicroBatch:
 
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     counts: torch.Tensor | None = None
+    grad: torch.Tensor | None = None  # the aux loss's dP, the same for every sparse layer: computed once
 
     def stats(self, experts: int, device: torch.device) -> torch.Tensor:
         """``[2, E]``: this stage's C and P (zeros on a stage without sparse layers)."""
@@ -92,9 +95,12 @@ class AuxLoss:
         return sums
 
     def gradient(self, batch: MicroBatch) -> torch.Tensor:
-        """d(coef * aux / microbatches) / dP (zero on tp ranks > 0, whose gradients the gather adds to rank 0's)."""
-        scale = self.coef / self.microbatches if self.inject else 0.0
-        return scale * self.scale * self.experts * batch.all_counts() / self.rows ** 2
+        """d(coef * aux / microbatches) / dP (zero on tp ranks > 0, whose gradients the gather adds to rank 0's),
+        computed at the micro-batch's first sparse-layer backward, when its counts are whole."""
+        if batch.grad is None:
+            scale = self.coef / self.microbatches if self.inject else 0.0
+            batch.grad = scale * self.scale * self.experts * batch.all_counts() / self.rows ** 2
+        return batch.grad
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -120,7 +126,7 @@ def count_first(aux: AuxLoss, forward: Any, pp_group: Any, device: torch.device)
     dist.all_reduce(counts, group=pp_group)
     for batch, total in zip(aux.batches, counts, strict=True):
         batch.layers.clear()
-        batch.counts = total
+        batch.counts, batch.grad = total, None
     aux.cursor = 0
 
 
@@ -196,10 +202,15 @@ class SparseMLP(nn.Module):
             gate, up = (rows @ gate_up[e]).chunk(2, dim=-1)
             return (F.silu(gate) * up) @ down[e]
 
-        def local(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-            return by_expert(rows, ids, self.per_rank, expert)
+        def grouped(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+            return grouped_mlp(rows, gate_up, down, sizes)
 
-        out = leave_tp(routed(flat, weights, indices, self.ep, self.per_rank, local).view_as(h), self.tp)
+        def masked(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return by_mask(rows, ids, self.per_rank, expert)
+
+        out = routed(flat, weights, indices, self.ep, self.per_rank, grouped,
+                     masked if flat.device.type == "xla" else None)
+        out = leave_tp(out.view_as(h), self.tp)
         if aux is not None and batch is not None:
             sums = aux.record(batch, self.layer, logits)
             # On every tp rank (a zero gradient on ranks > 0): the same autograd graph on each, so that their

@@ -3,8 +3,8 @@
 NxD carves the ep ranks out of data parallel (mesh ``[PP, DP_exp, EP, TP]`` in expert regions): data-parallel rank
 ``dp = dp_exp * EP + ep_rank`` holds experts ``[ep_rank E/EP, (ep_rank+1) E/EP)``, and the ranks that differ only in
 ``ep_rank`` (same pp, tp and dp_exp) form an ep group. Every rank of the group routes its own rows; each
-(token, slot) assignment goes, hidden state and expert id, to the rank holding its expert, which computes it and
-sends the output back. The exchange is ``all_to_all_single`` with uneven splits: gloo has it on CPU (checked:
+(token, slot) assignment's hidden state goes to the rank holding its expert, which computes it and sends the output
+back (the per-expert counts, exchanged first, tell the receiver each row's expert). The exchange is ``all_to_all_single`` with uneven splits: gloo has it on CPU (checked:
 torch 2.13), NCCL on GPU; its backward is the same exchange the other way. The tp ranks of an ep rank hold the
 same tokens and each its ``I/tp`` columns of every expert, so each exchanges with the same tp rank of its peers and
 the partial outputs are summed over tp afterwards, as for a dense row-parallel layer.
@@ -58,44 +58,89 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> 
 
 
 def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: EpGroup, per_rank: int,
-           experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+           experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+           masked: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{indices[t, j]}(x[t])`` for this rank's tokens ``x`` ``(tokens, H)``, each
-    expert computed on the ep rank holding it (``per_rank`` experts each); ``experts(rows, local_ids)`` computes
-    this rank's experts on the rows sent to it. Outputs are added per token in ascending expert order, as
-    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them."""
+    expert computed on the ep rank holding it (``per_rank`` experts each); ``experts(rows, sizes)`` computes this
+    rank's experts on rows grouped by expert, ``sizes[e]`` rows of local expert e after those of e - 1 (``masked(rows,
+    local_ids)`` instead on xla: :func:`by_mask`). Outputs are added per token in ascending expert order, as
+    transformers' experts module (and :func:`ckptconv.core.reference.routed_experts`) adds them (a sum of two
+    is the same either way; from three slots on, each token's slots are sorted by expert first).
+
+    The per-expert counts say everything the receiver needs: one all-to-all of them (rank r's counts of the experts
+    rank s holds go to s), one host sync for the splits, and the rows travel; what rank s receives from rank r is in
+    expert order, so s knows each row's expert without being sent it. At ep 1 the sorted rows are already grouped."""
     k = indices.shape[-1]
+    if k > 2:  # each token's slots in ascending expert order: its k outputs are then added in that order below
+        indices, slots = indices.sort(dim=-1, stable=True)
+        weights = weights.gather(-1, slots)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, hence by the rank that owns it
-    token, expert = order // k, flat[order]
-    rows = x.index_select(0, token)
-    if ep.size > 1:
-        send_counts = torch.bincount(expert // per_rank, minlength=ep.size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+    back = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    rows = _Dispatch.apply(x, order, back, k)
+    if masked is not None:  # xla: no data-dependent shapes (nor ep > 1)
+        out = masked(rows, flat.index_select(0, order))
+    elif ep.size > 1:
+        counts = torch.bincount(flat, minlength=ep.size * per_rank)
+        received = torch.empty_like(counts)  # [source rank, local expert]
+        dist.all_to_all_single(received, counts, group=ep.group)
+        sent_by_expert, got = (c.view(ep.size, per_rank) for c in torch.stack([counts, received]).cpu())
+        send, recv = sent_by_expert.sum(1).tolist(), got.sum(1).tolist()  # the one host sync (.cpu above)
         rows = _AllToAll.apply(rows, send, recv, ep.group)
-        ids = _exchange(expert, send, recv, ep.group)
-        out = _AllToAll.apply(experts(rows, ids - ep.rank * per_rank), recv, send, ep.group)
+        perm = _expert_major(got).to(rows.device)
+        unperm = torch.empty_like(perm).index_copy_(0, perm, torch.arange(len(perm), device=perm.device))
+        grouped = experts(_Permute.apply(rows, perm, unperm), got.sum(0).tolist())
+        out = _AllToAll.apply(_Permute.apply(grouped, unperm, perm), recv, send, ep.group)
     else:
-        out = experts(rows, expert)
-    y = out * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+        out = experts(rows, torch.bincount(flat, minlength=per_rank).tolist())
+    by_slot = _Permute.apply(out, back, order).view(len(x), k, -1)  # (token, slot) order again
+    return (by_slot * weights.unsqueeze(-1)).to(x.dtype).sum(1)
 
 
-def by_expert(rows: torch.Tensor, ids: torch.Tensor, count: int,
-              expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-    """``expert(rows of id e, e)`` for each local expert e, put back in the rows' order.
+class _Dispatch(torch.autograd.Function):
+    """``x[order // k]``: each token's row once per slot, in expert order. Backward: the k gradients of a token
+    summed in slot order (autograd's ``index_select`` backward would zero a buffer and scatter-add into it)."""
 
-    On xla, shapes must not depend on the routing (XLA:CPU aborts on bincount; a data-dependent split would
-    compile a graph per routing): every local expert runs on every row and a mask keeps the row's own expert,
-    ``count`` times the experts' FLOPs. Exact: the other experts add zeros.
-    """
-    if rows.device.type == "xla":
-        out = torch.zeros_like(rows)
-        for e in range(count):
-            out = out + expert(rows, e) * (ids == e).unsqueeze(-1).to(rows.dtype)
-        return out
-    perm = torch.argsort(ids, stable=True)
-    pieces = rows.index_select(0, perm).split(torch.bincount(ids, minlength=count).tolist())
-    done = torch.cat([expert(piece, e) for e, piece in enumerate(pieces)])
-    return done.new_zeros(done.shape).index_copy(0, perm, done)
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, order: torch.Tensor, back: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.back, ctx.k = back, k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        by_slot = grad.index_select(0, ctx.back)
+        return by_slot.view(-1, ctx.k, by_slot.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse is ``back``; backward: ``grad[back]``, a copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, perm: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.back = back
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.index_select(0, ctx.back), None, None
+
+
+def _expert_major(got: torch.Tensor) -> torch.Tensor:
+    """The received rows (source-major, expert order within each source: ``got[source, expert]`` rows) in expert-major
+    order, sources in rank order within an expert: the order a stable sort by expert gives."""
+    starts = (got.reshape(-1).cumsum(0) - got.reshape(-1)).view_as(got)
+    spans = [torch.arange(int(starts[r, e]), int(starts[r, e] + got[r, e]))
+             for e in range(got.shape[1]) for r in range(got.shape[0])]
+    return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.int64)
+
+
+def by_mask(rows: torch.Tensor, ids: torch.Tensor, count: int,
+            expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """``expert(rows of id e, e)`` for each local expert e, on xla, where shapes must not depend on the routing
+    (XLA:CPU aborts on bincount; a data-dependent split would compile a graph per routing): every local expert runs
+    on every row and a mask keeps the row's own expert, ``count`` times the experts' FLOPs. Exact: the other experts
+    add zeros."""
+    out = torch.zeros_like(rows)
+    for e in range(count):
+        out = out + expert(rows, e) * (ids == e).unsqueeze(-1).to(rows.dtype)
+    return out

@@ -61,7 +61,9 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        if not self.agreed:
+        if not self.agreed and dist.get_world_size(self.group) == 1:  # no one else to agree with
+            self.agreed = self.signum
+        elif not self.agreed:
             flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             self.agreed = int(flag.item())
