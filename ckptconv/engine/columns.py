@@ -1,0 +1,75 @@
+"""Tensors cut by columns from shared sources (every tp rank's ``down_proj`` and ``o_proj`` at to-nxd, the HF
+matrix of each at to-hf): grouped into one unit per set of source matrices, whose bands read each source band once
+and feed every tensor of the unit (ckptconv.engine.execute runs them)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ckptconv.core.plan import OutTensor, Source
+from ckptconv.engine.arena import SCRATCH
+from ckptconv.engine.claims import row_bytes
+
+
+class Rows(Protocol):
+    def info(self, source: Source) -> tuple[torch.dtype, tuple[int, ...], bool]: ...
+
+    def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+ColumnGroup = tuple[list[tuple[int, OutTensor]], int, int, int]  # (file index, tensor)s, rows, band rows, row bytes
+
+
+def column_groups(
+    by_source: dict[Source, list[tuple[int, OutTensor]]], reader: Rows, band_bytes: int
+) -> list[ColumnGroup]:
+    """Group column-split tensors that share any source (union-find over sources)."""
+    parent: dict[Source, Source] = {}
+
+    def find(s: Source) -> Source:
+        while parent.setdefault(s, s) != s:
+            s = parent[s]
+        return s
+
+    for items in by_source.values():
+        for _, tensor in items:
+            sources = [p.source for p in tensor.pieces]
+            for s in sources[1:]:
+                parent[find(s)] = find(sources[0])
+    groups: dict[Source, list[tuple[int, OutTensor]]] = {}
+    for first, items in by_source.items():
+        groups.setdefault(find(first), []).extend(items)
+    units = []
+    for items in groups.values():
+        rows = items[0][1].shape[0]
+        if any(t.shape[0] != rows for _, t in items):
+            raise AssertionError(f"column-split tensors {[t.key for _, t in items]} differ in rows")
+        infos = [reader.info(s) for s in {p.source for _, t in items for p in t.pieces}]
+        per_row = sum(row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
+        per_row += sum(row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
+        whole = any(t.column_major for _, t in items) or any(cm for _, _, cm in infos)
+        band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
+        units.append((items, rows, band_rows, per_row))
+    return units
+
+
+def column_band(
+    tensor: OutTensor, start: int, stop: int, reader: Rows, cache: dict[Source, torch.Tensor],
+    phase: int | None = None,
+) -> torch.Tensor:
+    """Output rows [start, stop) from column blocks of shared source bands (each read once), in a buffer at
+    ``phase`` (see Scratch.get)."""
+    for piece in tensor.pieces:
+        if piece.source not in cache:
+            dtype, shape, _ = reader.info(piece.source)
+            cache[piece.source] = reader.read_rows(piece.source, start, stop,
+                                                   out=SCRATCH.get(dtype, (stop - start, *shape[1:])))
+    first = cache[tensor.pieces[0].source]
+    band = SCRATCH.get(first.dtype, (stop - start, *tensor.shape[1:]), phase)
+    column = 0
+    for piece in tensor.pieces:
+        band[:, column:column + piece.length].copy_(cache[piece.source][:, piece.start:piece.stop])
+        column += piece.length
+    return band
