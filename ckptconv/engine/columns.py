@@ -73,3 +73,56 @@ def column_band(
         band[:, column:column + piece.length].copy_(cache[piece.source][:, piece.start:piece.stop])
         column += piece.length
     return band
+
+
+def transposed_rows(tensor: OutTensor, reader: Rows, band_bytes: int) -> tuple[int, int, int] | None:
+    """(rows, band rows, bytes per row) of a column-major tensor cut by columns (NxD's ``o_proj`` with QKV linear),
+    banded by its stored rows: each band is a block of its sources' columns, so neither the source matrix nor the
+    tensor is ever held whole. None where its sources are stored column-major too, or its pieces permute or average
+    rows: such a tensor is built whole, with the others cut from its sources."""
+    if not (tensor.column_major and tensor.dim == 1 and len(tensor.shape) == 2):
+        return None
+    if any(p.row_perm or p.alternates or p.zeros for p in tensor.pieces):
+        return None
+    infos = [reader.info(p.source) for p in tensor.pieces]
+    if any(cm or len(shape) != 2 for _, shape, cm in infos):
+        return None
+    itemsize = max(dtype.itemsize for dtype, _, _ in infos)
+    # a band's buffers, per stored row: the block, a piece's part of it, the whole rows a reader without column reads
+    # is read through, the cast and the transposed copy
+    per_row = tensor.shape[0] * (3 * itemsize + 2 * tensor.dtype.itemsize)
+    return tensor.shape[1], max(1, band_bytes // per_row), per_row
+
+
+def column_block(tensor: OutTensor, start: int, stop: int, reader: Rows) -> torch.Tensor:
+    """Columns [start, stop) of a tensor cut by columns (its stored rows when column-major), read as column blocks
+    of its sources (:func:`transposed_rows`)."""
+    dtype = reader.info(tensor.pieces[0].source)[0]
+    band = SCRATCH.get(dtype, (tensor.shape[0], stop - start))
+    column = 0
+    for piece in tensor.pieces:
+        lo, hi = max(start, column), min(stop, column + piece.length)
+        if lo < hi:
+            whole = hi - lo == stop - start  # the band is one piece's: read straight into it
+            part = band if whole else SCRATCH.get(dtype, (tensor.shape[0], hi - lo))
+            _read_columns(reader, piece.source, piece.start + lo - column, piece.start + hi - column, part)
+            if not whole:
+                band[:, lo - start:hi - start].copy_(part)
+        column += piece.length
+    return band
+
+
+def _read_columns(reader: Rows, source: Source, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Columns [lo, hi) of the matrix ``source`` into ``out``: only those bytes where the reader can
+    (``read_columns``), else whole rows, as many at a time as ``out`` holds bytes, each cut to its columns (a
+    small budget then reads the matrix once per block of columns)."""
+    read = getattr(reader, "read_columns", None)
+    if read is not None and read(source, lo, hi, out):
+        return
+    dtype, (rows, columns), _ = reader.info(source)
+    step = max(1, out.numel() // max(columns, 1))
+    chunk = SCRATCH.get(dtype, (min(step, rows), columns))
+    for row in range(0, rows, step):
+        n = min(step, rows - row)
+        reader.read_rows(source, row, row + n, out=chunk[:n])
+        out[row:row + n].copy_(chunk[:n, lo:hi])

@@ -26,7 +26,7 @@ from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, So
 from ckptconv.engine.arena import SCRATCH as _SCRATCH
 from ckptconv.engine.arena import Scratch as _Scratch
 from ckptconv.engine.claims import band_extent, claim_band, row_bytes, unit_order
-from ckptconv.engine.columns import column_band, column_groups
+from ckptconv.engine.columns import column_band, column_block, column_groups, transposed_rows
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slabs import SlabBands, build_slabs, slab_band, slab_bands, slab_groups
@@ -107,6 +107,7 @@ class _Unit:
     band_rows: int
     row_bytes: int  # bytes in memory per row of a band (sources + output)
     slab_bands: SlabBands | None = None  # a slab unit's pieces split by slab, and scratch sizes (ckptconv.engine.slabs)
+    transposed: bool = False  # banded by the stored rows of a column-major tensor (ckptconv.engine.columns)
 
     @property
     def shared_sources(self) -> bool:
@@ -219,7 +220,7 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
             held = budget.acquire(need)
             release = None
             try:
-                release = claim_band(unit.tensors, start, stop, sinks)  # its file's digest waits for it (engine.claims)
+                release = claim_band(unit.tensors, start, stop, sinks, unit.transposed)  # its file's digest waits for it (engine.claims)
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
                     _write_band(unit, start, stop, reader, sinks, options.progress)
@@ -275,6 +276,8 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 stacked.append((i, tensor))
             elif tensor.dim == 0:
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
+            elif (stored := transposed_rows(tensor, reader, band_bytes)) is not None:
+                row_split.append(_Unit([(i, tensor)], *stored, transposed=True))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
     units = row_split + _slab_units(stacked, reader) + [_Unit(*group) for group in column_groups(by_source, reader, band_bytes)]
@@ -336,10 +339,12 @@ def _write_band(
         split, scratch = (bands.pieces, bands.scratch[start]) if bands is not None else (None, None)
         slabs = build_slabs([t for _, t in unit.tensors], start, reader, _SCRATCH.get, split, scratch)
     for n, (file_index, tensor) in enumerate(unit.tensors):
-        offset, nbytes = band_extent(tensor, start, stop)
+        offset, nbytes = band_extent(tensor, start, stop, unit.transposed)
         phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
         if tensor.by_slab:  # one slab (the whole tensor when unstacked), built in this band's arena
             band = slabs[n].unsqueeze(0) if tensor.slabs else slabs[n]
+        elif unit.transposed:
+            band = column_block(tensor, start, stop, reader)
         elif unit.shared_sources:
             band = column_band(tensor, start, stop, reader, cache, phase)
         else:

@@ -1,0 +1,88 @@
+"""Every band inside its budget when single matrices are larger than a band (405B's shapes, scaled down): row bands
+(the fused QKV with replicated K/V heads, the embedding), column bands (``down_proj``) and the column-major
+``o_proj`` of QKV linear, built from column blocks of its source instead of whole. Outputs are compared byte for byte
+with an unbudgeted run and, for ``o_proj``, with the HF matrix read by the safetensors library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptconv
+from ckptconv.engine import execute
+from ckptconv.io import hf as hf_io
+from tests.conftest import hf_state, warns_no_tokenizer
+from tests.engine.test_memory_and_resume import CONFIG, synthetic_hf
+
+# o_proj (fp32, 512 x 512) is 1 MiB, down_proj 3 MiB: at 2 workers and 4 MiB a band gets 1 MiB (the floor)
+SHAPE = CONFIG | dict(vocab_size=2048, num_hidden_layers=1)
+BUDGET = 4 * 2**20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("budget") / "hf"
+    synthetic_hf(src, SHAPE)
+    return src
+
+
+def convert(src: Path, out: Path, max_memory: int, io: str = "read") -> None:
+    options = ckptconv.RunOptions(quiet=True, workers=2, max_memory=max_memory, io=io)
+    ckptconv.to_nxd(src, out, tp=4, kv_size_multiplier=2, attention="qkv_linear", fuse_qkv=True, options=options)
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "model").iterdir())}
+
+
+@pytest.fixture(scope="module")
+def unbudgeted(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("whole") / "nxd"
+    convert(model, out, 2**34)
+    return files(out)
+
+
+@pytest.mark.parametrize("io", ["read", "mmap", "rows"])
+def test_every_band_within_its_budget(model: Path, unbudgeted: dict[str, bytes], tmp_path: Path, io: str,
+                                      monkeypatch: pytest.MonkeyPatch):
+    """No band is budgeted more than a band's share (``band_bytes``, what end_band keeps), and none carves a buffer
+    past what it was budgeted; "rows": a reader without column reads (whole rows, cut to the block's columns)."""
+    bands: list[tuple[int, int, int]] = []  # (budgeted, band share, overflows so far)
+    start_band, end_band = execute._Scratch.start_band, execute._Scratch.end_band
+
+    def start(self: execute._Scratch, nbytes: int) -> None:
+        self.budgeted = nbytes
+        start_band(self, nbytes)
+
+    def end(self: execute._Scratch, keep: int) -> None:
+        bands.append((self.budgeted, keep, self.overflows))
+        end_band(self, keep)
+
+    monkeypatch.setattr(execute._Scratch, "start_band", start)
+    monkeypatch.setattr(execute._Scratch, "end_band", end)
+    if io == "rows":
+        monkeypatch.setattr(hf_io.HfCheckpoint, "read_columns", lambda *args: False)
+    out = tmp_path / "nxd"
+    convert(model, out, BUDGET, "read" if io == "rows" else io)
+    share = bands[0][1]
+    assert share == 2**20
+    assert max(budgeted for budgeted, _, _ in bands) <= share, "a band was budgeted past its share"
+    assert max(overflows for _, _, overflows in bands) == 0, "a band's buffers outgrew its budget"
+    assert files(out) == unbudgeted
+
+
+def test_column_major_o_proj_round_trips(model: Path, tmp_path: Path):
+    """Every tp rank's o_proj, written in column blocks, is stored column-major, and to-hf (which reads those shards
+    whole) gives back HF's matrices exactly, as the safetensors library reads both."""
+    out = tmp_path / "nxd"
+    convert(model, out, BUDGET)
+    for path in sorted((out / "model").iterdir()):
+        shard = torch.load(path, weights_only=True)["model.layers.0.self_attn.o_proj.weight"]
+        assert shard.stride() == (1, SHAPE["hidden_size"])
+    with warns_no_tokenizer():
+        ckptconv.to_hf(out, tmp_path / "back", options=ckptconv.RunOptions(quiet=True, workers=2))
+    original, back = hf_state(model), hf_state(tmp_path / "back")
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[key], back[key]) for key in original)
