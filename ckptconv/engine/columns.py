@@ -48,8 +48,10 @@ def column_groups(
             raise AssertionError(f"column-split tensors {[t.key for _, t in items]} differ in rows")
         infos = [reader.info(s) for s in {p.source for _, t in items for p in t.pieces}]
         per_row = sum(row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
+        # a column-major source's rows are gathered a run per column, then transposed (io.torchzip_read)
+        per_row += sum(2 * row_bytes(shape, dtype.itemsize) for dtype, shape, cm in infos if cm)
         per_row += sum(row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
-        whole = any(t.column_major for _, t in items) or any(cm for _, _, cm in infos)
+        whole = any(t.column_major for _, t in items)
         band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
         units.append((items, rows, band_rows, per_row))
     return units

@@ -44,12 +44,9 @@ def unbudgeted(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return files(out)
 
 
-@pytest.mark.parametrize("io", ["read", "mmap", "rows"])
-def test_every_band_within_its_budget(model: Path, unbudgeted: dict[str, bytes], tmp_path: Path, io: str,
-                                      monkeypatch: pytest.MonkeyPatch):
-    """No band is budgeted more than a band's share (``band_bytes``, what end_band keeps), and none carves a buffer
-    past what it was budgeted; "rows": a reader without column reads (whole rows, cut to the block's columns)."""
-    bands: list[tuple[int, int, int]] = []  # (budgeted, band share, overflows so far)
+def band_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(bytes budgeted, a band's share: what end_band keeps, overflows so far) of every band run from now on."""
+    bands: list[tuple[int, int, int]] = []
     start_band, end_band = execute._Scratch.start_band, execute._Scratch.end_band
 
     def start(self: execute._Scratch, nbytes: int) -> None:
@@ -62,27 +59,43 @@ def test_every_band_within_its_budget(model: Path, unbudgeted: dict[str, bytes],
 
     monkeypatch.setattr(execute._Scratch, "start_band", start)
     monkeypatch.setattr(execute._Scratch, "end_band", end)
-    if io == "rows":
-        monkeypatch.setattr(hf_io.HfCheckpoint, "read_columns", lambda *args: False)
-    out = tmp_path / "nxd"
-    convert(model, out, BUDGET, "read" if io == "rows" else io)
+    return bands
+
+
+def check_within_share(bands: list[tuple[int, int, int]]) -> None:
+    """No band was budgeted more than a band's share, and none carved a buffer past what it was budgeted."""
     share = bands[0][1]
     assert share == 2**20
     assert max(budgeted for budgeted, _, _ in bands) <= share, "a band was budgeted past its share"
     assert max(overflows for _, _, overflows in bands) == 0, "a band's buffers outgrew its budget"
+
+
+@pytest.mark.parametrize("io", ["read", "mmap", "rows"])
+def test_every_band_within_its_budget(model: Path, unbudgeted: dict[str, bytes], tmp_path: Path, io: str,
+                                      monkeypatch: pytest.MonkeyPatch):
+    """to-nxd: every band within a band's share; "rows": a reader without column reads (whole rows, cut to the
+    block's columns)."""
+    bands = band_log(monkeypatch)
+    if io == "rows":
+        monkeypatch.setattr(hf_io.HfCheckpoint, "read_columns", lambda *args: False)
+    out = tmp_path / "nxd"
+    convert(model, out, BUDGET, "read" if io == "rows" else io)
+    check_within_share(bands)
     assert files(out) == unbudgeted
 
 
-def test_column_major_o_proj_round_trips(model: Path, tmp_path: Path):
-    """Every tp rank's o_proj, written in column blocks, is stored column-major, and to-hf (which reads those shards
-    whole) gives back HF's matrices exactly, as the safetensors library reads both."""
+def test_column_major_o_proj_round_trips(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every tp rank's o_proj, written in column blocks, is stored column-major, and to-hf in the same budget gives
+    back HF's matrices exactly, as the safetensors library reads both."""
     out = tmp_path / "nxd"
     convert(model, out, BUDGET)
     for path in sorted((out / "model").iterdir()):
         shard = torch.load(path, weights_only=True)["model.layers.0.self_attn.o_proj.weight"]
         assert shard.stride() == (1, SHAPE["hidden_size"])
-    with warns_no_tokenizer():
-        ckptconv.to_hf(out, tmp_path / "back", options=ckptconv.RunOptions(quiet=True, workers=2))
+    bands = band_log(monkeypatch)
+    with warns_no_tokenizer():  # to-hf: HF's o_proj banded by rows, read from column-major shards a run per column
+        ckptconv.to_hf(out, tmp_path / "back", options=ckptconv.RunOptions(quiet=True, workers=2, max_memory=BUDGET))
+    check_within_share(bands)
     original, back = hf_state(model), hf_state(tmp_path / "back")
     assert original.keys() == back.keys()
     assert all(torch.equal(original[key], back[key]) for key in original)
