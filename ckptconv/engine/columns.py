@@ -80,19 +80,21 @@ def column_band(
 def transposed_rows(tensor: OutTensor, reader: Rows, band_bytes: int) -> tuple[int, int, int] | None:
     """(rows, band rows, bytes per row) of a column-major tensor cut by columns (NxD's ``o_proj`` with QKV linear),
     banded by its stored rows: each band is a block of its sources' columns, so neither the source matrix nor the
-    tensor is ever held whole. None where its sources are stored column-major too, or its pieces permute or average
-    rows: such a tensor is built whole, with the others cut from its sources."""
+    tensor is ever held whole (a column-major source, another layout's shard, is read whole rows at a time: once per
+    band). None where its pieces permute, average or pad: such a tensor is built whole, with the others cut from its
+    sources."""
     if not (tensor.column_major and tensor.dim == 1 and len(tensor.shape) == 2):
         return None
     if any(p.row_perm or p.alternates or p.zeros for p in tensor.pieces):
         return None
     infos = [reader.info(p.source) for p in tensor.pieces]
-    if any(cm or len(shape) != 2 for _, shape, cm in infos):
+    if any(len(shape) != 2 for _, shape, _ in infos):
         return None
     itemsize = max(dtype.itemsize for dtype, _, _ in infos)
     # a band's buffers, per stored row: the block, a piece's part of it, the whole rows a reader without column reads
-    # is read through, the cast and the transposed copy
-    per_row = tensor.shape[0] * (3 * itemsize + 2 * tensor.dtype.itemsize)
+    # is read through (a column-major source's gathered a run per column, then transposed), the cast, the transpose
+    sources = 5 if any(cm for _, _, cm in infos) else 3
+    per_row = tensor.shape[0] * (sources * itemsize + 2 * tensor.dtype.itemsize)
     return tensor.shape[1], max(1, band_bytes // per_row), per_row
 
 

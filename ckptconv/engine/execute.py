@@ -298,7 +298,9 @@ def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_byt
     per_row = row_bytes(tensor.shape, tensor.dtype.itemsize) * 2 + row_bytes(tensor.shape, src_dtype.itemsize)
     if period > 1:  # permuted pieces are read into a buffer of their own first
         per_row += row_bytes(tensor.shape, src_dtype.itemsize)
-    whole = tensor.column_major or src_cm or not tensor.shape
+    if src_cm:  # a column-major source's rows are gathered a run per column, then transposed (io.torchzip_read)
+        per_row += 2 * row_bytes(tensor.shape, src_dtype.itemsize)
+    whole = tensor.column_major or not tensor.shape
     band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
     band_rows = max(period, band_rows - band_rows % period)  # bands never cut a permuted period
     return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)

@@ -99,3 +99,20 @@ def test_column_major_o_proj_round_trips(model: Path, tmp_path: Path, monkeypatc
     original, back = hf_state(model), hf_state(tmp_path / "back")
     assert original.keys() == back.keys()
     assert all(torch.equal(original[key], back[key]) for key in original)
+
+
+def test_reshard_of_column_major_shards_within_budget(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """reshard tp 4 -> 2 (o_proj column-major on both sides: built in column blocks of column-major shards) in the
+    budget, byte-equal to an unbudgeted reshard, and back to HF exactly."""
+    convert(model, tmp_path / "nxd", 2**34)
+    whole = ckptconv.RunOptions(quiet=True, workers=2, max_memory=2**34)
+    ckptconv.reshard(tmp_path / "nxd", tmp_path / "whole", tp=2, kv_size_multiplier=1, options=whole)
+    bands = band_log(monkeypatch)
+    ckptconv.reshard(tmp_path / "nxd", tmp_path / "tp2", tp=2, kv_size_multiplier=1,
+                     options=ckptconv.RunOptions(quiet=True, workers=2, max_memory=BUDGET))
+    check_within_share(bands)
+    assert files(tmp_path / "tp2") == files(tmp_path / "whole")
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "tp2", tmp_path / "back", options=whole)
+    original, back = hf_state(model), hf_state(tmp_path / "back")
+    assert all(torch.equal(original[key], back[key]) for key in original) and original.keys() == back.keys()
