@@ -88,13 +88,15 @@ def transposed_rows(tensor: OutTensor, reader: Rows, band_bytes: int) -> tuple[i
     if any(p.row_perm or p.alternates or p.zeros for p in tensor.pieces):
         return None
     infos = [reader.info(p.source) for p in tensor.pieces]
-    if any(len(shape) != 2 for _, shape, _ in infos):
-        return None
+    if any(len(shape) != 2 for _, shape, _ in infos) or len({dtype for dtype, _, _ in infos}) > 1:
+        return None  # (a band is read in its sources' one dtype)
     itemsize = max(dtype.itemsize for dtype, _, _ in infos)
     # a band's buffers, per stored row: the block, a piece's part of it, the whole rows a reader without column reads
-    # is read through (a column-major source's gathered a run per column, then transposed), the cast, the transpose
+    # is read through (a column-major source's gathered a run per column, then transposed), the cast where the dtype
+    # changes, the transpose
     sources = 5 if any(cm for _, _, cm in infos) else 3
-    per_row = tensor.shape[0] * (sources * itemsize + 2 * tensor.dtype.itemsize)
+    outputs = 1 + any(dtype != tensor.dtype for dtype, _, _ in infos)
+    per_row = tensor.shape[0] * (sources * itemsize + outputs * tensor.dtype.itemsize)
     return tensor.shape[1], max(1, band_bytes // per_row), per_row
 
 

@@ -28,9 +28,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
-def convert(src: Path, out: Path, max_memory: int, io: str = "read") -> None:
+def convert(src: Path, out: Path, max_memory: int, io: str = "read", dtype: str = "keep") -> None:
     options = ckptconv.RunOptions(quiet=True, workers=2, max_memory=max_memory, io=io)
-    ckptconv.to_nxd(src, out, tp=4, kv_size_multiplier=2, attention="qkv_linear", fuse_qkv=True, options=options)
+    ckptconv.to_nxd(src, out, tp=4, kv_size_multiplier=2, attention="qkv_linear", fuse_qkv=True, dtype=dtype,
+                    options=options)
 
 
 def files(out: Path) -> dict[str, bytes]:
@@ -82,6 +83,15 @@ def test_every_band_within_its_budget(model: Path, unbudgeted: dict[str, bytes],
     convert(model, out, BUDGET, "read" if io == "rows" else io)
     check_within_share(bands)
     assert files(out) == unbudgeted
+
+
+def test_cast_bands_within_their_budget(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """fp32 in, bf16 out: each band's cast buffer is budgeted too; the bytes are the unbudgeted run's."""
+    convert(model, tmp_path / "whole", 2**34, dtype="bf16")
+    bands = band_log(monkeypatch)
+    convert(model, tmp_path / "nxd", BUDGET, dtype="bf16")
+    check_within_share(bands)
+    assert files(tmp_path / "nxd") == files(tmp_path / "whole")
 
 
 def test_column_major_o_proj_round_trips(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
