@@ -8,7 +8,7 @@ JOBS   ?= 2
 
 default: help
 
-.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan test-gpu test-slurm demo bench bench-8b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
+.PHONY: help docs setup test setup-xla test-xla setup-titan test-titan test-gpu test-slurm demo bench bench-8b bench-405b bench-startup bench-train bench-checked bench-dcp bench-reads lint clean
 
 # this list: every target with the first line of the comment above it
 help:
@@ -121,6 +121,11 @@ bench: setup
 # the 8B rows of `make bench` alone, 3 runs each (~5 minutes)
 bench-8b: setup
 	$(BIN)/python benchmarks/run.py --only-8b --repeat 3
+
+# one Llama-3.1-405B-shaped layer (14.8 GB) to NxD at --max-memory 1, 2, 4 GiB, 3 runs each (~20-30 min)
+# (needs ~30 GB free; BENCH_ARGS=--before DIR runs an older tree's too, alternated; `make bench` runs each budget once)
+bench-405b: setup
+	$(BIN)/python benchmarks/run.py --405b --repeat 3 $(BENCH_ARGS)
 
 # CLI start-up: --version, --help, usage and config errors, median of 5 (BENCH_ARGS=--before DIR compares a tree)
 bench-startup: setup

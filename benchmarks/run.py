@@ -17,10 +17,12 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --deepseek [--experts N] [--repeat N]   # DeepSeek-V3 FP8 -> DCP, and TorchTitan's convert
     python benchmarks/run.py --gpt-oss [--layers L] [--repeat N]   # GPT-OSS-120B shapes, MXFP4: to-dcp
     python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
+    python benchmarks/run.py --405b [--repeat N] [--before DIR]   # Llama-3.1-405B layer shapes at 1, 2, 4 GiB
 
 The training-state rows (reshard in both optimizer formats, to-dcp, from-dcp of a 6.85 GB training tag; marginal
 ratios to cp, start-up, CPU s/GB, peak RSS; ``--before DIR``: the same commands from an older tree, in the same run)
-are described in ``benchmarks/training_rows.py``; a full run ends with them.
+are described in ``benchmarks/training_rows.py``; a full run ends with them, after the 405B-shaped rows (one run per
+budget; ``benchmarks/llama405b.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from deepseek_v3 import deepseek_rows  # noqa: E402
 from gpt_oss import gpt_oss_rows  # noqa: E402
+from llama405b import llama405b_rows  # noqa: E402
 from measure import drop_caches, du, measure  # noqa: E402
 from moe import moe_rows  # noqa: E402
 from moe_cost import moe_cost_rows  # noqa: E402
@@ -257,8 +260,10 @@ def main() -> None:
     parser.add_argument("--titan-limit", type=int, default=16 * 2**30,
                         help="address-space limit (bytes) of TorchTitan's convert_from_hf in the DeepSeek-V3 rows")
     parser.add_argument("--gpt-oss", action="store_true", help="only the GPT-OSS-120B-shaped MXFP4 to-dcp row")
+    parser.add_argument("--405b", dest="llama405b", action="store_true",
+                        help="only the Llama-3.1-405B-shaped layer at --max-memory 1, 2 and 4 GiB (--repeat times)")
     parser.add_argument("--before", type=Path, default=None,
-                        help="training-state and --moe-cost rows: also run each command from this older source tree")
+                        help="training-state, --moe-cost and 405B rows: also run each command from this older source tree")
     args = parser.parse_args()
     OUT.mkdir(exist_ok=True)
     if args.moe:
@@ -280,6 +285,11 @@ def main() -> None:
         rows, notes = gpt_oss_rows(OUT, convert, CPU_SECONDS, args.layers, args.repeat)
         print(text := table(rows, []) + "\n\n" + "\n".join(notes))
         (OUT / "gpt_oss.md").write_text(text + "\n")
+        return
+    if args.llama405b:
+        text = llama405b_rows(OUT, args.repeat, args.before)
+        print(f"\n{text}")
+        (OUT / "llama405b.md").write_text(text + "\n")
         return
     if args.training:
         text = training_rows(OUT, args.repeat, args.before)
@@ -345,7 +355,8 @@ def main() -> None:
             shutil.rmtree(src)
     shutil.rmtree(l70)
 
-    text = (table(rows, rss_rows) + "\n\n" + "\n".join(deepseek_notes) + "\n\n"
+    big405 = "" if args.quick else llama405b_rows(OUT, 1, args.before) + "\n\n"  # 14.8 GB in, once per budget
+    text = (table(rows, rss_rows) + "\n\n" + "\n".join(deepseek_notes) + "\n\n" + big405
             + training_rows(OUT, args.repeat, args.before))
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB RAM"
     print(f"\n{text}\n\nmachine: {machine}; page cache dropped before each run: {drop_caches()}; "

@@ -1,4 +1,4 @@
-"""Synthetic HF Llama checkpoints in real shapes (Llama-3-8B / -70B dimensions, any layer count); any other family
+"""Synthetic HF Llama checkpoints in real shapes (Llama-3-8B / -70B / -3.1-405B dimensions, any layer count); any other family
 from its config (``write_config``: benchmarks/moe.py's Mixtral).
 
 Written as a sharded safetensors directory with ``config.json`` and ``model.safetensors.index.json``,
@@ -25,6 +25,7 @@ from ckptconv.io.safetensors_io import SafetensorsWriter, plan_safetensors
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+    "405b": dict(hidden_size=16384, intermediate_size=53248, num_attention_heads=128, num_key_value_heads=8),
     # 70B's heads (64 query, 8 K/V) with tiny tensors: its file and key structure at any tp, pp (reads per rank)
     "70b-tiny": dict(hidden_size=256, intermediate_size=512, num_attention_heads=64, num_key_value_heads=8),
 }

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ckptconv.core.plan import OutTensor, compose
-from ckptconv.engine.execute import column_band, read_tensor, row_band
+from ckptconv.engine.columns import column_band
+from ckptconv.engine.execute import read_tensor, row_band
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.progress import byte_progress
 from ckptconv.errors import ConversionError

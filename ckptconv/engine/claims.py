@@ -21,10 +21,13 @@ def _nothing() -> None:
     pass
 
 
-def band_extent(tensor: OutTensor, start: int, stop: int) -> tuple[int, int]:
+def band_extent(tensor: OutTensor, start: int, stop: int, transposed: bool = False) -> tuple[int, int]:
     """(byte offset in the tensor's stored bytes, byte length) that rows [start, stop) of ``tensor`` occupy, as the
-    executor writes them (a column-major or 0-dim tensor is written whole, in one band)."""
+    executor writes them; ``transposed``: rows of a column-major tensor's storage (its columns), else a
+    column-major or 0-dim tensor is written whole, in one band."""
     itemsize = tensor.dtype.itemsize
+    if transposed:
+        return start * tensor.shape[0] * itemsize, (stop - start) * tensor.shape[0] * itemsize
     if tensor.column_major or not tensor.shape:
         return 0, row_bytes(tensor.shape, itemsize) * (tensor.shape[0] if tensor.shape else 1)
     row = row_bytes(tensor.shape, itemsize)
@@ -40,7 +43,7 @@ def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
 
 
 def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
-               sinks: Mapping[int, Any]) -> Callable[[], None]:
+               sinks: Mapping[int, Any], transposed: bool = False) -> Callable[[], None]:
     """Claim the extents a band will write (see the module); returns the release. A band of stacked slabs claims
     nothing; a band writing several extents claims them all and its writes never wait."""
     if tensors[0][1].by_slab:
@@ -50,7 +53,7 @@ def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
         for file_index, tensor in tensors:
             claim = getattr(sinks[file_index], "claim", None)
             if claim is not None:
-                releases.append(claim(tensor.key, *band_extent(tensor, start, stop)))
+                releases.append(claim(tensor.key, *band_extent(tensor, start, stop, transposed)))
     except BaseException:  # a claim left standing would keep the writers behind it waiting
         for each in releases:
             each()

@@ -23,7 +23,10 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
+from ckptconv.engine.arena import SCRATCH as _SCRATCH
+from ckptconv.engine.arena import Scratch as _Scratch
 from ckptconv.engine.claims import band_extent, claim_band, row_bytes, unit_order
+from ckptconv.engine.columns import column_band, column_block, column_groups, transposed_rows
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
 from ckptconv.engine.slab_parts import SlabWork, slab_work, slab_writes
@@ -105,6 +108,7 @@ class _Unit:
     band_rows: int
     row_bytes: int  # bytes in memory per row of a band (sources + output)
     slab_work: SlabWork | None = None  # a slab unit's bands: whole slabs or parts (ckptconv.engine.slab_parts)
+    transposed: bool = False  # banded by the stored rows of a column-major tensor (ckptconv.engine.columns)
 
     @property
     def shared_sources(self) -> bool:
@@ -217,7 +221,7 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
             held = budget.acquire(need)
             release = None
             try:
-                release = claim_band(unit.tensors, start, stop, sinks)  # its file's digest waits for it (engine.claims)
+                release = claim_band(unit.tensors, start, stop, sinks, unit.transposed)  # its file's digest waits for it (engine.claims)
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
                     _write_band(unit, start, stop, reader, sinks, options.progress)
@@ -273,9 +277,12 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 stacked.append((i, tensor))
             elif tensor.dim == 0:
                 row_split.append(_row_unit(i, tensor, reader, band_bytes))
+            elif (stored := transposed_rows(tensor, reader, band_bytes)) is not None:
+                row_split.append(_Unit([(i, tensor)], *stored, transposed=True))
             else:
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
-    units = row_split + _slab_units(stacked, reader, band_bytes) + _column_units(by_source, reader, band_bytes)
+    units = (row_split + _slab_units(stacked, reader, band_bytes)
+             + [_Unit(*group) for group in column_groups(by_source, reader, band_bytes)])
     return [units[n] for n in unit_order([u.tensors for u in units], plan, getattr(reader, "position", None))]
 
 
@@ -293,7 +300,9 @@ def _row_unit(file_index: int, tensor: OutTensor, reader: TensorReader, band_byt
     per_row = row_bytes(tensor.shape, tensor.dtype.itemsize) * 2 + row_bytes(tensor.shape, src_dtype.itemsize)
     if period > 1:  # permuted pieces are read into a buffer of their own first
         per_row += row_bytes(tensor.shape, src_dtype.itemsize)
-    whole = tensor.column_major or src_cm or not tensor.shape
+    if src_cm:  # a column-major source's rows are gathered a run per column, then transposed (io.torchzip_read)
+        per_row += 2 * row_bytes(tensor.shape, src_dtype.itemsize)
+    whole = tensor.column_major or not tensor.shape
     band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
     band_rows = max(period, band_rows - band_rows % period)  # bands never cut a permuted period
     return _Unit([(file_index, tensor)], rows, max(band_rows, 1), per_row)
@@ -320,93 +329,6 @@ def _period(tensor: OutTensor) -> int:
     return periods.pop() if periods else 1
 
 
-def _column_units(
-    by_source: dict[Source, list[tuple[int, OutTensor]]], reader: TensorReader, band_bytes: int
-) -> list[_Unit]:
-    """Group column-split tensors that share any source (union-find over sources)."""
-    parent: dict[Source, Source] = {}
-
-    def find(s: Source) -> Source:
-        while parent.setdefault(s, s) != s:
-            s = parent[s]
-        return s
-
-    for items in by_source.values():
-        for _, tensor in items:
-            sources = [p.source for p in tensor.pieces]
-            for s in sources[1:]:
-                parent[find(s)] = find(sources[0])
-    groups: dict[Source, list[tuple[int, OutTensor]]] = {}
-    for first, items in by_source.items():
-        groups.setdefault(find(first), []).extend(items)
-    units = []
-    for items in groups.values():
-        rows = items[0][1].shape[0]
-        if any(t.shape[0] != rows for _, t in items):
-            raise AssertionError(f"column-split tensors {[t.key for _, t in items]} differ in rows")
-        infos = [reader.info(s) for s in {p.source for _, t in items for p in t.pieces}]
-        per_row = sum(row_bytes(shape, dtype.itemsize) for dtype, shape, _ in infos)
-        per_row += sum(row_bytes(t.shape, t.dtype.itemsize) * 2 for _, t in items)
-        whole = any(t.column_major for _, t in items) or any(cm for _, _, cm in infos)
-        band_rows = rows if whole else max(1, band_bytes // max(per_row, 1))
-        units.append(_Unit(items, rows, band_rows, per_row))
-    return units
-
-
-class _Scratch(threading.local):
-    """One arena per thread, reused from band to band, that a band's buffers are carved from.
-
-    Fresh allocations of hundreds of MB would be page-faulted (zeroed) by the kernel every band,
-    which costs more than the copy itself. One arena sized to the largest band, rather than a
-    buffer per purpose each at its own largest size, keeps a thread's memory at one band: so
-    peak RSS is about workers x band size whatever the model, not growing as more kinds of
-    band happen to land on each thread."""
-
-    ALIGN = 64
-    PAGE = direct_io.ALIGN
-    # room for aligning the band's buffers: 64 at 64 bytes, and 96 placed at a page phase (each can skip up to a page;
-    # a tp 32 unit of column-major tensors has up to 3 per tensor, band, cast and transpose)
-    SLACK = 64 * ALIGN + 96 * PAGE
-
-    def __init__(self) -> None:
-        self.arena = torch.empty(0, dtype=torch.uint8)
-        self.used = 0
-        self.overflows = 0  # buffers the band's budget did not cover (tests check it stays 0)
-
-    def start_band(self, nbytes: int) -> None:
-        """Free the previous band's buffers; make room for ``nbytes`` (what the band was budgeted)."""
-        nbytes += self.SLACK
-        if self.arena.numel() < nbytes:
-            self.arena = torch.empty(0, dtype=torch.uint8)  # drop the old arena before the new one
-            self.arena = torch.empty(nbytes, dtype=torch.uint8)
-        self.used = 0
-
-    def end_band(self, keep: int) -> None:
-        """Keep the arena for the next band unless it outgrew ``keep`` (an unsplittable tensor's
-        band): one large band must not raise every later band's footprint."""
-        if self.arena.numel() > keep + self.SLACK:
-            self.arena = torch.empty(0, dtype=torch.uint8)
-
-    def get(self, dtype: torch.dtype, shape: tuple[int, ...], phase: int | None = None) -> torch.Tensor:
-        """A buffer from the arena; with ``phase``, one whose address is ``phase`` modulo a page: the file offset
-        it will be written at, so that an O_DIRECT write sends it without copying it first (io.direct_io)."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = numel * dtype.itemsize
-        start = -(-self.used // self.ALIGN) * self.ALIGN
-        if phase is not None and phase % dtype.itemsize == 0:  # (an element can not straddle: else unplaced)
-            start += (phase - self.arena.data_ptr() - start) % self.PAGE
-        if start + nbytes > self.arena.numel():
-            self.overflows += 1
-            return torch.empty(shape, dtype=dtype)  # beyond what the band was budgeted: transient
-        self.used = start + nbytes
-        return self.arena[start:start + nbytes].view(dtype).view(shape)
-
-
-_SCRATCH = _Scratch()
-
-
 def _write_band(
     unit: _Unit,
     start: int,
@@ -420,10 +342,12 @@ def _write_band(
     if unit.slab_work is not None:  # one slab, or part of one, of each tensor, built in this band's arena
         slabs = slab_writes(unit.slab_work, [t for _, t in unit.tensors], start, reader, _SCRATCH.get)
     for n, (file_index, tensor) in enumerate(unit.tensors):
-        offset, nbytes = band_extent(tensor, start, stop)
+        offset, nbytes = band_extent(tensor, start, stop, unit.transposed)
         phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
         if slabs:
             offset, band = slabs[n]
+        elif unit.transposed:
+            band = column_block(tensor, start, stop, reader)
         elif unit.shared_sources:
             band = column_band(tensor, start, stop, reader, cache, phase)
         else:
@@ -490,25 +414,6 @@ def _read_piece_rows(reader: TensorReader, piece: Piece, shift: int, n: int, tar
     else:
         target.copy_(reader.read_rows(piece.source, piece.start + shift, piece.start + shift + n))
 
-
-def column_band(
-    tensor: OutTensor, start: int, stop: int, reader: TensorReader, cache: dict[Source, torch.Tensor],
-    phase: int | None = None,
-) -> torch.Tensor:
-    """Output rows [start, stop) from column blocks of shared source bands (each read once), in a buffer at
-    ``phase`` (see _Scratch.get)."""
-    for piece in tensor.pieces:
-        if piece.source not in cache:
-            dtype, shape, _ = reader.info(piece.source)
-            cache[piece.source] = reader.read_rows(piece.source, start, stop,
-                                                   out=_SCRATCH.get(dtype, (stop - start, *shape[1:])))
-    first = cache[tensor.pieces[0].source]
-    band = _SCRATCH.get(first.dtype, (stop - start, *tensor.shape[1:]), phase)
-    column = 0
-    for piece in tensor.pieces:
-        band[:, column:column + piece.length].copy_(cache[piece.source][:, piece.start:piece.stop])
-        column += piece.length
-    return band
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from ckptconv.core.plan import OutTensor, Piece, Source
 
 Alloc = Callable[[torch.dtype, tuple[int, ...]], torch.Tensor]
-ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.execute._Scratch.ALIGN)
+ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 
 
 class Rows(Protocol):

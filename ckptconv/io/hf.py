@@ -217,6 +217,14 @@ class HfCheckpoint:
             return self.quantized.read_rows(self._raw_rows, source.key, start, stop, out)
         return self._raw_rows(source.key, start, stop, out)
 
+    def read_columns(self, source: Source, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Columns ``[start, stop)`` of a stored matrix into ``out``, reading only them where the file's reader can
+        (ckptconv.io.safetensors_io); False (nothing read) for views, quantized weights and other readers."""
+        if source.key in self._views or source.key in self.quantized:
+            return False
+        read = getattr(self._reader(self._file(source.key)), "read_columns", None)
+        return read is not None and bool(read(source.key, start, stop, out))
+
     def _raw_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         file = self._file(key)
         try:

@@ -12,10 +12,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import torch
+
 from ckptconv.io.direct_io import pwrite_direct, twin_of
 
 IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
 IO_MODES = ("mmap", "read")
+# rows of a column read mapped in at a time: the pages around the columns that fault-around maps count as RSS
+COLUMN_REGION = 8 << 20
 
 
 class PositionalFile:
@@ -81,6 +86,38 @@ class PositionalFile:
             if got <= 0:
                 raise ValueError(f"{self.path}: unexpected end of file at {offset + done}, wanted up to {end}")
             done += got
+
+    def copy_columns_into(self, offset: int, row_bytes: int, lo: int, dst: torch.Tensor) -> bool:
+        """Bytes ``[lo, lo + dst.shape[1])`` of each of ``dst.shape[0]`` rows of ``row_bytes`` from ``offset`` into
+        the uint8 matrix ``dst``: through the mapping, a few MB of rows at a time, each released after its copy
+        (only the pages holding those columns are read), or one ``pread`` per row. False (nothing read) when a
+        check must see the reads in file order: the caller reads whole rows instead."""
+        rows, width = dst.shape
+        end = offset + rows * row_bytes
+        if self.check is not None:
+            return False
+        if self.fd < 0 or offset < 0 or end > self.size or lo + width > row_bytes:
+            raise ValueError(f"{self.path}: column read [{offset}, {end}) outside the file ({self.size} bytes)")
+        if not dst.numel():
+            return True
+        target = dst.numpy()
+        if self.mm is None:
+            for row in range(rows):
+                if os.preadv(self.fd, [target[row]], offset + row * row_bytes + lo) != width:
+                    raise ValueError(f"{self.path}: unexpected end of file in row {row} of a column read at {offset}")
+            return True
+        if os.fstat(self.fd).st_size < end:
+            raise ValueError(f"{self.path}: file shrank below {end} bytes while open")
+        step = max(1, COLUMN_REGION // row_bytes)
+        for row in range(0, rows, step):
+            start = offset + row * row_bytes
+            n = min(step, rows - row)
+            region = np.frombuffer(self.mm, np.uint8, n * row_bytes, start).reshape(n, row_bytes)
+            target[row:row + n] = region[:, lo:lo + width]
+            del region  # the mapping can not be closed while a view of it lives
+            page = start - start % mmap.PAGESIZE
+            self.mm.madvise(mmap.MADV_DONTNEED, page, start + n * row_bytes - page)
+        return True
 
     def read(self, offset: int, n: int) -> bytes:
         """File structure (headers, directories): not tensor data, so unseen by the check."""

@@ -58,6 +58,10 @@ class SafetensorsFileReader:
                        out: torch.Tensor | None = None) -> torch.Tensor:
         return self._reader.read_slab_rows(key, slab, start, stop, out)
 
+    def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Columns [start, stop) of a matrix, only their bytes read (SafetensorsReader.read_columns)."""
+        return self._reader.read_columns(key, start, stop, out)
+
     def read(self, key: str) -> torch.Tensor:
         return self._reader.read(key)
 

@@ -341,6 +341,21 @@ class SafetensorsReader:
             return out.view(shape)
         return self._load(offset, nbytes, e.dtype, shape)
 
+    def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Columns ``[start, stop)`` of every row of the matrix ``key`` into ``out`` (contiguous, of its dtype,
+        ``(rows, stop - start)``), reading only their bytes; False (nothing read) where only whole rows can be read
+        (checked reads): the caller reads rows then."""
+        e = self.entry(key)
+        if len(e.shape) != 2 or not 0 <= start <= stop <= e.shape[1]:
+            raise ValueError(f"{self.path}: tensor {key!r} of shape {e.shape}: no columns [{start}, {stop})")
+        _check_out(self.path, key, out, e.dtype, e.shape[0] * (stop - start) * e.dtype.itemsize)
+        size = e.dtype.itemsize
+        try:
+            return self._file.copy_columns_into(e.data_offset, e.shape[1] * size, start * size,
+                                                out.view(torch.uint8).view(e.shape[0], (stop - start) * size))
+        except ValueError as exc:
+            raise _fail(self.path, str(exc).removeprefix(f"{self.path}: ")) from None
+
     def _load(self, offset: int, n: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         buf = torch.empty(n, dtype=torch.uint8)
         if n:
