@@ -93,7 +93,7 @@ class TagWriter:
         ep_rank = optimizer_ep_rank(self.coords.dp, self.layout.ep)
         first = self.coords.dp == ep_rank and self.coords.cp == 0
         written: list[Path] = []
-        with tag_writes() as digests:  # the converter's writer: digests as written, O_DIRECT where allowed
+        with tag_writes() as digests:  # the converter's writer, digests as written (buffered: ckptconv.engine.tags)
             if first:
                 tensors, column_major = _shard_to_save(model)
                 name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)

@@ -113,7 +113,7 @@ def test_a_file_changed_after_it_was_hashed_is_read_again(tmp_path: Path):
     assert digests.of_file(save_torch({"w": torch.arange(3.0)}, tmp_path / "b.pt")) is None  # written outside
 
 
-def test_the_large_writes_of_a_save_go_direct_where_the_filesystem_allows(tmp_path: Path):
+def test_tag_writes_asked_for_direct_writes_go_direct_where_the_filesystem_allows(tmp_path: Path):
     from ckptconv.engine.tags import tag_writes
     from ckptconv.io import direct_io
     from tests.io.test_direct_io import _supports_direct
@@ -122,7 +122,7 @@ def test_the_large_writes_of_a_save_go_direct_where_the_filesystem_allows(tmp_pa
         pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
     before = direct_io.direct_bytes
     state = {"exp_avg": torch.randn(1 << 20)}  # 4 MiB
-    with tag_writes():
+    with tag_writes(direct=True):
         path = save_torch(state, tmp_path / "optim.pt")
     assert direct_io.direct_bytes - before >= 3 << 20
     assert torch.equal(torch.load(path, weights_only=True)["exp_avg"], state["exp_avg"])
