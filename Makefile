@@ -131,6 +131,7 @@ bench-startup: setup
 bench-train: setup
 	$(BIN)/python benchmarks/train.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/train_moe.py
+	$(BIN)/python benchmarks/saves.py
 
 # the cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
 bench-checked: setup
