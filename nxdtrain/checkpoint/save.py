@@ -1,5 +1,8 @@
 """Writing a ``step_<N>`` tag: every rank's shard and optimizer state, then rank 0's side files, ``ckptconv.json`` and
 markers, then retention; optionally the tag rewritten in NxD's own optimizer format.
+
+Every file goes through ckptconv's torch-zip writer with its digest computed as written
+(:func:`ckptconv.engine.tags.tag_writes`): ``torch.save``'s bytes, nothing read back for ``ckptconv.json``.
 """
 
 from __future__ import annotations
