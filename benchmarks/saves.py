@@ -184,7 +184,8 @@ def measure_row(tree: Path, row: str, source: Path, args: argparse.Namespace, ou
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [sys.executable, str(Path(__file__).resolve()), "--one", row, "--source", str(source), "--out", str(out),
             "--saves", str(args.saves)] + (["--quick"] if args.quick else [])
-    subprocess.run(argv, env=env, check=True)
+    # cwd out of every tree: the forkserver (python -c) puts its working directory first on sys.path
+    subprocess.run(argv, env=env, check=True, cwd=out)
     result: list[dict[str, Any]] = json.loads((out / "result.json").read_text())
     shutil.rmtree(out / "ckpt")
     return result
