@@ -27,8 +27,8 @@ from ckptconv.engine import (
     remove_tag,
     run_record,
     save_torch,
+    tag_writes,
 )
-from ckptconv.engine.tags import tag_writes
 from ckptconv.errors import ConversionError
 from ckptconv.io import (
     SCHEDULER_FILE,
