@@ -7,8 +7,11 @@ Every file goes through ckptconv's torch-zip writer with its digest computed as 
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,15 +99,26 @@ class TagWriter:
         ep_rank = optimizer_ep_rank(self.coords.dp, self.layout.ep)
         first = self.coords.dp == ep_rank and self.coords.cp == 0
         written: list[Path] = []
-        with tag_writes() as digests:  # the converter's writer, digests as written (buffered: ckptconv.engine.tags)
+        # The converter's writer, digests as written (buffered: ckptconv.engine.tags). A host shard is written on a
+        # second thread beside the optimizer file (CRC-32, BLAKE3 and pwrite release the GIL); a device shard, copied
+        # to the host as it is written, on this one.
+        with tag_writes() as digests, ThreadPoolExecutor(1, thread_name_prefix="save-shard") as beside:
+            shard = None
             if first:
                 tensors, column_major = _shard_to_save(model)
                 name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
-                written += save_shard(tag / name, tensors, self.flavour, column_major=column_major, ep=self.layout.ep)
+                write = functools.partial(save_shard, tag / name, tensors, self.flavour, column_major=column_major,
+                                          ep=self.layout.ep)
+                if column_major is None:
+                    shard = beside.submit(contextvars.copy_context().run, write)
+                else:
+                    written += write()
             if first or self.zero1:
                 dp_rank = self.zero_rank if self.zero1 else ep_rank
                 written.append(save_state(optimizer, optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp_rank),
                                           dp_rank, self.layout.ep))
+            if shard is not None:
+                written += shard.result()
         _test_hold(rank)
         mine = (file_records(written, tag, digests), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
