@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ckptconv.training import MASTER, state_key
 from nxdtrain.parallel.grads import GradPlan, Rows
@@ -72,7 +72,9 @@ class Sharding:
 
     def rows(self, total: int) -> tuple[int, int]:
         """The rows [start, stop) of a ``total``-row tensor this rank holds (torch.chunk's split, as FSDP2's)."""
-        return chunk_rows(total, self.degree, self.shard_rank)
+        chunk = math.ceil(total / self.degree)
+        start = min(self.shard_rank * chunk, total)
+        return start, min(start + chunk, total)
 
     def local_rows(self, name: str, param: torch.Tensor, rows: Rows) -> Rows | None:
         """``rows`` of the whole per-tp-rank tensor as rows of this rank's part (None: it holds none of them)."""
@@ -109,12 +111,11 @@ class Sharding:
         return sharded
 
     def gathered(self, model: Any, optimizer: Any, *, keep: bool) -> tuple[Any, Any]:
-        """The stage and optimizer as a tag writer reads them, with whole per-tp-rank tensors (``keep``: this rank
-        writes them, dp rank 0; only its shard group gathers, into it, in buckets: :func:`gather_rows`).
+        """The stage and optimizer as a tag writer reads them, with whole per-tp-rank tensors (gathered over the dp
+        mesh one tensor at a time; ``keep``: this rank writes them, the others drop each one as it arrives).
         Collective over the world: every rank calls it in the same order."""
-        group = self.shard_group if self.mesh.ndim == 1 or self.mesh.get_local_rank("replicate") == 0 else None
-        weights = gather_rows(model.state_dict(), group, keep)
-        state = gather_rows(optimizer.state_dict(), group, keep)
+        weights = _full(model.state_dict().items(), keep)
+        state = _full(optimizer.state_dict().items(), keep)
         if self.bf16:  # the sharded parameters are the fp32 masters, already gathered above as the weights;
             # the tag holds bf16 weights beside them (only the keeping rank has anything to keep)
             state.update({state_key(n, MASTER): weights[n] for n in optimizer.names} if keep else {})
@@ -122,78 +123,14 @@ class Sharding:
         return _SavedStage(model, weights), _SavedOptimizer(state)
 
 
-# Bytes of local rows per collective of a save's gather: a few collectives instead of one per tensor (each one a
-# rendezvous of every rank, which costs more than its bytes on a loaded host), a bounded copy beside the shard.
-GATHER_BUCKET = 64 << 20
-
-
-def gather_rows(state: dict[str, Any], group: Any, keep: bool) -> dict[str, Any]:
-    """``state`` with each DTensor whole (its local rows, ``torch.chunk``'s split over ``group``, gathered into
-    ``group``'s rank 0, which ``keep``s them); other values as they are. None ``group``: a rank whose shard group
-    keeps nothing, which gathers nothing. Tensors are gathered in buckets of :data:`GATHER_BUCKET` local bytes per
-    dtype, each bucket one ``gather`` of equal-length flat buffers (padded: the last ranks may hold fewer rows)."""
-    out: dict[str, Any] = {} if not keep else {k: v.detach() if isinstance(v, torch.Tensor) else v
-                                                for k, v in state.items() if not isinstance(v, DTensor)}
-    sharded = [(k, v) for k, v in state.items() if isinstance(v, DTensor)]
-    rows = [(k, v) for k, v in sharded if v.placements[-1] == Shard(0) and set(v.placements[:-1]) <= {Replicate()}]
-    by_rows = {k for k, _ in rows}
-    for key, value in sharded:  # any other placement: whole by torch, over the mesh (every rank, in the same order)
-        if key not in by_rows:
-            whole = value.full_tensor()
-            out.update({key: whole.detach()} if keep else {})
-    if group is None:
-        return out
-    for bucket in _buckets(rows):
-        out.update(_gather_bucket(bucket, group, keep))
-    return {k: out[k] for k in state if k in out}  # the state's own order: the files' key order
-
-
-def _buckets(items: list[tuple[str, DTensor]]) -> list[list[tuple[str, DTensor]]]:
-    """Consecutive tensors of one dtype, up to GATHER_BUCKET local bytes each (every rank cuts alike: by shape)."""
-    buckets: list[list[tuple[str, DTensor]]] = []
-    size = 0
+def _full(items: Iterable[tuple[str, Any]], keep: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key, value in items:
-        nbytes = value.numel() * value.element_size() // max(1, value.device_mesh.size(-1))
-        if not buckets or size + nbytes > GATHER_BUCKET or buckets[-1][0][1].dtype != value.dtype:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((key, value))
-        size += nbytes
-    return buckets
-
-
-def _gather_bucket(bucket: list[tuple[str, DTensor]], group: Any, keep: bool) -> dict[str, torch.Tensor]:
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    counts = [[_row_count(v.shape[0], world, r) * math.prod(v.shape[1:]) for _, v in bucket] for r in range(world)]
-    longest = max(sum(c) for c in counts)
-    mine = torch.cat([local(v).detach().reshape(-1) for _, v in bucket])
-    send = torch.nn.functional.pad(mine, (0, longest - mine.numel()))
-    received = [torch.empty_like(send) for _ in range(world)] if rank == 0 else None
-    dist.gather(send, received, dst=dist.get_global_rank(group, 0), group=group)
-    if not keep or received is None:
-        return {}
-    out, offsets = {}, [0] * world
-    for i, (key, value) in enumerate(bucket):
-        parts = []
-        for r in range(world):
-            parts.append(received[r][offsets[r]:offsets[r] + counts[r][i]])
-            offsets[r] += counts[r][i]
-        out[key] = torch.cat(parts).view(value.shape)
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # collective over the mesh
+        if keep:
+            out[key] = value.detach() if isinstance(value, torch.Tensor) else value
     return out
-
-
-def chunk_rows(total: int, world: int, rank: int) -> tuple[int, int]:
-    """The rows [start, stop) of a ``total``-row tensor on ``rank`` of ``world`` (torch.chunk's split, as FSDP2's)."""
-    chunk = math.ceil(total / world)
-    start = min(rank * chunk, total)
-    return start, min(start + chunk, total)
-
-
-def _row_count(total: int, world: int, rank: int) -> int:
-    start, stop = chunk_rows(total, world, rank)
-    return stop - start
 
 
 class _SavedStage:
