@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,13 @@ PHASES = (
 
 
 class Timers:
-    """Seconds spent in each stage of PHASES (outermost call only: a stage inside another counts once)."""
+    """Seconds spent in each stage of PHASES (outermost call of each thread only: a stage inside another counts once;
+    stages on two threads at once both count, so they may add up to more than the stall)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
-        self._depth = 0
+        self._depth = threading.local()
+        self._lock = threading.Lock()
 
     def install(self) -> None:
         for module, attr, stage in PHASES:
@@ -76,15 +79,16 @@ class Timers:
 
     def _timed(self, fn: Any, stage: str) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
+            if getattr(self._depth, "n", 0):
                 return fn(*args, **kwargs)
-            self._depth += 1
+            self._depth.n = 1
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._depth -= 1
-                self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
+                self._depth.n = 0
+                with self._lock:
+                    self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
 
         return timed
 
