@@ -131,11 +131,13 @@ bench-405b: setup
 bench-startup: setup
 	$(BIN)/python benchmarks/startup.py $(BENCH_ARGS)
 
-# nxdtrain tokens/s and per-process peak memory against a transformers loop, then the MoE table (~20-30 min)
-# (2 cores; BENCH_ARGS=--quick for a smoke run; the MoE table: Mixtral at ep 1 and ep 2, all-to-all bytes per step)
+# nxdtrain tokens/s and per-process peak memory against a transformers loop, then the MoE and save tables (~30-40 min)
+# (2 cores; BENCH_ARGS=--quick for a smoke run; the MoE table: Mixtral at ep 1 and ep 2, all-to-all bytes per step;
+# the save table: how long a save stalls training in each mode against cp -r of the tag, benchmarks/saves.py)
 bench-train: setup
 	$(BIN)/python benchmarks/train.py $(BENCH_ARGS)
 	$(BIN)/python benchmarks/train_moe.py
+	$(BIN)/python benchmarks/saves.py
 
 # the cost of checked reads alone (to-hf with and without --no-check, 70B shapes, 5 pairs; ~6 minutes)
 bench-checked: setup

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         run_record,
         save_torch,
         seal,
+        tag_writes,
     )
 
 __getattr__ = lazy_exports(__name__, __file__)

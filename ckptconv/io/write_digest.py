@@ -166,13 +166,26 @@ class WriteDigests:
     def __init__(self, algorithm: str) -> None:
         self.algorithm = algorithm
         self._by_path: dict[str, WriteDigest] = {}
+        self._by_inode: dict[tuple[int, int], WriteDigest] = {}
         self._lock = threading.Lock()
 
     def open(self, path: str | os.PathLike[str], fd: int) -> WriteDigest:
         digest = WriteDigest(os.fspath(path), fd, self.algorithm)
+        st = os.fstat(fd)
         with self._lock:
             self._by_path[os.path.abspath(path)] = digest
+            self._by_inode[st.st_dev, st.st_ino] = digest
         return digest
+
+    def of_file(self, path: str | os.PathLike[str]) -> str | None:
+        """The digest of the file now at ``path``, renamed there or not, if it was written and finished here (the
+        same inode, every byte of it hashed); None: read it."""
+        st = os.stat(path)
+        with self._lock:
+            digest = self._by_inode.get((st.st_dev, st.st_ino))
+        if digest is None or digest.hexdigest is None or digest.pos != st.st_size:
+            return None
+        return digest.hexdigest
 
     def result(self, path: str | os.PathLike[str]) -> str | None:
         """The hex digest of the file written at ``path`` (before any rename), if it was finished here."""

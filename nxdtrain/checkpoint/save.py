@@ -1,11 +1,17 @@
 """Writing a ``step_<N>`` tag: every rank's shard and optimizer state, then rank 0's side files, ``ckptconv.json`` and
 markers, then retention; optionally the tag rewritten in NxD's own optimizer format.
+
+Every file goes through ckptconv's torch-zip writer with its digest computed as written
+(:func:`ckptconv.engine.tags.tag_writes`): ``torch.save``'s bytes, nothing read back for ``ckptconv.json``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from ckptconv.engine import (
     remove_tag,
     run_record,
     save_torch,
+    tag_writes,
 )
 from ckptconv.errors import ConversionError
 from ckptconv.io import (
@@ -92,19 +99,28 @@ class TagWriter:
         ep_rank = optimizer_ep_rank(self.coords.dp, self.layout.ep)
         first = self.coords.dp == ep_rank and self.coords.cp == 0
         written: list[Path] = []
-        if first:
-            tensors, column_major = _shard_to_save(model)
-            name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
-            written += save_shard(tag / name, tensors, self.flavour, column_major=column_major, ep=self.layout.ep)
-        if first or self.zero1:
-            dp_rank = self.zero_rank if self.zero1 else ep_rank
-            path = optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp_rank)
-            state = to_host(optimizer.state_dict())
-            if self.layout.ep > 1:  # which ep rank's experts the file holds (ckptconv.training's placement)
-                state.update(dp_rank=dp_rank, ep=self.layout.ep, ep_rank=optimizer_ep_rank(dp_rank, self.layout.ep))
-            written.append(save_torch(state, path))
+        # The converter's writer, digests as written (buffered: ckptconv.engine.tags). A host shard is written on a
+        # second thread beside the optimizer file (CRC-32, BLAKE3 and pwrite release the GIL); a device shard, copied
+        # to the host as it is written, on this one.
+        with tag_writes() as digests, ThreadPoolExecutor(1, thread_name_prefix="save-shard") as beside:
+            shard = None
+            if first:
+                tensors, column_major = _shard_to_save(model)
+                name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
+                write = functools.partial(save_shard, tag / name, tensors, self.flavour, column_major=column_major,
+                                          ep=self.layout.ep)
+                if column_major is None:
+                    shard = beside.submit(contextvars.copy_context().run, write)
+                else:
+                    written += write()
+            if first or self.zero1:
+                dp_rank = self.zero_rank if self.zero1 else ep_rank
+                written.append(save_state(optimizer, optim_file(tag, tp_rank=tp, pp_rank=pp, dp_rank=dp_rank),
+                                          dp_rank, self.layout.ep))
+            if shard is not None:
+                written += shard.result()
         _test_hold(rank)
-        mine = (file_records(written, tag), rng_state())
+        mine = (file_records(written, tag, digests), rng_state())
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=self.host_group)
         if rank == 0:
@@ -173,19 +189,20 @@ class TagWriter:
         files: dict[str, dict[str, Any]] = {}
         for records, _ in gathered:
             files.update(records)
-        side: list[Path] = [
-            save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
-            save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
-                         "options": self.options, "layout": self.layout.to_json(), "run": self.record,
-                         "loss": loss},
-                        tag / USER_CONTENT_FILE),
-        ]
+        with tag_writes() as digests:
+            side: list[Path] = [
+                save_torch({**scheduler, "step": step}, tag / SCHEDULER_FILE),
+                save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng in gathered],
+                             "options": self.options, "layout": self.layout.to_json(), "run": self.record,
+                             "loss": loss},
+                            tag / USER_CONTENT_FILE),
+            ]
         hf_src = self.source.root / HF_FILES_DIR
         if hf_src.is_dir() and not hf_src.is_symlink():
             names = sorted(p.name for p in hf_src.iterdir() if not p.is_dir())
             for name, real in outdir.confined_files(self.source.root, HF_FILES_DIR, names, []):
                 side.append(outdir.copy_file(Path(real), outdir.ensure_dir(tag, HF_FILES_DIR) / name))
-        files.update(file_records(side, tag))
+        files.update(file_records(side, tag, digests))
         dtype = next(iter(model.state_dict().values())).dtype
         finish_tag(tag, Metadata(
             kind="nxd", hf_config=self.source.spec.config, files=files, layout=self.layout.to_json(),
@@ -212,6 +229,15 @@ def _test_hold(rank: int) -> None:
         import time
 
         time.sleep(HOLD_S)
+
+
+def save_state(optimizer: Any, path: Path, dp_rank: int, ep: int) -> Path:
+    """The optimizer file of ``dp_rank``: its state on the host (with ``ep`` > 1, which ep rank's experts it holds:
+    ckptconv.training's placement), written by :func:`ckptconv.engine.tags.save_torch`."""
+    state = to_host(optimizer.state_dict())
+    if ep > 1:
+        state.update(dp_rank=dp_rank, ep=ep, ep_rank=optimizer_ep_rank(dp_rank, ep))
+    return save_torch(state, path)
 
 
 def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:
