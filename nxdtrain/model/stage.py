@@ -286,6 +286,8 @@ class LlamaStage(nn.Module):
         self.cp = cp = cp or CpGroup()
         self.ep = ep = ep or EpGroup()
         self.aux = aux  # MoE families: the router's aux loss (nxdtrain.model.moe)
+        # pp > 1: the aux loss's counts travel between the stages with the activations (a second output)
+        self.carries = aux is not None and bool(aux.coef) and layout.pp > 1
         assert recompute in RECOMPUTE_MODES, recompute
         self.recompute = recompute
         if layout.vpp != 1:
@@ -349,19 +351,25 @@ class LlamaStage(nn.Module):
         actual = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         assert actual == expected, f"stage keys/shapes differ from the shard: {set(actual.items()) ^ set(expected.items())}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``carried`` (pp > 1, MoE with the aux loss; zeros on the first stage): the micro-batch's router counts of
+        the stages before, returned with this stage's added as a second output."""
         h = self.model.embed_tokens(x) if self.is_first else x
         seq = h.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)  # h: this rank's slice with SP
         positions = zigzag_positions(seq * self.cp.size, self.cp, h.device) if self.cp.size > 1 else None
         cos, sin = cos_sin(self.rope_inv_freq, seq, h.dtype, positions=positions)
         batch = self.aux.next() if self.aux is not None else None  # this micro-batch's router statistics
+        if self.carries and batch is not None:
+            batch.carried = torch.zeros(self.spec.experts, device=h.device) if carried is None else carried
         for layer in self.model.layers.values():
             h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin, self.aux, batch)
         if self.is_last:
-            logits = self.lm_head(self.model.norm(h))
+            h = self.lm_head(self.model.norm(h))
             if self.vocab_padding is not None:  # padding rows never win the softmax (and get no gradient)
-                logits = logits.masked_fill(self.vocab_padding, torch.finfo(logits.dtype).min)
-            return logits
+                h = h.masked_fill(self.vocab_padding, torch.finfo(h.dtype).min)
+        if self.carries and batch is not None and batch.carried is not None:
+            counts, batch.carried = batch.carried.view_as(batch.carried), None  # a view: an input is not an output
+            return h, counts
         return h
 
     # ------------------------------------------------------------------ shard I/O
