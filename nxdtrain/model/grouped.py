@@ -47,17 +47,16 @@ class _GroupedMlp(torch.autograd.Function):
         hidden = act * up
         for e, a, b in spans:
             torch.mm(hidden[a:b], down[e], out=out[a:b])
-        ctx.save_for_backward(x, gate_up, down, pre, act)
+        ctx.save_for_backward(x, gate_up, down, pre, act, hidden)  # hidden kept: down's gradient needs it
         ctx.spans = spans
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, gate_up, down, pre, act = ctx.saved_tensors
+        x, gate_up, down, pre, act, hidden = ctx.saved_tensors
         inter = down.shape[1]
         gate, up = pre[:, :inter], pre[:, inter:]
         grad = grad.contiguous()
-        hidden = act * up
         d_hidden = grad.new_empty(grad.shape[0], inter)
         d_down = torch.zeros_like(down) if len(ctx.spans) < len(down) else torch.empty_like(down)
         for e, a, b in ctx.spans:

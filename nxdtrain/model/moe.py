@@ -15,7 +15,10 @@ probabilities of e, both over every sparse layer and token of the micro-batch (`
 added in the backward by :class:`_AuxGrad` at each sparse layer (the same ``dP`` for every layer, computed once per
 micro-batch), so that the schedules' loss stays the cross-entropy.
 ``C`` must be whole when the backward starts: at pp 1 the micro-batch's forward has counted every layer; at pp > 1
-a forward without gradients counts them first (:func:`count_first`) and the stages sum their counts.
+the counts travel with the micro-batch (:class:`_CarriedAuxGrad`): forward with the activations, each sparse layer
+adding its own, so the last stage holds the whole ``C``; back with the gradients, in the place of that tensor's
+gradient (:func:`with_counts`), so each layer's backward has the whole ``C`` without another forward. The counts are
+integers (exact in fp32 whatever the order they are added in), so ``dP`` is the same as a sum over the stages.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from nxdtrain.parallel.layers import TpGroup, enter_tp, leave_tp
 @dataclass
 class MicroBatch:
     """One micro-batch's router statistics on this stage: per sparse layer, its counts ``C`` and probability sums
-    ``P`` (detached); ``counts``: every stage's ``C`` summed, when a counting forward went first (pp > 1)."""
+    ``P`` (detached); ``counts``: every stage's ``C`` summed, come back with the gradients (pp > 1)."""
 
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     counts: torch.Tensor | None = None
+    carried: torch.Tensor | None = None  # pp > 1, during the stage's forward: C of the sparse layers so far
     grad: torch.Tensor | None = None  # the aux loss's dP, the same for every sparse layer: computed once
 
     def stats(self, experts: int, device: torch.device) -> torch.Tensor:
@@ -75,7 +79,7 @@ class AuxLoss:
     cursor: int = 0
 
     def next(self) -> MicroBatch:
-        """The statistics of the micro-batch whose forward starts (a counting forward's, when one went first)."""
+        """The statistics of the micro-batch whose forward starts."""
         if self.cursor == len(self.batches):
             self.batches.append(MicroBatch())
         self.cursor += 1
@@ -116,18 +120,44 @@ class _AuxGrad(torch.autograd.Function):
         return grad, ctx.aux.gradient(ctx.batch), None, None
 
 
-def count_first(aux: AuxLoss, forward: Any, pp_group: Any, device: torch.device) -> None:
-    """pp > 1: a forward of the step's micro-batches without gradients (``forward()``), then every stage's counts
-    summed, so each stage's backward has the whole ``C``. Collective over the pipeline group."""
-    aux.start_step()
-    with torch.no_grad():
-        forward()
-    counts = torch.stack([b.stats(aux.experts, device)[0] for b in aux.batches])
-    dist.all_reduce(counts, group=pp_group)
-    for batch, total in zip(aux.batches, counts, strict=True):
-        batch.layers.clear()
-        batch.counts, batch.grad = total, None
-    aux.cursor = 0
+class _CarriedAuxGrad(torch.autograd.Function):
+    """pp > 1: identity on the layer output, and ``carried + counts`` (the micro-batch's counts so far, sent on with
+    the activations). The backward receives, in the place of that sum's gradient, the micro-batch's whole counts
+    (:func:`with_counts` puts them there on the last stage), gives the layer's ``P`` the aux loss's gradient from
+    them and passes them on to the layers and stages before."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, sums: torch.Tensor, carried: torch.Tensor, counts: torch.Tensor,
+                aux: AuxLoss, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.aux, ctx.batch = aux, batch
+        return out.view_as(out), carried + counts
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.batch.counts is None:
+            ctx.batch.counts = total
+        return grad, ctx.aux.gradient(ctx.batch), total, None, None, None
+
+
+class _WithCounts(torch.autograd.Function):
+    """The loss, unchanged; its backward sends the last stage's carried counts (then whole) back as their
+    gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(carried)
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (carried,) = ctx.saved_tensors
+        return grad, carried
+
+
+def with_counts(loss: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss, whose backward starts the whole counts ``carried`` on their way back (pp > 1)."""
+    out: torch.Tensor = _WithCounts.apply(loss, carried)
+    return out
 
 
 def step_aux(aux: AuxLoss, pp_group: Any, dp_group: Any, device: torch.device) -> torch.Tensor:
@@ -216,7 +246,11 @@ class SparseMLP(nn.Module):
             # On every tp rank (a zero gradient on ranks > 0): the same autograd graph on each, so that their
             # backward runs the tp collectives in the same order.
             if aux.coef and torch.is_grad_enabled():
-                out = _AuxGrad.apply(out, sums, aux, batch)
+                if batch.carried is None:
+                    out = _AuxGrad.apply(out, sums, aux, batch)
+                else:
+                    out, batch.carried = _CarriedAuxGrad.apply(out, sums, batch.carried, batch.layers[self.layer][0],
+                                                               aux, batch)
         return out
 
 

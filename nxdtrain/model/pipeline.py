@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from nxdtrain.data.rows import PAD
 from nxdtrain.errors import TrainError
-from nxdtrain.model.moe import count_first
+from nxdtrain.model.moe import with_counts
 from nxdtrain.model.stage import LlamaStage
 from nxdtrain.parallel.context import split_sequence
 from nxdtrain.parallel.layers import vocab_parallel_cross_entropy
@@ -56,16 +56,22 @@ class PipelineStep:
         self.schedule: Any = None
         if pp_size > 1:
             inputs, outputs = exchanged_shapes(model, mbs=mbs, seq_len=seq_len)
-            x, y = _examples(inputs, device), _examples(outputs, device)
+            x, y = _examples(inputs, device), _examples(outputs, device)  # type: Any, Any
+            if model.carries:  # MoE's router counts travel with the activations (nxdtrain.model.moe)
+                counts = ((model.spec.experts,), torch.float32)
+                x = (x, _examples(counts, device)) if not model.is_first else x
+                y = (y, _examples(counts, device))
             stage = PipelineStage(model, model.pp_rank, pp_size, device, group=pp_group, input_args=x, output_args=y,
                                   input_grads=None if model.is_first else x, output_grads=None if model.is_last else y)
             self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
         self._has_return_outputs = "return_outputs" in inspect.signature(SCHEDULES[schedule].step).parameters
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        logits, counts = output if isinstance(output, tuple) else (output, None)
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.model.tp,
                                                  ignore_index=IGNORE)
-        return per_token.sum() / self.tokens
+        loss = per_token.sum() / self.tokens
+        return loss if counts is None or not torch.is_grad_enabled() else with_counts(loss, counts)
 
     def _inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This cp rank's ids and targets of whole rows (all of them without context parallelism)."""
@@ -79,8 +85,6 @@ class PipelineStep:
         ids, targets = self._inputs(rows)
         if (aux := self.model.aux) is not None:  # MoE: the router statistics of this step's micro-batches
             aux.start_step()
-            if self.schedule is not None and aux.coef:  # pp > 1: the aux loss's counts of every stage first
-                count_first(aux, lambda: self._evaluate_stages(ids, targets), self.pp_group, self.device)
         if self.schedule is None:
             return self._run_one_stage(ids, targets)
         losses: list[torch.Tensor] = []

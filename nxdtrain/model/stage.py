@@ -154,6 +154,8 @@ class SelfAttention(nn.Module):
         index = [heads.kv.index(h // spec.group) for h in heads.q]
         self.register_buffer("kv_index", torch.tensor(index), persistent=False)
         self.expand_kv = index != list(range(m))
+        # Q head i with K/V head i // (n / m), the grouping SDPA's GQA applies itself; other orders are copied
+        self.gqa = self.expand_kv and n % m == 0 and index == [i // (n // m) for i in range(n)]
         self.recompute_core = False  # selective activation checkpointing (set by LlamaStage)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,9 +186,10 @@ class SelfAttention(nn.Module):
         """softmax(QKᵀ)V: what selective checkpointing recomputes (ring attention over the cp ranks)."""
         if self.cp.size > 1:
             return ring_attention(q, k, v, self.cp, scale=self.scaling, kv_index=self.kv_index if self.expand_kv else None)
-        if self.expand_kv:
+        gqa = self.gqa and q.device.type != "xla"  # torch_xla's SDPA: no enable_gqa
+        if self.expand_kv and not gqa:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        return causal_attention(q, k, v, scale=self.scaling, window=self.window)
+        return causal_attention(q, k, v, scale=self.scaling, window=self.window, gqa=gqa)
 
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
@@ -283,6 +286,8 @@ class LlamaStage(nn.Module):
         self.cp = cp = cp or CpGroup()
         self.ep = ep = ep or EpGroup()
         self.aux = aux  # MoE families: the router's aux loss (nxdtrain.model.moe)
+        # pp > 1: the aux loss's counts travel between the stages with the activations (a second output)
+        self.carries = aux is not None and bool(aux.coef) and layout.pp > 1
         assert recompute in RECOMPUTE_MODES, recompute
         self.recompute = recompute
         if layout.vpp != 1:
@@ -346,19 +351,25 @@ class LlamaStage(nn.Module):
         actual = {k: tuple(v.shape) for k, v in self.state_dict().items()}
         assert actual == expected, f"stage keys/shapes differ from the shard: {set(actual.items()) ^ set(expected.items())}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carried: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``carried`` (pp > 1, MoE with the aux loss; zeros on the first stage): the micro-batch's router counts of
+        the stages before, returned with this stage's added as a second output."""
         h = self.model.embed_tokens(x) if self.is_first else x
         seq = h.shape[1] * (self.tp.size if self.tp.sequence_parallel else 1)  # h: this rank's slice with SP
         positions = zigzag_positions(seq * self.cp.size, self.cp, h.device) if self.cp.size > 1 else None
         cos, sin = cos_sin(self.rope_inv_freq, seq, h.dtype, positions=positions)
         batch = self.aux.next() if self.aux is not None else None  # this micro-batch's router statistics
+        if self.carries and batch is not None:
+            batch.carried = torch.zeros(self.spec.experts, device=h.device) if carried is None else carried
         for layer in self.model.layers.values():
             h = maybe_checkpoint(self.recompute == "full", layer, h, cos, sin, self.aux, batch)
         if self.is_last:
-            logits = self.lm_head(self.model.norm(h))
+            h = self.lm_head(self.model.norm(h))
             if self.vocab_padding is not None:  # padding rows never win the softmax (and get no gradient)
-                logits = logits.masked_fill(self.vocab_padding, torch.finfo(logits.dtype).min)
-            return logits
+                h = h.masked_fill(self.vocab_padding, torch.finfo(h.dtype).min)
+        if self.carries and batch is not None and batch.carried is not None:
+            counts, batch.carried = batch.carried.view_as(batch.carried), None  # a view: an input is not an output
+            return h, counts
         return h
 
     # ------------------------------------------------------------------ shard I/O
