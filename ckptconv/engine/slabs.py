@@ -13,7 +13,7 @@ the executor's ``--max-memory`` accounting covers it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,8 +21,15 @@ import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
 
-Alloc = Callable[[torch.dtype, tuple[int, ...]], torch.Tensor]
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.execute._Scratch.ALIGN)
+PAGE = 4096  # what placing an output at its file offset's page phase may add (ckptconv.engine.execute._Scratch.get)
+
+
+class Alloc(Protocol):
+    """A buffer allocator; ``phase``: the address modulo a page the buffer should start at (an output written
+    with O_DIRECT from where it was built, not copied to an aligned buffer first), or None."""
+
+    def __call__(self, dtype: torch.dtype, shape: tuple[int, ...], phase: int | None = None) -> torch.Tensor: ...
 
 
 class Rows(Protocol):
@@ -31,7 +38,7 @@ class Rows(Protocol):
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def _empty(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _empty(dtype: torch.dtype, shape: tuple[int, ...], phase: int | None = None) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
@@ -89,7 +96,7 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
         nbytes = 3 * (scratch[k] + ALIGN)
         sources: set[tuple[Source, int]] = set()
         for tensor, pieces in zip(tensors, split, strict=True):
-            nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + ALIGN
+            nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
                     sources.add((piece.source, piece.slab))
@@ -118,18 +125,19 @@ def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[l
 
 
 def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
-                split: list[list[list[Piece]]] | None = None, scratch_bytes: int | None = None) -> list[torch.Tensor]:
+                split: list[list[list[Piece]]] | None = None, scratch_bytes: int | None = None,
+                phases: list[int | None] | None = None) -> list[torch.Tensor]:
     """Slab ``k`` of each of ``tensors`` (the whole tensor when unstacked), in its stored orientation and dtype, built
-    in place in buffers from ``get``; each source matrix read whole is read once for all of them. ``split``: the
-    tensors' pieces split by slab (:func:`slab_pieces`), ``scratch_bytes``: slab ``k``'s scratch size
-    (:class:`SlabBands`), when already known."""
+    in place in buffers from ``get`` (each output at its ``phases`` entry); each source matrix read whole is read once
+    for all of them. ``split``: the tensors' pieces split by slab (:func:`slab_pieces`), ``scratch_bytes``: slab
+    ``k``'s scratch size (:class:`SlabBands`), when already known."""
     if split is None:
         split = [slab_pieces(tensor) for tensor in tensors]
     cache: dict[tuple[Source, int], torch.Tensor] = {}
     scratch = Scratch3(get, tensors, k, reader, split, scratch_bytes)
     outs = []
-    for tensor, pieces in zip(tensors, split, strict=True):
-        out = get(tensor.dtype, slab_shape(tensor))
+    for n, (tensor, pieces) in enumerate(zip(tensors, split, strict=True)):
+        out = get(tensor.dtype, slab_shape(tensor), phases[n] if phases else None)
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
         for piece in pieces[k]:
