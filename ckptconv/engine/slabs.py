@@ -93,7 +93,7 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
     most, scratch = 0, []
     for k in range(max(tensors[0].slabs, 1)):
         scratch.append(_scratch_bytes(tensors, k, reader, split))
-        nbytes = 3 * (scratch[k] + ALIGN)
+        nbytes = 3 * (scratch[k] + ALIGN) + _gather_bytes(tensors, k, reader, split) + ALIGN
         sources: set[tuple[Source, int]] = set()
         for tensor, pieces in zip(tensors, split, strict=True):
             nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
@@ -116,6 +116,8 @@ def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[l
     and its tensor's dtype."""
     most = 0
     for tensor, pieces in zip(tensors, split, strict=True):
+        if _gathers(tensor, pieces[k], reader):
+            continue
         rows, cols = slab_shape(tensor)
         other = rows if tensor.transposed != (tensor.dim == 1) else cols  # the piece's uncut dim, in HF orientation
         for piece in pieces[k]:
@@ -135,9 +137,16 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
         split = [slab_pieces(tensor) for tensor in tensors]
     cache: dict[tuple[Source, int], torch.Tensor] = {}
     scratch = Scratch3(get, tensors, k, reader, split, scratch_bytes)
+    gather: torch.Tensor | None = None
     outs = []
     for n, (tensor, pieces) in enumerate(zip(tensors, split, strict=True)):
         out = get(tensor.dtype, slab_shape(tensor), phases[n] if phases else None)
+        outs.append(out)
+        if _gathers(tensor, pieces[k], reader):
+            if gather is None:
+                gather = get(torch.uint8, (_gather_bytes(tensors, k, reader, split),))
+            _read_transposed(reader, pieces[k], out, gather)
+            continue
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
         for piece in pieces[k]:
@@ -153,8 +162,43 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
                                             out=scratch.rows(dtype, tuple(target.shape)))
                     copy_compact(target, rows, scratch)
             offset += piece.length
-        outs.append(out)
     return outs
+
+
+def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
+    """Whether a slab of ``tensor`` (its ``pieces``) is the transpose of a stack of stored rows of its sources, in
+    its dtype: NxD's ``gate_up_proj`` from an expert's HF gate and up rows (to-nxd), an HF ``down_proj`` from every tp
+    rank's NxD slab (to-hf). Those rows are then read into one matrix and transposed into place at once
+    (:func:`_read_transposed`), not transposed piece by piece into part of each row and copied there."""
+    if tensor.dim != (0 if tensor.transposed else 1) or not pieces or len(slab_shape(tensor)) != 2:
+        return False
+    for piece in pieces:
+        dtype, _, column_major = reader.info(piece.source)
+        if (piece.zeros or piece.alternates or piece.row_perm or piece.transposed == tensor.transposed
+                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and not hasattr(reader, "read_slab_rows"))):
+            return False
+    return True
+
+
+def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
+    """The matrix :func:`_read_transposed` reads slab ``k``'s rows into: the largest slab that gathers, or 0."""
+    return max((nbytes_of(t.dtype, slab_shape(t)) for t, pieces in zip(tensors, split, strict=True)
+                if _gathers(t, pieces[k], reader)), default=0)
+
+
+def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor) -> None:
+    """``out``'s transpose read row piece by row piece into ``gather``, then transposed into ``out`` in one copy
+    (torch's blocked transpose: a contiguous target from the transpose of a contiguous source)."""
+    matrix = gather[:out.numel() * out.element_size()].view(out.dtype).view(out.size(1), out.size(0))
+    offset = 0
+    for piece in pieces:
+        rows = matrix[offset:offset + piece.length]
+        if piece.slab >= 0:
+            reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=rows)  # type: ignore[attr-defined]
+        else:
+            reader.read_rows(piece.source, piece.start, piece.stop, out=rows)
+        offset += piece.length
+    out.copy_(matrix.t())
 
 
 class Scratch3:
