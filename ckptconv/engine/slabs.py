@@ -175,7 +175,8 @@ def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
     for piece in pieces:
         dtype, _, column_major = reader.info(piece.source)
         if (piece.zeros or piece.alternates or piece.row_perm or piece.transposed == tensor.transposed
-                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and not hasattr(reader, "read_slab_rows"))):
+                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and piece.length < reader.info(piece.source)[1][1]
+                    and not hasattr(reader, "read_slab_rows"))):
             return False
     return True
 
@@ -193,7 +194,9 @@ def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gathe
     offset = 0
     for piece in pieces:
         rows = matrix[offset:offset + piece.length]
-        if piece.slab >= 0:
+        if piece.slab >= 0 and piece.length == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
+            reader.read_rows(piece.source, piece.slab, piece.slab + 1, out=rows.unsqueeze(0))
+        elif piece.slab >= 0:
             reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=rows)  # type: ignore[attr-defined]
         else:
             reader.read_rows(piece.source, piece.start, piece.stop, out=rows)
