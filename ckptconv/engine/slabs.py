@@ -151,12 +151,13 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
         offset = 0
         for piece in pieces[k]:
             target = matrix.narrow(tensor.dim, offset, piece.length)
-            if _shared(piece, tensor.dim):
+            dtype = reader.info(piece.source)[0]
+            straight = target.is_contiguous() and dtype == tensor.dtype
+            if _shared(piece, tensor.dim) and not (straight and _rows_of_slab(piece, tensor.dim, reader)):
                 copy_compact(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
-            else:  # rows of an HF matrix: read straight into place when the layout allows
-                dtype = reader.info(piece.source)[0]
-                if target.is_contiguous() and dtype == tensor.dtype:
-                    reader.read_rows(piece.source, piece.start, piece.stop, out=target)
+            else:  # rows of a matrix: read straight into place when the layout allows
+                if straight:
+                    _read_piece(reader, piece, target)
                 else:
                     rows = reader.read_rows(piece.source, piece.start, piece.stop,
                                             out=scratch.rows(dtype, tuple(target.shape)))
@@ -193,15 +194,26 @@ def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gathe
     matrix = gather[:out.numel() * out.element_size()].view(out.dtype).view(out.size(1), out.size(0))
     offset = 0
     for piece in pieces:
-        rows = matrix[offset:offset + piece.length]
-        if piece.slab >= 0 and piece.length == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
-            reader.read_rows(piece.source, piece.slab, piece.slab + 1, out=rows.unsqueeze(0))
-        elif piece.slab >= 0:
-            reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=rows)  # type: ignore[attr-defined]
-        else:
-            reader.read_rows(piece.source, piece.start, piece.stop, out=rows)
+        _read_piece(reader, piece, matrix[offset:offset + piece.length])
         offset += piece.length
     out.copy_(matrix.t())
+
+
+def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
+    """Whether ``piece`` is stored rows of one matrix of a stack that :func:`_read_piece` reads alone: TorchTitan's
+    ``w1[e]`` into an HF expert's ``gate_proj`` (from-dcp), read straight into place, not read whole and copied."""
+    return (piece.slab >= 0 and not piece.transposed and dim == 0
+            and (piece.length == reader.info(piece.source)[1][1] or hasattr(reader, "read_slab_rows")))
+
+
+def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor) -> None:
+    """The stored rows ``piece`` reads (rows of a matrix, or of one matrix of a stack) into ``out``."""
+    if piece.slab >= 0 and piece.length == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
+        reader.read_rows(piece.source, piece.slab, piece.slab + 1, out=out.unsqueeze(0))
+    elif piece.slab >= 0:
+        reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=out)  # type: ignore[attr-defined]
+    else:
+        reader.read_rows(piece.source, piece.start, piece.stop, out=out)
 
 
 class Scratch3:
