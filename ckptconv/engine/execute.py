@@ -340,7 +340,8 @@ def _write_band(
     cache: dict[Source, torch.Tensor] = {}
     slabs = []
     if unit.slab_work is not None:  # one slab, or part of one, of each tensor, built in this band's arena
-        slabs = slab_writes(unit.slab_work, [t for _, t in unit.tensors], start, reader, _SCRATCH.get)
+        slabs = slab_writes(unit.slab_work, [t for _, t in unit.tensors], start, reader, _SCRATCH.get,
+                            lambda n, at, size: _file_phase(sinks[unit.tensors[n][0]], unit.tensors[n][1], at, size))
     for n, (file_index, tensor) in enumerate(unit.tensors):
         offset, nbytes = band_extent(tensor, start, stop, unit.transposed)
         phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
@@ -364,10 +365,9 @@ def _write_band(
 
 
 def _file_phase(sink: Sink, tensor: OutTensor, offset: int, nbytes: int) -> int | None:
-    """Where in a page the band's ``nbytes`` at ``offset`` of the tensor start in their file (see _Scratch.get), for
-    bands large enough to be written with O_DIRECT, when the sink can say."""
+    """Where in a page ``nbytes`` at byte ``offset`` of the tensor start in its file, if O_DIRECT may write them."""
     file_offset = getattr(sink, "file_offset", None)
-    if file_offset is None or tensor.by_slab or nbytes < direct_io.MIN_DIRECT:
+    if file_offset is None or nbytes < direct_io.MIN_DIRECT:
         return None
     return file_offset(tensor.key, offset) % _Scratch.PAGE
 

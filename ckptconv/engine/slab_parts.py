@@ -11,7 +11,7 @@ sources cut by columns (a transposed piece), more reads of the same rows; never 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from ckptconv.core.plan import OutTensor, Piece, Source
 from ckptconv.engine.slabs import (
     ALIGN,
+    PAGE,
     Alloc,
     Rows,
     Scratch3,
@@ -96,7 +97,7 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
     fewest = min(shape[0] for shape in shapes)  # a part has at least a row of every tensor
 
     def outputs(count: int) -> int:  # the largest part's outputs: ceil(rows / count) rows of each
-        return sum(nbytes_of(t.dtype, (-(-shape[0] // count), shape[1])) + ALIGN
+        return sum(nbytes_of(t.dtype, (-(-shape[0] // count), shape[1])) + PAGE
                    for t, shape in zip(tensors, shapes, strict=True))
 
     count = max(1, min(-(-outputs(1) // room), fewest))
@@ -105,19 +106,31 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
     return Parts(count, chunk, buffer, outputs(count) + 3 * (buffer + ALIGN))
 
 
-def slab_writes(work: SlabWork, tensors: list[OutTensor], band: int, reader: Rows,
-                get: Alloc) -> list[tuple[int, torch.Tensor]]:
+Phase = Callable[[int, int, int], int | None]  # (tensor index, byte offset in it, bytes) -> a page phase or None
+
+
+def slab_writes(work: SlabWork, tensors: list[OutTensor], band: int, reader: Rows, get: Alloc,
+                phase: Phase | None = None) -> list[tuple[int, torch.Tensor]]:
     """Band ``band`` of a slab group (slab ``band // per_slab``, its part ``band % per_slab``): for each tensor, the
-    byte offset in the tensor and the bytes to write there, built in buffers from ``get``."""
+    byte offset in the tensor and the bytes to write there, built in buffers from ``get``; each at the page phase
+    ``phase`` gives for its extent, so that an O_DIRECT write sends it from where it was built."""
     slab, part = divmod(band, work.per_slab)
+    extents = []
+    for tensor in tensors:
+        rows, cols = slab_shape(tensor)[0], nbytes_of(tensor.dtype, slab_shape(tensor)[1:])
+        first, stop = _part_rows(rows, part, work.parts.count) if work.parts is not None else (0, rows)
+        extents.append((slab * _slab_bytes(tensor) + first * cols, (stop - first) * cols))
+    phases = [phase(n, offset, nbytes) if phase else None for n, (offset, nbytes) in enumerate(extents)]
     if work.parts is None:
-        built = build_slabs(tensors, slab, reader, get, work.bands.pieces, work.bands.scratch[slab])
-        return [(slab * _slab_bytes(t), b.unsqueeze(0) if t.slabs else b) for t, b in zip(tensors, built, strict=True)]
-    writes = []
-    for tensor, (first, rows) in zip(tensors, build_part(tensors, work.bands.pieces, slab, part, work.parts, reader,
-                                                         get), strict=True):
-        writes.append((slab * _slab_bytes(tensor) + first * nbytes_of(tensor.dtype, slab_shape(tensor)[1:]), rows))
-    return writes
+        built = build_slabs(tensors, slab, reader, get, work.bands.pieces, work.bands.scratch[slab], phases)
+        return [(extent[0], b.unsqueeze(0) if t.slabs else b) for t, b, extent in zip(tensors, built, extents, strict=True)]
+    parts = build_part(tensors, work.bands.pieces, slab, part, work.parts, reader, get, phases)
+    return [(extent[0], rows) for extent, rows in zip(extents, parts, strict=True)]
+
+
+def _part_rows(rows: int, part: int, count: int) -> tuple[int, int]:
+    """Stored rows [first, stop) of part ``part`` of ``count`` of a slab of ``rows`` rows."""
+    return rows * part // count, rows * (part + 1) // count
 
 
 def _slab_bytes(tensor: OutTensor) -> int:
@@ -134,17 +147,17 @@ class _Job:
 
 
 def build_part(tensors: list[OutTensor], split: list[list[list[Piece]]], slab: int, part: int, parts: Parts,
-               reader: Rows, get: Alloc) -> list[tuple[int, torch.Tensor]]:
-    """Part ``part`` of slab ``slab`` of each of ``tensors``: (its first stored row, those rows), built in place in
-    buffers from ``get``; each source's rows read in chunks, each chunk once for every tensor needing it."""
+               reader: Rows, get: Alloc, phases: list[int | None]) -> list[torch.Tensor]:
+    """Part ``part`` of slab ``slab`` of each of ``tensors`` (those stored rows), built in place in buffers from
+    ``get`` at ``phases``; each source's rows read in chunks, each chunk once for every tensor needing it."""
     scratch = Scratch3(get, tensors, slab, reader, split, parts.buffer)
     jobs: dict[tuple[Source, int], list[_Job]] = {}
     outs = []
-    for tensor, pieces in zip(tensors, split, strict=True):
+    for tensor, pieces, at in zip(tensors, split, phases, strict=True):
         rows, cols = slab_shape(tensor)
-        first, stop = rows * part // parts.count, rows * (part + 1) // parts.count
-        out = get(tensor.dtype, (stop - first, cols))
-        outs.append((first, out))
+        first, stop = _part_rows(rows, part, parts.count)
+        out = get(tensor.dtype, (stop - first, cols), at)
+        outs.append(out)
         for piece, job in _regions(tensor, pieces[slab], out, first, stop):
             jobs.setdefault((piece.source, piece.slab), []).append(job)
     for (source, index), todo in jobs.items():

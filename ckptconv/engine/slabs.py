@@ -13,7 +13,7 @@ the executor's ``--max-memory`` accounting covers it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,8 +21,15 @@ import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
 
-Alloc = Callable[[torch.dtype, tuple[int, ...]], torch.Tensor]
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
+PAGE = 4096  # what placing an output at its file offset's page phase may add (ckptconv.engine.arena.Scratch.get)
+
+
+class Alloc(Protocol):
+    """A buffer allocator; ``phase``: the address modulo a page the buffer should start at (an output written
+    with O_DIRECT from where it was built, not copied to an aligned buffer first), or None."""
+
+    def __call__(self, dtype: torch.dtype, shape: tuple[int, ...], phase: int | None = None) -> torch.Tensor: ...
 
 
 class Rows(Protocol):
@@ -31,7 +38,7 @@ class Rows(Protocol):
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def _empty(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _empty(dtype: torch.dtype, shape: tuple[int, ...], phase: int | None = None) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
@@ -86,10 +93,10 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
     most, scratch = 0, []
     for k in range(max(tensors[0].slabs, 1)):
         scratch.append(_scratch_bytes(tensors, k, reader, split))
-        nbytes = 3 * (scratch[k] + ALIGN)
+        nbytes = 3 * (scratch[k] + ALIGN) + _gather_bytes(tensors, k, reader, split) + ALIGN
         sources: set[tuple[Source, int]] = set()
         for tensor, pieces in zip(tensors, split, strict=True):
-            nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + ALIGN
+            nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
                     sources.add((piece.source, piece.slab))
@@ -109,6 +116,8 @@ def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[l
     and its tensor's dtype."""
     most = 0
     for tensor, pieces in zip(tensors, split, strict=True):
+        if _gathers(tensor, pieces[k], reader):
+            continue
         rows, cols = slab_shape(tensor)
         other = rows if tensor.transposed != (tensor.dim == 1) else cols  # the piece's uncut dim, in HF orientation
         for piece in pieces[k]:
@@ -118,35 +127,93 @@ def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[l
 
 
 def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
-                split: list[list[list[Piece]]] | None = None, scratch_bytes: int | None = None) -> list[torch.Tensor]:
+                split: list[list[list[Piece]]] | None = None, scratch_bytes: int | None = None,
+                phases: list[int | None] | None = None) -> list[torch.Tensor]:
     """Slab ``k`` of each of ``tensors`` (the whole tensor when unstacked), in its stored orientation and dtype, built
-    in place in buffers from ``get``; each source matrix read whole is read once for all of them. ``split``: the
-    tensors' pieces split by slab (:func:`slab_pieces`), ``scratch_bytes``: slab ``k``'s scratch size
-    (:class:`SlabBands`), when already known."""
+    in place in buffers from ``get`` (each output at its ``phases`` entry); each source matrix read whole is read once
+    for all of them. ``split``: the tensors' pieces split by slab (:func:`slab_pieces`), ``scratch_bytes``: slab
+    ``k``'s scratch size (:class:`SlabBands`), when already known."""
     if split is None:
         split = [slab_pieces(tensor) for tensor in tensors]
     cache: dict[tuple[Source, int], torch.Tensor] = {}
     scratch = Scratch3(get, tensors, k, reader, split, scratch_bytes)
+    gather: torch.Tensor | None = None
     outs = []
-    for tensor, pieces in zip(tensors, split, strict=True):
-        out = get(tensor.dtype, slab_shape(tensor))
+    for n, (tensor, pieces) in enumerate(zip(tensors, split, strict=True)):
+        out = get(tensor.dtype, slab_shape(tensor), phases[n] if phases else None)
+        outs.append(out)
+        if _gathers(tensor, pieces[k], reader):
+            if gather is None:
+                gather = get(torch.uint8, (_gather_bytes(tensors, k, reader, split),))
+            _read_transposed(reader, pieces[k], out, gather)
+            continue
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
         for piece in pieces[k]:
             target = matrix.narrow(tensor.dim, offset, piece.length)
-            if _shared(piece, tensor.dim):
+            dtype = reader.info(piece.source)[0]
+            straight = target.is_contiguous() and dtype == tensor.dtype
+            if _shared(piece, tensor.dim) and not (straight and _rows_of_slab(piece, tensor.dim, reader)):
                 copy_compact(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
-            else:  # rows of an HF matrix: read straight into place when the layout allows
-                dtype = reader.info(piece.source)[0]
-                if target.is_contiguous() and dtype == tensor.dtype:
-                    reader.read_rows(piece.source, piece.start, piece.stop, out=target)
+            else:  # rows of a matrix: read straight into place when the layout allows
+                if straight:
+                    _read_piece(reader, piece, target)
                 else:
                     rows = reader.read_rows(piece.source, piece.start, piece.stop,
                                             out=scratch.rows(dtype, tuple(target.shape)))
                     copy_compact(target, rows, scratch)
             offset += piece.length
-        outs.append(out)
     return outs
+
+
+def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
+    """Whether a slab of ``tensor`` (its ``pieces``) is the transpose of a stack of stored rows of its sources, in
+    its dtype: NxD's ``gate_up_proj`` from an expert's HF gate and up rows (to-nxd), an HF ``down_proj`` from every tp
+    rank's NxD slab (to-hf). Those rows are then read into one matrix and transposed into place at once
+    (:func:`_read_transposed`), not transposed piece by piece into part of each row and copied there."""
+    if tensor.dim != (0 if tensor.transposed else 1) or not pieces or len(slab_shape(tensor)) != 2:
+        return False
+    for piece in pieces:
+        dtype, _, column_major = reader.info(piece.source)
+        if (piece.zeros or piece.alternates or piece.row_perm or piece.transposed == tensor.transposed
+                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and piece.length < reader.info(piece.source)[1][1]
+                    and not hasattr(reader, "read_slab_rows"))):
+            return False
+    return True
+
+
+def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
+    """The matrix :func:`_read_transposed` reads slab ``k``'s rows into: the largest slab that gathers, or 0."""
+    return max((nbytes_of(t.dtype, slab_shape(t)) for t, pieces in zip(tensors, split, strict=True)
+                if _gathers(t, pieces[k], reader)), default=0)
+
+
+def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor) -> None:
+    """``out``'s transpose read row piece by row piece into ``gather``, then transposed into ``out`` in one copy
+    (torch's blocked transpose: a contiguous target from the transpose of a contiguous source)."""
+    matrix = gather[:out.numel() * out.element_size()].view(out.dtype).view(out.size(1), out.size(0))
+    offset = 0
+    for piece in pieces:
+        _read_piece(reader, piece, matrix[offset:offset + piece.length])
+        offset += piece.length
+    out.copy_(matrix.t())
+
+
+def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
+    """Whether ``piece`` is stored rows of one matrix of a stack that :func:`_read_piece` reads alone: TorchTitan's
+    ``w1[e]`` into an HF expert's ``gate_proj`` (from-dcp), read straight into place, not read whole and copied."""
+    return (piece.slab >= 0 and not piece.transposed and dim == 0
+            and (piece.length == reader.info(piece.source)[1][1] or hasattr(reader, "read_slab_rows")))
+
+
+def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor) -> None:
+    """The stored rows ``piece`` reads (rows of a matrix, or of one matrix of a stack) into ``out``."""
+    if piece.slab >= 0 and piece.length == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
+        reader.read_rows(piece.source, piece.slab, piece.slab + 1, out=out.unsqueeze(0))
+    elif piece.slab >= 0:
+        reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=out)  # type: ignore[attr-defined]
+    else:
+        reader.read_rows(piece.source, piece.start, piece.stop, out=out)
 
 
 class Scratch3:

@@ -1,0 +1,59 @@
+"""Expert slabs are built where their O_DIRECT write sends them from: at their file offset's page phase, so no expert
+byte is copied into an aligned bounce buffer first (io.direct_io counts those), to NxD and back to HF; and the slabs
+built by one transpose of stacked rows (NxD's gate_up_proj from HF gate and up rows, HF's down_proj from every tp
+rank's NxD slab) equal torch's own slicing and transposing of the HF matrices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptconv
+from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
+from ckptconv.io import direct_io
+from ckptconv.io.nxd_read import load_shard
+from tests.conftest import warns_no_tokenizer
+
+H, I, E = 256, 2048, 2  # noqa: E741  fp32 experts of 2 MiB: every tp 2 slab is at least direct_io.MIN_DIRECT
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32,
+                                        num_hidden_layers=1)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("mixtral")
+    transformers.MixtralForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_expert_slabs_go_direct_without_a_bounce_and_equal_torch(mixtral: Path, tmp_path: Path):
+    options = ckptconv.RunOptions(quiet=True, workers=2, write_io="direct")
+    direct, bounced = direct_io.direct_bytes, direct_io.bounced_bytes
+    ckptconv.to_nxd(mixtral, tmp_path / "nxd", tp=2, options=options)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
+    if direct_io.direct_bytes == direct:
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    experts = 2 * 3 * E * H * I * 4  # both directions
+    assert direct_io.direct_bytes - direct >= experts * 9 // 10  # each write's unaligned edges go buffered
+    assert direct_io.bounced_bytes == bounced, "an expert slab was copied to an aligned buffer before its write"
+
+    hf = load_file(mixtral / "model.safetensors")
+    w = "model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
+    half = I // 2
+    for tp in range(2):
+        shard = load_shard(tmp_path / "nxd" / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt")
+        rows = slice(tp * half, (tp + 1) * half)
+        for e in range(E):
+            gate_up = torch.cat([hf[w.format(e=e, w="w1")][rows], hf[w.format(e=e, w="w3")][rows]]).t()
+            assert torch.equal(shard["model.layers.0." + NXD_GATE_UP][e], gate_up)
+            assert torch.equal(shard["model.layers.0." + NXD_DOWN][e], hf[w.format(e=e, w="w2")][:, rows].t())
+    back = load_file(tmp_path / "hf" / "model.safetensors")
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
