@@ -107,15 +107,12 @@ def window_mask(seq_len: int, window: int, device: torch.device | None = None) -
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                     window: int | None = None, gqa: bool = False) -> torch.Tensor:
-    """softmax(QKᵀ·scale)V over (batch, heads, seq, head_dim), causal, within ``window`` keys when given.
-    ``gqa``: ``k``/``v`` hold fewer heads, Q head i attending with K/V head ``i // (q heads / kv heads)`` (SDPA's
-    ``enable_gqa``, as transformers' sdpa attention calls it: no expanded copy of K/V, forward or backward)."""
+                     window: int | None = None) -> torch.Tensor:
+    """softmax(QKᵀ·scale)V over (batch, heads, seq, head_dim), causal, within ``window`` keys when given."""
     seq = q.shape[2]
     if window is None or window >= seq:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, window, q.device), scale=scale,
-                                          enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, window, q.device), scale=scale)
 
 
 def attention_heads(

@@ -154,8 +154,6 @@ class SelfAttention(nn.Module):
         index = [heads.kv.index(h // spec.group) for h in heads.q]
         self.register_buffer("kv_index", torch.tensor(index), persistent=False)
         self.expand_kv = index != list(range(m))
-        # Q head i with K/V head i // (n / m), the grouping SDPA's GQA applies itself; other orders are copied
-        self.gqa = self.expand_kv and n % m == 0 and index == [i // (n // m) for i in range(n)]
         self.recompute_core = False  # selective activation checkpointing (set by LlamaStage)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,10 +184,9 @@ class SelfAttention(nn.Module):
         """softmax(QKᵀ)V: what selective checkpointing recomputes (ring attention over the cp ranks)."""
         if self.cp.size > 1:
             return ring_attention(q, k, v, self.cp, scale=self.scaling, kv_index=self.kv_index if self.expand_kv else None)
-        gqa = self.gqa and q.device.type != "xla"  # torch_xla's SDPA: no enable_gqa
-        if self.expand_kv and not gqa:
+        if self.expand_kv:
             k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
-        return causal_attention(q, k, v, scale=self.scaling, window=self.window, gqa=gqa)
+        return causal_attention(q, k, v, scale=self.scaling, window=self.window)
 
     def kv_rows(self) -> list[tuple[nn.Parameter, slice]]:
         """(parameter, rows) that hold K/V heads (the rows that may be replicated on other tp ranks)."""
