@@ -105,7 +105,8 @@ class TagWriter:
         lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier(group=self.host_group)
         files = self._files(tag, model, optimizer, copy=background)
-        dtype = str(next(iter(model.state_dict().values())).dtype).removeprefix("torch.")
+        # rank 0's (with FSDP the other dp ranks' gathered model is empty)
+        dtype = str(next(iter(model.state_dict().values())).dtype).removeprefix("torch.") if rank == 0 else ""
         pending = Pending(tag, step, consumed, dict(scheduler), loss, dtype, rng_state(), lock)
         if background:
             thread = ThreadPoolExecutor(1, thread_name_prefix="save-async")
