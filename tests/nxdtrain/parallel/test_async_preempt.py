@@ -24,6 +24,7 @@ from tests.nxdtrain.parallel.test_signals import (
 )
 
 ASYNC = ("--async-save",)
+DECAY = TRAIN_FLAGS[TRAIN_FLAGS.index("--steps") + 1]  # run_nproc's schedule: the stopped run's --steps
 
 
 def held(hold: Path) -> bool:
@@ -42,7 +43,7 @@ def test_async_tags_complete_at_the_next_save_and_at_the_end_with_a_sync_saves_f
     root, log, hold = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "hold"
     hold.mkdir()
     monkeypatch.setenv(HOLD_ENV, str(hold))
-    launcher = start_launcher(src, root, log, checkpoint_freq=2, steps=4, extra=ASYNC)
+    launcher = start_launcher(src, root, log, checkpoint_freq=2, steps=4, extra=(*ASYNC, "--decay-steps", DECAY))
     try:
         _, err = launcher.communicate(timeout=300)
     finally:
@@ -97,7 +98,7 @@ def test_sigkill_while_an_async_save_writes_leaves_it_incomplete_and_a_resume_ta
     hold.mkdir()
     monkeypatch.setenv(HOLD_ENV, str(hold))
     argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(root), "--nproc", "2", *TRAIN_FLAGS,
-            "--decay-steps", TRAIN_FLAGS[TRAIN_FLAGS.index("--steps") + 1], "--checkpoint-dir", str(root), "--checkpoint-freq", "2", *ASYNC]
+            "--decay-steps", DECAY, "--checkpoint-dir", str(root), "--checkpoint-freq", "2", *ASYNC]
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     workers: set[int] = set()
@@ -114,7 +115,8 @@ def test_sigkill_while_an_async_save_writes_leaves_it_incomplete_and_a_resume_ta
     assert completed(root) == {"step_2"}
     monkeypatch.delenv(HOLD_ENV)
     resumed = tmp_path / "resumed.jsonl"
-    run_nproc(root, 8, resumed, "--checkpoint-dir", str(root), *ASYNC)
+    run_nproc(root, 8, resumed, "--checkpoint-dir", str(root), "--checkpoint-freq", "2", *ASYNC)
     expected = reference(src, 8, tmp_path)
     assert losses(resumed) == {k: expected[k] for k in range(3, 9)}
-    assert {"step_4", "step_8"} <= completed(root) and tags(root) == completed(root)
+    # step_4 saved again over what the kill left (then pruned with step_2: --keep 2)
+    assert tags(root) == completed(root) == {"step_6", "step_8"}
