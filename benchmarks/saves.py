@@ -174,13 +174,13 @@ def copy_cost(tag: Path) -> dict[str, Any]:
     return {"cp": cp, "bytes": sum(p.stat().st_size for p in files)}
 
 
-def run_one(row: str, source: str, saves: int, quick: bool, out: Path, background: bool) -> int:
+def run_one(row: str, source: str, saves: int, quick: bool, out: Path, background: bool, seq: int | None) -> int:
     """One row in this process's tree (``--one``): the world, then rank 0's records in ``out/result.json``."""
     from nxdtrain.cli import PRELOAD
     from nxdtrain.parallel.dist import spawn
 
     model, procs, extra = ROWS[row]
-    seq = 64 if quick else (512 if model == "llama" else 256)
+    seq = seq or (64 if quick else (512 if model == "llama" else 256))
     options = dict(precision="fp32", data="synthetic", seq_len=seq, gbs=4 if quick else 8, mbs=1 if quick else 2,
                    steps=saves + 1, lr=1e-4, warmup=0, schedule="constant", optimizer="adamw", weight_decay=0.1,
                    clip_grad=1.0, seed=1, dist_timeout=600.0, resume=source, checkpoint_dir=str(out / "ckpt"),
@@ -214,7 +214,7 @@ def measure_row(tree: Path, row: str, source: Path, args: argparse.Namespace, ou
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [sys.executable, str(Path(__file__).resolve()), "--one", row, "--source", str(source), "--out", str(out),
-            "--saves", str(args.saves)] + (["--quick"] if args.quick else []) + (["--async"] if mode == "async" else [])
+            "--saves", str(args.saves), "--seq", str(args.seq or 0)] + (["--quick"] if args.quick else []) + (["--async"] if mode == "async" else [])
     # cwd out of every tree: the forkserver (python -c) puts its working directory first on sys.path
     subprocess.run(argv, env=env, check=True, cwd=out)
     result: list[dict[str, Any]] = json.loads((out / "result.json").read_text())
@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every row and tree, alternated")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)}")
     parser.add_argument("--tree", action="append", default=[], help="a checkout to measure (default: this one)")
+    parser.add_argument("--seq", type=int, default=None, help="training rows' length (default 512 dense, 256 "
+                        "Mixtral; shorter steps, the same tag)")
     parser.add_argument("--modes", default="sync,async", help="sync, async (--async-save) or both, alternated")
     parser.add_argument("--async", dest="background", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help="where models and tags go (default: a temporary directory)")
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        return run_one(args.one, args.source, args.saves, args.quick, Path(args.out), args.background)
+        return run_one(args.one, args.source, args.saves, args.quick, Path(args.out), args.background, args.seq)
     trees = [Path(t).resolve() for t in args.tree] or [HERE.parent]
     rows = args.rows.split(",")
     results = []

@@ -328,9 +328,10 @@ HOLD_S = 5.0
 
 
 def _test_hold(rank: int) -> None:
-    """Test-only hook (tests/nxdtrain/parallel/test_preempt.py): with ``NXDTRAIN_TEST_HOLD_SAVE=DIR``, the first save
-    of each rank stops for HOLD_S seconds after writing its files, once it has created ``DIR/rank-R``: a signal
-    sent then falls inside a save."""
+    """Test-only hook (tests/nxdtrain/parallel/test_preempt.py, test_async_preempt.py): with
+    ``NXDTRAIN_TEST_HOLD_SAVE=DIR``, the first save of each rank stops for HOLD_S seconds after writing its files
+    (with --async-save: its background thread, while training goes on), once it has created ``DIR/rank-R``: a
+    signal sent then falls inside a save."""
     hold = os.environ.get(HOLD_ENV)
     if hold:
         try:
