@@ -58,7 +58,7 @@ PHASES = (
     ("nxdtrain.checkpoint.save", "save_torch", "optim"),
     ("nxdtrain.checkpoint.save", "save_state", "optim"),
     ("nxdtrain.checkpoint.save", "state_to_save", "gather"),
-    ("nxdtrain.checkpoint.save", "host_copy", "copy"),
+    ("nxdtrain.checkpoint.save", "HostCopies.copy", "copy"),
     ("nxdtrain.checkpoint.save", "file_records", "digests"),
     ("nxdtrain.checkpoint.save", "finish_tag", "finish"),
 )

@@ -93,6 +93,7 @@ class TagWriter:
     nxd_zero1: bool = False      # --zero1 as asked (at dp 1 there is no ZeRO-1 group, NxD's format has ZeRO-1 files)
     nxd_param_groups: str | None = None  # --optimizer-format nxd: each tag rewritten in NxD's format by this rule
     pending: Pending | None = None       # the save in flight (written, not yet completed: complete)
+    copies: HostCopies = dataclasses.field(default_factory=lambda: HostCopies())  # --async-save's, kept for the run
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None, background: bool = False) -> Path:
@@ -153,7 +154,9 @@ class TagWriter:
         ep_rank = optimizer_ep_rank(self.coords.dp, self.layout.ep)
         first = self.coords.dp == ep_rank and self.coords.cp == 0
         files = Files(tag)
-        snapshot = host_copy if copy else (lambda obj: obj)
+        if copy:
+            self.copies.start()
+        snapshot = self.copies.copy if copy else (lambda obj: obj)
         if first:
             tensors, column_major = _shard_to_save(model)
             name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
@@ -302,25 +305,50 @@ class Pending:
             return {}, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
 
 
-def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
-    """``obj`` with every tensor copied to host memory that training does not change: each CPU storage copied once,
-    views that shared one sharing its copy (so torch.save writes the same bytes); a device tensor copied to the
-    host (fresh memory already)."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type != "cpu":
-            return t.cpu()
-        storage = t.untyped_storage()
-        copy = memo.get(storage.data_ptr())
-        if copy is None:
-            copy = memo[storage.data_ptr()] = storage.clone()
-        return torch.empty(0, dtype=t.dtype).set_(copy, t.storage_offset(), t.size(), t.stride())
-    if isinstance(obj, dict):
-        return type(obj)((k, host_copy(v, memo)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v, memo) for v in obj)
-    return obj
+class HostCopies:
+    """Host copies of what a rank saves, in memory training does not change: each CPU storage copied once (views that
+    shared one share its copy, so torch.save writes the same bytes), a device tensor copied to the host. The copies
+    are kept for the next save to copy into, once the save that used them completed: memory already faulted in
+    copies in about half the time of fresh memory (measured 0.20 s against 0.37-0.43 s for 370 MB)."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.UntypedStorage] = []  # the previous save's copies, in the order they were made
+        self.made: list[torch.UntypedStorage] = []
+
+    def start(self) -> None:
+        """A new save: what the previous one copied into may be reused (its writes have completed)."""
+        self.kept, self.made = self.made or self.kept, []
+
+    def copy(self, obj: Any, memo: dict[int, Any] | None = None) -> Any:
+        memo = {} if memo is None else memo
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.device.type != "cpu":
+                return t.cpu()
+            storage = t.untyped_storage()
+            copy = memo.get(storage.data_ptr())
+            if copy is None:
+                copy = memo[storage.data_ptr()] = self._storage_like(storage)
+            return torch.empty(0, dtype=t.dtype).set_(copy, t.storage_offset(), t.size(), t.stride())
+        if isinstance(obj, dict):
+            return type(obj)((k, self.copy(v, memo)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, memo) for v in obj)
+        return obj
+
+    def _storage_like(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        index = len(self.made)
+        if index < len(self.kept) and self.kept[index].nbytes() == storage.nbytes():
+            copy = self.kept[index]
+            _bytes(copy).copy_(_bytes(storage))
+        else:
+            copy = storage.clone()
+        self.made.append(copy)
+        return copy
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 HOLD_ENV = "NXDTRAIN_TEST_HOLD_SAVE"  # test-only: a directory; see _test_hold

@@ -80,3 +80,27 @@ def test_an_async_save_writes_a_sync_saves_bytes_and_resumes_alike(tmp_path, nxd
                             dist_timeout=DIST_TIMEOUT, **extra)
     code = spawn(async_worker, (options,), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
     assert code == 0
+
+
+def test_host_copies_keep_views_shared_and_reuse_the_previous_saves_memory():
+    import torch
+
+    from nxdtrain.checkpoint.save import HostCopies
+
+    base = torch.arange(12, dtype=torch.float32)
+    state = {"w": base.view(3, 4).t(), "head": base[:4], "step": torch.tensor(3), "n": 1}
+    copies = HostCopies()
+    copies.start()
+    first = copies.copy(state)
+    assert first["w"].stride() == (1, 4) and first["n"] == 1
+    assert first["w"].untyped_storage().data_ptr() == first["head"].untyped_storage().data_ptr()  # one storage
+    assert first["w"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    base.add_(100)  # training changes the state in place: the copy keeps what was saved
+    assert torch.equal(first["head"], torch.arange(4, dtype=torch.float32))
+    memory = first["w"].untyped_storage().data_ptr()
+    copies.start()  # the next save, once the first completed: the same memory, the new values
+    second = copies.copy(state)
+    assert second["w"].untyped_storage().data_ptr() == memory and torch.equal(second["w"], state["w"])
+    copies.start()  # another shape: fresh memory
+    third = copies.copy({"w": torch.zeros(5)})
+    assert third["w"].untyped_storage().data_ptr() != memory
