@@ -295,8 +295,9 @@ class CheckpointConfig:
                                   group="checkpoints")
     keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)", group="checkpoints")
     async_save: bool = option(False, "write each save's files on a thread while training goes on (the stall keeps "
-                              "its collectives and a host copy: a second copy of the saved state in host memory); "
-                              "the tag completes at the next save, the end or a stop", group="checkpoints")
+                              "its collectives and a host copy: a second copy of the saved state in host memory, "
+                              "kept for the run); the tag completes at the next save, the end or a stop",
+                              group="checkpoints")
     xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)",
                         group="checkpoints")
     no_checkpoint: bool = option(False, "train without --checkpoint-dir on purpose: nothing is saved and the "
