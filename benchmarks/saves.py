@@ -14,8 +14,8 @@ optimizer files' writes, the digests read back, ckptconv.json and markers); what
 is left out, and nothing is fsynced (neither writer syncs).
 
 ``--modes sync,async`` (the default) runs each row twice in turn, the second time with ``--async-save``: its stall is
-``save`` (the collectives and the host copy) plus the completion after the next step (any wait for the background
-thread's writes, the records' gather, ``ckptconv.json``, the markers); ``next step s`` is the step that ran beside the
+``save`` (the collectives and the host copy) plus the completion after the next step (``wait``: for the background
+thread's writes when one step was shorter than they were, then the records' gather, ``ckptconv.json``, the markers); ``next step s`` is the step that ran beside the
 writes (in sync rows, the step after the save), ``thread`` what the background thread spent writing.
 
 ``--tree DIR`` (repeatable) runs every row with ``PYTHONPATH=DIR``: ``--tree`` a checkout of the branch point then
@@ -137,9 +137,10 @@ def save_worker(options: dict[str, Any], saves: int, out: Path, background: bool
             if background and rows:
                 rows[-1]["phases"]["thread"] = sum(timers.take().values())
                 started = time.perf_counter()
-                trainer.finish_save()
+                assert trainer.writer is not None
+                waited = trainer.writer.complete()  # finish_save's work, less its note
                 rows[-1]["stall"] += time.perf_counter() - started
-                rows[-1]["phases"].update(timers.take())
+                rows[-1]["phases"].update(timers.take(), wait=waited)
                 if env.rank == 0:
                     rows[-1].update(copy_cost(tag))
                 dist.barrier()
