@@ -13,11 +13,17 @@ the stall goes is split by timing the save's stages on rank 0 (``PHASES``: the F
 optimizer files' writes, the digests read back, ckptconv.json and markers); what a stage does not exist for in a tree
 is left out, and nothing is fsynced (neither writer syncs).
 
+``--modes sync,async`` (the default) runs each row twice in turn, the second time with ``--async-save``: its stall is
+``save`` (the collectives and the host copy) plus the completion after the next step (``wait``: for the background
+thread's writes when one step was shorter than they were, then the records' gather, ``ckptconv.json``, the markers); ``next step s`` is the step that ran beside the
+writes (in sync rows, the step after the save), ``thread`` what the background thread spent writing.
+
 ``--tree DIR`` (repeatable) runs every row with ``PYTHONPATH=DIR``: ``--tree`` a checkout of the branch point then
 this tree measures before and after, alternated row by row, ``--repeat`` times. Written to ``bench-out/saves.md``
 and ``.json``; the machine's load (``os.getloadavg``) is printed with each row.
 
     python benchmarks/saves.py [--quick] [--saves 3] [--repeat 1] [--tree /tmp/before --tree .] [--rows dense,fsdp]
+                               [--modes sync,async]
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ PHASES = (
     ("nxdtrain.checkpoint.save", "save_shard", "model"),
     ("nxdtrain.checkpoint.save", "save_torch", "optim"),
     ("nxdtrain.checkpoint.save", "save_state", "optim"),
+    ("nxdtrain.checkpoint.save", "state_to_save", "gather"),
+    ("nxdtrain.checkpoint.save", "HostCopies.copy", "copy"),
     ("nxdtrain.checkpoint.save", "file_records", "digests"),
     ("nxdtrain.checkpoint.save", "finish_tag", "finish"),
 )
@@ -97,8 +105,11 @@ class Timers:
         return out
 
 
-def save_worker(options: dict[str, Any], saves: int, out: Path) -> None:
-    """One rank: a Trainer as ``nxdtrain.train.train`` builds it; ``saves`` times a step, then a timed save."""
+def save_worker(options: dict[str, Any], saves: int, out: Path, background: bool) -> None:
+    """One rank: a Trainer as ``nxdtrain.train.train`` builds it; ``saves`` times a step, then a timed save. With
+    ``background`` (``--async-save``) a save's stall is its ``save`` (the host copy) plus its completion after the
+    next step (``finish_save``: any wait for the thread's writes, the records' gather, ckptconv.json, markers); what
+    the thread spent writing is ``thread``, and ``step`` is the time of the step that ran beside it."""
     import torch
     import torch.distributed as dist
 
@@ -113,18 +124,34 @@ def save_worker(options: dict[str, Any], saves: int, out: Path) -> None:
     device = init_world(env, config.dist_timeout, plan.device)
     timers = Timers()
     timers.install()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    tag = Path()
     try:
         trainer = Trainer(plan, device)
-        for index in range(saves):
+        for index in range(saves + 1):  # the last step: the one beside the last save's writes
+            started = time.perf_counter()
             trainer.train_step(index + 1)
+            if rows:
+                rows[-1]["step"] = time.perf_counter() - started
             dist.barrier()
+            if background and rows:
+                rows[-1]["phases"]["thread"] = sum(timers.take().values())
+                started = time.perf_counter()
+                assert trainer.writer is not None
+                waited = trainer.writer.complete()  # finish_save's work, less its note
+                rows[-1]["stall"] += time.perf_counter() - started
+                rows[-1]["phases"].update(timers.take(), wait=waited)
+                if env.rank == 0:
+                    rows[-1].update(copy_cost(tag))
+                dist.barrier()
+            if index == saves:
+                break
             timers.take()
             started = time.perf_counter()
-            tag = trainer.save()
+            tag = trainer.save(background=True) if background else trainer.save()
             stall = time.perf_counter() - started
             row: dict[str, Any] = {"stall": stall, "phases": timers.take()}
-            if env.rank == 0:
+            if env.rank == 0 and not background:
                 row.update(copy_cost(tag))
             rows.append(row)
             dist.barrier()
@@ -148,18 +175,18 @@ def copy_cost(tag: Path) -> dict[str, Any]:
     return {"cp": cp, "bytes": sum(p.stat().st_size for p in files)}
 
 
-def run_one(row: str, source: str, saves: int, quick: bool, out: Path) -> int:
+def run_one(row: str, source: str, saves: int, quick: bool, out: Path, background: bool, seq: int | None) -> int:
     """One row in this process's tree (``--one``): the world, then rank 0's records in ``out/result.json``."""
     from nxdtrain.cli import PRELOAD
     from nxdtrain.parallel.dist import spawn
 
     model, procs, extra = ROWS[row]
-    seq = 64 if quick else (512 if model == "llama" else 256)
+    seq = seq or (64 if quick else (512 if model == "llama" else 256))
     options = dict(precision="fp32", data="synthetic", seq_len=seq, gbs=4 if quick else 8, mbs=1 if quick else 2,
-                   steps=saves, lr=1e-4, warmup=0, schedule="constant", optimizer="adamw", weight_decay=0.1,
+                   steps=saves + 1, lr=1e-4, warmup=0, schedule="constant", optimizer="adamw", weight_decay=0.1,
                    clip_grad=1.0, seed=1, dist_timeout=600.0, resume=source, checkpoint_dir=str(out / "ckpt"),
                    keep=saves + 1, **extra)
-    code = spawn(save_worker, (options, saves, out), procs, timeout_s=1800, preload=PRELOAD)
+    code = spawn(save_worker, (options, saves, out, background), procs, timeout_s=1800, preload=PRELOAD)
     if code:
         return code
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]
@@ -183,11 +210,12 @@ def build(root: Path, quick: bool) -> dict[str, Path]:
     return {"llama": llama, "mixtral": build_moe(root / "mixtral", moe)}
 
 
-def measure_row(tree: Path, row: str, source: Path, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+def measure_row(tree: Path, row: str, source: Path, args: argparse.Namespace, out: Path,
+                mode: str) -> list[dict[str, Any]]:
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [sys.executable, str(Path(__file__).resolve()), "--one", row, "--source", str(source), "--out", str(out),
-            "--saves", str(args.saves)] + (["--quick"] if args.quick else [])
+            "--saves", str(args.saves), "--seq", str(args.seq or 0)] + (["--quick"] if args.quick else []) + (["--async"] if mode == "async" else [])
     # cwd out of every tree: the forkserver (python -c) puts its working directory first on sys.path
     subprocess.run(argv, env=env, check=True, cwd=out)
     result: list[dict[str, Any]] = json.loads((out / "result.json").read_text())
@@ -195,12 +223,13 @@ def measure_row(tree: Path, row: str, source: Path, args: argparse.Namespace, ou
     return result
 
 
-def summary(label: str, row: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(label: str, row: str, mode: str, saves: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the saves after the first (the first also builds what later ones reuse: reported apart)."""
     later = saves[1:] or saves
     stages = sorted({k for s in later for k in s["phases"]})
     return {
-        "tree": label, "row": row, "bytes": saves[0]["bytes"], "first_stall": saves[0]["stall"],
+        "tree": label, "row": row, "mode": mode, "step": statistics.median(s.get("step", 0.0) for s in later),
+        "bytes": saves[0]["bytes"], "first_stall": saves[0]["stall"],
         "stall": statistics.median(s["stall"] for s in later), "cp": statistics.median(s["cp"] for s in later),
         "ratio": statistics.median(s["stall"] / s["cp"] for s in later),
         "phases": {k: statistics.median(s["phases"].get(k, 0.0) for s in later) for k in stages},
@@ -209,12 +238,13 @@ def summary(label: str, row: str, saves: list[dict[str, Any]]) -> dict[str, Any]
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| row | tree | tag MB | stall s (first) | cp -r s | stall / cp | stages s | load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| row | tree | save | tag MB | stall s (first) | cp -r s | stall / cp | next step s | stages s | load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         stages = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
-        lines.append(f"| {r['row']} | {r['tree']} | {r['bytes'] / 1e6:.0f} | {r['stall']:.2f} ({r['first_stall']:.2f}) | "
-                     f"{r['cp']:.2f} | {r['ratio']:.2f}x | {stages} | {r['load']:.1f} |")
+        lines.append(f"| {r['row']} | {r['tree']} | {r['mode']} | {r['bytes'] / 1e6:.0f} | {r['stall']:.2f} "
+                     f"({r['first_stall']:.2f}) | {r['cp']:.2f} | {r['ratio']:.2f}x | {r['step']:.2f} | {stages} | "
+                     f"{r['load']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,13 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every row and tree, alternated")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {', '.join(ROWS)}")
     parser.add_argument("--tree", action="append", default=[], help="a checkout to measure (default: this one)")
+    parser.add_argument("--seq", type=int, default=None, help="training rows' length (default 512 dense, 256 "
+                        "Mixtral; shorter steps, the same tag)")
+    parser.add_argument("--modes", default="sync,async", help="sync, async (--async-save) or both, alternated")
+    parser.add_argument("--async", dest="background", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help="where models and tags go (default: a temporary directory)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--source", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        return run_one(args.one, args.source, args.saves, args.quick, Path(args.out))
+        return run_one(args.one, args.source, args.saves, args.quick, Path(args.out), args.background, args.seq)
     trees = [Path(t).resolve() for t in args.tree] or [HERE.parent]
     rows = args.rows.split(",")
     results = []
@@ -241,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.repeat):
             for row in rows:
                 for n, tree in enumerate(trees):
-                    saves = measure_row(tree, row, sources[ROWS[row][0]], args, root / f"{row}-{n}-{round_}")
-                    results.append(summary(str(tree), row, saves))
-                    print(table(results[-1:]).splitlines()[-1], flush=True)
+                    for mode in args.modes.split(","):
+                        saves = measure_row(tree, row, sources[ROWS[row][0]], args,
+                                            root / f"{row}-{n}-{mode}-{round_}", mode)
+                        results.append(summary(str(tree), row, mode, saves))
+                        print(table(results[-1:]).splitlines()[-1], flush=True)
     text = table(results)
     print("\n" + text)
     OUT.mkdir(exist_ok=True)

@@ -477,19 +477,29 @@ class Trainer:
             note(f"first batch loss {value:.3f} before step {self.step + 1} (ln vocab {math.log(self.plan.source.spec.vocab):.3f}"
                  + (f", the tag recorded {recorded:.3f}" if recorded is not None else "") + "): the weights load as trained")
 
-    def save(self) -> Path:
+    def save(self, background: bool | None = None) -> Path:
+        """Save this step (``background``: --async-save by default; the tag completes at :meth:`finish_save`)."""
         assert self.writer is not None
+        background = self.cfg.checkpoint.async_save if background is None else background
+        self.finish_save()  # one save in flight at most
         scheduler = {"schedule": self.cfg.optim.schedule, "lr": self.cfg.optim.lr, "min_lr": self.cfg.optim.min_lr,
                      "warmup": self.cfg.optim.warmup, "decay_steps": self.cfg.decay_steps,
                      "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
         model, optimizer = (self.model, self.optimizer) if self.sharding is None else \
             self.sharding.gathered(self.model, self.optimizer, keep=self.mesh.coords.dp == 0)
         tag = self.writer.save(step=self.step, consumed=self.consumed, model=model, optimizer=optimizer,
-                               scheduler=scheduler, loss=self.last_loss)
+                               scheduler=scheduler, loss=self.last_loss, background=background)
         self.saved_step = self.step
         if self.rank0:
-            note(f"saved {tag}")
+            note(f"saving {tag} in the background" if background else f"saved {tag}")
         return tag
+
+    def finish_save(self) -> None:
+        """Complete the save in flight (--async-save), if any: collective, at a save, the run's end or a stop."""
+        tag = None if self.writer is None or self.writer.pending is None else self.writer.pending.tag
+        waited = None if self.writer is None else self.writer.complete()
+        if self.rank0 and waited is not None:
+            note(f"saved {tag}" + (f" (waited {waited:.2f} s for its writes)" if waited >= 0.01 else ""))
 
     def run(self, stop: Preemption | None = None) -> tuple[list[StepMetrics], Path | None]:
         """Train to ``--steps``, or until ``stop`` is agreed (nxdtrain.parallel.preempt: at a step boundary, never
@@ -532,10 +542,12 @@ class Trainer:
                     started = time.perf_counter()
         finally:
             log.close()
-        if stop.agreed:  # stopped: no save starts after the signal
+        if stop.agreed:  # stopped: no save starts after the signal; the one in flight completes
+            self.finish_save()
             return history, last_tag
         if self.writer is not None and self.saved_step != self.step:  # the final state is always saved
             last_tag = self.save()
+        self.finish_save()
         if self.rank0 and self.step == start:
             note(f"nothing to train: the checkpoint is at step {start}, --steps is {cfg.steps}")
         return history, last_tag

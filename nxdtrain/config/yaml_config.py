@@ -76,6 +76,7 @@ NXDT_KEYS: dict[tuple[str, ...], str] = {
     ("exp_manager", "save_xser"): "xser",
     ("exp_manager", "checkpoint_callback_params", "every_n_train_steps"): "checkpoint_freq",
     ("exp_manager", "checkpoint_callback_params", "save_top_k"): "keep",
+    ("exp_manager", "async_checkpointing"): "async_save",
     ("precision", "type"): "precision",
 }
 # exp_manager keys read together (_exp_manager); evaluation keys likewise (_evaluation).
@@ -95,7 +96,7 @@ NXDT_IGNORED: dict[str, tuple[str, ...]] = {
     "trainer": ("devices", "num_nodes", "check_val_every_n_epoch", "num_sanity_val_steps", "limit_test_batches",
                 "lnc", "sequential_move_factor", "vnc"),
     "exp_manager": ("log_local_rank_0_only", "log_parameter_norm", "log_gradient_norm", "load_xser", "save_bf16",
-                    "async_checkpointing", "enable_recovery_time_instrumentation", "ckpt_ptl_version"),
+                    "enable_recovery_time_instrumentation", "ckpt_ptl_version"),
     "exp_manager.checkpoint_callback_params": ("monitor", "mode", "save_last", "filename", "model_parallel_size",
                                                "use_master_weights_in_ckpt"),
     "distributed_strategy": ("token_shuffle_group_size",),

@@ -5,8 +5,9 @@ While a run trains, the two signals only set a flag (:class:`Preemption`); the l
 flags, so that one rank's signal stops the world at the same step even when the others' signal comes
 later or never (torchrun forwards it to its local workers, Slurm sends it to every task, a user may
 ``kill`` one process). A save that has started when a signal comes is finished by every rank (the tag
-gets its markers) before the loop looks again; no save starts once a stop is agreed. Repeated
-signals change nothing (a launcher and Slurm both send one); what ends a run that cannot finish its
+gets its markers) before the loop looks again; no save starts once a stop is agreed. A save whose files a
+background thread still writes (``--async-save``) is completed before the run stops: the main thread waits for
+every rank's writes, then the tag gets its markers. Repeated signals change nothing (a launcher and Slurm both send one); what ends a run that cannot finish its
 save within the grace time is SIGKILL, and a tag it cuts short has no ``done`` marker.
 
     >>> stop = Preemption(group=None, device="cpu")

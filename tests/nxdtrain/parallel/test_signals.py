@@ -85,9 +85,13 @@ def end(launcher: subprocess.Popen, workers: set[int]) -> None:
     kill_leftovers(workers | descendants(launcher.pid))
 
 
-def start_launcher(src: Path, root: Path, log: Path, *, checkpoint_freq: int) -> subprocess.Popen:
-    """`nxdtrain run --nproc 2` training (for ever) from ``src`` into ``root``, in a session of its own."""
-    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *TRAIN_FLAGS,
+def start_launcher(src: Path, root: Path, log: Path, *, checkpoint_freq: int, steps: int = 100000,
+                   extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`nxdtrain run --nproc 2` training (for ever, or ``steps``) from ``src`` into ``root``, in a session of its
+    own."""
+    flags = [*TRAIN_FLAGS]
+    flags[flags.index("--steps") + 1] = str(steps)
+    argv = [sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(src), "--nproc", "2", *flags, *extra,
             "--checkpoint-dir", str(root), "--checkpoint-freq", str(checkpoint_freq), "--log-jsonl", str(log)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
