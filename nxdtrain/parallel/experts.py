@@ -76,11 +76,13 @@ def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: Ep
         weights = weights.gather(-1, slots)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments by expert, hence by the rank that owns it
-    back = torch.empty_like(order).index_copy_(0, order, torch.arange(len(order), device=order.device))
+    if masked is not None:  # xla: no data-dependent shapes (nor ep > 1); autograd's own gather and scatter-add
+        token = order // k  # (the permutations below abort XLA:CPU: "Check failed: buffer != nullptr", shape.h)
+        out = masked(x.index_select(0, token), flat[order]) * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
+    back = _inverse(order)
     rows = _Dispatch.apply(x, order, back, k)
-    if masked is not None:  # xla: no data-dependent shapes (nor ep > 1)
-        out = masked(rows, flat.index_select(0, order))
-    elif ep.size > 1:
+    if ep.size > 1:
         counts = torch.bincount(flat, minlength=ep.size * per_rank)
         received = torch.empty_like(counts)  # [source rank, local expert]
         dist.all_to_all_single(received, counts, group=ep.group)
@@ -88,13 +90,18 @@ def routed(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, ep: Ep
         send, recv = sent_by_expert.sum(1).tolist(), got.sum(1).tolist()  # the one host sync (.cpu above)
         rows = _AllToAll.apply(rows, send, recv, ep.group)
         perm = _expert_major(got).to(rows.device)
-        unperm = torch.empty_like(perm).index_copy_(0, perm, torch.arange(len(perm), device=perm.device))
+        unperm = _inverse(perm)
         grouped = experts(_Permute.apply(rows, perm, unperm), got.sum(0).tolist())
         out = _AllToAll.apply(_Permute.apply(grouped, unperm, perm), recv, send, ep.group)
     else:
         out = experts(rows, torch.bincount(flat, minlength=per_rank).tolist())
     by_slot = _Permute.apply(out, back, order).view(len(x), k, -1)  # (token, slot) order again
     return (by_slot * weights.unsqueeze(-1)).to(x.dtype).sum(1)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation."""
+    return torch.empty_like(perm).index_copy_(0, perm, torch.arange(len(perm), device=perm.device))
 
 
 class _Dispatch(torch.autograd.Function):
