@@ -284,22 +284,24 @@ def _dcp_finalize(plan: Plan, spec: ModelSpec, identity: str, copies: list[tuple
 
 
 def open_dcp(src: str | Path, *, config: str | Path | None = None, io: str = "read", check: bool = True,
-             carried: tuple[str, ...] = ()) -> tuple[DcpCheckpoint, ModelSpec, list[str]]:
+             carried: tuple[str, ...] = (), left_as: str | None = None) -> tuple[DcpCheckpoint, ModelSpec, list[str]]:
     """Open a TorchTitan DCP checkpoint with its model spec; its keys must be TorchTitan's llama3
-    keys for that spec (else an error naming the first unknown key). Returns notes to show."""
+    keys for that spec (else an error naming the first unknown key). Returns notes to show; ``left_as`` words the note
+    on the state families outside ``carried`` (default: what a conversion does not carry)."""
     ckpt = DcpCheckpoint(src, io=io, check=check)
     try:
         notes = [f"reading {ckpt.root} ({ckpt.found_as})"]
         spec = mtp_found(model_spec_of(ckpt.root, ckpt.metadata, config, missing="a TorchTitan checkpoint records no "
                                        "HF config; pass --config PATH/config.json (the model's HF config)"), ckpt.keys())
-        notes += check_titan_keys(ckpt, spec, carried)
+        notes += check_titan_keys(ckpt, spec, carried, left_as)
     except BaseException:
         ckpt.close()
         raise
     return ckpt, spec, notes
 
 
-def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, ...] = ()) -> list[str]:
+def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, ...] = (),
+                     left_as: str | None = None) -> list[str]:
     """Every key is a TorchTitan llama3 model key of this config (shape included) or one of the
     state TorchTitan saves beside it; the model keys are all there. Returns what is left behind
     (the state families not in ``carried``)."""
@@ -333,8 +335,9 @@ def check_titan_keys(ckpt: DcpCheckpoint, spec: ModelSpec, carried: tuple[str, .
             raise ConversionError(f"{where}: the config ties the embeddings, but 'tok_embeddings.weight' and "
                                   f"'lm_head.weight' differ (max abs difference {diff:.3g}); pass --config with "
                                   "the config of the model that was trained (tie_word_embeddings false)")
-    what = "model weights only" if not carried else "not read into an nxdtrain tag"
-    return [f"not carried ({what}): {n} {fam} key(s)" for fam in STATE_FAMILIES
+    if left_as is None:
+        left_as = f"not carried ({'model weights only' if not carried else 'not read into an nxdtrain tag'})"
+    return [f"{left_as}: {n} {fam} key(s)" for fam in STATE_FAMILIES
             if (n := left.get(fam)) and fam not in carried]
 
 

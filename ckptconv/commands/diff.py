@@ -97,7 +97,7 @@ def _dcp_side(path: Path, stack: contextlib.ExitStack, config: str | Path | None
     from ckptconv.training.nxdtrain_format.state import state_key
 
     ckpt, spec, notes = open_dcp(path, config=config, io=io, check=check,
-                                 carried=("optimizer", "lr_scheduler", "train_state"))
+                                 carried=("optimizer", "lr_scheduler", "train_state"), left_as="not compared")
     stack.enter_context(ckpt)
     plan = plan_dcp_to_hf(spec, ckpt.dtypes())
     weights = {t.key: t for f in plan.files for t in f.tensors}
