@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ from ckptconv.commands.api import RunOptions, to_nxd
 from nxdtrain.cli import PRELOAD
 from nxdtrain.config.options import TrainConfig
 from nxdtrain.parallel.dist import spawn
-from nxdtrain.train import run_worker
+from nxdtrain.train import Trainer, prepare, run_worker
 
 # A hung collective fails the test (gloo timeout) instead of hanging the suite; the spawn timeout backs it up.
 DIST_TIMEOUT = 60.0
@@ -46,6 +48,28 @@ def run_world(nproc: int, **options: Any) -> list[dict[str, Any]]:
     code = spawn(run_worker, (config,), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
     assert code == 0, f"training world of {nproc} exited with {code}"
     return read_log(Path(options["log_jsonl"]))
+
+
+@contextlib.contextmanager
+def trainer_world(options: dict[str, Any]) -> Iterator[tuple[Any, Callable[..., Trainer]]]:
+    """Inside a spawned worker: this process joined to the world ``options`` describe, its environment, and a
+    function building a Trainer from ``options`` with some replaced (``trainer(resume=...)``); the process group is
+    destroyed at the end."""
+    import torch.distributed as dist
+
+    from nxdtrain.parallel.dist import detect_env, init_world
+
+    config = TrainConfig.from_flat(options)
+    env = detect_env()
+    device = init_world(env, config.dist_timeout, prepare(config, env.world_size).device)
+
+    def trainer(**overrides: Any) -> Trainer:
+        return Trainer(prepare(TrainConfig.from_flat({**options, **overrides}), env.world_size), device)
+
+    try:
+        yield env, trainer
+    finally:
+        dist.destroy_process_group()
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:

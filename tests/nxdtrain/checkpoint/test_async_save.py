@@ -15,7 +15,7 @@ import pytest
 from nxdtrain.cli import PRELOAD
 from nxdtrain.parallel.dist import spawn
 from tests.nxdtrain.checkpoint.test_save_writer import MODES, _equal, mixtral  # noqa: F401 (mixtral: a fixture)
-from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, train_options
+from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, train_options, trainer_world
 
 
 def tree_bytes(tag: Path) -> dict[str, bytes]:
@@ -28,15 +28,9 @@ def async_worker(options: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import nxdtrain.checkpoint.save as save_module
-    from nxdtrain.config.options import TrainConfig
-    from nxdtrain.parallel.dist import detect_env, init_world
-    from nxdtrain.train import Trainer, prepare
 
-    config = TrainConfig.from_flat(options)
-    env = detect_env()
-    device = init_world(env, config.dist_timeout, prepare(config, env.world_size).device)
-    try:
-        first = Trainer(prepare(config, env.world_size), device)
+    with trainer_world(options) as (env, trainer):
+        first = trainer()
         first.train_step(1)
         sync_tag = first.save(background=False)
         assert first.writer is not None
@@ -60,16 +54,13 @@ def async_worker(options: dict[str, Any]) -> None:
             assert sync.keys() == background.keys() and "done" in sync
             for rel, data in sync.items():
                 assert background[rel] == data, rel
-        resumed = [Trainer(prepare(TrainConfig.from_flat({**options, "resume": str(tag),
-                                                          "checkpoint_dir": f"{options['checkpoint_dir']}-{i}"}),
-                                   env.world_size), device) for i, tag in enumerate((sync_tag, async_tag))]
+        resumed = [trainer(resume=str(tag), checkpoint_dir=f"{options['checkpoint_dir']}-{i}")
+                   for i, tag in enumerate((sync_tag, async_tag))]
         steps = [trainer.train_step(2) for trainer in resumed]
         assert steps[0].loss.item() == steps[1].loss.item()
         _equal(resumed[0].model.state_dict(), resumed[1].model.state_dict(), "model after a step")
         _equal(resumed[0].optimizer.state_dict(), resumed[1].optimizer.state_dict(), "optimizer after a step")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", MODES)

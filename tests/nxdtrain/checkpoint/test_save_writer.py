@@ -16,7 +16,7 @@ import torch
 
 from nxdtrain.cli import PRELOAD
 from nxdtrain.parallel.dist import spawn
-from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, convert, train_options
+from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, convert, train_options, trainer_world
 from tests.nxdtrain.moe_reference import make_moe
 
 
@@ -68,15 +68,9 @@ def save_and_resume_worker(options: dict[str, Any]) -> None:
     from ckptconv.core import layout_shard_file
     from ckptconv.training import optimizer_ep_rank
     from nxdtrain.checkpoint.tags import optim_file
-    from nxdtrain.config.options import TrainConfig
-    from nxdtrain.parallel.dist import detect_env, init_world
-    from nxdtrain.train import Trainer, prepare
 
-    config = TrainConfig.from_flat(options)
-    env = detect_env()
-    device = init_world(env, config.dist_timeout, prepare(config, env.world_size).device)
-    try:
-        first = Trainer(prepare(config, env.world_size), device)
+    with trainer_world(options) as (_, trainer):
+        first = trainer()
         first.train_step(1)
         tag = first.save()
         c, layout = first.mesh.coords, first.plan.layout
@@ -89,14 +83,11 @@ def save_and_resume_worker(options: dict[str, Any]) -> None:
             placement = {} if layout.ep == 1 else {"dp_rank": dp_rank, "ep": layout.ep, "ep_rank": ep_rank}
             _check_files(tag, model, optimizer, shard, optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=dp_rank),
                          placement)
-        resumed = TrainConfig.from_flat({**options, "resume": str(tag), "checkpoint_dir": options["checkpoint_dir"] + "-2"})
-        second = Trainer(prepare(resumed, env.world_size), device)
+        second = trainer(resume=str(tag), checkpoint_dir=options["checkpoint_dir"] + "-2")
         assert second.step == 1
         _equal(first.model.state_dict(), second.model.state_dict(), "resumed model")
         _equal(first.optimizer.state_dict(), second.optimizer.state_dict(), "resumed optimizer")
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
