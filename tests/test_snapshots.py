@@ -75,9 +75,9 @@ def test_every_exports_the_completed_steps_once_and_leaves_the_unfinished_one(ro
     assert (done.exported, done.up_to_date) == ([], [1, 2, 3])
 
 
-def kill_at_step_2(argv: list[str]) -> subprocess.CompletedProcess:
-    """``ckptconv ARGV`` in a child process SIGKILLed (as the OOM killer would) once the first file of OUT/step-2 is
-    in place."""
+def kill_at_step_2(argv: list[str], cli: str = "ckptconv.cli.main") -> subprocess.CompletedProcess:
+    """``ckptconv ARGV`` (or the ``main`` of module ``cli``: ``nxdtrain.cli``) in a child process SIGKILLed (as the OOM
+    killer would) once the first file of OUT/step-2 is in place."""
     script = textwrap.dedent(f"""
         import os, signal, sys
         import ckptconv.engine.execute as execute
@@ -88,7 +88,7 @@ def kill_at_step_2(argv: list[str]) -> subprocess.CompletedProcess:
                 os.kill(os.getpid(), signal.SIGKILL)
             return moved
         execute.move_into_place = killing
-        from ckptconv.cli.main import main
+        from {cli} import main
         sys.exit(main({argv!r}))
     """)
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

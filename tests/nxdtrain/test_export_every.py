@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nxdtrain.cli import main
 from tests.nxdtrain.parallel.test_signals import TRAIN_FLAGS, wait_for
+from tests.test_snapshots import kill_at_step_2
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -56,24 +57,6 @@ def held_run(src: Path, root: Path, saving: Path, release: Path) -> subprocess.P
                             text=True, env=ENV, start_new_session=True)
 
 
-def killed_export(root: Path, out: Path) -> subprocess.CompletedProcess:
-    """``nxdtrain export --every`` SIGKILLed once the first file of step-2's export is in place."""
-    script = textwrap.dedent(f"""
-        import os, signal, sys
-        import ckptconv.engine.execute as execute
-        original = execute.move_into_place
-        def killing(sink, tmp, out_dir):
-            moved = original(sink, tmp, out_dir)
-            if out_dir.name == "step-2":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return moved
-        execute.move_into_place = killing
-        from nxdtrain.cli import main
-        sys.exit(main(["export", {str(root)!r}, {str(out)!r}, "--every"]))
-    """)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=ENV)
-
-
 def test_every_exports_a_live_run_and_redoes_a_killed_export(tmp_path, nxd_model, capsys):
     src = nxd_model("mha", tp=1, pp=1, attention="separate")
     root, out, saving, release = tmp_path / "ckpt", tmp_path / "snaps", tmp_path / "saving", tmp_path / "release"
@@ -82,7 +65,7 @@ def test_every_exports_a_live_run_and_redoes_a_killed_export(tmp_path, nxd_model
         wait_for(lambda: saving.is_file() or run.poll() is not None, 240, "the run to be inside its save of step 4")
         assert run.poll() is None, run.communicate()[1]
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_1", "step_2", "step_3", "step_4"]
-        killed = killed_export(root, out)
+        killed = kill_at_step_2(["export", str(root), str(out), "--every"], cli="nxdtrain.cli")
         assert killed.returncode == -signal.SIGKILL, killed.stderr
         assert "nxdtrain: step_1 -> " in killed.stderr
         assert (out / "step-1" / "ckptconv.json").is_file() and not (out / "step-2" / "ckptconv.json").exists()
