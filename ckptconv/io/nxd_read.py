@@ -104,6 +104,10 @@ class _SplitShard:
         reader = self._tensor_reader(key)
         return reader.read_rows(reader.keys()[0], start, stop, out)
 
+    def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        reader = self._tensor_reader(key)
+        return reader.read_columns(reader.keys()[0], start, stop, out)
+
     def read(self, key: str) -> torch.Tensor:
         reader = self._tensor_reader(key)
         return reader.read(reader.keys()[0])
@@ -131,6 +135,10 @@ class _WithMasters:
 
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._of(key).read_rows(key, start, stop, out)
+
+    def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        read = getattr(self._of(key), "read_columns", None)
+        return read is not None and bool(read(key, start, stop, out))
 
     def close(self) -> None:
         self.shard.close()
@@ -314,6 +322,13 @@ class NxdCheckpoint:
     def read_rows(self, source: Source, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         assert source.file is not None
         return self._reader(source.file).read_rows(source.key, start, stop, out)
+
+    def read_columns(self, source: Source, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Columns ``[start, stop)`` of a stored matrix into ``out``, reading only them where the shard's reader
+        can (ckptconv.io.torchzip_read); False (nothing read) otherwise: the caller reads whole rows."""
+        assert source.file is not None
+        read = getattr(self._reader(source.file), "read_columns", None)
+        return read is not None and bool(read(source.key, start, stop, out))
 
     def read_slab_rows(self, source: Source, slab: int, start: int, stop: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:

@@ -94,6 +94,11 @@ class TorchFileReader:
         self._entry(key)
         return self._reader.read_rows(key, start, stop, out)
 
+    def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Columns [start, stop) of a matrix, only their bytes read (TorchZipReader.read_columns)."""
+        self._entry(key)
+        return self._reader.read_columns(key, start, stop, out)
+
     def read_slab_rows(self, key: str, slab: int, start: int, stop: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [start, stop) of ``key[slab]`` (one matrix of a stacked tensor), reading only their bytes."""

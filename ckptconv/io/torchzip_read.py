@@ -282,6 +282,28 @@ class TorchZipReader:
                          storage_offset=st.storage_offset + slab * st.stride[0])
         return self.read_stored_rows(within, start, stop, out)
 
+    def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Columns ``[start, stop)`` of the matrix ``key`` into ``out`` (contiguous, of its dtype, ``(rows, stop -
+        start)``), reading only their bytes: one run of a column-major matrix (its columns lie together: NxD's
+        ``o_proj`` with QKV linear), a part of every row of a row-major one. False (nothing read) for other strides
+        and for a row-major matrix under checks (they see whole rows): the caller reads rows then."""
+        st = self._tensor(key)
+        if len(st.shape) != 2 or not 0 <= start <= stop <= st.shape[1]:
+            raise ValueError(f"{self.path}: tensor {key!r} of shape {list(st.shape)}: no columns [{start}, {stop})")
+        rows, width = st.shape[0], stop - start
+        if out.dtype != st.dtype or not out.is_contiguous() or tuple(out.shape) != (rows, width):
+            raise ValueError(f"{self.path}: {key!r}: out must be a contiguous {st.dtype} of shape {[rows, width]}, "
+                             f"got {out.dtype} of {list(out.shape)}")
+        if st.stride == (1, rows):
+            out.copy_(self._read_elements(st, st.storage_offset + start * rows, width * rows).view(width, rows).t())
+            return True
+        copy_columns = getattr(self._src, "copy_columns_into", None)
+        if st.stride != (st.shape[1], 1) or copy_columns is None:
+            return False
+        size = st.dtype.itemsize
+        return bool(copy_columns(st.data_offset + st.storage_offset * size, st.shape[1] * size, start * size,
+                                 out.view(torch.uint8).view(rows, width * size)))
+
     def read_stored_rows(self, st: StoredTensor, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`read_rows` of a tensor found by :meth:`locate` (or :meth:`entry`)."""
         key = st.key

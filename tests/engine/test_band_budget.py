@@ -6,6 +6,7 @@ with an unbudgeted run and, for ``o_proj``, with the HF matrix read by the safet
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 import ckptconv
 from ckptconv.engine import execute
 from ckptconv.io import hf as hf_io
+from ckptconv.io import nxd_read
 from tests.conftest import hf_state, warns_no_tokenizer
 from tests.engine.test_memory_and_resume import CONFIG, synthetic_hf
 
@@ -111,15 +113,33 @@ def test_column_major_o_proj_round_trips(model: Path, tmp_path: Path, monkeypatc
     assert all(torch.equal(original[key], back[key]) for key in original)
 
 
-def test_reshard_of_column_major_shards_within_budget(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def column_reads(monkeypatch: pytest.MonkeyPatch, reads: str) -> list[bool]:
+    """What every column read of an NxD shard answered ("columns"); each declined ("rows": whole rows, cut)."""
+    answers: list[bool] = []
+    read_columns = nxd_read.NxdCheckpoint.read_columns
+
+    def spy(self: nxd_read.NxdCheckpoint, *args: Any) -> bool:
+        answers.append(reads == "columns" and read_columns(self, *args))
+        return answers[-1]
+
+    monkeypatch.setattr(nxd_read.NxdCheckpoint, "read_columns", spy)
+    return answers
+
+
+@pytest.mark.parametrize("reads", ["columns", "rows"])
+def test_reshard_of_column_major_shards_within_budget(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      reads: str):
     """reshard tp 4 -> 2 (o_proj column-major on both sides: built in column blocks of column-major shards) in the
-    budget, byte-equal to an unbudgeted reshard, and back to HF exactly."""
+    budget, byte-equal to an unbudgeted reshard, and back to HF exactly; "columns": each block one run of a shard
+    (its CRCs still checked), "rows": a reader without column reads (whole rows, cut to the block)."""
     convert(model, tmp_path / "nxd", 2**34)
     whole = ckptconv.RunOptions(quiet=True, workers=2, max_memory=2**34)
     ckptconv.reshard(tmp_path / "nxd", tmp_path / "whole", tp=2, kv_size_multiplier=1, options=whole)
     bands = band_log(monkeypatch)
+    answers = column_reads(monkeypatch, reads)
     ckptconv.reshard(tmp_path / "nxd", tmp_path / "tp2", tp=2, kv_size_multiplier=1,
                      options=ckptconv.RunOptions(quiet=True, workers=2, max_memory=BUDGET))
+    assert answers and all(answers) == (reads == "columns")
     check_within_share(bands)
     assert files(tmp_path / "tp2") == files(tmp_path / "whole")
     with warns_no_tokenizer():

@@ -630,3 +630,33 @@ def test_nested_tensors_byte_identical_to_torch_save(tmp_path: Path) -> None:
             writer.write_tensor(f"m{i}", v)
     ours, ref = path.read_bytes(), torch_bytes(tmp_path, "optim.pt", obj)
     assert ours == ref, first_diff(ours, ref)
+
+
+@pytest.mark.parametrize("io", ["mmap", "read"])
+def test_read_columns_reads_only_a_block(tmp_path: Path, io: str) -> None:
+    """Columns of a row-major matrix, of a column-major one (NxD's ``o_proj`` with QKV linear) and of a view into a
+    larger storage equal the slices torch reads; a row-major matrix under checks declines (False, ``out`` untouched),
+    a column-major one reads its one run and the file's CRCs still pass."""
+    from ckptconv.io.checked import CheckedFiles
+
+    base = torch.arange(7 * 11 * 3, dtype=torch.float32).reshape(21, 11)
+    state = {"rows": base[:7].clone(), "columns": base[:7].t().contiguous().t(), "view": base[5:12],
+             "half": base[:7].to(torch.bfloat16).t().contiguous().t()}
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    with TorchZipReader(path, io=io) as r:
+        for key, tensor in state.items():
+            for start, stop in [(0, 11), (3, 8), (10, 11), (4, 4)]:
+                out = torch.full((tensor.shape[0], stop - start), -1.0, dtype=tensor.dtype)
+                assert r.read_columns(key, start, stop, out), key
+                assert torch.equal(out, tensor[:, start:stop]), (key, start, stop)
+        with pytest.raises(ValueError, match="no columns"):
+            r.read_columns("rows", 5, 12, torch.empty(7, 7))
+        with pytest.raises(ValueError, match="out must be"):
+            r.read_columns("rows", 0, 2, torch.empty(7, 3))
+    checks = CheckedFiles(tmp_path, None)
+    with TorchZipReader(path, io=io, checks=checks) as r:
+        out = torch.full((7, 5), -1.0)
+        assert not r.read_columns("rows", 2, 7, out) and bool((out == -1).all())
+        assert r.read_columns("columns", 2, 7, out) and torch.equal(out, state["columns"][:, 2:7])
+        assert checks.finish(workers=1) == 1
