@@ -17,7 +17,8 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --deepseek [--experts N] [--repeat N]   # DeepSeek-V3 FP8 -> DCP, and TorchTitan's convert
     python benchmarks/run.py --gpt-oss [--layers L] [--repeat N]   # GPT-OSS-120B shapes, MXFP4: to-dcp
     python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
-    python benchmarks/run.py --405b [--repeat N] [--before DIR]   # Llama-3.1-405B layer shapes at 1, 2, 4 GiB
+    python benchmarks/run.py --405b [--repeat N] [--before DIR] [--405b-commands to-nxd,to-hf,reshard]
+                                                                  # Llama-3.1-405B layer shapes at 1, 2, 4 GiB
 
 The training-state rows (reshard in both optimizer formats, to-dcp, from-dcp of a 6.85 GB training tag; marginal
 ratios to cp, start-up, CPU s/GB, peak RSS; ``--before DIR``: the same commands from an older tree, in the same run)
@@ -262,6 +263,8 @@ def main() -> None:
     parser.add_argument("--gpt-oss", action="store_true", help="only the GPT-OSS-120B-shaped MXFP4 to-dcp row")
     parser.add_argument("--405b", dest="llama405b", action="store_true",
                         help="only the Llama-3.1-405B-shaped layer at --max-memory 1, 2 and 4 GiB (--repeat times)")
+    parser.add_argument("--405b-commands", dest="commands_405b", default="to-nxd",
+                        help="the 405B rows' commands, comma-separated, of to-nxd, to-hf, reshard (default to-nxd)")
     parser.add_argument("--before", type=Path, default=None,
                         help="training-state, --moe-cost and 405B rows: also run each command from this older source tree")
     args = parser.parse_args()
@@ -287,7 +290,7 @@ def main() -> None:
         (OUT / "gpt_oss.md").write_text(text + "\n")
         return
     if args.llama405b:
-        text = llama405b_rows(OUT, args.repeat, args.before)
+        text = llama405b_rows(OUT, args.repeat, args.before, tuple(args.commands_405b.split(",")))
         print(f"\n{text}")
         (OUT / "llama405b.md").write_text(text + "\n")
         return
