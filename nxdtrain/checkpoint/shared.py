@@ -28,12 +28,21 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptconv.core.plan import OutTensor
-from ckptconv.io.atomic import place, remove_path
-from ckptconv.io.digest import DEFAULT
-from ckptconv.io.torch_save import Extent, plan_object, write_share
-from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, ZipLayout, plan_zip
-from ckptconv.io.write_digest import WriteDigests, recording
+from ckptconv.core import OutTensor
+from ckptconv.io import (
+    DEFAULT,
+    Extent,
+    TensorMeta,
+    TorchZipWriter,
+    WriteDigests,
+    ZipLayout,
+    place,
+    plan_object,
+    plan_zip,
+    recording,
+    remove_path,
+    write_share,
+)
 from ckptconv.training import MASTER, state_key
 
 Part = tuple[str, int, torch.Tensor]  # (record key, byte offset in the record, the bytes: a contiguous CPU tensor)

@@ -234,7 +234,7 @@ def test_a_held_digest_reads_back_only_what_another_process_wrote(tmp_path: Path
     for start, end in reversed(mine):  # out of order too
         digest.write(memoryview(data[start:end]), start)
     other = os.open(path, os.O_WRONLY)
-    for (_, start), (end, _) in zip(mine, mine[1:]):
+    for (_, start), (end, _) in zip(mine, mine[1:], strict=False):
         os.pwrite(other, data[start:end], start)
     os.close(other)
     assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(path, "blake3")
