@@ -83,7 +83,10 @@ class Timers:
 
     def install(self) -> None:
         for module, attr, stage in PHASES:
-            owner: Any = importlib.import_module(module)
+            try:
+                owner: Any = importlib.import_module(module)
+            except ModuleNotFoundError:  # a tree without it (before the gather-free FSDP save)
+                continue
             *path, name = attr.split(".")
             for part in path:
                 owner = getattr(owner, part, None)
