@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,12 @@ class TagWriter:
     sharding: Any = None         # FSDP (nxdtrain.parallel.fsdp.Sharding): every dp rank writes its rows in place
     host_state: bool = False     # the state lives in host memory (a CPU run): --async-save reads it where it is
     fenced_s: float = 0.0        # how long the last fence waited for a background save's writes (this rank)
+    save_group: Any = None       # FSDP: a gloo group of the world for the writing threads alone (their CRC exchange)
+
+    def __post_init__(self) -> None:
+        if self.sharding is not None and self.save_group is None:  # collective: every rank builds its TagWriter
+            timeout = timedelta(seconds=float(self.options.get("dist_timeout") or 1800))
+            self.save_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None, background: bool = False) -> Path:
@@ -111,7 +118,7 @@ class TagWriter:
         dist.barrier(group=self.host_group)
         live = background and self.host_state
         try:
-            files = self._files(tag, model, optimizer, copy=background and not live, hold=not live)
+            files = self._files(tag, model, optimizer, copy=background and not live)
         except TrainError:
             if lock is not None:
                 lock.release()
@@ -147,35 +154,23 @@ class TagWriter:
         wait([pending.writes])
         pending.live = False
         self.fenced_s = time.perf_counter() - started
+        pending.waited += self.fenced_s
 
     def complete(self) -> float | None:
         """Complete the save in flight (collective, from the main thread: the background thread makes no collective
-        call): wait for this rank's writes, gather every rank's records (and, FSDP, finish the shared files with the
-        other ranks' CRCs), then rank 0 writes ``ckptconv.json``, the markers and prunes. Returns how long the
-        slowest rank waited for its writes (None: nothing was in flight)."""
+        call): wait for this rank's writes, gather every rank's records, then rank 0 writes ``ckptconv.json``, the
+        markers and prunes. Returns how long the slowest rank waited for its writes, here and at the fence (None:
+        nothing was in flight)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         started = time.perf_counter()
-        (records, extents), error = pending.outcome()
-        gathered = self._gather((records, pending.rng, extents, time.perf_counter() - started), error, pending)
-        every = [records for records, *_ in gathered]
-        if pending.shared is not None:  # every rank alike (an FSDP save): the owners finish their files
-            from nxdtrain.checkpoint.shared import finish  # noqa: PLC0415 (imports DTensor: FSDP runs only)
-
-            merged: dict[str, list[Any]] = {}
-            for *_, shares, _ in gathered:
-                for rel, crcs in shares.items():
-                    merged.setdefault(rel, []).extend(crcs)
-            finished, error = {}, None
-            try:
-                finished = finish(pending.shared, merged, pending.tag)
-            except Exception as exc:  # noqa: BLE001 (reported on every rank)
-                error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-            every += self._gather(finished, error, pending)
+        records, error = pending.outcome()
+        gathered = self._gather((records, pending.rng, pending.waited + time.perf_counter() - started), error,
+                                pending)
         if pending.lock is not None:
             with pending.lock:
-                self._finish(pending, every, [rng for _, rng, *_ in gathered])
+                self._finish(pending, [records for records, *_ in gathered], [rng for _, rng, _ in gathered])
         dist.barrier(group=self.host_group)
         if self.nxd_param_groups is not None:
             self._in_nxd_format(pending.tag)
@@ -192,11 +187,11 @@ class TagWriter:
             raise TrainError(f"{pending.tag}: not saved: {errors[0]}")
         return [m for m, _ in gathered]
 
-    def _files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool, hold: bool) -> Files:
-        """What this rank writes in ``tag`` (with ``copy``: copied to the host, so that training may go on; ``hold``:
-        what it writes stays unchanged until the save completes). Collective with FSDP."""
+    def _files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool) -> Files:
+        """What this rank writes in ``tag`` (with ``copy``: copied to the host, so that training may go on).
+        Collective with FSDP."""
         if self.sharding is not None and self.flavour is Flavour.PLAIN:
-            return self._shared_files(tag, model, optimizer, copy=copy, hold=hold)
+            return self._shared_files(tag, model, optimizer, copy=copy)
         if self.sharding is not None:  # xser's files are one per tensor: gathered whole, written by dp rank 0
             model, optimizer = self.sharding.gathered(model, optimizer, keep=self.coords.dp == 0)
         tp, pp = self.coords.tp, self.coords.pp
@@ -222,7 +217,7 @@ class TagWriter:
                                                                           dp_rank=dp_rank))
         return files
 
-    def _shared_files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool, hold: bool) -> Files:
+    def _shared_files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool) -> Files:
         """FSDP without a gather (:mod:`nxdtrain.checkpoint.shared`): the ranks of the first replica write their rows
         into the files dp rank 0 creates here; every rank learns that they exist (or why not) before any writes."""
         from nxdtrain.checkpoint import shared  # noqa: PLC0415 (imports DTensor: FSDP runs only)
@@ -235,7 +230,7 @@ class TagWriter:
         try:
             save = shared.build(tag / layout_shard_file(self.layout, ep_rank=0, tp_rank=c.tp, pp_rank=c.pp),
                                 optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=0), model, optimizer, sharding,
-                                owner=writes and sharding.shard_rank == 0, writes=writes, hold=hold,
+                                owner=writes and sharding.shard_rank == 0, writes=writes, group=self.save_group,
                                 to_host=self.copies.copy if copy else to_host)
         except Exception as exc:  # noqa: BLE001 (the owner could not create a file, say: every rank learns it)
             error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
@@ -340,12 +335,31 @@ class Files:
     dtype: str | None = None     # the shard's dtype, where the model handed to save does not say it
 
 
-def write_files(files: Files, rank: int) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]]]:
+def write_files(files: Files, rank: int) -> dict[str, dict[str, Any]]:
     """Write this rank's files (in the calling thread: the main one, or a save's background thread) by the
-    converter's writer, digests as written (buffered: ckptconv.engine.tags); their ckptconv.json records, and the
-    CRC-32s of what it wrote into shared files (by file) for their owners. A host shard (or shared file) is written
-    on a second thread beside the optimizer file (CRC-32, BLAKE3 and pwrite release the GIL); a device shard, copied
-    to the host as it is written, on this one."""
+    converter's writer, digests as written (buffered: ckptconv.engine.tags); their ckptconv.json records. FSDP:
+    then the shared files sealed (:meth:`nxdtrain.checkpoint.shared.SharedSave.seal`: every rank's thread, collective
+    over the save group), even after a failure here, which every rank then raises."""
+    records: dict[str, dict[str, Any]] = {}
+    extents: dict[str, list[Any]] = {}
+    error = None
+    try:
+        records, extents = _write(files)
+    except Exception as exc:
+        if files.shared is None:
+            raise
+        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"  # every rank learns it in the seal
+    _test_hold(rank)
+    if files.shared is not None:
+        records.update(files.shared.seal(extents, error, files.tag))
+    return records
+
+
+def _write(files: Files) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]]]:
+    """:func:`write_files`' writes: the records of this rank's own files, and the CRC-32s of what it wrote into
+    shared files (by file) for their owners. A host shard (or shared file) is written on a second thread beside the
+    optimizer file (CRC-32, BLAKE3 and pwrite release the GIL); a device shard, copied to the host as it is
+    written, on this one."""
     written: list[Path] = []
     shares = [] if files.shared is None else files.shared.files
     extents: dict[str, list[Any]] = {}
@@ -363,7 +377,6 @@ def write_files(files: Files, rank: int) -> tuple[dict[str, dict[str, Any]], dic
             written += shard.result()
         if first is not None:
             extents[shares[0].rel] = first.result()
-    _test_hold(rank)
     return file_records(written, files.tag, digests), extents
 
 
@@ -382,16 +395,19 @@ class Pending:
     lock: outdir.OutLock | None            # rank 0: the tag's lock, held until the markers are written
     writes: Future[Any] | None = None      # write_files' result
     live: bool = False                     # the writes read the state training changes: TagWriter.fence first
+    waited: float = 0.0                    # seconds the fence waited for the writes
     shared: Any = None                     # FSDP: this rank's nxdtrain.checkpoint.shared.SharedSave
 
-    def outcome(self) -> tuple[tuple[dict[str, dict[str, Any]], dict[str, list[Any]]], str | None]:
-        """This rank's records (and shared files' CRCs) once its writes finished; an error as a line, so that
-        every rank learns it (a rank that raised here would leave the others waiting in the gather)."""
+    def outcome(self) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """This rank's records once its writes finished; an error as a line, so that every rank learns it (a rank
+        that raised here would leave the others waiting in the gather)."""
         assert self.writes is not None
         try:
             return self.writes.result(), None
+        except TrainError as exc:  # a line naming the rank it happened on (an FSDP save's seal)
+            return {}, str(exc)
         except Exception as exc:  # noqa: BLE001 (reported on every rank by complete)
-            return ({}, {}), f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+            return {}, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
         """After a failure: the tag's lock released, the shared files this rank created closed."""

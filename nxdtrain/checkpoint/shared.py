@@ -8,9 +8,12 @@ rank of its shard group writes its rows (a contiguous byte range of each row-maj
 (:func:`ckptconv.io.torch_save.write_share`); the others hand their extents' CRC-32s over, and the owner writes the
 records' descriptors and the central directory (:meth:`ckptconv.io.torchzip.TorchZipWriter.add_extent_crc`) and the
 file's digest, reading back only the other ranks' ranges (its own bytes are hashed from memory:
-:class:`ckptconv.io.write_digest.WriteDigest`'s ``hold``; not for an asynchronous save of live state, whose memory
-training changes before the file is finished). Records not laid out by rows (column-major ``o_proj``) and tensors
-every rank holds whole (AdamW's steps) are written whole by the owner, the former gathered first (collectively).
+:class:`ckptconv.io.write_digest.WriteDigest`'s ``hold``). The exchange is :meth:`SharedSave.seal`, run by the thread
+that wrote (an ``--async-save``'s background thread too) on a gloo group of its own, which no other thread uses
+(``TagWriter.save_group``): the files are finished before the save's writes are, so before training may change the
+memory they were written from (``TagWriter.fence``). Records not laid out by rows (column-major ``o_proj``) and
+tensors every rank holds whole (AdamW's steps) are written whole by the owner, the former gathered first
+(collectively, in the stall).
 
 The bytes are a gathered save's (:meth:`nxdtrain.parallel.fsdp.Sharding.gathered`; compared in
 tests/nxdtrain/checkpoint/test_shared_save.py).
@@ -26,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ckptconv.core import OutTensor
+from ckptconv.engine import file_records
 from ckptconv.io import (
     DEFAULT,
     Extent,
@@ -44,6 +49,7 @@ from ckptconv.io import (
     write_share,
 )
 from ckptconv.training import MASTER, state_key
+from nxdtrain.errors import TrainError
 
 Part = tuple[str, int, torch.Tensor]  # (record key, byte offset in the record, the bytes: a contiguous CPU tensor)
 
@@ -84,9 +90,27 @@ class SharedFile:
 class SharedSave:
     """What one rank writes of a gather-free save, and (the owner) the digests of the files it creates."""
 
+    group: Any = None         # the save group: the writing threads' exchange
     files: list[SharedFile] = field(default_factory=list)
     digests: WriteDigests | None = None
     dtype: str = ""           # the shard's dtype as ckptconv.json records it
+
+    def seal(self, extents: dict[str, list[Extent]], error: str | None, tag: Path) -> dict[str, dict[str, Any]]:
+        """Every rank's CRC-32s (by file) to every rank, then the owner finishes its files: their ckptconv.json
+        records. Collective over the save group (every rank's writing thread, ``error`` or not: a rank that failed
+        to write makes every rank raise, and none finishes a file)."""
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, (extents, error), group=self.group)
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            self.close()
+            raise TrainError(errors[0])
+        merged: dict[str, list[Extent]] = {}
+        for shares, _ in gathered:
+            for rel, crcs in shares.items():
+                merged.setdefault(rel, []).extend(crcs)
+        written = [f.finish(merged.get(f.rel, [])) for f in self.files if f.writer is not None]
+        return file_records(written, tag, self.digests)
 
     def close(self) -> None:
         """Release the owner's files after a failure (the tag stays without markers)."""
@@ -96,14 +120,14 @@ class SharedSave:
 
 
 def build(shard: Path, optim: Path, model: Any, optimizer: Any, sharding: Any, *, owner: bool, writes: bool,
-          hold: bool, to_host: Callable[[Any], Any]) -> SharedSave:
+          group: Any, to_host: Callable[[Any], Any]) -> SharedSave:
     """This rank's share of the shard at ``shard`` and the optimizer file at ``optim``: ``writes`` (a rank of the
     writing replica) its rows, ``owner`` the files created and sized and what it writes whole. Collective (every rank
     gathers the column-major records, in the same order); ``to_host``: how a part reaches the host (a copy, for
-    an asynchronous save of device or mutable state). ``hold``: the owner's digests hash its own parts from memory
-    at finish (they stay unchanged until then)."""
+    an asynchronous save of device state); ``group``: the save group (:meth:`SharedSave.seal`)."""
     weights = model.state_dict()
-    save = SharedSave(digests=WriteDigests(DEFAULT, hold=hold) if owner else None)
+    # the owner's own parts are hashed from memory at the seal, which comes before the fence
+    save = SharedSave(group, digests=WriteDigests(DEFAULT, hold=True) if owner else None)
     bf16 = sharding.bf16
     metas: dict[str, TensorMeta] = {}
     parts: list[Part] = []
@@ -197,11 +221,3 @@ def _shared(rel: str, final: Path, partial: Path, entries: Any, parts: list[Part
         with recording(save.digests):
             shared.writer = TorchZipWriter(partial, layout)
     return shared
-
-
-def finish(save: SharedSave, extents: dict[str, list[Extent]], tag: Path) -> dict[str, dict[str, Any]]:
-    """The owner: every file finished with the other ranks' ``extents`` (by file); their ckptconv.json records."""
-    from ckptconv.engine import file_records  # noqa: PLC0415 (as nxdtrain.checkpoint.save imports it)
-
-    written = [f.finish(extents.get(f.rel, [])) for f in save.files if f.writer is not None]
-    return file_records(written, tag, save.digests)
