@@ -65,7 +65,7 @@ PHASES = (
     ("nxdtrain.checkpoint.save", "finish_tag", "finish"),
     ("nxdtrain.checkpoint.shared", "build", "plan"),          # FSDP without a gather: files planned and created,
     ("nxdtrain.checkpoint.shared", "SharedFile.write", "rows"),  # each rank's rows written,
-    ("nxdtrain.checkpoint.shared", "finish", "seal"),         # the owner's descriptors, directory and digest
+    ("nxdtrain.checkpoint.shared", "SharedSave.seal", "seal"),  # the CRCs exchanged; the owner's descriptors, digest
 )
 
 

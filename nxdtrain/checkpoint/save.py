@@ -4,10 +4,13 @@ markers, then retention; optionally the tag rewritten in NxD's own optimizer for
 Every file goes through ckptconv's torch-zip writer with its digest computed as written
 (:func:`ckptconv.engine.tags.tag_writes`): ``torch.save``'s bytes, nothing read back for ``ckptconv.json``.
 
-A save stalls training while its collectives run (the FSDP gather, every rank's records to rank 0) and its files
-are written; ``--async-save`` (``background``) keeps only the collectives and a host copy of each rank's files in
-the stall: a thread of each rank writes them while training goes on, and the tag gets ``ckptconv.json``, its
-markers and retention when every rank's writes finished (:meth:`TagWriter.complete`, from the main thread).
+A save stalls training while its collectives run (every rank's records to rank 0; with FSDP the column-major
+records' gather) and its files are written (with FSDP every dp rank writes its rows into files dp rank 0 created:
+:mod:`nxdtrain.checkpoint.shared`); ``--async-save`` (``background``) keeps only the collectives, and on a device a
+host copy of each rank's files, in the stall: a thread of each rank writes them while training goes on (on the CPU
+from the live state, which the next optimizer step changes only after :meth:`TagWriter.fence`), and the tag gets
+``ckptconv.json``, its markers and retention when every rank's writes finished (:meth:`TagWriter.complete`, from
+the main thread).
 """
 
 from __future__ import annotations
@@ -158,7 +161,7 @@ class TagWriter:
 
     def complete(self) -> float | None:
         """Complete the save in flight (collective, from the main thread: the background thread makes no collective
-        call): wait for this rank's writes, gather every rank's records, then rank 0 writes ``ckptconv.json``, the
+        call on the run's groups): wait for this rank's writes, gather every rank's records, then rank 0 writes ``ckptconv.json``, the
         markers and prunes. Returns how long the slowest rank waited for its writes, here and at the fence (None:
         nothing was in flight)."""
         pending, self.pending = self.pending, None
