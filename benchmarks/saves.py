@@ -14,9 +14,11 @@ optimizer files' writes, the digests read back, ckptconv.json and markers); what
 is left out, and nothing is fsynced (neither writer syncs).
 
 ``--modes sync,async`` (the default) runs each row twice in turn, the second time with ``--async-save``: its stall is
-``save`` (the collectives and the host copy) plus the completion after the next step (``wait``: for the background
-thread's writes when one step was shorter than they were, then the records' gather, ``ckptconv.json``, the markers); ``next step s`` is the step that ran beside the
-writes (in sync rows, the step after the save), ``thread`` what the background thread spent writing.
+``save`` (the collectives and the host copy, where there is one) plus ``fence`` (on the CPU, where the thread writes
+the live state: how long the next step's optimizer waited for the writes) plus the completion after the next step
+(``wait``: for the background thread's writes when one step was shorter than they were, then the records' gather, the
+FSDP files' ``seal``, ``ckptconv.json``, the markers); ``next step s`` is the step that ran beside the writes (in sync
+rows, the step after the save), ``thread`` what the background thread spent writing.
 
 ``--tree DIR`` (repeatable) runs every row with ``PYTHONPATH=DIR``: ``--tree`` a checkout of the branch point then
 this tree measures before and after, alternated row by row, ``--repeat`` times. Written to ``bench-out/saves.md``
@@ -61,6 +63,9 @@ PHASES = (
     ("nxdtrain.checkpoint.save", "HostCopies.copy", "copy"),
     ("nxdtrain.checkpoint.save", "file_records", "digests"),
     ("nxdtrain.checkpoint.save", "finish_tag", "finish"),
+    ("nxdtrain.checkpoint.shared", "build", "plan"),          # FSDP without a gather: files planned and created,
+    ("nxdtrain.checkpoint.shared", "SharedFile.write", "rows"),  # each rank's rows written,
+    ("nxdtrain.checkpoint.shared", "SharedSave.seal", "seal"),  # the CRCs exchanged; the owner's descriptors, digest
 )
 
 
@@ -78,7 +83,10 @@ class Timers:
 
     def install(self) -> None:
         for module, attr, stage in PHASES:
-            owner: Any = importlib.import_module(module)
+            try:
+                owner: Any = importlib.import_module(module)
+            except ModuleNotFoundError:  # a tree without it (before the gather-free FSDP save)
+                continue
             *path, name = attr.split(".")
             for part in path:
                 owner = getattr(owner, part, None)
@@ -133,6 +141,10 @@ def save_worker(options: dict[str, Any], saves: int, out: Path, background: bool
             trainer.train_step(index + 1)
             if rows:
                 rows[-1]["step"] = time.perf_counter() - started
+                fenced = getattr(trainer.writer, "fenced_s", 0.0)  # the step waited for the writes of live state
+                if background:
+                    rows[-1]["stall"] += fenced
+                    rows[-1]["phases"]["fence"] = fenced
             dist.barrier()
             if background and rows:
                 rows[-1]["phases"]["thread"] = sum(timers.take().values())

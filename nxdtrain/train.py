@@ -374,7 +374,7 @@ class Trainer:
             record=plan.record, host_group=mesh.host_group, zero_rank=mesh.dpcp_rank,
             zero_size=mesh.dp * mesh.cp, nxd_zero1=cfg.parallel.zero1,
             nxd_param_groups=(ckpt.nxd_param_groups or ("bias" if cfg.optim.norm_weight_decay else DEFAULT_RULE))
-            if ckpt.optimizer_format == "nxd" else None,
+            if ckpt.optimizer_format == "nxd" else None, sharding=self.sharding, host_state=self.device.type == "cpu",
         )
         device.sync()  # the loaded state becomes device data before the first step's graph
         if self.rank0:
@@ -424,6 +424,8 @@ class Trainer:
         norm = global_norm(grads, self.grad_plan)
         clip_gradients(grads, norm, cfg.optim.clip_grad)
         lr = lr_at(step, cfg.optim, decay_steps=cfg.decay_steps)
+        if self.writer is not None:  # a CPU run's --async-save writes the parameters and optimizer state the step
+            self.writer.fence()      # changes: its writes finish first (nothing before the step changes them)
         self.optimizer.step(self.dev.lr(lr))
         if self.state_bytes is None:
             self.state_bytes = state_bytes(self.model, self.optimizer, self.sharding)
@@ -485,9 +487,7 @@ class Trainer:
         scheduler = {"schedule": self.cfg.optim.schedule, "lr": self.cfg.optim.lr, "min_lr": self.cfg.optim.min_lr,
                      "warmup": self.cfg.optim.warmup, "decay_steps": self.cfg.decay_steps,
                      "last_lr": lr_at(max(1, self.step), self.cfg.optim, decay_steps=self.cfg.decay_steps)}
-        model, optimizer = (self.model, self.optimizer) if self.sharding is None else \
-            self.sharding.gathered(self.model, self.optimizer, keep=self.mesh.coords.dp == 0)
-        tag = self.writer.save(step=self.step, consumed=self.consumed, model=model, optimizer=optimizer,
+        tag = self.writer.save(step=self.step, consumed=self.consumed, model=self.model, optimizer=self.optimizer,
                                scheduler=scheduler, loss=self.last_loss, background=background)
         self.saved_step = self.step
         if self.rank0:

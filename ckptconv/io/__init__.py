@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from ckptconv.hall import lazy_exports
 
 if TYPE_CHECKING:
+    from ckptconv.io.atomic import place, remove_path
     from ckptconv.io.checked import CheckedFiles, check_whole_file
     from ckptconv.io.digest import DEFAULT, record_files
     from ckptconv.io.hf import CONFIG, is_hf_dir
@@ -32,5 +33,8 @@ if TYPE_CHECKING:
         tag_step,
         write_markers,
     )
+    from ckptconv.io.torch_save import Extent, plan_object, write_share
+    from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, ZipLayout, plan_zip
+    from ckptconv.io.write_digest import WriteDigests, recording
 
 __getattr__ = lazy_exports(__name__, __file__)

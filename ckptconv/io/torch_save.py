@@ -2,6 +2,10 @@
 written from the tensors where they lie (positional writes, the digest and direct I/O of :mod:`write_digest` and
 :mod:`direct_io` when the caller turned them on) instead of through torch's buffered zip stream.
 
+A tensor on the ``meta`` device stands for one whose bytes other processes write into the file this one created and
+sized (:func:`write_share`, then the owner's :meth:`TorchZipWriter.add_extent_crc`): the plan needs only its dtype and
+shape, the pickle is the same.
+
 Only what the planner pickles exactly as torch does is written so: dicts, lists and tuples of plain values and
 plain CPU tensors that each own exactly one storage of their own. Anything else (a view, two tensors on one storage,
 an object torch pickles by its class) is left to ``torch.save`` by the caller: :func:`plan_object` says None.
@@ -19,7 +23,15 @@ from typing import Any
 
 import torch
 
-from ckptconv.io.torchzip import SUPPORTED_DTYPES, TensorAt, TensorMeta, TorchZipWriter, plan_zip
+from ckptconv.io.torchzip import (
+    SUPPORTED_DTYPES,
+    TensorAt,
+    TensorMeta,
+    TorchZipWriter,
+    ZipLayout,
+    plan_zip,
+    pwrite_extent,
+)
 
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
@@ -71,8 +83,9 @@ def _holds_tensor(value: Any) -> bool:
 
 
 def _check(t: torch.Tensor, storages: set[int]) -> None:
-    """A tensor torch.save writes as the planner does: plain, on the CPU, alone on a storage it fills."""
-    if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.requires_grad or t.is_conj() or t.is_neg()
+    """A tensor torch.save writes as the planner does: plain, on the CPU (or a meta stand-in), alone on a storage
+    it fills."""
+    if (type(t) is not torch.Tensor or t.device.type not in ("cpu", "meta") or t.requires_grad or t.is_conj() or t.is_neg()
             or t.dtype not in SUPPORTED_DTYPES or t.storage_offset() != 0
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         raise _Unplannable
@@ -80,7 +93,7 @@ def _check(t: torch.Tensor, storages: set[int]) -> None:
         TensorMeta.of(t)
     except ValueError:  # a stride that is not a dense layout
         raise _Unplannable from None
-    storage = t.untyped_storage().data_ptr() if t.numel() else id(t)
+    storage = t.untyped_storage().data_ptr() if t.numel() and t.device.type == "cpu" else id(t)
     if storage in storages:
         raise _Unplannable
     storages.add(storage)
@@ -100,3 +113,19 @@ def save_object(obj: Any, path: str | os.PathLike[str]) -> bool:
         for key, tensor in tensors.items():
             writer.write_tensor(key, tensor)
     return True
+
+
+Extent = tuple[str, int, int, int]  # (record key, byte offset in the record, length, CRC-32): add_extent_crc's
+
+
+def write_share(path: str | os.PathLike[str], layout: ZipLayout, extents: list[tuple[str, int, torch.Tensor]]) -> \
+        list[Extent]:
+    """This process's share of a zip another process planned (``layout``), created and sized at ``path`` (its
+    :class:`TorchZipWriter`): each (key, byte offset in the record, contiguous CPU tensor) written in place. Never
+    creates the file. Returns what the owner's :meth:`TorchZipWriter.add_extent_crc` takes."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        return [(key, offset, t.numel() * t.element_size(), pwrite_extent(fd, layout, key, offset, t))
+                for key, offset, t in extents]
+    finally:
+        os.close(fd)

@@ -4,7 +4,9 @@ A :class:`WriteDigest` follows one file in file order, like :class:`ckptconv.io.
 reads. Every write into the file goes through :meth:`WriteDigest.write` (pwrite, then hash): a write at the
 hashed prefix is hashed from memory; one just ahead of it waits while the bytes before it are being written by
 another thread; one further ahead is left on disk and read back (from the page cache) once the prefix reaches
-it; :meth:`WriteDigest.finish` reads back whatever is still unhashed. The digest is the plain BLAKE3 (or
+it (or, where the writer keeps that memory unchanged until the file is finished, ``hold``, hashed from memory
+then); :meth:`WriteDigest.finish` reads back whatever is still unhashed: with ``hold``, only the bytes this
+process never wrote (another process's share of the file). The digest is the plain BLAKE3 (or
 sha256) of the whole file, so ``b3sum`` and ``verify --files`` agree with it; only the number of bytes read
 back changes (:attr:`WriteDigest.pulled`).
 
@@ -37,8 +39,11 @@ READ_CHUNK = 4 << 20  # bytes per read-back of a range written out of order
 class WriteDigest:
     """The digest of one file being written, from its written bytes in file order."""
 
-    def __init__(self, path: str, fd: int, algorithm: str) -> None:
+    def __init__(self, path: str, fd: int, algorithm: str, *, hold: bool = False) -> None:
+        """``hold``: the memory of every write stays unchanged until :meth:`finish` (the writer promises it), so a
+        write ahead of the prefix is hashed from that memory when the prefix reaches it, not read back."""
         self.path, self.fd = path, fd
+        self._held: dict[tuple[int, int], memoryview] | None = {} if hold else None
         self._digest: Any = new_hasher(algorithm)
         self.pos = 0          # bytes [0, pos) are hashed
         self.pulled = 0       # bytes read back from the file (written ahead of pos, or never written)
@@ -98,16 +103,23 @@ class WriteDigest:
             if may_wait() and any(s <= self.pos < e for s, e in self._in_flight):
                 self._cond.wait()  # the bytes at pos are being computed or written by another thread right now
                 continue
-            heapq.heappush(self._ahead, (offset, end))  # read back once pos reaches it
+            heapq.heappush(self._ahead, (offset, end))  # hashed (held) or read back once pos reaches it
+            if self._held is not None:
+                self._held[offset, end] = data
             return
 
-    def _read_ahead(self) -> None:
-        """Hash the ranges written ahead of pos that pos has reached, reading them back."""
-        while self._ahead and self._ahead[0][0] <= self.pos:  # a heap by start: no scan of every range left
-            stop = self.pos
-            while self._ahead and self._ahead[0][0] <= self.pos:
-                stop = max(stop, heapq.heappop(self._ahead)[1])
-            self._pull(stop)
+    def _read_ahead(self, gaps: bool = False) -> None:
+        """Hash the ranges written ahead of pos that pos has reached: from their memory when held, else read back.
+        ``gaps`` (at finish): read back what lies between them too (bytes another process wrote)."""
+        while self._ahead and (gaps or self._ahead[0][0] <= self.pos):  # a heap by start: no scan of every range
+            start, end = heapq.heappop(self._ahead)
+            held = None if self._held is None else self._held.pop((start, end), None)
+            if start > self.pos:
+                self._pull(start)
+            if held is not None and start == self.pos:
+                self._update(held)
+            elif end > self.pos:
+                self._pull(end)
 
     def _pull(self, stop: int) -> None:
         """Read [pos, stop) back from the file and hash it."""
@@ -132,6 +144,7 @@ class WriteDigest:
             if self.hexdigest is None:
                 if self._in_flight:
                     raise AssertionError(f"{self.path}: digest finished while writes {self._in_flight} run")
+                self._read_ahead(gaps=self._held is not None)
                 self._ahead.clear()
                 self._pull(os.fstat(self.fd).st_size)
                 self.hexdigest = str(self._digest.hexdigest())
@@ -163,14 +176,16 @@ def write_to(fd: int, data: memoryview, offset: int, digest: WriteDigest | None)
 class WriteDigests:
     """The digests of the files created while :func:`recording` is active, by path."""
 
-    def __init__(self, algorithm: str) -> None:
-        self.algorithm = algorithm
+    def __init__(self, algorithm: str, *, hold: bool = False) -> None:
+        """``hold``: the files' writers keep the memory of every write unchanged until the file is finished
+        (:class:`WriteDigest`)."""
+        self.algorithm, self.hold = algorithm, hold
         self._by_path: dict[str, WriteDigest] = {}
         self._by_inode: dict[tuple[int, int], WriteDigest] = {}
         self._lock = threading.Lock()
 
     def open(self, path: str | os.PathLike[str], fd: int) -> WriteDigest:
-        digest = WriteDigest(os.fspath(path), fd, self.algorithm)
+        digest = WriteDigest(os.fspath(path), fd, self.algorithm, hold=self.hold)
         st = os.fstat(fd)
         with self._lock:
             self._by_path[os.path.abspath(path)] = digest

@@ -4,10 +4,13 @@ markers, then retention; optionally the tag rewritten in NxD's own optimizer for
 Every file goes through ckptconv's torch-zip writer with its digest computed as written
 (:func:`ckptconv.engine.tags.tag_writes`): ``torch.save``'s bytes, nothing read back for ``ckptconv.json``.
 
-A save stalls training while its collectives run (the FSDP gather, every rank's records to rank 0) and its files
-are written; ``--async-save`` (``background``) keeps only the collectives and a host copy of each rank's files in
-the stall: a thread of each rank writes them while training goes on, and the tag gets ``ckptconv.json``, its
-markers and retention when every rank's writes finished (:meth:`TagWriter.complete`, from the main thread).
+A save stalls training while its collectives run (every rank's records to rank 0; with FSDP the column-major
+records' gather) and its files are written (with FSDP every dp rank writes its rows into files dp rank 0 created:
+:mod:`nxdtrain.checkpoint.shared`); ``--async-save`` (``background``) keeps only the collectives, and on a device a
+host copy of each rank's files, in the stall: a thread of each rank writes them while training goes on (on the CPU
+from the live state, which the next optimizer step changes only after :meth:`TagWriter.fence`), and the tag gets
+``ckptconv.json``, its markers and retention when every rank's writes finished (:meth:`TagWriter.complete`, from
+the main thread).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -94,59 +98,105 @@ class TagWriter:
     nxd_param_groups: str | None = None  # --optimizer-format nxd: each tag rewritten in NxD's format by this rule
     pending: Pending | None = None       # the save in flight (written, not yet completed: complete)
     copies: HostCopies = dataclasses.field(default_factory=lambda: HostCopies())  # --async-save's, kept for the run
+    sharding: Any = None         # FSDP (nxdtrain.parallel.fsdp.Sharding): every dp rank writes its rows in place
+    host_state: bool = False     # the state lives in host memory (a CPU run): --async-save reads it where it is
+    fenced_s: float = 0.0        # how long the last fence waited for a background save's writes (this rank)
+    save_group: Any = None       # FSDP: a gloo group of the world for the writing threads alone (their CRC exchange)
+
+    def __post_init__(self) -> None:
+        if self.sharding is not None and self.save_group is None:  # collective: every rank builds its TagWriter
+            timeout = timedelta(seconds=float(self.options.get("dist_timeout") or 1800))
+            self.save_group = dist.new_group(backend="gloo", timeout=timeout)
 
     def save(self, *, step: int, consumed: int, model: Any, optimizer: Any, scheduler: dict[str, Any],
              loss: float | None = None, background: bool = False) -> Path:
-        """Save ``step_<step>``. With ``background``, what this rank writes is copied to the host here and written by
-        a thread while training goes on; the tag is completed by :meth:`complete` (the next save, the run's end, a
-        stop). One save is in flight at most: a save first completes the previous one."""
+        """Save ``step_<step>``. With ``background``, a thread writes this rank's files while training goes on: from
+        a host copy made here, or, where the state lives in host memory (``host_state``), from the state itself,
+        which training then changes only after :meth:`fence`. The tag is completed by :meth:`complete` (the next
+        save, the run's end, a stop). One save is in flight at most: a save first completes the previous one."""
         self.complete()
         tag = self.root / tag_name(step)
         rank = dist.get_rank()
         lock = self._claim(tag, step) if rank == 0 else None
         dist.barrier(group=self.host_group)
-        files = self._files(tag, model, optimizer, copy=background)
-        # rank 0's (with FSDP the other dp ranks' gathered model is empty)
-        dtype = str(next(iter(model.state_dict().values())).dtype).removeprefix("torch.") if rank == 0 else ""
-        pending = Pending(tag, step, consumed, dict(scheduler), loss, dtype, rng_state(), lock)
+        live = background and self.host_state
+        try:
+            files = self._files(tag, model, optimizer, copy=background and not live)
+        except TrainError:
+            if lock is not None:
+                lock.release()
+            raise
+        # rank 0's (with a gathered FSDP save the other dp ranks' model is empty)
+        dtype = files.dtype if files.dtype is not None else \
+            str(next(iter(model.state_dict().values())).dtype).removeprefix("torch.") if rank == 0 else ""
+        pending = Pending(tag, step, consumed, dict(scheduler), loss, dtype, rng_state(), lock, live=live,
+                          shared=files.shared)
         if background:
             thread = ThreadPoolExecutor(1, thread_name_prefix="save-async")
             pending.writes = thread.submit(write_files, files, rank)
             thread.shutdown(wait=False)  # its thread ends with this write; complete waits for the write
         else:
-            pending.writes = write_files(files, rank)
+            pending.writes = Future()
+            try:  # kept for complete, which every rank reaches: a rank that raised here would leave the others waiting
+                pending.writes.set_result(write_files(files, rank))
+            except Exception as exc:  # noqa: BLE001 (reported on every rank by complete)
+                pending.writes.set_exception(exc)
         self.pending = pending
         if not background:
             self.complete()
         return tag
 
+    def fence(self) -> None:
+        """Before training changes its state (the optimizer's step): wait for a background save that reads that
+        state where it lives to finish its writes (this rank's; its errors are kept for :meth:`complete`)."""
+        pending = self.pending
+        self.fenced_s = 0.0
+        if pending is None or not pending.live or pending.writes is None:
+            return
+        started = time.perf_counter()
+        wait([pending.writes])
+        pending.live = False
+        self.fenced_s = time.perf_counter() - started
+        pending.waited += self.fenced_s
+
     def complete(self) -> float | None:
         """Complete the save in flight (collective, from the main thread: the background thread makes no collective
-        call): wait for this rank's writes, gather every rank's records, then rank 0 writes ``ckptconv.json``, the
-        markers and prunes. Returns how long the slowest rank waited for its writes (None: nothing was in flight)."""
+        call on the run's groups): wait for this rank's writes, gather every rank's records, then rank 0 writes ``ckptconv.json``, the
+        markers and prunes. Returns how long the slowest rank waited for its writes, here and at the fence (None:
+        nothing was in flight)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         started = time.perf_counter()
         records, error = pending.outcome()
-        mine = (records, pending.rng, error, time.perf_counter() - started)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=self.host_group)
-        errors = [e for _, _, e, _ in gathered if e is not None]
-        if errors:  # every rank stops alike; the tag stays without its markers
-            if pending.lock is not None:
-                pending.lock.release()
-            raise TrainError(f"{pending.tag}: not saved: {errors[0]}")
+        gathered = self._gather((records, pending.rng, pending.waited + time.perf_counter() - started), error,
+                                pending)
         if pending.lock is not None:
             with pending.lock:
-                self._finish(pending, gathered)
+                self._finish(pending, [records for records, *_ in gathered], [rng for _, rng, _ in gathered])
         dist.barrier(group=self.host_group)
         if self.nxd_param_groups is not None:
             self._in_nxd_format(pending.tag)
         return max(w for *_, w in gathered)
 
+    def _gather(self, mine: Any, error: str | None, pending: Pending) -> list[Any]:
+        """Every rank's ``mine``; when a rank says ``error``, every rank stops alike (the tag stays without its
+        markers)."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, error), group=self.host_group)
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            pending.close()
+            raise TrainError(f"{pending.tag}: not saved: {errors[0]}")
+        return [m for m, _ in gathered]
+
     def _files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool) -> Files:
-        """What this rank writes in ``tag`` (with ``copy``: copied to the host, so that training may go on)."""
+        """What this rank writes in ``tag`` (with ``copy``: copied to the host, so that training may go on).
+        Collective with FSDP."""
+        if self.sharding is not None and self.flavour is Flavour.PLAIN:
+            return self._shared_files(tag, model, optimizer, copy=copy)
+        if self.sharding is not None:  # xser's files are one per tensor: gathered whole, written by dp rank 0
+            model, optimizer = self.sharding.gathered(model, optimizer, keep=self.coords.dp == 0)
         tp, pp = self.coords.tp, self.coords.pp
         # The ranks of one (tp, pp) hold the same shard: the first of its dp x cp replicas writes it, as at cp 1.
         # With experts over ep ranks (dp = dp_exp * ep + ep_rank), the first of each ep rank's replicas writes its
@@ -169,6 +219,32 @@ class TagWriter:
             files.optim = functools.partial(save_torch, state, optim_file(tag, tp_rank=tp, pp_rank=pp,
                                                                           dp_rank=dp_rank))
         return files
+
+    def _shared_files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool) -> Files:
+        """FSDP without a gather (:mod:`nxdtrain.checkpoint.shared`): the ranks of the first replica write their rows
+        into the files dp rank 0 creates here; every rank learns that they exist (or why not) before any writes."""
+        from nxdtrain.checkpoint import shared  # noqa: PLC0415 (imports DTensor: FSDP runs only)
+
+        c, sharding = self.coords, self.sharding
+        writes = sharding.replica == 0 and c.cp == 0
+        if copy:
+            self.copies.start()
+        error, save = None, None
+        try:
+            save = shared.build(tag / layout_shard_file(self.layout, ep_rank=0, tp_rank=c.tp, pp_rank=c.pp),
+                                optim_file(tag, tp_rank=c.tp, pp_rank=c.pp, dp_rank=0), model, optimizer, sharding,
+                                owner=writes and sharding.shard_rank == 0, writes=writes, group=self.save_group,
+                                to_host=self.copies.copy if copy else to_host)
+        except Exception as exc:  # noqa: BLE001 (the owner could not create a file, say: every rank learns it)
+            error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=self.host_group)
+        if any(errors):
+            if save is not None:
+                save.close()
+            raise TrainError(f"{tag}: not saved: {next(e for e in errors if e)}")
+        assert save is not None
+        return Files(tag, shared=save, dtype=save.dtype if dist.get_rank() == 0 else "")
 
     def _in_nxd_format(self, tag: Path) -> None:
         """The tag just saved rewritten in NxD's own optimizer format (``ckptconv reshard --optimizer-format nxd``
@@ -221,16 +297,17 @@ class TagWriter:
         return claim_tag(tag, f"nxdtrain-step-{step}", lambda stranger: TrainError(
             f"{tag}: holds {stranger!r}, which nxdtrain did not write; move it away or use another --checkpoint-dir"))
 
-    def _finish(self, pending: Pending, gathered: list[Any]) -> None:
-        """Rank 0: side files, their records, then ckptconv.json, the markers and retention (ckptconv.engine.tags)."""
+    def _finish(self, pending: Pending, every: list[dict[str, Any]], rngs: list[Any]) -> None:
+        """Rank 0: side files, their records, then ckptconv.json, the markers and retention (ckptconv.engine.tags).
+        ``every``: the records of every rank's files; ``rngs``: every rank's RNG state."""
         tag, step, consumed = pending.tag, pending.step, pending.consumed
         files: dict[str, dict[str, Any]] = {}
-        for records, *_ in gathered:
+        for records in every:
             files.update(records)
         with tag_writes() as digests:
             side: list[Path] = [
                 save_torch({**pending.scheduler, "step": step}, tag / SCHEDULER_FILE),
-                save_torch({"step": step, "consumed_samples": consumed, "rng": [rng for _, rng, *_ in gathered],
+                save_torch({"step": step, "consumed_samples": consumed, "rng": rngs,
                              "options": self.options, "layout": self.layout.to_json(), "run": self.record,
                              "loss": pending.loss},
                             tag / USER_CONTENT_FILE),
@@ -251,32 +328,59 @@ class TagWriter:
 @dataclass
 class Files:
     """What one rank writes in a tag: its shard (``beside``: on a second thread, beside the optimizer file) and
-    its optimizer file, each a call that writes it."""
+    its optimizer file, each a call that writes it; or, FSDP, its share of files the ranks write together."""
 
     tag: Path
     shard: Callable[[], list[Path]] | None = None
     beside: bool = False
     optim: Callable[[], Path] | None = None
+    shared: Any = None           # nxdtrain.checkpoint.shared.SharedSave
+    dtype: str | None = None     # the shard's dtype, where the model handed to save does not say it
 
 
 def write_files(files: Files, rank: int) -> dict[str, dict[str, Any]]:
     """Write this rank's files (in the calling thread: the main one, or a save's background thread) by the
-    converter's writer, digests as written (buffered: ckptconv.engine.tags); their ckptconv.json records. A host
-    shard is written on a second thread beside the optimizer file (CRC-32, BLAKE3 and pwrite release the GIL); a
-    device shard, copied to the host as it is written, on this one."""
+    converter's writer, digests as written (buffered: ckptconv.engine.tags); their ckptconv.json records. FSDP:
+    then the shared files sealed (:meth:`nxdtrain.checkpoint.shared.SharedSave.seal`: every rank's thread, collective
+    over the save group), even after a failure here, which every rank then raises."""
+    records: dict[str, dict[str, Any]] = {}
+    extents: dict[str, list[Any]] = {}
+    error = None
+    try:
+        records, extents = _write(files)
+    except Exception as exc:
+        if files.shared is None:
+            raise
+        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"  # every rank learns it in the seal
+    _test_hold(rank)
+    if files.shared is not None:
+        records.update(files.shared.seal(extents, error, files.tag))
+    return records
+
+
+def _write(files: Files) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]]]:
+    """:func:`write_files`' writes: the records of this rank's own files, and the CRC-32s of what it wrote into
+    shared files (by file) for their owners. A host shard (or shared file) is written on a second thread beside the
+    optimizer file (CRC-32, BLAKE3 and pwrite release the GIL); a device shard, copied to the host as it is
+    written, on this one."""
     written: list[Path] = []
+    shares = [] if files.shared is None else files.shared.files
+    extents: dict[str, list[Any]] = {}
     with tag_writes() as digests, ThreadPoolExecutor(1, thread_name_prefix="save-shard") as beside:
         shard = None
         if files.shard is not None and files.beside:
             shard = beside.submit(contextvars.copy_context().run, files.shard)
         elif files.shard is not None:
             written += files.shard()
+        first = beside.submit(shares[0].write) if shares else None
+        extents.update({f.rel: f.write() for f in shares[1:]})
         if files.optim is not None:
             written.append(files.optim())
         if shard is not None:
             written += shard.result()
-    _test_hold(rank)
-    return file_records(written, files.tag, digests)
+        if first is not None:
+            extents[shares[0].rel] = first.result()
+    return file_records(written, files.tag, digests), extents
 
 
 @dataclass
@@ -292,17 +396,28 @@ class Pending:
     dtype: str
     rng: dict[str, torch.Tensor]
     lock: outdir.OutLock | None            # rank 0: the tag's lock, held until the markers are written
-    writes: Any = None                     # dict of records, or a Future of them
+    writes: Future[Any] | None = None      # write_files' result
+    live: bool = False                     # the writes read the state training changes: TagWriter.fence first
+    waited: float = 0.0                    # seconds the fence waited for the writes
+    shared: Any = None                     # FSDP: this rank's nxdtrain.checkpoint.shared.SharedSave
 
     def outcome(self) -> tuple[dict[str, dict[str, Any]], str | None]:
-        """This rank's records once its writes finished; an error of the background thread as a line, so that
-        every rank learns it (a rank that raised here would leave the others waiting in the gather)."""
-        if not isinstance(self.writes, Future):
-            return self.writes, None
+        """This rank's records once its writes finished; an error as a line, so that every rank learns it (a rank
+        that raised here would leave the others waiting in the gather)."""
+        assert self.writes is not None
         try:
             return self.writes.result(), None
+        except TrainError as exc:  # a line naming the rank it happened on (an FSDP save's seal)
+            return {}, str(exc)
         except Exception as exc:  # noqa: BLE001 (reported on every rank by complete)
             return {}, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+
+    def close(self) -> None:
+        """After a failure: the tag's lock released, the shared files this rank created closed."""
+        if self.lock is not None:
+            self.lock.release()
+        if self.shared is not None:
+            self.shared.close()
 
 
 class HostCopies:

@@ -294,9 +294,9 @@ class CheckpointConfig:
     checkpoint_freq: int = option(0, "save a tag every N steps (0: only at the end); needs --checkpoint-dir",
                                   group="checkpoints")
     keep: int = option(2, "completed step_<N> tags to keep (older ones are deleted)", group="checkpoints")
-    async_save: bool = option(False, "write each save's files on a thread while training goes on (the stall keeps "
-                              "its collectives and a host copy: a second copy of the saved state in host memory, "
-                              "kept for the run); the tag completes at the next save, the end or a stop",
+    async_save: bool = option(False, "write each save's files on a thread while training goes on (on cpu from the "
+                              "live state, the next optimizer step waiting for the writes; on a device from a host "
+                              "copy kept for the run); the tag completes at the next save, the end or a stop",
                               group="checkpoints")
     xser: bool = option(False, "write model shards in NxD training's xser split format (default: plain)",
                         group="checkpoints")

@@ -14,8 +14,9 @@ its slice), the norm (summed over the shard group too), clipping and the optimiz
 bf16 (``--precision bf16``): the sharded parameters are the fp32 masters; ``MixedPrecisionPolicy`` casts them
 to bf16 for the forward and backward and reduces gradients in fp32.
 
-A tag holds whole per-tp-rank shards as without sharding: at a save each tensor is gathered over the dp mesh
-(:meth:`Sharding.gathered`), kept by dp rank 0, which writes it. A resume reads whole per-tp-rank tensors (any
+A tag holds whole per-tp-rank shards as without sharding: at a save every rank of the first replica writes its rows
+into the files dp rank 0 created (:mod:`nxdtrain.checkpoint.shared`; no gather but of the column-major records);
+``--xser`` gathers each tensor over the dp mesh (:meth:`Sharding.gathered`), kept by dp rank 0, which writes it. A resume reads whole per-tp-rank tensors (any
 tag: sharded or not, ZeRO-1, another dp or tp through the reshard-on-load) and each rank keeps its rows.
 """
 
@@ -69,6 +70,12 @@ class Sharding:
     @property
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank("shard")
+
+    @property
+    def replica(self) -> int:
+        """Which copy this rank holds rows of (0 without hybrid sharding)."""
+        names = self.mesh.mesh_dim_names or ()
+        return self.mesh.get_local_rank("replicate") if "replicate" in names else 0
 
     def rows(self, total: int) -> tuple[int, int]:
         """The rows [start, stop) of a ``total``-row tensor this rank holds (torch.chunk's split, as FSDP2's)."""

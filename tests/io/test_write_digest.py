@@ -221,3 +221,22 @@ def test_recorded_digests_are_the_files_blake3_and_data_files_are_not_read_back(
     as_written = sum(size[rel] for rel in data_files if Path(rel).name not in read_back)
     # small files written outside the executor's bands (xser's refs and .info.pt, side files) are read back
     assert as_written >= 0.9 * sum(size.values()), f"{kind}: read back {read_back}"
+
+
+def test_a_held_digest_reads_back_only_what_another_process_wrote(tmp_path: Path):
+    """``hold``: this process's writes ahead of the prefix are hashed from their memory at finish; only the ranges
+    it never wrote (another process's share of the file, written through another fd) are read back."""
+    path, size = tmp_path / "shared.bin", 1 << 20
+    data = bytes(random.Random(3).randrange(256) for _ in range(size))
+    fd = _open(path, size)
+    mine = [(0, 1000), (5000, 9000), (20000, 300000), (400000, size)]  # the rest is the other process's
+    digest = WriteDigest(str(path), fd, "blake3", hold=True)
+    for start, end in reversed(mine):  # out of order too
+        digest.write(memoryview(data[start:end]), start)
+    other = os.open(path, os.O_WRONLY)
+    for (_, start), (end, _) in zip(mine, mine[1:], strict=False):
+        os.pwrite(other, data[start:end], start)
+    os.close(other)
+    assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(path, "blake3")
+    assert digest.pulled == size - sum(end - start for start, end in mine)
+    os.close(fd)

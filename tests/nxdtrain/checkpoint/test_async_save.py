@@ -1,7 +1,9 @@
 """``--async-save`` (issue 47): a background save's files are byte for byte a synchronous save's of the same state,
-though training changed that state in place before the background thread wrote a byte (its writes are held back
-until the next step finished), in every mode that writes differently (dense, ZeRO-1 at dp 2, FSDP at dp 2, ep 2);
-runs resumed from the two tags hold the same state and take the same next step."""
+though the next step ran (forward and backward) before the background thread wrote a byte and changed the state in
+place after it: on the CPU the thread writes the live state, and the step's fence waits for its writes before the
+optimizer changes it (the writes are held back until the fence is reached; without the fence they would hold the
+next step's state), in every mode that writes differently (dense, ZeRO-1 at dp 2, FSDP at dp 2, ep 2); runs resumed
+from the two tags hold the same state and take the same next step."""
 
 from __future__ import annotations
 
@@ -38,17 +40,21 @@ def async_worker(options: dict[str, Any]) -> None:
         if env.rank == 0:
             first.writer.root.mkdir()
         dist.barrier()
-        gate, write = threading.Event(), save_module.write_files
-        # the background thread writes only after step 2 changed the parameters and the optimizer state in place
+        gate, write, fence = threading.Event(), save_module.write_files, save_module.TagWriter.fence
+        # On the CPU the background thread writes the live state: it writes only once step 2 reached the fence
+        # (its forward and backward ran), and the step changes the state in place only after the writes finished.
+        # Without the fence the gate opens after the step: the files would hold step 2's state.
         save_module.write_files = lambda files, rank: (gate.wait(120), write(files, rank))[1]
+        save_module.TagWriter.fence = lambda writer: (gate.set(), fence(writer))[1]  # type: ignore[method-assign]
         async_tag = first.save(background=True)
         assert first.writer.pending is not None and not (async_tag / "done").exists()
+        assert first.writer.pending.live  # a CPU run: no host copy
         before = {k: v.clone() for k, v in first.model.state_dict().items()}
         first.train_step(2)
         assert any(not v.equal(before[k]) for k, v in first.model.state_dict().items())  # the test can fail
         gate.set()
         first.finish_save()
-        save_module.write_files = write
+        save_module.write_files, save_module.TagWriter.fence = write, fence  # type: ignore[method-assign]
         if env.rank == 0:
             sync, background = tree_bytes(sync_tag), tree_bytes(async_tag)
             assert sync.keys() == background.keys() and "done" in sync
