@@ -14,8 +14,8 @@ rows, one micro-batch per rank; fp32, AdamW): nxdtrain, TorchTitan 0.3.0's own t
 ``torchtitan_config.py`` that ``ckptconv to-dcp`` writes, with the TorchTitan lane's CPU shims:
 tests/titan_train_bench.py, run by the TorchTitan venv's python; "skipped" without one) and a transformers
 ``Qwen3MoeForCausalLM`` loop (router aux loss on), in one process and in a 2-process world (nxdtrain dp 2 x ep 2; TorchTitan
-data parallel 2 by DDP: its FSDP and its ep fail in gloo on CPU, tests/titan_train_bench.py; the transformers loop has one
-process only). ``--before DIR`` adds nxdtrain rows of
+data parallel 2 by DDP: its FSDP and its ep fail in gloo on CPU, tests/titan_train_bench.py; the transformers loop
+by torch's DDP over gloo, each rank half the global batch). ``--before DIR`` adds nxdtrain rows of
 another tree (main at a branch point). Every row runs in fresh processes, the rows alternated, ``--repeats`` times;
 tokens/s is the median step's, the table the median over repeats.
 
@@ -151,8 +151,8 @@ def one_row(args: argparse.Namespace) -> int:
         code = spawn(nxd_worker, ({**options, "ep": args.nproc}, args.steps, args.warmup, work), args.nproc,
                      timeout_s=args.timeout, preload=PRELOAD)
     else:
-        code = spawn(hf_worker, (str(src), options, args.steps, args.warmup, False, work), 1, timeout_s=args.timeout,
-                     preload=(*PRELOAD, "transformers"))
+        code = spawn(hf_worker, (str(src), options, args.steps, args.warmup, False, work), args.nproc,
+                     timeout_s=args.timeout, preload=(*PRELOAD, "transformers"))
     if code == 0:
         result = collect(work, args.nproc, args.one, "none", args.gbs * args.seq, 0.0, None)
         ranks = [json.loads((work / f"rank{r}.json").read_text())["cpu"] for r in range(args.nproc)]
@@ -202,8 +202,6 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
             for nproc in (int(n) for n in args.worlds.split(",")):
                 for label, tree in order:
                     kind = label.split()[0]
-                    if kind == "transformers" and nproc > 1:
-                        continue
                     out = root / f"{label.replace(' ', '-')}-{nproc}-{repeat}.json"
                     value = _row(kind, nproc, tree, args, forms, out)
                     results.setdefault((label, nproc), []).append(value)
