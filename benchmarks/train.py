@@ -51,8 +51,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# Before torch (and the forkserver) start: large blocks go back to the kernel when freed, so RSS follows use.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+# Before torch (and the forkserver) start: large blocks go back to the kernel when freed, so RSS follows use. Not
+# under GLIBC_MALLOC_ENV (train_moe.py's trainers table, which measures speed only): there every reallocation of a
+# freed block would be page-faulted again, a cost of this setting that users' runs do not pay.
+GLIBC_MALLOC_ENV = "BENCH_TRAIN_GLIBC_MALLOC"
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+if not os.environ.get(GLIBC_MALLOC_ENV):
+    os.environ.setdefault(MMAP_ENV, str(1 << 16))
 
 OUT = Path("bench-out")
 

@@ -37,7 +37,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: ckptconv, nxdtrain, benchmarks
 
-from benchmarks.train import OUT, THREADS_ENV, collect, hf_worker, nxd_worker  # noqa: E402  (sets MALLOC_MMAP_THRESHOLD_)
+from benchmarks.train import (  # noqa: E402  (sets MALLOC_MMAP_THRESHOLD_)
+    GLIBC_MALLOC_ENV,
+    MMAP_ENV,
+    OUT,
+    THREADS_ENV,
+    collect,
+    hf_worker,
+    nxd_worker,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -178,6 +186,9 @@ def _row(kind: str, nproc: int, tree: str, args: argparse.Namespace, forms: tupl
         command = [sys.executable, __file__, "--one", kind, "--nproc", str(nproc), "--src", str(src), "--one-out",
                    str(out), "--tree", tree, *shape]
     env = {**os.environ, "PYTHONPATH": str(REPO), **({THREADS_ENV: str(args.threads)} if args.threads else {})}
+    if args.malloc == "glibc":  # the allocator as users run it (see --malloc)
+        env.pop(MMAP_ENV, None)
+        env[GLIBC_MALLOC_ENV] = "1"
     done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           timeout=args.timeout)
     if done.returncode != 0 or not out.exists():
@@ -229,7 +240,7 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
         lines.append(f"| {world} | {row['row']} | {cells[0]} | {each} | {cells[1]} | {cells[2]} | {cells[3]} |")
     text = (f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, 8 experts top-2, seq {args.seq}, global batch "
             f"{args.gbs} rows (one micro-batch per rank), fp32, AdamW; torch threads per process: "
-            f"{args.threads or 'CPUs / processes'}; medians over {args.repeats} alternated "
+            f"{args.threads or 'CPUs / processes'}; allocator: {args.malloc}; medians over {args.repeats} alternated "
             f"repeats; load at the end: {os.getloadavg()[0]:.2f}\n\n" + "\n".join(lines) + "\n")
     failed = [f"{r['row']} ({r['procs']})" for r in rows if r["note"].startswith("failed")]
     return text, rows, failed
@@ -254,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="1,2", help="the trainers table's process counts (1, 2 or both)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per process for every trainer (default: the CPUs / processes)")
+    parser.add_argument("--malloc", choices=("glibc", "return"), default="glibc",
+                        help="the trainers table's allocator: glibc's default (as users run; the default), or "
+                             "benchmarks/train.py's MALLOC_MMAP_THRESHOLD_=64 KiB (freed blocks go back to the kernel "
+                             "and every reallocation is page-faulted again: the tables before issue #47's third pass)")
     parser.add_argument("--one", choices=("nxdtrain", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)
