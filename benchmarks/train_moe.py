@@ -15,11 +15,13 @@ rows, one micro-batch per rank; fp32, AdamW): nxdtrain, TorchTitan 0.3.0's own t
 tests/titan_train_bench.py, run by the TorchTitan venv's python; "skipped" without one) and a transformers
 ``Qwen3MoeForCausalLM`` loop (router aux loss on), in one process and in a 2-process world (nxdtrain dp 2 x ep 2; TorchTitan
 data parallel 2 by DDP: its FSDP and its ep fail in gloo on CPU, tests/titan_train_bench.py; the transformers loop
-by torch's DDP over gloo, each rank half the global batch). ``--before DIR`` adds nxdtrain rows of
-another tree (main at a branch point). Every row runs in fresh processes, the rows alternated, ``--repeats`` times;
+by torch's DDP over gloo, each rank half the global batch), every trainer on glibc's default allocator (``--malloc
+return``: benchmarks/train.py's 64 KiB mmap threshold, which page-faults every reallocation). ``--before DIR`` adds
+nxdtrain rows of another tree (main at a branch point). Every row runs in fresh processes, the rows alternated, ``--repeats`` times;
 tokens/s is the median step's, the table the median over repeats.
 
     python benchmarks/train_moe.py [--quick] [--steps 3] [--seq 256] [--table ep|trainers|all] [--before DIR]
+        [--worlds 1,2] [--threads N] [--malloc glibc|return]
 """
 
 from __future__ import annotations
