@@ -51,8 +51,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# Before torch (and the forkserver) start: large blocks go back to the kernel when freed, so RSS follows use.
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
+# Before torch (and the forkserver) start: large blocks go back to the kernel when freed, so RSS follows use. Not
+# under GLIBC_MALLOC_ENV (train_moe.py's trainers table, which measures speed only): there every reallocation of a
+# freed block would be page-faulted again, a cost of this setting that users' runs do not pay.
+GLIBC_MALLOC_ENV = "BENCH_TRAIN_GLIBC_MALLOC"
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+if not os.environ.get(GLIBC_MALLOC_ENV):
+    os.environ.setdefault(MMAP_ENV, str(1 << 16))
 
 OUT = Path("bench-out")
 
@@ -246,15 +251,21 @@ def nxd_worker(options: dict[str, Any], steps: int, warmup: int, out: Path) -> N
 
 def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, checkpointing: bool, out: Path) -> None:
     """The reference: the checkpoint's transformers class (LlamaForCausalLM; an MoE's with its router aux loss,
-    ``output_router_logits``), the same global batches in the same microbatches, AdamW, clipping."""
+    ``output_router_logits``), the same global batches in the same microbatches, AdamW, clipping. In a world of
+    several processes (train_moe.py's 2-process row) it runs as a user would on CPU: DDP over gloo, each rank the
+    contiguous ``gbs / world`` rows nxdtrain's dp ranks take, gradients all-reduced on the last microbatch."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from nxdtrain.config.options import TrainConfig
     from nxdtrain.data.rows import global_batches
     from nxdtrain.optim import make_torch_optimizer, param_groups
+    from nxdtrain.parallel.dist import detect_env
 
-    _threads(1)
+    env = detect_env()
+    _threads(env.world_size)
     cfg = TrainConfig.from_flat({**options, "resume": hf_dir})
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -266,18 +277,36 @@ def hf_worker(hf_dir: str, options: dict[str, Any], steps: int, warmup: int, che
     optimizer = make_torch_optimizer(param_groups(list(model.named_parameters()), cfg.optim.weight_decay),
                                      cfg.optim, lr=cfg.optim.lr)
     batches = global_batches(cfg, model.config.vocab_size)
-    micro = cfg.data.gbs // cfg.data.mbs
+    runner = _ddp(model, env) if env.world_size > 1 else model
+    micro = cfg.data.gbs // env.world_size // cfg.data.mbs
     probe = Probe(warmup, memory_of(device))
     for index, ids in enumerate(batches[:warmup + steps]):
         started = time.perf_counter()
-        for chunk in ids.to(device).tensor_split(micro):
-            (model(input_ids=chunk, labels=chunk, **router).loss / micro).backward()
+        chunks = ids.tensor_split(env.world_size)[env.rank].to(device).tensor_split(micro)
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1  # DDP all-reduces on the last microbatch only, as its no_sync is meant
+            with contextlib.nullcontext() if last or runner is model else runner.no_sync():
+                (runner(input_ids=chunk, labels=chunk, **router).loss / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
         optimizer.step()
         optimizer.zero_grad()
         _sync(device)
         probe.step(index, time.perf_counter() - started)
-    probe.write(out, 0)
+    if runner is not model:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    probe.write(out, env.rank)
+
+
+def _ddp(model: Any, env: Any) -> Any:
+    """``model`` in torch's DistributedDataParallel over gloo: the stock CPU data parallelism."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+    return DistributedDataParallel(model)
 
 
 def _sync(device: Any) -> None:

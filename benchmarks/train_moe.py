@@ -14,12 +14,14 @@ rows, one micro-batch per rank; fp32, AdamW): nxdtrain, TorchTitan 0.3.0's own t
 ``torchtitan_config.py`` that ``ckptconv to-dcp`` writes, with the TorchTitan lane's CPU shims:
 tests/titan_train_bench.py, run by the TorchTitan venv's python; "skipped" without one) and a transformers
 ``Qwen3MoeForCausalLM`` loop (router aux loss on), in one process and in a 2-process world (nxdtrain dp 2 x ep 2; TorchTitan
-data parallel 2 by DDP: its FSDP and its ep fail in gloo on CPU, tests/titan_train_bench.py; the transformers loop has one
-process only). ``--before DIR`` adds nxdtrain rows of
-another tree (main at a branch point). Every row runs in fresh processes, the rows alternated, ``--repeats`` times;
+data parallel 2 by DDP: its FSDP and its ep fail in gloo on CPU, tests/titan_train_bench.py; the transformers loop
+by torch's DDP over gloo, each rank half the global batch), every trainer on glibc's default allocator (``--malloc
+return``: benchmarks/train.py's 64 KiB mmap threshold, which page-faults every reallocation). ``--before DIR`` adds
+nxdtrain rows of another tree (main at a branch point). Every row runs in fresh processes, the rows alternated, ``--repeats`` times;
 tokens/s is the median step's, the table the median over repeats.
 
     python benchmarks/train_moe.py [--quick] [--steps 3] [--seq 256] [--table ep|trainers|all] [--before DIR]
+        [--worlds 1,2] [--threads N] [--malloc glibc|return]
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: ckptconv, nxdtrain, benchmarks
 
-from benchmarks.train import OUT, THREADS_ENV, collect, hf_worker, nxd_worker  # noqa: E402  (sets MALLOC_MMAP_THRESHOLD_)
+from benchmarks.train import (  # noqa: E402  (sets MALLOC_MMAP_THRESHOLD_)
+    GLIBC_MALLOC_ENV,
+    MMAP_ENV,
+    OUT,
+    THREADS_ENV,
+    collect,
+    hf_worker,
+    nxd_worker,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -151,8 +161,8 @@ def one_row(args: argparse.Namespace) -> int:
         code = spawn(nxd_worker, ({**options, "ep": args.nproc}, args.steps, args.warmup, work), args.nproc,
                      timeout_s=args.timeout, preload=PRELOAD)
     else:
-        code = spawn(hf_worker, (str(src), options, args.steps, args.warmup, False, work), 1, timeout_s=args.timeout,
-                     preload=(*PRELOAD, "transformers"))
+        code = spawn(hf_worker, (str(src), options, args.steps, args.warmup, False, work), args.nproc,
+                     timeout_s=args.timeout, preload=(*PRELOAD, "transformers"))
     if code == 0:
         result = collect(work, args.nproc, args.one, "none", args.gbs * args.seq, 0.0, None)
         ranks = [json.loads((work / f"rank{r}.json").read_text())["cpu"] for r in range(args.nproc)]
@@ -178,6 +188,9 @@ def _row(kind: str, nproc: int, tree: str, args: argparse.Namespace, forms: tupl
         command = [sys.executable, __file__, "--one", kind, "--nproc", str(nproc), "--src", str(src), "--one-out",
                    str(out), "--tree", tree, *shape]
     env = {**os.environ, "PYTHONPATH": str(REPO), **({THREADS_ENV: str(args.threads)} if args.threads else {})}
+    if args.malloc == "glibc":  # the allocator as users run it (see --malloc)
+        env.pop(MMAP_ENV, None)
+        env[GLIBC_MALLOC_ENV] = "1"
     done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           timeout=args.timeout)
     if done.returncode != 0 or not out.exists():
@@ -202,8 +215,6 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
             for nproc in (int(n) for n in args.worlds.split(",")):
                 for label, tree in order:
                     kind = label.split()[0]
-                    if kind == "transformers" and nproc > 1:
-                        continue
                     out = root / f"{label.replace(' ', '-')}-{nproc}-{repeat}.json"
                     value = _row(kind, nproc, tree, args, forms, out)
                     results.setdefault((label, nproc), []).append(value)
@@ -231,7 +242,7 @@ def trainers_table(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]],
         lines.append(f"| {world} | {row['row']} | {cells[0]} | {each} | {cells[1]} | {cells[2]} | {cells[3]} |")
     text = (f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, 8 experts top-2, seq {args.seq}, global batch "
             f"{args.gbs} rows (one micro-batch per rank), fp32, AdamW; torch threads per process: "
-            f"{args.threads or 'CPUs / processes'}; medians over {args.repeats} alternated "
+            f"{args.threads or 'CPUs / processes'}; allocator: {args.malloc}; medians over {args.repeats} alternated "
             f"repeats; load at the end: {os.getloadavg()[0]:.2f}\n\n" + "\n".join(lines) + "\n")
     failed = [f"{r['row']} ({r['procs']})" for r in rows if r["note"].startswith("failed")]
     return text, rows, failed
@@ -256,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="1,2", help="the trainers table's process counts (1, 2 or both)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads per process for every trainer (default: the CPUs / processes)")
+    parser.add_argument("--malloc", choices=("glibc", "return"), default="glibc",
+                        help="the trainers table's allocator: glibc's default (as users run; the default), or "
+                             "benchmarks/train.py's MALLOC_MMAP_THRESHOLD_=64 KiB (freed blocks go back to the kernel "
+                             "and every reallocation is page-faulted again: the tables before issue #47's third pass)")
     parser.add_argument("--one", choices=("nxdtrain", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--nproc", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--src", help=argparse.SUPPRESS)

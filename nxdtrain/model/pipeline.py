@@ -66,10 +66,12 @@ class PipelineStep:
             self.schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=self._loss, scale_grads=False)
         self._has_return_outputs = "return_outputs" in inspect.signature(SCHEDULES[schedule].step).parameters
 
-    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor,
+              overwrite: bool = False) -> torch.Tensor:
+        """``overwrite``: the logits are this call's alone (pp 1; a pipeline schedule keeps its stage's outputs)."""
         logits, counts = output if isinstance(output, tuple) else (output, None)
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.model.tp,
-                                                 ignore_index=IGNORE)
+                                                 ignore_index=IGNORE, overwrite=overwrite)
         loss = per_token.sum() / self.tokens
         return loss if counts is None or not torch.is_grad_enabled() else with_counts(loss, counts)
 
@@ -105,7 +107,8 @@ class PipelineStep:
         if self.schedule is None:
             targets = all_targets.tensor_split(self.microbatches)
             chunks = ids.tensor_split(self.microbatches)
-            return torch.stack([self._loss(self.model(c), t).float() for c, t in zip(chunks, targets, strict=True)]).sum()
+            return torch.stack([self._loss(self.model(c), t, overwrite=True).float()
+                                for c, t in zip(chunks, targets, strict=True)]).sum()
         losses = self._evaluate_stages(ids, all_targets)
         if not losses:
             return torch.zeros((), device=self.device)
@@ -123,7 +126,7 @@ class PipelineStep:
         losses = []
         targets = all_targets.tensor_split(self.microbatches)
         for chunk, target in zip(ids.tensor_split(self.microbatches), targets, strict=True):
-            loss = self._loss(self.model(chunk), target)
+            loss = self._loss(self.model(chunk), target, overwrite=True)
             loss.backward()
             losses.append(loss.detach().float())
         return torch.stack(losses).sum()

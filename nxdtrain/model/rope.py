@@ -42,4 +42,35 @@ def cos_sin(inv: torch.Tensor, seq_len: int, dtype: torch.dtype,
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``(batch, heads, seq, head_dim)`` queries and keys."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return reference_apply_rope(q, cos, sin), reference_apply_rope(k, cos, sin)
+    if q.device.type == "xla" or cos.requires_grad or sin.requires_grad:  # XLA fuses the expression itself
+        return reference_apply_rope(q, cos, sin), reference_apply_rope(k, cos, sin)
+    return _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+
+
+class _Rope(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` and its gradient, the reference's arithmetic op for op, written into one
+    buffer each way. Autograd of the reference makes five temporaries forward (a product, a negated half, a
+    ``cat``, a product, the sum) and backward two zero-padded halves summed into the product. The values are the
+    same: ``(-a) * b`` is ``-(a * b)`` and ``c + (-d)`` is ``c - d`` exactly; the backward ends with ``+ 0.0``
+    because autograd's sum of the zero-padded halves turns a -0.0 into +0.0 (a position whose gradient is zero).
+    Measured: docs/performance.md, issue #47's third pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half] -= x[..., half:] * sin[..., :half]
+        out[..., half:] += x[..., :half] * sin[..., half:]
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        # contiguous, as autograd's sum is (it starts from a zero-padded half): the layout decides the summation
+        # order of the gradients after it (the q/k norm weights' sum over positions)
+        d_x = torch.mul(grad, cos, out=torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
+        d_x[..., half:] -= grad[..., :half] * sin[..., :half]
+        d_x[..., :half] += grad[..., half:] * sin[..., half:]
+        return d_x.add_(0.0), None, None

@@ -189,8 +189,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy over logits split by vocabulary across tp ranks (fp32 math)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp: TpGroup, ignore_index: int) -> torch.Tensor:
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, tp: TpGroup, ignore_index: int,
+                overwrite: bool) -> torch.Tensor:
         logits_dtype = logits.dtype
+        owned = overwrite or logits.dtype != torch.float32  # .float() of bf16 logits is a copy of our own
         logits = logits.float()
         rows = logits.shape[-1]
         start = tp.rank * rows
@@ -198,9 +200,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = target - start
         mine = (local >= 0) & (local < rows) & (target != ignore_index)
         picked = logits.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1) - top
-        # One [tokens, vocab] buffer besides the logits: shifted, exponentiated and normalised in place
-        # (a shifted copy and a separate exp would hold two more).
-        probs = torch.sub(logits, top.unsqueeze(-1)).exp_()
+        # One [tokens, vocab] buffer: shifted, exponentiated and normalised in place, in the logits themselves when
+        # they are ours to overwrite (the same subtraction as into a new buffer: the same values, one fresh
+        # [tokens, vocab] allocation fewer, which at these sizes is a page-faulted mmap on every call).
+        probs = (logits.sub_(top.unsqueeze(-1)) if owned else torch.sub(logits, top.unsqueeze(-1))).exp_()
         sum_exp = _all_reduce(probs.sum(dim=-1), tp)
         target_logit = _all_reduce(torch.where(mine, picked, 0.0), tp)
         ignored = target == ignore_index
@@ -210,21 +213,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         grad_logits, local, mine, ignored = ctx.saved_tensors  # the softmax, turned into its gradient in place
         # Minus one at each token's target column on the rank that holds it (-0.0 elsewhere: bitwise a no-op);
         # a scatter, not a boolean-mask index, so the shapes stay static (XLA) and nothing syncs with the host.
         index = local.clamp(0, grad_logits.shape[-1] - 1).unsqueeze(-1)
         grad_logits.scatter_add_(-1, index, -mine.unsqueeze(-1).to(grad_logits.dtype))
         scale = torch.where(ignored, 0.0, grad).unsqueeze(-1)
-        return grad_logits.mul_(scale).to(ctx.input_dtype), None, None, None
+        return grad_logits.mul_(scale).to(ctx.input_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: TpGroup,
-                                 *, ignore_index: int = -100) -> torch.Tensor:
+                                 *, ignore_index: int = -100, overwrite: bool = False) -> torch.Tensor:
     """Cross-entropy of every token (0 where ``target == ignore_index``), in fp32.
 
     ``logits`` are this rank's vocabulary slice ``[rank·V/tp, (rank+1)·V/tp)``; the max, the
     sum of exponentials and the target logit are all-reduced so every rank gets the full loss.
+    ``overwrite``: the logits are a temporary nothing reads afterwards (their gradient needs only the softmax),
+    so the forward works in their memory and leaves them holding the softmax.
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, ignore_index, overwrite)

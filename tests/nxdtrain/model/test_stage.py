@@ -163,3 +163,24 @@ def test_cross_entropy_equals_torch():
     (grad_theirs,) = torch.autograd.grad(theirs, logits)
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
     assert (grad_ours - grad_theirs).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_in_the_logits_memory_is_the_same_bits(dtype):
+    """``overwrite=True`` (pp 1: the loss works in the logits' own memory) computes exactly what a fresh buffer does:
+    the same loss and gradient bits, fp32 and bf16; without it the caller's logits are left as they were."""
+    leaf = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    target = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(1))
+    target[5] = -100
+    results = []
+    for overwrite in (False, True):
+        logits = leaf * 3  # a temporary, as the LM head's output is
+        kept = logits.detach().clone()
+        loss = vocab_parallel_cross_entropy(logits, target, TpGroup(), overwrite=overwrite)
+        (grad,) = torch.autograd.grad(loss.sum(), leaf)
+        results.append((loss, grad))
+        assert torch.equal(logits.detach(), kept) != (overwrite and dtype == torch.float32)
+    (loss_fresh, grad_fresh), (loss_in_place, grad_in_place) = results
+    assert torch.equal(loss_fresh, loss_in_place) and torch.equal(grad_fresh, grad_in_place)
+    reference = F.cross_entropy((leaf.detach() * 3).float(), target, reduction="none")
+    assert torch.allclose(loss_in_place, reference, atol=1e-5)
