@@ -22,6 +22,7 @@ import torch
 from ckptconv.core.plan import OutTensor, Piece, Source
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
+GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
 PAGE = 4096  # what placing an output at its file offset's page phase may add (ckptconv.engine.arena.Scratch.get)
 
 
@@ -145,7 +146,7 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
         if _gathers(tensor, pieces[k], reader):
             if gather is None:
                 gather = get(torch.uint8, (_gather_bytes(tensors, k, reader, split),))
-            _read_transposed(reader, pieces[k], out, gather)
+            _read_transposed(reader, pieces[k], out, gather, _chunk_rows(tensor))
             continue
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
@@ -168,35 +169,50 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
 
 def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
     """Whether a slab of ``tensor`` (its ``pieces``) is the transpose of a stack of stored rows of its sources, in
-    its dtype: NxD's ``gate_up_proj`` from an expert's HF gate and up rows (to-nxd), an HF ``down_proj`` from every tp
-    rank's NxD slab (to-hf). Those rows are then read into one matrix and transposed into place at once
-    (:func:`_read_transposed`), not transposed piece by piece into part of each row and copied there."""
+    its dtype, each piece readable a few rows at a time: NxD's ``gate_up_proj`` from an expert's HF gate and up rows
+    (to-nxd), an HF ``down_proj`` from every tp rank's NxD slab (to-hf). Those rows are then read and transposed a
+    chunk at a time (:func:`_read_transposed`), not transposed piece by piece into part of each row."""
     if tensor.dim != (0 if tensor.transposed else 1) or not pieces or len(slab_shape(tensor)) != 2:
         return False
     for piece in pieces:
         dtype, _, column_major = reader.info(piece.source)
         if (piece.zeros or piece.alternates or piece.row_perm or piece.transposed == tensor.transposed
-                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and piece.length < reader.info(piece.source)[1][1]
-                    and not hasattr(reader, "read_slab_rows"))):
+                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and not hasattr(reader, "read_slab_rows"))):
             return False
     return True
 
 
+def _chunk_rows(tensor: OutTensor) -> int:
+    """Stored rows of a gathering ``tensor``'s sources :func:`_read_transposed` takes at a time (slab rows = their
+    length): about GATHER_CHUNK bytes, at least 64 (torch's transpose works in 60 x 60 blocks)."""
+    rows, cols = slab_shape(tensor)
+    return max(1, min(cols, max(64, GATHER_CHUNK // max(1, rows * tensor.dtype.itemsize))))
+
+
 def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
-    """The matrix :func:`_read_transposed` reads slab ``k``'s rows into: the largest slab that gathers, or 0."""
-    return max((nbytes_of(t.dtype, slab_shape(t)) for t, pieces in zip(tensors, split, strict=True)
+    """The two chunk matrices :func:`_read_transposed` uses for slab ``k`` (rows read, their transpose): the largest
+    any tensor of the group that gathers needs, or 0."""
+    return max((2 * nbytes_of(t.dtype, (_chunk_rows(t), slab_shape(t)[0])) for t, pieces in zip(tensors, split, strict=True)
                 if _gathers(t, pieces[k], reader)), default=0)
 
 
-def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor) -> None:
-    """``out``'s transpose read row piece by row piece into ``gather``, then transposed into ``out`` in one copy
-    (torch's blocked transpose: a contiguous target from the transpose of a contiguous source)."""
-    matrix = gather[:out.numel() * out.element_size()].view(out.dtype).view(out.size(1), out.size(0))
+def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor, rows: int) -> None:
+    """``out``'s transpose read ``rows`` stored rows at a time into ``gather``'s first matrix, each chunk transposed
+    into its second (torch's blocked transpose: a contiguous target from the transpose of a contiguous source) and
+    copied into its columns of ``out``. Both matrices stay in cache, so the only fresh memory a band touches is its
+    output: reading the whole transpose into a matrix of its own first, the page faults of that matrix cost more
+    CPU than the extra copy (to-nxd of Mixtral's ``gate_up_proj``, measured)."""
+    width = out.size(0) * out.element_size()
     offset = 0
     for piece in pieces:
-        _read_piece(reader, piece, matrix[offset:offset + piece.length])
+        for lo in range(0, piece.length, rows):
+            n = min(rows, piece.length - lo)
+            read = gather[:n * width].view(out.dtype).view(n, out.size(0))
+            flip = gather[rows * width:(rows + n) * width].view(out.dtype).view(out.size(0), n)
+            _read_piece(reader, piece, read, lo)
+            flip.copy_(read.t())
+            out[:, offset + lo:offset + lo + n].copy_(flip)
         offset += piece.length
-    out.copy_(matrix.t())
 
 
 def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
@@ -206,14 +222,16 @@ def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
             and (piece.length == reader.info(piece.source)[1][1] or hasattr(reader, "read_slab_rows")))
 
 
-def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor) -> None:
-    """The stored rows ``piece`` reads (rows of a matrix, or of one matrix of a stack) into ``out``."""
-    if piece.slab >= 0 and piece.length == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
+def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor, lo: int = 0) -> None:
+    """The stored rows ``piece`` reads (rows of a matrix, or of one matrix of a stack) into ``out``; from its row
+    ``lo`` on, as many as ``out`` holds."""
+    start, stop = piece.start + lo, piece.start + lo + out.size(0)
+    if piece.slab >= 0 and stop - start == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
         reader.read_rows(piece.source, piece.slab, piece.slab + 1, out=out.unsqueeze(0))
     elif piece.slab >= 0:
-        reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=out)  # type: ignore[attr-defined]
+        reader.read_slab_rows(piece.source, piece.slab, start, stop, out=out)  # type: ignore[attr-defined]
     else:
-        reader.read_rows(piece.source, piece.start, piece.stop, out=out)
+        reader.read_rows(piece.source, start, stop, out=out)
 
 
 class Scratch3:
