@@ -98,6 +98,8 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
         sources: set[tuple[Source, int]] = set()
         for tensor, pieces in zip(tensors, split, strict=True):
             nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
+            if _gathers(tensor, pieces[k], reader):  # its sources' rows go through the gather chunks
+                continue
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
                     sources.add((piece.source, piece.slab))
