@@ -6,9 +6,11 @@ or ``transposed`` view reads one expert of a stacked source in HF orientation. U
 
 The stacked tensors that read the same source matrices (every tp rank's ``down_proj`` reads columns of each
 expert's whole HF ``down_proj``) form one group, built one slab index at a time: each source matrix is read once
-per band and feeds every tensor of the group. Every buffer a band uses (its outputs, the source matrices, two
-scratch matrices for transposing) comes from the ``get`` allocator and is counted by :func:`slab_band_bytes`, so
-the executor's ``--max-memory`` accounting covers it.
+per band and feeds every tensor of the group. Every buffer a band uses (its outputs, the source matrices, scratch
+matrices for transposing, the two chunk matrices of a slab that gathers) comes from the ``get`` allocator and is
+counted by :func:`slab_band_bytes`, so the executor's ``--max-memory`` accounting covers it. Scratch is small and
+reused, so that a band touches little fresh memory beyond its outputs: a worker's arena is faulted in page by page
+on its first band, which costs about half as much CPU again as the copy that touches it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ckptconv.core.plan import OutTensor, Piece, Source
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
+WHOLE_GATHER = 16 << 20  # a gathered slab up to this size is read whole: its buffer stays warm from band to band
 PAGE = 4096  # what placing an output at its file offset's page phase may add (ckptconv.engine.arena.Scratch.get)
 
 
@@ -185,36 +188,50 @@ def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
 
 
 def _chunk_rows(tensor: OutTensor) -> int:
-    """Stored rows of a gathering ``tensor``'s sources :func:`_read_transposed` takes at a time (slab rows = their
-    length): about GATHER_CHUNK bytes, at least 64 (torch's transpose works in 60 x 60 blocks)."""
+    """Stored rows of a gathering ``tensor``'s sources :func:`_read_transposed` takes at a time (all of them: the
+    slab's columns): the whole slab up to WHOLE_GATHER bytes, else about GATHER_CHUNK bytes, at least 64 (torch's
+    transpose works in 60 x 60 blocks)."""
     rows, cols = slab_shape(tensor)
+    if nbytes_of(tensor.dtype, (rows, cols)) <= WHOLE_GATHER:
+        return cols
     return max(1, min(cols, max(64, GATHER_CHUNK // max(1, rows * tensor.dtype.itemsize))))
 
 
 def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
-    """The two chunk matrices :func:`_read_transposed` uses for slab ``k`` (rows read, their transpose): the largest
-    any tensor of the group that gathers needs, or 0."""
-    return max((2 * nbytes_of(t.dtype, (_chunk_rows(t), slab_shape(t)[0])) for t, pieces in zip(tensors, split, strict=True)
-                if _gathers(t, pieces[k], reader)), default=0)
+    """The matrices :func:`_read_transposed` uses for slab ``k`` (the rows read; for a slab in chunks, also their
+    transpose): the most any tensor of the group that gathers needs, or 0."""
+    def need(tensor: OutTensor) -> int:
+        rows = _chunk_rows(tensor)
+        size = nbytes_of(tensor.dtype, (rows, slab_shape(tensor)[0]))
+        return size if rows == slab_shape(tensor)[1] else 2 * size
+
+    return max((need(t) for t, pieces in zip(tensors, split, strict=True) if _gathers(t, pieces[k], reader)), default=0)
 
 
 def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor, rows: int) -> None:
-    """``out``'s transpose read ``rows`` stored rows at a time into ``gather``'s first matrix, each chunk transposed
-    into its second (torch's blocked transpose: a contiguous target from the transpose of a contiguous source) and
-    copied into its columns of ``out``. Both matrices stay in cache, so the only fresh memory a band touches is its
-    output: reading the whole transpose into a matrix of its own first, the page faults of that matrix cost more
-    CPU than the extra copy (to-nxd of Mixtral's ``gate_up_proj``, measured)."""
+    """``out``'s transpose read ``rows`` stored rows at a time into ``gather``, and transposed into ``out`` (torch's
+    blocked transpose: a contiguous target from the transpose of a contiguous source): all of them at once, or each
+    chunk into a second matrix of ``gather`` and copied into its columns of ``out``. Chunks keep both matrices in
+    cache and the fresh memory a band touches to its output: read whole into a matrix of its own, a large slab's
+    page faults in that matrix cost more CPU than the extra copy (to-nxd of Mixtral's ``gate_up_proj``, measured);
+    a small slab's buffer stays warm in the worker's arena, and the one copy is cheaper."""
     width = out.size(0) * out.element_size()
-    offset = 0
-    for piece in pieces:
-        for lo in range(0, piece.length, rows):
-            n = min(rows, piece.length - lo)
-            read = gather[:n * width].view(out.dtype).view(n, out.size(0))
+    total = out.size(1)
+    for lo in range(0, total, rows):
+        n = min(rows, total - lo)
+        read = gather[:n * width].view(out.dtype).view(n, out.size(0))
+        offset = 0
+        for piece in pieces:  # the pieces' rows [lo, lo + n) of the stack
+            a, b = max(lo, offset), min(lo + n, offset + piece.length)
+            if a < b:
+                _read_piece(reader, piece, read[a - lo:b - lo], a - offset)
+            offset += piece.length
+        if n == total:
+            out.copy_(read.t())
+        else:
             flip = gather[rows * width:(rows + n) * width].view(out.dtype).view(out.size(0), n)
-            _read_piece(reader, piece, read, lo)
             flip.copy_(read.t())
-            out[:, offset + lo:offset + lo + n].copy_(flip)
-        offset += piece.length
+            out[:, lo:lo + n].copy_(flip)
 
 
 def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
