@@ -37,21 +37,22 @@ def _cpu(work, repeat: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
+def _row(name: str, rows: int, cols: int, repeat: int) -> str:
+    source = torch.randn(rows, cols).to(torch.bfloat16)
+    gb = source.numel() * source.element_size() / 1e9
+    target = torch.empty(cols, rows, dtype=torch.bfloat16).copy_(source.t())  # both targets warm
+    flat = torch.empty_like(source).copy_(source)
+    copy = _cpu(lambda: flat.copy_(source), repeat) / gb
+    flip = _cpu(lambda: target.copy_(source.t()), repeat) / gb
+    fresh = _cpu(lambda: torch.empty(rows, cols, dtype=torch.bfloat16).fill_(0), repeat) / gb
+    return f"| {name} [{cols}, {rows}] | {gb:.3f} | {copy:.3f} | {flip:.3f} | {fresh:.3f} | {flip / copy:.1f}x |"
+
+
 def floor_rows(repeat: int) -> str:
     torch.set_num_threads(1)
     lines = ["| matrix | GB | memcpy s/GB | transpose s/GB | fresh pages s/GB | transpose / memcpy |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name, rows, cols in SHAPES:
-        source = torch.randn(rows, cols).to(torch.bfloat16)
-        gb = source.numel() * source.element_size() / 1e9
-        target = torch.empty(cols, rows, dtype=torch.bfloat16)
-        flat = torch.empty_like(source)
-        target.copy_(source.t())  # warm both targets
-        flat.copy_(source)
-        copy = _cpu(lambda: flat.copy_(source), repeat) / gb
-        flip = _cpu(lambda: target.copy_(source.t()), repeat) / gb
-        fresh = _cpu(lambda: torch.empty(rows, cols, dtype=torch.bfloat16).fill_(0), repeat) / gb
-        lines.append(f"| {name} [{cols}, {rows}] | {gb:.3f} | {copy:.3f} | {flip:.3f} | {fresh:.3f} | {flip / copy:.1f}x |")
+    lines += [_row(name, rows, cols, repeat) for name, rows, cols in SHAPES]
     return "\n".join(lines) + "\n"
 
 
