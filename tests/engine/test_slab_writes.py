@@ -45,13 +45,19 @@ def test_expert_slabs_go_direct_without_a_bounce_and_equal_torch(mixtral: Path, 
     assert direct_io.direct_bytes - direct >= experts * 9 // 10  # each write's unaligned edges go buffered
     assert direct_io.bounced_bytes == bounced, "an expert slab was copied to an aligned buffer before its write"
 
-    hf = load_file(mixtral / "model.safetensors")
+    _equal_torch(mixtral, tmp_path, tp=2, inter=I, experts=E)
+
+
+def _equal_torch(source: Path, tmp_path: Path, tp: int, inter: int, experts: int) -> None:
+    """Every tp rank's NxD experts under ``tmp_path / "nxd"`` equal torch's slices and transposes of the HF matrices
+    of ``source``, and the HF model under ``tmp_path / "hf"`` equals ``source``."""
+    hf = load_file(source / "model.safetensors")
     w = "model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
-    half = I // 2
-    for tp in range(2):
-        shard = load_shard(tmp_path / "nxd" / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt")
-        rows = slice(tp * half, (tp + 1) * half)
-        for e in range(E):
+    part = inter // tp
+    for rank in range(tp):
+        shard = load_shard(tmp_path / "nxd" / "model" / f"dp_rank_00_tp_rank_{rank:02d}_pp_rank_00.pt")
+        rows = slice(rank * part, (rank + 1) * part)
+        for e in range(experts):
             gate_up = torch.cat([hf[w.format(e=e, w="w1")][rows], hf[w.format(e=e, w="w3")][rows]]).t()
             assert torch.equal(shard["model.layers.0." + NXD_GATE_UP][e], gate_up)
             assert torch.equal(shard["model.layers.0." + NXD_DOWN][e], hf[w.format(e=e, w="w2")][:, rows].t())
@@ -79,16 +85,4 @@ def test_gathered_slabs_in_chunks_equal_torch(tmp_path: Path, monkeypatch: pytes
     ckptconv.to_nxd(tmp_path / "in", tmp_path / "nxd", tp=tp, options=options)
     with warns_no_tokenizer():
         ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
-
-    hf = load_file(tmp_path / "in" / "model.safetensors")
-    w = "model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
-    part = inter // tp
-    for rank in range(tp):
-        shard = load_shard(tmp_path / "nxd" / "model" / f"dp_rank_00_tp_rank_{rank:02d}_pp_rank_00.pt")
-        rows = slice(rank * part, (rank + 1) * part)
-        for e in range(experts):
-            gate_up = torch.cat([hf[w.format(e=e, w="w1")][rows], hf[w.format(e=e, w="w3")][rows]]).t()
-            assert torch.equal(shard["model.layers.0." + NXD_GATE_UP][e], gate_up)
-            assert torch.equal(shard["model.layers.0." + NXD_DOWN][e], hf[w.format(e=e, w="w2")][:, rows].t())
-    back = load_file(tmp_path / "hf" / "model.safetensors")
-    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    _equal_torch(tmp_path / "in", tmp_path, tp=tp, inter=inter, experts=experts)
