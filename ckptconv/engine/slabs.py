@@ -174,15 +174,17 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
 
 def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
     """Whether a slab of ``tensor`` (its ``pieces``) is the transpose of a stack of stored rows of its sources, in
-    its dtype, each piece readable a few rows at a time: NxD's ``gate_up_proj`` from an expert's HF gate and up rows
+    its dtype, each piece readable a few rows at a time (or, for a slab read at once, a whole matrix of a stack): NxD's ``gate_up_proj`` from an expert's HF gate and up rows
     (to-nxd), an HF ``down_proj`` from every tp rank's NxD slab (to-hf). Those rows are then read and transposed a
     chunk at a time (:func:`_read_transposed`), not transposed piece by piece into part of each row."""
     if tensor.dim != (0 if tensor.transposed else 1) or not pieces or len(slab_shape(tensor)) != 2:
         return False
+    whole = _chunk_rows(tensor) == slab_shape(tensor)[1]  # read at once: a whole matrix of a stack needs no row reads
     for piece in pieces:
-        dtype, _, column_major = reader.info(piece.source)
+        dtype, shape, column_major = reader.info(piece.source)
         if (piece.zeros or piece.alternates or piece.row_perm or piece.transposed == tensor.transposed
-                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and not hasattr(reader, "read_slab_rows"))):
+                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
+                                                             and not (whole and piece.length == shape[1]))):
             return False
     return True
 
