@@ -6,9 +6,11 @@ or ``transposed`` view reads one expert of a stacked source in HF orientation. U
 
 The stacked tensors that read the same source matrices (every tp rank's ``down_proj`` reads columns of each
 expert's whole HF ``down_proj``) form one group, built one slab index at a time: each source matrix is read once
-per band and feeds every tensor of the group. Every buffer a band uses (its outputs, the source matrices, two
-scratch matrices for transposing) comes from the ``get`` allocator and is counted by :func:`slab_band_bytes`, so
-the executor's ``--max-memory`` accounting covers it.
+per band and feeds every tensor of the group. Every buffer a band uses (its outputs, the source matrices, scratch
+matrices for transposing, the two chunk matrices of a slab that gathers) comes from the ``get`` allocator and is
+counted by :func:`slab_band_bytes`, so the executor's ``--max-memory`` accounting covers it. Scratch is small and
+reused, so that a band touches little fresh memory beyond its outputs: a worker's arena is faulted in page by page
+on its first band, which costs about half as much CPU again as the copy that touches it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from ckptconv.core.plan import OutTensor, Piece, Source
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
+GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
+WHOLE_GATHER = 16 << 20  # a gathered slab up to this size is read whole: its buffer stays warm from band to band
 PAGE = 4096  # what placing an output at its file offset's page phase may add (ckptconv.engine.arena.Scratch.get)
 
 
@@ -97,6 +101,8 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
         sources: set[tuple[Source, int]] = set()
         for tensor, pieces in zip(tensors, split, strict=True):
             nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
+            if _gathers(tensor, pieces[k], reader):  # its sources' rows go through the gather chunks
+                continue
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
                     sources.add((piece.source, piece.slab))
@@ -145,7 +151,7 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
         if _gathers(tensor, pieces[k], reader):
             if gather is None:
                 gather = get(torch.uint8, (_gather_bytes(tensors, k, reader, split),))
-            _read_transposed(reader, pieces[k], out, gather)
+            _read_transposed(reader, pieces[k], out, gather, _chunk_rows(tensor))
             continue
         matrix = out.t() if tensor.transposed else out  # in HF orientation, where the pieces are cut
         offset = 0
@@ -168,35 +174,66 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
 
 def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
     """Whether a slab of ``tensor`` (its ``pieces``) is the transpose of a stack of stored rows of its sources, in
-    its dtype: NxD's ``gate_up_proj`` from an expert's HF gate and up rows (to-nxd), an HF ``down_proj`` from every tp
-    rank's NxD slab (to-hf). Those rows are then read into one matrix and transposed into place at once
-    (:func:`_read_transposed`), not transposed piece by piece into part of each row and copied there."""
+    its dtype, each piece readable a few rows at a time (or, for a slab read at once, a whole matrix of a stack): NxD's ``gate_up_proj`` from an expert's HF gate and up rows
+    (to-nxd), an HF ``down_proj`` from every tp rank's NxD slab (to-hf). Those rows are then read and transposed a
+    chunk at a time (:func:`_read_transposed`), not transposed piece by piece into part of each row."""
     if tensor.dim != (0 if tensor.transposed else 1) or not pieces or len(slab_shape(tensor)) != 2:
         return False
+    whole = _chunk_rows(tensor) == slab_shape(tensor)[1]  # read at once: a whole matrix of a stack needs no row reads
     for piece in pieces:
-        dtype, _, column_major = reader.info(piece.source)
+        dtype, shape, column_major = reader.info(piece.source)
         if (piece.zeros or piece.alternates or piece.row_perm or piece.transposed == tensor.transposed
-                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and piece.length < reader.info(piece.source)[1][1]
-                    and not hasattr(reader, "read_slab_rows"))):
+                or column_major or dtype != tensor.dtype or (piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
+                                                             and not (whole and piece.length == shape[1]))):
             return False
     return True
 
 
+def _chunk_rows(tensor: OutTensor) -> int:
+    """Stored rows of a gathering ``tensor``'s sources :func:`_read_transposed` takes at a time (all of them: the
+    slab's columns): the whole slab up to WHOLE_GATHER bytes, else about GATHER_CHUNK bytes, at least 64 (torch's
+    transpose works in 60 x 60 blocks)."""
+    rows, cols = slab_shape(tensor)
+    if nbytes_of(tensor.dtype, (rows, cols)) <= WHOLE_GATHER:
+        return cols
+    return max(1, min(cols, max(64, GATHER_CHUNK // max(1, rows * tensor.dtype.itemsize))))
+
+
 def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
-    """The matrix :func:`_read_transposed` reads slab ``k``'s rows into: the largest slab that gathers, or 0."""
-    return max((nbytes_of(t.dtype, slab_shape(t)) for t, pieces in zip(tensors, split, strict=True)
-                if _gathers(t, pieces[k], reader)), default=0)
+    """The matrices :func:`_read_transposed` uses for slab ``k`` (the rows read; for a slab in chunks, also their
+    transpose): the most any tensor of the group that gathers needs, or 0."""
+    def need(tensor: OutTensor) -> int:
+        rows = _chunk_rows(tensor)
+        size = nbytes_of(tensor.dtype, (rows, slab_shape(tensor)[0]))
+        return size if rows == slab_shape(tensor)[1] else 2 * size
+
+    return max((need(t) for t, pieces in zip(tensors, split, strict=True) if _gathers(t, pieces[k], reader)), default=0)
 
 
-def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor) -> None:
-    """``out``'s transpose read row piece by row piece into ``gather``, then transposed into ``out`` in one copy
-    (torch's blocked transpose: a contiguous target from the transpose of a contiguous source)."""
-    matrix = gather[:out.numel() * out.element_size()].view(out.dtype).view(out.size(1), out.size(0))
-    offset = 0
-    for piece in pieces:
-        _read_piece(reader, piece, matrix[offset:offset + piece.length])
-        offset += piece.length
-    out.copy_(matrix.t())
+def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor, rows: int) -> None:
+    """``out``'s transpose read ``rows`` stored rows at a time into ``gather``, and transposed into ``out`` (torch's
+    blocked transpose: a contiguous target from the transpose of a contiguous source): all of them at once, or each
+    chunk into a second matrix of ``gather`` and copied into its columns of ``out``. Chunks keep both matrices in
+    cache and the fresh memory a band touches to its output: read whole into a matrix of its own, a large slab's
+    page faults in that matrix cost more CPU than the extra copy (to-nxd of Mixtral's ``gate_up_proj``, measured);
+    a small slab's buffer stays warm in the worker's arena, and the one copy is cheaper."""
+    width = out.size(0) * out.element_size()
+    total = out.size(1)
+    for lo in range(0, total, rows):
+        n = min(rows, total - lo)
+        read = gather[:n * width].view(out.dtype).view(n, out.size(0))
+        offset = 0
+        for piece in pieces:  # the pieces' rows [lo, lo + n) of the stack
+            a, b = max(lo, offset), min(lo + n, offset + piece.length)
+            if a < b:
+                _read_piece(reader, piece, read[a - lo:b - lo], a - offset)
+            offset += piece.length
+        if n == total:
+            out.copy_(read.t())
+        else:
+            flip = gather[rows * width:(rows + n) * width].view(out.dtype).view(out.size(0), n)
+            flip.copy_(read.t())
+            out[:, lo:lo + n].copy_(flip)
 
 
 def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
@@ -206,14 +243,16 @@ def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
             and (piece.length == reader.info(piece.source)[1][1] or hasattr(reader, "read_slab_rows")))
 
 
-def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor) -> None:
-    """The stored rows ``piece`` reads (rows of a matrix, or of one matrix of a stack) into ``out``."""
-    if piece.slab >= 0 and piece.length == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
+def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor, lo: int = 0) -> None:
+    """The stored rows ``piece`` reads (rows of a matrix, or of one matrix of a stack) into ``out``; from its row
+    ``lo`` on, as many as ``out`` holds."""
+    start, stop = piece.start + lo, piece.start + lo + out.size(0)
+    if piece.slab >= 0 and stop - start == reader.info(piece.source)[1][1]:  # a whole matrix of a stack
         reader.read_rows(piece.source, piece.slab, piece.slab + 1, out=out.unsqueeze(0))
     elif piece.slab >= 0:
-        reader.read_slab_rows(piece.source, piece.slab, piece.start, piece.stop, out=out)  # type: ignore[attr-defined]
+        reader.read_slab_rows(piece.source, piece.slab, start, stop, out=out)  # type: ignore[attr-defined]
     else:
-        reader.read_rows(piece.source, piece.start, piece.stop, out=out)
+        reader.read_rows(piece.source, start, stop, out=out)
 
 
 class Scratch3:

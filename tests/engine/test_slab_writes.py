@@ -1,7 +1,7 @@
 """Expert slabs are built where their O_DIRECT write sends them from: at their file offset's page phase, so no expert
 byte is copied into an aligned bounce buffer first (io.direct_io counts those), to NxD and back to HF; and the slabs
-built by one transpose of stacked rows (NxD's gate_up_proj from HF gate and up rows, HF's down_proj from every tp
-rank's NxD slab) equal torch's own slicing and transposing of the HF matrices."""
+built by transposing stacked rows (NxD's gate_up_proj from HF gate and up rows, HF's down_proj from every tp rank's
+NxD slab), a chunk of rows at a time, equal torch's own slicing and transposing of the HF matrices."""
 
 from __future__ import annotations
 
@@ -45,15 +45,44 @@ def test_expert_slabs_go_direct_without_a_bounce_and_equal_torch(mixtral: Path, 
     assert direct_io.direct_bytes - direct >= experts * 9 // 10  # each write's unaligned edges go buffered
     assert direct_io.bounced_bytes == bounced, "an expert slab was copied to an aligned buffer before its write"
 
-    hf = load_file(mixtral / "model.safetensors")
+    _equal_torch(mixtral, tmp_path, tp=2, inter=I, experts=E)
+
+
+def _equal_torch(source: Path, tmp_path: Path, tp: int, inter: int, experts: int) -> None:
+    """Every tp rank's NxD experts under ``tmp_path / "nxd"`` equal torch's slices and transposes of the HF matrices
+    of ``source``, and the HF model under ``tmp_path / "hf"`` equals ``source``."""
+    hf = load_file(source / "model.safetensors")
     w = "model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
-    half = I // 2
-    for tp in range(2):
-        shard = load_shard(tmp_path / "nxd" / "model" / f"dp_rank_00_tp_rank_{tp:02d}_pp_rank_00.pt")
-        rows = slice(tp * half, (tp + 1) * half)
-        for e in range(E):
+    part = inter // tp
+    for rank in range(tp):
+        shard = load_shard(tmp_path / "nxd" / "model" / f"dp_rank_00_tp_rank_{rank:02d}_pp_rank_00.pt")
+        rows = slice(rank * part, (rank + 1) * part)
+        for e in range(experts):
             gate_up = torch.cat([hf[w.format(e=e, w="w1")][rows], hf[w.format(e=e, w="w3")][rows]]).t()
             assert torch.equal(shard["model.layers.0." + NXD_GATE_UP][e], gate_up)
             assert torch.equal(shard["model.layers.0." + NXD_DOWN][e], hf[w.format(e=e, w="w2")][:, rows].t())
     back = load_file(tmp_path / "hf" / "model.safetensors")
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gathered_slabs_in_chunks_equal_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int):
+    """gate_up_proj (to-nxd) and HF's down_proj (to-hf) read and transposed 64 stored rows at a time: pieces of 600 / tp
+    rows end in a partial chunk or span two pieces (gate rows and up rows), each landing in its own columns."""
+    import transformers
+
+    from ckptconv.engine import slabs
+
+    hidden, inter, experts = 96, 600, 4  # hidden != intermediate, more experts than top-k
+    config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                        num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=4,
+                                        head_dim=12, vocab_size=32, num_hidden_layers=1)
+    torch.manual_seed(tp)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "in")
+    monkeypatch.setattr(slabs, "WHOLE_GATHER", 0)  # every slab in chunks
+    monkeypatch.setattr(slabs, "GATHER_CHUNK", 1)  # of the 64-row floor
+    options = ckptconv.RunOptions(quiet=True, workers=2)
+    ckptconv.to_nxd(tmp_path / "in", tmp_path / "nxd", tp=tp, options=options)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
+    _equal_torch(tmp_path / "in", tmp_path, tp=tp, inter=inter, experts=experts)
