@@ -122,8 +122,8 @@ bench: setup
 bench-8b: setup
 	$(BIN)/python benchmarks/run.py --only-8b --repeat 3
 
-# one Llama-3.1-405B-shaped layer (14.8 GB) to NxD, its shards to HF and resharded, at --max-memory 1, 2, 4 GiB,
-# 3 runs each (~1-1.5 h) (needs ~45 GB free; BENCH_ARGS=--before DIR runs an older tree's too, alternated; `make bench` runs each budget once)
+# one Llama-3.1-405B-shaped layer (14.8 GB) to NxD, back to HF and resharded at --max-memory 1, 2, 4 GiB, 3 runs each
+# (~1-1.5 h; needs ~32 GB free; BENCH_ARGS=--before DIR runs an older tree's too, alternated; `make bench` runs each budget once)
 bench-405b: setup
 	$(BIN)/python benchmarks/run.py --405b --405b-commands to-nxd,to-hf,reshard --repeat 3 $(BENCH_ARGS)
 

@@ -174,9 +174,10 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
 
 def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
     """Whether a slab of ``tensor`` (its ``pieces``) is the transpose of a stack of stored rows of its sources, in
-    its dtype, each piece readable a few rows at a time (or, for a slab read at once, a whole matrix of a stack): NxD's ``gate_up_proj`` from an expert's HF gate and up rows
-    (to-nxd), an HF ``down_proj`` from every tp rank's NxD slab (to-hf). Those rows are then read and transposed a
-    chunk at a time (:func:`_read_transposed`), not transposed piece by piece into part of each row."""
+    its dtype, each piece readable a few rows at a time (or, for a slab read at once, a whole matrix of a stack):
+    NxD's ``gate_up_proj`` from an expert's HF gate and up rows (to-nxd), an HF ``down_proj`` from every tp rank's NxD
+    slab (to-hf). Those rows are then read and transposed a chunk at a time (:func:`_read_transposed`), not
+    transposed piece by piece into part of each row."""
     if tensor.dim != (0 if tensor.transposed else 1) or not pieces or len(slab_shape(tensor)) != 2:
         return False
     whole = _chunk_rows(tensor) == slab_shape(tensor)[1]  # read at once: a whole matrix of a stack needs no row reads
