@@ -14,10 +14,8 @@ from typing import Any
 
 import pytest
 
-from nxdtrain.cli import PRELOAD
-from nxdtrain.parallel.dist import spawn
-from tests.nxdtrain.checkpoint.test_save_writer import MODES, _equal, mixtral  # noqa: F401 (mixtral: a fixture)
-from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, train_options, trainer_world
+from tests.nxdtrain.checkpoint.test_save_writer import MODES, _equal, mixtral, run_mode  # noqa: F401 (mixtral: a fixture)
+from tests.nxdtrain.harness import trainer_world
 
 
 def tree_bytes(tag: Path) -> dict[str, bytes]:
@@ -71,12 +69,7 @@ def async_worker(options: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_async_save_writes_a_sync_saves_bytes_and_resumes_alike(tmp_path, nxd_model, mixtral, mode):  # noqa: F811
-    nproc, extra = MODES[mode]
-    src = mixtral if "ep" in extra else nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
-    options = train_options(optimizer="adamw", steps=2, resume=str(src), checkpoint_dir=str(tmp_path / "ckpt"),
-                            dist_timeout=DIST_TIMEOUT, **extra)
-    code = spawn(async_worker, (options,), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
-    assert code == 0
+    assert run_mode(async_worker, mode, 2, tmp_path, nxd_model, mixtral) == 0
 
 
 def test_host_copies_keep_views_shared_and_reuse_the_previous_saves_memory():

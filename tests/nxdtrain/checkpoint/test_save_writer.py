@@ -100,11 +100,16 @@ MODES = {"dense": (1, {}), "zero1-dp2": (2, {"zero1": True}), "fsdp-dp2": (2, {"
          "ep2": (2, {"ep": 2})}
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_save_reads_back_equal_through_ckptconv_and_the_resume_path(tmp_path, nxd_model, mixtral, mode):
+def run_mode(worker: Any, mode: str, steps: int, tmp_path: Path, nxd_model: Any, mixtral: Path) -> int:
+    """``worker(options)`` in a world of ``mode`` (MODES), resuming the tiny model that mode trains (the Mixtral for
+    ep, else a GQA Llama), checkpoints under ``tmp_path / "ckpt"``; the world's exit code."""
     nproc, extra = MODES[mode]
     src = mixtral if "ep" in extra else nxd_model("gqa", tp=1, pp=1, attention="qkv_linear")
-    options = train_options(optimizer="adamw", steps=1, resume=str(src), checkpoint_dir=str(tmp_path / "ckpt"),
+    options = train_options(optimizer="adamw", steps=steps, resume=str(src), checkpoint_dir=str(tmp_path / "ckpt"),
                             dist_timeout=DIST_TIMEOUT, **extra)
-    code = spawn(save_and_resume_worker, (options,), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
-    assert code == 0
+    return spawn(worker, (options,), nproc, timeout_s=WORLD_TIMEOUT, preload=PRELOAD)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_reads_back_equal_through_ckptconv_and_the_resume_path(tmp_path, nxd_model, mixtral, mode):
+    assert run_mode(save_and_resume_worker, mode, 1, tmp_path, nxd_model, mixtral) == 0
