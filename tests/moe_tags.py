@@ -65,6 +65,20 @@ def tiny_moe(family: str, out: Path) -> Path:
     return out
 
 
+def one_layer_mixtral(out: Path, hidden: int, intermediate: int, experts: int, *, head_dim: int, heads: int = 4,
+                      kv_heads: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A one-layer Mixtral of these shapes (top-2, vocabulary 32, seeded weights) saved at ``out``; the model."""
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=intermediate, num_local_experts=experts,
+                                        num_experts_per_tok=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                        head_dim=head_dim, vocab_size=32, num_hidden_layers=1)
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(out)
+    return model
+
+
 def state_of(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every optimizer tensor of a parameter with this weight: AdamW's step, moments, the fp32 master."""
     w = weight.float()

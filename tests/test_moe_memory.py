@@ -18,20 +18,15 @@ from ckptconv.engine import execute
 from ckptconv.io.hf import HfCheckpoint
 from ckptconv.io.nxd_read import NxdCheckpoint, load_shard
 from tests.conftest import warns_no_tokenizer
+from tests.moe_tags import one_layer_mixtral
 
 H, I, E = 8, 12, 4  # noqa: E741  hidden != expert intermediate: a transposed expert would not fit
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory) -> Path:
-    import transformers
-
-    config = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=4, vocab_size=32,
-                                        num_hidden_layers=1)
-    torch.manual_seed(0)
     out = tmp_path_factory.mktemp("mixtral")
-    transformers.MixtralForCausalLM(config).save_pretrained(out)
+    one_layer_mixtral(out, H, I, E, head_dim=4)
     return out
 
 
@@ -158,14 +153,7 @@ SHARE = 2 << 20
 
 
 def _big_mixtral(out: Path, fused: bool) -> Path:
-    import transformers
-
-    config = transformers.MixtralConfig(hidden_size=BIG_H, intermediate_size=BIG_I, num_local_experts=E,
-                                        num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                                        head_dim=64, vocab_size=32, num_hidden_layers=1)
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config)
-    model.save_pretrained(out)
+    model = one_layer_mixtral(out, BIG_H, BIG_I, E, head_dim=64)
     if fused:  # transformers' in-memory names: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
         (out / "model.safetensors").unlink()
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors")

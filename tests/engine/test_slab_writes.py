@@ -16,20 +16,15 @@ from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
 from ckptconv.io import direct_io
 from ckptconv.io.nxd_read import load_shard
 from tests.conftest import warns_no_tokenizer
+from tests.moe_tags import one_layer_mixtral
 
 H, I, E = 256, 2048, 2  # noqa: E741  fp32 experts of 2 MiB: every tp 2 slab is at least direct_io.MIN_DIRECT
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory) -> Path:
-    import transformers
-
-    config = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=32,
-                                        num_hidden_layers=1)
-    torch.manual_seed(0)
     out = tmp_path_factory.mktemp("mixtral")
-    transformers.MixtralForCausalLM(config).save_pretrained(out)
+    one_layer_mixtral(out, H, I, E, head_dim=64)
     return out
 
 
@@ -69,16 +64,10 @@ def _equal_torch(source: Path, tmp_path: Path, tp: int, inter: int, experts: int
 def test_gathered_slabs_in_chunks_equal_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int):
     """gate_up_proj (to-nxd) and HF's down_proj (to-hf) read and transposed 64 stored rows at a time: pieces of 600 / tp
     rows end in a partial chunk or span two pieces (gate rows and up rows), each landing in its own columns."""
-    import transformers
-
     from ckptconv.engine import slabs
 
     hidden, inter, experts = 96, 600, 4  # hidden != intermediate, more experts than top-k
-    config = transformers.MixtralConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
-                                        num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=4,
-                                        head_dim=12, vocab_size=32, num_hidden_layers=1)
-    torch.manual_seed(tp)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "in")
+    one_layer_mixtral(tmp_path / "in", hidden, inter, experts, head_dim=12, heads=8, kv_heads=4, seed=tp)
     monkeypatch.setattr(slabs, "WHOLE_GATHER", 0)  # every slab in chunks
     monkeypatch.setattr(slabs, "GATHER_CHUNK", 1)  # of the 64-row floor
     options = ckptconv.RunOptions(quiet=True, workers=2)
