@@ -170,7 +170,7 @@ class TagWriter:
         started = time.perf_counter()
         records, error = pending.outcome()
         gathered = self._gather((records, pending.rng, pending.waited + time.perf_counter() - started), error,
-                                pending)
+                                pending.tag, pending.close)
         if pending.lock is not None:
             with pending.lock:
                 self._finish(pending, [records for records, *_ in gathered], [rng for _, rng, _ in gathered])
@@ -179,15 +179,15 @@ class TagWriter:
             self._in_nxd_format(pending.tag)
         return max(w for *_, w in gathered)
 
-    def _gather(self, mine: Any, error: str | None, pending: Pending) -> list[Any]:
-        """Every rank's ``mine``; when a rank says ``error``, every rank stops alike (the tag stays without its
-        markers)."""
+    def _gather(self, mine: Any, error: str | None, tag: Path, close: Callable[[], None]) -> list[Any]:
+        """Every rank's ``mine``; when a rank says ``error``, every rank ``close``s what it holds of the save and
+        stops alike (the tag stays without its markers)."""
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (mine, error), group=self.host_group)
         errors = [e for _, e in gathered if e is not None]
         if errors:
-            pending.close()
-            raise TrainError(f"{pending.tag}: not saved: {errors[0]}")
+            close()
+            raise TrainError(f"{tag}: not saved: {errors[0]}")
         return [m for m, _ in gathered]
 
     def _files(self, tag: Path, model: Any, optimizer: Any, *, copy: bool) -> Files:
@@ -236,13 +236,8 @@ class TagWriter:
                                 owner=writes and sharding.shard_rank == 0, writes=writes, group=self.save_group,
                                 to_host=self.copies.copy if copy else to_host)
         except Exception as exc:  # noqa: BLE001 (the owner could not create a file, say: every rank learns it)
-            error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error, group=self.host_group)
-        if any(errors):
-            if save is not None:
-                save.close()
-            raise TrainError(f"{tag}: not saved: {next(e for e in errors if e)}")
+            error = rank_error(exc)
+        self._gather(None, error, tag, save.close if save is not None else lambda: None)
         assert save is not None
         return Files(tag, shared=save, dtype=save.dtype if dist.get_rank() == 0 else "")
 
@@ -325,6 +320,11 @@ class TagWriter:
         ), retain=lambda: prune(self.root, self.keep, run=str(self.record.get("run"))))
 
 
+def rank_error(exc: BaseException) -> str:
+    """A save's failure on this rank as the line every rank raises (``TagWriter._gather``, ``SharedSave.seal``)."""
+    return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+
+
 @dataclass
 class Files:
     """What one rank writes in a tag: its shard (``beside``: on a second thread, beside the optimizer file) and
@@ -351,7 +351,7 @@ def write_files(files: Files, rank: int) -> dict[str, dict[str, Any]]:
     except Exception as exc:
         if files.shared is None:
             raise
-        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"  # every rank learns it in the seal
+        error = rank_error(exc)  # every rank learns it in the seal
     _test_hold(rank)
     if files.shared is not None:
         records.update(files.shared.seal(extents, error, files.tag))
@@ -410,7 +410,7 @@ class Pending:
         except TrainError as exc:  # a line naming the rank it happened on (an FSDP save's seal)
             return {}, str(exc)
         except Exception as exc:  # noqa: BLE001 (reported on every rank by complete)
-            return {}, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+            return {}, rank_error(exc)
 
     def close(self) -> None:
         """After a failure: the tag's lock released, the shared files this rank created closed."""
