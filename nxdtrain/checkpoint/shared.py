@@ -59,7 +59,7 @@ class SharedFile:
     """One file of a tag written by a shard group: the owner's writer (None on the other ranks) and this rank's
     parts of it."""
 
-    rel: str                  # its path in the tag: how the ranks' CRCs find it
+    rel: str                  # its path, the same on every rank: how the ranks' CRCs find it
     final: Path
     partial: Path             # where it is written, renamed to ``final`` by the owner when finished
     layout: ZipLayout
@@ -161,7 +161,8 @@ def build(shard: Path, optim: Path, model: Any, optimizer: Any, sharding: Any, *
 def _part(key: str, t: torch.Tensor, local: torch.Tensor, sharding: Any, meta: TensorMeta, *, owner: bool,
           writes: bool) -> Part | None:
     """What this rank writes of one record: its rows of a DTensor (``writes``), or the whole of it (``owner``)."""
-    if isinstance(t, DTensor) and meta.stride == TensorMeta.contiguous(meta.dtype, meta.shape).stride:
+    row_major = meta.stride == TensorMeta.contiguous(meta.dtype, meta.shape).stride
+    if isinstance(t, DTensor) and row_major:
         if not writes:
             return None
         start, stop = sharding.rows(t.shape[0])
@@ -170,8 +171,7 @@ def _part(key: str, t: torch.Tensor, local: torch.Tensor, sharding: Any, meta: T
         return key, start * row_bytes, local.contiguous().reshape(-1)
     if not owner:
         return None
-    whole = local.t().contiguous() if meta.stride != TensorMeta.contiguous(meta.dtype, meta.shape).stride \
-        else local.contiguous()
+    whole = local.contiguous() if row_major else local.t().contiguous()
     return key, 0, whole.reshape(-1)
 
 
