@@ -173,17 +173,20 @@ def save_worker(options: dict[str, Any], saves: int, out: Path, background: bool
 
 
 def copy_cost(tag: Path) -> dict[str, Any]:
-    """``cp -r`` of ``tag`` beside it, from cached pages (read once first), timed, then deleted; and its bytes."""
+    """``cp -r`` of ``tag`` from cached pages (read once first) into ``copies/`` beside the checkpoint directory,
+    timed; and its bytes. The copy stays until the row ends, as the tags do: each cp, like each save, writes into
+    page-cache pages nobody freed a moment before (on this VM a page the host took back costs ~2 CPU s/GB at first
+    touch, to any writer; a copy deleted right away hands its pages to the next cp, never to the next save)."""
     files = [p for p in tag.rglob("*") if p.is_file()]
     for path in files:
         with open(path, "rb") as f:
             while f.read(16 << 20):
                 pass
-    copy = tag.with_name(f".{tag.name}.cp")
+    copies = tag.parent.parent / "copies"
+    copies.mkdir(exist_ok=True)
     started = time.perf_counter()
-    subprocess.run(["cp", "-r", str(tag), str(copy)], check=True)
+    subprocess.run(["cp", "-r", str(tag), str(copies / tag.name)], check=True)
     cp = time.perf_counter() - started
-    shutil.rmtree(copy)
     return {"cp": cp, "bytes": sum(p.stat().st_size for p in files)}
 
 
@@ -232,6 +235,7 @@ def measure_row(tree: Path, row: str, source: Path, args: argparse.Namespace, ou
     subprocess.run(argv, env=env, check=True, cwd=out)
     result: list[dict[str, Any]] = json.loads((out / "result.json").read_text())
     shutil.rmtree(out / "ckpt")
+    shutil.rmtree(out / "copies", ignore_errors=True)
     return result
 
 

@@ -32,6 +32,7 @@ from ckptconv.io.torchzip import (
     plan_zip,
     pwrite_extent,
 )
+from ckptconv.io.write_pool import each
 
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
@@ -110,8 +111,7 @@ def save_object(obj: Any, path: str | os.PathLike[str]) -> bool:
     except ValueError:  # a value the safe pickle does not allow (torch.save pickles it by class)
         return False
     with TorchZipWriter(path, layout) as writer:
-        for key, tensor in tensors.items():
-            writer.write_tensor(key, tensor)
+        each(lambda item: writer.write_tensor(*item), tensors.items())  # on the save's threads, if it has some
     return True
 
 
