@@ -36,5 +36,6 @@ if TYPE_CHECKING:
     from ckptconv.io.torch_save import Extent, plan_object, write_share
     from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, ZipLayout, plan_zip
     from ckptconv.io.write_digest import WriteDigests, recording
+    from ckptconv.io.write_pool import each
 
 __getattr__ = lazy_exports(__name__, __file__)

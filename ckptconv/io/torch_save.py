@@ -125,7 +125,7 @@ def write_share(path: str | os.PathLike[str], layout: ZipLayout, extents: list[t
     creates the file. Returns what the owner's :meth:`TorchZipWriter.add_extent_crc` takes."""
     fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        return [(key, offset, t.numel() * t.element_size(), pwrite_extent(fd, layout, key, offset, t))
-                for key, offset, t in extents]
+        return each(lambda part: (part[0], part[1], part[2].numel() * part[2].element_size(),
+                                  pwrite_extent(fd, layout, *part)), extents)  # on the save's threads, if any
     finally:
         os.close(fd)

@@ -19,9 +19,10 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _POOL: contextvars.ContextVar[Executor | None] = contextvars.ContextVar("ckptconv_write_pool", default=None)
 
@@ -41,16 +42,14 @@ def spreading(threads: int) -> Iterator[None]:
             _POOL.reset(token)
 
 
-def each(write: Callable[[T], Any], items: Iterable[T]) -> None:
-    """``write(item)`` for every item, in order: on the active pool, or here. Returns once every call ended (a file
-    is never finished or closed under a running write); the first error, if any, is raised then."""
+def each(write: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``write(item)`` for every item, in order: on the active pool, or here; their results in order. Returns once
+    every call ended (a file is never finished or closed under a running write); the first error, if any, is raised
+    then."""
     pool = _POOL.get()
     if pool is None:
-        for item in items:
-            write(item)
-        return
+        return [write(item) for item in items]
     context = contextvars.copy_context()  # recording's digests and direct_writes, as in the caller
     futures = [pool.submit(context.copy().run, write, item) for item in items]
     wait(futures)
-    for future in futures:
-        future.result()
+    return [future.result() for future in futures]

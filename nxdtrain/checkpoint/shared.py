@@ -41,6 +41,7 @@ from ckptconv.io import (
     TorchZipWriter,
     WriteDigests,
     ZipLayout,
+    each,
     place,
     plan_object,
     plan_zip,
@@ -68,10 +69,10 @@ class SharedFile:
 
     def write(self) -> list[Extent]:
         """Write this rank's parts; the CRCs the owner needs (none from the owner: its writer recorded them)."""
-        if self.writer is None:
+        writer = self.writer
+        if writer is None:
             return write_share(self.partial, self.layout, self.parts)
-        for key, offset, data in self.parts:
-            self.writer.write_extent(key, offset, data)
+        each(lambda part: writer.write_extent(*part), self.parts)  # on the save's threads, if any
         return []
 
     def finish(self, extents: list[Extent]) -> Path:
