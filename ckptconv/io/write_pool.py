@@ -50,6 +50,11 @@ def each(write: Callable[[T], R], items: Iterable[T]) -> list[R]:
     if pool is None:
         return [write(item) for item in items]
     context = contextvars.copy_context()  # recording's digests and direct_writes, as in the caller
-    futures = [pool.submit(context.copy().run, write, item) for item in items]
+
+    def run(item: T) -> R:
+        _POOL.set(None)  # a write that writes a file of its own does so in its thread: none waits on a busy pool
+        return write(item)
+
+    futures = [pool.submit(context.copy().run, run, item) for item in items]
     wait(futures)
     return [future.result() for future in futures]

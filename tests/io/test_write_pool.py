@@ -81,3 +81,16 @@ def test_each_runs_on_the_pools_threads_and_raises_the_first_error_after_every_w
     assert all(name.startswith("save-records") for name in threads)
     each(lambda item: threads.add(threading.current_thread().name), [0])  # outside spreading: the calling thread
     assert threading.current_thread().name in threads
+
+
+def test_a_write_on_the_pool_that_writes_a_file_itself_writes_it_in_its_own_thread():
+    """each inside each (a record whose writer saves a file of its own) ends, on a pool of one thread."""
+    seen: list[tuple[int, str]] = []
+
+    def outer(item: int) -> int:
+        each(lambda inner: seen.append((inner, threading.current_thread().name)), [item * 10, item * 10 + 1])
+        return item
+
+    with spreading(2):  # a pool of 2: both busy with outer writes, whose inner ones must not wait for a thread
+        assert each(outer, range(4)) == [0, 1, 2, 3]
+    assert sorted(i for i, _ in seen) == [0, 1, 10, 11, 20, 21, 30, 31]
