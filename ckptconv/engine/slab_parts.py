@@ -30,6 +30,7 @@ from ckptconv.engine.slabs import (
     slab_bands,
     slab_shape,
 )
+from ckptconv.io.transpose import transpose_into
 
 
 @dataclass(frozen=True)
@@ -219,4 +220,4 @@ def _flipped(rows: torch.Tensor, jobs: list[_Job], scratch: Scratch3) -> torch.T
     flipping = [job for job in jobs if job.target.stride(-1) != 1]
     if not flipping or sum(job.cols[1] - job.cols[0] for job in flipping) < rows.size(1):
         return None
-    return scratch.source(rows.dtype, (rows.size(1), rows.size(0))).copy_(rows.t())
+    return transpose_into(scratch.source(rows.dtype, (rows.size(1), rows.size(0))), rows)

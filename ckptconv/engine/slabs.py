@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
+from ckptconv.io.transpose import native_transpose, transpose_into
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
@@ -230,11 +231,10 @@ def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gathe
                 _read_piece(reader, piece, read[a - lo:b - lo], a - offset)
             offset += piece.length
         if n == total:
-            out.copy_(read.t())
+            transpose_into(out, read)
         else:
             flip = gather[rows * width:(rows + n) * width].view(out.dtype).view(out.size(0), n)
-            flip.copy_(read.t())
-            out[:, lo:lo + n].copy_(flip)
+            out[:, lo:lo + n].copy_(transpose_into(flip, read))
 
 
 def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
@@ -291,12 +291,14 @@ def copy_compact(target: torch.Tensor, src: torch.Tensor, scratch: Scratch3) -> 
     if src.stride(-1) == 1 or src.numel() <= 1:
         target.copy_(src)
         return
+    if native_transpose(target, src.t()):  # the native kernel takes strided rows as they are
+        return
     if src.stride(1) != src.size(0) or src.dtype != target.dtype:  # make the source's transpose compact
         src = scratch.source(target.dtype, (src.size(1), src.size(0))).copy_(src.t()).t()
     if target.is_contiguous():
-        target.copy_(src)
+        transpose_into(target, src.t())
     else:
-        target.copy_(scratch.target(target.dtype, tuple(target.shape)).copy_(src))
+        target.copy_(transpose_into(scratch.target(target.dtype, tuple(target.shape)), src.t()))
 
 
 def _shared(piece: Piece, dim: int) -> bool:
