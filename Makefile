@@ -18,8 +18,8 @@ help:
 docs: setup
 	$(BIN)/python tools/cli_reference.py
 
-# .venv with torch 2.13.0 (CPU) and the project, editable, with its dev tools (and the native transpose kernel,
-# built in place by the editable install where a C compiler exists: ckptconv/io/_transpose.c)
+# .venv with torch 2.13.0 (CPU) and the project, editable, with its dev tools and its optional C transpose kernel
+# (ckptconv/io/_transpose.c, built in place by the editable install where a C compiler exists)
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py ckptconv/io/_transpose.c Makefile
