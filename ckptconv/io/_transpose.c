@@ -22,10 +22,9 @@
 #if defined(__GNUC__)  /* gcc and clang: target attributes, __builtin_cpu_supports */
 #include <immintrin.h>
 #define CK_AVX2 1
-#endif
-#endif
-
 static int use_avx2 = 0;  /* set at import where the CPU has AVX2; allow_avx2() switches it */
+#endif
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 #ifndef BLOCK
@@ -35,39 +34,40 @@ static int use_avx2 = 0;  /* set at import where the CPU has AVX2; allow_avx2() 
 /* A tile's transpose: rows of the source ``s`` (``ss`` bytes apart) into rows of the target ``d`` (``ds`` apart). */
 typedef void (*tile_fn)(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds);
 
-#ifdef CK_SSE2
-#define AT(p, off) ((const __m128i *)((p) + (off)))
+/* The 8 x 8 transpose of 2-byte elements in registers: rows a[0..7] in, columns c[0..7] out, by three rounds of
+ * interleaving (16-, 32-, 64-bit lanes). V is the register type and P the intrinsics' prefix: _mm_ (SSE2, 128 bits)
+ * or _mm256_ (AVX2, whose unpacks run in each 128-bit lane: two 8 x 8 transposes side by side). */
+#define INTERLEAVE8(V, P, a, c)                                                                                       \
+    do {                                                                                                              \
+        V b0 = P##unpacklo_epi16(a[0], a[1]), b1 = P##unpackhi_epi16(a[0], a[1]);                                     \
+        V b2 = P##unpacklo_epi16(a[2], a[3]), b3 = P##unpackhi_epi16(a[2], a[3]);                                     \
+        V b4 = P##unpacklo_epi16(a[4], a[5]), b5 = P##unpackhi_epi16(a[4], a[5]);                                     \
+        V b6 = P##unpacklo_epi16(a[6], a[7]), b7 = P##unpackhi_epi16(a[6], a[7]);                                     \
+        V e0 = P##unpacklo_epi32(b0, b2), e1 = P##unpackhi_epi32(b0, b2);                                             \
+        V e2 = P##unpacklo_epi32(b1, b3), e3 = P##unpackhi_epi32(b1, b3);                                             \
+        V e4 = P##unpacklo_epi32(b4, b6), e5 = P##unpackhi_epi32(b4, b6);                                             \
+        V e6 = P##unpacklo_epi32(b5, b7), e7 = P##unpackhi_epi32(b5, b7);                                             \
+        c[0] = P##unpacklo_epi64(e0, e4), c[1] = P##unpackhi_epi64(e0, e4);                                           \
+        c[2] = P##unpacklo_epi64(e1, e5), c[3] = P##unpackhi_epi64(e1, e5);                                           \
+        c[4] = P##unpacklo_epi64(e2, e6), c[5] = P##unpackhi_epi64(e2, e6);                                           \
+        c[6] = P##unpacklo_epi64(e3, e7), c[7] = P##unpackhi_epi64(e3, e7);                                           \
+    } while (0)
 
-/* 8 x 8 2-byte elements: three rounds of interleaving (16-, 32-, 64-bit lanes) turn 8 rows into 8 columns. */
+#ifdef CK_SSE2
+/* 8 x 8 2-byte elements. */
 INLINE void tile2_sse2(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
-    __m128i a0 = _mm_loadu_si128(AT(s, 0 * ss)), a1 = _mm_loadu_si128(AT(s, 1 * ss));
-    __m128i a2 = _mm_loadu_si128(AT(s, 2 * ss)), a3 = _mm_loadu_si128(AT(s, 3 * ss));
-    __m128i a4 = _mm_loadu_si128(AT(s, 4 * ss)), a5 = _mm_loadu_si128(AT(s, 5 * ss));
-    __m128i a6 = _mm_loadu_si128(AT(s, 6 * ss)), a7 = _mm_loadu_si128(AT(s, 7 * ss));
-    __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
-    __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
-    __m128i b4 = _mm_unpacklo_epi16(a4, a5), b5 = _mm_unpackhi_epi16(a4, a5);
-    __m128i b6 = _mm_unpacklo_epi16(a6, a7), b7 = _mm_unpackhi_epi16(a6, a7);
-    __m128i c0 = _mm_unpacklo_epi32(b0, b2), c1 = _mm_unpackhi_epi32(b0, b2);
-    __m128i c2 = _mm_unpacklo_epi32(b1, b3), c3 = _mm_unpackhi_epi32(b1, b3);
-    __m128i c4 = _mm_unpacklo_epi32(b4, b6), c5 = _mm_unpackhi_epi32(b4, b6);
-    __m128i c6 = _mm_unpacklo_epi32(b5, b7), c7 = _mm_unpackhi_epi32(b5, b7);
-    _mm_storeu_si128((__m128i *)(d + 0 * ds), _mm_unpacklo_epi64(c0, c4));
-    _mm_storeu_si128((__m128i *)(d + 1 * ds), _mm_unpackhi_epi64(c0, c4));
-    _mm_storeu_si128((__m128i *)(d + 2 * ds), _mm_unpacklo_epi64(c1, c5));
-    _mm_storeu_si128((__m128i *)(d + 3 * ds), _mm_unpackhi_epi64(c1, c5));
-    _mm_storeu_si128((__m128i *)(d + 4 * ds), _mm_unpacklo_epi64(c2, c6));
-    _mm_storeu_si128((__m128i *)(d + 5 * ds), _mm_unpackhi_epi64(c2, c6));
-    _mm_storeu_si128((__m128i *)(d + 6 * ds), _mm_unpacklo_epi64(c3, c7));
-    _mm_storeu_si128((__m128i *)(d + 7 * ds), _mm_unpackhi_epi64(c3, c7));
+    __m128i a[8], c[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm_loadu_si128((const __m128i *)(s + r * ss));
+    INTERLEAVE8(__m128i, _mm_, a, c);
+    for (int k = 0; k < 8; k++) _mm_storeu_si128((__m128i *)(d + k * ds), c[k]);
 }
 
 /* 4 x 4 4-byte elements: two rounds (32-, 64-bit lanes). */
 INLINE void tile4_sse2(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
-    __m128i a0 = _mm_loadu_si128(AT(s, 0 * ss)), a1 = _mm_loadu_si128(AT(s, 1 * ss));
-    __m128i a2 = _mm_loadu_si128(AT(s, 2 * ss)), a3 = _mm_loadu_si128(AT(s, 3 * ss));
-    __m128i b0 = _mm_unpacklo_epi32(a0, a1), b1 = _mm_unpackhi_epi32(a0, a1);
-    __m128i b2 = _mm_unpacklo_epi32(a2, a3), b3 = _mm_unpackhi_epi32(a2, a3);
+    __m128i a[4];
+    for (int r = 0; r < 4; r++) a[r] = _mm_loadu_si128((const __m128i *)(s + r * ss));
+    __m128i b0 = _mm_unpacklo_epi32(a[0], a[1]), b1 = _mm_unpackhi_epi32(a[0], a[1]);
+    __m128i b2 = _mm_unpacklo_epi32(a[2], a[3]), b3 = _mm_unpackhi_epi32(a[2], a[3]);
     _mm_storeu_si128((__m128i *)(d + 0 * ds), _mm_unpacklo_epi64(b0, b2));
     _mm_storeu_si128((__m128i *)(d + 1 * ds), _mm_unpackhi_epi64(b0, b2));
     _mm_storeu_si128((__m128i *)(d + 2 * ds), _mm_unpacklo_epi64(b1, b3));
@@ -90,27 +90,15 @@ INLINE void tile4_plain(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
 #endif
 
 #ifdef CK_AVX2
-/* 8 x 16 2-byte elements: tile2_sse2's interleave in both 128-bit lanes at once (columns j..j+7 in the low lanes,
- * j+8..j+15 in the high ones); register k ends as column k (low lane) and column k + 8 (high lane). */
+/* 8 x 16 2-byte elements: columns j..j+7 in the registers' low lanes, j+8..j+15 in the high ones; register k ends
+ * as column k (low lane) and column k + 8 (high lane). */
 __attribute__((target("avx2"))) INLINE void tile2x2_avx2(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)(s + 0 * ss)), a1 = _mm256_loadu_si256((const __m256i *)(s + 1 * ss));
-    __m256i a2 = _mm256_loadu_si256((const __m256i *)(s + 2 * ss)), a3 = _mm256_loadu_si256((const __m256i *)(s + 3 * ss));
-    __m256i a4 = _mm256_loadu_si256((const __m256i *)(s + 4 * ss)), a5 = _mm256_loadu_si256((const __m256i *)(s + 5 * ss));
-    __m256i a6 = _mm256_loadu_si256((const __m256i *)(s + 6 * ss)), a7 = _mm256_loadu_si256((const __m256i *)(s + 7 * ss));
-    __m256i b0 = _mm256_unpacklo_epi16(a0, a1), b1 = _mm256_unpackhi_epi16(a0, a1);
-    __m256i b2 = _mm256_unpacklo_epi16(a2, a3), b3 = _mm256_unpackhi_epi16(a2, a3);
-    __m256i b4 = _mm256_unpacklo_epi16(a4, a5), b5 = _mm256_unpackhi_epi16(a4, a5);
-    __m256i b6 = _mm256_unpacklo_epi16(a6, a7), b7 = _mm256_unpackhi_epi16(a6, a7);
-    __m256i c0 = _mm256_unpacklo_epi32(b0, b2), c1 = _mm256_unpackhi_epi32(b0, b2);
-    __m256i c2 = _mm256_unpacklo_epi32(b1, b3), c3 = _mm256_unpackhi_epi32(b1, b3);
-    __m256i c4 = _mm256_unpacklo_epi32(b4, b6), c5 = _mm256_unpackhi_epi32(b4, b6);
-    __m256i c6 = _mm256_unpacklo_epi32(b5, b7), c7 = _mm256_unpackhi_epi32(b5, b7);
-    __m256i col[8] = {_mm256_unpacklo_epi64(c0, c4), _mm256_unpackhi_epi64(c0, c4), _mm256_unpacklo_epi64(c1, c5),
-                      _mm256_unpackhi_epi64(c1, c5), _mm256_unpacklo_epi64(c2, c6), _mm256_unpackhi_epi64(c2, c6),
-                      _mm256_unpacklo_epi64(c3, c7), _mm256_unpackhi_epi64(c3, c7)};
+    __m256i a[8], c[8];
+    for (int r = 0; r < 8; r++) a[r] = _mm256_loadu_si256((const __m256i *)(s + r * ss));
+    INTERLEAVE8(__m256i, _mm256_, a, c);
     for (int k = 0; k < 8; k++) {
-        _mm_storeu_si128((__m128i *)(d + k * ds), _mm256_castsi256_si128(col[k]));
-        _mm_storeu_si128((__m128i *)(d + (k + 8) * ds), _mm256_extracti128_si256(col[k], 1));
+        _mm_storeu_si128((__m128i *)(d + k * ds), _mm256_castsi256_si128(c[k]));
+        _mm_storeu_si128((__m128i *)(d + (k + 8) * ds), _mm256_extracti128_si256(c[k], 1));
     }
 }
 #endif
@@ -182,8 +170,11 @@ static PyObject *transpose(PyObject *self, PyObject *args) {
 
 static PyObject *kernel(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
+#ifdef CK_AVX2
+    if (use_avx2) return PyUnicode_FromString("avx2");
+#endif
 #ifdef CK_SSE2
-    return PyUnicode_FromString(use_avx2 ? "avx2" : "sse2");
+    return PyUnicode_FromString("sse2");
 #else
     return PyUnicode_FromString("portable");
 #endif
