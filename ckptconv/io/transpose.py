@@ -34,6 +34,12 @@ def native_kernel() -> str | None:
     return str(_native.kernel()) if _ENABLED and _native is not None else None
 
 
+def native_dtype(dtype: torch.dtype) -> bool:
+    """Whether the native kernel is on and takes elements of ``dtype``: a caller that stages a transpose through a
+    compact matrix only for torch's sake (torch is fast only into one) need not."""
+    return _ENABLED and dtype in _DTYPES
+
+
 def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src.t())``; returns ``dst``. The native kernel where :func:`native_transpose` takes the pair,
     torch's copy otherwise.
