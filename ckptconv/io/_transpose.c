@@ -26,7 +26,11 @@ static int use_avx2 = 0;  /* set at import where the CPU has AVX2; allow_avx2() 
 #endif
 #endif
 
+#if defined(_MSC_VER)
+#define INLINE static __forceinline
+#else
 #define INLINE static inline __attribute__((always_inline))
+#endif
 #ifndef BLOCK
 #define BLOCK 128  /* a block's side in elements (tile columns x rows walked before the next column of tiles) */
 #endif
