@@ -18,16 +18,19 @@ help:
 docs: setup
 	$(BIN)/python tools/cli_reference.py
 
-# .venv with torch 2.13.0 (CPU) and the project, editable, with its dev tools
+# .venv with torch 2.13.0 (CPU) and the project, editable, with its dev tools and its optional C transpose kernel
+# (ckptconv/io/_transpose.c, built in place by the editable install where a C compiler exists)
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py ckptconv/io/_transpose.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch pinned first, so that .[dev] keeps it: the CPU wheel where pip is configured with one (this project's
 	# machines: a local wheel directory); from PyPI alone the pin is the CUDA build (README: the CPU index).
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# which transpose the install uses (the editable install builds the optional kernel next to its source)
+	$(BIN)/python -m ckptconv.io.transpose
 	# bytecode written once, as pip writes a regular install's: where PYTHONDONTWRITEBYTECODE is set, an editable
 	# install would compile ckptconv's ~80 modules at every start (~0.2 s; Python still recompiles an edited one)
 	$(BIN)/python -m compileall -q ckptconv nxdtrain > /dev/null

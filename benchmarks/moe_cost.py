@@ -14,8 +14,10 @@ bytes (intermediate = experts x expert intermediate) and the same attention:
 Each command also runs on a tiny model of the same family and layout (its start-up); the figures are marginal
 (command minus start-up), as in ``training_rows.py``: marginal CPU s/GB of the source, marginal wall against ``cp -r``
 of the source run right before, peak RSS; the MoE row's ratio to its dense twin's marginal CPU. Warm page cache,
-``sync`` after each command; with ``--before DIR`` every MoE command runs from that tree too, alternating which goes
-first (the dense twins run from this tree only: the change is in the expert paths).
+``sync`` after each command; with ``--before DIR`` every MoE command runs from that tree too, with
+``--torch-transpose`` from this tree with ``CKPTCONV_NATIVE=0`` (torch's transpose instead of the native kernel,
+``ckptconv.io.transpose``), alternating which goes first (the dense twins run from this tree only: the change is in
+the expert paths).
 """
 
 from __future__ import annotations
@@ -181,10 +183,12 @@ def commands(family: str) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
-def moe_cost_rows(out: Path, repeat: int, before: Path | None) -> str:
+def moe_cost_rows(out: Path, repeat: int, before: Path | None, torch_transpose: bool = False) -> str:
     out = out.resolve()
     paths = build(out)
-    trees = [("after", REPO)] + ([("before", before)] if before else [])
+    # (label, source tree, environment): CKPTCONV_NATIVE=0 is the tree's own code on torch's transpose
+    trees = [("after", REPO, tree_env(REPO))] + ([("before", before, tree_env(before))] if before else [])
+    trees += [("torch transpose", REPO, {**tree_env(REPO), "CKPTCONV_NATIVE": "0"})] if torch_transpose else []
     rows: dict[tuple[str, str, str, str], Row] = {}
     target, copy = out / "moe-cost-out", out / "moe-cost-cp"
     for i in range(repeat):
@@ -197,7 +201,7 @@ def moe_cost_rows(out: Path, repeat: int, before: Path | None) -> str:
                     baseline = measure(["cp", "-r", str(src), str(copy)])
                     shutil.rmtree(copy)
                     order = trees if i % 2 == 0 else trees[::-1]
-                    for tree, root in order if kind == "moe" else order[:1] if order[0][0] == "after" else order[1:]:
+                    for tree, _, env in order if kind == "moe" else [t for t in order if t[0] == "after"]:
                         row = rows.setdefault((family, label, kind, tree), Row(command, tree, du(src) / 1e9))
                         row.cp.append(baseline)
                         args = argv if kind == "moe" else _layout(argv, {})
@@ -205,8 +209,8 @@ def moe_cost_rows(out: Path, repeat: int, before: Path | None) -> str:
                             source = paths[(family, kind, size)] / what
                             shutil.rmtree(target, ignore_errors=True)
                             line = [str(source) if a == "SRC" else str(target) if a == "OUT" else a for a in args]
-                            runs.append(measure([sys.executable, "-m", "ckptconv.cli", *line, "--quiet"],
-                                                tree_env(root), cwd=out))
+                            runs.append(measure([sys.executable, "-m", "ckptconv.cli", *line, "--quiet"], env,
+                                                cwd=out))
                             shutil.rmtree(target)
                         r, c = row.runs[-1], row.cp[-1]
                         s = row.startup[-1]

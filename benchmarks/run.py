@@ -13,7 +13,7 @@ The table shows medians and the range of the per-pair ratios. Peak RSS is the ch
     python benchmarks/run.py --only-8b [--repeat N]                      # the 8B rows alone (make bench-8b)
     python benchmarks/run.py --dcp [--repeat N]       # to-dcp (TorchTitan) of the 70B shapes, and from-dcp back
     python benchmarks/run.py --moe [--layers L] [--repeat N]   # Mixtral-8x7B shapes: to-nxd and reshard across ep
-    python benchmarks/run.py --moe-cost [--repeat N] [--before DIR]   # MoE vs dense of the same bytes vs cp (47)
+    python benchmarks/run.py --moe-cost [--repeat N] [--before DIR] [--torch-transpose]  # MoE vs dense vs cp (47)
     python benchmarks/run.py --deepseek [--experts N] [--repeat N]   # DeepSeek-V3 FP8 -> DCP, and TorchTitan's convert
     python benchmarks/run.py --gpt-oss [--layers L] [--repeat N]   # GPT-OSS-120B shapes, MXFP4: to-dcp
     python benchmarks/run.py --training [--repeat N] [--before DIR]   # the training-state rows alone
@@ -255,6 +255,8 @@ def main() -> None:
     parser.add_argument("--moe", action="store_true", help="only the Mixtral-8x7B-shaped rows (--layers layers)")
     parser.add_argument("--moe-cost", action="store_true",
                         help="only the MoE rows against a dense model and cp of the same bytes (issue 47; --before)")
+    parser.add_argument("--torch-transpose", action="store_true",
+                        help="--moe-cost: also run each MoE command with CKPTCONV_NATIVE=0 (torch's transpose, not ckptconv's kernel)")
     parser.add_argument("--training", action="store_true", help="only the training-state rows (6.85 GB tag)")
     parser.add_argument("--deepseek", action="store_true", help="only the DeepSeek-V3 rows (FP8 671B layer shapes)")
     parser.add_argument("--experts", type=int, default=256, help="routed experts of the DeepSeek-V3 rows")
@@ -275,7 +277,7 @@ def main() -> None:
         (OUT / "moe.md").write_text(text + "\n")
         return
     if args.moe_cost:
-        text = moe_cost_rows(OUT, args.repeat, args.before)
+        text = moe_cost_rows(OUT, args.repeat, args.before, args.torch_transpose)
         print(f"\n{text}")
         (OUT / "moe-cost.md").write_text(text)
         return

@@ -11,7 +11,9 @@ Per shape (bf16, one torch thread, thread CPU time, median of ``--repeat``), in 
 * ``in 2 MiB chunks``: what the engine does with a slab over 16 MiB (``ckptconv.engine.slabs._read_transposed``): each
   chunk of stored rows transposed into a cache-warm matrix, then copied into its columns of the target;
 * ``fresh pages``: first touch of as many bytes of new memory (the page faults and zeroing a band's output costs on
-  a worker's first band; the same for a dense conversion's output).
+  a worker's first band; the same for a dense conversion's output);
+* ``native``: ckptconv's own kernel (``ckptconv.io.transpose``, SIMD tiles; what the engine uses where it is built)
+  into the same warm buffer, and ``native / memcpy``.
 
 The marginal CPU of an MoE conversion can not fall below a dense one's by less than ``transpose - memcpy`` per
 expert byte (the transpose replaces nothing the dense path does: its read lands in a buffer, not in the output).
@@ -26,6 +28,7 @@ import time
 import torch
 
 from ckptconv.engine.slabs import GATHER_CHUNK
+from ckptconv.io.transpose import native_kernel, native_transpose
 
 # (name, stored rows, stored columns): the matrices the MoE rows of benchmarks/moe_cost.py transpose
 SHAPES = [("mixtral gate_up slab, tp 4", 7168, 4096), ("mixtral down_proj, whole expert", 14336, 4096),
@@ -60,16 +63,18 @@ def _row(name: str, rows: int, cols: int, repeat: int) -> str:
             target[:, lo:lo + n].copy_(flip)
 
     chunks = _cpu(chunked, repeat) / gb
+    native = _cpu(lambda: native_transpose(target, source), repeat) / gb if native_kernel() else float("nan")
     return (f"| {name} [{cols}, {rows}] | {gb:.3f} | {copy:.3f} | {flip:.3f} | {chunks:.3f} | {fresh:.3f} "
-            f"| {min(flip, chunks) / copy:.1f}x |")
+            f"| {min(flip, chunks) / copy:.1f}x | {native:.3f} | {native / copy:.1f}x |")
 
 
 def floor_rows(repeat: int) -> str:
     torch.set_num_threads(1)
     lines = ["| matrix | GB | memcpy s/GB | transpose s/GB | in 2 MiB chunks s/GB | fresh pages s/GB | "
-             "fastest transpose / memcpy |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "fastest torch transpose / memcpy | native s/GB | native / memcpy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [_row(name, rows, cols, repeat) for name, rows, cols in SHAPES]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + f"\nnative kernel: {native_kernel() or 'none (not built, or CKPTCONV_NATIVE=0)'}\n"
 
 
 def main() -> None:

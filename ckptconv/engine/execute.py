@@ -36,6 +36,7 @@ from ckptconv.errors import ConversionError, VerificationError
 from ckptconv.io import direct_io
 from ckptconv.io.atomic import disk_full, ensure_dir, move_into_place
 from ckptconv.io.digest import DEFAULT, FileRecord, record_files
+from ckptconv.io.transpose import transpose_into
 from ckptconv.io.write_digest import WriteDigests, recording
 
 STATE_FILE = "state.json"
@@ -356,7 +357,7 @@ def _write_band(
         if band.dtype != tensor.dtype:
             band = _SCRATCH.get(tensor.dtype, tuple(band.shape), phase).copy_(band)
         if tensor.column_major:  # storage order of a column-major tensor is its transpose
-            data = _SCRATCH.get(tensor.dtype, (band.shape[1], band.shape[0]), phase).copy_(band.t())
+            data = transpose_into(_SCRATCH.get(tensor.dtype, (band.shape[1], band.shape[0]), phase), band)
         else:
             data = band
         sinks[file_index].write_extent(tensor.key, offset, data.reshape(()) if not tensor.shape else data)

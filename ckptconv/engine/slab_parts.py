@@ -30,6 +30,7 @@ from ckptconv.engine.slabs import (
     slab_bands,
     slab_shape,
 )
+from ckptconv.io.transpose import native_dtype, transpose_into
 
 
 @dataclass(frozen=True)
@@ -215,8 +216,11 @@ def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int,
 def _flipped(rows: torch.Tensor, jobs: list[_Job], scratch: Scratch3) -> torch.Tensor | None:
     """The chunk ``rows`` transposed (compact), when the jobs that take it transposed use all of its columns: every
     tp rank's columns of an expert's ``down_proj``. One blocked transpose of the chunk, then a row copy per job,
-    instead of compacting each job's columns, transposing them and copying the result into place."""
+    instead of compacting each job's columns, transposing them and copying the result into place. None where the
+    native kernel takes the dtype: it transposes each job's columns straight into place (``copy_compact``), one
+    pass over the bytes where this is two."""
     flipping = [job for job in jobs if job.target.stride(-1) != 1]
-    if not flipping or sum(job.cols[1] - job.cols[0] for job in flipping) < rows.size(1):
+    if (not flipping or native_dtype(rows.dtype)
+            or sum(job.cols[1] - job.cols[0] for job in flipping) < rows.size(1)):
         return None
-    return scratch.source(rows.dtype, (rows.size(1), rows.size(0))).copy_(rows.t())
+    return transpose_into(scratch.source(rows.dtype, (rows.size(1), rows.size(0))), rows)

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
+from ckptconv.io.transpose import native_transpose, transpose_into
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
@@ -212,9 +213,10 @@ def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[li
 
 
 def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gather: torch.Tensor, rows: int) -> None:
-    """``out``'s transpose read ``rows`` stored rows at a time into ``gather``, and transposed into ``out`` (torch's
-    blocked transpose: a contiguous target from the transpose of a contiguous source): all of them at once, or each
-    chunk into a second matrix of ``gather`` and copied into its columns of ``out``. Chunks keep both matrices in
+    """``out``'s transpose read ``rows`` stored rows at a time into ``gather``, and transposed into ``out``
+    (``ckptconv.io.transpose``): all of them at once, or each chunk straight into its columns of ``out`` (the native
+    kernel), else into a second matrix of ``gather`` and copied into those columns (torch's transpose is fast only
+    into a contiguous matrix from the transpose of a contiguous one). Chunks keep both matrices in
     cache and the fresh memory a band touches to its output: read whole into a matrix of its own, a large slab's
     page faults in that matrix cost more CPU than the extra copy (to-nxd of Mixtral's ``gate_up_proj``, measured);
     a small slab's buffer stays warm in the worker's arena, and the one copy is cheaper."""
@@ -230,11 +232,10 @@ def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gathe
                 _read_piece(reader, piece, read[a - lo:b - lo], a - offset)
             offset += piece.length
         if n == total:
-            out.copy_(read.t())
-        else:
+            transpose_into(out, read)
+        elif not native_transpose(out[:, lo:lo + n], read):  # the kernel writes into the columns as they are
             flip = gather[rows * width:(rows + n) * width].view(out.dtype).view(out.size(0), n)
-            flip.copy_(read.t())
-            out[:, lo:lo + n].copy_(flip)
+            out[:, lo:lo + n].copy_(transpose_into(flip, read))
 
 
 def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
@@ -283,20 +284,23 @@ class Scratch3:
 
 
 def copy_compact(target: torch.Tensor, src: torch.Tensor, scratch: Scratch3) -> None:
-    """``target.copy_(src)`` for matrices either of which may be a transposed view. torch transposes fast (in
-    cache-sized blocks) only into a contiguous matrix from the transpose of a contiguous one of the same dtype; a
-    strided transpose is ~8x slower (bf16, measured): so the operands are made compact in scratch first."""
+    """``target.copy_(src)`` for matrices either of which may be a transposed view. The native kernel
+    (``ckptconv.io.transpose``) takes rows of unit stride any distance apart as they are; torch transposes fast (in
+    cache-sized blocks) only into a contiguous matrix from the transpose of a contiguous one of the same dtype, a
+    strided transpose ~8x slower (bf16, measured): for it the operands are made compact in scratch first."""
     if target.stride(-1) != 1:  # a transposed target: copy the transposes
         target, src = target.t(), src.t()
     if src.stride(-1) == 1 or src.numel() <= 1:
         target.copy_(src)
         return
+    if native_transpose(target, src.t()):  # the native kernel takes strided rows as they are
+        return
     if src.stride(1) != src.size(0) or src.dtype != target.dtype:  # make the source's transpose compact
         src = scratch.source(target.dtype, (src.size(1), src.size(0))).copy_(src.t()).t()
     if target.is_contiguous():
-        target.copy_(src)
+        transpose_into(target, src.t())
     else:
-        target.copy_(scratch.target(target.dtype, tuple(target.shape)).copy_(src))
+        target.copy_(transpose_into(scratch.target(target.dtype, tuple(target.shape)), src.t()))
 
 
 def _shared(piece: Piece, dim: int) -> bool:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     )
     from ckptconv.io.torch_save import Extent, plan_object, write_share
     from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, ZipLayout, plan_zip
+    from ckptconv.io.transpose import transposed
     from ckptconv.io.write_digest import WriteDigests, recording
     from ckptconv.io.write_pool import each
 

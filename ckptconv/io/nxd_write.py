@@ -18,6 +18,7 @@ from ckptconv.io.nxd import INFO_SUFFIX, TENSORS_SUFFIX, Flavour
 from ckptconv.io.safe_load import TensorReference
 from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.io.torchzip_pickle import map_tensor_at
+from ckptconv.io.transpose import transposed
 from ckptconv.io.write_pool import each
 
 BARE_TENSOR_KEY = ""  # how the torch zip layer names the one tensor of a torch.save(tensor) file
@@ -79,7 +80,7 @@ class XserSplitSink:
 
     def write_extent(self, key: str, offset: int, data: torch.Tensor) -> None:
         if key in self._column_major:  # per-tensor files are contiguous: store rows, not columns
-            data = data.t().contiguous()
+            data = transposed(data)
         self._writers[key].write_extent(BARE_TENSOR_KEY, offset, data)
 
     def file_offset(self, key: str, offset: int) -> int:
@@ -166,7 +167,7 @@ def save_shard(path: Path, state: Mapping[str, torch.Tensor], flavour: Flavour |
     sink = sink_factory(flavour, ep=ep)(out_file, tmp)
     def write(t_out: OutTensor) -> None:
         t = _own_storage(state[t_out.key])
-        data = t.t().contiguous() if t_out.column_major else t.contiguous()
+        data = transposed(t) if t_out.column_major else t.contiguous()
         sink.write_extent(t_out.key, 0, data.reshape(()) if t.dim() == 0 else data)
 
     each(write, out_file.tensors)  # one at a time here, or on the save's threads (ckptconv.io.write_pool)

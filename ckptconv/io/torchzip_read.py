@@ -19,6 +19,7 @@ from ckptconv.io.checked import CheckedFiles, ZipCrc, crc_error
 from ckptconv.io.crc import crc32
 from ckptconv.io.positional import FileWindow, PositionalFile
 from ckptconv.io.safe_load import PickledTensor, unpickle_restricted
+from ckptconv.io.transpose import transpose_into, transposed
 
 __all__ = ["StoredTensor", "TorchZipReader"]
 
@@ -295,7 +296,7 @@ class TorchZipReader:
             raise ValueError(f"{self.path}: {key!r}: out must be a contiguous {st.dtype} of shape {[rows, width]}, "
                              f"got {out.dtype} of {list(out.shape)}")
         if st.stride == (1, rows):
-            out.copy_(self._read_elements(st, st.storage_offset + start * rows, width * rows).view(width, rows).t())
+            transpose_into(out, self._read_elements(st, st.storage_offset + start * rows, width * rows).view(width, rows))
             return True
         copy_columns = getattr(self._src, "copy_columns_into", None)
         if st.stride != (st.shape[1], 1) or copy_columns is None:
@@ -337,7 +338,7 @@ class TorchZipReader:
         run_bytes, itemsize = n * st.dtype.itemsize, st.dtype.itemsize
         for j, off in enumerate(offsets.reshape(-1).tolist()):
             self._src.read_into(st.data_offset + (first + off) * itemsize, raw[j * run_bytes:(j + 1) * run_bytes])
-        return runs.t().contiguous().reshape(n, *rest)
+        return transposed(runs).reshape(n, *rest)
 
     def close(self) -> None:
         self._src.close()

@@ -47,6 +47,7 @@ from ckptconv.io import (
     plan_zip,
     recording,
     remove_path,
+    transposed,
     write_share,
 )
 from ckptconv.training import MASTER, state_key
@@ -172,7 +173,7 @@ def _part(key: str, t: torch.Tensor, local: torch.Tensor, sharding: Any, meta: T
         return key, start * row_bytes, local.contiguous().reshape(-1)
     if not owner:
         return None
-    whole = local.contiguous() if row_major else local.t().contiguous()
+    whole = local.contiguous() if row_major else transposed(local)
     return key, 0, whole.reshape(-1)
 
 
