@@ -115,17 +115,24 @@ def slab_writes(work: SlabWork, tensors: list[OutTensor], band: int, reader: Row
     byte offset in the tensor and the bytes to write there, built in buffers from ``get``; each at the page phase
     ``phase`` gives for its extent, so that an O_DIRECT write sends it from where it was built."""
     slab, part = divmod(band, work.per_slab)
-    extents = []
-    for tensor in tensors:
-        rows, cols = slab_shape(tensor)[0], nbytes_of(tensor.dtype, slab_shape(tensor)[1:])
-        first, stop = _part_rows(rows, part, work.parts.count) if work.parts is not None else (0, rows)
-        extents.append((slab * _slab_bytes(tensor) + first * cols, (stop - first) * cols))
+    extents = slab_extents(work, tensors, band)
     phases = [phase(n, offset, nbytes) if phase else None for n, (offset, nbytes) in enumerate(extents)]
     if work.parts is None:
         built = build_slabs(tensors, slab, reader, get, work.bands.pieces, work.bands.scratch[slab], phases)
         return [(extent[0], b.unsqueeze(0) if t.slabs else b) for t, b, extent in zip(tensors, built, extents, strict=True)]
     parts = build_part(tensors, work.bands.pieces, slab, part, work.parts, reader, get, phases)
     return [(extent[0], rows) for extent, rows in zip(extents, parts, strict=True)]
+
+
+def slab_extents(work: SlabWork, tensors: list[OutTensor], band: int) -> list[tuple[int, int]]:
+    """(byte offset in the tensor, bytes) that band ``band`` of a slab group writes of each of ``tensors``."""
+    slab, part = divmod(band, work.per_slab)
+    extents = []
+    for tensor in tensors:
+        rows, cols = slab_shape(tensor)[0], nbytes_of(tensor.dtype, slab_shape(tensor)[1:])
+        first, stop = _part_rows(rows, part, work.parts.count) if work.parts is not None else (0, rows)
+        extents.append((slab * _slab_bytes(tensor) + first * cols, (stop - first) * cols))
+    return extents
 
 
 def _part_rows(rows: int, part: int, count: int) -> tuple[int, int]:
