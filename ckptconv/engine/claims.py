@@ -47,21 +47,23 @@ def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
                extents: list[tuple[int, int]] | None = None) -> Callable[[], None]:
     """Claim the extents a band will write (see the module); returns the release. A band of stacked slabs claims
     the ``extents`` it writes of each tensor (ckptconv.engine.slab_parts.slab_extents), or nothing without them; a
-    band writing several extents claims them all and its writes never wait."""
+    band writing several extents claims them all and its writes never wait, unless they lie back to back in one
+    file in the order it writes them (an expert's HF gate and up): that is one extent, written front to back."""
     if tensors[0][1].by_slab and extents is None:
         return _nothing
+    spans = extents if extents is not None else [band_extent(t, start, stop, transposed) for _, t in tensors]
+    one = _back_to_back(tensors, spans, sinks)
     releases = []
     try:
-        for n, (file_index, tensor) in enumerate(tensors):
+        for n, (file_index, tensor) in enumerate(tensors if one is None else tensors[:1]):
             claim = getattr(sinks[file_index], "claim", None)
             if claim is not None:
-                extent = extents[n] if extents is not None else band_extent(tensor, start, stop, transposed)
-                releases.append(claim(tensor.key, *extent))
+                releases.append(claim(tensor.key, *(spans[n] if one is None else one)))
     except BaseException:  # a claim left standing would keep the writers behind it waiting
         for each in releases:
             each()
         raise
-    waiting(len(tensors) == 1)
+    waiting(len(tensors) == 1 or one is not None)
 
     def release() -> None:
         for each in releases:
@@ -69,6 +71,24 @@ def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
         waiting(True)
 
     return release
+
+
+def _back_to_back(tensors: list[tuple[int, OutTensor]], spans: list[tuple[int, int]],
+                  sinks: Mapping[int, Any]) -> tuple[int, int] | None:
+    """The extents ``spans`` of ``tensors`` as one extent of the first tensor (byte offset, bytes), where there are
+    several and all lie back to back in one file (the sink's ``file_offset``) in the order given; else None."""
+    if len(tensors) < 2 or len({i for i, _ in tensors}) != 1:
+        return None
+    place = getattr(sinks[tensors[0][0]], "file_offset", None)
+    if place is None:
+        return None
+    end = None
+    for (_, tensor), (offset, nbytes) in zip(tensors, spans, strict=True):
+        at = place(tensor.key, offset)
+        if end is not None and at != end:
+            return None
+        end = at + nbytes
+    return spans[0][0], sum(nbytes for _, nbytes in spans)
 
 
 def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,

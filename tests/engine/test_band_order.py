@@ -87,3 +87,37 @@ def test_expert_bands_claim_what_they_write(nxd: tuple[Path, Path], tmp_path: Pa
     assert unclaimed == [], "expert bands wrote extents they had not claimed"
     back, source = load_file(tmp_path / "hf" / "model.safetensors"), load_file(hf / "model.safetensors")
     assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+class _Sink:
+    """A sink whose tensors lie at ``places`` in its file; records the claims."""
+
+    def __init__(self, places: dict[str, int]) -> None:
+        self.places, self.claims = places, []  # type: list[tuple[str, int, int]]
+
+    def file_offset(self, key: str, offset: int) -> int:
+        return self.places[key] + offset
+
+    def claim(self, key: str, offset: int, nbytes: int):  # type: ignore[no-untyped-def]
+        self.claims.append((key, offset, nbytes))
+        return lambda: None
+
+
+@pytest.mark.parametrize("up_at", [100, 164], ids=["back to back", "apart"])
+def test_a_band_of_tensors_back_to_back_claims_one_extent_and_may_wait(up_at: int):
+    """Two 100-byte tensors of one band: back to back in their file (an expert's HF gate and up), one claim, and the
+    band's writes may wait for the bytes before them; apart, a claim each and they never wait."""
+    from ckptconv.core.plan import OutTensor, Piece, Source
+    from ckptconv.engine.claims import claim_band
+
+    def tensor(key: str) -> OutTensor:
+        return OutTensor(key, torch.uint8, (10, 10), 0, (Piece(Source(None, "src"), 0, 10),))
+
+    sink = _Sink({"gate": 0, "up": up_at})
+    release = claim_band([(0, tensor("gate")), (0, tensor("up"))], 0, 10, {0: sink}, extents=[(0, 100), (0, 100)])
+    try:
+        assert sink.claims == ([("gate", 0, 200)] if up_at == 100 else [("gate", 0, 100), ("up", 0, 100)])
+        assert write_digest.may_wait() == (up_at == 100)
+    finally:
+        release()
+    assert write_digest.may_wait()
