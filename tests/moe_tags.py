@@ -143,13 +143,15 @@ def expected_expert(hf: Path, family: str, layer: int, expert: int, component: s
             for n in EXPERT_NAMES[family]]
 
 
-def expert_in_tag(tag: Path, layer: int, expert: int, component: str) -> list[torch.Tensor]:
+def expert_in_tag(tag: Path, layer: int, expert: int, component: str, *, experts: int = E,
+                  inter: int = I) -> list[torch.Tensor]:
     """``component`` of that expert as a tag holds it, gathered by hand from NxD's expert layout (gate_up
     ``[E/ep, H, 2I/tp]`` with each tp rank's last dim ``[gate_r | up_r]``, down ``[E/ep, I/tp, H]``, ep rank r the
-    experts ``[r E/ep, (r+1) E/ep)``) and the format's placement (ep rank = dp rank % ep), in HF orientation."""
+    experts ``[r E/ep, (r+1) E/ep)``) and the format's placement (ep rank = dp rank % ep), in HF orientation;
+    ``experts`` and ``inter``: the model's, where it is not the tiny one of this module."""
     layout = json.loads((tag / "ckptconv.json").read_text())["layout"]
     tp, ep = layout.get("tp", 1), layout.get("ep", 1)
-    per = E // ep
+    per = experts // ep
     rank, local = divmod(expert, per)
     prefix = f"model.layers.{layer}."
     found: dict[tuple[str, int], torch.Tensor] = {}
@@ -166,7 +168,7 @@ def expert_in_tag(tag: Path, layer: int, expert: int, component: str) -> list[to
                 assert (kind, int(m.group(2))) not in found, (path, key)  # one dp rank holds it
                 found[(kind, int(m.group(2)))] = state[key][local]
     gate_up = [found[(NXD_GATE_UP, s)] for s in range(tp)]
-    half = I // tp
+    half = inter // tp
     gate = torch.cat([g[:, :half].T for g in gate_up])
     up = torch.cat([g[:, half:].T for g in gate_up])
     down = torch.cat([found[(NXD_DOWN, s)].T for s in range(tp)], dim=1)

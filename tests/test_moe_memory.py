@@ -201,6 +201,36 @@ def test_bands_of_experts_larger_than_the_share_keep_to_it(big_mixtral: Path, tm
     assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
 
 
+def test_training_tag_reshard_keeps_experts_state_to_the_share(big_mixtral: Path, tmp_path: Path, ledger: _Ledger):
+    """reshard of a training tag (the AdamW moments and fp32 masters with the weights) tp 2 x ep 2 -> tp 1 x ep 2 at
+    4 MiB: every band within its 2 MiB share (an expert's state was read a whole slab at a time, three 1.5 MiB
+    matrices of scratch and more), each expert's state equal to its HF weight's, gathered by hand, the weights HF's;
+    the same bytes at the default budget (whole slabs)."""
+    from tests.moe_tags import expected_expert, expert_in_tag, write_tag
+
+    write_tag(big_mixtral, tmp_path / "tag", tp=2, ep=2)
+    ledger.budgets.clear()
+    ckptconv.reshard(tmp_path / "tag", tmp_path / "tp1", tp=1, ep=2, options=SMALL)
+    _within_share(ledger)
+    for expert in range(E):
+        for component in ("exp_avg", "exp_avg_sq", "master"):
+            got = expert_in_tag(tmp_path / "tp1", 0, expert, component, experts=E, inter=BIG_I)
+            want = expected_expert(big_mixtral, "mixtral", 0, expert, component)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (expert, component)
+    hf = load_file(big_mixtral / "model.safetensors")
+    w = "model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
+    for ep in range(2):  # the weights: each tp 2 rank's down_proj rows read straight into the tp 1 slab's
+        shard = load_shard(tmp_path / "tp1" / "model" / f"dp_rank_00_ep_rank_{ep:02d}_tp_rank_00_pp_rank_00.pt")
+        for local in range(E // 2):
+            e = ep * E // 2 + local
+            gate_up = torch.cat([hf[w.format(e=e, w="w1")], hf[w.format(e=e, w="w3")]]).t()
+            assert torch.equal(shard["model.layers.0." + NXD_GATE_UP][local], gate_up)
+            assert torch.equal(shard["model.layers.0." + NXD_DOWN][local], hf[w.format(e=e, w="w2")].t())
+    ckptconv.reshard(tmp_path / "tag", tmp_path / "tp1-wide", tp=1, ep=2,
+                     options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "tp1", tmp_path / "tp1-wide")
+
+
 def test_fused_hf_input_reads_only_its_rows_into_the_budget(big_mixtral: Path, tmp_path: Path, ledger: _Ledger,
                                                             monkeypatch: pytest.MonkeyPatch):
     """A fused checkpoint (experts.gate_up_proj [E, 2I, H]): each expert's gate and up rows read once, into the

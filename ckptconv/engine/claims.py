@@ -43,22 +43,27 @@ def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
 
 
 def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
-               sinks: Mapping[int, Any], transposed: bool = False) -> Callable[[], None]:
+               sinks: Mapping[int, Any], transposed: bool = False,
+               extents: list[tuple[int, int]] | None = None) -> Callable[[], None]:
     """Claim the extents a band will write (see the module); returns the release. A band of stacked slabs claims
-    nothing; a band writing several extents claims them all and its writes never wait."""
-    if tensors[0][1].by_slab:
+    the ``extents`` it writes of each tensor (ckptconv.engine.slab_parts.slab_extents), or nothing without them; a
+    band writing several extents claims them all and its writes never wait, unless they lie back to back in one
+    file in the order it writes them (an expert's HF gate and up): that is one extent, written front to back."""
+    if tensors[0][1].by_slab and extents is None:
         return _nothing
+    spans = extents if extents is not None else [band_extent(t, start, stop, transposed) for _, t in tensors]
+    one = _back_to_back(tensors, spans, sinks)
     releases = []
     try:
-        for file_index, tensor in tensors:
+        for n, (file_index, tensor) in enumerate(tensors if one is None else tensors[:1]):
             claim = getattr(sinks[file_index], "claim", None)
             if claim is not None:
-                releases.append(claim(tensor.key, *band_extent(tensor, start, stop, transposed)))
+                releases.append(claim(tensor.key, *(spans[n] if one is None else one)))
     except BaseException:  # a claim left standing would keep the writers behind it waiting
         for each in releases:
             each()
         raise
-    waiting(len(tensors) == 1)
+    waiting(len(tensors) == 1 or one is not None)
 
     def release() -> None:
         for each in releases:
@@ -68,9 +73,30 @@ def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
     return release
 
 
+def _back_to_back(tensors: list[tuple[int, OutTensor]], spans: list[tuple[int, int]],
+                  sinks: Mapping[int, Any]) -> tuple[int, int] | None:
+    """The extents ``spans`` of ``tensors`` as one extent of the first tensor (byte offset, bytes), where there are
+    several and all lie back to back in one file (the sink's ``file_offset``) in the order given; else None."""
+    if len(tensors) < 2 or len({i for i, _ in tensors}) != 1:
+        return None
+    place = getattr(sinks[tensors[0][0]], "file_offset", None)
+    if place is None:
+        return None
+    end = None
+    for (_, tensor), (offset, nbytes) in zip(tensors, spans, strict=True):
+        at = place(tensor.key, offset)
+        if end is not None and at != end:
+            return None
+        end = at + nbytes
+    return spans[0][0], sum(nbytes for _, nbytes in spans)
+
+
 def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
-               position: Callable[[Source], int] | None) -> list[int]:
-    """Indices of ``units`` (each its (file index, tensor) list) in the order to run them.
+               position: Callable[[Source], int] | None,
+               place: Callable[[int, OutTensor], int] | None = None) -> list[int]:
+    """Indices of ``units`` (each its (file index, tensor) list) in the order to run them; ``place``: where a
+    tensor's bytes start in its file (a safetensors file orders its tensors by dtype and name, not as planned),
+    else its index in the plan's file stands for it.
 
     Files that units cut by columns write together (the tp ranks of one source) form a group; groups run one
     after another, earliest file first, so files complete (and are recorded) while the rest converts. Within a
@@ -104,14 +130,15 @@ def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
                         by_source.add(i)
         by_source = {find(i) for i in by_source}
     files = {i for tensors in units for i, _ in tensors}
-    index = {(i, t.key): n for i in files for n, t in enumerate(plan.files[i].tensors)}
+    index = {(i, t.key): (place(i, t) if place is not None else 0, n)
+             for i in files for n, t in enumerate(plan.files[i].tensors)}
 
     def key(n: int) -> tuple[int, ...]:
-        file_index, at = min((i, index[(i, t.key)]) for i, t in units[n])
+        file_index, (byte, at) = min((i, index[(i, t.key)]) for i, t in units[n])
         piece = plan.files[file_index].tensors[at].pieces[0]
         where = position(piece.source) if position is not None else 0
         if find(file_index) in by_source:
-            return find(file_index), where, piece.slab, at, file_index
-        return find(file_index), at, file_index, where
+            return find(file_index), where, piece.slab, byte, at, file_index
+        return find(file_index), byte, at, file_index, where
 
     return sorted(range(len(units)), key=key)

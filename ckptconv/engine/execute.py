@@ -29,7 +29,7 @@ from ckptconv.engine.claims import band_extent, claim_band, row_bytes, unit_orde
 from ckptconv.engine.columns import column_band, column_block, column_groups, transposed_rows
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
-from ckptconv.engine.slab_parts import SlabWork, slab_work, slab_writes
+from ckptconv.engine.slab_parts import SlabWork, slab_extents, slab_work, slab_writes
 from ckptconv.engine.slabs import slab_band, slab_groups
 from ckptconv.engine.state_file import load_state, save_state
 from ckptconv.errors import ConversionError, VerificationError
@@ -152,7 +152,7 @@ def run_plan(
     with recording(digests), direct_io.direct_writes(options.write_io == "direct"):
         sinks = _open_sinks(plan, todo, sink_factory, tmp)
     band_bytes = max(options.max_memory // (2 * max(1, options.workers)), 1 << 20)
-    units = _units(plan, todo, reader, band_bytes)
+    units = _units(plan, todo, reader, band_bytes, sinks)
     # Bands are the tasks, not units: a large tensor's bands run on several workers at once.
     tasks = [(unit, start, stop) for unit in units for start, stop in _bands(unit)]
     completed = _write_bands(plan, reader, out_dir, tmp, tmp / state_file, state, options, sinks, tasks, band_bytes,
@@ -222,7 +222,9 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
             held = budget.acquire(need)
             release = None
             try:
-                release = claim_band(unit.tensors, start, stop, sinks, unit.transposed)  # its file's digest waits for it (engine.claims)
+                extents = (None if unit.slab_work is None else
+                           slab_extents(unit.slab_work, [t for _, t in unit.tensors], start))
+                release = claim_band(unit.tensors, start, stop, sinks, unit.transposed, extents)  # its file's digest waits for it (engine.claims)
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
                     _write_band(unit, start, stop, reader, sinks, options.progress)
@@ -268,7 +270,8 @@ def _flatten(per_file: dict[str, dict[str, FileRecord]], plan: Plan, wanted: lis
 # Work units and bands
 
 
-def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: int) -> list[_Unit]:
+def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: int,
+           sinks: dict[int, Sink] | None = None) -> list[_Unit]:
     row_split: list[_Unit] = []
     by_source: dict[Source, list[tuple[int, OutTensor]]] = {}
     stacked: list[tuple[int, OutTensor]] = []
@@ -284,7 +287,18 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
     units = (row_split + _slab_units(stacked, reader, band_bytes)
              + [_Unit(*group) for group in column_groups(by_source, reader, band_bytes)])
-    return [units[n] for n in unit_order([u.tensors for u in units], plan, getattr(reader, "position", None))]
+    order = unit_order([u.tensors for u in units], plan, getattr(reader, "position", None),
+                       None if sinks is None else _file_place(sinks))
+    return [units[n] for n in order]
+
+
+def _file_place(sinks: dict[int, Sink]) -> Callable[[int, OutTensor], int]:
+    """Where a tensor's bytes start in its output file, where its sink says (``file_offset``), else 0: units then
+    start in the order their bytes lie, so each file's digest hashes them as written, not read back."""
+    def place(file_index: int, tensor: OutTensor) -> int:
+        offset = getattr(sinks.get(file_index), "file_offset", None)
+        return int(offset(tensor.key, 0)) if offset is not None else 0
+    return place
 
 
 def _bands(unit: _Unit) -> list[tuple[int, int]]:

@@ -116,17 +116,24 @@ def slab_writes(work: SlabWork, tensors: list[OutTensor], band: int, reader: Row
     byte offset in the tensor and the bytes to write there, built in buffers from ``get``; each at the page phase
     ``phase`` gives for its extent, so that an O_DIRECT write sends it from where it was built."""
     slab, part = divmod(band, work.per_slab)
-    extents = []
-    for tensor in tensors:
-        rows, cols = slab_shape(tensor)[0], nbytes_of(tensor.dtype, slab_shape(tensor)[1:])
-        first, stop = _part_rows(rows, part, work.parts.count) if work.parts is not None else (0, rows)
-        extents.append((slab * _slab_bytes(tensor) + first * cols, (stop - first) * cols))
+    extents = slab_extents(work, tensors, band)
     phases = [phase(n, offset, nbytes) if phase else None for n, (offset, nbytes) in enumerate(extents)]
     if work.parts is None:
         built = build_slabs(tensors, slab, reader, get, work.bands.pieces, work.bands.scratch[slab], phases)
         return [(extent[0], b.unsqueeze(0) if t.slabs else b) for t, b, extent in zip(tensors, built, extents, strict=True)]
     parts = build_part(tensors, work.bands.pieces, slab, part, work.parts, reader, get, phases)
     return [(extent[0], rows) for extent, rows in zip(extents, parts, strict=True)]
+
+
+def slab_extents(work: SlabWork, tensors: list[OutTensor], band: int) -> list[tuple[int, int]]:
+    """(byte offset in the tensor, bytes) that band ``band`` of a slab group writes of each of ``tensors``."""
+    slab, part = divmod(band, work.per_slab)
+    extents = []
+    for tensor in tensors:
+        rows, cols = slab_shape(tensor)[0], nbytes_of(tensor.dtype, slab_shape(tensor)[1:])
+        first, stop = _part_rows(rows, part, work.parts.count) if work.parts is not None else (0, rows)
+        extents.append((slab * _slab_bytes(tensor) + first * cols, (stop - first) * cols))
+    return extents
 
 
 def _part_rows(rows: int, part: int, count: int) -> tuple[int, int]:
@@ -196,13 +203,15 @@ def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int,
         needed = [job for job in jobs if job.rows[0] < stop and start < job.rows[1]]
         if not needed:
             continue
+        if len(needed) == 1 and not whole and _whole_rows(needed[0], dtype, shape[-1]):  # straight into place
+            job = needed[0]
+            a, b = max(start, job.rows[0]), min(stop, job.rows[1])
+            _read_rows(reader, source, slab, a, b, job.target.narrow(0, a - job.rows[0], b - a))
+            continue
         if whole:  # the reader reads whole slabs only
             rows = reader.read_rows(source, slab, slab + 1, out=scratch.rows(dtype, (1, *shape[1:])))[0, start:stop]
-        elif slab >= 0:
-            rows = reader.read_slab_rows(source, slab, start, stop,  # type: ignore[attr-defined]
-                                         out=scratch.rows(dtype, (stop - start, shape[-1])))
         else:
-            rows = reader.read_rows(source, start, stop, out=scratch.rows(dtype, (stop - start, shape[-1])))
+            rows = _read_rows(reader, source, slab, start, stop, scratch.rows(dtype, (stop - start, shape[-1])))
         flipped = _flipped(rows, needed, scratch)
         for job in needed:
             a, b = max(start, job.rows[0]), min(stop, job.rows[1])
@@ -211,6 +220,19 @@ def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int,
                 target.t().copy_(flipped[job.cols[0]:job.cols[1], a - start:b - start])
             else:
                 copy_compact(target, rows[a - start:b - start, job.cols[0]:job.cols[1]], scratch)
+
+
+def _whole_rows(job: _Job, dtype: torch.dtype, width: int) -> bool:
+    """Whether ``job`` takes whole stored rows of its source into contiguous rows of its dtype (every tp rank's NxD
+    ``down_proj`` slab into a wider tp rank's): those rows are read straight into place."""
+    return job.cols == (0, width) and job.target.is_contiguous() and job.target.dtype == dtype
+
+
+def _read_rows(reader: Rows, source: Source, slab: int, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+    """Stored rows [start, stop) of ``source`` (of its matrix ``slab`` of a stack, when ``slab`` >= 0) into ``out``."""
+    if slab >= 0:
+        return reader.read_slab_rows(source, slab, start, stop, out=out)  # type: ignore[attr-defined,no-any-return]
+    return reader.read_rows(source, start, stop, out=out)
 
 
 def _flipped(rows: torch.Tensor, jobs: list[_Job], scratch: Scratch3) -> torch.Tensor | None:

@@ -159,11 +159,14 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
         for piece in pieces[k]:
             target = matrix.narrow(tensor.dim, offset, piece.length)
             dtype = reader.info(piece.source)[0]
-            straight = target.is_contiguous() and dtype == tensor.dtype
-            if _shared(piece, tensor.dim) and not (straight and _rows_of_slab(piece, tensor.dim, reader)):
+            stored = target.t() if tensor.transposed else target
+            shared = _shared(piece, tensor.dim)
+            if _rows_of_slab(piece, tensor, reader) and stored.is_contiguous() and dtype == tensor.dtype:
+                _read_piece(reader, piece, stored)
+            elif shared:
                 copy_compact(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
             else:  # rows of a matrix: read straight into place when the layout allows
-                if straight:
+                if target.is_contiguous() and dtype == tensor.dtype:
                     _read_piece(reader, piece, target)
                 else:
                     rows = reader.read_rows(piece.source, piece.start, piece.stop,
@@ -238,10 +241,11 @@ def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gathe
             out[:, lo:lo + n].copy_(transpose_into(flip, read))
 
 
-def _rows_of_slab(piece: Piece, dim: int, reader: Rows) -> bool:
-    """Whether ``piece`` is stored rows of one matrix of a stack that :func:`_read_piece` reads alone: TorchTitan's
-    ``w1[e]`` into an HF expert's ``gate_proj`` (from-dcp), read straight into place, not read whole and copied."""
-    return (piece.slab >= 0 and not piece.transposed and dim == 0
+def _rows_of_slab(piece: Piece, tensor: OutTensor, reader: Rows) -> bool:
+    """Whether ``piece`` is stored rows of one matrix of a stack that :func:`_read_piece` reads alone, landing in
+    stored rows of ``tensor``: TorchTitan's ``w1[e]`` into an HF expert's ``gate_proj`` (from-dcp), every tp rank's
+    NxD ``down_proj`` slab into a wider tp rank's (reshard); read straight into place, not read whole and copied."""
+    return (piece.slab >= 0 and piece.transposed == tensor.transposed and tensor.dim == int(tensor.transposed)
             and (piece.length == reader.info(piece.source)[1][1] or hasattr(reader, "read_slab_rows")))
 
 

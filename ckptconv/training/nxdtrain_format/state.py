@@ -177,6 +177,10 @@ class _OptimFile:
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._zip.read_rows(key, start, stop, out)
 
+    def read_slab_rows(self, key: str, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._zip.read_slab_rows(key, slab, start, stop, out)
+
     def position(self, key: str) -> int:
         """File offset of the tensor's first byte."""
         entry = self._zip.entry(key)
@@ -360,6 +364,12 @@ class TagOptimizer:
         optim, key = self._lookup(source)
         return optim.read_rows(key, start, stop, out)
 
+    def read_slab_rows(self, source: Source, slab: int, start: int, stop: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of one expert's state (``slab`` of a stacked tensor), reading only their bytes."""
+        optim, key = self._lookup(source)
+        return optim.read_slab_rows(key, slab, start, stop, out)
+
     def position(self, source: Source) -> int:
         """Where the tensor's bytes start in its optimizer file (the executor reads each file front to back, so its
         check hashes what the workers read instead of reading the file a second time)."""
@@ -397,6 +407,14 @@ class TagReader:
 
     def __init__(self, shards: Any, optim: OptimizerSource) -> None:
         self.shards, self.optim = shards, optim
+        # Rows of one expert read alone where both sides can (the executor asks ``hasattr``): else an expert's state
+        # is read a whole slab at a time, and its band can be several times a worker's share of --max-memory.
+        if hasattr(shards, "read_slab_rows") and hasattr(optim, "read_slab_rows"):
+            self.read_slab_rows = self._read_slab_rows
+
+    def _read_slab_rows(self, source: Source, slab: int, start: int, stop: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._of(source).read_slab_rows(source, slab, start, stop, out)  # type: ignore[no-any-return]
 
     def _of(self, source: Source) -> Any:
         return self.optim if split_key(source.key)[0] is not None else self.shards
