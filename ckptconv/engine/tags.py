@@ -24,7 +24,6 @@ from ckptconv.io.direct_io import direct_writes
 from ckptconv.io.metadata import Metadata, write_metadata
 from ckptconv.io.tags import OPTIM_DIR, SCHEDULER_FILE, TAG_MARKERS, USER_CONTENT_FILE, write_markers
 from ckptconv.io.write_digest import WriteDigests, recording
-from ckptconv.io.write_pool import spreading
 
 if TYPE_CHECKING:
     from ckptconv.engine.finalize import FinalizeSpec
@@ -85,18 +84,15 @@ def claim_tag(tag: Path, fingerprint: str, refuse: Callable[[str], Exception]) -
 
 
 @contextlib.contextmanager
-def tag_writes(direct: bool = False, threads: int = 1) -> Iterator[WriteDigests]:
+def tag_writes(direct: bool = False) -> Iterator[WriteDigests]:
     """The converter's write path for the files written in this block (in this thread) by :func:`save_torch` and
     ``ckptconv.io.nxd_write.save_shard``: positional writes from the tensors' memory, hashed as they are written (the
-    digests yielded, for :func:`file_records`; a write ahead of the hashed prefix is hashed from its memory, which the
-    caller keeps unchanged until the block ends); with ``threads`` > 1 each file's records spread over that many
-    threads (:mod:`ckptconv.io.write_pool`); with
-    ``direct``, large writes with ``O_DIRECT`` where the filesystem allows. A training save leaves that off: it
-    stalls training until its bytes are written, and a buffered write returns once they are in the page cache,
-    where each direct write waits for the device (measured: a 256 MB state 0.24 s buffered, 2.0 s direct, cp
-    0.27 s; docs/performance.md, "Saves")."""
-    digests = WriteDigests(DEFAULT, hold=True)
-    with recording(digests), direct_writes(direct), spreading(threads):
+    digests yielded, for :func:`file_records`); with ``direct``, large writes with ``O_DIRECT`` where the filesystem
+    allows. A training save leaves it off: it stalls training until its bytes are written, and a buffered write
+    returns once they are in the page cache, where each direct write waits for the device (measured: a 256 MB state
+    0.24 s buffered, 2.0 s direct, cp 0.27 s; docs/performance.md, "Saves")."""
+    digests = WriteDigests(DEFAULT)
+    with recording(digests), direct_writes(direct):
         yield digests
 
 

@@ -37,6 +37,5 @@ if TYPE_CHECKING:
     from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, ZipLayout, plan_zip
     from ckptconv.io.transpose import transposed
     from ckptconv.io.write_digest import WriteDigests, recording
-    from ckptconv.io.write_pool import each
 
 __getattr__ = lazy_exports(__name__, __file__)

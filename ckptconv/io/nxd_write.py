@@ -19,7 +19,6 @@ from ckptconv.io.safe_load import TensorReference
 from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip, save_state_dict
 from ckptconv.io.torchzip_pickle import map_tensor_at
 from ckptconv.io.transpose import transposed
-from ckptconv.io.write_pool import each
 
 BARE_TENSOR_KEY = ""  # how the torch zip layer names the one tensor of a torch.save(tensor) file
 
@@ -138,7 +137,7 @@ def save_shard(path: Path, state: Mapping[str, torch.Tensor], flavour: Flavour |
     """Write one rank's shard from memory, byte-identical to ``torch.save`` for ``plain``.
 
     Tensors may live on any device: each is copied to the CPU only when it is written, one at a
-    time per writing thread (one, or a save's pool: :mod:`ckptconv.io.write_pool`). ``column_major``: the keys stored column-major; by default read from each tensor's
+    time. ``column_major``: the keys stored column-major; by default read from each tensor's
     strides (an XLA tensor reports contiguous strides whatever its layout, so its caller says). ``ep``: the
     layout's expert-parallel degree (xser marks the expert weights when > 1: :func:`expert_parallel_keys`).
     Written under a temp directory beside ``path`` with the final basename (torch.save output
@@ -165,12 +164,11 @@ def save_shard(path: Path, state: Mapping[str, torch.Tensor], flavour: Flavour |
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     sink = sink_factory(flavour, ep=ep)(out_file, tmp)
-    def write(t_out: OutTensor) -> None:
+    for t_out in out_file.tensors:
         t = _own_storage(state[t_out.key])
         data = transposed(t) if t_out.column_major else t.contiguous()
         sink.write_extent(t_out.key, 0, data.reshape(()) if t.dim() == 0 else data)
-
-    each(write, out_file.tensors)  # one at a time here, or on the save's threads (ckptconv.io.write_pool)
+        del t, data
     written = move_into_place(sink, tmp, path.parent)
     tmp.rmdir()
     return written

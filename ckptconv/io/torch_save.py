@@ -32,7 +32,6 @@ from ckptconv.io.torchzip import (
     plan_zip,
     pwrite_extent,
 )
-from ckptconv.io.write_pool import each
 
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
@@ -111,7 +110,8 @@ def save_object(obj: Any, path: str | os.PathLike[str]) -> bool:
     except ValueError:  # a value the safe pickle does not allow (torch.save pickles it by class)
         return False
     with TorchZipWriter(path, layout) as writer:
-        each(lambda item: writer.write_tensor(*item), tensors.items())  # on the save's threads, if it has some
+        for key, tensor in tensors.items():
+            writer.write_tensor(key, tensor)
     return True
 
 
@@ -125,7 +125,7 @@ def write_share(path: str | os.PathLike[str], layout: ZipLayout, extents: list[t
     creates the file. Returns what the owner's :meth:`TorchZipWriter.add_extent_crc` takes."""
     fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        return each(lambda part: (part[0], part[1], part[2].numel() * part[2].element_size(),
-                                  pwrite_extent(fd, layout, *part)), extents)  # on the save's threads, if any
+        return [(key, offset, t.numel() * t.element_size(), pwrite_extent(fd, layout, key, offset, t))
+                for key, offset, t in extents]
     finally:
         os.close(fd)

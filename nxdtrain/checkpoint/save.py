@@ -131,8 +131,6 @@ class TagWriter:
             str(next(iter(model.state_dict().values())).dtype).removeprefix("torch.") if rank == 0 else ""
         pending = Pending(tag, step, consumed, dict(scheduler), loss, dtype, rng_state(), lock, live=live,
                           shared=files.shared)
-        if not background:  # training waits for these writes: every core of this rank's share writes
-            files.threads = torch.get_num_threads()
         if background:
             thread = ThreadPoolExecutor(1, thread_name_prefix="save-async")
             pending.writes = thread.submit(write_files, files, rank)
@@ -338,7 +336,6 @@ class Files:
     optim: Callable[[], Path] | None = None
     shared: Any = None           # nxdtrain.checkpoint.shared.SharedSave
     dtype: str | None = None     # the shard's dtype, where the model handed to save does not say it
-    threads: int = 1             # each file's records written on this many threads (a synchronous save: its rank's)
 
 
 def write_files(files: Files, rank: int) -> dict[str, dict[str, Any]]:
@@ -369,8 +366,7 @@ def _write(files: Files) -> tuple[dict[str, dict[str, Any]], dict[str, list[Any]
     written: list[Path] = []
     shares = [] if files.shared is None else files.shared.files
     extents: dict[str, list[Any]] = {}
-    with tag_writes(threads=files.threads) as digests, \
-            ThreadPoolExecutor(1, thread_name_prefix="save-shard") as beside:
+    with tag_writes() as digests, ThreadPoolExecutor(1, thread_name_prefix="save-shard") as beside:
         shard = None
         if files.shard is not None and files.beside:
             shard = beside.submit(contextvars.copy_context().run, files.shard)

@@ -41,7 +41,6 @@ from ckptconv.io import (
     TorchZipWriter,
     WriteDigests,
     ZipLayout,
-    each,
     place,
     plan_object,
     plan_zip,
@@ -70,10 +69,10 @@ class SharedFile:
 
     def write(self) -> list[Extent]:
         """Write this rank's parts; the CRCs the owner needs (none from the owner: its writer recorded them)."""
-        writer = self.writer
-        if writer is None:
+        if self.writer is None:
             return write_share(self.partial, self.layout, self.parts)
-        each(lambda part: writer.write_extent(*part), self.parts)  # on the save's threads, if any
+        for key, offset, data in self.parts:
+            self.writer.write_extent(key, offset, data)
         return []
 
     def finish(self, extents: list[Extent]) -> Path:

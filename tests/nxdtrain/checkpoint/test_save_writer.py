@@ -90,26 +90,6 @@ def save_and_resume_worker(options: dict[str, Any]) -> None:
         dist.barrier()
 
 
-def threaded_save_worker(options: dict[str, Any]) -> None:
-    """:func:`save_and_resume_worker` with three torch threads: a synchronous save writes each file's records on
-    that many threads (ckptconv.io.write_pool), and what it wrote reads back the same."""
-    import threading
-
-    from ckptconv.io.torchzip import TorchZipWriter
-
-    threads: set[str] = set()
-    write_extent = TorchZipWriter.write_extent
-
-    def spy(self: TorchZipWriter, *args: Any) -> int:
-        threads.add(threading.current_thread().name)
-        return write_extent(self, *args)
-
-    TorchZipWriter.write_extent = spy  # type: ignore[method-assign]
-    torch.set_num_threads(3)
-    save_and_resume_worker(options)
-    assert sum(name.startswith("save-records") for name in threads) >= 2, threads
-
-
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("save-writer-moe")
@@ -133,8 +113,3 @@ def run_mode(worker: Any, mode: str, steps: int, tmp_path: Path, nxd_model: Any,
 @pytest.mark.parametrize("mode", MODES)
 def test_a_save_reads_back_equal_through_ckptconv_and_the_resume_path(tmp_path, nxd_model, mixtral, mode):
     assert run_mode(save_and_resume_worker, mode, 1, tmp_path, nxd_model, mixtral) == 0
-
-
-@pytest.mark.parametrize("mode", ["dense", "ep2"])
-def test_a_synchronous_save_on_several_threads_reads_back_equal(tmp_path, nxd_model, mixtral, mode):
-    assert run_mode(threaded_save_worker, mode, 1, tmp_path, nxd_model, mixtral) == 0
