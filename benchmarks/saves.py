@@ -7,8 +7,8 @@ a fresh world of forkserver processes (as ``nxdtrain run --nproc``); rows: ``den
 
 ``stall`` is the wall time of ``Trainer.save`` on rank 0, which returns after every rank's files, ``ckptconv.json``
 and the markers are written (its last barrier): the time training stops for a save. Right after each save rank 0
-reads the tag once (so its pages are cached whatever path wrote them) and times ``cp -r`` of it to a sibling
-directory (then deleted): ``ratio`` is stall / cp of the same bytes in the same process, minutes apart at most. Where
+reads the tag once (so its pages are cached whatever path wrote them) and times ``cp -r`` of it into ``copies/``
+(kept, as the tags are, until the row ends: :func:`copy_cost`): ``ratio`` is stall / cp of the same bytes in the same process, minutes apart at most. Where
 the stall goes is split by timing the save's stages on rank 0 (``PHASES``: the FSDP gather, the model shard's and the
 optimizer files' writes, the digests read back, ckptconv.json and markers); what a stage does not exist for in a tree
 is left out, and nothing is fsynced (neither writer syncs).

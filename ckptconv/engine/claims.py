@@ -93,10 +93,10 @@ def _back_to_back(tensors: list[tuple[int, OutTensor]], spans: list[tuple[int, i
 
 def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
                position: Callable[[Source], int] | None,
-               place: Callable[[int, OutTensor], int] | None = None) -> list[int]:
+               place: Callable[[int, OutTensor], int]) -> list[int]:
     """Indices of ``units`` (each its (file index, tensor) list) in the order to run them; ``place``: where a
-    tensor's bytes start in its file (a safetensors file orders its tensors by dtype and name, not as planned),
-    else its index in the plan's file stands for it.
+    tensor's bytes start in its file (a safetensors file orders its tensors by dtype and name, not as planned;
+    ties, e.g. a sink that cannot say, go by the tensor's index in the plan's file).
 
     Files that units cut by columns write together (the tp ranks of one source) form a group; groups run one
     after another, earliest file first, so files complete (and are recorded) while the rest converts. Within a
@@ -130,8 +130,7 @@ def unit_order(units: list[list[tuple[int, OutTensor]]], plan: Plan,
                         by_source.add(i)
         by_source = {find(i) for i in by_source}
     files = {i for tensors in units for i, _ in tensors}
-    index = {(i, t.key): (place(i, t) if place is not None else 0, n)
-             for i in files for n, t in enumerate(plan.files[i].tensors)}
+    index = {(i, t.key): (place(i, t), n) for i in files for n, t in enumerate(plan.files[i].tensors)}
 
     def key(n: int) -> tuple[int, ...]:
         file_index, (byte, at) = min((i, index[(i, t.key)]) for i, t in units[n])

@@ -271,7 +271,7 @@ def _flatten(per_file: dict[str, dict[str, FileRecord]], plan: Plan, wanted: lis
 
 
 def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: int,
-           sinks: dict[int, Sink] | None = None) -> list[_Unit]:
+           sinks: dict[int, Sink]) -> list[_Unit]:
     row_split: list[_Unit] = []
     by_source: dict[Source, list[tuple[int, OutTensor]]] = {}
     stacked: list[tuple[int, OutTensor]] = []
@@ -287,8 +287,7 @@ def _units(plan: Plan, todo: Iterable[int], reader: TensorReader, band_bytes: in
                 by_source.setdefault(tensor.pieces[0].source, []).append((i, tensor))
     units = (row_split + _slab_units(stacked, reader, band_bytes)
              + [_Unit(*group) for group in column_groups(by_source, reader, band_bytes)])
-    order = unit_order([u.tensors for u in units], plan, getattr(reader, "position", None),
-                       None if sinks is None else _file_place(sinks))
+    order = unit_order([u.tensors for u in units], plan, getattr(reader, "position", None), _file_place(sinks))
     return [units[n] for n in order]
 
 
