@@ -3,9 +3,12 @@ and the order of the units, so that each file's bands start in file order.
 
 An output file is hashed as it is written, in file order (ckptconv.io.write_digest); a band that finishes
 before the band just ahead of it in the same file then waits for that one instead of leaving its own bytes to
-be read back. A band that writes several extents (one tensor for each of several files) claims them all but never
-waits itself, so every wait ends: the claim waited for belongs to a thread that never waits, or that writes it at
-the hashed prefix (or releases it when its band ends).
+be read back. A band that writes several extents (an expert's HF w1 and w3, one tensor for each of several files)
+claims them all, writes them front to back in one order shared by every band (by file index, then file offset:
+:func:`write_order`) and gives each claim up once its extent is written. So every wait ends: a band waits only
+while writing its earliest unwritten extent, for the claim at the hashed prefix before it; the band holding that
+claim has an unwritten extent there, earlier than the one it writes if it waits too, so along a chain of waits the
+extents written strictly precede one another and the chain ends at a band writing at the hashed prefix.
 """
 
 from __future__ import annotations
@@ -14,11 +17,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ckptconv.core.plan import OutTensor, Plan, Source
-from ckptconv.io.write_digest import waiting
-
-
-def _nothing() -> None:
-    pass
 
 
 def band_extent(tensor: OutTensor, start: int, stop: int, transposed: bool = False) -> tuple[int, int]:
@@ -42,35 +40,52 @@ def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return numel * itemsize
 
 
-def claim_band(tensors: list[tuple[int, OutTensor]], start: int, stop: int,
-               sinks: Mapping[int, Any], transposed: bool = False,
-               extents: list[tuple[int, int]] | None = None) -> Callable[[], None]:
-    """Claim the extents a band will write (see the module); returns the release. A band of stacked slabs claims
-    the ``extents`` it writes of each tensor (ckptconv.engine.slab_parts.slab_extents), or nothing without them; a
-    band writing several extents claims them all and its writes never wait, unless they lie back to back in one
-    file in the order it writes them (an expert's HF gate and up): that is one extent, written front to back."""
-    if tensors[0][1].by_slab and extents is None:
-        return _nothing
-    spans = extents if extents is not None else [band_extent(t, start, stop, transposed) for _, t in tensors]
+class BandClaims:
+    """The claims of one band (:func:`claim_band`): :meth:`written` as each tensor's extent is written whole,
+    :meth:`release` when the band ends (written or not)."""
+
+    def __init__(self, releases: list[Callable[[], None] | None]) -> None:
+        self._releases = releases  # per tensor of the band: the claim its last byte gives up, or None
+
+    def written(self, n: int) -> None:
+        """Tensor ``n``'s extent is written: give its claim up."""
+        release, self._releases[n] = self._releases[n], None
+        if release is not None:
+            release()
+
+    def release(self) -> None:
+        for n in range(len(self._releases)):
+            self.written(n)
+
+
+def claim_band(tensors: list[tuple[int, OutTensor]], spans: list[tuple[int, int]],
+               sinks: Mapping[int, Any]) -> BandClaims:
+    """Claim the extents ``spans`` (byte offset in its tensor, bytes) a band will write of each of ``tensors`` (see
+    the module); extents that lie back to back in one file in the order given (an expert's HF gate and up) are one
+    claim, given up with the last."""
     one = _back_to_back(tensors, spans, sinks)
-    releases = []
+    releases: list[Callable[[], None] | None] = [None] * len(tensors)
     try:
         for n, (file_index, tensor) in enumerate(tensors if one is None else tensors[:1]):
             claim = getattr(sinks[file_index], "claim", None)
             if claim is not None:
-                releases.append(claim(tensor.key, *(spans[n] if one is None else one)))
+                releases[n if one is None else -1] = claim(tensor.key, *(spans[n] if one is None else one))
     except BaseException:  # a claim left standing would keep the writers behind it waiting
         for each in releases:
-            each()
+            if each is not None:
+                each()
         raise
-    waiting(len(tensors) == 1 or one is not None)
+    return BandClaims(releases)
 
-    def release() -> None:
-        for each in releases:
-            each()
-        waiting(True)
 
-    return release
+def write_order(tensors: list[tuple[int, OutTensor]], extents: list[tuple[int, int]],
+                place: Callable[[int, OutTensor], int]) -> list[int]:
+    """Indices of a band's ``tensors`` in the order to write them: by file, then where each of ``extents`` (byte
+    offset in its tensor, bytes) lies in it (``place``: where the tensor starts; for a sink of several physical
+    files, xser's, where it starts in its own file: the order of the extents of each physical file is kept). Every
+    band writes in this order: the module's argument that every wait ends rests on it."""
+    return sorted(range(len(tensors)),
+                  key=lambda n: (tensors[n][0], place(*tensors[n]) + extents[n][0], n))
 
 
 def _back_to_back(tensors: list[tuple[int, OutTensor]], spans: list[tuple[int, int]],

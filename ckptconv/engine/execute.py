@@ -25,7 +25,7 @@ import torch
 from ckptconv.core.plan import OutFile, OutTensor, Piece, Plan, ReplicaGroup, Source
 from ckptconv.engine.arena import SCRATCH as _SCRATCH
 from ckptconv.engine.arena import Scratch as _Scratch
-from ckptconv.engine.claims import band_extent, claim_band, row_bytes, unit_order
+from ckptconv.engine.claims import BandClaims, band_extent, claim_band, row_bytes, unit_order, write_order
 from ckptconv.engine.columns import column_band, column_block, column_groups, transposed_rows
 from ckptconv.engine.options import default_workers
 from ckptconv.engine.outdir import TMP_DIR
@@ -118,6 +118,12 @@ class _Unit:
     @property
     def by_slab(self) -> bool:
         return self.tensors[0][1].by_slab
+
+    def extents(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """(byte offset in its tensor, bytes) that band [start, stop) writes of each tensor."""
+        if self.slab_work is not None:
+            return slab_extents(self.slab_work, [t for _, t in self.tensors], start)
+        return [band_extent(t, start, stop, self.transposed) for _, t in self.tensors]
 
 
 def run_plan(
@@ -220,17 +226,17 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
         need = unit.row_bytes * max(stop - start, 1)
         with oversized if need > band_bytes else contextlib.nullcontext():
             held = budget.acquire(need)
-            release = None
+            claims = None
             try:
-                extents = (None if unit.slab_work is None else
-                           slab_extents(unit.slab_work, [t for _, t in unit.tensors], start))
-                release = claim_band(unit.tensors, start, stop, sinks, unit.transposed, extents)  # its file's digest waits for it (engine.claims)
+                extents = unit.extents(start, stop)
+                claims = claim_band(unit.tensors, extents, sinks)  # its file's digest waits for it (engine.claims)
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
-                    _write_band(unit, start, stop, reader, sinks, options.progress)
+                    _write_band(unit, start, stop, reader, sinks, options.progress, claims,
+                                write_order(unit.tensors, extents, _file_place(sinks)))
             finally:
-                if release is not None:
-                    release()
+                if claims is not None:
+                    claims.release()
                 _SCRATCH.end_band(keep=band_bytes)
                 budget.release(held)
         for file_index, _ in unit.tensors:
@@ -350,13 +356,17 @@ def _write_band(
     reader: TensorReader,
     sinks: dict[int, Sink],
     progress: Callable[[int], None] | None,
+    claims: BandClaims,
+    order: list[int],
 ) -> None:
+    """Write band [start, stop) of ``unit``'s tensors in ``order``, giving up each one's claim once written."""
     cache: dict[Source, torch.Tensor] = {}
     slabs = []
     if unit.slab_work is not None:  # one slab, or part of one, of each tensor, built in this band's arena
         slabs = slab_writes(unit.slab_work, [t for _, t in unit.tensors], start, reader, _SCRATCH.get,
                             lambda n, at, size: _file_phase(sinks[unit.tensors[n][0]], unit.tensors[n][1], at, size))
-    for n, (file_index, tensor) in enumerate(unit.tensors):
+    for n in order:
+        file_index, tensor = unit.tensors[n]
         offset, nbytes = band_extent(tensor, start, stop, unit.transposed)
         phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
         if slabs:
@@ -374,6 +384,7 @@ def _write_band(
         else:
             data = band
         sinks[file_index].write_extent(tensor.key, offset, data.reshape(()) if not tensor.shape else data)
+        claims.written(n)
         if progress is not None:
             progress(data.numel() * data.element_size())
 

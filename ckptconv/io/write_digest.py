@@ -55,8 +55,9 @@ class WriteDigest:
     def claim(self, offset: int, length: int) -> Callable[[], None]:
         """A thread will write [offset, offset+length) soon (it is computing those bytes): writes just past them
         wait for them instead of being read back. Returns the release, to call once that thread is done (written
-        or not). A thread holding claims on several extents must not wait (:func:`waiting`), so every wait ends:
-        the claim it waits for belongs to a thread that never waits, or that writes at the hashed prefix."""
+        or not). Every wait ends if each thread writes its claimed extents front to back, one after another in
+        one order of (file, offset) shared by all threads (ckptconv.engine.claims): the claim at the hashed prefix
+        then belongs to a thread writing there, never to one waiting."""
         claim = (offset, offset + length)
         with self._cond:
             self._in_flight.append(claim)
@@ -100,7 +101,7 @@ class WriteDigest:
                 self._update(data)
                 self._read_ahead()
                 return
-            if may_wait() and any(s <= self.pos < e for s, e in self._in_flight):
+            if any(s <= self.pos < e for s, e in self._in_flight):
                 self._cond.wait()  # the bytes at pos are being computed or written by another thread right now
                 continue
             heapq.heappush(self._ahead, (offset, end))  # hashed (held) or read back once pos reaches it
@@ -149,20 +150,6 @@ class WriteDigest:
                 self._pull(os.fstat(self.fd).st_size)
                 self.hexdigest = str(self._digest.hexdigest())
             return self.hexdigest
-
-
-_THREAD = threading.local()
-
-
-def may_wait() -> bool:
-    """Whether a write of this thread ahead of the hashed prefix may wait for the bytes before it."""
-    return bool(getattr(_THREAD, "may_wait", True))
-
-
-def waiting(allowed: bool) -> None:
-    """Let this thread's writes wait for the bytes before them, or not (while it holds claims on several
-    extents: another thread may be waiting for one of those)."""
-    _THREAD.may_wait = allowed
 
 
 def write_to(fd: int, data: memoryview, offset: int, digest: WriteDigest | None) -> None:

@@ -6,6 +6,7 @@ tensors as the safetensors library reads them."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import ckptconv
+from ckptconv.core.plan import OutTensor, Piece, Source
+from ckptconv.engine.claims import claim_band, write_order
 from ckptconv.io import write_digest
 from ckptconv.io.safetensors_sink import SafetensorsSink
 from tests.conftest import warns_no_tokenizer
@@ -93,31 +96,123 @@ class _Sink:
     """A sink whose tensors lie at ``places`` in its file; records the claims."""
 
     def __init__(self, places: dict[str, int]) -> None:
-        self.places, self.claims = places, []  # type: list[tuple[str, int, int]]
+        self.places = places
+        self.claims: list[tuple[str, int, int]] = []
+        self.released: list[tuple[str, int, int]] = []
 
     def file_offset(self, key: str, offset: int) -> int:
         return self.places[key] + offset
 
     def claim(self, key: str, offset: int, nbytes: int):  # type: ignore[no-untyped-def]
         self.claims.append((key, offset, nbytes))
-        return lambda: None
+        return lambda: self.released.append((key, offset, nbytes))
+
+
+def _uint8(key: str) -> OutTensor:
+    return OutTensor(key, torch.uint8, (10, 10), 0, (Piece(Source(None, "src"), 0, 10),))
 
 
 @pytest.mark.parametrize("up_at", [100, 164], ids=["back to back", "apart"])
-def test_a_band_of_tensors_back_to_back_claims_one_extent_and_may_wait(up_at: int):
-    """Two 100-byte tensors of one band: back to back in their file (an expert's HF gate and up), one claim, and the
-    band's writes may wait for the bytes before them; apart, a claim each and they never wait."""
-    from ckptconv.core.plan import OutTensor, Piece, Source
-    from ckptconv.engine.claims import claim_band
-
-    def tensor(key: str) -> OutTensor:
-        return OutTensor(key, torch.uint8, (10, 10), 0, (Piece(Source(None, "src"), 0, 10),))
-
+def test_a_band_of_tensors_back_to_back_claims_one_extent(up_at: int):
+    """Two 100-byte tensors of one band: back to back in their file (an expert's HF gate and up), one claim, given
+    up once both are written; apart, a claim each, each given up as soon as its tensor is written."""
     sink = _Sink({"gate": 0, "up": up_at})
-    release = claim_band([(0, tensor("gate")), (0, tensor("up"))], 0, 10, {0: sink}, extents=[(0, 100), (0, 100)])
+    claims = claim_band([(0, _uint8("gate")), (0, _uint8("up"))], [(0, 100), (0, 100)], {0: sink})
     try:
         assert sink.claims == ([("gate", 0, 200)] if up_at == 100 else [("gate", 0, 100), ("up", 0, 100)])
-        assert write_digest.may_wait() == (up_at == 100)
+        claims.written(0)
+        assert sink.released == ([] if up_at == 100 else [("gate", 0, 100)])
     finally:
-        release()
-    assert write_digest.may_wait()
+        claims.release()
+    assert sorted(sink.released) == sorted(sink.claims)
+
+
+def test_a_band_writes_its_tensors_in_file_order():
+    """A band's tensors are written by file, then by where their extents lie."""
+    tensors = [(1, _uint8("a")), (0, _uint8("w3")), (0, _uint8("w1"))]
+    places = {"a": 0, "w1": 0, "w3": 300}
+    assert write_order(tensors, [(0, 100), (0, 100), (50, 50)], lambda i, t: places[t.key]) == [2, 1, 0]
+
+
+SIZE = 100
+
+
+def _run_bands(tmp_path: Path, places: dict[str, tuple[int, int]], bands: list[list[str]], late: int) -> list[int]:
+    """Write 100-byte tensors ``places`` (key: (file index, byte offset)) into two files through their digests, one
+    thread per band of ``bands`` (its tensors' keys, in the order the plan lists them), each claiming its tensors,
+    then writing them in :func:`write_order`; band ``late`` starts writing 50 ms after the others. Returns the bytes
+    each file's digest read back, after checking each digest against the file's BLAKE3 (no thread may hang)."""
+    import threading
+
+    from ckptconv.io.digest import file_digest
+
+    data = {k: torch.full((SIZE,), n + 1, dtype=torch.uint8) for n, k in enumerate(places)}
+    digests, fds = [], []
+    for f in range(2):
+        path = tmp_path / f"file{f}"
+        fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+        os.ftruncate(fds[-1], SIZE * sum(1 for i, _ in places.values() if i == f))
+        digests.append(write_digest.WriteDigest(str(path), fds[-1], "blake3"))
+
+    class DigestSink:
+        def __init__(self, f: int) -> None:
+            self.f = f
+
+        def file_offset(self, key: str, offset: int) -> int:
+            return places[key][1] + offset
+
+        def claim(self, key: str, offset: int, nbytes: int):  # type: ignore[no-untyped-def]
+            return digests[self.f].claim(self.file_offset(key, offset), nbytes)
+
+    sinks = {f: DigestSink(f) for f in range(2)}
+    all_claimed, errors = threading.Barrier(len(bands)), []
+
+    def band(keys: list[str], delay: bool) -> None:
+        try:
+            tensors = [(places[k][0], _uint8(k)) for k in keys]
+            claims = claim_band(tensors, [(0, SIZE)] * len(keys), sinks)
+            all_claimed.wait()
+            if delay:
+                threading.Event().wait(0.05)
+            try:
+                for n in write_order(tensors, [(0, SIZE)] * len(keys), lambda i, t: places[t.key][1]):
+                    file_index, offset = places[keys[n]]
+                    digests[file_index].write(memoryview(data[keys[n]].numpy()), offset)
+                    claims.written(n)
+            finally:
+                claims.release()
+        except BaseException as exc:  # noqa: BLE001  reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=band, args=(keys, n == late), daemon=True) for n, keys in enumerate(bands)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not any(t.is_alive() for t in threads), "the bands deadlocked"
+        assert errors == []
+        for f in range(2):
+            assert digests[f].finish() == file_digest(tmp_path / f"file{f}", "blake3")
+        return [d.pulled for d in digests]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("late", [0, 1], ids=["w1-w3 band late", "w2 band late"])
+def test_a_band_waits_for_the_band_between_its_extents(tmp_path: Path, late: int):
+    """Mixtral's HF file: one band writes w1 and w3 (from the same NxD rows), another w2, which lies between them.
+    Whichever band writes first, the w1/w3 band waits for w2 once w1 is written: nothing is read back."""
+    places = {"w1": (0, 0), "w2": (0, SIZE), "w3": (0, 2 * SIZE), "other": (1, 0)}
+    assert _run_bands(tmp_path, places, [["w3", "w1"], ["w2"], ["other"]], late) == [0, 0]
+
+
+@pytest.mark.parametrize("late", [0, 1], ids=["first band late", "second band late"])
+def test_bands_writing_two_files_wait_for_each_other_without_deadlock(tmp_path: Path, late: int):
+    """Two bands each writing an extent of both files, the first band's extent first in file 0 and second in file 1:
+    written in the plan's order (the second band listing file 1 first), each would wait for the other's claim; in
+    the shared order (file 0, then file 1) each waits at most for the other's earlier extent, and nothing is read
+    back."""
+    places = {"a0": (0, SIZE), "a1": (1, 0), "b0": (0, 0), "b1": (1, SIZE)}
+    assert _run_bands(tmp_path, places, [["a0", "a1"], ["b1", "b0"]], late) == [0, 0]

@@ -19,7 +19,7 @@ import ckptconv.io.digest as digest_module
 from benchmarks.reshard_optim import make_training_tag
 from ckptconv.commands.api import RunOptions
 from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip
-from ckptconv.io.write_digest import WriteDigest, WriteDigests, recording, waiting
+from ckptconv.io.write_digest import WriteDigest, WriteDigests, recording
 from tests.conftest import make_tiny_llama, warns_no_tokenizer
 
 QUIET = RunOptions(quiet=True, part=(0, 1))
@@ -75,20 +75,6 @@ def test_a_band_written_ahead_is_read_back_unless_its_predecessor_is_claimed(tmp
         assert digest.finish() == blake3.blake3(first + second).hexdigest()
         assert digest.pulled == (0 if claimed else len(second))
         os.close(fd)
-
-
-def test_a_thread_holding_several_claims_does_not_wait(tmp_path: Path):
-    fd = _open(tmp_path / "f", 20)
-    digest = WriteDigest(str(tmp_path / "f"), fd, "blake3")
-    release = digest.claim(0, 10)  # held by another thread that never writes it
-    waiting(False)
-    try:
-        digest.write(memoryview(b"x" * 10), 10)  # returns: left to be read back
-    finally:
-        waiting(True)
-    release()
-    assert digest.finish() == blake3.blake3(bytes(10) + b"x" * 10).hexdigest() and digest.pulled == 20
-    os.close(fd)
 
 
 def test_a_write_behind_the_hashed_prefix_is_refused(tmp_path: Path):
@@ -166,7 +152,7 @@ def test_a_failing_claim_releases_the_claims_already_made(tmp_path: Path):
 
     tensor = OutTensor(key="w", dtype=torch.float32, shape=(4, 2), dim=0, pieces=())
     with pytest.raises(KeyError):
-        claim_band([(0, tensor), (1, tensor)], 0, 4, {0: Sink(False), 1: Sink(True)})
+        claim_band([(0, tensor), (1, tensor)], [(0, 32), (0, 32)], {0: Sink(False), 1: Sink(True)})
     assert made == released == ["w"]
 
 
