@@ -18,6 +18,11 @@ import torch
 from ckptconv.io.direct_io import pwrite_direct, twin_of
 
 IO_CHUNK = 64 << 20  # per-syscall cap: Linux truncates single reads/writes near 2 GiB anyway
+# Buffered writes go 128 KiB a pwrite, as cp's do (64 KiB splices): one large pwrite makes the kernel fill the page
+# cache with large folios, taken from the free 2 MiB blocks that a VM's balloon has handed back to the host (a host
+# fault each at first touch); small folios come from the pages freed last. A 336 MB file: 0.8 s in 64 MiB pwrites,
+# 0.07-0.09 s in 128 KiB ones or by cp (docs/performance.md, "Saves").
+WRITE_CHUNK = 128 << 10
 IO_MODES = ("mmap", "read")
 # rows of a column read mapped in at a time: the pages around the columns that fault-around maps count as RSS
 COLUMN_REGION = 8 << 20
@@ -179,7 +184,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def _pwrite_buffered(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
-        n = os.pwrite(fd, data[:IO_CHUNK], offset)
+        n = os.pwrite(fd, data[:WRITE_CHUNK], offset)
         if n <= 0:
             raise OSError(f"pwrite wrote {n} bytes at offset {offset}")
         data, offset = data[n:], offset + n
