@@ -160,8 +160,8 @@ class WeightSource(Protocol):
 
 class ShardsWithMasters:
     """A :class:`WeightSource`: each model file with the fp32 masters an nxdtrain bf16 run keeps over it
-    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.nxdtrain_format.state.use_masters`); keys they
-    lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
+    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.nxdtrain_format.masters.use_masters`);
+    keys they lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
     conversion's fingerprint; ``owner`` (what reads them) is closed with the checkpoint."""
 
     label = "nxdtrain's master weights"
