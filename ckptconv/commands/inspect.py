@@ -19,7 +19,7 @@ from ckptconv.io.safetensors_io import TruncatedSafetensorsError
 from ckptconv.io.tags import DONE_MARKER
 from ckptconv.sources.hub import resolve_hf
 from ckptconv.training.nxd_format.read import OPTIM_DIR, nxd_optimizer_summary
-from ckptconv.training.nxdtrain_format.state import nxdtrain_optimizer_summary
+from ckptconv.training.nxdtrain_format.masters import nxdtrain_optimizer_summary
 
 
 def inspect(path: str | Path, *, config: str | Path | None = None, revision: str | None = None,

@@ -11,6 +11,7 @@ import torch
 from ckptconv.core.plan import OutTensor, Source
 from ckptconv.engine.arena import SCRATCH
 from ckptconv.engine.claims import row_bytes
+from ckptconv.io.readers import try_read_columns
 
 
 class Rows(Protocol):
@@ -122,8 +123,7 @@ def _read_columns(reader: Rows, source: Source, lo: int, hi: int, out: torch.Ten
     """Columns [lo, hi) of the matrix ``source`` into ``out``: only those bytes where the reader can
     (``read_columns``), else whole rows, as many at a time as ``out`` holds bytes, each cut to its columns (a
     small budget then reads the matrix once per block of columns)."""
-    read = getattr(reader, "read_columns", None)
-    if read is not None and read(source, lo, hi, out):
+    if try_read_columns(reader, source, lo, hi, out):
         return
     dtype, (rows, columns), _ = reader.info(source)
     step = max(1, out.numel() // max(columns, 1))

@@ -7,10 +7,11 @@ or ``transposed`` view reads one expert of a stacked source in HF orientation. U
 The stacked tensors that read the same source matrices (every tp rank's ``down_proj`` reads columns of each
 expert's whole HF ``down_proj``) form one group, built one slab index at a time: each source matrix is read once
 per band and feeds every tensor of the group. Every buffer a band uses (its outputs, the source matrices, scratch
-matrices for transposing, the two chunk matrices of a slab that gathers) comes from the ``get`` allocator and is
-counted by :func:`slab_band_bytes`, so the executor's ``--max-memory`` accounting covers it. Scratch is small and
-reused, so that a band touches little fresh memory beyond its outputs: a worker's arena is faulted in page by page
-on its first band, which costs about half as much CPU again as the copy that touches it.
+matrices for transposing, the chunk of rows a slab that gathers reads and, where torch transposes it, its
+transpose) comes from the ``get`` allocator and is counted by :func:`slab_band_bytes`, so the executor's
+``--max-memory`` accounting covers it. Scratch is small and reused, so that a band touches little fresh memory
+beyond its outputs: a worker's arena is faulted in page by page on its first band, which costs about half as much
+CPU again as the copy that touches it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
-from ckptconv.io.transpose import native_transpose, transpose_into
+from ckptconv.io.transpose import native_dtype, native_transpose, transpose_into
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
@@ -205,12 +206,13 @@ def _chunk_rows(tensor: OutTensor) -> int:
 
 
 def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
-    """The matrices :func:`_read_transposed` uses for slab ``k`` (the rows read; for a slab in chunks, also their
-    transpose): the most any tensor of the group that gathers needs, or 0."""
+    """The matrices :func:`_read_transposed` uses for slab ``k`` (the rows read; for a slab in chunks that the native
+    kernel does not transpose into place, also their transpose): the most any tensor of the group that gathers
+    needs, or 0."""
     def need(tensor: OutTensor) -> int:
         rows = _chunk_rows(tensor)
         size = nbytes_of(tensor.dtype, (rows, slab_shape(tensor)[0]))
-        return size if rows == slab_shape(tensor)[1] else 2 * size
+        return size if rows == slab_shape(tensor)[1] or native_dtype(tensor.dtype) else 2 * size
 
     return max((need(t) for t, pieces in zip(tensors, split, strict=True) if _gathers(t, pieces[k], reader)), default=0)
 
@@ -234,9 +236,9 @@ def _read_transposed(reader: Rows, pieces: list[Piece], out: torch.Tensor, gathe
             if a < b:
                 _read_piece(reader, piece, read[a - lo:b - lo], a - offset)
             offset += piece.length
-        if n == total:
-            transpose_into(out, read)
-        elif not native_transpose(out[:, lo:lo + n], read):  # the kernel writes into the columns as they are
+        if n == total or native_dtype(out.dtype):  # the kernel writes into the columns as they are
+            transpose_into(out[:, lo:lo + n], read)
+        else:
             flip = gather[rows * width:(rows + n) * width].view(out.dtype).view(out.size(0), n)
             out[:, lo:lo + n].copy_(transpose_into(flip, read))
 

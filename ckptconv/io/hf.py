@@ -27,7 +27,7 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.core.plan import OutFile, Source
 from ckptconv.errors import ConversionError
 from ckptconv.io.quantized import Dequantized, Quantized, plain_config, quantized_tensors
-from ckptconv.io.readers import FileReader, open_tensor_file
+from ckptconv.io.readers import FileReader, open_tensor_file, try_read_columns
 
 CONFIG = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -222,8 +222,7 @@ class HfCheckpoint:
         (ckptconv.io.safetensors_io); False (nothing read) for views, quantized weights and other readers."""
         if source.key in self._views or source.key in self.quantized:
             return False
-        read = getattr(self._reader(self._file(source.key)), "read_columns", None)
-        return read is not None and bool(read(source.key, start, stop, out))
+        return try_read_columns(self._reader(self._file(source.key)), source.key, start, stop, out)
 
     def _raw_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         file = self._file(key)

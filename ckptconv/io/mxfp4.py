@@ -17,6 +17,7 @@ only that expert's blocks and scales are in memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 
 from ckptconv.errors import ConversionError
 from ckptconv.io.quantized import Quantized, RawRead
+from ckptconv.io.transpose import native_dtype, transpose_into
 
 BLOCKS, SCALES = "_blocks", "_scales"
 BLOCK_BYTES = 16  # 32 FP4 values per block, two per byte
@@ -79,14 +81,27 @@ def quantized_tensors(qconfig: dict[str, Any], stored: Mapping[str, tuple[torch.
 def decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``blocks`` ``[..., R, G, 16]`` and ``scales`` ``[..., R, G]`` as the bf16 ``[..., 32 G, R]`` they encode (exact:
     each FP4 value times a power of two), ``ROWS_PER_STEP`` stored rows at a time: computed in fp32 (CPUs multiply it
-    fast), written transposed into the bf16 result (so fp32 temporaries stay a few MiB)."""
+    fast), written transposed into the bf16 result (so fp32 temporaries stay a few MiB). Where the native kernel takes
+    bf16 (``ckptconv.io.transpose``), a step is cast to bf16 in its stored order into one reused buffer (a fresh one
+    per step costs its page faults) and each leading index's matrix of it transposed into its columns by the kernel:
+    torch's copy that casts and transposes at once moves an element at a time."""
     *lead, rows, groups, _ = blocks.shape
-    out = torch.empty(*lead, groups * 2 * BLOCK_BYTES, rows, dtype=torch.bfloat16)
+    width = groups * 2 * BLOCK_BYTES
+    out = torch.empty(*lead, width, rows, dtype=torch.bfloat16)
+    count = math.prod(lead)
+    native = native_dtype(torch.bfloat16)
+    staging = torch.empty(count * min(rows, ROWS_PER_STEP) * width if native else 0, dtype=torch.bfloat16)
     for r in range(0, rows, ROWS_PER_STEP):
         part = blocks[..., r:r + ROWS_PER_STEP, :, :]
         values = PAIRS[part.long()].view(*part.shape[:-1], 2 * BLOCK_BYTES)
         values.mul_(SCALE_VALUES[scales[..., r:r + ROWS_PER_STEP, :].long()].unsqueeze(-1))
-        out[..., r:r + ROWS_PER_STEP] = values.view(*part.shape[:-2], -1).transpose(-1, -2)
+        if not native:
+            out[..., r:r + ROWS_PER_STEP] = values.view(*part.shape[:-2], width).transpose(-1, -2)
+            continue
+        step = part.size(-3)
+        stored = staging[:count * step * width].view(count, step, width).copy_(values.view(count, step, width))
+        for n, matrix in enumerate(stored):  # [step, 32 G]: the step's rows of one leading index, as stored
+            transpose_into(out.view(count, width, rows)[n, :, r:r + step], matrix)
     return out
 
 

@@ -32,7 +32,7 @@ from ckptconv.io.nxd import (
     resolve_checkpoint,
     shard_files,
 )
-from ckptconv.io.readers import FileReader, TorchFileReader
+from ckptconv.io.readers import FileReader, TorchFileReader, try_read_columns
 from ckptconv.io.safe_load import load_small
 from ckptconv.io.torchzip import StoredTensor, TorchZipReader
 from ckptconv.io.torchzip_read import is_row_major
@@ -137,8 +137,7 @@ class _WithMasters:
         return self._of(key).read_rows(key, start, stop, out)
 
     def read_columns(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
-        read = getattr(self._of(key), "read_columns", None)
-        return read is not None and bool(read(key, start, stop, out))
+        return try_read_columns(self._of(key), key, start, stop, out)
 
     def close(self) -> None:
         self.shard.close()
@@ -161,8 +160,8 @@ class WeightSource(Protocol):
 
 class ShardsWithMasters:
     """A :class:`WeightSource`: each model file with the fp32 masters an nxdtrain bf16 run keeps over it
-    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.nxdtrain_format.state.use_masters`); keys they
-    lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
+    (``masters_for(shard file)`` reads that shard's, :func:`ckptconv.training.nxdtrain_format.masters.use_masters`);
+    keys they lack (``inv_freq``) come from the file. ``identity``: the optimizer files read (names, sizes, mtimes) for a
     conversion's fingerprint; ``owner`` (what reads them) is closed with the checkpoint."""
 
     label = "nxdtrain's master weights"
@@ -327,8 +326,7 @@ class NxdCheckpoint:
         """Columns ``[start, stop)`` of a stored matrix into ``out``, reading only them where the shard's reader
         can (ckptconv.io.torchzip_read); False (nothing read) otherwise: the caller reads whole rows."""
         assert source.file is not None
-        read = getattr(self._reader(source.file), "read_columns", None)
-        return read is not None and bool(read(source.key, start, stop, out))
+        return try_read_columns(self._reader(source.file), source.key, start, stop, out)
 
     def read_slab_rows(self, source: Source, slab: int, start: int, stop: int,
                        out: torch.Tensor | None = None) -> torch.Tensor:

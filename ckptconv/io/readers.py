@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -38,6 +38,14 @@ class FileReader(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def try_read_columns(reader: object, key: Any, start: int, stop: int, out: torch.Tensor) -> bool:
+    """Columns ``[start, stop)`` of the matrix ``key`` into ``out``, reading only their bytes, where ``reader`` can
+    (its ``read_columns``: safetensors and torch zip files, and the checkpoints over them); False, nothing read, for
+    a reader without it or one that declines: the caller reads whole rows and cuts them."""
+    read = getattr(reader, "read_columns", None)
+    return read is not None and bool(read(key, start, stop, out))
 
 
 class SafetensorsFileReader:

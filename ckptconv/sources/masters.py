@@ -22,7 +22,8 @@ from ckptconv.core.model_spec import ModelSpec
 from ckptconv.errors import ConversionError
 from ckptconv.io.nxd_read import NxdCheckpoint, ShardsWithMasters
 from ckptconv.training.nxd_format.read import OPTIM_DIR, NxdOptimizer
-from ckptconv.training.nxdtrain_format.state import TagOptimizer, is_training_tag, use_masters
+from ckptconv.training.nxdtrain_format.masters import use_masters
+from ckptconv.training.nxdtrain_format.state import TagOptimizer, is_training_tag
 
 
 class MasterShard:
@@ -171,7 +172,7 @@ def nxdtrain_masters(ckpt: NxdCheckpoint, masters: bool | None, *, prefer: bool,
                      layout: ParallelLayout) -> list[str]:
     """Point ``ckpt`` at the fp32 masters an nxdtrain bf16 run keeps in ``optim/`` when asked or preferred
     (after the shards were checked against ``ckptconv.json``, which records their dtype); they are found by
-    parameter, whichever dp rank saved them (:func:`ckptconv.training.nxdtrain_format.state.use_masters`)."""
+    parameter, whichever dp rank saved them (:func:`ckptconv.training.nxdtrain_format.masters.use_masters`)."""
     if ckpt.weight_source is not None or masters is False or not (masters or prefer):
         return []
     if use_masters(ckpt, spec, layout, required=bool(masters)) is None:

@@ -5,7 +5,9 @@ NxD slab), a chunk of rows at a time, equal torch's own slicing and transposing 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from safetensors.torch import load_file
 
 import ckptconv
 from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
-from ckptconv.io import direct_io
+from ckptconv.engine import execute, slabs
+from ckptconv.io import direct_io, transpose
 from ckptconv.io.nxd_read import load_shard
 from tests.conftest import warns_no_tokenizer
 from tests.moe_tags import one_layer_mixtral
@@ -64,8 +67,6 @@ def _equal_torch(source: Path, tmp_path: Path, tp: int, inter: int, experts: int
 def test_gathered_slabs_in_chunks_equal_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int):
     """gate_up_proj (to-nxd) and HF's down_proj (to-hf) read and transposed 64 stored rows at a time: pieces of 600 / tp
     rows end in a partial chunk or span two pieces (gate rows and up rows), each landing in its own columns."""
-    from ckptconv.engine import slabs
-
     hidden, inter, experts = 96, 600, 4  # hidden != intermediate, more experts than top-k
     one_layer_mixtral(tmp_path / "in", hidden, inter, experts, head_dim=12, heads=8, kv_heads=4, seed=tp)
     monkeypatch.setattr(slabs, "WHOLE_GATHER", 0)  # every slab in chunks
@@ -75,3 +76,56 @@ def test_gathered_slabs_in_chunks_equal_torch(tmp_path: Path, monkeypatch: pytes
     with warns_no_tokenizer():
         ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
     _equal_torch(tmp_path / "in", tmp_path, tp=tp, inter=inter, experts=experts)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def lane(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The native transpose on, or torch's copy as CKPTCONV_NATIVE=0 sets it."""
+    if request.param == "kernel" and transpose._native is None:
+        pytest.skip("the native kernel is not built (tests/io/test_transpose.py says why)")
+    monkeypatch.setattr(transpose, "_ENABLED", request.param == "kernel")
+    return str(request.param)
+
+
+def test_gathered_chunks_are_budgeted_as_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: str):
+    """A band that gathers a slab in chunks (gate_up_proj to NxD, HF's down_proj back) is budgeted what it uses, to
+    the alignment the budget adds: its output slab, the chunk of rows read and, only where torch transposes the chunk
+    (the native kernel writes it into its columns), a second matrix for its transpose; and it carves no more than
+    that. Chunks of 512 KiB, more than the arena's slack: a reservation short of the transpose's matrix shows."""
+    hidden, inter, experts = 128, 2048, 2  # fp32: gate_up_proj slabs of 2 MiB at tp 1, in 4 chunks of 1024 rows
+    one_layer_mixtral(tmp_path / "in", hidden, inter, experts, head_dim=32)
+    chunk = 512 << 10
+    monkeypatch.setattr(slabs, "WHOLE_GATHER", 0)
+    monkeypatch.setattr(slabs, "GATHER_CHUNK", chunk)
+    bands: list[tuple[int, int, int, bool]] = []  # (budgeted, carved, overflows, gathered) of every band
+    gathering = threading.local()
+    start_band, end_band, read_transposed = execute._Scratch.start_band, execute._Scratch.end_band, slabs._read_transposed
+
+    def start(self: execute._Scratch, nbytes: int) -> None:
+        self.budgeted, gathering.on = nbytes, False
+        start_band(self, nbytes)
+
+    def end(self: execute._Scratch, keep: int) -> None:
+        bands.append((self.budgeted, self.used, self.overflows, gathering.on))
+        end_band(self, keep)
+
+    def gather(*args: Any) -> None:
+        gathering.on = True
+        read_transposed(*args)
+
+    monkeypatch.setattr(execute._Scratch, "start_band", start)
+    monkeypatch.setattr(execute._Scratch, "end_band", end)
+    monkeypatch.setattr(slabs, "_read_transposed", gather)
+    options = ckptconv.RunOptions(quiet=True, workers=2)
+    ckptconv.to_nxd(tmp_path / "in", tmp_path / "nxd", tp=1, options=options)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
+    assert max(overflows for _, _, overflows, _ in bands) == 0
+    gathered = [(budgeted, carved) for budgeted, carved, _, on in bands if on]
+    assert len(gathered) == 2 * experts  # gate_up_proj there, down_proj back, an expert a band
+    chunks = chunk * (1 if lane == "kernel" else 2)
+    uses = {hidden * 2 * inter * 4 + chunks, hidden * inter * 4 + chunks}  # gate_up_proj's slab, HF's down_proj
+    slack = slabs.PAGE + 4 * slabs.ALIGN  # what the budget adds for placing and aligning the band's buffers
+    for budgeted, carved in gathered:
+        assert carved <= budgeted and any(0 <= budgeted - use <= slack for use in uses), (budgeted, carved, uses)
+    _equal_torch(tmp_path / "in", tmp_path, tp=1, inter=inter, experts=experts)

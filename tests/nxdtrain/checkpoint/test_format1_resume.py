@@ -84,7 +84,7 @@ def test_both_kinds_of_masters_are_one_weight_source(tag):
     from ckptconv.commands.inspect import inspect
     from ckptconv.core.plan import Source
     from ckptconv.sources.nxd import open_nxd
-    from ckptconv.training.nxdtrain_format.state import use_masters
+    from ckptconv.training.nxdtrain_format.masters import use_masters
 
     file = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
     saved = torch.load(tag / "optim" / Path(file).name, weights_only=True)["master"]  # format 1: every master
