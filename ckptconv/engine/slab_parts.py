@@ -18,15 +18,17 @@ import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
 from ckptconv.engine.slabs import (
-    ALIGN,
     PAGE,
     Alloc,
     Rows,
     Scratch3,
+    ScratchSizes,
     SlabBands,
     build_slabs,
     copy_compact,
+    copy_scratch,
     nbytes_of,
+    scratch_nbytes,
     slab_bands,
     slab_shape,
 )
@@ -36,12 +38,12 @@ from ckptconv.io.transpose import native_dtype, transpose_into
 @dataclass(frozen=True)
 class Parts:
     """How a group's slabs are cut: ``count`` parts per slab; ``chunk``: source rows read at once per (source,
-    slab); ``buffer``: the bytes of each of the part's three scratch matrices (the chunk read, a compacted source,
-    a target); ``nbytes``: the most one part takes from the allocator."""
+    slab); ``buffer``: the bytes of the part's three scratch matrices (the chunk read and, where torch transposes, a
+    compacted source and a target: :func:`_part_scratch`); ``nbytes``: the most one part takes from the allocator."""
 
     count: int
     chunk: dict[tuple[Source, int], int]
-    buffer: int
+    buffer: ScratchSizes
     nbytes: int
 
 
@@ -70,16 +72,16 @@ def slab_work(tensors: list[OutTensor], reader: Rows, share: int) -> SlabWork:
 
 
 def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader: Rows, share: int) -> Parts | None:
-    """The parts that keep a band of ``tensors`` (split by slab in ``split``) within ``share`` bytes: three chunk
-    buffers of about a 32nd of it each (a read of a few MB is as fast as a larger one), the outputs' part in the rest
-    (at least half); None for a group of other than matrices."""
+    """The parts that keep a band of ``tensors`` (split by slab in ``split``) within ``share`` bytes: sources read
+    in chunks of about a 32nd of it (a read of a few MB is as fast as a larger one), with the scratch those chunks
+    take (:func:`_part_scratch`), the outputs' part in the rest (at least half); None for a group of other than
+    matrices."""
     shapes = [slab_shape(t) for t in tensors]
     if any(len(shape) != 2 for shape in shapes):
         return None
     widest = max(t.dtype.itemsize for t in tensors)
     goal = max(share // 32, 1)
     chunk: dict[tuple[Source, int], int] = {}
-    buffer = 0
     for pieces in split:
         for piece in (p for slab in pieces for p in slab):
             if piece.zeros or piece.alternates or piece.row_perm:
@@ -92,9 +94,9 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
                 return None
             row = matrix[1] * max(dtype.itemsize, widest)
             whole = piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
-            chunk[(piece.source, piece.slab)] = rows = matrix[0] if whole else max(1, min(matrix[0], goal // row))
-            buffer = max(buffer, rows * row)
-    room = max(share - 3 * (buffer + ALIGN), share // 2)
+            chunk[(piece.source, piece.slab)] = matrix[0] if whole else max(1, min(matrix[0], goal // row))
+    buffer = _part_scratch(tensors, split, reader, chunk)
+    room = max(share - scratch_nbytes(buffer), share // 2)
     fewest = min(shape[0] for shape in shapes)  # a part has at least a row of every tensor
 
     def outputs(count: int) -> int:  # the largest part's outputs: ceil(rows / count) rows of each
@@ -104,7 +106,33 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
     count = max(1, min(-(-outputs(1) // room), fewest))
     while outputs(count) > room and count < fewest:
         count += 1
-    return Parts(count, chunk, buffer, outputs(count) + 3 * (buffer + ALIGN))
+    return Parts(count, chunk, buffer, outputs(count) + scratch_nbytes(buffer))
+
+
+def _part_scratch(tensors: list[OutTensor], split: list[list[list[Piece]]], reader: Rows,
+                  chunk: dict[tuple[Source, int], int]) -> ScratchSizes:
+    """The most bytes of each scratch matrix :func:`_fill` uses for a part, its sources read ``chunk`` rows at a
+    time: the chunk read, and what its jobs' copies take (:func:`_chunk_scratch`), on shape-only (meta) views of a
+    whole slab's jobs (the most rows any part has), once per distinct layout of a slab index."""
+    most: ScratchSizes = (0, 0, 0)
+    seen = set()
+    for k in range(len(split[0])):
+        order: dict[tuple[Source, int], int] = {}  # which pieces share a source matrix, by first appearance
+        layout = tuple(tuple((order.setdefault((p.source, p.slab), len(order)), p.start, p.length, p.transposed,
+                              reader.info(p.source), chunk[(p.source, p.slab)]) for p in pieces[k]) for pieces in split)
+        if layout in seen:
+            continue
+        seen.add(layout)
+        jobs: dict[tuple[Source, int], list[_Job]] = {}
+        for tensor, pieces in zip(tensors, split, strict=True):
+            out = torch.empty(slab_shape(tensor), dtype=tensor.dtype, device="meta")
+            for piece, job in _regions(tensor, pieces[k], out, 0, out.size(0)):
+                jobs.setdefault((piece.source, piece.slab), []).append(job)
+        for (source, index), todo in jobs.items():
+            dtype, shape, _ = reader.info(source)
+            rows = torch.empty((chunk[(source, index)], shape[-1]), dtype=dtype, device="meta")
+            most = tuple(map(max, most, _chunk_scratch(rows, todo)))  # type: ignore[assignment]
+    return most
 
 
 Phase = Callable[[int, int, int], int | None]  # (tensor index, byte offset in it, bytes) -> a page phase or None
@@ -222,6 +250,22 @@ def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int,
                 copy_compact(target, rows[a - start:b - start, job.cols[0]:job.cols[1]], scratch)
 
 
+def _chunk_scratch(rows: torch.Tensor, jobs: list[_Job]) -> ScratchSizes:
+    """What :func:`_fill` takes in scratch for a chunk ``rows`` of a source (meta will do) that fills ``jobs``: the
+    chunk read, its transpose where :func:`_flips` says, and what :func:`copy_compact` takes for each other job's
+    block (:func:`copy_scratch`, at the most rows of the chunk it can take)."""
+    flips = _flips(rows, jobs)
+    source = nbytes_of(rows.dtype, rows.shape) if flips else 0
+    target = 0
+    for job in jobs:
+        if flips and job.target.stride(-1) != 1:
+            continue
+        n = min(rows.size(0), job.rows[1] - job.rows[0])
+        block = copy_scratch(job.target.narrow(0, 0, n), rows[:n, job.cols[0]:job.cols[1]])
+        source, target = max(source, block[0]), max(target, block[1])
+    return nbytes_of(rows.dtype, rows.shape), source, target
+
+
 def _whole_rows(job: _Job, dtype: torch.dtype, width: int) -> bool:
     """Whether ``job`` takes whole stored rows of its source into contiguous rows of its dtype (every tp rank's NxD
     ``down_proj`` slab into a wider tp rank's): those rows are read straight into place."""
@@ -241,8 +285,12 @@ def _flipped(rows: torch.Tensor, jobs: list[_Job], scratch: Scratch3) -> torch.T
     instead of compacting each job's columns, transposing them and copying the result into place. None where the
     native kernel takes the dtype: it transposes each job's columns straight into place (``copy_compact``), one
     pass over the bytes where this is two."""
-    flipping = [job for job in jobs if job.target.stride(-1) != 1]
-    if (not flipping or native_dtype(rows.dtype)
-            or sum(job.cols[1] - job.cols[0] for job in flipping) < rows.size(1)):
+    if not _flips(rows, jobs):
         return None
     return transpose_into(scratch.source(rows.dtype, (rows.size(1), rows.size(0))), rows)
+
+
+def _flips(rows: torch.Tensor, jobs: list[_Job]) -> bool:
+    """Whether :func:`_flipped` transposes the chunk ``rows`` for ``jobs``."""
+    flipping = [job for job in jobs if job.target.stride(-1) != 1]
+    return bool(flipping) and not native_dtype(rows.dtype) and sum(j.cols[1] - j.cols[0] for j in flipping) >= rows.size(1)
