@@ -95,25 +95,28 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
             row = matrix[1] * max(dtype.itemsize, widest)
             whole = piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
             chunk[(piece.source, piece.slab)] = matrix[0] if whole else max(1, min(matrix[0], goal // row))
-    buffer = _part_scratch(tensors, split, reader, chunk)
-    room = max(share - scratch_nbytes(buffer), share // 2)
     fewest = min(shape[0] for shape in shapes)  # a part has at least a row of every tensor
 
     def outputs(count: int) -> int:  # the largest part's outputs: ceil(rows / count) rows of each
         return sum(nbytes_of(t.dtype, (-(-shape[0] // count), shape[1])) + PAGE
                    for t, shape in zip(tensors, shapes, strict=True))
 
-    count = max(1, min(-(-outputs(1) // room), fewest))
-    while outputs(count) > room and count < fewest:
+    def room(buffer: ScratchSizes) -> int:
+        return max(share - scratch_nbytes(buffer), share // 2)
+
+    count = max(1, min(-(-outputs(1) // room(_part_scratch(tensors, split, reader, chunk, 1))), fewest))
+    buffer = _part_scratch(tensors, split, reader, chunk, count)  # (a whole slab's columns may be transposed at once)
+    while outputs(count) > room(buffer) and count < fewest:
         count += 1
+        buffer = _part_scratch(tensors, split, reader, chunk, count)
     return Parts(count, chunk, buffer, outputs(count) + scratch_nbytes(buffer))
 
 
 def _part_scratch(tensors: list[OutTensor], split: list[list[list[Piece]]], reader: Rows,
-                  chunk: dict[tuple[Source, int], int]) -> ScratchSizes:
-    """The most bytes of each scratch matrix :func:`_fill` uses for a part, its sources read ``chunk`` rows at a
-    time: the chunk read, and what its jobs' copies take (:func:`_chunk_scratch`), on shape-only (meta) views of a
-    whole slab's jobs (the most rows any part has), once per distinct layout of a slab index."""
+                  chunk: dict[tuple[Source, int], int], count: int) -> ScratchSizes:
+    """The most bytes of each scratch matrix a part takes, its slabs cut in ``count`` parts and its sources read
+    ``chunk`` rows at a time (:func:`_source_scratch`), on shape-only (meta) views of the jobs of the first and the
+    last (largest) part, once per distinct layout of a slab index."""
     most: ScratchSizes = (0, 0, 0)
     seen = set()
     for k in range(len(split[0])):
@@ -123,15 +126,17 @@ def _part_scratch(tensors: list[OutTensor], split: list[list[list[Piece]]], read
         if layout in seen:
             continue
         seen.add(layout)
-        jobs: dict[tuple[Source, int], list[_Job]] = {}
-        for tensor, pieces in zip(tensors, split, strict=True):
-            out = torch.empty(slab_shape(tensor), dtype=tensor.dtype, device="meta")
-            for piece, job in _regions(tensor, pieces[k], out, 0, out.size(0)):
-                jobs.setdefault((piece.source, piece.slab), []).append(job)
-        for (source, index), todo in jobs.items():
-            dtype, shape, _ = reader.info(source)
-            rows = torch.empty((chunk[(source, index)], shape[-1]), dtype=dtype, device="meta")
-            most = tuple(map(max, most, _chunk_scratch(rows, todo)))  # type: ignore[assignment]
+        for part in {0, count - 1}:
+            jobs: dict[tuple[Source, int], list[_Job]] = {}
+            for tensor, pieces in zip(tensors, split, strict=True):
+                rows, cols = slab_shape(tensor)
+                first, stop = _part_rows(rows, part, count)
+                out = torch.empty((stop - first, cols), dtype=tensor.dtype, device="meta")
+                for piece, job in _regions(tensor, pieces[k], out, first, stop):
+                    jobs.setdefault((piece.source, piece.slab), []).append(job)
+            for (source, index), todo in jobs.items():
+                sizes = _source_scratch(reader, source, index, todo, chunk[(source, index)])
+                most = tuple(map(max, most, sizes))  # type: ignore[assignment]
     return most
 
 
@@ -223,15 +228,9 @@ def _regions(tensor: OutTensor, pieces: list[Piece], out: torch.Tensor, first: i
 def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int, scratch: Scratch3) -> None:
     """Fill ``jobs`` from ``source`` (its ``slab``), reading the rows they need ``chunk`` rows at a time."""
     dtype, shape, _ = reader.info(source)
-    lo, hi = min(job.rows[0] for job in jobs), max(job.rows[1] for job in jobs)
-    matrix_rows = shape[-2]
-    whole = slab >= 0 and chunk == matrix_rows and not hasattr(reader, "read_slab_rows")
-    for start in range(lo, hi, chunk):
-        stop = min(start + chunk, hi)
-        needed = [job for job in jobs if job.rows[0] < stop and start < job.rows[1]]
-        if not needed:
-            continue
-        if len(needed) == 1 and not whole and _whole_rows(needed[0], dtype, shape[-1]):  # straight into place
+    whole = _whole_slab(reader, slab, chunk, shape)
+    for start, stop, needed in _chunks(jobs, chunk):
+        if _straight(needed, whole, dtype, shape[-1]):
             job = needed[0]
             a, b = max(start, job.rows[0]), min(stop, job.rows[1])
             _read_rows(reader, source, slab, a, b, job.target.narrow(0, a - job.rows[0], b - a))
@@ -250,20 +249,51 @@ def _fill(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int,
                 copy_compact(target, rows[a - start:b - start, job.cols[0]:job.cols[1]], scratch)
 
 
-def _chunk_scratch(rows: torch.Tensor, jobs: list[_Job]) -> ScratchSizes:
-    """What :func:`_fill` takes in scratch for a chunk ``rows`` of a source (meta will do) that fills ``jobs``: the
-    chunk read, its transpose where :func:`_flips` says, and what :func:`copy_compact` takes for each other job's
-    block (:func:`copy_scratch`, at the most rows of the chunk it can take)."""
-    flips = _flips(rows, jobs)
-    source = nbytes_of(rows.dtype, rows.shape) if flips else 0
-    target = 0
-    for job in jobs:
-        if flips and job.target.stride(-1) != 1:
+def _whole_slab(reader: Rows, slab: int, chunk: int, shape: tuple[int, ...]) -> bool:
+    """Whether :func:`_fill` reads a stacked source's matrix whole (the reader reads whole slabs only)."""
+    return slab >= 0 and chunk == shape[-2] and not hasattr(reader, "read_slab_rows")
+
+
+def _chunks(jobs: list[_Job], chunk: int) -> Iterator[tuple[int, int, list[_Job]]]:
+    """The source's stored rows [start, stop) :func:`_fill` reads at a time for ``jobs``, and the jobs that take
+    some of them."""
+    lo, hi = min(job.rows[0] for job in jobs), max(job.rows[1] for job in jobs)
+    for start in range(lo, hi, chunk):
+        stop = min(start + chunk, hi)
+        needed = [job for job in jobs if job.rows[0] < stop and start < job.rows[1]]
+        if needed:
+            yield start, stop, needed
+
+
+def _straight(needed: list[_Job], whole: bool, dtype: torch.dtype, width: int) -> bool:
+    """Whether a chunk's rows go straight into place: one job taking whole rows (:func:`_whole_rows`)."""
+    return len(needed) == 1 and not whole and _whole_rows(needed[0], dtype, width)
+
+
+def _source_scratch(reader: Rows, source: Source, slab: int, jobs: list[_Job], chunk: int) -> ScratchSizes:
+    """What :func:`_fill` takes in scratch to fill ``jobs`` (meta views will do) from ``source``: each chunk read,
+    its transpose where :func:`_flips` says, and what :func:`copy_compact` takes for each other job's block
+    (:func:`copy_scratch`); the most of each over the chunks (those alike counted once)."""
+    dtype, shape, _ = reader.info(source)
+    whole = _whole_slab(reader, slab, chunk, shape)
+    most: ScratchSizes = (0, 0, 0)
+    seen = set()
+    for start, stop, needed in _chunks(jobs, chunk):
+        spans = [(max(start, job.rows[0]), min(stop, job.rows[1])) for job in needed]
+        alike = (stop - start, tuple((id(job), a - start, b - start) for job, (a, b) in zip(needed, spans, strict=True)))
+        if _straight(needed, whole, dtype, shape[-1]) or alike in seen:
             continue
-        n = min(rows.size(0), job.rows[1] - job.rows[0])
-        block = copy_scratch(job.target.narrow(0, 0, n), rows[:n, job.cols[0]:job.cols[1]])
-        source, target = max(source, block[0]), max(target, block[1])
-    return nbytes_of(rows.dtype, rows.shape), source, target
+        seen.add(alike)
+        rows = torch.empty((stop - start, shape[-1]), dtype=dtype, device="meta")
+        flips = _flips(rows, needed)
+        sizes = [nbytes_of(dtype, shape[1:] if whole else rows.shape), nbytes_of(dtype, rows.shape) if flips else 0, 0]
+        for job, (a, b) in zip(needed, spans, strict=True):
+            target = job.target.narrow(0, a - job.rows[0], b - a)
+            if not (flips and target.stride(-1) != 1):
+                block = copy_scratch(target, rows[a - start:b - start, job.cols[0]:job.cols[1]])
+                sizes = [sizes[0], max(sizes[1], block[0]), max(sizes[2], block[1])]
+        most = tuple(map(max, most, sizes))  # type: ignore[assignment]
+    return most
 
 
 def _whole_rows(job: _Job, dtype: torch.dtype, width: int) -> bool:
