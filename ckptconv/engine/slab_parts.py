@@ -65,10 +65,23 @@ class SlabWork:
 
 def slab_work(tensors: list[OutTensor], reader: Rows, share: int) -> SlabWork:
     """How to build ``tensors`` (one slab group) within ``share`` bytes a band: whole slabs when one fits, else
-    parts of them (:func:`plan_parts`)."""
+    parts of them (:func:`plan_parts`); and a slab as one part even where it fits whole, when its sources are read
+    in chunks smaller than their matrices that save at least half of the source matrices a whole band reads (an expert's down_proj for every tp rank, to-nxd;
+    its gate and up from the NxD gate_up_proj slabs, to-hf): every byte is still read once, in less memory (Mixtral
+    to-hf at a 512 MiB share: 718 MiB peak RSS where whole bands took 1135, and 4% less CPU, measured)."""
     bands = slab_bands(tensors, reader)
-    parts = plan_parts(tensors, bands.pieces, reader, share) if bands.nbytes > share else None
+    if bands.nbytes <= share and not bands.sources:
+        return SlabWork(bands, None)
+    parts = plan_parts(tensors, bands.pieces, reader, share)
+    if bands.nbytes <= share and not (parts is not None and parts.count == 1 and _chunked(parts, reader)
+                                      and parts.nbytes + bands.sources // 2 <= bands.nbytes):
+        parts = None
     return SlabWork(bands, parts)
+
+
+def _chunked(parts: Parts, reader: Rows) -> bool:
+    """Whether ``parts`` reads some source in chunks of fewer rows than its matrix (a large expert matrix)."""
+    return any(rows < reader.info(source)[1][-2] for (source, _), rows in parts.chunk.items())
 
 
 def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader: Rows, share: int) -> Parts | None:

@@ -86,33 +86,35 @@ def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int
 @dataclass(frozen=True)
 class SlabBands:
     """A group's pieces split by slab once (``pieces[t][k]``: slab ``k`` of tensor ``t``), the bytes of each slab
-    index's three scratch matrices (:func:`_scratch_bytes`), and the most bytes a band takes (:func:`slab_band_bytes`)."""
+    index's three scratch matrices (:func:`_scratch_bytes`), the most bytes a band takes (:func:`slab_band_bytes`),
+    and the most of those that are source matrices read whole."""
 
     pieces: list[list[list[Piece]]]
     scratch: list[ScratchSizes]
     nbytes: int
+    sources: int = 0
 
 
 def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
     """``tensors``' pieces split by slab, and what one slab index of them takes from :func:`build_slabs`'s
     allocator, at most (the band budget) and in scratch, per index."""
     split = [slab_pieces(tensor) for tensor in tensors]
-    most, scratch = 0, []
+    most, whole, scratch = 0, 0, []
     for k in range(max(tensors[0].slabs, 1)):
         scratch.append(_scratch_bytes(tensors, k, reader, split))
         nbytes = scratch_nbytes(scratch[k]) + _gather_bytes(tensors, k, reader, split) + ALIGN
-        sources: set[tuple[Source, int]] = set()
+        sources: dict[tuple[Source, int], int] = {}
         for tensor, pieces in zip(tensors, split, strict=True):
             nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
             if _gathers(tensor, pieces[k], reader):  # its sources' rows go through the gather chunks
                 continue
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
-                    sources.add((piece.source, piece.slab))
                     dtype, shape, _ = reader.info(piece.source)
-                    nbytes += nbytes_of(dtype, shape[1:] if piece.slab >= 0 else shape) + ALIGN
-        most = max(most, nbytes)
-    return SlabBands(split, scratch, most)
+                    sources[(piece.source, piece.slab)] = nbytes_of(dtype, shape[1:] if piece.slab >= 0 else shape)
+        nbytes += sum(size + ALIGN for size in sources.values())
+        most, whole = max(most, nbytes), max(whole, sum(sources.values()))
+    return SlabBands(split, scratch, most, whole)
 
 
 def slab_band_bytes(tensors: list[OutTensor], reader: Rows) -> int:
