@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -341,3 +342,32 @@ def test_parts_are_budgeted_as_used(big_mixtral: Path, tmp_path: Path, monkeypat
         assert budgeted - use <= slack, f"a part budgeted {budgeted} bytes for {use} used"
     back, source = load_file(tmp_path / "hf-keep" / "model.safetensors"), load_file(big_mixtral / "model.safetensors")
     assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+def test_a_slab_that_fits_is_one_part_when_its_chunks_save_memory(big_mixtral: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, ledger: _Ledger):
+    """At a 8 MiB share (chunks of 256 KiB) an expert's down_proj group of both tp ranks fits whole (its 1.5 MiB
+    source matrix and two 0.75 MiB slabs) but is built as one part, its source read in chunks: budgeted under the
+    whole band less half its source matrix, each byte of the expert read once, the same files as whole bands."""
+    works: list[tuple[str, Any]] = []
+    slab_work = execute.slab_work
+
+    def planned(tensors: list[Any], reader: Any, share: int) -> Any:
+        work = slab_work(tensors, reader, share)
+        works.append((tensors[0].key, work))
+        return work
+
+    monkeypatch.setattr(execute, "slab_work", planned)
+    ckptconv.to_nxd(big_mixtral, tmp_path / "part", tp=2, ep=2,
+                    options=ckptconv.RunOptions(quiet=True, workers=1, max_memory=16 << 20))
+    down = [work for key, work in works if key.endswith(NXD_DOWN)]
+    assert down and all(w.bands.nbytes <= 8 << 20 for w in down)
+    matrix = BIG_H * BIG_I * 4
+    for work in down:
+        assert work.parts is not None and work.parts.count == 1, "a whole band where one part took less"
+        assert work.parts.nbytes <= work.bands.nbytes - matrix // 2
+    assert ledger.outside == [] and max(ledger.overflows) == 0
+    experts = {k: v for k, v in ledger.bytes.items() if ".experts." in k}
+    assert experts == dict.fromkeys(experts, matrix) and len(experts) == 3 * E, "an expert read more than once"
+    ckptconv.to_nxd(big_mixtral, tmp_path / "whole", tp=2, ep=2, options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "part", tmp_path / "whole")
