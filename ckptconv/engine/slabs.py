@@ -100,8 +100,9 @@ def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
     allocator, at most (the band budget) and in scratch, per index."""
     split = [slab_pieces(tensor) for tensor in tensors]
     most, whole, scratch = 0, 0, []
+    memo: dict[tuple[object, ...], ScratchSizes] = {}
     for k in range(max(tensors[0].slabs, 1)):
-        scratch.append(_scratch_bytes(tensors, k, reader, split))
+        scratch.append(_scratch_bytes(tensors, k, reader, split, memo))
         nbytes = scratch_nbytes(scratch[k]) + _gather_bytes(tensors, k, reader, split) + ALIGN
         sources: dict[tuple[Source, int], int] = {}
         for tensor, pieces in zip(tensors, split, strict=True):
@@ -127,15 +128,24 @@ def scratch_nbytes(sizes: ScratchSizes) -> int:
     return sum(size + ALIGN for size in sizes if size)
 
 
-def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> ScratchSizes:
+def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]],
+                   memo: dict[tuple[object, ...], ScratchSizes] | None = None) -> ScratchSizes:
     """The most bytes of each scratch matrix any piece of slab ``k`` of ``tensors`` (split by slab in ``split``)
-    uses in :func:`build_slabs` (:func:`_piece_scratch`)."""
+    uses in :func:`build_slabs` (:func:`_piece_scratch`); ``memo``: pieces' needs by layout, across slab indices
+    (an expert's pieces are laid out as every other's)."""
+    memo = {} if memo is None else memo
     most = (0, 0, 0)
     for tensor, pieces in zip(tensors, split, strict=True):
         if _gathers(tensor, pieces[k], reader):
             continue
         for piece in pieces[k]:
-            most = tuple(map(max, most, _piece_scratch(tensor, piece, reader)))  # type: ignore[assignment]
+            dtype, shape, _ = reader.info(piece.source)
+            layout = (slab_shape(tensor), tensor.dtype, tensor.transposed, tensor.dim, piece.start, piece.length,
+                      piece.transposed, piece.slab >= 0, piece.viewed, piece.zeros, bool(piece.alternates),
+                      bool(piece.row_perm), dtype, shape)
+            if layout not in memo:
+                memo[layout] = _piece_scratch(tensor, piece, reader)
+            most = tuple(map(max, most, memo[layout]))  # type: ignore[assignment]
     return most
 
 
