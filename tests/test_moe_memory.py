@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -292,3 +293,81 @@ def test_cast_parts_equal_whole_slabs(big_mixtral: Path, tmp_path: Path, ledger:
     ckptconv.to_nxd(big_mixtral, tmp_path / "b", tp=2, ep=2, dtype="bf16",
                     options=ckptconv.RunOptions(quiet=True, workers=2))
     _same_files(tmp_path / "a" / "model", tmp_path / "b" / "model")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
+def test_parts_are_budgeted_as_used(big_mixtral: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool):
+    """Parts of slabs (to-nxd tp 2 and to-hf, cast to bf16 and not, at 4 MiB) are budgeted what they use: their
+    outputs' part and source chunks and, of the three scratch matrices, only those its copies take, each at the most
+    they take (measured here: the most bytes asked of each), with the native kernel and with torch's transposes
+    (which compact the operands, or transpose a chunk at once); never less (no overflow, nothing past the budget)."""
+    from ckptconv.engine import slabs
+    from ckptconv.io import transpose
+
+    if native and transpose._native is None:
+        pytest.skip("the native kernel is not built (tests/io/test_transpose.py says why)")
+    monkeypatch.setattr(transpose, "_ENABLED", native)
+    bands: list[tuple[int, int, int, int, int]] = []  # (budgeted, carved, scratch carved, scratch asked, overflows)
+    band = threading.local()
+    start_band, end_band, buffer = execute._Scratch.start_band, execute._Scratch.end_band, slabs.Scratch3._buffer
+
+    def start(self: execute._Scratch, nbytes: int) -> None:
+        band.budgeted, band.carved, band.asked = nbytes, 0, [0, 0, 0]
+        start_band(self, nbytes)
+
+    def end(self: execute._Scratch, keep: int) -> None:
+        if any(band.asked):
+            bands.append((band.budgeted, self.used, band.carved, sum(band.asked), self.overflows))
+        end_band(self, keep)
+
+    def asked(self: slabs.Scratch3, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        used = execute._SCRATCH.used
+        out = buffer(self, index, dtype, shape)
+        band.carved += execute._SCRATCH.used - used  # what the scratch matrices took of the arena
+        band.asked[index] = max(band.asked[index], out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(execute._Scratch, "start_band", start)
+    monkeypatch.setattr(execute._Scratch, "end_band", end)
+    monkeypatch.setattr(slabs.Scratch3, "_buffer", asked)
+    for dtype in ("keep", "bf16"):
+        ckptconv.to_nxd(big_mixtral, tmp_path / f"nxd-{dtype}", tp=2, ep=2, dtype=dtype, options=SMALL)
+        with warns_no_tokenizer():
+            ckptconv.to_hf(tmp_path / "nxd-keep", tmp_path / f"hf-{dtype}", dtype=dtype, options=SMALL)
+    assert len(bands) >= 4 * E, bands  # parts of every direction and dtype went through scratch
+    slack = 2 * slabs.PAGE + 8 * slabs.ALIGN  # what the budget adds for placing and aligning (two outputs a part)
+    for budgeted, carved, scratch, asked, overflows in bands:
+        use = carved - scratch + asked
+        assert overflows == 0 and carved <= budgeted <= SHARE, (budgeted, carved, overflows)
+        assert budgeted - use <= slack, f"a part budgeted {budgeted} bytes for {use} used"
+    back, source = load_file(tmp_path / "hf-keep" / "model.safetensors"), load_file(big_mixtral / "model.safetensors")
+    assert back.keys() == source.keys() and all(torch.equal(back[k], source[k]) for k in source)
+
+
+def test_a_slab_that_fits_is_one_part_when_its_chunks_save_memory(big_mixtral: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, ledger: _Ledger):
+    """At a 8 MiB share (chunks of 256 KiB) an expert's down_proj group of both tp ranks fits whole (its 1.5 MiB
+    source matrix and two 0.75 MiB slabs) but is built as one part, its source read in chunks: budgeted under the
+    whole band less half its source matrix, each byte of the expert read once, the same files as whole bands."""
+    works: list[tuple[str, Any]] = []
+    slab_work = execute.slab_work
+
+    def planned(tensors: list[Any], reader: Any, share: int) -> Any:
+        work = slab_work(tensors, reader, share)
+        works.append((tensors[0].key, work))
+        return work
+
+    monkeypatch.setattr(execute, "slab_work", planned)
+    ckptconv.to_nxd(big_mixtral, tmp_path / "part", tp=2, ep=2,
+                    options=ckptconv.RunOptions(quiet=True, workers=1, max_memory=16 << 20))
+    down = [work for key, work in works if key.endswith(NXD_DOWN)]
+    assert down and all(w.bands.nbytes <= 8 << 20 for w in down)
+    matrix = BIG_H * BIG_I * 4
+    for work in down:
+        assert work.parts is not None and work.parts.count == 1, "a whole band where one part took less"
+        assert work.parts.nbytes <= work.bands.nbytes - matrix // 2
+    assert ledger.outside == [] and max(ledger.overflows) == 0
+    experts = {k: v for k, v in ledger.bytes.items() if ".experts." in k}
+    assert experts == dict.fromkeys(experts, matrix) and len(experts) == 3 * E, "an expert read more than once"
+    ckptconv.to_nxd(big_mixtral, tmp_path / "whole", tp=2, ep=2, options=ckptconv.RunOptions(quiet=True, workers=2))
+    _same_files(tmp_path / "part", tmp_path / "whole")

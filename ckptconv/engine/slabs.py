@@ -28,6 +28,7 @@ from ckptconv.io.transpose import native_dtype, native_transpose, transpose_into
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
 WHOLE_GATHER = 16 << 20  # a gathered slab up to this size is read whole: its buffer stays warm from band to band
+ScratchSizes = tuple[int, int, int]  # bytes of a band's scratch matrices (Scratch3): rows read, a compacted source, a target
 PAGE = 4096  # what placing an output at its file offset's page phase may add (ckptconv.engine.arena.Scratch.get)
 
 
@@ -85,33 +86,36 @@ def slab_groups(tensors: Iterable[tuple[int, OutTensor]]) -> list[list[tuple[int
 @dataclass(frozen=True)
 class SlabBands:
     """A group's pieces split by slab once (``pieces[t][k]``: slab ``k`` of tensor ``t``), the bytes of each slab
-    index's scratch matrices (:func:`_scratch_bytes`), and the most bytes a band takes (:func:`slab_band_bytes`)."""
+    index's three scratch matrices (:func:`_scratch_bytes`), the most bytes a band takes (:func:`slab_band_bytes`),
+    and the most of those that are source matrices read whole."""
 
     pieces: list[list[list[Piece]]]
-    scratch: list[int]
+    scratch: list[ScratchSizes]
     nbytes: int
+    sources: int = 0
 
 
 def slab_bands(tensors: list[OutTensor], reader: Rows) -> SlabBands:
     """``tensors``' pieces split by slab, and what one slab index of them takes from :func:`build_slabs`'s
     allocator, at most (the band budget) and in scratch, per index."""
     split = [slab_pieces(tensor) for tensor in tensors]
-    most, scratch = 0, []
+    most, whole, scratch = 0, 0, []
+    memo: dict[tuple[object, ...], ScratchSizes] = {}
     for k in range(max(tensors[0].slabs, 1)):
-        scratch.append(_scratch_bytes(tensors, k, reader, split))
-        nbytes = 3 * (scratch[k] + ALIGN) + _gather_bytes(tensors, k, reader, split) + ALIGN
-        sources: set[tuple[Source, int]] = set()
+        scratch.append(_scratch_bytes(tensors, k, reader, split, memo))
+        nbytes = scratch_nbytes(scratch[k]) + _gather_bytes(tensors, k, reader, split) + ALIGN
+        sources: dict[tuple[Source, int], int] = {}
         for tensor, pieces in zip(tensors, split, strict=True):
             nbytes += nbytes_of(tensor.dtype, slab_shape(tensor)) + PAGE
             if _gathers(tensor, pieces[k], reader):  # its sources' rows go through the gather chunks
                 continue
             for piece in pieces[k]:
                 if _shared(piece, tensor.dim) and (piece.source, piece.slab) not in sources:
-                    sources.add((piece.source, piece.slab))
                     dtype, shape, _ = reader.info(piece.source)
-                    nbytes += nbytes_of(dtype, shape[1:] if piece.slab >= 0 else shape) + ALIGN
-        most = max(most, nbytes)
-    return SlabBands(split, scratch, most)
+                    sources[(piece.source, piece.slab)] = nbytes_of(dtype, shape[1:] if piece.slab >= 0 else shape)
+        nbytes += sum(size + ALIGN for size in sources.values())
+        most, whole = max(most, nbytes), max(whole, sum(sources.values()))
+    return SlabBands(split, scratch, most, whole)
 
 
 def slab_band_bytes(tensors: list[OutTensor], reader: Rows) -> int:
@@ -119,23 +123,62 @@ def slab_band_bytes(tensors: list[OutTensor], reader: Rows) -> int:
     return slab_bands(tensors, reader).nbytes
 
 
-def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
-    """The largest piece of slab ``k`` of ``tensors`` (split by slab in ``split``), at the wider of its source's
-    and its tensor's dtype."""
-    most = 0
+def scratch_nbytes(sizes: ScratchSizes) -> int:
+    """What a band's scratch matrices of ``sizes`` take from its allocator (each carved at most once, aligned)."""
+    return sum(size + ALIGN for size in sizes if size)
+
+
+def _scratch_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]],
+                   memo: dict[tuple[object, ...], ScratchSizes] | None = None) -> ScratchSizes:
+    """The most bytes of each scratch matrix any piece of slab ``k`` of ``tensors`` (split by slab in ``split``)
+    uses in :func:`build_slabs` (:func:`_piece_scratch`); ``memo``: pieces' needs by layout, across slab indices
+    (an expert's pieces are laid out as every other's)."""
+    memo = {} if memo is None else memo
+    most = (0, 0, 0)
     for tensor, pieces in zip(tensors, split, strict=True):
         if _gathers(tensor, pieces[k], reader):
             continue
-        rows, cols = slab_shape(tensor)
-        other = rows if tensor.transposed != (tensor.dim == 1) else cols  # the piece's uncut dim, in HF orientation
         for piece in pieces[k]:
-            size = max(reader.info(piece.source)[0].itemsize, tensor.dtype.itemsize)
-            most = max(most, piece.length * other * size)
+            dtype, shape, _ = reader.info(piece.source)
+            layout = (slab_shape(tensor), tensor.dtype, tensor.transposed, tensor.dim, piece.start, piece.length,
+                      piece.transposed, piece.slab >= 0, piece.viewed, piece.zeros, bool(piece.alternates),
+                      bool(piece.row_perm), dtype, shape)
+            if layout not in memo:
+                memo[layout] = _piece_scratch(tensor, piece, reader)
+            most = tuple(map(max, most, memo[layout]))  # type: ignore[assignment]
     return most
 
 
+def _piece_scratch(tensor: OutTensor, piece: Piece, reader: Rows) -> ScratchSizes:
+    """The scratch matrices :func:`build_slabs` uses for ``piece`` of a slab of ``tensor``: its route
+    (:func:`_route`) and :func:`copy_scratch` on shape-only (meta) views of the matrices it would copy."""
+    dtype, shape, _ = reader.info(piece.source)
+    out = torch.empty(slab_shape(tensor), dtype=tensor.dtype, device="meta")
+    target = (out.t() if tensor.transposed else out).narrow(tensor.dim, 0, piece.length)
+    route = _route(tensor, piece, reader, target, dtype)
+    if route in ("slab", "read"):
+        return 0, 0, 0
+    if route == "shared":
+        matrix = torch.empty(shape[1:] if piece.slab >= 0 else shape, dtype=dtype, device="meta")
+        return (0, *copy_scratch(target, _cut(matrix, piece, tensor.dim)))
+    rows = torch.empty(tuple(target.shape), dtype=dtype, device="meta")
+    return (nbytes_of(dtype, rows.shape), *copy_scratch(target, rows))
+
+
+def _route(tensor: OutTensor, piece: Piece, reader: Rows, target: torch.Tensor, dtype: torch.dtype) -> str:
+    """How :func:`build_slabs` fills ``target`` (``piece``'s block of a slab, in HF orientation) from ``piece``'s
+    stored ``dtype``: ``slab`` (rows of one matrix of a stack) or ``read`` (rows of a matrix) straight into place,
+    ``shared`` cut from its source matrix read whole, or ``rows`` read into scratch and copied."""
+    stored = target.t() if tensor.transposed else target
+    if _rows_of_slab(piece, tensor, reader) and stored.is_contiguous() and dtype == tensor.dtype:
+        return "slab"
+    if _shared(piece, tensor.dim):
+        return "shared"
+    return "read" if target.is_contiguous() and dtype == tensor.dtype else "rows"
+
+
 def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
-                split: list[list[list[Piece]]] | None = None, scratch_bytes: int | None = None,
+                split: list[list[list[Piece]]] | None = None, scratch_bytes: ScratchSizes | None = None,
                 phases: list[int | None] | None = None) -> list[torch.Tensor]:
     """Slab ``k`` of each of ``tensors`` (the whole tensor when unstacked), in its stored orientation and dtype, built
     in place in buffers from ``get`` (each output at its ``phases`` entry); each source matrix read whole is read once
@@ -160,19 +203,17 @@ def build_slabs(tensors: list[OutTensor], k: int, reader: Rows, get: Alloc,
         for piece in pieces[k]:
             target = matrix.narrow(tensor.dim, offset, piece.length)
             dtype = reader.info(piece.source)[0]
-            stored = target.t() if tensor.transposed else target
-            shared = _shared(piece, tensor.dim)
-            if _rows_of_slab(piece, tensor, reader) and stored.is_contiguous() and dtype == tensor.dtype:
-                _read_piece(reader, piece, stored)
-            elif shared:
+            route = _route(tensor, piece, reader, target, dtype)
+            if route == "slab":
+                _read_piece(reader, piece, target.t() if tensor.transposed else target)
+            elif route == "read":  # rows of a matrix straight into place
+                _read_piece(reader, piece, target)
+            elif route == "shared":
                 copy_compact(target, _viewed(reader, piece, tensor.dim, cache, get), scratch)
-            else:  # rows of a matrix: read straight into place when the layout allows
-                if target.is_contiguous() and dtype == tensor.dtype:
-                    _read_piece(reader, piece, target)
-                else:
-                    rows = reader.read_rows(piece.source, piece.start, piece.stop,
-                                            out=scratch.rows(dtype, tuple(target.shape)))
-                    copy_compact(target, rows, scratch)
+            else:
+                rows = reader.read_rows(piece.source, piece.start, piece.stop,
+                                        out=scratch.rows(dtype, tuple(target.shape)))
+                copy_compact(target, rows, scratch)
             offset += piece.length
     return outs
 
@@ -265,19 +306,27 @@ def _read_piece(reader: Rows, piece: Piece, out: torch.Tensor, lo: int = 0) -> N
 
 class Scratch3:
     """Three reusable matrices of a band (rows read, a compacted source, a target), for transposes that need
-    compact operands; sized by :func:`_scratch_bytes`."""
+    compact operands; each sized by its entry of ``sizes`` (:func:`_scratch_bytes`, or the parts' chunks) and carved
+    on first use: a band whose pieces need only some of them carves only those. A request past its matrix's size
+    (the budget's rule and the build disagree) takes a buffer of its own from the allocator, which counts it as an
+    overflow, rather than failing."""
 
     def __init__(self, get: Alloc, tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]],
-                 size: int | None) -> None:
-        self.get, self.tensors, self.k, self.reader, self.split, self.size = get, tensors, k, reader, split, size
-        self.buffers: list[torch.Tensor] = []
+                 sizes: ScratchSizes | None) -> None:
+        self.get, self.tensors, self.k, self.reader, self.split = get, tensors, k, reader, split
+        self.sizes = sizes
+        self.buffers: list[torch.Tensor | None] = [None, None, None]
 
     def _buffer(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        if not self.buffers:  # allocated on first use: a band of straight row reads needs none
-            size = self.size if self.size is not None else _scratch_bytes(self.tensors, self.k, self.reader,
-                                                                          self.split)
-            self.buffers = [self.get(torch.uint8, (size,)) for _ in range(3)]
-        return self.buffers[index][:nbytes_of(dtype, shape)].view(dtype).view(shape)
+        if self.sizes is None:
+            self.sizes = _scratch_bytes(self.tensors, self.k, self.reader, self.split)
+        nbytes = nbytes_of(dtype, shape)
+        if nbytes > self.sizes[index]:
+            return self.get(dtype, shape)
+        buffer = self.buffers[index]
+        if buffer is None:
+            buffer = self.buffers[index] = self.get(torch.uint8, (self.sizes[index],))
+        return buffer[:nbytes].view(dtype).view(shape)
 
     def rows(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return self._buffer(0, dtype, shape)
@@ -293,20 +342,49 @@ def copy_compact(target: torch.Tensor, src: torch.Tensor, scratch: Scratch3) -> 
     """``target.copy_(src)`` for matrices either of which may be a transposed view. The native kernel
     (``ckptconv.io.transpose``) takes rows of unit stride any distance apart as they are; torch transposes fast (in
     cache-sized blocks) only into a contiguous matrix from the transpose of a contiguous one of the same dtype, a
-    strided transpose ~8x slower (bf16, measured): for it the operands are made compact in scratch first."""
-    if target.stride(-1) != 1:  # a transposed target: copy the transposes
-        target, src = target.t(), src.t()
-    if src.stride(-1) == 1 or src.numel() <= 1:
+    strided transpose ~8x slower (bf16, measured): for it the operands are made compact in scratch first
+    (:func:`_compactions`, which :func:`copy_scratch` budgets)."""
+    target, src = _rows_first(target, src)
+    if _plain(src):
         target.copy_(src)
         return
     if native_transpose(target, src.t()):  # the native kernel takes strided rows as they are
         return
-    if src.stride(1) != src.size(0) or src.dtype != target.dtype:  # make the source's transpose compact
+    compact_source, compact_target = _compactions(target, src)
+    if compact_source:
         src = scratch.source(target.dtype, (src.size(1), src.size(0))).copy_(src.t()).t()
-    if target.is_contiguous():
-        transpose_into(target, src.t())
-    else:
+    if compact_target:
         target.copy_(transpose_into(scratch.target(target.dtype, tuple(target.shape)), src.t()))
+    else:
+        transpose_into(target, src.t())
+
+
+def copy_scratch(target: torch.Tensor, src: torch.Tensor) -> tuple[int, int]:
+    """The bytes of the source and target scratch matrices :func:`copy_compact` uses to copy ``src`` into
+    ``target`` (views of their layout will do: meta tensors): none for a plain copy or the native kernel's transpose
+    (it takes a pair of one dtype it handles), else what :func:`_compactions` says torch's transpose needs."""
+    target, src = _rows_first(target, src)
+    if _plain(src) or (native_dtype(src.dtype) and src.dtype == target.dtype):
+        return 0, 0
+    size = nbytes_of(target.dtype, target.shape)
+    return tuple(size if need else 0 for need in _compactions(target, src))  # type: ignore[return-value]
+
+
+def _rows_first(target: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair as :func:`copy_compact` copies it: a transposed target as the copy of the transposes."""
+    return (target.t(), src.t()) if target.stride(-1) != 1 else (target, src)
+
+
+def _plain(src: torch.Tensor) -> bool:
+    """Whether ``src`` (of a pair from :func:`_rows_first`) has rows of unit stride too: no transpose, a copy."""
+    return src.stride(-1) == 1 or src.numel() <= 1
+
+
+def _compactions(target: torch.Tensor, src: torch.Tensor) -> tuple[bool, bool]:
+    """Which operands torch's transpose of ``src`` into ``target`` (a pair from :func:`_rows_first`) makes compact
+    in scratch first: the source's transpose where it is not a contiguous matrix of the target's dtype, the target
+    where it is not contiguous."""
+    return src.stride(1) != src.size(0) or src.dtype != target.dtype, not target.is_contiguous()
 
 
 def _shared(piece: Piece, dim: int) -> bool:
@@ -353,5 +431,9 @@ def _viewed(reader: Rows, piece: Piece, dim: int, cache: dict[tuple[Source, int]
                                                                  out=buffer)[0]
         else:
             cache[(piece.source, piece.slab)] = reader.read_rows(piece.source, 0, shape[0], out=get(dtype, shape))
-    matrix = cache[(piece.source, piece.slab)]
+    return _cut(cache[(piece.source, piece.slab)], piece, dim)
+
+
+def _cut(matrix: torch.Tensor, piece: Piece, dim: int) -> torch.Tensor:
+    """``piece``'s block of its source ``matrix`` (a slab of a stack, or a whole matrix), in HF orientation."""
     return (matrix.t() if piece.transposed else matrix).narrow(dim, piece.start, piece.length)

@@ -129,3 +129,53 @@ def test_gathered_chunks_are_budgeted_as_used(tmp_path: Path, monkeypatch: pytes
     for budgeted, carved in gathered:
         assert carved <= budgeted and any(0 <= budgeted - use <= slack for use in uses), (budgeted, carved, uses)
     _equal_torch(tmp_path / "in", tmp_path, tp=1, inter=inter, experts=experts)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_column_cut_expert_bands_are_budgeted_as_carved(mixtral: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        lane: str, tp: int):
+    """A band that cuts expert pieces by columns (to-nxd: every tp rank's down_proj from an expert's HF down_proj;
+    to-hf: an expert's HF gate and up from every tp rank's NxD gate_up_proj slab) is budgeted what it carves, here
+    from the shapes: its outputs and source matrices and, only where torch transposes a piece that is not a compact
+    matrix of its source (the native kernel takes strided rows as they are; tp 1's down_proj is its whole matrix),
+    a compacted copy of the largest piece; never less than it carves. Pieces of 1-2 MiB, past the arena's slack: a
+    reservation cut short shows as an overflow and as bytes carved past the budget."""
+    bands: list[tuple[str, int, int, int]] = []  # (a tensor of the band, budgeted, carved, overflows)
+    band = threading.local()
+    start_band, end_band, slab_writes = execute._Scratch.start_band, execute._Scratch.end_band, execute.slab_writes
+
+    def start(self: execute._Scratch, nbytes: int) -> None:
+        self.budgeted, band.key = nbytes, ""
+        start_band(self, nbytes)
+
+    def end(self: execute._Scratch, keep: int) -> None:
+        bands.append((band.key, self.budgeted, self.used, self.overflows))
+        end_band(self, keep)
+
+    def writes(work: Any, tensors: list[Any], *args: Any, **kwargs: Any) -> Any:
+        band.key = tensors[0].key
+        return slab_writes(work, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(execute._Scratch, "start_band", start)
+    monkeypatch.setattr(execute._Scratch, "end_band", end)
+    monkeypatch.setattr(execute, "slab_writes", writes)
+    options = ckptconv.RunOptions(quiet=True, workers=2)
+    ckptconv.to_nxd(mixtral, tmp_path / "nxd", tp=tp, options=options)
+    with warns_no_tokenizer():
+        ckptconv.to_hf(tmp_path / "nxd", tmp_path / "hf", options=options)
+
+    piece = I // tp * H * 4  # fp32: a tp rank's columns of an expert's down_proj, its rows of gate (or of up)
+    torch_scratch = lane == "torch"
+    uses = {  # outputs + source matrices + a compacted piece where torch transposes a strided one
+        NXD_DOWN: tp * piece + H * I * 4 + (piece if torch_scratch and tp > 1 else 0),
+        ".w1.weight": 2 * I * H * 4 + 2 * I * H * 4 + (piece if torch_scratch else 0),  # gate and up, tp slabs
+    }
+    slack = 2 * slabs.PAGE + 5 * slabs.ALIGN  # what the budget adds for placing and aligning (two outputs a band)
+    for name, use in uses.items():
+        seen = [(budgeted, carved, overflows) for key, budgeted, carved, overflows in bands if name in key]
+        assert len(seen) == E, (name, bands)
+        for budgeted, carved, overflows in seen:
+            assert overflows == 0 and use <= carved <= budgeted, (name, use, budgeted, carved, overflows)
+            assert budgeted - use <= slack, f"{name}: budgeted {budgeted} bytes for {use} used ({lane}, tp {tp})"
+    assert max(overflows for *_, overflows in bands) == 0
+    _equal_torch(mixtral, tmp_path, tp=tp, inter=I, experts=E)
