@@ -174,9 +174,10 @@ def save_worker(options: dict[str, Any], saves: int, out: Path, background: bool
 
 def copy_cost(tag: Path) -> dict[str, Any]:
     """``cp -r`` of ``tag`` from cached pages (read once first) into ``copies/`` beside the checkpoint directory,
-    timed; and its bytes. The copy stays until the row ends, as the tags do: each cp, like each save, writes into
-    page-cache pages nobody freed a moment before (on this VM a page the host took back costs ~2 CPU s/GB at first
-    touch, to any writer; a copy deleted right away hands its pages to the next cp, never to the next save)."""
+    timed; and its bytes. The copy stays until the row ends, as the tags do: each cp, like each save, then writes
+    into page-cache pages nobody freed a moment before (on this VM a page the host took back costs ~2 CPU s/GB at
+    first touch, to any writer: large writes take such pages first, docs/performance.md's "Buffered writes in
+    128 KiB pieces"; a copy deleted right away would hand its pages to the next cp, never to the next save)."""
     files = [p for p in tag.rglob("*") if p.is_file()]
     for path in files:
         with open(path, "rb") as f:
