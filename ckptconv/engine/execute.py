@@ -232,8 +232,7 @@ def _write_bands(plan: Plan, reader: TensorReader, out_dir: Path, tmp: Path, sta
                 claims = claim_band(unit.tensors, extents, sinks)  # its file's digest waits for it (engine.claims)
                 _SCRATCH.start_band(need)
                 with _naming(plan.files[unit.tensors[0][0]], tmp):
-                    _write_band(unit, start, stop, reader, sinks, options.progress, claims,
-                                write_order(unit.tensors, extents, _file_place(sinks)))
+                    _write_band(unit, start, stop, reader, sinks, options.progress, claims, extents)
             finally:
                 if claims is not None:
                     claims.release()
@@ -357,17 +356,18 @@ def _write_band(
     sinks: dict[int, Sink],
     progress: Callable[[int], None] | None,
     claims: BandClaims,
-    order: list[int],
+    extents: list[tuple[int, int]],
 ) -> None:
-    """Write band [start, stop) of ``unit``'s tensors in ``order``, giving up each one's claim once written."""
+    """Write band [start, stop) of ``unit``'s tensors, whose ``extents`` (:meth:`_Unit.extents`) it claimed, in
+    :func:`write_order`, giving up each one's claim once written."""
     cache: dict[Source, torch.Tensor] = {}
     slabs = []
     if unit.slab_work is not None:  # one slab, or part of one, of each tensor, built in this band's arena
         slabs = slab_writes(unit.slab_work, [t for _, t in unit.tensors], start, reader, _SCRATCH.get,
                             lambda n, at, size: _file_phase(sinks[unit.tensors[n][0]], unit.tensors[n][1], at, size))
-    for n in order:
+    for n in write_order(unit.tensors, extents, _file_place(sinks)):
         file_index, tensor = unit.tensors[n]
-        offset, nbytes = band_extent(tensor, start, stop, unit.transposed)
+        offset, nbytes = extents[n]
         phase = _file_phase(sinks[file_index], tensor, offset, nbytes)
         if slabs:
             offset, band = slabs[n]
