@@ -18,7 +18,7 @@ from tests.slurm.cluster import losses
 HERE = Path(__file__).resolve().parent
 # hidden != intermediate, heads != KV heads: a wrong split of q/k/v or of the MLP would show in the bytes
 MODEL = dict(hidden=64, heads=8, kv_heads=2, head_dim=8, layers=4, vocab=128, intermediate=96)
-# Large enough (~40 MB) that a conversion with SLOW_CONVERT lasts a second or two: time to cancel it mid-write.
+# Four shards of ~10 MB: the cancel test holds the conversion after its first shard bytes (tests/slurm/hold).
 BIG_MODEL = dict(hidden=512, heads=8, kv_heads=2, head_dim=64, layers=4, vocab=2048, intermediate=1024,
                  max_shard_size="10MB")
 SLOW_CONVERT = ("--workers", "1", "--max-memory", "1MiB", "--hash", "sha256")
