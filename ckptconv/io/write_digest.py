@@ -33,7 +33,9 @@ from typing import Any
 from ckptconv.io.digest import new_hasher
 from ckptconv.io.positional import chunked_range, pwrite_all
 
-READ_CHUNK = 4 << 20  # bytes per read-back of a range written out of order
+# bytes per read-back of a range written out of order: small enough that the hash finds them still in cache, and
+# that the allocator hands the same memory back each time (4 MiB pulls took fresh pages, faulted in during the copy)
+READ_CHUNK = 256 << 10
 
 
 class WriteDigest:

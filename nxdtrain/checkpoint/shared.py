@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,11 @@ class SharedSave:
         for shares, _ in gathered:
             for rel, crcs in shares.items():
                 merged.setdefault(rel, []).extend(crcs)
-        written = [f.finish(merged.get(f.rel, [])) for f in self.files if f.writer is not None]
+        owned = [f for f in self.files if f.writer is not None]
+        # each file's digest is one thread's sequential hash: the files on threads of their own (the other ranks
+        # wait here, so the host's cores are free)
+        with ThreadPoolExecutor(max(1, len(owned)), thread_name_prefix="seal") as pool:
+            written = list(pool.map(lambda f: f.finish(merged.get(f.rel, [])), owned))
         return file_records(written, tag, self.digests)
 
     def close(self) -> None:
