@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
-from ckptconv.io.transpose import native_dtype, native_transpose, transpose_into
+from ckptconv.io.transpose import native_dtype, native_takes, native_transpose, transpose_into
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
@@ -362,9 +362,10 @@ def copy_compact(target: torch.Tensor, src: torch.Tensor, scratch: Scratch3) -> 
 def copy_scratch(target: torch.Tensor, src: torch.Tensor) -> tuple[int, int]:
     """The bytes of the source and target scratch matrices :func:`copy_compact` uses to copy ``src`` into
     ``target`` (views of their layout will do: meta tensors): none for a plain copy or the native kernel's transpose
-    (it takes a pair of one dtype it handles), else what :func:`_compactions` says torch's transpose needs."""
+    (where it takes the pair: the same test :func:`native_transpose` makes), else what :func:`_compactions` says
+    torch's transpose needs."""
     target, src = _rows_first(target, src)
-    if _plain(src) or (native_dtype(src.dtype) and src.dtype == target.dtype):
+    if _plain(src) or native_takes(target, src.t()):
         return 0, 0
     size = nbytes_of(target.dtype, target.shape)
     return tuple(size if need else 0 for need in _compactions(target, src))  # type: ignore[return-value]

@@ -72,12 +72,28 @@ def transposed(src: torch.Tensor) -> torch.Tensor:
     return transpose_into(torch.empty(tuple(flipped.shape), dtype=src.dtype, device=src.device), src)
 
 
+def native_takes(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether :func:`native_transpose` takes the pair by its layout alone (dtypes, shapes, row strides), which views
+    on the ``meta`` device show as well: what a memory budget asks before any buffer exists. At run time the kernel
+    also needs both on the CPU and apart in memory (two buffers of a band always are)."""
+    return _ENABLED and _layout_strides(dst, src) is not None
+
+
 def _native_strides(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | None:
     """The row strides (in elements) the kernel takes ``src`` and ``dst`` with, or None if it does not apply."""
+    if src.device.type != "cpu" or dst.device.type != "cpu":
+        return None
+    strides = _layout_strides(dst, src)
+    if strides is None or _overlap(dst, strides[1], src, strides[0]):  # overlapping rows: torch's copy says what it does
+        return None
+    return strides
+
+
+def _layout_strides(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | None:
+    """:func:`_native_strides` but for where the pair lies: what its dtypes, shapes and strides allow."""
     if (src.dim() != 2 or dst.dim() != 2 or src.dtype != dst.dtype or src.dtype not in _DTYPES
-            or src.device.type != "cpu" or dst.device.type != "cpu" or src.is_neg() or dst.is_neg()
-            or src.requires_grad or dst.requires_grad or tuple(dst.shape) != (src.size(1), src.size(0))
-            or src.numel() == 0):
+            or src.is_neg() or dst.is_neg() or src.requires_grad or dst.requires_grad
+            or tuple(dst.shape) != (src.size(1), src.size(0)) or src.numel() == 0):
         return None
     rows, cols = src.shape
     # a dimension of size 1 may carry any stride: only the ones the kernel walks matter
@@ -85,9 +101,7 @@ def _native_strides(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | N
         return None
     ss = src.stride(0) if rows > 1 else cols
     ds = dst.stride(0) if cols > 1 else rows
-    if ss < cols or ds < rows or _overlap(dst, ds, src, ss):  # rows that overlap: torch's copy says what it does
-        return None
-    return ss, ds
+    return (ss, ds) if ss >= cols and ds >= rows else None
 
 
 def _overlap(dst: torch.Tensor, ds: int, src: torch.Tensor, ss: int) -> bool:

@@ -179,3 +179,36 @@ def test_column_cut_expert_bands_are_budgeted_as_carved(mixtral: Path, tmp_path:
             assert budgeted - use <= slack, f"{name}: budgeted {budgeted} bytes for {use} used ({lane}, tp {tp})"
     assert max(overflows for *_, overflows in bands) == 0
     _equal_torch(mixtral, tmp_path, tp=tp, inter=I, experts=E)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 5).to(torch.bfloat16).t(),              # a transposed matrix: the kernel's
+    lambda: torch.randn(10, 6).to(torch.bfloat16)[::2, ::2],       # stepped both ways: the kernel's dtype, not its layout
+    lambda: torch.randn(6, 10)[:, 1:6].t(),                        # columns of a wider fp32 matrix, transposed
+], ids=["transposed", "stepped", "column-slice"])
+def test_copy_scratch_budgets_what_copy_compact_asks(make, native: bool, monkeypatch: pytest.MonkeyPatch):
+    """The scratch copy_scratch budgets for a pair (seen as meta views, as a band's budget sees it) is what
+    copy_compact takes from it: nothing past a matrix's size (an overflow: memory outside the budget), also for a
+    pair of the kernel's dtype in a layout it does not take; and the copy is torch's."""
+    if native and transpose._native is None:
+        pytest.skip("the native kernel is not built (tests/io/test_transpose.py says why)")
+    monkeypatch.setattr(transpose, "_ENABLED", native)
+    src = make()
+    target = torch.empty(tuple(src.shape), dtype=src.dtype)
+    sizes = (0, *slabs.copy_scratch(_meta(target), _meta(src)))
+    asked: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def get(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        asked.append((dtype, tuple(shape)))
+        return torch.empty(shape, dtype=dtype)
+
+    slabs.copy_compact(target, src, slabs.Scratch3(get, [], 0, None, [], sizes))  # type: ignore[arg-type]
+    assert torch.equal(target, src)
+    assert all(dtype == torch.uint8 and shape[0] in sizes for dtype, shape in asked), (sizes, asked)
+    if native and src.dtype == torch.bfloat16 and src.stride(0) == 1:
+        assert sizes == (0, 0, 0) and not asked  # the kernel transposes in place: no scratch

@@ -131,8 +131,29 @@ def test_strided_rows_and_offsets_each_way(kernel, dtype, shape):
 def test_what_the_kernel_does_not_take_is_torchs_copy(make):
     dst, src = make()
     assert not tr.native_transpose(dst, src)
+    assert not tr.native_takes(meta(dst), meta(src))  # what a budget sees of the pair says the same
     expected = torch.empty_like(dst).copy_(src.t())
     assert torch.equal(tr.transpose_into(dst, src), expected)
+
+
+def meta(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s layout on the meta device (no memory): how a band's budget sees a pair."""
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (torch.empty(5, 3, dtype=torch.bfloat16), torch.randn(3, 5).to(torch.bfloat16)),
+    lambda: (torch.empty(5, 8, dtype=torch.float32)[:, 2:5], torch.randn(3, 9)[:, 4:9]),  # rows any distance apart
+    lambda: (torch.empty(1, 7, dtype=torch.int16).t(), torch.ones(1, 7, dtype=torch.int16)),  # a row: any stride
+], ids=["plain", "column-slices", "one-row"])
+def test_what_the_kernel_takes_is_told_by_the_layout_alone(make):
+    """native_takes on meta views answers as native_transpose does on the CPU (when the kernel is on)."""
+    dst, src = make()
+    assert tr.native_takes(meta(dst), meta(src)) == tr._ENABLED
+    expected = torch.empty_like(dst).copy_(src.t())
+    assert tr.native_transpose(dst, src) == tr._ENABLED
+    if tr._ENABLED:
+        assert same_bits(dst, expected)
 
 
 def test_overlapping_views_are_left_to_torch():
