@@ -4,7 +4,7 @@ applies, else torch's copy.
 NxD stores every expert matrix transposed against HF, so each expert byte of an MoE conversion goes through one
 transpose. torch's CPU transpose of 2-byte elements moves one element at a time (~0.45 CPU s/GB against ~0.09 for a
 copy, ``benchmarks/transpose_floor.py``); the kernel (``_transpose.c``, an optional extension built by ``setup.py``)
-moves 8 x 8 tiles in SIMD registers (~0.2). It takes 2- and 4-byte elements in rows of unit stride, source and target
+moves tiles of 8 x 8 (SSE2) or 16 x 16 (AVX2) elements in SIMD registers (~0.16 for Mixtral's expert matrices). It takes 2- and 4-byte elements in rows of unit stride, source and target
 rows any distance apart (a column slice of a larger matrix, a view at an offset); anything else, or no kernel built,
 or ``CKPTCONV_NATIVE=0`` in the environment, goes to torch's copy. ``python -m ckptconv.io.transpose`` says which.
 """

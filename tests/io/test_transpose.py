@@ -20,8 +20,9 @@ from ckptconv.io import transpose as tr
 
 SOURCE = Path(tr.__file__).with_name("_transpose.c")
 DTYPES = [torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.int32]
-# not multiples of 8 (tiles) or 128 (blocks), single rows and columns, more than one block each way
-SHAPES = [(1, 1), (1, 37), (37, 1), (7, 9), (8, 8), (16, 24), (63, 65), (300, 77), (129, 1000), (1000, 129), (257, 130)]
+# not multiples of 8 or 16 (tiles) or 128 and 256 (blocks), single rows and columns, more than one block each way
+SHAPES = [(1, 1), (1, 37), (37, 1), (7, 9), (8, 8), (16, 24), (63, 65), (300, 77), (129, 1000), (1000, 129), (257, 130),
+          (520, 600)]
 
 
 def compiler() -> str | None:
