@@ -17,22 +17,33 @@ Per shape (bf16, one torch thread, thread CPU time, median of ``--repeat``), in 
 
 The marginal CPU of an MoE conversion can not fall below a dense one's by less than ``transpose - memcpy`` per
 expert byte (the transpose replaces nothing the dense path does: its read lands in a buffer, not in the output).
+
+A second table times the kernel as the engine calls it for Mixtral (``CHUNKS``: chunks of stored rows, each
+transposed into its columns of a wider target, a matrix's worth one after the other); ``--before PATH`` (a
+``_transpose*.so`` built from another tree) adds that kernel's column, run alternately with this one's.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ckptconv.engine.slabs import GATHER_CHUNK
+from ckptconv.io import transpose as _transpose
 from ckptconv.io.transpose import native_kernel, native_transpose
 
 # (name, stored rows, stored columns): the matrices the MoE rows of benchmarks/moe_cost.py transpose
 SHAPES = [("mixtral gate_up slab, tp 4", 7168, 4096), ("mixtral down_proj, whole expert", 14336, 4096),
           ("qwen3_moe gate_up slab, tp 2", 768, 2048), ("qwen3_moe down_proj, whole expert", 768, 2048)]
+# (rows, columns, source row stride, target row stride) of the chunks Mixtral's to-hf and to-nxd transpose (the model
+# of benchmarks/moe_cost.py, seen by counting the engine's calls into the kernel)
+CHUNKS = [(292, 3584, 7168, 4096), (256, 4096, 4096, 14336), (146, 3584, 14336, 4096), (256, 4096, 4096, 7168)]
 
 
 def _cpu(work, repeat: int) -> float:  # type: ignore[no-untyped-def]
@@ -77,10 +88,58 @@ def floor_rows(repeat: int) -> str:
     return "\n".join(lines) + f"\nnative kernel: {native_kernel() or 'none (not built, or CKPTCONV_NATIVE=0)'}\n"
 
 
+def _load_kernel(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location("_transpose", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _chunks(kernel: Any, source: torch.Tensor, target: torch.Tensor, chunk: tuple[int, int, int, int],
+            count: int) -> None:
+    """``count`` chunks of ``source``'s rows, one after the other, each into its columns of ``target``."""
+    rows, cols, ss, ds = chunk
+    for k in range(count):
+        kernel.transpose(source.data_ptr() + k * rows * ss * 2, target.data_ptr() + k * rows * 2, rows, cols, ss, ds, 2)
+
+
+def chunk_rows(repeat: int, before: Path | None) -> str:
+    """CPU s/GB of the kernel over :data:`CHUNKS`, this tree's (and ``before``'s), alternated; each checked against
+    torch's transpose."""
+    torch.set_num_threads(1)
+    kernels = {"this tree": _transpose._native}
+    if before is not None:
+        kernels = {"before": _load_kernel(before), **kernels}
+    lines = [f"| chunk (rows x columns, source / target row stride) | {' | '.join(kernels)} |",
+             f"| --- |{' ---: |' * len(kernels)}"]
+    for rows, cols, ss, ds in CHUNKS:
+        source = torch.randn(4096, ss).to(torch.bfloat16)
+        target = torch.zeros(cols, ds, dtype=torch.bfloat16)
+        count = min(source.size(0) // rows, ds // rows)
+        gb = count * rows * cols * 2 / 1e9
+
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(repeat):
+            for name, kernel in kernels.items():
+                start = time.thread_time()
+                _chunks(kernel, source, target, (rows, cols, ss, ds), count)
+                times[name].append((time.thread_time() - start) / gb)
+                assert torch.equal(target[:, :count * rows], source[:count * rows, :cols].t()), name
+                target.zero_()
+        lines.append(f"| {rows} x {cols}, {ss} / {ds} | "
+                     + " | ".join(f"{statistics.median(t):.3f}" for t in times.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=7)
-    print(floor_rows(parser.parse_args().repeat))
+    parser.add_argument("--before", type=Path, help="another tree's built kernel (_transpose*.so) for the chunk table")
+    args = parser.parse_args()
+    print(floor_rows(args.repeat))
+    if native_kernel():
+        print(chunk_rows(args.repeat, args.before))
 
 
 if __name__ == "__main__":
