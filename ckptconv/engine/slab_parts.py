@@ -32,7 +32,7 @@ from ckptconv.engine.slabs import (
     slab_bands,
     slab_shape,
 )
-from ckptconv.io.transpose import native_dtype, transpose_into
+from ckptconv.io.transpose import native_dtype, transpose_into, whole_tiles
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def plan_parts(tensors: list[OutTensor], split: list[list[list[Piece]]], reader:
                 return None
             row = matrix[1] * max(dtype.itemsize, widest)
             whole = piece.slab >= 0 and not hasattr(reader, "read_slab_rows")
-            chunk[(piece.source, piece.slab)] = matrix[0] if whole else max(1, min(matrix[0], goal // row))
+            chunk[(piece.source, piece.slab)] = matrix[0] if whole else max(1, min(matrix[0], whole_tiles(goal // row)))
     fewest = min(shape[0] for shape in shapes)  # a part has at least a row of every tensor
 
     def outputs(count: int) -> int:  # the largest part's outputs: ceil(rows / count) rows of each

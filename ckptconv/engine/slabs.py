@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ckptconv.core.plan import OutTensor, Piece, Source
-from ckptconv.io.transpose import native_dtype, native_takes, native_transpose, transpose_into
+from ckptconv.io.transpose import native_dtype, native_takes, native_transpose, transpose_into, whole_tiles
 
 ALIGN = 64  # what an arena's carving may add per buffer (ckptconv.engine.arena.Scratch.ALIGN)
 GATHER_CHUNK = 2 << 20  # bytes of stored rows _read_transposed reads, and transposes, at a time (cache-warm)
@@ -238,12 +238,12 @@ def _gathers(tensor: OutTensor, pieces: list[Piece], reader: Rows) -> bool:
 
 def _chunk_rows(tensor: OutTensor) -> int:
     """Stored rows of a gathering ``tensor``'s sources :func:`_read_transposed` takes at a time (all of them: the
-    slab's columns): the whole slab up to WHOLE_GATHER bytes, else about GATHER_CHUNK bytes, at least 64 (torch's
-    transpose works in 60 x 60 blocks)."""
+    slab's columns): the whole slab up to WHOLE_GATHER bytes, else about GATHER_CHUNK bytes in whole tiles of the
+    native kernel, at least 64 (torch's transpose works in 60 x 60 blocks)."""
     rows, cols = slab_shape(tensor)
     if nbytes_of(tensor.dtype, (rows, cols)) <= WHOLE_GATHER:
         return cols
-    return max(1, min(cols, max(64, GATHER_CHUNK // max(1, rows * tensor.dtype.itemsize))))
+    return max(1, min(cols, whole_tiles(max(64, GATHER_CHUNK // max(1, rows * tensor.dtype.itemsize)))))
 
 
 def _gather_bytes(tensors: list[OutTensor], k: int, reader: Rows, split: list[list[list[Piece]]]) -> int:
