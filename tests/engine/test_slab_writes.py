@@ -212,3 +212,16 @@ def test_copy_scratch_budgets_what_copy_compact_asks(make, native: bool, monkeyp
     assert all(dtype == torch.uint8 and shape[0] in sizes for dtype, shape in asked), (sizes, asked)
     if native and src.dtype == torch.bfloat16 and src.stride(0) == 1:
         assert sizes == (0, 0, 0) and not asked  # the kernel transposes in place: no scratch
+
+
+@pytest.mark.parametrize("shape", [(2, 7168, 4096), (2, 4096, 14336), (2, 14336, 4096), (1, 4096, 7168)])
+def test_gathered_chunks_are_whole_tiles_of_the_kernel(shape: tuple[int, ...]):
+    """A slab gathered in chunks (Mixtral's, over WHOLE_GATHER) takes whole 16-row tiles of the native kernel at a
+    time, at most GATHER_CHUNK bytes of stored rows: 2 MiB of 7168-element rows is 146 rows, cut to 144."""
+    from types import SimpleNamespace
+
+    tensor = SimpleNamespace(shape=shape, slabs=shape[0], dtype=torch.bfloat16)
+    rows = slabs._chunk_rows(tensor)  # type: ignore[arg-type]
+    assert rows % transpose.TILE_ROWS == 0 and 64 <= rows < shape[2]
+    assert rows * shape[1] * 2 <= slabs.GATHER_CHUNK < (rows + transpose.TILE_ROWS) * shape[1] * 2
+    assert [transpose.whole_tiles(n) for n in (292, 146, 64, 16, 15, 1)] == [288, 144, 64, 16, 15, 1]
