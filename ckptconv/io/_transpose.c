@@ -35,7 +35,8 @@ static int use_avx2 = 0;  /* set at import where the CPU has AVX2; allow_avx2() 
 #define BLOCK 128  /* a block's side in elements (tile columns x rows walked before the next column of tiles) */
 #endif
 #ifndef BLOCK_AVX2
-#define BLOCK_AVX2 256  /* the AVX2 kernel's: its 16-row tiles gain from taller blocks (128: 0.16, 256: 0.14 CPU s/GB) */
+#define BLOCK_AVX2 256  /* the AVX2 kernel's: its 16-row tiles gain from taller blocks (128: 0.16-0.19 s/GB, 256:
+                        * 0.14-0.17) */
 #endif
 
 /* A tile's transpose: rows of the source ``s`` (``ss`` bytes apart) into rows of the target ``d`` (``ds`` apart). */
@@ -100,7 +101,8 @@ INLINE void tile4_plain(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
 /* 16 x 16 2-byte elements: two 8 x 16 transposes (source rows 0-7, then 8-15) in AVX2 registers, whose unpacks run in
  * each 128-bit lane: register k of each ends as target row k (low lane) and k + 8 (high lane), 8 elements each; the
  * lanes of the two are joined so that every target row gets one 32-byte store. Measured against 8 x 16 tiles with
- * 16-byte stores (Mixtral's expert matrices, bf16, out of cache): 0.20 -> 0.14 CPU s/GB with 256-element blocks. */
+ * 16-byte stores (Mixtral's expert matrices, bf16, out of cache): 0.20 -> 0.14-0.17 CPU s/GB in 256-element
+ * blocks. */
 __attribute__((target("avx2"))) INLINE void tile16_avx2(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
     __m256i a[8], top[8], bottom[8];
     for (int r = 0; r < 8; r++) a[r] = _mm256_loadu_si256((const __m256i *)(s + r * ss));
@@ -113,7 +115,7 @@ __attribute__((target("avx2"))) INLINE void tile16_avx2(const char *s, char *d, 
     }
 }
 
-/* 8 x 16 2-byte elements (the rows left past the 16 x 16 tiles'): columns j..j+7 in the registers' low lanes,
+/* 8 x 16 2-byte elements (the rows left past the 16 x 16 tiles): columns j..j+7 in the registers' low lanes,
  * j+8..j+15 in the high ones; register k ends as column k (low lane) and column k + 8 (high lane). */
 __attribute__((target("avx2"))) INLINE void tile2x2_avx2(const char *s, char *d, ptrdiff_t ss, ptrdiff_t ds) {
     __m256i a[8], c[8];

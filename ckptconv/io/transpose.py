@@ -4,9 +4,10 @@ applies, else torch's copy.
 NxD stores every expert matrix transposed against HF, so each expert byte of an MoE conversion goes through one
 transpose. torch's CPU transpose of 2-byte elements moves one element at a time (~0.45 CPU s/GB against ~0.09 for a
 copy, ``benchmarks/transpose_floor.py``); the kernel (``_transpose.c``, an optional extension built by ``setup.py``)
-moves tiles of 8 x 8 (SSE2) or 16 x 16 (AVX2) elements in SIMD registers (~0.16 for Mixtral's expert matrices). It takes 2- and 4-byte elements in rows of unit stride, source and target
-rows any distance apart (a column slice of a larger matrix, a view at an offset); anything else, or no kernel built,
-or ``CKPTCONV_NATIVE=0`` in the environment, goes to torch's copy. ``python -m ckptconv.io.transpose`` says which.
+moves tiles of 8 x 8 (SSE2) or 16 x 16 (AVX2) elements in SIMD registers (~0.16 for Mixtral's expert matrices). It
+takes 2- and 4-byte elements in rows of unit stride, source and target rows any distance apart (a column slice of a
+larger matrix, a view at an offset); anything else, or no kernel built, or ``CKPTCONV_NATIVE=0`` in the environment,
+goes to torch's copy. ``python -m ckptconv.io.transpose`` says which.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ _DTYPES = frozenset({torch.bfloat16, torch.float16, torch.int16, torch.float32, 
 
 
 _ENABLED = _native is not None and os.environ.get(ENV, "1") != "0"  # read once: the process's environment decides
-TILE_ROWS = 16  # the AVX2 kernel's tile height (SSE2's: 8); rows past the last tile go one element at a time
+TILE_ROWS = 16  # the AVX2 kernel's tile height: rows past its last 16-row tile take slower 8-row tiles, then one
+#                  element at a time (fewer than 8; SSE2's tiles are 8 rows high)
 
 
 def whole_tiles(rows: int) -> int:
@@ -92,7 +94,7 @@ def _native_strides(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int] | N
     if src.device.type != "cpu" or dst.device.type != "cpu":
         return None
     strides = _layout_strides(dst, src)
-    if strides is None or _overlap(dst, strides[1], src, strides[0]):  # overlapping rows: torch's copy says what it does
+    if strides is None or _overlap(dst, strides[1], src, strides[0]):  # overlapping rows: torch's copy decides
         return None
     return strides
 
