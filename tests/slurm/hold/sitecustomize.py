@@ -21,7 +21,11 @@ if _HOLD:
         while _shard_bytes_written and os.path.exists(_HOLD):
             time.sleep(0.05)
         n = _pwrite(fd, data, offset)
-        if n and f"{os.sep}model{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # no /proc: never holds, and the test then fails on its own check, not in the job
+            target = ""
+        if n and f"{os.sep}model{os.sep}" in target:
             _shard_bytes_written = True
         return n
 
