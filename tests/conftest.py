@@ -57,6 +57,12 @@ def warns_official_trn2_kv() -> pytest.WarningsRecorder:
 FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
+def meta_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s layout (shape, strides, dtype) on the meta device, no memory: how a memory budget sees a
+    pair it plans for (ckptconv.engine.slabs.copy_scratch, ckptconv.io.transpose.native_takes)."""
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+
 def make_tiny_llama(
     path: Path,
     *,

@@ -18,7 +18,7 @@ from ckptconv.core.families.moe import NXD_DOWN, NXD_GATE_UP
 from ckptconv.engine import execute, slabs
 from ckptconv.io import direct_io, transpose
 from ckptconv.io.nxd_read import load_shard
-from tests.conftest import warns_no_tokenizer
+from tests.conftest import meta_view, warns_no_tokenizer
 from tests.moe_tags import one_layer_mixtral
 
 H, I, E = 256, 2048, 2  # noqa: E741  fp32 experts of 2 MiB: every tp 2 slab is at least direct_io.MIN_DIRECT
@@ -181,10 +181,6 @@ def test_column_cut_expert_bands_are_budgeted_as_carved(mixtral: Path, tmp_path:
     _equal_torch(mixtral, tmp_path, tp=tp, inter=I, experts=E)
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("make", [
     lambda: torch.randn(3, 5).to(torch.bfloat16).t(),              # a transposed matrix: the kernel's
@@ -200,7 +196,7 @@ def test_copy_scratch_budgets_what_copy_compact_asks(make, native: bool, monkeyp
     monkeypatch.setattr(transpose, "_ENABLED", native)
     src = make()
     target = torch.empty(tuple(src.shape), dtype=src.dtype)
-    sizes = (0, *slabs.copy_scratch(_meta(target), _meta(src)))
+    sizes = (0, *slabs.copy_scratch(meta_view(target), meta_view(src)))
     asked: list[tuple[torch.dtype, tuple[int, ...]]] = []
 
     def get(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

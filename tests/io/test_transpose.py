@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ckptconv.io import transpose as tr
+from tests.conftest import meta_view
 
 SOURCE = Path(tr.__file__).with_name("_transpose.c")
 DTYPES = [torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.int32]
@@ -132,14 +133,9 @@ def test_strided_rows_and_offsets_each_way(kernel, dtype, shape):
 def test_what_the_kernel_does_not_take_is_torchs_copy(make):
     dst, src = make()
     assert not tr.native_transpose(dst, src)
-    assert not tr.native_takes(meta(dst), meta(src))  # what a budget sees of the pair says the same
+    assert not tr.native_takes(meta_view(dst), meta_view(src))  # what a budget sees of the pair says the same
     expected = torch.empty_like(dst).copy_(src.t())
     assert torch.equal(tr.transpose_into(dst, src), expected)
-
-
-def meta(t: torch.Tensor) -> torch.Tensor:
-    """A view of ``t``'s layout on the meta device (no memory): how a band's budget sees a pair."""
-    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
 
 
 @pytest.mark.parametrize("make", [
@@ -150,7 +146,7 @@ def meta(t: torch.Tensor) -> torch.Tensor:
 def test_what_the_kernel_takes_is_told_by_the_layout_alone(make):
     """native_takes on meta views answers as native_transpose does on the CPU (when the kernel is on)."""
     dst, src = make()
-    assert tr.native_takes(meta(dst), meta(src)) == tr._ENABLED
+    assert tr.native_takes(meta_view(dst), meta_view(src)) == tr._ENABLED
     expected = torch.empty_like(dst).copy_(src.t())
     assert tr.native_transpose(dst, src) == tr._ENABLED
     if tr._ENABLED:
