@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ckptconv.io.crc import crc32
+from ckptconv.io.crc import RunningCrc, crc32
 from ckptconv.io.direct_io import close_output, open_output
 from ckptconv.io.torchzip_pickle import SUPPORTED_DTYPES, TensorAt, TensorMeta, pickle_entries
 from ckptconv.io.torchzip_read import StoredTensor, TorchZipReader
@@ -297,8 +297,9 @@ def pwrite_extent(fd: int, layout: ZipLayout, key: str, offset_in_record: int, d
 def _pwrite_view(fd: int, layout: ZipLayout, path: str, key: str, offset_in_record: int, view: memoryview,
                  base: int = 0, digest: WriteDigest | None = None) -> int:
     _check_extent(layout, path, key, offset_in_record, len(view))
-    write_to(fd, view, base + layout.data_offset[key] + offset_in_record, digest)
-    return crc32(view)
+    crc = RunningCrc()
+    write_to(fd, view, base + layout.data_offset[key] + offset_in_record, digest, crc)
+    return crc.value
 
 
 def _check_extent(layout: ZipLayout, path: str, key: str, offset: int, length: int) -> None:

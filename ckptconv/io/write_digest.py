@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptconv.io.digest import new_hasher
-from ckptconv.io.positional import chunked_range, pwrite_all
+from ckptconv.io.crc import RunningCrc
+from ckptconv.io.positional import chunked_range, pwrite_passing
 
 # bytes per read-back of a range written out of order: small enough that the hash finds them still in cache, and
 # that the allocator hands the same memory back each time (4 MiB pulls took fresh pages, faulted in during the copy)
@@ -71,8 +72,11 @@ class WriteDigest:
 
         return release
 
-    def write(self, data: memoryview, offset: int) -> None:
-        """pwrite ``data`` at ``offset``, then hash it (or leave it to be read back, see the module)."""
+    def write(self, data: memoryview, offset: int, crc: RunningCrc | None = None) -> None:
+        """pwrite ``data`` at ``offset``, then hash it (or leave it to be read back, see the module); ``crc`` is
+        handed the bytes as they are written. A write at the hashed prefix is hashed piece by piece as it is
+        written (:func:`ckptconv.io.positional.pwrite_passing`): the other threads' writes wait for its end anyway,
+        since the prefix lies in it."""
         end = offset + len(data)
         if not len(data):
             return
@@ -80,8 +84,10 @@ class WriteDigest:
             raise AssertionError(f"{self.path}: bytes [{offset}, {end}) written after the file was finished")
         with self._cond:
             self._in_flight.append((offset, end))
+            at_prefix = offset == self.pos
+        consumers: list[Callable[[memoryview], None]] = [] if crc is None else [crc]
         try:
-            pwrite_all(self.fd, data, offset)
+            pwrite_passing(self.fd, data, offset, consumers + [self._passed] if at_prefix else consumers)
         except BaseException:
             with self._cond:
                 self._in_flight.remove((offset, end))
@@ -90,9 +96,19 @@ class WriteDigest:
         with self._cond:
             try:
                 self._in_flight.remove((offset, end))
-                self._wrote(offset, end, data)
+                if at_prefix:
+                    self._read_ahead()
+                else:
+                    self._wrote(offset, end, data)
             finally:
                 self._cond.notify_all()
+
+    def _passed(self, piece: memoryview) -> None:
+        """A piece of a write at the prefix, just written: hashed outside the lock (no other thread hashes while
+        the prefix lies in an extent in flight), the prefix moved under it."""
+        self._digest.update(piece)
+        with self._cond:
+            self.pos += len(piece)
 
     def _wrote(self, offset: int, end: int, data: memoryview) -> None:
         while True:  # returns once the write is hashed or left to be read back
@@ -154,12 +170,13 @@ class WriteDigest:
             return self.hexdigest
 
 
-def write_to(fd: int, data: memoryview, offset: int, digest: WriteDigest | None) -> None:
-    """pwrite ``data`` at ``offset`` of ``fd``, through ``digest`` when the file has one."""
+def write_to(fd: int, data: memoryview, offset: int, digest: WriteDigest | None, crc: RunningCrc | None = None) -> None:
+    """pwrite ``data`` at ``offset`` of ``fd``, through ``digest`` when the file has one; ``crc``, when given, is
+    handed the bytes as they are written (while they are in cache)."""
     if digest is None:
-        pwrite_all(fd, data, offset)
+        pwrite_passing(fd, data, offset, [] if crc is None else [crc])
     else:
-        digest.write(data, offset)
+        digest.write(data, offset, crc)
 
 
 class WriteDigests:

@@ -17,7 +17,7 @@ import ckptconv
 from ckptconv.commands.api import RunOptions
 from ckptconv.io import direct_io
 from ckptconv.io.direct_io import ALIGN, close_output, direct_writes, open_output, twin_of
-from ckptconv.io.positional import pwrite_all
+from ckptconv.io.positional import pwrite_all, pwrite_passing
 
 
 def _supports_direct(folder: Path) -> bool:
@@ -108,6 +108,22 @@ def test_a_page_aligned_source_goes_direct_without_a_copy(direct_dir, misaligned
     sent = direct_io.direct_bytes - direct
     assert sent == (size if not misaligned else size // ALIGN * ALIGN)
     assert direct_io.bounced_bytes - bounced == (sent if misaligned else 0)
+
+
+def test_a_direct_write_hands_its_bytes_to_the_checksums_after_it_is_written(direct_dir):
+    """A write that goes O_DIRECT is not cut into cache-sized pieces (its middle would go buffered): its consumers get
+    all of it at once, after it is written."""
+    payload = random.Random(6).randbytes(2 * direct_io.MIN_DIRECT)
+    seen: list[int] = []
+    before = direct_io.direct_bytes
+    with direct_writes(True):
+        fd = open_output(direct_dir / "out")
+        try:
+            pwrite_passing(fd, memoryview(payload), 0, [lambda piece: seen.append(len(piece))])
+        finally:
+            close_output(fd)
+    assert (direct_dir / "out").read_bytes() == payload
+    assert seen == [len(payload)] and direct_io.direct_bytes - before == len(payload)
 
 
 def test_outside_direct_writes_nothing_goes_direct(direct_dir):

@@ -9,6 +9,7 @@ import os
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import blake3
 import pytest
@@ -18,6 +19,8 @@ import ckptconv
 import ckptconv.io.digest as digest_module
 from benchmarks.reshard_optim import make_training_tag
 from ckptconv.commands.api import RunOptions
+from ckptconv.io import positional, write_digest
+from ckptconv.io.crc import RunningCrc, crc32
 from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip
 from ckptconv.io.write_digest import WriteDigest, WriteDigests, recording
 from tests.conftest import make_tiny_llama, warns_no_tokenizer
@@ -226,3 +229,48 @@ def test_a_held_digest_reads_back_only_what_another_process_wrote(tmp_path: Path
     assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(path, "blake3")
     assert digest.pulled == size - sum(end - start for start, end in mine)
     os.close(fd)
+
+
+def test_a_write_at_the_prefix_is_checksummed_and_hashed_piece_by_piece_as_it_is_written(tmp_path: Path,
+                                                                                        monkeypatch):
+    """One pass over memory: each piece of at most CACHE_PIECE bytes is CRC'd and hashed right after its pwrites,
+    before the next piece is written (while it is in cache); a write ahead of the prefix gets its CRC all the same."""
+    events: list[tuple[str, int]] = []
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        events.append(("write", offset))
+        return real_pwrite(fd, data, offset)
+
+    class Hasher:
+        def __init__(self) -> None:
+            self.inner = blake3.blake3()
+
+        def update(self, data: memoryview) -> None:
+            events.append(("hash", len(data)))
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    monkeypatch.setattr(positional.os, "pwrite", pwrite)
+    monkeypatch.setattr(write_digest, "new_hasher", lambda algorithm: Hasher())
+    path, first = tmp_path / "f.bin", 3 * positional.CACHE_PIECE + 123
+    data = random.Random(4).randbytes(first + 5000)
+    fd = _open(path, len(data))
+    digest = WriteDigest(str(path), fd, "blake3")
+    ahead, at_prefix = RunningCrc(), RunningCrc()
+    digest.write(memoryview(data)[first:], first, ahead)  # not at the prefix: left on disk, read back later
+    digest.write(memoryview(data)[:first], 0, at_prefix)
+    assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(path, "blake3")
+    assert (at_prefix.value, ahead.value) == (crc32(data[:first]), crc32(data[first:]))
+    os.close(fd)
+    hashed = [n for kind, n in events if kind == "hash"]
+    assert hashed[:4] == [positional.CACHE_PIECE] * 3 + [123]  # the prefix write, piece by piece
+    assert sum(hashed) == len(data) and digest.pulled == 5000
+    # between two hashed pieces of the prefix write: the next piece's pwrites, and nothing is hashed ahead of them
+    prefix = events[1:events.index(("hash", 123)) + 1]  # events[0]: the write ahead
+    pieces = [i for i, (kind, _) in enumerate(prefix) if kind == "hash"]
+    writes_per_piece = -(-positional.CACHE_PIECE // positional.WRITE_CHUNK)
+    assert pieces == [(k + 1) * (writes_per_piece + 1) - 1 for k in range(3)] + [len(prefix) - 1]
+    assert [offset for kind, offset in prefix if kind == "write"] == list(range(0, first, positional.WRITE_CHUNK))
