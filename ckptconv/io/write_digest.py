@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ckptconv.io.digest import new_hasher
 from ckptconv.io.crc import RunningCrc
+from ckptconv.io.digest import new_hasher
 from ckptconv.io.positional import chunked_range, pwrite_passing
 
 # bytes per read-back of a range written out of order: small enough that the hash finds them still in cache, and
