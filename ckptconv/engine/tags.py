@@ -84,14 +84,16 @@ def claim_tag(tag: Path, fingerprint: str, refuse: Callable[[str], Exception]) -
 
 
 @contextlib.contextmanager
-def tag_writes(direct: bool = False) -> Iterator[WriteDigests]:
+def tag_writes(direct: bool = False, *, hold: bool = False) -> Iterator[WriteDigests]:
     """The converter's write path for the files written in this block (in this thread) by :func:`save_torch` and
     ``ckptconv.io.nxd_write.save_shard``: positional writes from the tensors' memory, hashed as they are written (the
     digests yielded, for :func:`file_records`); with ``direct``, large writes with ``O_DIRECT`` where the filesystem
     allows. A training save leaves it off: it stalls training until its bytes are written, and a buffered write
     returns once they are in the page cache, where each direct write waits for the device (measured: a 256 MB state
-    0.24 s buffered, 2.0 s direct, cp 0.27 s; docs/performance.md, "Saves")."""
-    digests = WriteDigests(DEFAULT)
+    0.24 s buffered, 2.0 s direct, cp 0.27 s; docs/performance.md, "Saves"). ``hold``: the writers keep the memory
+    of every write unchanged until its file is finished (:class:`ckptconv.io.write_digest.WriteDigest`), so that a
+    thread done with its own files may hash another's (``digests.lend_hand()``)."""
+    digests = WriteDigests(DEFAULT, hold=hold)
     with recording(digests), direct_writes(direct):
         yield digests
 

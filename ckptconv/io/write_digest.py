@@ -54,6 +54,8 @@ class WriteDigest:
         self._in_flight: list[tuple[int, int]] = []  # pwrites running now
         self._ahead: list[tuple[int, int]] = []      # written ahead of pos, on disk, not hashed yet (a heap)
         self._cond = threading.Condition()
+        self._helped = False  # a thread of lend_hand hashes the held writes: the writers only write
+        self._help_over = False  # finish or end_help: lend_hand returns
 
     def claim(self, offset: int, length: int) -> Callable[[], None]:
         """A thread will write [offset, offset+length) soon (it is computing those bytes): writes just past them
@@ -84,7 +86,7 @@ class WriteDigest:
             raise AssertionError(f"{self.path}: bytes [{offset}, {end}) written after the file was finished")
         with self._cond:
             self._in_flight.append((offset, end))
-            at_prefix = offset == self.pos
+            at_prefix = offset == self.pos and not self._helped
         consumers: list[Callable[[memoryview], None]] = [] if crc is None else [crc]
         try:
             pwrite_passing(self.fd, data, offset, consumers + [self._passed] if at_prefix else consumers)
@@ -115,11 +117,11 @@ class WriteDigest:
             if self.hexdigest is not None or offset < self.pos:
                 raise AssertionError(f"{self.path}: bytes [{offset}, {end}) written after the digest passed them "
                                      f"(hashed up to {self.pos})")
-            if offset == self.pos:
+            if offset == self.pos and not self._helped:
                 self._update(data)
                 self._read_ahead()
                 return
-            if any(s <= self.pos < e for s, e in self._in_flight):
+            if not self._helped and any(s <= self.pos < e for s, e in self._in_flight):
                 self._cond.wait()  # the bytes at pos are being computed or written by another thread right now
                 continue
             heapq.heappush(self._ahead, (offset, end))  # hashed (held) or read back once pos reaches it
@@ -157,9 +159,42 @@ class WriteDigest:
         self._digest.update(data)
         self.pos += len(data)
 
+    def lend_hand(self) -> None:
+        """On a thread with nothing else to do: hash the writes held in memory (``hold``) at the prefix, in file
+        order, while the writer goes on writing (it then no longer hashes). Returns at :meth:`finish` or
+        :meth:`end_help`, at once if the file holds nothing (no ``hold``) or is helped already."""
+        with self._cond:
+            if self._held is None or self._helped or self._help_over:
+                return
+            self._helped = True
+            try:
+                while not self._help_over:
+                    if not (self._ahead and self._ahead[0][0] == self.pos):
+                        self._cond.wait()  # for the write at the prefix (or the end)
+                        continue
+                    data = self._held.pop(heapq.heappop(self._ahead))
+                    self._cond.release()  # the writers go on meanwhile: only this thread hashes now
+                    try:
+                        self._digest.update(data)
+                    finally:
+                        self._cond.acquire()
+                    self.pos += len(data)
+            finally:
+                self._helped = False
+                self._cond.notify_all()
+
+    def end_help(self) -> None:
+        """:meth:`lend_hand` returns (a writer that failed, say: it never finishes)."""
+        with self._cond:
+            self._help_over = True
+            self._cond.notify_all()
+
     def finish(self) -> str:
         """Hash what is left (read back) and return the hex digest; call once every write is done."""
+        self.end_help()
         with self._cond:
+            while self._helped:  # the helping thread ends its piece first
+                self._cond.wait()
             if self.hexdigest is None:
                 if self._in_flight:
                     raise AssertionError(f"{self.path}: digest finished while writes {self._in_flight} run")
@@ -217,6 +252,21 @@ class WriteDigests:
     def under(self, root: Path) -> Callable[[str], str | None]:
         """:meth:`result` by path relative to ``root`` (the directory the files were written in)."""
         return lambda rel: self.result(root / rel)
+
+    def lend_hand(self) -> None:
+        """:meth:`WriteDigest.lend_hand` to each file open now, one after another (a thread whose own files are
+        written: it hashes another thread's file while that thread writes it)."""
+        with self._lock:
+            digests = list(self._by_path.values())
+        for digest in digests:
+            digest.lend_hand()
+
+    def end_help(self) -> None:
+        """Every :meth:`lend_hand` returns (a writer failed: its file is never finished)."""
+        with self._lock:
+            digests = list(self._by_path.values())
+        for digest in digests:
+            digest.end_help()
 
     def pulled(self) -> int:
         """Bytes read back over all files (the rest was hashed from memory)."""

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +275,61 @@ def test_a_write_at_the_prefix_is_checksummed_and_hashed_piece_by_piece_as_it_is
     writes_per_piece = -(-positional.CACHE_PIECE // positional.WRITE_CHUNK)
     assert pieces == [(k + 1) * (writes_per_piece + 1) - 1 for k in range(3)] + [len(prefix) - 1]
     assert [offset for kind, offset in prefix if kind == "write"] == list(range(0, first, positional.WRITE_CHUNK))
+
+
+def _until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_a_thread_done_with_its_own_file_hashes_the_writes_of_another(tmp_path: Path, monkeypatch):
+    """lend_hand: once a second thread lends a hand, the writer only writes; the helper hashes its held writes in
+    file order (nothing read back), and the digest is the file's."""
+    hashed_by: dict[int, int] = {}
+
+    class Hasher:
+        def __init__(self) -> None:
+            self.inner = blake3.blake3()
+
+        def update(self, data: memoryview) -> None:
+            hashed_by[threading.get_ident()] = hashed_by.get(threading.get_ident(), 0) + len(data)
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    monkeypatch.setattr(write_digest, "new_hasher", lambda algorithm: Hasher())
+    piece, path = 65536, tmp_path / "optim.bin"
+    data = random.Random(7).randbytes(8 * piece)
+    fd = _open(path, len(data))
+    digest = WriteDigest(str(path), fd, "blake3", hold=True)
+    digest.write(memoryview(data)[:piece], 0)  # before any help: hashed by the writer
+    helper = threading.Thread(target=digest.lend_hand)
+    helper.start()
+    _until(lambda: digest._helped, "the helper")
+    for start in range(piece, len(data), piece):
+        digest.write(memoryview(data)[start:start + piece], start)
+    _until(lambda: digest.pos == len(data), "the helper to hash every write")
+    assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(path, "blake3")
+    helper.join(10)
+    os.close(fd)
+    assert not helper.is_alive() and digest.pulled == 0
+    assert hashed_by == {threading.get_ident(): piece, helper.ident: 7 * piece}
+
+
+def test_a_helper_is_freed_by_end_help_and_a_file_without_held_memory_gets_none(tmp_path: Path):
+    fd = _open(tmp_path / "f", 200)
+    digest = WriteDigest(str(tmp_path / "f"), fd, "blake3", hold=True)
+    helper = threading.Thread(target=digest.lend_hand)
+    helper.start()
+    _until(lambda: digest._helped, "the helper")
+    digest.write(memoryview(b"x" * 100), 100)  # the bytes before it are never written: the helper waits for them
+    digest.end_help()  # the writer failed: the file is never finished
+    helper.join(10)
+    assert not helper.is_alive()
+    unheld = WriteDigest(str(tmp_path / "f"), fd, "blake3")
+    unheld.lend_hand()  # returns at once: nothing of its writes stays in memory to hash
+    assert not unheld._helped
+    os.close(fd)

@@ -113,3 +113,47 @@ def run_mode(worker: Any, mode: str, steps: int, tmp_path: Path, nxd_model: Any,
 @pytest.mark.parametrize("mode", MODES)
 def test_a_save_reads_back_equal_through_ckptconv_and_the_resume_path(tmp_path, nxd_model, mixtral, mode):
     assert run_mode(save_and_resume_worker, mode, 1, tmp_path, nxd_model, mixtral) == 0
+
+
+def test_an_optimizer_file_that_fails_frees_the_shard_thread_hashing_it(tmp_path):
+    """The shard's thread, done with its file, hashes the optimizer file as it is written; when that write fails the
+    file is never finished, and the save must still end (with the error), not wait for it forever."""
+    import os
+    import threading
+    import time
+
+    from ckptconv.engine.tags import save_torch
+    from ckptconv.io.write_digest import open_digest
+    from nxdtrain.checkpoint.save import Files, _write
+
+    helped: list[Any] = []
+
+    def optim() -> Path:
+        path = tmp_path / "optim.bin"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        digest = open_digest(path, fd)  # inside the save's recording: its WriteDigests holds it
+        assert digest is not None
+        digest.write(memoryview(b"x" * 64), 64)  # the first 64 bytes never come: the helper waits for them
+        deadline = time.monotonic() + 10
+        while not digest._helped:  # the shard's thread is hashing this file now
+            assert time.monotonic() < deadline, "the shard's thread never lent a hand"
+            time.sleep(0.001)
+        helped.append(digest)
+        os.close(fd)
+        raise OSError("No space left on device")
+
+    files = Files(tmp_path, shard=lambda: [save_torch({"w": torch.ones(3)}, tmp_path / "shard.pt")], beside=True,
+                  optim=optim)
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            _write(files)
+        except OSError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=save, daemon=True)  # a hang must fail this test, not stop the suite
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the save waited for a file that is never finished"
+    assert [str(e) for e in errors] == ["No space left on device"] and len(helped) == 1 and not helped[0]._helped
