@@ -209,11 +209,15 @@ class TagWriter:
             self.copies.start()
         snapshot = self.copies.copy if copy else (lambda obj: obj)
         if first:
-            tensors, column_major = _shard_to_save(model)
-            name = layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
-            files.shard = functools.partial(save_shard, tag / name, snapshot(tensors), self.flavour,
-                                            column_major=column_major, ep=self.layout.ep)
-            files.beside = column_major is None
+            path = tag / layout_shard_file(self.layout, ep_rank=ep_rank, tp_rank=tp, pp_rank=pp)
+            on_host = _on_host(model)
+            if on_host and not copy:  # collected on the shard's own thread: its column-major copies stay off this one
+                files.shard = functools.partial(_save_host_shard, path, model, self.flavour, self.layout.ep)
+            else:
+                tensors, column_major = (model.shard_state(), None) if on_host else _device_shard(model)
+                files.shard = functools.partial(save_shard, path, snapshot(tensors), self.flavour,
+                                                column_major=column_major, ep=self.layout.ep)
+            files.beside = on_host
         if first or self.zero1:
             dp_rank = self.zero_rank if self.zero1 else ep_rank
             state = snapshot(state_to_save(optimizer, dp_rank, self.layout.ep))
@@ -508,14 +512,21 @@ def state_to_save(optimizer: Any, dp_rank: int, ep: int) -> dict[str, Any]:
     return state
 
 
-def _shard_to_save(model: Any) -> tuple[dict[str, torch.Tensor], set[str] | None]:
-    """The shard's tensors and, for a device tensor (whose strides say nothing), the column-major keys.
+def _on_host(model: Any) -> bool:
+    return all(t.device.type == "cpu" for t in model.state_dict().values())
 
-    On a device the parameters are handed over as they are: save_shard copies each to the CPU when
-    it writes it, so the host never holds the whole shard and no relayout is traced on the device.
+
+def _save_host_shard(path: Path, model: Any, flavour: Any, ep: int) -> list[Path]:
+    """A shard whose parameters live on the host, collected (o_proj made column-major) and written."""
+    return save_shard(path, model.shard_state(), flavour, ep=ep)
+
+
+def _device_shard(model: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The shard's tensors on a device, and the column-major keys (a device tensor's strides say nothing).
+
+    The parameters are handed over as they are: save_shard copies each to the CPU when it writes it, so the host
+    never holds the whole shard and no relayout is traced on the device.
     """
     params = model.state_dict()
-    if all(t.device.type == "cpu" for t in params.values()):
-        return model.shard_state(), None
     records = model.file_records()
     return {r.key: params[r.key].detach() for r in records}, {r.key for r in records if r.column_major}

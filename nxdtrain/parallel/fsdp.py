@@ -155,7 +155,7 @@ class _SavedStage:
     def records(self) -> Any:
         return self._model.records()
 
-    def file_records(self) -> Any:  # what a device-resident stage is saved by (checkpoint.save._shard_to_save)
+    def file_records(self) -> Any:  # what a device-resident stage is saved by (checkpoint.save._device_shard)
         return self._model.file_records()
 
 

@@ -145,14 +145,16 @@ def test_an_fsdp_gathered_stage_on_a_device_is_saved_by_its_file_records():
     """--shard-params on a GPU: the gathered whole tensors live on the device, so the tag writer takes the device
     path (tensors as they are, column-major keys named) through the gathered stage's file_records. (This failed on
     an H200 with AttributeError at the first save; on CPU the other path hid it.)"""
-    from nxdtrain.checkpoint.save import _shard_to_save
+    from nxdtrain.checkpoint.save import _device_shard, _on_host
     from nxdtrain.parallel.fsdp import _SavedStage
 
     spec = ModelSpec(hidden=16, heads=4, kv_heads=2, head_dim=4, intermediate=24, vocab=32, layers=2, tied=False,
                      config={"hidden_size": 16, "num_attention_heads": 4, "rms_norm_eps": 1e-5})
     stage = LlamaStage(spec, ParallelLayout(tp=1, pp=1, attention="qkv_linear", fuse_qkv=True), tp=TpGroup(), pp_rank=0)
     on_device = {k: v.detach().to("meta") for k, v in stage.state_dict().items()}  # not cpu: the device path
-    tensors, column_major = _shard_to_save(_SavedStage(stage, on_device))
+    saved = _SavedStage(stage, on_device)
+    assert not _on_host(saved)
+    tensors, column_major = _device_shard(saved)
     records = stage.file_records()
     assert list(tensors) == [r.key for r in records]
     assert all(tensors[k] is on_device[k] or tensors[k].device.type == "meta" for k in tensors)
