@@ -169,8 +169,8 @@ class WriteDigest:
             self._helped = True
             try:
                 while not self._help_over:
-                    if not (self._ahead and self._ahead[0][0] == self.pos):
-                        self._cond.wait()  # for the write at the prefix (or the end)
+                    if not (self._ahead and self._ahead[0][0] == self.pos and self._ahead[0] in self._held):
+                        self._cond.wait()  # for the write at the prefix (or the end; a range written twice: finish)
                         continue
                     data = self._held.pop(heapq.heappop(self._ahead))
                     self._cond.release()  # the writers go on meanwhile: only this thread hashes now
