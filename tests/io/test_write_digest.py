@@ -333,3 +333,30 @@ def test_a_helper_is_freed_by_end_help_and_a_file_without_held_memory_gets_none(
     unheld.lend_hand()  # returns at once: nothing of its writes stays in memory to hash
     assert not unheld._helped
     os.close(fd)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_helper_joining_at_any_moment_of_writes_in_and_out_of_order_gives_the_files_digest(tmp_path: Path,
+                                                                                            seed: int):
+    """The writer writes pieces of random sizes, mostly in order, some ahead of the prefix, while a second thread
+    lends a hand from a random moment on (or never): the digest is the file's, and nothing is read back."""
+    rng = random.Random(seed)
+    data = rng.randbytes(rng.randrange(200_000, 900_000))
+    cuts = sorted(rng.sample(range(1, len(data)), 30))
+    pieces = list(zip([0, *cuts], [*cuts, len(data)], strict=True))
+    for i in range(0, len(pieces) - 1, 5):  # every fifth pair swapped: a write ahead of the prefix
+        pieces[i], pieces[i + 1] = pieces[i + 1], pieces[i]
+    fd = _open(tmp_path / "f.bin", len(data))
+    digest = WriteDigest(str(tmp_path / "f.bin"), fd, "blake3", hold=True)
+    helper = threading.Thread(target=digest.lend_hand)
+    join_at = rng.randrange(len(pieces) + 1)  # len(pieces): after the last write, just before finish
+    for i, (start, end) in enumerate(pieces):
+        if i == join_at:
+            helper.start()
+        digest.write(memoryview(data)[start:end], start)
+    if join_at == len(pieces):
+        helper.start()
+    assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(tmp_path / "f.bin", "blake3")
+    helper.join(10)
+    os.close(fd)
+    assert not helper.is_alive() and digest.pulled == 0
