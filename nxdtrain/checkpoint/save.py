@@ -49,12 +49,12 @@ from ckptconv.io import (
     USER_CONTENT_FILE,
     Flavour,
     Metadata,
+    WriteDigests,
     read_metadata,
     save_shard,
     tag_name,
     write_metadata,
 )
-from ckptconv.io.write_digest import WriteDigests
 from ckptconv.training import optimizer_ep_rank
 from nxdtrain.checkpoint.resume import ResumeSource
 from nxdtrain.checkpoint.tags import NXD_REWRITE_SUFFIX, REPLACED_SUFFIX, optim_file, prune

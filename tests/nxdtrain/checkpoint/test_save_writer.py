@@ -127,12 +127,19 @@ def test_an_optimizer_file_that_fails_frees_the_shard_thread_hashing_it(tmp_path
     from nxdtrain.checkpoint.save import Files, _write
 
     helped: list[Any] = []
+    opened = threading.Event()
+
+    def shard() -> list[Path]:
+        written = [save_torch({"w": torch.ones(3)}, tmp_path / "shard.pt")]
+        assert opened.wait(10)  # the optimizer file is open when this thread is done with its own
+        return written
 
     def optim() -> Path:
         path = tmp_path / "optim.bin"
         fd = os.open(path, os.O_RDWR | os.O_CREAT)
         digest = open_digest(path, fd)  # inside the save's recording: its WriteDigests holds it
         assert digest is not None
+        opened.set()
         digest.write(memoryview(b"x" * 64), 64)  # the first 64 bytes never come: the helper waits for them
         deadline = time.monotonic() + 10
         while not digest._helped:  # the shard's thread is hashing this file now
@@ -142,8 +149,7 @@ def test_an_optimizer_file_that_fails_frees_the_shard_thread_hashing_it(tmp_path
         os.close(fd)
         raise OSError("No space left on device")
 
-    files = Files(tmp_path, shard=lambda: [save_torch({"w": torch.ones(3)}, tmp_path / "shard.pt")], beside=True,
-                  optim=optim)
+    files = Files(tmp_path, shard=shard, beside=True, optim=optim)
     errors: list[BaseException] = []
 
     def save() -> None:
