@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,15 @@ def warns_official_trn2_kv() -> pytest.WarningsRecorder:
 
 
 FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float, poll: float = 0.1) -> None:
+    """Poll ``condition`` every ``poll`` seconds until it holds; past ``timeout`` seconds, fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
 
 
 def meta_view(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ckptconv.commands.api import RunOptions
 from ckptconv.commands.dcp import from_dcp, from_dcp_every
 from ckptconv.engine.snapshots import export_every
 from ckptconv.io.dcp import step_dirs
-from tests.conftest import hf_state
+from tests.conftest import hf_state, wait_until
 
 QUIET = RunOptions(quiet=True)
 SHARD = "20KB"  # several safetensors files per step, so a kill can fall between two of them
@@ -140,13 +140,13 @@ def test_watch_exports_a_step_that_completes_later_and_ctrl_c_exits_0(root, tmp_
     watcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        wait_for(lambda: (out / "step-1" / "ckptconv.json").is_file(), "step-1's export")
+        wait_until(lambda: (out / "step-1" / "ckptconv.json").is_file(), "step-1's export", 120)
         shutil.copytree(base / "step-2", run / "step-2", ignore=shutil.ignore_patterns(".metadata"))  # in flight
         time.sleep(1.0)
         assert not (out / "step-2").exists()
         shutil.copy(base / "step-2" / ".metadata", run / "step-2" / ".metadata.tmp")
         os.replace(run / "step-2" / ".metadata.tmp", run / "step-2" / ".metadata")  # as DCP's writer finishes
-        wait_for(lambda: (out / "step-2" / "ckptconv.json").is_file(), "step-2's export")
+        wait_until(lambda: (out / "step-2" / "ckptconv.json").is_file(), "step-2's export", 120)
         watcher.send_signal(signal.SIGINT)
         stdout, stderr = watcher.communicate(timeout=60)
     finally:
@@ -157,10 +157,3 @@ def test_watch_exports_a_step_that_completes_later_and_ctrl_c_exits_0(root, tmp_
     assert stdout.startswith(f"out: {out}\nexported: 1\n  2\nup_to_date: -\n"), stdout
     assert stderr.count(" -> ") == 2
 
-
-def wait_for(condition, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from ckptconv.io import positional, write_digest
 from ckptconv.io.crc import RunningCrc, crc32
 from ckptconv.io.torchzip import TensorMeta, TorchZipWriter, plan_zip
 from ckptconv.io.write_digest import WriteDigest, WriteDigests, recording
-from tests.conftest import make_tiny_llama, warns_no_tokenizer
+from tests.conftest import make_tiny_llama, wait_until, warns_no_tokenizer
 
 QUIET = RunOptions(quiet=True, part=(0, 1))
 
@@ -277,13 +276,6 @@ def test_a_write_at_the_prefix_is_checksummed_and_hashed_piece_by_piece_as_it_is
     assert [offset for kind, offset in prefix if kind == "write"] == list(range(0, first, positional.WRITE_CHUNK))
 
 
-def _until(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
-
-
 def test_a_thread_done_with_its_own_file_hashes_the_writes_of_another(tmp_path: Path, monkeypatch):
     """lend_hand: once a second thread lends a hand, the writer only writes; the helper hashes its held writes in
     file order (nothing read back), and the digest is the file's."""
@@ -308,10 +300,10 @@ def test_a_thread_done_with_its_own_file_hashes_the_writes_of_another(tmp_path: 
     digest.write(memoryview(data)[:piece], 0)  # before any help: hashed by the writer
     helper = threading.Thread(target=digest.lend_hand)
     helper.start()
-    _until(lambda: digest._helped, "the helper")
+    wait_until(lambda: digest._helped, "the helper", 10, poll=0.001)
     for start in range(piece, len(data), piece):
         digest.write(memoryview(data)[start:start + piece], start)
-    _until(lambda: digest.pos == len(data), "the helper to hash every write")
+    wait_until(lambda: digest.pos == len(data), "the helper to hash every write", 10, poll=0.001)
     assert digest.finish() == blake3.blake3(data).hexdigest() == _reference(path, "blake3")
     helper.join(10)
     os.close(fd)
@@ -324,7 +316,7 @@ def test_a_helper_is_freed_by_end_help_and_a_file_without_held_memory_gets_none(
     digest = WriteDigest(str(tmp_path / "f"), fd, "blake3", hold=True)
     helper = threading.Thread(target=digest.lend_hand)
     helper.start()
-    _until(lambda: digest._helped, "the helper")
+    wait_until(lambda: digest._helped, "the helper", 10, poll=0.001)
     digest.write(memoryview(b"x" * 100), 100)  # the bytes before it are never written: the helper waits for them
     digest.end_help()  # the writer failed: the file is never finished
     helper.join(10)

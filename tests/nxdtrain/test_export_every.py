@@ -15,7 +15,8 @@ import warnings
 from pathlib import Path
 
 from nxdtrain.cli import main
-from tests.nxdtrain.parallel.test_signals import TRAIN_FLAGS, wait_for
+from tests.conftest import wait_until
+from tests.nxdtrain.parallel.test_signals import TRAIN_FLAGS
 from tests.test_snapshots import kill_at_step_2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def test_every_exports_a_live_run_and_redoes_a_killed_export(tmp_path, nxd_model
     root, out, saving, release = tmp_path / "ckpt", tmp_path / "snaps", tmp_path / "saving", tmp_path / "release"
     run = held_run(src, root, saving, release)
     try:
-        wait_for(lambda: saving.is_file() or run.poll() is not None, 240, "the run to be inside its save of step 4")
+        wait_until(lambda: saving.is_file() or run.poll() is not None, "the run to be inside its save of step 4", 240)
         assert run.poll() is None, run.communicate()[1]
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_1", "step_2", "step_3", "step_4"]
         killed = kill_at_step_2(["export", str(root), str(out), "--every"], cli="nxdtrain.cli")

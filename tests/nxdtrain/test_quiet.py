@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.nxdtrain.parallel.test_signals import STOP_BOUND_S, descendants, kill_leftovers, wait_for
+from tests.conftest import wait_until
+from tests.nxdtrain.parallel.test_signals import STOP_BOUND_S, descendants, kill_leftovers
 
 VOCAB = 128  # the tiny models' vocabulary
 
@@ -56,7 +57,7 @@ def test_sigterm_stop_leaves_no_leaked_semaphore_warning(tmp_path, nxd_model, ar
     workers: set[int] = set()
     try:
         started = time.monotonic()
-        wait_for(lambda: len(descendants(launcher.pid)) >= 5 or launcher.poll() is not None, 120, "the workers")
+        wait_until(lambda: len(descendants(launcher.pid)) >= 5 or launcher.poll() is not None, "the workers", 120)
         time.sleep(max(0.0, 20 - (time.monotonic() - started)))  # every process has loaded the rows by then
         workers = descendants(launcher.pid)
         launcher.send_signal(signal.SIGTERM)

@@ -8,9 +8,9 @@ import json
 import os
 import re
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
+
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = REPO / "examples" / "slurm"
@@ -19,6 +19,7 @@ ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
 # The job names the templates set (#SBATCH --job-name): their output files are NAME-JOBID.out in the submit directory.
 JOB_NAMES = {"convert.sbatch": "ckptconv-convert", "train.sbatch": "nxdtrain", "export.sbatch": "ckptconv-export"}
 _FIELD = re.compile(r"(\w+)=(\S*)")
+POLL = 0.2  # seconds between two looks at a job (each an scontrol or a read of the jobcomp log)
 
 
 def state_dir() -> Path:
@@ -45,14 +46,6 @@ def job(job_id: int) -> dict[str, str]:
     return dict(_FIELD.findall(slurm("scontrol", "show", "job", "-o", str(job_id))))
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 300, poll: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
-
-
 def wait_state(job_id: int, states: set[str], timeout: float = 300) -> dict[str, str]:
     """The job's fields once its state is one of ``states``."""
     seen: dict[str, str] = {}
@@ -61,7 +54,8 @@ def wait_state(job_id: int, states: set[str], timeout: float = 300) -> dict[str,
         seen.update(job(job_id))
         return seen["JobState"] in states
 
-    wait_until(reached, f"job {job_id} to be {'/'.join(sorted(states))} (last {seen.get('JobState')})", timeout)
+    wait_until(reached, f"job {job_id} to be {'/'.join(sorted(states))} (last {seen.get('JobState')})", timeout,
+               poll=POLL)
     return seen
 
 
@@ -75,7 +69,8 @@ def completions(job_id: int) -> list[dict[str, str]]:
 def ended(job_id: int, timeout: float = 300) -> dict[str, str]:
     """Wait for the job to end; its last completion record (state and ``ExitCode`` as Slurm recorded them)."""
     wait_state(job_id, ENDED, timeout)
-    wait_until(lambda: any(r["JobState"] in ENDED for r in completions(job_id)), f"job {job_id} in the jobcomp log", 30)
+    wait_until(lambda: any(r["JobState"] in ENDED for r in completions(job_id)), f"job {job_id} in the jobcomp log", 30,
+               poll=POLL)
     return completions(job_id)[-1]
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tests.conftest import wait_until
 from tests.faults.helpers import looks_complete, tree
-from tests.slurm.cluster import ENDED, completions, ended, job, never_started, output, sbatch, slurm, wait_until
+from tests.slurm.cluster import ENDED, POLL, completions, ended, job, never_started, output, sbatch, slurm
 from tests.slurm.conftest import LAYOUT, SLOW_CONVERT, TRAIN_ARGS, template_env
 
 HOLD_SHIM = Path(__file__).resolve().parent / "hold"
@@ -38,7 +39,8 @@ def test_convert_cancelled_mid_write_then_submitted_again(big_hf, tmp_path):
     export = sbatch("export.sbatch", ["--nodes", "1", f"--dependency=afterok:{train}"], tmp_path,
                     **{**env, "OUT": str(tmp_path / "hf")})
     try:
-        wait_until(lambda: writing(nxd) or job(convert)["JobState"] in ENDED, "the convert job to start writing", 300)
+        wait_until(lambda: writing(nxd) or job(convert)["JobState"] in ENDED, "the convert job to start writing", 300,
+                   poll=POLL)
         slurm("scancel", str(convert))
         assert writing(nxd), "the conversion ended before it could be cancelled mid-write"
         assert ended(convert)["JobState"] == "CANCELLED"

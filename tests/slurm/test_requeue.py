@@ -7,8 +7,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from tests.conftest import wait_until
 from tests.slurm.cluster import (
     ENDED,
+    POLL,
     completed_tags,
     completions,
     ended,
@@ -18,7 +20,6 @@ from tests.slurm.cluster import (
     sbatch,
     slurm,
     wait_state,
-    wait_until,
 )
 from tests.slurm.conftest import STEPS, TRAIN_ARGS, template_env
 
@@ -28,7 +29,8 @@ def start_training(reference, tmp_path: Path, launcher: str) -> tuple[int, Path,
     ckpt, log = tmp_path / "ckpt", tmp_path / "train.jsonl"
     train = sbatch("train.sbatch", ["--nodes", "2"], tmp_path, (*TRAIN_ARGS, "--log-jsonl", str(log)),
                    **template_env(INIT=str(reference.nxd), CKPT=str(ckpt), LAUNCHER=launcher))
-    wait_until(lambda: bool(completed_tags(ckpt)) or job(train)["JobState"] in ENDED, f"job {train}'s first tag")
+    wait_until(lambda: bool(completed_tags(ckpt)) or job(train)["JobState"] in ENDED, f"job {train}'s first tag", 300,
+               poll=POLL)
     return train, ckpt, log
 
 

@@ -16,6 +16,7 @@ import torch
 
 from nxdtrain.cli import PRELOAD
 from nxdtrain.parallel.dist import spawn
+from tests.conftest import wait_until
 from tests.nxdtrain.harness import DIST_TIMEOUT, WORLD_TIMEOUT, convert, train_options, trainer_world
 from tests.nxdtrain.moe_reference import make_moe
 
@@ -120,7 +121,6 @@ def test_an_optimizer_file_that_fails_frees_the_shard_thread_hashing_it(tmp_path
     file is never finished, and the save must still end (with the error), not wait for it forever."""
     import os
     import threading
-    import time
 
     from ckptconv.engine.tags import save_torch
     from ckptconv.io.write_digest import open_digest
@@ -141,10 +141,7 @@ def test_an_optimizer_file_that_fails_frees_the_shard_thread_hashing_it(tmp_path
         assert digest is not None
         opened.set()
         digest.write(memoryview(b"x" * 64), 64)  # the first 64 bytes never come: the helper waits for them
-        deadline = time.monotonic() + 10
-        while not digest._helped:  # the shard's thread is hashing this file now
-            assert time.monotonic() < deadline, "the shard's thread never lent a hand"
-            time.sleep(0.001)
+        wait_until(lambda: digest._helped, "the shard's thread to lend a hand", 10, poll=0.001)
         helped.append(digest)
         os.close(fd)
         raise OSError("No space left on device")

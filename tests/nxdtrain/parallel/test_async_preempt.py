@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from nxdtrain.checkpoint.save import HOLD_ENV
+from tests.conftest import wait_until
 from tests.nxdtrain.parallel.test_preempt import SIGTERM_EXIT, losses, run_nproc, stop, tags
 from tests.nxdtrain.parallel.test_signals import (
     TRAIN_FLAGS,
@@ -22,7 +23,6 @@ from tests.nxdtrain.parallel.test_signals import (
     descendants,
     end,
     start_launcher,
-    wait_for,
 )
 
 ASYNC = ("--async-save",)
@@ -73,7 +73,7 @@ def test_sigterm_while_an_async_save_writes_completes_it_and_its_resume_matches(
     launcher = start_launcher(src, root, log, checkpoint_freq=2, extra=ASYNC)
     workers: set[int] = set()
     try:
-        wait_for(lambda: held(hold), 180, "both ranks writing in the background")
+        wait_until(lambda: held(hold), "both ranks writing in the background", 180)
         workers = descendants(launcher.pid)
         assert not completed(root)  # the save is in flight
         launcher.send_signal(signal.SIGTERM)
@@ -108,11 +108,11 @@ def test_sigkill_while_an_async_save_writes_leaves_it_incomplete_and_a_resume_ta
                                 start_new_session=True)
     workers: set[int] = set()
     try:
-        wait_for(lambda: held(hold), 180, "both ranks writing step_4 in the background")
+        wait_until(lambda: held(hold), "both ranks writing step_4 in the background", 180)
         workers = descendants(launcher.pid)
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=60)
-        wait_for(lambda: not alive(workers), 60, "the workers to die")
+        wait_until(lambda: not alive(workers), "the workers to die", 60)
     finally:
         end(launcher, workers)
     step4 = root / "step_4"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from nxdtrain.checkpoint.save import HOLD_ENV
+from tests.conftest import wait_until
 from tests.nxdtrain.parallel.test_signals import (
     STOP_BOUND_S,
     TRAIN_FLAGS,
@@ -19,7 +20,6 @@ from tests.nxdtrain.parallel.test_signals import (
     descendants,
     end,
     start_launcher,
-    wait_for,
 )
 
 SIGTERM_EXIT = 128 + signal.SIGTERM
@@ -46,7 +46,7 @@ def run_nproc(src: Path, steps: int, log: Path, *output: str) -> None:
 def stop(launcher: subprocess.Popen, workers: set[int]) -> str:
     """The launcher's stderr once it ended (within the grace bound), its workers gone."""
     _, err = launcher.communicate(timeout=STOP_BOUND_S)
-    wait_for(lambda: not alive(workers), STOP_BOUND_S, f"workers {sorted(alive(workers))} to exit")
+    wait_until(lambda: not alive(workers), f"workers {sorted(alive(workers))} to exit", STOP_BOUND_S)
     return err
 
 
@@ -61,7 +61,8 @@ def test_sigterm_during_a_save_completes_the_tag_and_its_resume_matches(tmp_path
     launcher = start_launcher(src, root, log, checkpoint_freq=2)
     workers: set[int] = set()
     try:
-        wait_for(lambda: {p.name for p in hold.iterdir()} == {"rank-0", "rank-1"}, 180, "both ranks inside the save")
+        wait_until(lambda: {p.name for p in hold.iterdir()} == {"rank-0", "rank-1"}, "both ranks inside the save",
+                   180)
         workers = descendants(launcher.pid)
         assert not completed(root)  # the save is in progress
         launcher.send_signal(signal.SIGTERM)
@@ -112,8 +113,8 @@ def test_sigterm_to_one_rank_between_saves_stops_both_at_the_same_step(tmp_path,
     launcher = start_launcher(src, root, log, checkpoint_freq=3)
     workers: set[int] = set()
     try:
-        wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 4 and completed(root), 180,
-                 "four steps and a tag")
+        wait_until(lambda: log.is_file() and len(log.read_text().splitlines()) >= 4 and completed(root),
+                   "four steps and a tag", 180)
         workers = descendants(launcher.pid)
         os.kill(rank1_of(root), signal.SIGTERM)
         err = stop(launcher, workers)

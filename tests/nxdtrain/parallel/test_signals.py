@@ -18,6 +18,7 @@ import pytest
 from ckptconv.cli.main import main as ckptconv_main
 from nxdtrain.checkpoint.resume import resolve_resume
 from nxdtrain.errors import TrainError
+from tests.conftest import wait_until
 
 TRAIN_FLAGS = ["--steps", "100000", "--data", "synthetic", "--seq-len", "16", "--gbs", "4", "--mbs", "1",
                "--optimizer", "sgd", "--precision", "fp32"]
@@ -57,14 +58,6 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
-
-
 def completed(root: Path) -> set[str]:
     return {p.name for p in root.iterdir() if (p / "done").is_file()} if root.is_dir() else set()
 
@@ -102,13 +95,13 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path, nxd_model):
     launcher = start_launcher(src, root, log, checkpoint_freq=2)
     workers: set[int] = set()
     try:
-        wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 3 and completed(root), 180,
-                 "three training steps and a tag")
+        wait_until(lambda: log.is_file() and len(log.read_text().splitlines()) >= 3 and completed(root),
+                   "three training steps and a tag", 180)
         workers = descendants(launcher.pid)
         assert len(workers) >= 2  # the two workers (and the forkserver they were forked from)
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=STOP_BOUND_S)
-        wait_for(lambda: not alive(workers), STOP_BOUND_S, f"workers {sorted(alive(workers))} to exit")
+        wait_until(lambda: not alive(workers), f"workers {sorted(alive(workers))} to exit", STOP_BOUND_S)
         assert launcher.returncode == 128 + signal.SIGTERM, err
         assert "nxdtrain: SIGTERM: stopped all 2 processes" in err
         tags, entries = completed(root), sorted(p.name for p in root.iterdir())
@@ -144,7 +137,7 @@ def test_sigkill_during_a_save_leaves_no_complete_tag(tmp_path, nxd_model, hf_mo
     worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True)
     try:
-        wait_for(flag.is_file, 180, "the save to start")
+        wait_until(flag.is_file, "the save to start", 180)
         worker.send_signal(signal.SIGKILL)
         worker.communicate(timeout=STOP_BOUND_S)
         assert worker.returncode == -signal.SIGKILL
@@ -179,8 +172,8 @@ def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(t
     launcher = start_launcher(src, root, log, checkpoint_freq=50)
     workers: set[int] = set()
     try:
-        wait_for(lambda: log.is_file() and len(log.read_text().splitlines()) >= 2 and completed(root), 180,
-                 "two training steps and a tag")
+        wait_until(lambda: log.is_file() and len(log.read_text().splitlines()) >= 2 and completed(root),
+                   "two training steps and a tag", 180)
         # The second writer: a resume of the same directory (a requeued job while the first still runs).
         second = subprocess.run([sys.executable, "-m", "nxdtrain.cli", "run", "--resume", str(root), *TRAIN_FLAGS,
                                  "--checkpoint-dir", str(root)], capture_output=True, text=True, timeout=120)
@@ -193,7 +186,8 @@ def test_kill9_of_the_launcher_leaves_no_worker_and_a_second_writer_is_refused(t
         assert holder["pid"] in workers
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
-        wait_for(lambda: not alive(workers), KILL_BOUND_S, f"workers {sorted(alive(workers))} to die with the launcher")
+        wait_until(lambda: not alive(workers), f"workers {sorted(alive(workers))} to die with the launcher",
+                   KILL_BOUND_S)
         outdir.check_free(root)  # the dead run's lock is free again
     finally:
         end(launcher, workers)
