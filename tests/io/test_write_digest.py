@@ -8,6 +8,7 @@ import json
 import os
 import random
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,20 @@ def test_a_held_digest_reads_back_only_what_another_process_wrote(tmp_path: Path
     os.close(fd)
 
 
+class _Recording:
+    """A BLAKE3 hasher that tells ``seen`` the size of every update (on the thread that makes it)."""
+
+    def __init__(self, seen: Callable[[int], None]) -> None:
+        self.inner, self.seen = blake3.blake3(), seen
+
+    def update(self, data: memoryview) -> None:
+        self.seen(len(data))
+        self.inner.update(data)
+
+    def hexdigest(self) -> str:
+        return str(self.inner.hexdigest())
+
+
 def test_a_write_at_the_prefix_is_checksummed_and_hashed_piece_by_piece_as_it_is_written(tmp_path: Path,
                                                                                         monkeypatch):
     """One pass over memory: each piece of at most CACHE_PIECE bytes is CRC'd and hashed right after its pwrites,
@@ -242,19 +257,8 @@ def test_a_write_at_the_prefix_is_checksummed_and_hashed_piece_by_piece_as_it_is
         events.append(("write", offset))
         return real_pwrite(fd, data, offset)
 
-    class Hasher:
-        def __init__(self) -> None:
-            self.inner = blake3.blake3()
-
-        def update(self, data: memoryview) -> None:
-            events.append(("hash", len(data)))
-            self.inner.update(data)
-
-        def hexdigest(self) -> str:
-            return str(self.inner.hexdigest())
-
     monkeypatch.setattr(positional.os, "pwrite", pwrite)
-    monkeypatch.setattr(write_digest, "new_hasher", lambda algorithm: Hasher())
+    monkeypatch.setattr(write_digest, "new_hasher", lambda algorithm: _Recording(lambda n: events.append(("hash", n))))
     path, first = tmp_path / "f.bin", 3 * positional.CACHE_PIECE + 123
     data = random.Random(4).randbytes(first + 5000)
     fd = _open(path, len(data))
@@ -281,18 +285,10 @@ def test_a_thread_done_with_its_own_file_hashes_the_writes_of_another(tmp_path: 
     file order (nothing read back), and the digest is the file's."""
     hashed_by: dict[int, int] = {}
 
-    class Hasher:
-        def __init__(self) -> None:
-            self.inner = blake3.blake3()
+    def hashed(n: int) -> None:
+        hashed_by[threading.get_ident()] = hashed_by.get(threading.get_ident(), 0) + n
 
-        def update(self, data: memoryview) -> None:
-            hashed_by[threading.get_ident()] = hashed_by.get(threading.get_ident(), 0) + len(data)
-            self.inner.update(data)
-
-        def hexdigest(self) -> str:
-            return str(self.inner.hexdigest())
-
-    monkeypatch.setattr(write_digest, "new_hasher", lambda algorithm: Hasher())
+    monkeypatch.setattr(write_digest, "new_hasher", lambda algorithm: _Recording(hashed))
     piece, path = 65536, tmp_path / "optim.bin"
     data = random.Random(7).randbytes(8 * piece)
     fd = _open(path, len(data))
