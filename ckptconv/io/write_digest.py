@@ -106,8 +106,8 @@ class WriteDigest:
                 self._cond.notify_all()
 
     def _passed(self, piece: memoryview) -> None:
-        """A piece of a write at the prefix, just written: hashed outside the lock (no other thread hashes while
-        the prefix lies in an extent in flight), the prefix moved under it."""
+        """The bytes at the prefix, hashed outside the lock by the one thread that may (the writer of the extent in
+        flight there, or the helper of :meth:`lend_hand`), the prefix moved under it."""
         self._digest.update(piece)
         with self._cond:
             self.pos += len(piece)
@@ -175,10 +175,9 @@ class WriteDigest:
                     data = self._held.pop(heapq.heappop(self._ahead))
                     self._cond.release()  # the writers go on meanwhile: only this thread hashes now
                     try:
-                        self._digest.update(data)
+                        self._passed(data)
                     finally:
                         self._cond.acquire()
-                    self.pos += len(data)
             finally:
                 self._helped = False
                 self._cond.notify_all()
